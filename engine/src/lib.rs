@@ -1,0 +1,1 @@
+//! Tidepool's local storage engine (placeholder; being built in issue 3).

@@ -1,0 +1,22 @@
+//! A Tidepool storage node: hosts shard replicas, each a raft-rs group whose
+//! Raft log is the replica's engine WAL, and serves the client `BlobService`,
+//! the node-to-node `RaftTransport` and the coordinator's `NodeAdmin` calls.
+//!
+//! What this crate is **not**: it does not decide placement (the coordinator
+//! does, and this crate never depends on it) and it does not implement storage
+//! formats (the `tidepool-engine` crate does).
+//!
+//! Status: not yet built (issue 6). [`serve`] reports that and fails.
+
+/// Errors of the node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The capability is not built yet.
+    #[error("the storage node is not implemented yet")]
+    NotYet,
+}
+
+/// Runs a storage node until shutdown. Not built yet: always fails.
+pub fn serve() -> Result<(), NodeError> {
+    Err(NodeError::NotYet)
+}
