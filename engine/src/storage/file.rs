@@ -1,0 +1,156 @@
+//! Real files: `mmap` for appends, `pread` for reads.
+
+#![allow(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rustix::fs::{Advice, FallocateFlags};
+
+use super::{Mapping, Storage, StorageFile};
+
+/// The production storage: files in a real directory tree.
+#[derive(Debug, Default, Clone)]
+pub struct FileStorage;
+
+impl FileStorage {
+    /// A storage on the machine's file systems.
+    pub fn new() -> Self {
+        FileStorage
+    }
+}
+
+impl Storage for FileStorage {
+    fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        if len > 0 {
+            // Reserve the blocks now: a write through a mapping into a sparse
+            // file on a full disk would kill the process with SIGBUS.
+            if let Err(error) = rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, len) {
+                drop(file);
+                let _ = std::fs::remove_file(path);
+                return Err(error.into());
+            }
+        }
+        Ok(Arc::new(DiskFile::new(file, len)?))
+    }
+
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let len = file.metadata()?.len();
+        Ok(Arc::new(DiskFile::new(file, len)?))
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_file() {
+                names.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+
+    fn available_bytes(&self, dir: &Path) -> io::Result<u64> {
+        let stat = rustix::fs::statvfs(dir)?;
+        Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
+    }
+}
+
+/// An open file on disk.
+#[derive(Debug)]
+struct DiskFile {
+    file: File,
+    len: u64,
+}
+
+impl DiskFile {
+    fn new(file: File, len: u64) -> io::Result<Self> {
+        // Reads are random point reads of values and index windows: turn off
+        // readahead so each costs what it asks for, not a readahead window.
+        rustix::fs::fadvise(&file, 0, None, Advice::Random)?;
+        Ok(Self { file, len })
+    }
+}
+
+impl StorageFile for DiskFile {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(data, offset)
+    }
+
+    fn map(&self) -> io::Result<Mapping> {
+        let len = usize::try_from(self.len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file too large to map"))?;
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty file",
+            ));
+        }
+        // SAFETY: the engine owns its data directory; no other process is
+        // expected to truncate or write these files while they are mapped
+        // (if one did, accesses could fault — the usual mmap caveat). The
+        // space is reserved by `fallocate`, so writes cannot fault on a full
+        // disk.
+        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&self.file)? };
+        let base = NonNull::new(map.as_mut_ptr())
+            .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
+        // SAFETY: `base` points to the `len` bytes of `map`, which the mapping
+        // owns and which stay mapped until it is dropped; only the mapping
+        // writes them (file reads go through `pread`, which is fine).
+        Ok(unsafe { Mapping::from_raw(base, len as u64, Box::new(map)) })
+    }
+
+    fn sync_range(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        // `fdatasync` writes back every dirty page of the file, including
+        // pages dirtied through the mapping, plus the metadata needed to read
+        // them (the conversion of fallocated extents).
+        rustix::fs::fdatasync(&self.file).map_err(io::Error::from)
+    }
+
+    fn sync_all(&self) -> io::Result<()> {
+        self.file.sync_all()
+    }
+
+    fn evict_cache(&self) -> io::Result<()> {
+        rustix::fs::fadvise(&self.file, 0, None, Advice::DontNeed).map_err(io::Error::from)
+    }
+}

@@ -1,0 +1,231 @@
+//! A writable view of a whole file, handed out in disjoint regions.
+//!
+//! The claim cursor is the engine's "one atomic allocation": a writer takes
+//! the next `len` bytes with a single compare-and-swap and then owns them
+//! exclusively, so copies into different regions run in parallel with no
+//! lock. Because no two regions overlap and the memory outlives every region,
+//! handing out `&mut [u8]` views is sound.
+
+#![allow(unsafe_code)]
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Why a claim failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimError {
+    /// Fewer than the requested bytes are left; `remaining` are.
+    Full {
+        /// Unclaimed bytes at the end of the mapping.
+        remaining: u64,
+    },
+}
+
+/// Keeps the mapped memory alive (an `MmapMut`, or a fault-storage buffer).
+pub(crate) trait MappedMemory: Send + Sync {}
+impl<T: Send + Sync> MappedMemory for T {}
+
+/// Cursor on its own cache line, so it does not share one with the fields
+/// every reader touches.
+#[repr(align(64))]
+struct Cursor(AtomicU64);
+
+/// A writable mapping of a file, with an atomic claim cursor.
+pub struct Mapping {
+    base: NonNull<u8>,
+    len: u64,
+    cursor: Cursor,
+    _owner: Box<dyn MappedMemory>,
+}
+
+// SAFETY: `Mapping` hands out each byte range at most once (the cursor only
+// moves forward, and every claim is a compare-and-swap from the cursor's
+// current value), so regions used on different threads never alias. The
+// memory behind `base` is owned by `_owner`, which is `Send + Sync` and lives
+// as long as the mapping.
+unsafe impl Send for Mapping {}
+// SAFETY: see `Send`: shared access only moves the atomic cursor; byte access
+// goes through disjoint `RegionMut`s.
+unsafe impl Sync for Mapping {}
+
+impl fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mapping")
+            .field("len", &self.len)
+            .field("claimed", &self.claimed())
+            .finish()
+    }
+}
+
+impl Mapping {
+    /// Wraps `len` bytes at `base`, kept alive by `owner`.
+    ///
+    /// # Safety
+    ///
+    /// `base` must point to `len` bytes that are valid for reads and writes
+    /// for as long as `owner` lives, and nothing else may write those bytes
+    /// while the mapping exists (reads through the file, such as `pread` by
+    /// the kernel, are fine).
+    pub(crate) unsafe fn from_raw(
+        base: NonNull<u8>,
+        len: u64,
+        owner: Box<dyn MappedMemory>,
+    ) -> Self {
+        Self {
+            base,
+            len,
+            cursor: Cursor(AtomicU64::new(0)),
+            _owner: owner,
+        }
+    }
+
+    /// Length of the mapping in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the mapping is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes claimed so far (the offset of the next claim).
+    pub fn claimed(&self) -> u64 {
+        self.cursor.0.load(Ordering::Acquire)
+    }
+
+    /// Moves the cursor to `offset` before any region is handed out (used
+    /// when reopening a partly written file). Needs exclusive access, so no
+    /// region can exist.
+    pub fn start_at(&mut self, offset: u64) {
+        assert!(
+            offset <= self.len,
+            "start offset {offset} beyond mapping of {}",
+            self.len
+        );
+        *self.cursor.0.get_mut() = offset;
+    }
+
+    /// Claims the next `len` bytes.
+    pub fn claim(&self, len: u64) -> Result<RegionMut<'_>, ClaimError> {
+        let mut start = self.cursor.0.load(Ordering::Relaxed);
+        loop {
+            let end = start + len;
+            if end > self.len {
+                return Err(ClaimError::Full {
+                    remaining: self.len - start,
+                });
+            }
+            match self.cursor.0.compare_exchange_weak(
+                start,
+                end,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Ok(self.region(start, len)),
+                Err(actual) => start = actual,
+            }
+        }
+    }
+
+    /// Claims every byte left, if any.
+    pub fn claim_rest(&self) -> Option<RegionMut<'_>> {
+        let start = self.cursor.0.swap(self.len, Ordering::AcqRel);
+        (start < self.len).then(|| self.region(start, self.len - start))
+    }
+
+    fn region(&self, offset: u64, len: u64) -> RegionMut<'_> {
+        debug_assert!(offset + len <= self.len);
+        // SAFETY: `offset + len <= self.len`, so the pointer stays inside the
+        // mapping (which is at most `isize::MAX` bytes, being a real
+        // allocation or mapping).
+        let ptr = unsafe { self.base.add(offset as usize) };
+        RegionMut {
+            ptr,
+            len: len as usize,
+            offset,
+            _life: PhantomData,
+        }
+    }
+}
+
+/// Exclusive write access to one claimed range of a [`Mapping`].
+pub struct RegionMut<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    offset: u64,
+    _life: PhantomData<&'a mut [u8]>,
+}
+
+impl RegionMut<'_> {
+    /// Offset of the region in its file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+impl Deref for RegionMut<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range was claimed exactly once through the cursor, so
+        // this region is its only user; the memory lives as long as the
+        // mapping this region borrows.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for RegionMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `deref`; `&mut self` makes the access exclusive
+        // within this region too.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heap_mapping(len: usize) -> Mapping {
+        let mut buf = vec![0u8; len].into_boxed_slice();
+        let ptr = NonNull::new(buf.as_mut_ptr()).expect("non-null");
+        // SAFETY: the boxed slice is `len` bytes, owned by the mapping, and
+        // written only through it. Moving the box does not move its heap
+        // memory.
+        unsafe { Mapping::from_raw(ptr, len as u64, Box::new(buf)) }
+    }
+
+    #[test]
+    fn claims_are_disjoint_and_stop_at_the_end() {
+        let m = heap_mapping(100);
+        let mut a = m.claim(40).expect("first");
+        let mut b = m.claim(40).expect("second");
+        assert_eq!((a.offset(), b.offset()), (0, 40));
+        a.fill(1);
+        b.fill(2);
+        assert_eq!(m.claim(40).err(), Some(ClaimError::Full { remaining: 20 }));
+        let rest = m.claim_rest().expect("rest");
+        assert_eq!((rest.offset(), rest.len()), (80, 20));
+        assert!(m.claim_rest().is_none());
+    }
+
+    #[test]
+    fn concurrent_claims_never_overlap() {
+        let m = heap_mapping(8 * 10_000);
+        let m = &m;
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                s.spawn(move || {
+                    while let Ok(mut r) = m.claim(8) {
+                        r.fill(t + 1);
+                    }
+                });
+            }
+        });
+        assert_eq!(m.claimed(), 80_000);
+    }
+}

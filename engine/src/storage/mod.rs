@@ -1,0 +1,85 @@
+//! The storage seam: every byte the engine reads or writes goes through the
+//! [`Storage`] and [`StorageFile`] traits, and every `unsafe` block of the
+//! engine lives in this module.
+//!
+//! Two implementations:
+//! - [`FileStorage`]: real files, `mmap` for appends, `pread` for reads,
+//!   `fallocate` so a mapped write can never hit a full disk, and
+//!   `POSIX_FADV_RANDOM` so a read costs one small disk read rather than a
+//!   readahead window.
+//! - [`FaultStorage`]: an in-memory twin that keeps what is *written*
+//!   (the page cache) apart from what is *durable* (the disk), can fail or
+//!   "crash" at the N-th operation, can run out of space, and can reboot into
+//!   what a real machine would find after power loss — including torn
+//!   pages of unsynced data.
+//!
+//! Appends go through a [`Mapping`]: a writable view of a whole file whose
+//! bytes are handed out by one atomic claim cursor. Each [`RegionMut`] is a
+//! range no other region overlaps, so many threads write into one mapping at
+//! once without a lock and without data races.
+
+mod atomic_file;
+mod fault;
+mod file;
+mod mapping;
+
+use std::fmt;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+pub use atomic_file::{read_whole_file, write_file_atomically};
+pub use fault::{FaultConfig, FaultStorage};
+pub use file::FileStorage;
+pub use mapping::{ClaimError, Mapping, RegionMut};
+
+/// A directory tree of files, as the engine needs it.
+///
+/// Directory changes (create, rename, remove) are durable only after
+/// [`Storage::sync_dir`] on the parent directory, as on a POSIX file system.
+pub trait Storage: Send + Sync + fmt::Debug {
+    /// Creates a new file of exactly `len` bytes, all zero, with its disk
+    /// space reserved (so writes through a mapping never fail for lack of
+    /// space). Fails if the file exists.
+    fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>>;
+    /// Opens an existing file for reading and writing.
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
+    /// Removes a file.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Renames a file, replacing `to` if it exists.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Names of the files in a directory (not recursive), sorted.
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// Creates a directory and its parents.
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Makes the directory's entries (creates, renames, removes) durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Whether a file exists.
+    fn exists(&self, path: &Path) -> bool;
+    /// Free bytes on the volume that holds `dir`.
+    fn available_bytes(&self, dir: &Path) -> io::Result<u64>;
+}
+
+/// One open file.
+pub trait StorageFile: Send + Sync + fmt::Debug {
+    /// Length in bytes.
+    fn len(&self) -> u64;
+    /// Whether the file is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Reads exactly `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `data` at `offset` (for small files; logs are appended
+    /// through [`StorageFile::map`]). The file must be long enough.
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// A writable mapping of the whole file. At most one per file.
+    fn map(&self) -> io::Result<Mapping>;
+    /// Makes the bytes written in `[offset, offset + len)` durable.
+    fn sync_range(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Makes every written byte of the file durable.
+    fn sync_all(&self) -> io::Result<()>;
+    /// Drops the file's clean pages from memory, so the next reads go to the
+    /// disk (used by cold-read tests and benchmarks).
+    fn evict_cache(&self) -> io::Result<()>;
+}

@@ -1,0 +1,489 @@
+//! An append-only log of framed records in pre-allocated, memory-mapped
+//! segment files. The same machinery serves the value WAL (the permanent
+//! home of values) and the index log (flushed cell indexes).
+//!
+//! Writers claim space with one atomic compare-and-swap on the active
+//! segment's cursor and copy in parallel; the [`tracker`] publishes the
+//! contiguous processed prefix; the syncer makes it durable; the allocator
+//! keeps the next segments ready. See `docs/design/wal-format.md`.
+
+pub(crate) mod format;
+pub(crate) mod replay;
+pub(crate) mod segment;
+mod tracker;
+mod workers;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::{Error, Result};
+use crate::health::Health;
+use crate::storage::{ClaimError, Storage};
+use crate::types::{Epoch, SegmentId, WalPosition};
+use segment::{Active, HEADER_RECORD_BYTES, LogKind, SegmentFile, SegmentHeader, Spare};
+use tracker::Tracker;
+use workers::{SpareQueue, SyncState};
+
+/// Settings of one log.
+#[derive(Clone, Debug)]
+pub(crate) struct LogOptions {
+    pub dir: PathBuf,
+    pub kind: LogKind,
+    pub log_id: [u8; 16],
+    pub segment_size: u64,
+    pub spare_segments: usize,
+    pub sync_interval: Duration,
+}
+
+impl LogOptions {
+    /// Largest record that fits in a segment after its header.
+    pub fn max_record_bytes(&self) -> u64 {
+        self.segment_size - HEADER_RECORD_BYTES
+    }
+
+    fn header(&self, id: SegmentId, epoch: Epoch) -> SegmentHeader {
+        SegmentHeader {
+            kind: self.kind,
+            log_id: self.log_id,
+            id,
+            segment_size: self.segment_size,
+            epoch,
+        }
+    }
+}
+
+/// State shared by a log's writers, readers and background threads.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    opts: LogOptions,
+    storage: Arc<dyn Storage>,
+    health: Arc<Health>,
+    current: ArcSwap<Active>,
+    rotation: Mutex<()>,
+    files: RwLock<BTreeMap<SegmentId, Arc<SegmentFile>>>,
+    spares: SpareQueue,
+    tracker: Tracker,
+    synced: AtomicU64,
+    sync: SyncState,
+    epoch: AtomicU32,
+    shutdown: AtomicBool,
+}
+
+/// A log open for appending and reading.
+#[derive(Debug)]
+pub(crate) struct Log {
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Marks a claimed range processed when dropped; if the writer did not
+/// finish (it panicked), the log is poisoned, since the range holds garbage.
+struct Claimed<'a> {
+    shared: &'a Shared,
+    start: u64,
+    end: u64,
+    finished: bool,
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.shared.health.poison(format!(
+                "a writer failed inside its claimed range at @{}",
+                self.start
+            ));
+        }
+        self.shared.tracker.done(self.start, self.end);
+    }
+}
+
+impl Log {
+    /// Starts writing in a new segment `next`, after the existing segments
+    /// in `existing` (which stay readable). Files of segments at or after
+    /// `next` are deleted first. Everything below `next`'s first byte must
+    /// already be durable.
+    pub fn start(
+        opts: LogOptions,
+        storage: Arc<dyn Storage>,
+        health: Arc<Health>,
+        epoch: Epoch,
+        next: SegmentId,
+        existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
+    ) -> Result<Log> {
+        remove_segments_from(&*storage, &opts, next)?;
+        let base = next.0 * opts.segment_size;
+        let first = workers::create_spare(&*storage, &opts, next)?;
+        let mut files = existing;
+        let active = activate(&opts, first, epoch);
+        files.insert(next, active.segment.clone());
+        let shared = Arc::new(Shared {
+            current: ArcSwap::from_pointee(active),
+            opts: opts.clone(),
+            storage: storage.clone(),
+            health,
+            rotation: Mutex::new(()),
+            files: RwLock::new(files),
+            spares: SpareQueue::new(SegmentId(next.0 + 1)),
+            tracker: Tracker::new(base),
+            synced: AtomicU64::new(base),
+            sync: SyncState::default(),
+            epoch: AtomicU32::new(epoch.0),
+            shutdown: AtomicBool::new(false),
+        });
+        shared.tracker.done(base, base + HEADER_RECORD_BYTES);
+        let threads = spawn_workers(&shared)?;
+        Ok(Log {
+            shared,
+            threads: Mutex::new(threads),
+        })
+    }
+
+    /// Appends a record of `len` bytes (a multiple of 8, at most
+    /// [`LogOptions::max_record_bytes`]): `write` fills it, knowing its
+    /// position. The range counts as processed once `write` returns, so
+    /// `write` must also do whatever must precede that (index updates).
+    pub fn append<R>(
+        &self,
+        len: usize,
+        write: impl FnOnce(&mut [u8], WalPosition) -> R,
+    ) -> Result<(WalPosition, R)> {
+        let shared = &*self.shared;
+        debug_assert_eq!(len % 8, 0);
+        if len as u64 > shared.opts.max_record_bytes() {
+            return Err(Error::TooLarge {
+                what: "record",
+                got: len as u64,
+                max: shared.opts.max_record_bytes(),
+            });
+        }
+        loop {
+            shared.health.check()?;
+            let active = shared.current.load();
+            match active.mapping.claim(len as u64) {
+                Ok(mut region) => {
+                    let start = active.base + region.offset();
+                    let mut claimed = Claimed {
+                        shared,
+                        start,
+                        end: start + len as u64,
+                        finished: false,
+                    };
+                    let result = write(&mut region, WalPosition(start));
+                    claimed.finished = true;
+                    return Ok((WalPosition(start), result));
+                }
+                Err(ClaimError::Full { .. }) => {
+                    let full = active.segment.id;
+                    drop(active);
+                    shared.rotate(full, None)?;
+                }
+            }
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `position`.
+    pub fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
+        self.shared.read_into(position, buf)
+    }
+
+    /// Reads `len` bytes at `position`.
+    pub fn read(&self, position: WalPosition, len: usize) -> Result<Vec<u8>> {
+        let mut buf = vec![0; len];
+        self.read_into(position, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// The processed watermark.
+    pub fn processed(&self) -> WalPosition {
+        WalPosition(self.shared.tracker.processed())
+    }
+
+    /// The synced watermark: every byte below it is durable.
+    pub fn synced(&self) -> WalPosition {
+        WalPosition(self.shared.synced.load(Ordering::Acquire))
+    }
+
+    /// Waits until every byte below `position` is processed.
+    pub fn wait_processed(&self, position: WalPosition) -> Result<()> {
+        let health = &self.shared.health;
+        if self
+            .shared
+            .tracker
+            .wait_for(position.0, || health.is_poisoned())
+        {
+            Ok(())
+        } else {
+            health.check().and(Err(Error::Closed))
+        }
+    }
+
+    /// Waits until every byte below `position` is durable, asking the
+    /// syncer to sync now.
+    pub fn wait_synced(&self, position: WalPosition) -> Result<()> {
+        let shared = &*self.shared;
+        if shared.synced.load(Ordering::Acquire) >= position.0 {
+            return Ok(());
+        }
+        self.wait_processed(position)?;
+        shared.sync.request(position.0);
+        shared.sync.wait(|| {
+            shared.synced.load(Ordering::Acquire) >= position.0
+                || shared.health.is_poisoned()
+                || shared.shutdown.load(Ordering::Acquire)
+        });
+        if shared.synced.load(Ordering::Acquire) >= position.0 {
+            return Ok(());
+        }
+        shared.health.check()?;
+        Err(Error::Closed)
+    }
+
+    /// Syncs everything processed so far, on the calling thread.
+    pub fn sync_now(&self) -> Result<WalPosition> {
+        self.shared.sync_to_processed()?;
+        Ok(self.synced())
+    }
+
+    /// The current epoch (of the active segment, or newer if a roll is
+    /// under way).
+    pub fn epoch(&self) -> Epoch {
+        Epoch(self.shared.epoch.load(Ordering::Acquire))
+    }
+
+    /// Starts a new segment belonging to `epoch`.
+    pub fn advance_epoch(&self, epoch: Epoch) -> Result<()> {
+        let shared = &*self.shared;
+        shared.health.check()?;
+        shared.epoch.store(epoch.0, Ordering::Release);
+        let active_id = shared.current.load().segment.id;
+        shared.rotate(active_id, Some(epoch))
+    }
+
+    /// Segment size in bytes.
+    pub fn segment_size(&self) -> u64 {
+        self.shared.opts.segment_size
+    }
+
+    /// Largest record that fits in a segment.
+    pub fn max_record_bytes(&self) -> u64 {
+        self.shared.opts.max_record_bytes()
+    }
+
+    /// Every segment file, oldest first.
+    pub fn segments(&self) -> Vec<Arc<SegmentFile>> {
+        self.shared.files.read().values().cloned().collect()
+    }
+
+    /// The active segment's id.
+    pub fn active_segment(&self) -> SegmentId {
+        self.shared.current.load().segment.id
+    }
+
+    /// Bytes of segment files on disk (active and spare segments included).
+    pub fn disk_bytes(&self) -> u64 {
+        let files = self.shared.files.read().len() as u64;
+        (files + self.shared.opts.spare_segments as u64) * self.shared.opts.segment_size
+    }
+
+    /// Deletes a sealed segment file: after this no record in it can be read.
+    pub fn delete_segment(&self, id: SegmentId) -> Result<()> {
+        let shared = &*self.shared;
+        if id >= shared.current.load().segment.id {
+            return Err(Error::Config(format!("cannot delete {id}: it is active")));
+        }
+        let removed = shared.files.write().remove(&id);
+        if let Some(segment) = removed {
+            shared
+                .storage
+                .remove(&segment.path)
+                .map_err(|e| shared.health.poison_with(Error::io(&segment.path, e)))?;
+        }
+        Ok(())
+    }
+
+    /// Makes deletions durable.
+    pub fn sync_dir(&self) -> Result<()> {
+        let dir = &self.shared.opts.dir;
+        self.shared
+            .storage
+            .sync_dir(dir)
+            .map_err(|e| self.shared.health.poison_with(Error::io(dir, e)))
+    }
+
+    /// Stops the background threads and removes unused spare files. Does not
+    /// sync: callers that need durability sync first.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.spares.wake();
+        self.shared.sync.wake();
+        for thread in self.threads.lock().drain(..) {
+            if thread.join().is_err() {
+                self.shared
+                    .health
+                    .poison("a log background thread panicked");
+            }
+        }
+        self.shared.spares.discard(&self.shared);
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Shared {
+    fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
+        let size = self.opts.segment_size;
+        let id = SegmentId(position.0 / size);
+        let offset = position.0 % size;
+        if offset + buf.len() as u64 > size {
+            return Err(Error::NoRecord(position));
+        }
+        let segment = self
+            .files
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or(Error::NoRecord(position))?;
+        segment
+            .file
+            .read_at(buf, offset)
+            .map_err(|e| Error::io(&segment.path, e))
+    }
+
+    /// Seals the active segment `full` (if it still is active) and makes the
+    /// next spare active, with a header for `epoch` (default: current).
+    fn rotate(&self, full: SegmentId, epoch: Option<Epoch>) -> Result<()> {
+        let _rotating = self.rotation.lock();
+        let active = self.current.load_full();
+        if active.segment.id != full {
+            return Ok(());
+        }
+        // Take the spare first: if that fails (disk full), nothing changed.
+        let spare = self.spares.take(SegmentId(full.0 + 1), self)?;
+        if let Some(mut rest) = active.mapping.claim_rest() {
+            let start = active.base + rest.offset();
+            let end = start + rest.len() as u64;
+            if rest.len() >= format::RECORD_HEADER_BYTES {
+                format::write_pad(&mut rest, WalPosition(start));
+            }
+            drop(rest);
+            self.tracker.done(start, end);
+        }
+        let epoch = epoch.unwrap_or(Epoch(self.epoch.load(Ordering::Acquire)));
+        self.install(spare, epoch);
+        Ok(())
+    }
+
+    /// Makes `spare` the active segment, with a header for `epoch`.
+    fn install(&self, spare: Spare, epoch: Epoch) {
+        let active = activate(&self.opts, spare, epoch);
+        let (id, base) = (active.segment.id, active.base);
+        self.files.write().insert(id, active.segment.clone());
+        self.current.store(Arc::new(active));
+        self.tracker.done(base, base + HEADER_RECORD_BYTES);
+    }
+
+    /// Makes every processed byte durable.
+    fn sync_to_processed(&self) -> Result<()> {
+        let target = self.tracker.processed();
+        let from = self.synced.load(Ordering::Acquire);
+        if target <= from {
+            return Ok(());
+        }
+        let size = self.opts.segment_size;
+        let segments: Vec<Arc<SegmentFile>> = {
+            let files = self.files.read();
+            files
+                .range(SegmentId(from / size)..=SegmentId((target - 1) / size))
+                .map(|(_, s)| s.clone())
+                .collect()
+        };
+        for segment in segments {
+            let seg_start = segment.id.0 * size;
+            let lo = from.max(seg_start) - seg_start;
+            let hi = target.min(seg_start + size) - seg_start;
+            segment
+                .file
+                .sync_range(lo, hi - lo)
+                .map_err(|e| self.health.poison_with(Error::io(&segment.path, e)))?;
+        }
+        self.synced.fetch_max(target, Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+/// Writes the segment header into a spare and wraps it as the active
+/// segment. The header's range still has to be reported to the tracker.
+fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
+    let base = spare.id.0 * opts.segment_size;
+    {
+        let mut region = spare
+            .mapping
+            .claim(HEADER_RECORD_BYTES)
+            .expect("a fresh segment has room for its header");
+        opts.header(spare.id, epoch).write_record(&mut region, base);
+    }
+    let segment = Arc::new(SegmentFile {
+        id: spare.id,
+        path: spare.path,
+        file: spare.file,
+        epoch,
+    });
+    Active {
+        segment,
+        mapping: spare.mapping,
+        base,
+    }
+}
+
+fn spawn_workers(shared: &Arc<Shared>) -> Result<Vec<JoinHandle<()>>> {
+    let name = shared.opts.kind.extension();
+    let spawn = |role: &str, body: fn(Arc<Shared>)| {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("tidepool-{name}-{role}"))
+            .spawn(move || body(shared))
+            .map_err(|e| Error::io("<spawning a log thread>", e))
+    };
+    Ok(vec![
+        spawn("alloc", workers::run_allocator)?,
+        spawn("sync", workers::run_syncer)?,
+    ])
+}
+
+/// Deletes segment files with ids at or after `from` (leftovers of a crash:
+/// spares, or segments past the recovered end of the log).
+fn remove_segments_from(storage: &dyn Storage, opts: &LogOptions, from: SegmentId) -> Result<()> {
+    let names = storage
+        .list(&opts.dir)
+        .map_err(|e| Error::io(&opts.dir, e))?;
+    let mut removed = false;
+    for name in names {
+        if let Some(id) = segment::parse_segment_name(&name, opts.kind)
+            && id >= from
+        {
+            let path = opts.dir.join(&name);
+            storage.remove(&path).map_err(|e| Error::io(&path, e))?;
+            removed = true;
+        }
+    }
+    if removed {
+        storage
+            .sync_dir(&opts.dir)
+            .map_err(|e| Error::io(&opts.dir, e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

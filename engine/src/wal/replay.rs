@@ -1,0 +1,248 @@
+//! Reading a log back in order, for recovery: every record from a start
+//! position to the first one that is not valid.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::storage::{Storage, StorageFile};
+use crate::types::{SegmentId, WalPosition};
+use crate::wal::LogOptions;
+use crate::wal::format::{HeaderRead, Kind, RECORD_HEADER_BYTES, RecordHeader, RecordView};
+use crate::wal::segment::{HEADER_RECORD_BYTES, SegmentFile, SegmentHeader, parse_segment_name};
+
+/// Bytes read from a segment at a time while replaying.
+const CHUNK_BYTES: u64 = 4 << 20;
+
+/// The readable segments of a log, and the files that are not (yet)
+/// segments: spares never written, or garbage.
+#[derive(Debug, Default)]
+pub(crate) struct Segments {
+    pub valid: BTreeMap<SegmentId, Arc<SegmentFile>>,
+    pub unreadable: Vec<(SegmentId, String)>,
+}
+
+/// Opens every segment file of the log and checks its header.
+pub(crate) fn open_segments(storage: &dyn Storage, opts: &LogOptions) -> Result<Segments> {
+    let mut segments = Segments::default();
+    let names = storage
+        .list(&opts.dir)
+        .map_err(|e| Error::io(&opts.dir, e))?;
+    for name in names {
+        let Some(id) = parse_segment_name(&name, opts.kind) else {
+            continue;
+        };
+        let path = opts.dir.join(&name);
+        let file = storage.open(&path).map_err(|e| Error::io(&path, e))?;
+        match read_header(&*file, opts, id) {
+            Ok(header) => {
+                let segment = SegmentFile {
+                    id,
+                    path,
+                    file,
+                    epoch: header.epoch,
+                };
+                segments.valid.insert(id, Arc::new(segment));
+            }
+            Err(reason) => segments.unreadable.push((id, reason)),
+        }
+    }
+    Ok(segments)
+}
+
+fn read_header(
+    file: &dyn StorageFile,
+    opts: &LogOptions,
+    id: SegmentId,
+) -> Result<SegmentHeader, String> {
+    if file.len() != opts.segment_size {
+        return Err(format!(
+            "file is {} bytes, segments are {}",
+            file.len(),
+            opts.segment_size
+        ));
+    }
+    let mut bytes = [0u8; HEADER_RECORD_BYTES as usize];
+    file.read_at(&mut bytes, 0).map_err(|e| e.to_string())?;
+    let position = WalPosition(id.0 * opts.segment_size);
+    let view = RecordView::verify(position, &bytes).map_err(|m| m.0)?;
+    if view.header.kind != Kind::SegmentHeader {
+        return Err("first record is not a segment header".into());
+    }
+    SegmentHeader::decode(view.body, &opts.header(id, crate::types::Epoch(0)))
+}
+
+/// Why replay stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// Unwritten space or a missing segment: the log ends here.
+    End,
+    /// A record that is torn or corrupt.
+    Bad {
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+/// Where and why replay stopped.
+#[derive(Debug)]
+pub(crate) struct ReplayEnd {
+    /// Position of the first byte that is not part of a valid record.
+    pub end: WalPosition,
+    pub stop: Stop,
+}
+
+/// Visits every valid record from `from` (a record boundary) in order.
+/// Segment headers are checked, not visited; pads are followed.
+pub(crate) fn replay(
+    opts: &LogOptions,
+    segments: &BTreeMap<SegmentId, Arc<SegmentFile>>,
+    from: WalPosition,
+    mut visit: impl FnMut(WalPosition, &RecordView<'_>) -> Result<()>,
+) -> Result<ReplayEnd> {
+    let size = opts.segment_size;
+    let mut position = from.0;
+    loop {
+        let id = SegmentId(position / size);
+        let Some(segment) = segments.get(&id) else {
+            return Ok(end(position, Stop::End));
+        };
+        let mut reader = ChunkReader::new(&*segment.file, size);
+        let mut offset = position % size;
+        if offset == 0 {
+            // The header was checked when the segment was opened.
+            offset = HEADER_RECORD_BYTES;
+            position += HEADER_RECORD_BYTES;
+        }
+        loop {
+            if size - offset < RECORD_HEADER_BYTES as u64 {
+                position = (id.0 + 1) * size;
+                break;
+            }
+            let bytes = reader
+                .get(offset, RECORD_HEADER_BYTES)
+                .map_err(|e| Error::io(&segment.path, e))?;
+            let header = match RecordHeader::decode(bytes) {
+                HeaderRead::Unwritten => return Ok(end(position, Stop::End)),
+                HeaderRead::Invalid => return Ok(bad(position, "invalid record header")),
+                HeaderRead::Header(header) => header,
+            };
+            let len = if header.kind == Kind::Pad {
+                RECORD_HEADER_BYTES
+            } else {
+                header.record_len()
+            };
+            if offset + len as u64 > size {
+                return Ok(bad(position, "record runs past the end of its segment"));
+            }
+            let bytes = reader
+                .get(offset, len)
+                .map_err(|e| Error::io(&segment.path, e))?;
+            let view = match RecordView::verify(WalPosition(position), bytes) {
+                Ok(view) => view,
+                Err(malformed) => return Ok(bad(position, &malformed.0)),
+            };
+            match view.header.kind {
+                Kind::Pad => {
+                    position = (id.0 + 1) * size;
+                    break;
+                }
+                Kind::SegmentHeader => return Ok(bad(position, "segment header inside a segment")),
+                Kind::Entry | Kind::IndexBlob => visit(WalPosition(position), &view)?,
+            }
+            position += len as u64;
+            offset += len as u64;
+        }
+    }
+}
+
+fn end(position: u64, stop: Stop) -> ReplayEnd {
+    ReplayEnd {
+        end: WalPosition(position),
+        stop,
+    }
+}
+
+fn bad(position: u64, detail: &str) -> ReplayEnd {
+    end(
+        position,
+        Stop::Bad {
+            detail: detail.to_string(),
+        },
+    )
+}
+
+/// Sequential reads of one segment through a large buffer.
+struct ChunkReader<'a> {
+    file: &'a dyn StorageFile,
+    size: u64,
+    buf: Vec<u8>,
+    buf_offset: u64,
+}
+
+impl<'a> ChunkReader<'a> {
+    fn new(file: &'a dyn StorageFile, size: u64) -> Self {
+        Self {
+            file,
+            size,
+            buf: Vec::new(),
+            buf_offset: 0,
+        }
+    }
+
+    fn get(&mut self, offset: u64, len: usize) -> std::io::Result<&[u8]> {
+        let buffered_end = self.buf_offset + self.buf.len() as u64;
+        if offset < self.buf_offset || offset + len as u64 > buffered_end {
+            let read_len = (len as u64).max(CHUNK_BYTES).min(self.size - offset);
+            self.buf.resize(read_len as usize, 0);
+            self.file.read_at(&mut self.buf, offset)?;
+            self.buf_offset = offset;
+        }
+        let start = (offset - self.buf_offset) as usize;
+        Ok(&self.buf[start..start + len])
+    }
+}
+
+/// Makes the log end at `end` for good, before new writes go to a fresh
+/// segment:
+/// 1. sync every segment from `from` to `end`, so what a crashed process
+///    left in the page cache is durable before anything depends on it;
+/// 2. if `end` is inside a segment, write a pad record there and sync it, so
+///    later replays skip whatever torn bytes follow in that segment.
+///
+/// Returns the segment new writes must start in.
+pub(crate) fn seal_tail(
+    opts: &LogOptions,
+    segments: &BTreeMap<SegmentId, Arc<SegmentFile>>,
+    from: WalPosition,
+    end: WalPosition,
+) -> Result<SegmentId> {
+    let size = opts.segment_size;
+    for segment in segments
+        .range(SegmentId(from.0 / size)..=SegmentId(end.0 / size))
+        .map(|(_, s)| s)
+    {
+        segment
+            .file
+            .sync_all()
+            .map_err(|e| Error::io(&segment.path, e))?;
+    }
+    let offset = end.0 % size;
+    if offset == 0 {
+        return Ok(SegmentId(end.0 / size));
+    }
+    let segment = &segments[&SegmentId(end.0 / size)];
+    if size - offset >= RECORD_HEADER_BYTES as u64 {
+        let mut pad = [0u8; RECORD_HEADER_BYTES];
+        crate::wal::format::write_pad(&mut pad, end);
+        segment
+            .file
+            .write_at(&pad, offset)
+            .map_err(|e| Error::io(&segment.path, e))?;
+        segment
+            .file
+            .sync_range(offset, RECORD_HEADER_BYTES as u64)
+            .map_err(|e| Error::io(&segment.path, e))?;
+    }
+    Ok(SegmentId(end.0 / size + 1))
+}

@@ -1,0 +1,243 @@
+//! Tests of the log on the fault-injecting storage.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::format::{self, FLAG_APPLIED, ItemSpec, Kind, Op};
+use super::replay::{self, Stop};
+use super::segment::LogKind;
+use super::*;
+use crate::storage::FaultStorage;
+use crate::types::Tag;
+
+const SEGMENT: u64 = 4096;
+
+fn options() -> LogOptions {
+    LogOptions {
+        dir: PathBuf::from("/db/wal"),
+        kind: LogKind::Values,
+        log_id: [7; 16],
+        segment_size: SEGMENT,
+        spare_segments: 2,
+        sync_interval: Duration::from_millis(5),
+    }
+}
+
+fn start(
+    storage: &FaultStorage,
+    next: u64,
+    existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
+) -> Log {
+    storage.create_dir_all(&options().dir).unwrap();
+    let storage: Arc<dyn Storage> = Arc::new(storage.clone());
+    Log::start(
+        options(),
+        storage,
+        Arc::default(),
+        Epoch(1),
+        SegmentId(next),
+        existing,
+    )
+    .unwrap()
+}
+
+fn put(log: &Log, key: &[u8], value: &[u8]) -> WalPosition {
+    let item = ItemSpec {
+        op: Op::Put,
+        key_space: 0,
+        key,
+        value,
+        epoch: log.epoch(),
+        tag: Tag(0),
+        version: 0,
+    };
+    let len = format::record_len(format::entry_body_len(0, &[item]));
+    log.append(len, |buf, pos| {
+        format::write_entry(buf, pos, FLAG_APPLIED, &[], &[item])
+    })
+    .unwrap()
+    .0
+}
+
+/// Every entry value from `from` on, in log order.
+fn replay_values(storage: &FaultStorage, from: WalPosition) -> (Vec<Vec<u8>>, replay::ReplayEnd) {
+    let segments = replay::open_segments(storage, &options()).unwrap();
+    let mut values = Vec::new();
+    let end = replay::replay(&options(), &segments.valid, from, |_, view| {
+        assert_eq!(view.header.kind, Kind::Entry);
+        values.extend(view.items().map(|(_, item)| item.value.to_vec()));
+        Ok(())
+    })
+    .unwrap();
+    (values, end)
+}
+
+#[test]
+fn appends_across_segments_read_back_and_replay_in_order() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    let mut positions = Vec::new();
+    for i in 0..200u32 {
+        let value = vec![i as u8; 50 + (i as usize % 7) * 13];
+        positions.push((put(&log, &i.to_le_bytes(), &value), value));
+    }
+    assert!(
+        log.active_segment().0 >= 3,
+        "values must span several segments"
+    );
+    for (position, value) in &positions {
+        let len = format::record_len(format::entry_body_len(
+            0,
+            &[ItemSpec {
+                op: Op::Put,
+                key_space: 0,
+                key: &[0; 4],
+                value,
+                epoch: Epoch(1),
+                tag: Tag(0),
+                version: 0,
+            }],
+        ));
+        let bytes = log.read(*position, len).unwrap();
+        let view = format::RecordView::verify(*position, &bytes).unwrap();
+        assert_eq!(view.items().next().unwrap().1.value, &value[..]);
+    }
+    log.sync_now().unwrap();
+    drop(log);
+    let (values, end) = replay_values(&storage.restart_process(), WalPosition(0));
+    assert_eq!(
+        values,
+        positions.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>()
+    );
+    assert_eq!(end.stop, Stop::End);
+}
+
+#[test]
+fn parallel_writers_never_overlap_and_processed_covers_all() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    std::thread::scope(|s| {
+        for t in 0..4u8 {
+            let log = &log;
+            s.spawn(move || {
+                for i in 0..300u16 {
+                    put(log, &[t, i as u8, (i >> 8) as u8], &[t; 40]);
+                }
+            });
+        }
+    });
+    let processed = log.processed();
+    log.wait_synced(processed).unwrap();
+    drop(log);
+    let (values, end) = replay_values(&storage.reboot(1), WalPosition(0));
+    assert_eq!(values.len(), 1200);
+    assert_eq!(end.end, processed, "replay ends where processing ended");
+}
+
+#[test]
+fn synced_data_survives_power_loss_and_the_tail_is_cut_cleanly() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    for i in 0..30u8 {
+        put(&log, &[i], &[i; 100]);
+    }
+    let durable = log.processed();
+    log.wait_synced(durable).unwrap();
+    for i in 30..60u8 {
+        put(&log, &[i], &[i; 100]);
+    }
+    storage.crash();
+    drop(log);
+    for seed in 0..20 {
+        let (values, end) = replay_values(&storage.reboot(seed), WalPosition(0));
+        assert!(values.len() >= 30, "seed {seed}: lost synced records");
+        for (i, v) in values.iter().enumerate() {
+            assert_eq!(v, &vec![i as u8; 100], "seed {seed}: record {i} wrong");
+        }
+        assert!(end.end >= durable);
+    }
+}
+
+#[test]
+fn epoch_advance_rolls_the_segment() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    put(&log, b"a", b"1");
+    let before = log.active_segment();
+    log.advance_epoch(Epoch(2)).unwrap();
+    let after = log.active_segment();
+    assert!(after > before);
+    let p = put(&log, b"b", b"2");
+    assert_eq!(p.0 / SEGMENT, after.0);
+    let epochs: Vec<_> = log.segments().iter().map(|s| s.epoch.0).collect();
+    assert_eq!(epochs, vec![1, 2]);
+}
+
+#[test]
+fn restart_after_the_existing_segments() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    let first = put(&log, b"a", b"first");
+    log.sync_now().unwrap();
+    drop(log);
+    let segments = replay::open_segments(&storage, &options()).unwrap();
+    // Unused spares are removed at shutdown.
+    assert!(segments.unreadable.is_empty(), "{:?}", segments.unreadable);
+    let (_, end) = replay_values(&storage, WalPosition(0));
+    let next = replay::seal_tail(&options(), &segments.valid, WalPosition(0), end.end).unwrap();
+    assert_eq!(next, SegmentId(1));
+    let log = start(&storage, next.0, segments.valid);
+    let second = put(&log, b"b", b"second");
+    assert_eq!(second.0 / SEGMENT, 1);
+    assert!(log.read(first, 8).is_ok());
+    log.sync_now().unwrap();
+    drop(log);
+    let (values, _) = replay_values(&storage, WalPosition(0));
+    assert_eq!(values, vec![b"first".to_vec(), b"second".to_vec()]);
+}
+
+#[test]
+fn full_disk_fails_the_write_without_damage() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    put(&log, b"a", b"kept");
+    // Wait for the spares, then allow nothing more.
+    std::thread::sleep(Duration::from_millis(50));
+    storage.set_capacity_bytes(Some(storage.used_bytes()));
+    let big = vec![1u8; 1500];
+    let mut failed = None;
+    for i in 0..20u8 {
+        let item = ItemSpec {
+            op: Op::Put,
+            key_space: 0,
+            key: &[i],
+            value: &big,
+            epoch: Epoch(1),
+            tag: Tag(0),
+            version: 0,
+        };
+        let len = format::record_len(format::entry_body_len(0, &[item]));
+        if let Err(e) = log.append(len, |buf, pos| {
+            format::write_entry(buf, pos, FLAG_APPLIED, &[], &[item])
+        }) {
+            failed = Some(e);
+            break;
+        }
+    }
+    assert!(
+        matches!(failed, Some(crate::Error::DiskFull(_))),
+        "{failed:?}"
+    );
+    storage.set_capacity_bytes(None);
+    // Space came back: writes work again, and everything reads back.
+    std::thread::sleep(Duration::from_millis(250));
+    put(&log, b"z", b"after");
+    log.sync_now().unwrap();
+    drop(log);
+    let (values, end) = replay_values(&storage, WalPosition(0));
+    assert_eq!(values.first().unwrap(), b"kept");
+    assert_eq!(values.last().unwrap(), b"after");
+    assert_eq!(end.stop, Stop::End);
+}

@@ -1,0 +1,240 @@
+//! The two background threads of a log: the allocator keeps spare segments
+//! created and mapped so a writer never waits for a file, and the syncer
+//! makes processed bytes durable, in batches, advancing the synced
+//! watermark.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::storage::Storage;
+use crate::types::SegmentId;
+use crate::wal::segment::{Spare, segment_path};
+use crate::wal::{LogOptions, Shared};
+
+/// Spare segments, filled by the allocator thread.
+#[derive(Debug)]
+pub(crate) struct SpareQueue {
+    state: Mutex<SpareState>,
+    /// Signals the allocator: a spare was taken, or shutdown.
+    wanted: Condvar,
+    /// Signals rotators: a spare is ready, or the allocator failed.
+    available: Condvar,
+}
+
+#[derive(Debug)]
+struct SpareState {
+    ready: VecDeque<Spare>,
+    next_id: u64,
+    failure: Option<Failure>,
+}
+
+#[derive(Clone, Debug)]
+struct Failure {
+    disk_full: bool,
+    message: String,
+}
+
+impl SpareQueue {
+    pub fn new(next_id: SegmentId) -> Self {
+        Self {
+            state: Mutex::new(SpareState {
+                ready: VecDeque::new(),
+                next_id: next_id.0,
+                failure: None,
+            }),
+            wanted: Condvar::new(),
+            available: Condvar::new(),
+        }
+    }
+
+    /// Takes the spare with id `id`, waiting for the allocator if needed.
+    /// Fails with the allocator's error (for example disk full) rather than
+    /// waiting forever.
+    pub fn take(&self, id: SegmentId, shared: &Shared) -> Result<Spare> {
+        let mut state = self.state.lock();
+        loop {
+            if let Some(front) = state.ready.front() {
+                debug_assert_eq!(front.id, id, "spares are taken in order");
+                let spare = state.ready.pop_front().expect("front exists");
+                self.wanted.notify_one();
+                return Ok(spare);
+            }
+            if let Some(failure) = state.failure.clone() {
+                return Err(if failure.disk_full {
+                    Error::DiskFull(failure.message)
+                } else {
+                    Error::Io {
+                        path: shared.opts.dir.clone(),
+                        source: std::io::Error::other(failure.message),
+                    }
+                });
+            }
+            shared.health.check()?;
+            if shared.shutdown.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            self.wanted.notify_one();
+            self.available
+                .wait_for(&mut state, Duration::from_millis(50));
+        }
+    }
+
+    /// Removes the files of spares never used (at shutdown).
+    pub fn discard(&self, shared: &Shared) {
+        let spares: Vec<Spare> = self.state.lock().ready.drain(..).collect();
+        for spare in &spares {
+            let _ = shared.storage.remove(&spare.path);
+        }
+        if !spares.is_empty() {
+            let _ = shared.storage.sync_dir(&shared.opts.dir);
+        }
+    }
+
+    pub fn wake(&self) {
+        self.wanted.notify_all();
+        self.available.notify_all();
+    }
+}
+
+/// The allocator thread's loop. After a failure (for example a full disk) it
+/// reports the failure to writers, backs off, and tries again.
+pub(crate) fn run_allocator(shared: Arc<Shared>) {
+    let queue = &shared.spares;
+    loop {
+        let id = {
+            let mut state = queue.state.lock();
+            loop {
+                if shared.shutdown.load(Ordering::Acquire) {
+                    return;
+                }
+                if state.failure.is_some() {
+                    queue
+                        .wanted
+                        .wait_for(&mut state, Duration::from_millis(100));
+                    state.failure = None;
+                    continue;
+                }
+                if state.ready.len() < shared.opts.spare_segments {
+                    break SegmentId(state.next_id);
+                }
+                queue
+                    .wanted
+                    .wait_for(&mut state, Duration::from_millis(100));
+            }
+        };
+        let result = create_spare(&*shared.storage, &shared.opts, id);
+        let mut state = queue.state.lock();
+        match result {
+            Ok(spare) => {
+                state.ready.push_back(spare);
+                state.next_id += 1;
+            }
+            Err(error) => {
+                state.failure = Some(Failure {
+                    disk_full: matches!(error, Error::DiskFull(_)),
+                    message: error.to_string(),
+                });
+            }
+        }
+        queue.available.notify_all();
+    }
+}
+
+/// Creates, persists and maps one spare segment file:
+/// 0. remove a leftover file of that name from a failed attempt;
+/// 1. create the file at full size (space reserved);
+/// 2. sync it (its length becomes durable);
+/// 3. sync the directory (its name becomes durable);
+/// 4. map it.
+pub(crate) fn create_spare(
+    storage: &dyn Storage,
+    opts: &LogOptions,
+    id: SegmentId,
+) -> Result<Spare> {
+    let path = segment_path(&opts.dir, opts.kind, id);
+    if storage.exists(&path) {
+        // Left over from an attempt that failed after creating the file.
+        storage.remove(&path).map_err(|e| Error::io(&path, e))?;
+    }
+    let file = storage
+        .create(&path, opts.segment_size)
+        .map_err(|e| Error::io(&path, e))?;
+    file.sync_all().map_err(|e| Error::io(&path, e))?;
+    storage
+        .sync_dir(&opts.dir)
+        .map_err(|e| Error::io(&opts.dir, e))?;
+    let mapping = file.map().map_err(|e| Error::io(&path, e))?;
+    Ok(Spare {
+        id,
+        path,
+        file,
+        mapping,
+    })
+}
+
+/// Pending sync requests and the synced watermark's waiters.
+#[derive(Debug, Default)]
+pub(crate) struct SyncState {
+    requested: Mutex<u64>,
+    /// Wakes the syncer.
+    request: Condvar,
+    /// Wakes writers waiting for the synced watermark.
+    synced: Condvar,
+}
+
+impl SyncState {
+    /// Asks the syncer to sync up to `position` and wakes it.
+    pub fn request(&self, position: u64) {
+        let mut requested = self.requested.lock();
+        if *requested < position {
+            *requested = position;
+        }
+        self.request.notify_one();
+    }
+
+    /// Waits until `done()` says so, checking at least every 10 ms.
+    pub fn wait(&self, done: impl Fn() -> bool) {
+        let mut guard = self.requested.lock();
+        while !done() {
+            self.synced.wait_for(&mut guard, Duration::from_millis(10));
+        }
+    }
+
+    pub fn wake(&self) {
+        self.request.notify_all();
+        self.synced.notify_all();
+    }
+}
+
+/// The syncer thread's loop.
+pub(crate) fn run_syncer(shared: Arc<Shared>) {
+    let state = &shared.sync;
+    loop {
+        {
+            let mut requested = state.requested.lock();
+            let synced = shared.synced.load(Ordering::Acquire);
+            if !shared.shutdown.load(Ordering::Acquire) && *requested <= synced {
+                state
+                    .request
+                    .wait_for(&mut requested, shared.opts.sync_interval);
+            }
+        }
+        if shared.shutdown.load(Ordering::Acquire) || shared.health.is_poisoned() {
+            state.wake();
+            return;
+        }
+        if let Err(error) = shared.sync_to_processed() {
+            shared
+                .health
+                .poison(format!("background sync failed: {error}"));
+            state.wake();
+            return;
+        }
+        state.synced.notify_all();
+    }
+}
