@@ -1,10 +1,24 @@
 //! Tidepool's local storage engine (being built in issue 3).
 
+mod cache;
+mod config;
+mod control;
+mod engine;
 mod error;
+mod flush;
 mod health;
+mod index;
+mod metrics;
+mod recovery;
+mod snapshot;
 pub mod storage;
+mod table;
 mod types;
 mod wal;
 
+pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
+pub use engine::Engine;
 pub use error::{Error, Result};
+pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
+pub use table::cell::CellState;
 pub use types::{Durability, Epoch, KeySpace, MAX_KEY_BYTES, SegmentId, Tag, WalPosition};

@@ -1,0 +1,283 @@
+//! The engine's configuration: one struct, serde defaults, documented units,
+//! checked by [`Config::validate`] at open.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::types::MAX_KEY_BYTES;
+
+/// How a key space splits keys into cells.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum CellLayout {
+    /// Keys are uniformly distributed (hashes): a fixed array of `cells`
+    /// cells, each a contiguous range of the key's first 8 bytes.
+    Uniform {
+        /// Number of cells.
+        cells: u32,
+    },
+    /// Keys start with a prefix of `prefix_bytes` bytes; each distinct
+    /// prefix is one cell, cells are kept in a B-tree (ordered scans within
+    /// and across prefixes), and the bytes after the prefix should be
+    /// uniformly distributed for one-read lookups.
+    Prefixed {
+        /// Bytes of the prefix.
+        prefix_bytes: u32,
+    },
+}
+
+/// One key space: a separate index over keys of one fixed length. All key
+/// spaces share the WAL.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeySpaceConfig {
+    /// Name, unique in the engine.
+    pub name: String,
+    /// Length of every key, 1 to 32 bytes.
+    pub key_bytes: u32,
+    /// How keys map to cells.
+    pub layout: CellLayout,
+}
+
+/// What recovery does with a record that fails its checksum below the last
+/// recorded durable position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryMode {
+    /// Refuse to open with [`Error::Corrupt`]: the damage is in data that
+    /// was acknowledged as durable, and an operator should decide.
+    #[default]
+    Strict,
+    /// Cut the log at the damaged record and open (losing what follows).
+    TruncateCorrupt,
+}
+
+/// Engine configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Directory that holds the engine's files.
+    pub dir: PathBuf,
+    /// Size of a value WAL segment file, bytes. Also bounds the largest
+    /// record (a value or an atomic batch) to this minus 72 bytes.
+    pub wal_segment_bytes: u64,
+    /// Size of an index log segment file, bytes.
+    pub index_segment_bytes: u64,
+    /// Largest value accepted, bytes.
+    pub max_value_bytes: u64,
+    /// Segments each log keeps created and mapped ahead of need.
+    pub spare_segments: u32,
+    /// How often the syncer makes processed bytes durable without being
+    /// asked, milliseconds.
+    pub sync_interval_ms: u64,
+    /// How often a control-region snapshot is written, milliseconds.
+    pub snapshot_interval_ms: u64,
+    /// Flusher threads.
+    pub flusher_threads: u32,
+    /// A cell is queued for flushing once it holds this many unflushed
+    /// changes.
+    pub flush_dirty_entries: u32,
+    /// Cells whose oldest unflushed change is more than this many bytes
+    /// behind the WAL's end are flushed at the next snapshot, bounding how
+    /// much recovery replays.
+    pub max_replay_bytes: u64,
+    /// Memory for the in-memory index (loaded cells, unflushed changes,
+    /// bloom filters), bytes. Beyond it cells are unloaded and looked up on
+    /// disk.
+    pub index_memory_bytes: u64,
+    /// Memory for the value cache, bytes (0 disables it).
+    pub value_cache_bytes: u64,
+    /// Entries read per optimistic index lookup.
+    pub lookup_window_entries: u32,
+    /// Bloom filter bits per key.
+    pub bloom_bits_per_key: u32,
+    /// Recovery's answer to damaged acknowledged data.
+    pub recovery: RecoveryMode,
+    /// The key spaces, in a fixed order: never remove or reorder one (new
+    /// ones may be appended).
+    pub key_spaces: Vec<KeySpaceConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            dir: PathBuf::from("tidepool-data"),
+            wal_segment_bytes: 256 << 20,
+            index_segment_bytes: 64 << 20,
+            max_value_bytes: 16 << 20,
+            spare_segments: 2,
+            sync_interval_ms: 100,
+            snapshot_interval_ms: 5_000,
+            flusher_threads: 1,
+            flush_dirty_entries: 4_096,
+            max_replay_bytes: 1 << 30,
+            index_memory_bytes: 1 << 30,
+            value_cache_bytes: 256 << 20,
+            lookup_window_entries: 800,
+            bloom_bits_per_key: 10,
+            recovery: RecoveryMode::Strict,
+            key_spaces: vec![KeySpaceConfig {
+                name: "default".into(),
+                key_bytes: 32,
+                layout: CellLayout::Uniform { cells: 4_096 },
+            }],
+        }
+    }
+}
+
+impl Config {
+    /// The defaults, stored in `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Small sizes that make tests cross segment, flush and unload
+    /// boundaries quickly.
+    pub fn for_tests(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            wal_segment_bytes: 64 << 10,
+            index_segment_bytes: 64 << 10,
+            max_value_bytes: 16 << 10,
+            spare_segments: 1,
+            sync_interval_ms: 5,
+            snapshot_interval_ms: 50,
+            flusher_threads: 2,
+            flush_dirty_entries: 16,
+            max_replay_bytes: 256 << 10,
+            index_memory_bytes: 256 << 10,
+            value_cache_bytes: 64 << 10,
+            lookup_window_entries: 16,
+            bloom_bits_per_key: 10,
+            recovery: RecoveryMode::Strict,
+            key_spaces: vec![
+                KeySpaceConfig {
+                    name: "default".into(),
+                    key_bytes: 32,
+                    layout: CellLayout::Uniform { cells: 64 },
+                },
+                KeySpaceConfig {
+                    name: "prefixed".into(),
+                    key_bytes: 16,
+                    layout: CellLayout::Prefixed { prefix_bytes: 4 },
+                },
+            ],
+        }
+    }
+
+    /// Checks every setting; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let fail = |message: String| Err(Error::Config(message));
+        for (name, bytes) in [
+            ("wal_segment_bytes", self.wal_segment_bytes),
+            ("index_segment_bytes", self.index_segment_bytes),
+        ] {
+            if bytes < 4096 || bytes % 4096 != 0 {
+                return fail(format!(
+                    "{name} must be a multiple of 4096, at least 4096 (got {bytes})"
+                ));
+            }
+        }
+        if self.max_value_bytes == 0 || self.max_value_bytes + 4096 > self.wal_segment_bytes {
+            return fail(format!(
+                "max_value_bytes ({}) must be positive and at least 4096 below wal_segment_bytes ({})",
+                self.max_value_bytes, self.wal_segment_bytes
+            ));
+        }
+        if self.spare_segments == 0 || self.flusher_threads == 0 {
+            return fail("spare_segments and flusher_threads must be at least 1".into());
+        }
+        if self.sync_interval_ms == 0 || self.snapshot_interval_ms == 0 {
+            return fail("sync_interval_ms and snapshot_interval_ms must be at least 1".into());
+        }
+        if self.lookup_window_entries < 2
+            || self.flush_dirty_entries == 0
+            || self.bloom_bits_per_key == 0
+        {
+            return fail("lookup_window_entries must be at least 2; flush_dirty_entries and bloom_bits_per_key at least 1".into());
+        }
+        self.validate_key_spaces()
+    }
+
+    fn validate_key_spaces(&self) -> Result<()> {
+        let fail = |message: String| Err(Error::Config(message));
+        if self.key_spaces.is_empty() || self.key_spaces.len() > 255 {
+            return fail(format!(
+                "between 1 and 255 key spaces are required, got {}",
+                self.key_spaces.len()
+            ));
+        }
+        for (i, space) in self.key_spaces.iter().enumerate() {
+            if space.name.is_empty() || self.key_spaces[..i].iter().any(|s| s.name == space.name) {
+                return fail(format!(
+                    "key space names must be non-empty and unique: {:?}",
+                    space.name
+                ));
+            }
+            if space.key_bytes == 0 || space.key_bytes as usize > MAX_KEY_BYTES {
+                return fail(format!(
+                    "key space {:?}: key_bytes must be 1 to {MAX_KEY_BYTES}",
+                    space.name
+                ));
+            }
+            match space.layout {
+                CellLayout::Uniform { cells } if cells == 0 || cells > 1 << 24 => {
+                    return fail(format!(
+                        "key space {:?}: cells must be 1 to 2^24",
+                        space.name
+                    ));
+                }
+                CellLayout::Prefixed { prefix_bytes }
+                    if prefix_bytes == 0 || prefix_bytes >= space.key_bytes =>
+                {
+                    return fail(format!(
+                        "key space {:?}: prefix_bytes must be 1 to key_bytes - 1",
+                        space.name
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_test_settings_are_valid() {
+        Config::default().validate().unwrap();
+        Config::for_tests("/tmp/x").validate().unwrap();
+    }
+
+    #[test]
+    fn bad_settings_name_themselves() {
+        let mut c = Config::for_tests("/x");
+        c.wal_segment_bytes = 1000;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("wal_segment_bytes")
+        );
+        let mut c = Config::for_tests("/x");
+        c.key_spaces[1].name = "default".into();
+        assert!(c.validate().unwrap_err().to_string().contains("unique"));
+        let mut c = Config::for_tests("/x");
+        c.key_spaces[0].key_bytes = 33;
+        assert!(c.validate().unwrap_err().to_string().contains("key_bytes"));
+    }
+
+    #[test]
+    fn the_example_config_parses_and_is_valid() {
+        let text = include_str!("../engine.example.json");
+        let config: Config = serde_json::from_str(text).expect("example parses");
+        config.validate().expect("example is valid");
+    }
+}

@@ -1,0 +1,368 @@
+//! The control region: one small file, replaced atomically, that says where
+//! every cell's on-disk index is and where recovery must start replaying.
+//!
+//! ```text
+//! magic "TPCONTRL", version u32 (1)
+//! log id [16], wal segment bytes u64, index segment bytes u64
+//! epoch u32, replay_from u64, synced u64
+//! app state: len u32 + bytes
+//! dropped_below: count u32 + (tag u32, epoch u32)*
+//! key spaces: count u32 + per space:
+//!   name: len u16 + bytes, key bytes u32, layout kind u8 (1 uniform,
+//!   2 prefixed), layout parameter u32,
+//!   cells: count u32 + per cell:
+//!     id (uniform: u32; prefixed: the prefix bytes), has_disk u8,
+//!     [position u64, count u32, bloom_len u32], replay_from u64
+//! crc32 of everything above, u32
+//! ```
+//! All integers little-endian.
+
+use std::collections::BTreeMap;
+
+use crate::config::{CellLayout, KeySpaceConfig};
+use crate::index::blob::DiskRef;
+use crate::index::entry::key_array;
+use crate::table::CellId;
+use crate::types::{Epoch, Tag, WalPosition};
+
+const MAGIC: &[u8; 8] = b"TPCONTRL";
+const VERSION: u32 = 1;
+
+/// Name of the control file in the engine directory.
+pub(crate) const CONTROL_FILE: &str = "control";
+
+/// One cell's durable state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CellControl {
+    pub id: CellId,
+    pub disk: Option<DiskRef>,
+    /// Replay must apply this cell's items at or after this position.
+    pub replay_from: u64,
+}
+
+/// One key space's durable state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SpaceControl {
+    pub config: KeySpaceConfig,
+    pub cells: Vec<CellControl>,
+}
+
+/// The whole control region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ControlData {
+    pub log_id: [u8; 16],
+    pub wal_segment_bytes: u64,
+    pub index_segment_bytes: u64,
+    pub epoch: Epoch,
+    pub replay_from: WalPosition,
+    /// The value WAL's synced watermark when the snapshot was taken: damage
+    /// below it is damage to acknowledged data.
+    pub synced: WalPosition,
+    pub app_state: Vec<u8>,
+    pub dropped_below: BTreeMap<Tag, Epoch>,
+    pub spaces: Vec<SpaceControl>,
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.0.extend_from_slice(v);
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&end| end <= self.bytes.len());
+        let end = end.ok_or_else(|| format!("control file ends early (at byte {})", self.at))?;
+        let slice = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(slice)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, String> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    /// A count of items each at least `min_item_bytes` long, checked
+    /// against the bytes left so a damaged count cannot allocate wildly.
+    fn count(&mut self, min_item_bytes: usize) -> Result<usize, String> {
+        let count = self.u32()? as usize;
+        if count.saturating_mul(min_item_bytes) > self.bytes.len() - self.at {
+            return Err(format!("control file count {count} exceeds its size"));
+        }
+        Ok(count)
+    }
+}
+
+impl ControlData {
+    /// Encodes the control region.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::new());
+        w.bytes(MAGIC);
+        w.u32(VERSION);
+        w.bytes(&self.log_id);
+        w.u64(self.wal_segment_bytes);
+        w.u64(self.index_segment_bytes);
+        w.u32(self.epoch.0);
+        w.u64(self.replay_from.0);
+        w.u64(self.synced.0);
+        w.u32(self.app_state.len() as u32);
+        w.bytes(&self.app_state);
+        w.u32(self.dropped_below.len() as u32);
+        for (tag, epoch) in &self.dropped_below {
+            w.u32(tag.0);
+            w.u32(epoch.0);
+        }
+        w.u32(self.spaces.len() as u32);
+        for space in &self.spaces {
+            encode_space(&mut w, space);
+        }
+        let crc = crc32fast::hash(&w.0);
+        w.u32(crc);
+        w.0
+    }
+
+    /// Decodes and verifies a control region.
+    pub fn decode(bytes: &[u8]) -> Result<ControlData, String> {
+        if bytes.len() < MAGIC.len() + 8 {
+            return Err("control file too short".into());
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        if crc32fast::hash(body).to_le_bytes() != crc {
+            return Err("control file checksum mismatch".into());
+        }
+        let mut r = Reader { bytes: body, at: 0 };
+        if r.take(8)? != MAGIC {
+            return Err("not a control file".into());
+        }
+        let version = r.u32()?;
+        if version != VERSION {
+            return Err(format!(
+                "control file version {version}, this build reads {VERSION}"
+            ));
+        }
+        let log_id = r.take(16)?.try_into().expect("16 bytes");
+        let wal_segment_bytes = r.u64()?;
+        let index_segment_bytes = r.u64()?;
+        let epoch = Epoch(r.u32()?);
+        let replay_from = WalPosition(r.u64()?);
+        let synced = WalPosition(r.u64()?);
+        let app_len = r.count(1)?;
+        let app_state = r.take(app_len)?.to_vec();
+        let mut dropped_below = BTreeMap::new();
+        for _ in 0..r.count(8)? {
+            dropped_below.insert(Tag(r.u32()?), Epoch(r.u32()?));
+        }
+        let mut spaces = Vec::new();
+        for _ in 0..r.count(15)? {
+            spaces.push(decode_space(&mut r)?);
+        }
+        if r.at != body.len() {
+            return Err("control file has trailing bytes".into());
+        }
+        Ok(ControlData {
+            log_id,
+            wal_segment_bytes,
+            index_segment_bytes,
+            epoch,
+            replay_from,
+            synced,
+            app_state,
+            dropped_below,
+            spaces,
+        })
+    }
+}
+
+fn encode_space(w: &mut Writer, space: &SpaceControl) {
+    let config = &space.config;
+    w.u16(config.name.len() as u16);
+    w.bytes(config.name.as_bytes());
+    w.u32(config.key_bytes);
+    let prefix_bytes = match config.layout {
+        CellLayout::Uniform { cells } => {
+            w.u8(1);
+            w.u32(cells);
+            0
+        }
+        CellLayout::Prefixed { prefix_bytes } => {
+            w.u8(2);
+            w.u32(prefix_bytes);
+            prefix_bytes as usize
+        }
+    };
+    w.u32(space.cells.len() as u32);
+    for cell in &space.cells {
+        match &cell.id {
+            CellId::Uniform(i) => w.u32(*i),
+            CellId::Prefixed(prefix) => w.bytes(&prefix[..prefix_bytes]),
+        }
+        match cell.disk {
+            Some(disk) => {
+                w.u8(1);
+                w.u64(disk.position.0);
+                w.u32(disk.count);
+                w.u32(disk.bloom_len);
+            }
+            None => w.u8(0),
+        }
+        w.u64(cell.replay_from);
+    }
+}
+
+fn decode_space(r: &mut Reader<'_>) -> Result<SpaceControl, String> {
+    let name_len = usize::from(r.u16()?);
+    let name =
+        String::from_utf8(r.take(name_len)?.to_vec()).map_err(|_| "key space name is not UTF-8")?;
+    let key_bytes = r.u32()?;
+    let kind = r.u8()?;
+    let parameter = r.u32()?;
+    let layout = match kind {
+        1 => CellLayout::Uniform { cells: parameter },
+        2 if parameter > 0 && parameter <= crate::types::MAX_KEY_BYTES as u32 => {
+            CellLayout::Prefixed {
+                prefix_bytes: parameter,
+            }
+        }
+        _ => return Err(format!("key space {name:?} has an unknown layout")),
+    };
+    let mut cells = Vec::new();
+    for _ in 0..r.count(9)? {
+        let id = match layout {
+            CellLayout::Uniform { cells } => {
+                let i = r.u32()?;
+                if i >= cells {
+                    return Err(format!("cell {i} out of range in key space {name:?}"));
+                }
+                CellId::Uniform(i)
+            }
+            CellLayout::Prefixed { prefix_bytes } => {
+                CellId::Prefixed(key_array(r.take(prefix_bytes as usize)?))
+            }
+        };
+        let disk = match r.u8()? {
+            0 => None,
+            1 => Some(DiskRef {
+                position: WalPosition(r.u64()?),
+                count: r.u32()?,
+                bloom_len: r.u32()?,
+            }),
+            other => return Err(format!("bad cell flag {other}")),
+        };
+        let replay_from = r.u64()?;
+        cells.push(CellControl {
+            id,
+            disk,
+            replay_from,
+        });
+    }
+    let config = KeySpaceConfig {
+        name,
+        key_bytes,
+        layout,
+    };
+    Ok(SpaceControl { config, cells })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ControlData {
+        let disk = DiskRef {
+            position: WalPosition(4096),
+            count: 12,
+            bloom_len: 28,
+        };
+        ControlData {
+            log_id: [3; 16],
+            wal_segment_bytes: 1 << 20,
+            index_segment_bytes: 1 << 16,
+            epoch: Epoch(7),
+            replay_from: WalPosition(999),
+            synced: WalPosition(1200),
+            app_state: b"raft hard state".to_vec(),
+            dropped_below: BTreeMap::from([(Tag(2), Epoch(5))]),
+            spaces: vec![
+                SpaceControl {
+                    config: KeySpaceConfig {
+                        name: "u".into(),
+                        key_bytes: 32,
+                        layout: CellLayout::Uniform { cells: 8 },
+                    },
+                    cells: vec![CellControl {
+                        id: CellId::Uniform(3),
+                        disk: Some(disk),
+                        replay_from: 1000,
+                    }],
+                },
+                SpaceControl {
+                    config: KeySpaceConfig {
+                        name: "p".into(),
+                        key_bytes: 16,
+                        layout: CellLayout::Prefixed { prefix_bytes: 4 },
+                    },
+                    cells: vec![CellControl {
+                        id: CellId::Prefixed(key_array(b"abcd")),
+                        disk: None,
+                        replay_from: 999,
+                    }],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let data = sample();
+        assert_eq!(ControlData::decode(&data.encode()), Ok(data));
+    }
+
+    #[test]
+    fn any_damage_or_truncation_is_an_error_never_a_panic() {
+        let bytes = sample().encode();
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x01;
+            assert!(ControlData::decode(&bad).is_err(), "flip at {i}");
+            assert!(
+                ControlData::decode(&bytes[..i]).is_err(),
+                "truncated to {i}"
+            );
+        }
+    }
+}

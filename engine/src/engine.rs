@@ -1,0 +1,480 @@
+//! The engine: the public handle and the foreground paths (writes, reads).
+//!
+//! A write is one WAL record. The writer claims its space, copies the record
+//! in, points the Large Table at the new items — all before the tracker may
+//! count the record as processed — and then waits for the durability it
+//! asked for. A read looks the key up in the Large Table (memory, bloom
+//! filter, or one window of the on-disk index) and reads the item with one
+//! `pread`, verifying its checksum and key.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::cache::ValueCache;
+use crate::config::Config;
+use crate::control::ControlData;
+use crate::error::{Error, Result};
+use crate::health::Health;
+use crate::index::entry::{Entry, Key, key_array};
+use crate::index::store::IndexStore;
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::storage::{FileStorage, Storage};
+use crate::table::cell::{BASE_ENTRY_BYTES, CellState, Probe};
+use crate::table::{CellId, LargeTable, SpaceTable};
+use crate::types::{Durability, Epoch, KeySpace, Tag, WalPosition};
+use crate::wal::Log;
+use crate::wal::format::{self, FLAG_APPLIED, ITEM_HEADER_BYTES, ItemSpec, Op};
+
+/// Times a lookup retries when the index blob it read was replaced and
+/// collected under it.
+const LOOKUP_ATTEMPTS: usize = 8;
+
+/// Per tag, the epoch below which entries are dropped.
+pub(crate) type DroppedBelow = BTreeMap<Tag, Epoch>;
+
+/// Everything the foreground paths and background threads share.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub config: Config,
+    pub storage: Arc<dyn Storage>,
+    pub health: Arc<Health>,
+    pub log_id: [u8; 16],
+    pub values: Log,
+    pub index: IndexStore,
+    pub table: LargeTable,
+    pub cache: ValueCache,
+    pub metrics: Metrics,
+    /// Opaque state of the application (the Raft layer), persisted with
+    /// each snapshot.
+    pub app_state: Mutex<Vec<u8>>,
+    /// Epoch drops in force; read on every lookup, so swapped, not locked.
+    pub dropped_below: ArcSwap<DroppedBelow>,
+    /// Serializes snapshots; holds the last control data written.
+    pub last_snapshot: Mutex<Option<ControlData>>,
+    /// Readers of index blobs hold it shared; index garbage collection holds
+    /// it exclusively while deleting segments.
+    pub index_gc: RwLock<()>,
+    pub flush_tx: Sender<(u8, CellId)>,
+    pub flush_rx: Receiver<(u8, CellId)>,
+    pub shutdown: AtomicBool,
+    /// Wakes the maintenance thread early.
+    pub wake: (Mutex<bool>, Condvar),
+}
+
+/// A Tidepool storage engine over one directory.
+///
+/// `Engine` is `Send + Sync`: share it by reference or in an `Arc`. Call
+/// [`Engine::close`] for a clean shutdown (it flushes the index and writes a
+/// snapshot, so the next open replays nothing); dropping it without closing
+/// is safe too — acknowledged writes are in the WAL and are replayed.
+#[derive(Debug)]
+pub struct Engine {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A key space's name and the engine's identifier for it.
+pub(crate) fn space_index(inner: &Inner, space: KeySpace) -> Result<&SpaceTable> {
+    inner
+        .table
+        .spaces
+        .get(space.index())
+        .ok_or_else(|| Error::UnknownKeySpace(format!("#{}", space.index())))
+}
+
+impl Engine {
+    /// Opens (or creates) the engine in `config.dir` on real files.
+    pub fn open(config: Config) -> Result<Engine> {
+        Self::open_with_storage(config, Arc::new(FileStorage::new()))
+    }
+
+    /// Opens (or creates) the engine on the given storage (for tests: a
+    /// [`crate::storage::FaultStorage`]).
+    pub fn open_with_storage(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> {
+        crate::recovery::open(config, storage)
+    }
+
+    /// The key space called `name`.
+    pub fn key_space(&self, name: &str) -> Result<KeySpace> {
+        self.inner
+            .table
+            .spaces
+            .iter()
+            .position(|s| s.config.name == name)
+            .map(|i| KeySpace(i as u8))
+            .ok_or_else(|| Error::UnknownKeySpace(name.to_string()))
+    }
+
+    /// Stores `value` under `key`.
+    pub fn put(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WalPosition> {
+        let epoch = self.epoch();
+        self.inner.write(
+            &[self.inner.item(space, Op::Put, key, value, epoch, Tag(0))?],
+            durability,
+        )
+    }
+
+    /// Deletes `key` (writes a tombstone; deleting a missing key is fine).
+    pub fn delete(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        durability: Durability,
+    ) -> Result<WalPosition> {
+        let epoch = self.epoch();
+        self.inner.write(
+            &[self
+                .inner
+                .item(space, Op::Delete, key, &[], epoch, Tag(0))?],
+            durability,
+        )
+    }
+
+    /// The value stored under `key`.
+    pub fn get(&self, space: KeySpace, key: &[u8]) -> Result<Option<Bytes>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let start = Instant::now();
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters.gets, 1);
+        let value = match inner.lookup(space_table, &key)? {
+            Some(entry) => Some(inner.read_value(space_table, &key, &entry)?),
+            None => None,
+        };
+        inner.metrics.get_latency.record_since(start);
+        Ok(value)
+    }
+
+    /// Whether `key` has a value. Never reads the value.
+    pub fn exists(&self, space: KeySpace, key: &[u8]) -> Result<bool> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters.exists_checks, 1);
+        Ok(inner.lookup(space_table, &key)?.is_some())
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.inner.values.epoch()
+    }
+
+    /// Position below which every write is complete (and indexed, for
+    /// applied writes).
+    pub fn processed_position(&self) -> WalPosition {
+        self.inner.values.processed()
+    }
+
+    /// Position below which every write is durable against power loss.
+    pub fn synced_position(&self) -> WalPosition {
+        self.inner.values.synced()
+    }
+
+    /// Blocks until everything below `position` is durable.
+    pub fn wait_synced(&self, position: WalPosition) -> Result<()> {
+        self.inner.values.wait_synced(position)
+    }
+
+    /// Flushes every unflushed index change and writes a control-region
+    /// snapshot: after it, recovery replays nothing written before the call.
+    pub fn flush(&self) -> Result<()> {
+        self.inner.health.check()?;
+        crate::flush::flush_all(&self.inner)?;
+        crate::snapshot::write_snapshot(&self.inner)
+    }
+
+    /// Counters, latency histograms and gauges.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let inner = &*self.inner;
+        let mut snapshot = inner.metrics.snapshot();
+        snapshot.index_memory_bytes = inner.table.memory_bytes();
+        snapshot.cache_bytes = inner.cache.bytes();
+        snapshot.wal_processed = inner.values.processed().0;
+        snapshot.wal_synced = inner.values.synced().0;
+        inner.table.for_each_cell(|_, _, cell| {
+            let slot = match cell.state() {
+                CellState::Empty => 0,
+                CellState::Loaded => 1,
+                CellState::DirtyLoaded => 2,
+                CellState::Unloaded => 3,
+                CellState::DirtyUnloaded => 4,
+            };
+            snapshot.cell_states[slot] += 1;
+        });
+        snapshot
+    }
+
+    /// Bytes of the engine's files on disk (value WAL and index log
+    /// segments, spares included).
+    pub fn disk_bytes(&self) -> u64 {
+        self.inner.values.disk_bytes() + self.inner.index.log.disk_bytes()
+    }
+
+    /// Closes the engine: stops the background threads, flushes the index,
+    /// syncs the WAL and writes a final snapshot.
+    pub fn close(self) -> Result<()> {
+        self.stop_threads();
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let result =
+            crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
+        inner.health.close();
+        inner.values.shutdown();
+        inner.index.log.shutdown();
+        result
+    }
+
+    fn stop_threads(&self) {
+        crate::flush::stop(&self.inner);
+        for thread in self.threads.lock().drain(..) {
+            if thread.join().is_err() {
+                self.inner.health.poison("a background thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop_threads();
+        self.inner.values.shutdown();
+        self.inner.index.log.shutdown();
+    }
+}
+
+impl Inner {
+    /// Checks a key against its key space.
+    pub fn key(&self, space: KeySpace, key: &[u8]) -> Result<(&SpaceTable, Key)> {
+        let table = space_index(self, space)?;
+        if key.len() != table.key_len() {
+            return Err(Error::WrongKeyLength {
+                key_space: table.config.name.clone(),
+                expected: table.key_len(),
+                got: key.len(),
+            });
+        }
+        Ok((table, key_array(key)))
+    }
+
+    /// Builds a checked item.
+    pub fn item<'a>(
+        &self,
+        space: KeySpace,
+        op: Op,
+        key: &'a [u8],
+        value: &'a [u8],
+        epoch: Epoch,
+        tag: Tag,
+    ) -> Result<ItemSpec<'a>> {
+        self.key(space, key)?;
+        if value.len() as u64 > self.config.max_value_bytes {
+            return Err(Error::TooLarge {
+                what: "value",
+                got: value.len() as u64,
+                max: self.config.max_value_bytes,
+            });
+        }
+        Ok(ItemSpec {
+            op,
+            key_space: space.0,
+            key,
+            value,
+            epoch,
+            tag,
+            version: 0,
+        })
+    }
+
+    /// Writes `items` as one applied record and waits for `durability`.
+    pub fn write(&self, items: &[ItemSpec<'_>], durability: Durability) -> Result<WalPosition> {
+        self.health.check()?;
+        if items.len() > usize::from(u16::MAX) {
+            return Err(Error::TooLarge {
+                what: "batch (items)",
+                got: items.len() as u64,
+                max: u64::from(u16::MAX),
+            });
+        }
+        let start = Instant::now();
+        let len = format::record_len(format::entry_body_len(0, items));
+        let (position, ()) = self.values.append(len, |buf, position| {
+            let locations = format::write_entry(buf, position, FLAG_APPLIED, &[], items);
+            for (item, location) in items.iter().zip(&locations) {
+                let entry = Entry {
+                    version: location.position.0,
+                    location: location.position.0,
+                    len: if item.op == Op::Delete {
+                        0
+                    } else {
+                        location.len
+                    },
+                    epoch: item.epoch,
+                    tag: item.tag,
+                    record_offset: (location.position.0 - position.0) as u32,
+                };
+                self.apply(item.key_space, key_array(item.key), entry);
+            }
+        })?;
+        let counters = &self.metrics.counters;
+        let deletes = items.iter().filter(|i| i.op == Op::Delete).count() as u64;
+        Metrics::add(&counters.puts, items.len() as u64 - deletes);
+        Metrics::add(&counters.deletes, deletes);
+        Metrics::add(&counters.wal_bytes_written, len as u64);
+        let end = position.add(len as u64);
+        match durability {
+            Durability::Buffered => self.values.wait_processed(end)?,
+            Durability::Synced => self.values.wait_synced(end)?,
+        }
+        self.metrics.put_latency.record_since(start);
+        Ok(position)
+    }
+
+    /// Points the index at `entry` (the newer version wins) and queues the
+    /// cell for flushing when it has gathered enough changes.
+    pub fn apply(&self, space: u8, key: Key, entry: Entry) {
+        let table = &self.table.spaces[usize::from(space)];
+        let id = table.cell_of(&key);
+        let threshold = self.config.flush_dirty_entries as usize;
+        let queue = table.with_cell_or_create(&id, |cell| {
+            let before = cell.memory_bytes();
+            cell.apply(key, entry);
+            self.table
+                .account(cell.memory_bytes() as isize - before as isize);
+            let queue = cell.changes.len() >= threshold && !cell.queued && !cell.flushing;
+            cell.queued |= queue;
+            queue
+        });
+        if queue {
+            // Unbounded, but each cell is queued at most once at a time.
+            let _ = self.flush_tx.send((space, id));
+        }
+    }
+
+    /// Whether an entry is a live value (not deleted, not expired).
+    fn live(&self, entry: Option<Entry>) -> Option<Entry> {
+        let entry = entry.filter(|e| !e.tombstone())?;
+        let dropped = self.dropped_below.load();
+        match dropped.get(&entry.tag) {
+            Some(below) if entry.epoch < *below => None,
+            _ => Some(entry),
+        }
+    }
+
+    /// The live entry for `key`, from memory or the on-disk index.
+    pub fn lookup(&self, space: &SpaceTable, key: &Key) -> Result<Option<Entry>> {
+        let id = space.cell_of(key);
+        for _ in 0..LOOKUP_ATTEMPTS {
+            let Some(probe) = space.with_cell(&id, |cell| cell.probe(key, space.key_len())) else {
+                return Ok(None);
+            };
+            let (disk, bloom) = match probe {
+                Probe::Found(entry) => return Ok(self.live(entry)),
+                Probe::Disk { disk, bloom } => (disk, bloom),
+            };
+            match self.lookup_disk(space, &id, key, disk, bloom) {
+                Err(Error::NoRecord(_)) => continue,
+                result => return result.map(|entry| self.live(entry)),
+            }
+        }
+        Err(Error::Io {
+            path: "index log".into(),
+            source: std::io::Error::other("index blobs kept changing under a lookup"),
+        })
+    }
+
+    /// Looks `key` up in the cell's on-disk index: loads the whole cell if
+    /// the memory budget allows, else reads the bloom filter (once) and one
+    /// window of entries.
+    fn lookup_disk(
+        &self,
+        space: &SpaceTable,
+        id: &CellId,
+        key: &Key,
+        disk: crate::index::blob::DiskRef,
+        bloom: Option<Arc<crate::index::bloom::Bloom>>,
+    ) -> Result<Option<Entry>> {
+        let _reading = self.index_gc.read();
+        let counters = &self.metrics.counters;
+        let loaded_bytes = disk.count as u64 * BASE_ENTRY_BYTES as u64;
+        if self.table.memory_bytes() + loaded_bytes <= self.config.index_memory_bytes {
+            let (entries, bloom) = self.index.load(&space.layout, &disk)?;
+            let found = entries
+                .binary_search_by(|(k, _)| k.cmp(key))
+                .ok()
+                .map(|i| entries[i].1);
+            let entries = Arc::new(entries);
+            space.with_cell(id, |cell| {
+                self.table
+                    .account(cell.install_base(disk, entries, Arc::new(bloom)) as isize)
+            });
+            Metrics::add(&counters.cell_loads, 1);
+            return Ok(found);
+        }
+        let bloom = match bloom {
+            Some(bloom) => bloom,
+            None => {
+                let bloom = Arc::new(self.index.load_bloom(&disk)?);
+                space.with_cell(id, |cell| {
+                    self.table
+                        .account(cell.install_bloom(disk, bloom.clone()) as isize)
+                });
+                bloom
+            }
+        };
+        if !bloom.may_contain(&key[..space.key_len()]) {
+            Metrics::add(&counters.bloom_negatives, 1);
+            return Ok(None);
+        }
+        let (rank_from, low, high) = space.rank_range(id);
+        let guess = crate::index::lookup::estimate(
+            crate::table::rank_at(key, rank_from),
+            low,
+            high,
+            disk.count as usize,
+        );
+        let found = self.index.lookup(&space.layout, &disk, key, guess)?;
+        Metrics::add(&counters.disk_lookups, 1);
+        Metrics::add(&counters.disk_lookup_reads, u64::from(found.reads));
+        Ok(found.entry)
+    }
+
+    /// Reads and verifies the value an entry points at.
+    pub fn read_value(&self, space: &SpaceTable, key: &Key, entry: &Entry) -> Result<Bytes> {
+        let counters = &self.metrics.counters;
+        if let Some(value) = self.cache.get(entry.location) {
+            Metrics::add(&counters.cache_hits, 1);
+            return Ok(value);
+        }
+        Metrics::add(&counters.cache_misses, 1);
+        let position = WalPosition(entry.location);
+        let bytes = self.values.read(position, entry.len as usize)?;
+        let corrupt = |detail: String| Error::Corrupt {
+            file: "value WAL".into(),
+            position,
+            detail,
+        };
+        let (item, _) = format::decode_item(&bytes).map_err(|m| corrupt(m.0))?;
+        if item.key != &key[..space.key_len()] || item.op != Op::Put {
+            return Err(corrupt("the index points at another item".into()));
+        }
+        let value_start = ITEM_HEADER_BYTES + space.key_len();
+        let value_end = value_start + item.value.len();
+        let value = Bytes::from(bytes).slice(value_start..value_end);
+        self.cache.insert(entry.location, value.clone());
+        Ok(value)
+    }
+}

@@ -1,0 +1,172 @@
+//! An index blob: one cell's whole on-disk index, appended to the index log
+//! as one record: a small header, the cell's bloom filter, then the sorted
+//! fixed-size entries. A lookup reads a window of entries straight from the
+//! log without a directory (see `lookup.rs`).
+//!
+//! ```text
+//! 0   [u8; 4]  magic "TPIX"
+//! 4   u32      entry count
+//! 8   u16      key length
+//! 10  u16      entry size
+//! 12  u32      bloom bytes
+//! 16  u64      reserved (0)
+//! 24  bloom    (padded to 8)
+//! ..  entries  sorted by key
+//! ```
+
+use crate::index::bloom::Bloom;
+use crate::index::entry::{Entry, EntryLayout, Key};
+use crate::types::WalPosition;
+use crate::wal::format::{Malformed, RECORD_HEADER_BYTES, align8, record_len};
+
+const MAGIC: &[u8; 4] = b"TPIX";
+const BLOB_HEADER_BYTES: usize = 24;
+
+/// Where a cell's index lives in the index log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DiskRef {
+    /// Position of the blob's record.
+    pub position: WalPosition,
+    /// Number of entries.
+    pub count: u32,
+    /// Bytes of the encoded bloom filter.
+    pub bloom_len: u32,
+}
+
+impl DiskRef {
+    /// Log position of the encoded bloom filter.
+    pub fn bloom_position(&self) -> WalPosition {
+        self.position
+            .add((RECORD_HEADER_BYTES + BLOB_HEADER_BYTES) as u64)
+    }
+
+    /// Log position of entry `i`.
+    pub fn entry_position(&self, layout: &EntryLayout, i: usize) -> WalPosition {
+        let first = RECORD_HEADER_BYTES + BLOB_HEADER_BYTES + align8(self.bloom_len as usize);
+        self.position.add((first + i * layout.size()) as u64)
+    }
+
+    /// Bytes of the whole record.
+    pub fn record_len(&self, layout: &EntryLayout) -> usize {
+        record_len(body_len(
+            self.bloom_len as usize,
+            self.count as usize,
+            layout,
+        ))
+    }
+}
+
+fn body_len(bloom_len: usize, count: usize, layout: &EntryLayout) -> usize {
+    BLOB_HEADER_BYTES + align8(bloom_len) + count * layout.size()
+}
+
+/// Encodes sorted, distinct, live `entries` as a blob body, with a bloom
+/// filter of `bits_per_key`. Returns the body, the filter and the bloom
+/// length to record in the [`DiskRef`].
+pub(crate) fn encode(
+    layout: &EntryLayout,
+    entries: &[(Key, Entry)],
+    bits_per_key: u32,
+) -> (Vec<u8>, Bloom, u32) {
+    let mut bloom = Bloom::new(entries.len(), bits_per_key);
+    for (key, _) in entries {
+        bloom.insert(&key[..layout.key_len]);
+    }
+    let bloom_len = bloom.encoded_len();
+    let mut body = Vec::with_capacity(body_len(bloom_len, entries.len(), layout));
+    body.extend_from_slice(MAGIC);
+    body.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    body.extend_from_slice(&(layout.key_len as u16).to_le_bytes());
+    body.extend_from_slice(&(layout.size() as u16).to_le_bytes());
+    body.extend_from_slice(&(bloom_len as u32).to_le_bytes());
+    body.extend_from_slice(&[0u8; 8]);
+    bloom.encode(&mut body);
+    body.resize(BLOB_HEADER_BYTES + align8(bloom_len), 0);
+    let start = body.len();
+    body.resize(start + entries.len() * layout.size(), 0);
+    for (i, (key, entry)) in entries.iter().enumerate() {
+        let at = start + i * layout.size();
+        layout.encode(key, entry, &mut body[at..at + layout.size()]);
+    }
+    (body, bloom, bloom_len as u32)
+}
+
+/// Decodes a whole blob body (from a verified record), checking every
+/// entry's checksum and the sort order.
+pub(crate) fn decode(
+    layout: &EntryLayout,
+    body: &[u8],
+    expected: &DiskRef,
+) -> Result<(Vec<(Key, Entry)>, Bloom), Malformed> {
+    if body.len() < BLOB_HEADER_BYTES || &body[..4] != MAGIC {
+        return Err(Malformed("not an index blob".into()));
+    }
+    let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4 bytes"));
+    let count = u32_at(4);
+    let key_len = usize::from(u16::from_le_bytes([body[8], body[9]]));
+    let bloom_len = u32_at(12);
+    if count != expected.count || bloom_len != expected.bloom_len || key_len != layout.key_len {
+        return Err(Malformed(
+            "index blob header does not match its reference".into(),
+        ));
+    }
+    if body.len() != body_len(bloom_len as usize, count as usize, layout) {
+        return Err(Malformed("index blob has the wrong length".into()));
+    }
+    let bloom = Bloom::decode(&body[BLOB_HEADER_BYTES..BLOB_HEADER_BYTES + bloom_len as usize])
+        .ok_or_else(|| Malformed("bad bloom filter in index blob".into()))?;
+    let start = BLOB_HEADER_BYTES + align8(bloom_len as usize);
+    let mut entries: Vec<(Key, Entry)> = Vec::with_capacity(count as usize);
+    for chunk in body[start..].chunks_exact(layout.size()) {
+        let decoded = layout
+            .decode(chunk)
+            .ok_or_else(|| Malformed("index entry checksum mismatch".into()))?;
+        if entries.last().is_some_and(|(last, _)| *last >= decoded.0) {
+            return Err(Malformed("index entries out of order".into()));
+        }
+        entries.push(decoded);
+    }
+    Ok((entries, bloom))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::entry::key_array;
+    use crate::types::{Epoch, Tag};
+
+    #[test]
+    fn blob_round_trips() {
+        let layout = EntryLayout { key_len: 32 };
+        let entries: Vec<(Key, Entry)> = (0..100u64)
+            .map(|i| {
+                let mut key = [0u8; 32];
+                key[..8].copy_from_slice(&(i * 1000).to_be_bytes());
+                let entry = Entry {
+                    version: i,
+                    location: i,
+                    len: 40,
+                    epoch: Epoch(1),
+                    tag: Tag(0),
+                    record_offset: 0,
+                };
+                (key_array(&key), entry)
+            })
+            .collect();
+        let (body, bloom, bloom_len) = encode(&layout, &entries, 10);
+        let disk = DiskRef {
+            position: WalPosition(0),
+            count: 100,
+            bloom_len,
+        };
+        let (decoded, decoded_bloom) = decode(&layout, &body, &disk).unwrap();
+        assert_eq!(decoded, entries);
+        assert_eq!(decoded_bloom, bloom);
+        assert_eq!(record_len(body.len()), disk.record_len(&layout));
+        let first = disk.entry_position(&layout, 0).0 as usize - RECORD_HEADER_BYTES;
+        assert_eq!(
+            layout.decode(&body[first..first + layout.size()]),
+            Some(entries[0])
+        );
+    }
+}

@@ -1,0 +1,8 @@
+//! The on-disk index: fixed-size entries, per-cell blobs with bloom
+//! filters, and the optimistic lookup that reads them.
+
+pub(crate) mod blob;
+pub(crate) mod bloom;
+pub(crate) mod entry;
+pub(crate) mod lookup;
+pub(crate) mod store;

@@ -1,0 +1,94 @@
+//! The index store: index blobs in the index log — written by flushes,
+//! read whole when a cell loads, read by window for optimistic lookups.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::index::blob::{self, DiskRef};
+use crate::index::bloom::Bloom;
+use crate::index::entry::{Entry, EntryLayout, Key};
+use crate::index::lookup::{self, Found, LookupError};
+use crate::types::WalPosition;
+use crate::wal::Log;
+use crate::wal::format::{self, Kind, RecordView};
+
+/// Index blobs in the index log.
+#[derive(Debug)]
+pub(crate) struct IndexStore {
+    pub log: Log,
+    pub bits_per_key: u32,
+    pub window: usize,
+}
+
+impl IndexStore {
+    fn corrupt(&self, position: WalPosition, detail: impl Into<String>) -> Error {
+        Error::Corrupt {
+            file: "index log".into(),
+            position,
+            detail: detail.into(),
+        }
+    }
+
+    /// Appends the sorted live `entries` as one blob; `None` for no entries.
+    pub fn write(
+        &self,
+        layout: &EntryLayout,
+        entries: &[(Key, Entry)],
+    ) -> Result<Option<(DiskRef, Arc<Bloom>)>> {
+        if entries.is_empty() {
+            return Ok(None);
+        }
+        let (body, bloom, bloom_len) = blob::encode(layout, entries, self.bits_per_key);
+        let len = format::record_len(body.len());
+        let (position, ()) = self.log.append(len, |buf, position| {
+            format::write_plain(buf, position, Kind::IndexBlob, &body)
+        })?;
+        let disk = DiskRef {
+            position,
+            count: entries.len() as u32,
+            bloom_len,
+        };
+        Ok(Some((disk, Arc::new(bloom))))
+    }
+
+    /// Reads and verifies a whole blob.
+    pub fn load(&self, layout: &EntryLayout, disk: &DiskRef) -> Result<(Vec<(Key, Entry)>, Bloom)> {
+        let bytes = self.log.read(disk.position, disk.record_len(layout))?;
+        let view = RecordView::verify(disk.position, &bytes)
+            .map_err(|m| self.corrupt(disk.position, m.0))?;
+        if view.header.kind != Kind::IndexBlob {
+            return Err(self.corrupt(disk.position, "not an index blob record"));
+        }
+        blob::decode(layout, view.body, disk).map_err(|m| self.corrupt(disk.position, m.0))
+    }
+
+    /// Reads a blob's bloom filter.
+    pub fn load_bloom(&self, disk: &DiskRef) -> Result<Bloom> {
+        let bytes = self
+            .log
+            .read(disk.bloom_position(), disk.bloom_len as usize)?;
+        Bloom::decode(&bytes).ok_or_else(|| self.corrupt(disk.bloom_position(), "bad bloom filter"))
+    }
+
+    /// Looks `key` up in a blob with the optimistic window lookup.
+    pub fn lookup(
+        &self,
+        layout: &EntryLayout,
+        disk: &DiskRef,
+        key: &Key,
+        guess: usize,
+    ) -> Result<Found> {
+        let size = layout.size();
+        let read =
+            |first: usize, n: usize| self.log.read(disk.entry_position(layout, first), n * size);
+        lookup::lookup(layout, disk.count as usize, key, guess, self.window, read).map_err(|e| {
+            match e {
+                LookupError::Read(error) => error,
+                LookupError::Corrupt { entry } => self.corrupt(
+                    disk.entry_position(layout, entry),
+                    "index entry checksum mismatch",
+                ),
+            }
+        })
+    }
+}

@@ -1,0 +1,207 @@
+//! Engine metrics: lock-free counters and latency histograms, read as one
+//! plain [`MetricsSnapshot`] that a node exports however it likes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Buckets of a latency histogram: bucket `i` counts latencies in
+/// `[2^i, 2^(i+1))` nanoseconds.
+const BUCKETS: usize = 40;
+
+/// A latency histogram with power-of-two buckets.
+#[derive(Debug)]
+pub(crate) struct Histogram {
+    buckets: [AtomicU64; BUCKETS],
+    sum_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    /// Records the time since `start`.
+    pub fn record_since(&self, start: Instant) {
+        let ns = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        let bucket = (63 - ns.max(1).leading_zeros() as usize).min(BUCKETS - 1);
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> LatencySnapshot {
+        let counts: Vec<u64> = self
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        let count: u64 = counts.iter().sum();
+        let quantile = |q: f64| -> u64 {
+            if count == 0 {
+                return 0;
+            }
+            let rank = (q * count as f64).ceil().max(1.0) as u64;
+            let mut seen = 0;
+            for (i, c) in counts.iter().enumerate() {
+                seen += c;
+                if seen >= rank {
+                    // Upper bound of the bucket.
+                    return (1u64 << (i + 1)).saturating_sub(1);
+                }
+            }
+            u64::MAX
+        };
+        LatencySnapshot {
+            count,
+            sum_ns: self.sum_ns.load(Ordering::Relaxed),
+            p50_ns: quantile(0.50),
+            p99_ns: quantile(0.99),
+            p999_ns: quantile(0.999),
+            buckets: counts,
+        }
+    }
+}
+
+/// A latency distribution (bucket upper bounds, so quantiles are rounded
+/// up to the next power of two of nanoseconds).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LatencySnapshot {
+    /// Operations recorded.
+    pub count: u64,
+    /// Sum of their latencies, nanoseconds.
+    pub sum_ns: u64,
+    /// Median, nanoseconds (upper bucket bound).
+    pub p50_ns: u64,
+    /// 99th percentile, nanoseconds (upper bucket bound).
+    pub p99_ns: u64,
+    /// 99.9th percentile, nanoseconds (upper bucket bound).
+    pub p999_ns: u64,
+    /// Counts per bucket: bucket `i` holds `[2^i, 2^(i+1))` ns.
+    pub buckets: Vec<u64>,
+}
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// The engine's counters.
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub $name: AtomicU64,)*
+        }
+
+        /// Counter values at one moment.
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct CounterSnapshot {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Counters {
+            fn snapshot(&self) -> CounterSnapshot {
+                CounterSnapshot { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Puts (single and in batches).
+    puts,
+    /// Deletes (single and in batches).
+    deletes,
+    /// Gets.
+    gets,
+    /// Existence checks.
+    exists_checks,
+    /// Atomic batches written.
+    batches,
+    /// Bytes of records appended to the value WAL.
+    wal_bytes_written,
+    /// Bytes of index blobs appended to the index log.
+    index_bytes_written,
+    /// Cell flushes completed.
+    flushes,
+    /// Control-region snapshots written.
+    snapshots,
+    /// Gets served from the value cache.
+    cache_hits,
+    /// Gets that read the value from disk.
+    cache_misses,
+    /// Lookups answered "absent" by a bloom filter.
+    bloom_negatives,
+    /// Optimistic lookups on a cell's on-disk index.
+    disk_lookups,
+    /// Windows read by optimistic lookups (reads per lookup = this / disk_lookups).
+    disk_lookup_reads,
+    /// Whole cell indexes loaded into memory.
+    cell_loads,
+    /// Cells unloaded under memory pressure.
+    cell_unloads,
+    /// Index log segments deleted as garbage.
+    index_segments_deleted,
+}
+
+/// All metrics of an engine.
+#[derive(Debug, Default)]
+pub(crate) struct Metrics {
+    pub counters: Counters,
+    pub put_latency: Histogram,
+    pub get_latency: Histogram,
+}
+
+/// Everything the engine measures, at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// Counters.
+    pub counters: CounterSnapshot,
+    /// Latency of puts, deletes and batches (until durable as requested).
+    pub write_latency: LatencySnapshot,
+    /// Latency of gets.
+    pub read_latency: LatencySnapshot,
+    /// Bytes the in-memory index holds.
+    pub index_memory_bytes: u64,
+    /// Bytes the value cache holds.
+    pub cache_bytes: u64,
+    /// The value WAL's processed watermark.
+    pub wal_processed: u64,
+    /// The value WAL's synced watermark.
+    pub wal_synced: u64,
+    /// Number of cells in each state, in the order Empty, Loaded,
+    /// DirtyLoaded, Unloaded, DirtyUnloaded.
+    pub cell_states: [u64; 5],
+}
+
+impl Metrics {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counters and histograms (the engine fills in the gauges).
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        MetricsSnapshot {
+            counters: self.counters.snapshot(),
+            write_latency: self.put_latency.snapshot(),
+            read_latency: self.get_latency.snapshot(),
+            ..MetricsSnapshot::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_come_from_the_buckets() {
+        let h = Histogram::default();
+        for bucket in [10usize, 10, 10, 20] {
+            h.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        }
+        let s = h.snapshot();
+        assert_eq!(s.count, 4);
+        assert_eq!(s.p50_ns, (1 << 11) - 1);
+        assert_eq!(s.p999_ns, (1 << 21) - 1);
+    }
+}

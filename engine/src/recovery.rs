@@ -1,0 +1,397 @@
+//! Opening an engine: create a fresh one, or recover: read the control
+//! region, restore every cell as Unloaded (or Empty), replay the value WAL
+//! from `replay_from` into the cells, cut the log at the first record that
+//! is not valid, and resume writing in a fresh segment.
+//!
+//! Reads are served as soon as replay ends; cells load on demand.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::cache::ValueCache;
+use crate::config::{Config, RecoveryMode};
+use crate::control::{CONTROL_FILE, ControlData};
+use crate::engine::{Engine, Inner};
+use crate::error::{Error, Result};
+use crate::health::Health;
+use crate::index::entry::{Entry, key_array};
+use crate::index::store::IndexStore;
+use crate::metrics::Metrics;
+use crate::storage::{Storage, read_whole_file, write_file_atomically};
+use crate::table::cell::Cell;
+use crate::table::{CellId, LargeTable};
+use crate::types::{Epoch, SegmentId, WalPosition};
+use crate::wal::format::{FLAG_APPLIED, FLAG_RELOCATED, ITEM_HEADER_BYTES, Kind, Op, RecordView};
+use crate::wal::replay::{self, Stop};
+use crate::wal::segment::LogKind;
+use crate::wal::{Log, LogOptions};
+
+/// The epoch of a new engine.
+const FIRST_EPOCH: Epoch = Epoch(1);
+
+fn log_options(config: &Config, kind: LogKind, log_id: [u8; 16]) -> LogOptions {
+    let (sub, segment_size) = match kind {
+        LogKind::Values => ("wal", config.wal_segment_bytes),
+        LogKind::Index => ("index", config.index_segment_bytes),
+    };
+    LogOptions {
+        dir: config.dir.join(sub),
+        kind,
+        log_id,
+        segment_size,
+        spare_segments: config.spare_segments as usize,
+        sync_interval: Duration::from_millis(config.sync_interval_ms),
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::io(path, e)
+}
+
+/// Opens or creates the engine described by `config` on `storage`.
+pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> {
+    config.validate()?;
+    for dir in [
+        config.dir.clone(),
+        config.dir.join("wal"),
+        config.dir.join("index"),
+    ] {
+        storage.create_dir_all(&dir).map_err(io(&dir))?;
+    }
+    let control_path = config.dir.join(CONTROL_FILE);
+    let control = match read_whole_file(&*storage, &control_path).map_err(io(&control_path))? {
+        Some(bytes) => ControlData::decode(&bytes).map_err(|detail| Error::Corrupt {
+            file: control_path.clone(),
+            position: WalPosition(0),
+            detail,
+        })?,
+        None => create_fresh(&config, &*storage)?,
+    };
+    check_compatible(&config, &control)?;
+    let health = Arc::new(Health::default());
+    let table = LargeTable::new(&config.key_spaces);
+    let replay_positions = restore_cells(&table, &control);
+    let index = open_index_log(&config, &storage, &health, &control)?;
+    let mut recovered = Recovered::default();
+    let values = recover_values(&config, &storage, &health, &control, |position, view| {
+        replay_record(
+            &table,
+            &replay_positions,
+            control.replay_from.0,
+            position,
+            view,
+            &mut recovered,
+        )
+    })?;
+    let (flush_tx, flush_rx) = crossbeam_channel::unbounded();
+    let cache = ValueCache::new(config.value_cache_bytes);
+    let inner = Arc::new(Inner {
+        storage,
+        health,
+        log_id: control.log_id,
+        values,
+        index: IndexStore {
+            log: index,
+            bits_per_key: config.bloom_bits_per_key,
+            window: config.lookup_window_entries as usize,
+        },
+        table,
+        cache,
+        metrics: Metrics::default(),
+        app_state: Mutex::new(control.app_state.clone()),
+        dropped_below: ArcSwap::from_pointee(control.dropped_below.clone()),
+        last_snapshot: Mutex::new(Some(control)),
+        index_gc: RwLock::new(()),
+        flush_tx,
+        flush_rx,
+        shutdown: AtomicBool::new(false),
+        wake: (Mutex::new(false), Condvar::new()),
+        config,
+    });
+    inner.table.account(recovered.memory_bytes as isize);
+    let threads = spawn_threads(&inner)?;
+    Ok(Engine {
+        inner,
+        threads: Mutex::new(threads),
+    })
+}
+
+/// Writes the control region of a new, empty engine. The directory must not
+/// hold log segments already (that would be data without its control file).
+fn create_fresh(config: &Config, storage: &dyn Storage) -> Result<ControlData> {
+    for sub in ["wal", "index"] {
+        let dir = config.dir.join(sub);
+        let names = storage.list(&dir).map_err(io(&dir))?;
+        if !names.is_empty() {
+            return Err(Error::Incompatible(format!(
+                "{} holds {} files but there is no control file",
+                dir.display(),
+                names.len()
+            )));
+        }
+    }
+    let control = ControlData {
+        log_id: rand::random(),
+        wal_segment_bytes: config.wal_segment_bytes,
+        index_segment_bytes: config.index_segment_bytes,
+        epoch: FIRST_EPOCH,
+        replay_from: WalPosition(0),
+        synced: WalPosition(0),
+        app_state: Vec::new(),
+        dropped_below: BTreeMap::new(),
+        spaces: Vec::new(),
+    };
+    let path = config.dir.join(CONTROL_FILE);
+    write_file_atomically(storage, &path, &control.encode()).map_err(io(&path))?;
+    Ok(control)
+}
+
+/// The stored data must match the configuration: same segment sizes, and
+/// the stored key spaces first, unchanged, in order.
+fn check_compatible(config: &Config, control: &ControlData) -> Result<()> {
+    if control.wal_segment_bytes != config.wal_segment_bytes
+        || control.index_segment_bytes != config.index_segment_bytes
+    {
+        return Err(Error::Incompatible(format!(
+            "segment sizes are {}/{} bytes on disk but {}/{} in the configuration",
+            control.wal_segment_bytes,
+            control.index_segment_bytes,
+            config.wal_segment_bytes,
+            config.index_segment_bytes
+        )));
+    }
+    for (i, stored) in control.spaces.iter().enumerate() {
+        match config.key_spaces.get(i) {
+            Some(configured) if *configured == stored.config => {}
+            _ => {
+                return Err(Error::Incompatible(format!(
+                    "key space #{i} is {:?} on disk; key spaces cannot be removed, reordered or changed",
+                    stored.config
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Installs every stored cell (Unloaded, or Empty) and returns each cell's
+/// replay position.
+fn restore_cells(table: &LargeTable, control: &ControlData) -> HashMap<(usize, CellId), u64> {
+    let mut positions = HashMap::new();
+    for (space_index, space) in control.spaces.iter().enumerate() {
+        let table_space = &table.spaces[space_index];
+        for cell in &space.cells {
+            table_space.with_cell_or_create(&cell.id, |c| *c = Cell::restored(cell.disk));
+            positions.insert((space_index, cell.id), cell.replay_from);
+        }
+    }
+    positions
+}
+
+/// Opens the index log: every referenced blob must be in a readable
+/// segment; unreadable files (unused spares) are removed by `Log::start`.
+fn open_index_log(
+    config: &Config,
+    storage: &Arc<dyn Storage>,
+    health: &Arc<Health>,
+    control: &ControlData,
+) -> Result<Log> {
+    let opts = log_options(config, LogKind::Index, control.log_id);
+    let segments = replay::open_segments(&**storage, &opts)?;
+    for (space, cell) in control
+        .spaces
+        .iter()
+        .flat_map(|s| s.cells.iter().map(move |c| (s, c)))
+    {
+        if let Some(disk) = cell.disk
+            && !segments
+                .valid
+                .contains_key(&SegmentId(disk.position.0 / opts.segment_size))
+        {
+            return Err(Error::Corrupt {
+                file: opts.dir.clone(),
+                position: disk.position,
+                detail: format!(
+                    "index of a cell of key space {:?} is in a missing segment",
+                    space.config.name
+                ),
+            });
+        }
+    }
+    let mut valid = segments.valid;
+    let next = valid
+        .keys()
+        .next_back()
+        .map_or(SegmentId(0), |id| SegmentId(id.0 + 1));
+    // Unreadable index segments below `next` are garbage no snapshot uses.
+    for (id, _) in &segments.unreadable {
+        if *id < next {
+            let path = crate::wal::segment::segment_path(&opts.dir, LogKind::Index, *id);
+            storage.remove(&path).map_err(io(&path))?;
+        }
+    }
+    valid.retain(|_, _| true);
+    Log::start(
+        opts,
+        storage.clone(),
+        health.clone(),
+        FIRST_EPOCH,
+        next,
+        valid,
+    )
+}
+
+/// Replays the value WAL from the control region's `replay_from`, cuts it at
+/// the first invalid record, and starts writing after it.
+fn recover_values(
+    config: &Config,
+    storage: &Arc<dyn Storage>,
+    health: &Arc<Health>,
+    control: &ControlData,
+    visit: impl FnMut(WalPosition, &RecordView<'_>) -> Result<()>,
+) -> Result<Log> {
+    let opts = log_options(config, LogKind::Values, control.log_id);
+    let segments = replay::open_segments(&**storage, &opts)?;
+    let first_replayed = SegmentId(control.replay_from.0 / opts.segment_size);
+    if let Some((id, reason)) = segments
+        .unreadable
+        .iter()
+        .find(|(id, _)| *id < first_replayed)
+    {
+        return Err(Error::Corrupt {
+            file: opts.dir.clone(),
+            position: WalPosition(id.0 * opts.segment_size),
+            detail: format!("segment {id} is unreadable: {reason}"),
+        });
+    }
+    let end = replay::replay(&opts, &segments.valid, control.replay_from, visit)?;
+    if end.end < control.synced && config.recovery == RecoveryMode::Strict {
+        let detail = match end.stop {
+            Stop::Bad { detail } => detail,
+            Stop::End => "the log ends early".to_string(),
+        };
+        return Err(Error::Corrupt {
+            file: opts.dir.clone(),
+            position: end.end,
+            detail: format!("{detail}; the log was durable up to {}", control.synced),
+        });
+    }
+    let next = replay::seal_tail(&opts, &segments.valid, control.replay_from, end.end)?;
+    let existing: BTreeMap<_, _> = segments
+        .valid
+        .into_iter()
+        .filter(|(id, _)| *id < next)
+        .collect();
+    let epoch = existing
+        .values()
+        .map(|s| s.epoch)
+        .max()
+        .unwrap_or(FIRST_EPOCH)
+        .max(control.epoch);
+    Log::start(opts, storage.clone(), health.clone(), epoch, next, existing)
+}
+
+/// What replay rebuilt.
+#[derive(Debug, Default)]
+struct Recovered {
+    memory_bytes: usize,
+}
+
+/// Applies one replayed record's items to the table: only records the
+/// engine applied when writing them (not relocated copies, not records the
+/// application applies itself), and only items at or after their cell's
+/// replay position.
+fn replay_record(
+    table: &LargeTable,
+    positions: &HashMap<(usize, CellId), u64>,
+    default_position: u64,
+    position: WalPosition,
+    view: &RecordView<'_>,
+    recovered: &mut Recovered,
+) -> Result<()> {
+    let flags = view.header.flags;
+    if view.header.kind != Kind::Entry || flags & FLAG_APPLIED == 0 || flags & FLAG_RELOCATED != 0 {
+        return Ok(());
+    }
+    for (offset, item) in view.items() {
+        let location = position.0 + offset as u64;
+        let corrupt = |detail: &str| Error::Corrupt {
+            file: "value WAL".into(),
+            position: WalPosition(location),
+            detail: detail.to_string(),
+        };
+        let space_index = usize::from(item.key_space);
+        let space = table
+            .spaces
+            .get(space_index)
+            .ok_or_else(|| corrupt("item of an unknown key space"))?;
+        if item.key.len() != space.key_len() {
+            return Err(corrupt("item key of the wrong length for its key space"));
+        }
+        let key = key_array(item.key);
+        let id = space.cell_of(&key);
+        if position.0
+            < *positions
+                .get(&(space_index, id))
+                .unwrap_or(&default_position)
+        {
+            continue;
+        }
+        let len = match item.op {
+            Op::Delete => 0,
+            Op::Put => (ITEM_HEADER_BYTES + item.key.len() + item.value.len()) as u32,
+        };
+        let entry = Entry {
+            version: if item.version == 0 {
+                location
+            } else {
+                item.version
+            },
+            location,
+            len,
+            epoch: item.epoch,
+            tag: item.tag,
+            record_offset: offset as u32,
+        };
+        space.with_cell_or_create(&id, |cell| {
+            let before = cell.memory_bytes();
+            cell.apply(key, entry);
+            recovered.memory_bytes =
+                (recovered.memory_bytes + cell.memory_bytes()).saturating_sub(before);
+        });
+    }
+    Ok(())
+}
+
+fn spawn_threads(inner: &Arc<Inner>) -> Result<Vec<std::thread::JoinHandle<()>>> {
+    let spawn = |name: String, body: fn(Arc<Inner>)| {
+        let inner = inner.clone();
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let health = inner.health.clone();
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(inner)));
+                if result.is_err() {
+                    health.poison("a background thread panicked");
+                }
+            })
+            .map_err(|e| Error::io("<spawning an engine thread>", e))
+    };
+    let mut threads = vec![spawn(
+        "tidepool-maintenance".into(),
+        crate::flush::run_maintenance,
+    )?];
+    for i in 0..inner.config.flusher_threads {
+        threads.push(spawn(
+            format!("tidepool-flusher-{i}"),
+            crate::flush::run_flusher,
+        )?);
+    }
+    Ok(threads)
+}

@@ -1,0 +1,282 @@
+//! The Large Table: per key space, the cells that index every key, behind
+//! sharded locks.
+//!
+//! Uniform key spaces have a fixed array of cells grouped into rows, one
+//! mutex per row. Prefixed key spaces keep one cell per prefix in a B-tree;
+//! each cell has its own mutex. No I/O happens here: the engine reads and
+//! writes index blobs and installs the results through these methods.
+
+pub(crate) mod cell;
+
+use std::collections::BTreeMap;
+use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::{CellLayout, KeySpaceConfig};
+use crate::index::entry::{EntryLayout, Key, key_array};
+use cell::Cell;
+
+/// Cells per row (per lock) in a uniform key space.
+const CELLS_PER_ROW: u32 = 4;
+
+/// Names a cell within its key space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum CellId {
+    /// Cell number in a uniform key space.
+    Uniform(u32),
+    /// The prefix of a prefixed key space (zero-padded).
+    Prefixed(Key),
+}
+
+/// The cells of one key space.
+#[derive(Debug)]
+enum Cells {
+    Uniform {
+        count: u32,
+        rows: Vec<Mutex<Vec<Cell>>>,
+    },
+    Prefixed {
+        prefix_bytes: usize,
+        map: RwLock<BTreeMap<Key, Arc<Mutex<Cell>>>>,
+    },
+}
+
+/// One key space's index.
+#[derive(Debug)]
+pub(crate) struct SpaceTable {
+    pub config: KeySpaceConfig,
+    pub layout: EntryLayout,
+    cells: Cells,
+}
+
+/// The Large Table of all key spaces.
+#[derive(Debug)]
+pub(crate) struct LargeTable {
+    pub spaces: Vec<SpaceTable>,
+    /// Bytes held by cells in memory.
+    memory: AtomicI64,
+}
+
+/// Lowest key rank (first 8 bytes, big-endian) of uniform cell `i` of `n`.
+fn cell_low(i: u32, n: u32) -> u64 {
+    ((u128::from(i) << 64).div_ceil(u128::from(n))) as u64
+}
+
+/// The 8 bytes of `key` starting at `from`, big-endian, zero-padded.
+pub(crate) fn rank_at(key: &Key, from: usize) -> u64 {
+    let mut bytes = [0u8; 8];
+    let available = key.len().saturating_sub(from).min(8);
+    bytes[..available].copy_from_slice(&key[from..from + available]);
+    u64::from_be_bytes(bytes)
+}
+
+impl SpaceTable {
+    fn new(config: KeySpaceConfig) -> Self {
+        let cells = match config.layout {
+            CellLayout::Uniform { cells } => {
+                let rows = cells.div_ceil(CELLS_PER_ROW);
+                Cells::Uniform {
+                    count: cells,
+                    rows: (0..rows)
+                        .map(|r| {
+                            let in_row = CELLS_PER_ROW.min(cells - r * CELLS_PER_ROW);
+                            Mutex::new((0..in_row).map(|_| Cell::restored(None)).collect())
+                        })
+                        .collect(),
+                }
+            }
+            CellLayout::Prefixed { prefix_bytes } => Cells::Prefixed {
+                prefix_bytes: prefix_bytes as usize,
+                map: RwLock::new(BTreeMap::new()),
+            },
+        };
+        let layout = EntryLayout {
+            key_len: config.key_bytes as usize,
+        };
+        Self {
+            config,
+            layout,
+            cells,
+        }
+    }
+
+    /// Key length of this key space.
+    pub fn key_len(&self) -> usize {
+        self.layout.key_len
+    }
+
+    /// The cell that holds `key`.
+    pub fn cell_of(&self, key: &Key) -> CellId {
+        match &self.cells {
+            Cells::Uniform { count, .. } => {
+                CellId::Uniform(((u128::from(rank_at(key, 0)) * u128::from(*count)) >> 64) as u32)
+            }
+            Cells::Prefixed { prefix_bytes, .. } => {
+                CellId::Prefixed(key_array(&key[..*prefix_bytes]))
+            }
+        }
+    }
+
+    /// The rank range `[low, high]` of keys in `cell`, and the byte offset
+    /// the rank is read from, for the optimistic lookup's estimate.
+    pub fn rank_range(&self, cell: &CellId) -> (usize, u64, u64) {
+        match (&self.cells, cell) {
+            (Cells::Uniform { count, .. }, CellId::Uniform(i)) => {
+                let high = if i + 1 == *count {
+                    u64::MAX
+                } else {
+                    cell_low(i + 1, *count) - 1
+                };
+                (0, cell_low(*i, *count), high)
+            }
+            (Cells::Prefixed { prefix_bytes, .. }, _) => (*prefix_bytes, 0, u64::MAX),
+            _ => unreachable!("cell id of another layout"),
+        }
+    }
+
+    /// Runs `f` on an existing cell under its lock; `None` if a prefixed
+    /// cell does not exist.
+    pub fn with_cell<R>(&self, id: &CellId, f: impl FnOnce(&mut Cell) -> R) -> Option<R> {
+        match (&self.cells, id) {
+            (Cells::Uniform { rows, .. }, CellId::Uniform(i)) => {
+                let mut row = rows[(i / CELLS_PER_ROW) as usize].lock();
+                Some(f(&mut row[(i % CELLS_PER_ROW) as usize]))
+            }
+            (Cells::Prefixed { map, .. }, CellId::Prefixed(prefix)) => {
+                let cell = map.read().get(prefix).cloned()?;
+                let mut guard = cell.lock();
+                Some(f(&mut guard))
+            }
+            _ => unreachable!("cell id of another layout"),
+        }
+    }
+
+    /// Runs `f` on a cell under its lock, creating a prefixed cell first if
+    /// needed.
+    pub fn with_cell_or_create<R>(&self, id: &CellId, f: impl FnOnce(&mut Cell) -> R) -> R {
+        if let (Cells::Prefixed { map, .. }, CellId::Prefixed(prefix)) = (&self.cells, id)
+            && !map.read().contains_key(prefix)
+        {
+            map.write()
+                .entry(*prefix)
+                .or_insert_with(|| Arc::new(Mutex::new(Cell::restored(None))));
+        }
+        self.with_cell(id, f).expect("the cell exists")
+    }
+
+    /// Every cell id, in key order.
+    pub fn cell_ids(&self) -> Vec<CellId> {
+        match &self.cells {
+            Cells::Uniform { count, .. } => (0..*count).map(CellId::Uniform).collect(),
+            Cells::Prefixed { map, .. } => {
+                map.read().keys().map(|k| CellId::Prefixed(*k)).collect()
+            }
+        }
+    }
+
+    /// Cell ids whose keys may fall in `[from, to]`, in key order.
+    pub fn cells_between(&self, from: Bound<&Key>, to: Bound<&Key>) -> Vec<CellId> {
+        let id_of = |key: &Key| self.cell_of(key);
+        let low = match from {
+            Bound::Included(k) | Bound::Excluded(k) => Bound::Included(id_of(k)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        let high = match to {
+            Bound::Included(k) | Bound::Excluded(k) => Bound::Included(id_of(k)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        self.cell_ids()
+            .into_iter()
+            .filter(|id| (low, high).contains(id))
+            .collect()
+    }
+}
+
+impl LargeTable {
+    /// An empty table for these key spaces.
+    pub fn new(spaces: &[KeySpaceConfig]) -> Self {
+        Self {
+            spaces: spaces.iter().cloned().map(SpaceTable::new).collect(),
+            memory: AtomicI64::new(0),
+        }
+    }
+
+    /// Records a change in memory use, bytes.
+    pub fn account(&self, delta: isize) {
+        self.memory.fetch_add(delta as i64, Ordering::Relaxed);
+    }
+
+    /// Bytes held in memory by all cells.
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// Runs `f` on every cell of every key space, one lock at a time.
+    pub fn for_each_cell(&self, mut f: impl FnMut(usize, &CellId, &mut Cell)) {
+        for (space_index, space) in self.spaces.iter().enumerate() {
+            for id in space.cell_ids() {
+                space.with_cell(&id, |cell| f(space_index, &id, cell));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uniform(cells: u32) -> SpaceTable {
+        SpaceTable::new(KeySpaceConfig {
+            name: "u".into(),
+            key_bytes: 32,
+            layout: CellLayout::Uniform { cells },
+        })
+    }
+
+    #[test]
+    fn uniform_cells_partition_the_rank_space_exactly() {
+        for n in [1u32, 3, 7, 64, 1000] {
+            let space = uniform(n);
+            let mut expected_low = 0u64;
+            for i in 0..n {
+                let (_, low, high) = space.rank_range(&CellId::Uniform(i));
+                assert_eq!(low, expected_low, "n={n} cell {i}");
+                for rank in [low, high, low + (high - low) / 2] {
+                    let mut key = [0u8; 32];
+                    key[..8].copy_from_slice(&rank.to_be_bytes());
+                    assert_eq!(space.cell_of(&key), CellId::Uniform(i), "n={n} rank {rank}");
+                }
+                expected_low = high.wrapping_add(1);
+            }
+            assert_eq!(expected_low, 0, "the last cell ends at u64::MAX");
+        }
+    }
+
+    #[test]
+    fn prefixed_cells_are_created_on_write_and_ordered() {
+        let space = SpaceTable::new(KeySpaceConfig {
+            name: "p".into(),
+            key_bytes: 8,
+            layout: CellLayout::Prefixed { prefix_bytes: 2 },
+        });
+        for prefix in [b"zz", b"aa", b"mm"] {
+            let mut key = [0u8; 32];
+            key[..2].copy_from_slice(prefix);
+            let id = space.cell_of(&key);
+            assert!(space.with_cell(&id, |_| ()).is_none());
+            space.with_cell_or_create(&id, |_| ());
+        }
+        let ids = space.cell_ids();
+        let prefixes: Vec<_> = ids
+            .iter()
+            .map(|id| match id {
+                CellId::Prefixed(k) => [k[0], k[1]],
+                CellId::Uniform(_) => unreachable!(),
+            })
+            .collect();
+        assert_eq!(prefixes, vec![*b"aa", *b"mm", *b"zz"]);
+    }
+}
