@@ -218,6 +218,27 @@ impl Engine {
         snapshot
     }
 
+    /// Unloads every loaded cell whose changes are flushed (their on-disk
+    /// index stays), returning the in-memory index to its minimum. Useful
+    /// under memory pressure, and in tests.
+    pub fn release_memory(&self) {
+        let inner = &*self.inner;
+        inner.table.for_each_cell(|_, _, cell| {
+            let freed = cell.unload();
+            inner.table.account(-(freed as isize));
+        });
+    }
+
+    /// Asks the kernel to drop the value WAL's clean cached pages, so the
+    /// next reads go to the disk (for cold-read tests and benchmarks).
+    pub fn drop_page_cache(&self) -> Result<()> {
+        self.inner.values.sync_now()?;
+        for segment in self.inner.values.segments() {
+            segment.file.evict_cache().map_err(|e| Error::io(&segment.path, e))?;
+        }
+        Ok(())
+    }
+
     /// Bytes of the engine's files on disk (value WAL and index log
     /// segments, spares included).
     pub fn disk_bytes(&self) -> u64 {
@@ -225,13 +246,14 @@ impl Engine {
     }
 
     /// Closes the engine: stops the background threads, flushes the index,
-    /// syncs the WAL and writes a final snapshot.
-    pub fn close(self) -> Result<()> {
-        self.stop_threads();
+    /// syncs the WAL and writes a final snapshot, so the next open replays
+    /// nothing. Afterwards every call fails with [`Error::Closed`]. A write
+    /// racing with `close` either fails or is in the WAL (and replayed).
+    pub fn close(&self) -> Result<()> {
         let inner = &*self.inner;
         inner.health.check()?;
-        let result =
-            crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
+        self.stop_threads();
+        let result = crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
         inner.health.close();
         inner.values.shutdown();
         inner.index.log.shutdown();

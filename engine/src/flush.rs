@@ -197,10 +197,3 @@ pub(crate) fn stop(inner: &Inner) {
     *lock.lock() = true;
     condvar.notify_all();
 }
-
-/// Wakes the maintenance thread now.
-pub(crate) fn wake(inner: &Inner) {
-    let (lock, condvar) = &inner.wake;
-    *lock.lock() = true;
-    condvar.notify_all();
-}

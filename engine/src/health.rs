@@ -53,9 +53,4 @@ impl Health {
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
     }
-
-    /// Whether close has begun.
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
 }

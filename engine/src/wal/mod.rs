@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
@@ -65,7 +65,8 @@ pub(crate) struct Shared {
     opts: LogOptions,
     storage: Arc<dyn Storage>,
     health: Arc<Health>,
-    current: ArcSwap<Active>,
+    /// The active segment; `None` once the log is shut down.
+    current: ArcSwapOption<Active>,
     rotation: Mutex<()>,
     files: RwLock<BTreeMap<SegmentId, Arc<SegmentFile>>>,
     spares: SpareQueue,
@@ -124,7 +125,7 @@ impl Log {
         let active = activate(&opts, first, epoch);
         files.insert(next, active.segment.clone());
         let shared = Arc::new(Shared {
-            current: ArcSwap::from_pointee(active),
+            current: ArcSwapOption::from_pointee(active),
             opts: opts.clone(),
             storage: storage.clone(),
             health,
@@ -165,7 +166,10 @@ impl Log {
         }
         loop {
             shared.health.check()?;
-            let active = shared.current.load();
+            let guard = shared.current.load();
+            let Some(active) = guard.as_ref() else {
+                return Err(Error::Closed);
+            };
             match active.mapping.claim(len as u64) {
                 Ok(mut region) => {
                     let start = active.base + region.offset();
@@ -181,7 +185,7 @@ impl Log {
                 }
                 Err(ClaimError::Full { .. }) => {
                     let full = active.segment.id;
-                    drop(active);
+                    drop(guard);
                     shared.rotate(full, None)?;
                 }
             }
@@ -262,18 +266,7 @@ impl Log {
         let shared = &*self.shared;
         shared.health.check()?;
         shared.epoch.store(epoch.0, Ordering::Release);
-        let active_id = shared.current.load().segment.id;
-        shared.rotate(active_id, Some(epoch))
-    }
-
-    /// Segment size in bytes.
-    pub fn segment_size(&self) -> u64 {
-        self.shared.opts.segment_size
-    }
-
-    /// Largest record that fits in a segment.
-    pub fn max_record_bytes(&self) -> u64 {
-        self.shared.opts.max_record_bytes()
+        shared.rotate(shared.active_id()?, Some(epoch))
     }
 
     /// Every segment file, oldest first.
@@ -281,9 +274,9 @@ impl Log {
         self.shared.files.read().values().cloned().collect()
     }
 
-    /// The active segment's id.
+    /// The active segment's id (`SegmentId(u64::MAX)` once shut down).
     pub fn active_segment(&self) -> SegmentId {
-        self.shared.current.load().segment.id
+        self.shared.active_id().unwrap_or(SegmentId(u64::MAX))
     }
 
     /// Bytes of segment files on disk (active and spare segments included).
@@ -295,7 +288,7 @@ impl Log {
     /// Deletes a sealed segment file: after this no record in it can be read.
     pub fn delete_segment(&self, id: SegmentId) -> Result<()> {
         let shared = &*self.shared;
-        if id >= shared.current.load().segment.id {
+        if id >= shared.active_id()? {
             return Err(Error::Config(format!("cannot delete {id}: it is active")));
         }
         let removed = shared.files.write().remove(&id);
@@ -331,6 +324,9 @@ impl Log {
             }
         }
         self.shared.spares.discard(&self.shared);
+        // Unmap the active segment; a writer still holding it finishes first.
+        let _rotating = self.shared.rotation.lock();
+        self.shared.current.store(None);
     }
 }
 
@@ -341,6 +337,10 @@ impl Drop for Log {
 }
 
 impl Shared {
+    fn active_id(&self) -> Result<SegmentId> {
+        self.current.load().as_ref().map(|a| a.segment.id).ok_or(Error::Closed)
+    }
+
     fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
         let size = self.opts.segment_size;
         let id = SegmentId(position.0 / size);
@@ -364,7 +364,9 @@ impl Shared {
     /// next spare active, with a header for `epoch` (default: current).
     fn rotate(&self, full: SegmentId, epoch: Option<Epoch>) -> Result<()> {
         let _rotating = self.rotation.lock();
-        let active = self.current.load_full();
+        let Some(active) = self.current.load_full() else {
+            return Err(Error::Closed);
+        };
         if active.segment.id != full {
             return Ok(());
         }
@@ -389,7 +391,7 @@ impl Shared {
         let active = activate(&self.opts, spare, epoch);
         let (id, base) = (active.segment.id, active.base);
         self.files.write().insert(id, active.segment.clone());
-        self.current.store(Arc::new(active));
+        self.current.store(Some(Arc::new(active)));
         self.tracker.done(base, base + HEADER_RECORD_BYTES);
     }
 

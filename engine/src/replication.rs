@@ -1,0 +1,260 @@
+//! The low-level API a replication layer builds on, so that a replicated
+//! write reaches the disk once: the Raft entry that carries a put *is* the
+//! WAL record holding the value.
+//!
+//! 1. [`Engine::append`] writes a record — opaque metadata (the Raft index,
+//!    term, ...) plus puts and deletes — without applying it, and says where
+//!    it and each item landed. Recovery does not replay such records: the
+//!    replication layer decides which are committed.
+//! 2. [`Engine::wait_synced`] makes it durable (before a follower
+//!    acknowledges it).
+//! 3. [`Engine::apply`] points the index at the items of an appended record
+//!    once it is committed: no value byte is written again. Applying twice
+//!    is harmless (the same versions).
+//! 4. [`Engine::read_record`] reads a record back by position (to send it
+//!    to a lagging follower, or to re-apply it after a restart).
+//! 5. [`Engine::set_app_state`] stores a small opaque state (Raft hard state,
+//!    applied index) persisted with every snapshot;
+//!    [`Engine::recovered_replay_from`] tells where the index's durable
+//!    state ends: committed records at or after it must be applied again
+//!    after a restart.
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::index::entry::{Entry, Key, key_array};
+use crate::types::{Epoch, KeySpace, Tag, WalPosition};
+use crate::wal::format::{self, HeaderRead, ItemSpec, Kind, Op, RECORD_HEADER_BYTES, RecordHeader, RecordView};
+
+/// What an item of a replicated record does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ItemOp {
+    /// Store a value.
+    Put,
+    /// Delete the key.
+    Delete,
+}
+
+/// An item to append.
+#[derive(Clone, Copy, Debug)]
+pub struct ItemInput<'a> {
+    /// Key space.
+    pub space: KeySpace,
+    /// Put or delete.
+    pub op: ItemOp,
+    /// The key.
+    pub key: &'a [u8],
+    /// The value (empty for deletes).
+    pub value: &'a [u8],
+    /// Epoch stamped on the entry (the replication layer chooses it, so that
+    /// every replica stores the same one).
+    pub epoch: Epoch,
+    /// Application tag.
+    pub tag: Tag,
+}
+
+/// Where an appended item landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppendedItem {
+    space: u8,
+    key: Key,
+    entry: Entry,
+}
+
+impl AppendedItem {
+    /// WAL position of the item.
+    pub fn position(&self) -> WalPosition {
+        WalPosition(self.entry.location)
+    }
+
+    /// Whether it is a delete.
+    pub fn is_delete(&self) -> bool {
+        self.entry.tombstone()
+    }
+}
+
+/// A record written by [`Engine::append`] (or read back by
+/// [`Engine::appended_at`]), ready to be applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Appended {
+    /// Position of the record.
+    pub position: WalPosition,
+    /// Position just after it: wait for this to be synced before
+    /// acknowledging the record.
+    pub end: WalPosition,
+    /// Its items.
+    pub items: Vec<AppendedItem>,
+}
+
+/// A record read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordData {
+    /// The opaque metadata.
+    pub meta: Vec<u8>,
+    /// The items.
+    pub items: Vec<ItemData>,
+    /// The record's position and where it and its items landed.
+    pub appended: Appended,
+}
+
+/// An item read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ItemData {
+    /// Key space.
+    pub space: KeySpace,
+    /// Put or delete.
+    pub op: ItemOp,
+    /// The key.
+    pub key: Vec<u8>,
+    /// The value.
+    pub value: Vec<u8>,
+    /// Epoch.
+    pub epoch: Epoch,
+    /// Tag.
+    pub tag: Tag,
+}
+
+impl Engine {
+    /// Appends a record without applying it (see the module docs). Waits
+    /// only until it is processed (copied, and every earlier record too).
+    pub fn append(&self, meta: &[u8], items: &[ItemInput<'_>]) -> Result<Appended> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let specs: Vec<ItemSpec<'_>> = items
+            .iter()
+            .map(|i| {
+                let op = match i.op {
+                    ItemOp::Put => Op::Put,
+                    ItemOp::Delete => Op::Delete,
+                };
+                inner.item(i.space, op, i.key, i.value, i.epoch, i.tag)
+            })
+            .collect::<Result<_>>()?;
+        if meta.len() > u32::MAX as usize || specs.len() > usize::from(u16::MAX) {
+            return Err(Error::TooLarge {
+                what: "record metadata or item count",
+                got: meta.len().max(specs.len()) as u64,
+                max: u64::from(u16::MAX),
+            });
+        }
+        let len = format::record_len(format::entry_body_len(meta.len(), &specs));
+        let (position, locations) = inner
+            .values
+            .append(len, |buf, position| format::write_entry(buf, position, 0, meta, &specs))?;
+        let end = position.add(len as u64);
+        inner.values.wait_processed(end)?;
+        crate::metrics::Metrics::add(&inner.metrics.counters.wal_bytes_written, len as u64);
+        let items = specs
+            .iter()
+            .zip(&locations)
+            .map(|(spec, location)| AppendedItem {
+                space: spec.key_space,
+                key: key_array(spec.key),
+                entry: Entry {
+                    version: location.position.0,
+                    location: location.position.0,
+                    len: if spec.op == Op::Delete { 0 } else { location.len },
+                    epoch: spec.epoch,
+                    tag: spec.tag,
+                    record_offset: (location.position.0 - position.0) as u32,
+                },
+            })
+            .collect();
+        Ok(Appended { position, end, items })
+    }
+
+    /// Points the index at every item of an appended record.
+    pub fn apply(&self, appended: &Appended) -> Result<()> {
+        self.inner.health.check()?;
+        for item in &appended.items {
+            self.inner.apply(item.space, item.key, item.entry);
+        }
+        Ok(())
+    }
+
+    /// Reads the record at `position` back, verifying it.
+    pub fn read_record(&self, position: WalPosition) -> Result<RecordData> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let corrupt = |detail: String| Error::Corrupt {
+            file: "value WAL".into(),
+            position,
+            detail,
+        };
+        let head = inner.values.read(position, RECORD_HEADER_BYTES)?;
+        let header = match RecordHeader::decode(&head) {
+            HeaderRead::Header(h) if h.kind == Kind::Entry => h,
+            _ => return Err(Error::NoRecord(position)),
+        };
+        let bytes = inner.values.read(position, header.record_len())?;
+        let view = RecordView::verify(position, &bytes).map_err(|m| corrupt(m.0))?;
+        let mut items = Vec::new();
+        let mut appended_items = Vec::new();
+        for (offset, item) in view.items() {
+            let location = position.0 + offset as u64;
+            let op = if item.op == Op::Delete { ItemOp::Delete } else { ItemOp::Put };
+            let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
+            appended_items.push(AppendedItem {
+                space: item.key_space,
+                key: key_array(item.key),
+                entry: Entry {
+                    version: if item.version == 0 { location } else { item.version },
+                    location,
+                    len: if op == ItemOp::Delete { 0 } else { len as u32 },
+                    epoch: item.epoch,
+                    tag: item.tag,
+                    record_offset: offset as u32,
+                },
+            });
+            items.push(ItemData {
+                space: KeySpace(item.key_space),
+                op,
+                key: item.key.to_vec(),
+                value: item.value.to_vec(),
+                epoch: item.epoch,
+                tag: item.tag,
+            });
+        }
+        let appended = Appended {
+            position,
+            end: position.add(bytes.len() as u64),
+            items: appended_items,
+        };
+        Ok(RecordData {
+            meta: view.meta().to_vec(),
+            items,
+            appended,
+        })
+    }
+
+    /// Replaces the application state persisted with the next snapshot.
+    pub fn set_app_state(&self, state: &[u8]) {
+        *self.inner.app_state.lock() = state.to_vec();
+    }
+
+    /// The application state (as last set, or as recovered).
+    pub fn app_state(&self) -> Vec<u8> {
+        self.inner.app_state.lock().clone()
+    }
+
+    /// The replay position of the snapshot the engine was opened from (or of
+    /// the latest snapshot since): index changes from records before it are
+    /// durable in the index; committed records at or after it must be
+    /// applied again after a restart.
+    pub fn recovered_replay_from(&self) -> WalPosition {
+        self.inner
+            .last_snapshot
+            .lock()
+            .as_ref()
+            .map_or(WalPosition(0), |c| c.replay_from)
+    }
+
+    /// Starts a new epoch: rolls the WAL to a new segment belonging to it.
+    /// Epochs only grow.
+    pub fn advance_epoch(&self, epoch: Epoch) -> Result<()> {
+        let current = self.epoch();
+        if epoch <= current {
+            return Err(Error::Config(format!("epoch {} is not after the current {}", epoch.0, current.0)));
+        }
+        self.inner.values.advance_epoch(epoch)
+    }
+}

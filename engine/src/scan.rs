@@ -1,0 +1,175 @@
+//! Ordered iteration: range scans (forward or reverse), prefix scans, and
+//! "largest key smaller than".
+//!
+//! A scan walks the key space's cells in key order and takes, per cell, a
+//! consistent snapshot of the cell's merged index (on-disk entries plus
+//! unflushed changes, captured under the cell's lock). Values are read as
+//! the iterator reaches them.
+
+use std::collections::VecDeque;
+use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::engine::{Engine, Inner};
+use crate::error::{Error, Result};
+use crate::index::entry::{Entry, Key, key_array};
+use crate::table::cell::merge;
+use crate::table::{CellId, SpaceTable};
+use crate::types::KeySpace;
+
+/// Scan direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Ascending keys.
+    Forward,
+    /// Descending keys.
+    Reverse,
+}
+
+/// An iterator over `(key, value)` pairs of a key range.
+#[derive(Debug)]
+pub struct Scan<'a> {
+    inner: &'a Inner,
+    space: &'a SpaceTable,
+    lower: Bound<Key>,
+    upper: Bound<Key>,
+    direction: Direction,
+    cells: VecDeque<CellId>,
+    current: std::vec::IntoIter<(Key, Entry)>,
+}
+
+fn pad_bound(bound: Bound<&[u8]>) -> Bound<Key> {
+    match bound {
+        Bound::Included(k) => Bound::Included(key_array(k)),
+        Bound::Excluded(k) => Bound::Excluded(key_array(k)),
+        Bound::Unbounded => Bound::Unbounded,
+    }
+}
+
+impl Inner {
+    /// The live entries of one cell, sorted: a consistent snapshot of its
+    /// on-disk index and unflushed changes.
+    pub(crate) fn cell_entries(&self, space: &SpaceTable, id: &CellId) -> Result<Vec<(Key, Entry)>> {
+        for _ in 0..8 {
+            let Some((changes, base, disk)) = space.with_cell(id, |cell| {
+                let changes: Vec<(Key, Entry)> = cell.changes.iter().map(|(k, e)| (*k, *e)).collect();
+                (changes, cell.base.clone(), cell.disk)
+            }) else {
+                return Ok(Vec::new());
+            };
+            let base = match (base, disk) {
+                (Some(base), _) => base,
+                (None, None) => Arc::new(Vec::new()),
+                (None, Some(disk)) => {
+                    let _reading = self.index_gc.read();
+                    match self.index.load(&space.layout, &disk) {
+                        Ok((entries, _)) => Arc::new(entries),
+                        Err(Error::NoRecord(_)) => continue,
+                        Err(error) => return Err(error),
+                    }
+                }
+            };
+            let dropped = self.dropped_below.load();
+            let mut merged = merge(&base, &changes);
+            merged.retain(|(_, e)| dropped.get(&e.tag).is_none_or(|below| e.epoch >= *below));
+            return Ok(merged);
+        }
+        Err(Error::Io {
+            path: "index log".into(),
+            source: std::io::Error::other("index blobs kept changing under a scan"),
+        })
+    }
+}
+
+impl<'a> Scan<'a> {
+    fn in_range(&self, key: &Key) -> bool {
+        (self.lower, self.upper).contains(key)
+    }
+
+    fn next_cell(&mut self) -> Option<CellId> {
+        match self.direction {
+            Direction::Forward => self.cells.pop_front(),
+            Direction::Reverse => self.cells.pop_back(),
+        }
+    }
+
+    fn next_entry(&mut self) -> Option<(Key, Entry)> {
+        match self.direction {
+            Direction::Forward => self.current.next(),
+            Direction::Reverse => self.current.next_back(),
+        }
+    }
+}
+
+impl Iterator for Scan<'_> {
+    type Item = Result<(Vec<u8>, Bytes)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some((key, entry)) = self.next_entry() {
+                if !self.in_range(&key) {
+                    continue;
+                }
+                let value = self.inner.read_value(self.space, &key, &entry);
+                return Some(value.map(|v| (key[..self.space.key_len()].to_vec(), v)));
+            }
+            let id = self.next_cell()?;
+            match self.inner.cell_entries(self.space, &id) {
+                Ok(entries) => self.current = entries.into_iter(),
+                Err(error) => return Some(Err(error)),
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Iterates the keys in `[lower, upper]` (as the bounds say) of a key
+    /// space, in `direction`. Keys must have the key space's length.
+    pub fn scan(&self, space: KeySpace, lower: Bound<&[u8]>, upper: Bound<&[u8]>, direction: Direction) -> Result<Scan<'_>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let table = crate::engine::space_index(inner, space)?;
+        for key in [lower, upper] {
+            if let Bound::Included(k) | Bound::Excluded(k) = key {
+                inner.key(space, k)?;
+            }
+        }
+        let (lower, upper) = (pad_bound(lower), pad_bound(upper));
+        let cells = table.cells_between(lower.as_ref(), upper.as_ref()).into();
+        Ok(Scan {
+            inner,
+            space: table,
+            lower,
+            upper,
+            direction,
+            cells,
+            current: Vec::new().into_iter(),
+        })
+    }
+
+    /// Iterates every key that starts with `prefix`, in `direction`.
+    pub fn scan_prefix(&self, space: KeySpace, prefix: &[u8], direction: Direction) -> Result<Scan<'_>> {
+        let key_len = crate::engine::space_index(&self.inner, space)?.key_len();
+        if prefix.len() > key_len {
+            return Err(Error::WrongKeyLength {
+                key_space: format!("#{}", space.index()),
+                expected: key_len,
+                got: prefix.len(),
+            });
+        }
+        let mut low = prefix.to_vec();
+        low.resize(key_len, 0x00);
+        let mut high = prefix.to_vec();
+        high.resize(key_len, 0xFF);
+        self.scan(space, Bound::Included(&low), Bound::Included(&high), direction)
+    }
+
+    /// The largest key smaller than `key`, with its value.
+    pub fn last_before(&self, space: KeySpace, key: &[u8]) -> Result<Option<(Vec<u8>, Bytes)>> {
+        self.scan(space, Bound::Unbounded, Bound::Excluded(key), Direction::Reverse)?
+            .next()
+            .transpose()
+    }
+}

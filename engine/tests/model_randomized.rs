@@ -1,0 +1,220 @@
+//! A randomized model test: a mix of puts, deletes, atomic batches, gets,
+//! existence checks, scans, flushes, memory pressure and close/reopen or
+//! crash/reopen cycles, checked against a `BTreeMap` after every step.
+//!
+//! Prints its seed; replay a failure with `MODEL_SEED=<seed>`. Runs 6,000
+//! operations by default; `MODEL_OPS=<n>` runs more.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use support::{fault_storage, key, open, prefixed_key, value};
+use tidepool_engine::storage::FaultStorage;
+use tidepool_engine::{Config, Direction, Durability, Engine, KeySpace, WriteBatch};
+
+/// Model key: (key space index, key bytes).
+type ModelKey = (usize, Vec<u8>);
+
+struct Harness {
+    rng: SmallRng,
+    storage: FaultStorage,
+    config: Config,
+    engine: Engine,
+    spaces: [KeySpace; 2],
+    model: BTreeMap<ModelKey, Vec<u8>>,
+    version: u64,
+    seed: u64,
+    /// Flushes and cell loads of engines closed so far.
+    flushes: u64,
+    cell_loads: u64,
+}
+
+impl Harness {
+    fn random_key(&mut self) -> ModelKey {
+        let i = self.rng.random_range(0..400u64);
+        if self.rng.random_bool(0.7) {
+            (0, key(i).to_vec())
+        } else {
+            (1, prefixed_key(self.rng.random_range(0..5), i).to_vec())
+        }
+    }
+
+    fn random_value(&mut self, id: u64) -> Vec<u8> {
+        self.version += 1;
+        let len = match self.rng.random_range(0..10) {
+            0 => 0,
+            1..=6 => self.rng.random_range(1..200),
+            7 | 8 => self.rng.random_range(200..2_000),
+            _ => self.rng.random_range(2_000..12_000),
+        };
+        value(id, self.version, len)
+    }
+
+    fn durability(&mut self) -> Durability {
+        if self.rng.random_bool(0.1) { Durability::Synced } else { Durability::Buffered }
+    }
+
+    fn step(&mut self, op: u32) {
+        let seed = self.seed;
+        match op {
+            0..=39 => {
+                let k = self.random_key();
+                let v = self.random_value(k.1[8] as u64);
+                let d = self.durability();
+                self.engine.put(self.spaces[k.0], &k.1, &v, d).unwrap();
+                self.model.insert(k, v);
+            }
+            40..=49 => {
+                let k = self.random_key();
+                let d = self.durability();
+                self.engine.delete(self.spaces[k.0], &k.1, d).unwrap();
+                self.model.remove(&k);
+            }
+            50..=54 => self.batch(),
+            55..=79 => {
+                let k = self.random_key();
+                let got = self.engine.get(self.spaces[k.0], &k.1).unwrap();
+                assert_eq!(got.as_deref(), self.model.get(&k).map(Vec::as_slice), "seed {seed}: get {k:?}");
+            }
+            80..=87 => {
+                let k = self.random_key();
+                let got = self.engine.exists(self.spaces[k.0], &k.1).unwrap();
+                assert_eq!(got, self.model.contains_key(&k), "seed {seed}: exists {k:?}");
+            }
+            88..=90 => self.scan(),
+            91..=93 => self.engine.flush().unwrap(),
+            94..=96 => self.engine.release_memory(),
+            97 => self.reopen(true),
+            98 => self.reopen(false),
+            _ => self.verify_all(),
+        }
+    }
+
+    fn batch(&mut self) {
+        let mut batch = WriteBatch::new();
+        let mut staged = Vec::new();
+        for _ in 0..self.rng.random_range(1..8) {
+            let k = self.random_key();
+            if self.rng.random_bool(0.8) {
+                let v = self.random_value(k.1[8] as u64);
+                batch.put(self.spaces[k.0], &k.1, &v);
+                staged.push((k, Some(v)));
+            } else {
+                batch.delete(self.spaces[k.0], &k.1);
+                staged.push((k, None));
+            }
+        }
+        let d = self.durability();
+        self.engine.write_batch(&batch, d).unwrap();
+        for (k, v) in staged {
+            match v {
+                Some(v) => self.model.insert(k, v),
+                None => self.model.remove(&k),
+            };
+        }
+    }
+
+    fn scan(&mut self) {
+        let seed = self.seed;
+        if self.rng.random_bool(0.5) {
+            // A prefix scan of the prefixed key space, either direction.
+            let prefix = self.rng.random_range(0..5u32).to_be_bytes();
+            let reverse = self.rng.random_bool(0.5);
+            let direction = if reverse { Direction::Reverse } else { Direction::Forward };
+            let got: Vec<(Vec<u8>, Vec<u8>)> = self
+                .engine
+                .scan_prefix(self.spaces[1], &prefix, direction)
+                .unwrap()
+                .map(|r| r.map(|(k, v)| (k, v.to_vec())))
+                .collect::<Result<_, _>>()
+                .unwrap();
+            let mut expected: Vec<(Vec<u8>, Vec<u8>)> = self
+                .model
+                .range((1, prefix.to_vec())..(1, vec![0xFF; 17]))
+                .filter(|((_, k), _)| k.starts_with(&prefix))
+                .map(|((_, k), v)| (k.clone(), v.clone()))
+                .collect();
+            if reverse {
+                expected.reverse();
+            }
+            assert_eq!(got, expected, "seed {seed}: prefix scan {prefix:?} {direction:?}");
+        } else {
+            // "Largest key smaller than" in the uniform key space.
+            let probe = key(self.rng.random_range(0..400u64)).to_vec();
+            let got = self.engine.last_before(self.spaces[0], &probe).unwrap();
+            let expected = self
+                .model
+                .range((Bound::Included((0, vec![])), Bound::Excluded((0, probe.clone()))))
+                .next_back()
+                .map(|((_, k), v)| (k.clone(), v.clone()));
+            assert_eq!(got.map(|(k, v)| (k, v.to_vec())), expected, "seed {seed}: last_before");
+        }
+    }
+
+    fn reopen(&mut self, clean: bool) {
+        let counters = self.engine.metrics().counters;
+        self.flushes += counters.flushes;
+        self.cell_loads += counters.cell_loads;
+        let engine = if clean {
+            self.engine.close().unwrap();
+            open(&self.storage, &self.config).unwrap()
+        } else {
+            // As after kill -9: every write is in the page cache.
+            let placeholder = open(&FaultStorage::default(), &self.config).unwrap();
+            drop(std::mem::replace(&mut self.engine, placeholder));
+            self.storage = self.storage.restart_process();
+            open(&self.storage, &self.config).unwrap()
+        };
+        self.engine = engine;
+        self.verify_all();
+    }
+
+    fn verify_all(&mut self) {
+        let seed = self.seed;
+        for (k, v) in &self.model {
+            let got = self.engine.get(self.spaces[k.0], &k.1).unwrap();
+            assert_eq!(got.as_deref(), Some(v.as_slice()), "seed {seed}: verify {k:?}");
+        }
+        for i in 400..420 {
+            assert!(self.engine.get(self.spaces[0], &key(i)).unwrap().is_none(), "seed {seed}: phantom key");
+        }
+    }
+}
+
+#[test]
+fn engine_matches_a_btreemap_model() {
+    let seed = tidepool_testkit::seed_from_env("MODEL_SEED");
+    let ops: u32 = std::env::var("MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(6_000);
+    let (storage, mut config) = fault_storage();
+    // Small memory budgets so cells load, unload and use disk lookups.
+    config.index_memory_bytes = 48 << 10;
+    config.value_cache_bytes = 32 << 10;
+    let engine = open(&storage, &config).unwrap();
+    let spaces = [engine.key_space("default").unwrap(), engine.key_space("prefixed").unwrap()];
+    let mut harness = Harness {
+        rng: SmallRng::seed_from_u64(seed),
+        storage,
+        config,
+        engine,
+        spaces,
+        model: BTreeMap::new(),
+        version: 0,
+        seed,
+        flushes: 0,
+        cell_loads: 0,
+    };
+    for _ in 0..ops {
+        let op = harness.rng.random_range(0..100);
+        harness.step(op);
+    }
+    harness.verify_all();
+    let counters = harness.engine.metrics().counters;
+    let (flushes, loads) = (harness.flushes + counters.flushes, harness.cell_loads + counters.cell_loads);
+    println!("seed {seed}: {ops} operations, {} keys, {flushes} flushes, {loads} cell loads", harness.model.len());
+    assert!(flushes > 0 && loads > 0, "seed {seed}: the run must exercise flushing and loading");
+    harness.engine.close().unwrap();
+}
