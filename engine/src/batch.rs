@@ -81,7 +81,10 @@ impl Engine {
         let items: Vec<ItemSpec<'_>> = batch
             .ops
             .iter()
-            .map(|op| self.inner.item(op.space, op.op, &op.key, &op.value, epoch, op.tag))
+            .map(|op| {
+                self.inner
+                    .item(op.space, op.op, &op.key, &op.value, epoch, op.tag)
+            })
             .collect::<Result<_>>()?;
         let position = self.inner.write(&items, durability)?;
         crate::metrics::Metrics::add(&self.inner.metrics.counters.batches, 1);

@@ -234,7 +234,10 @@ impl Engine {
     pub fn drop_page_cache(&self) -> Result<()> {
         self.inner.values.sync_now()?;
         for segment in self.inner.values.segments() {
-            segment.file.evict_cache().map_err(|e| Error::io(&segment.path, e))?;
+            segment
+                .file
+                .evict_cache()
+                .map_err(|e| Error::io(&segment.path, e))?;
         }
         Ok(())
     }
@@ -253,7 +256,8 @@ impl Engine {
         let inner = &*self.inner;
         inner.health.check()?;
         self.stop_threads();
-        let result = crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
+        let result =
+            crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
         inner.health.close();
         inner.values.shutdown();
         inner.index.log.shutdown();

@@ -23,7 +23,9 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::index::entry::{Entry, Key, key_array};
 use crate::types::{Epoch, KeySpace, Tag, WalPosition};
-use crate::wal::format::{self, HeaderRead, ItemSpec, Kind, Op, RECORD_HEADER_BYTES, RecordHeader, RecordView};
+use crate::wal::format::{
+    self, HeaderRead, ItemSpec, Kind, Op, RECORD_HEADER_BYTES, RecordHeader, RecordView,
+};
 
 /// What an item of a replicated record does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,9 +139,9 @@ impl Engine {
             });
         }
         let len = format::record_len(format::entry_body_len(meta.len(), &specs));
-        let (position, locations) = inner
-            .values
-            .append(len, |buf, position| format::write_entry(buf, position, 0, meta, &specs))?;
+        let (position, locations) = inner.values.append(len, |buf, position| {
+            format::write_entry(buf, position, 0, meta, &specs)
+        })?;
         let end = position.add(len as u64);
         inner.values.wait_processed(end)?;
         crate::metrics::Metrics::add(&inner.metrics.counters.wal_bytes_written, len as u64);
@@ -152,14 +154,22 @@ impl Engine {
                 entry: Entry {
                     version: location.position.0,
                     location: location.position.0,
-                    len: if spec.op == Op::Delete { 0 } else { location.len },
+                    len: if spec.op == Op::Delete {
+                        0
+                    } else {
+                        location.len
+                    },
                     epoch: spec.epoch,
                     tag: spec.tag,
                     record_offset: (location.position.0 - position.0) as u32,
                 },
             })
             .collect();
-        Ok(Appended { position, end, items })
+        Ok(Appended {
+            position,
+            end,
+            items,
+        })
     }
 
     /// Points the index at every item of an appended record.
@@ -191,13 +201,21 @@ impl Engine {
         let mut appended_items = Vec::new();
         for (offset, item) in view.items() {
             let location = position.0 + offset as u64;
-            let op = if item.op == Op::Delete { ItemOp::Delete } else { ItemOp::Put };
+            let op = if item.op == Op::Delete {
+                ItemOp::Delete
+            } else {
+                ItemOp::Put
+            };
             let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
             appended_items.push(AppendedItem {
                 space: item.key_space,
                 key: key_array(item.key),
                 entry: Entry {
-                    version: if item.version == 0 { location } else { item.version },
+                    version: if item.version == 0 {
+                        location
+                    } else {
+                        item.version
+                    },
                     location,
                     len: if op == ItemOp::Delete { 0 } else { len as u32 },
                     epoch: item.epoch,
@@ -253,7 +271,10 @@ impl Engine {
     pub fn advance_epoch(&self, epoch: Epoch) -> Result<()> {
         let current = self.epoch();
         if epoch <= current {
-            return Err(Error::Config(format!("epoch {} is not after the current {}", epoch.0, current.0)));
+            return Err(Error::Config(format!(
+                "epoch {} is not after the current {}",
+                epoch.0, current.0
+            )));
         }
         self.inner.values.advance_epoch(epoch)
     }

@@ -51,10 +51,15 @@ fn pad_bound(bound: Bound<&[u8]>) -> Bound<Key> {
 impl Inner {
     /// The live entries of one cell, sorted: a consistent snapshot of its
     /// on-disk index and unflushed changes.
-    pub(crate) fn cell_entries(&self, space: &SpaceTable, id: &CellId) -> Result<Vec<(Key, Entry)>> {
+    pub(crate) fn cell_entries(
+        &self,
+        space: &SpaceTable,
+        id: &CellId,
+    ) -> Result<Vec<(Key, Entry)>> {
         for _ in 0..8 {
             let Some((changes, base, disk)) = space.with_cell(id, |cell| {
-                let changes: Vec<(Key, Entry)> = cell.changes.iter().map(|(k, e)| (*k, *e)).collect();
+                let changes: Vec<(Key, Entry)> =
+                    cell.changes.iter().map(|(k, e)| (*k, *e)).collect();
                 (changes, cell.base.clone(), cell.disk)
             }) else {
                 return Ok(Vec::new());
@@ -127,7 +132,13 @@ impl Iterator for Scan<'_> {
 impl Engine {
     /// Iterates the keys in `[lower, upper]` (as the bounds say) of a key
     /// space, in `direction`. Keys must have the key space's length.
-    pub fn scan(&self, space: KeySpace, lower: Bound<&[u8]>, upper: Bound<&[u8]>, direction: Direction) -> Result<Scan<'_>> {
+    pub fn scan(
+        &self,
+        space: KeySpace,
+        lower: Bound<&[u8]>,
+        upper: Bound<&[u8]>,
+        direction: Direction,
+    ) -> Result<Scan<'_>> {
         let inner = &*self.inner;
         inner.health.check()?;
         let table = crate::engine::space_index(inner, space)?;
@@ -150,7 +161,12 @@ impl Engine {
     }
 
     /// Iterates every key that starts with `prefix`, in `direction`.
-    pub fn scan_prefix(&self, space: KeySpace, prefix: &[u8], direction: Direction) -> Result<Scan<'_>> {
+    pub fn scan_prefix(
+        &self,
+        space: KeySpace,
+        prefix: &[u8],
+        direction: Direction,
+    ) -> Result<Scan<'_>> {
         let key_len = crate::engine::space_index(&self.inner, space)?.key_len();
         if prefix.len() > key_len {
             return Err(Error::WrongKeyLength {
@@ -163,13 +179,23 @@ impl Engine {
         low.resize(key_len, 0x00);
         let mut high = prefix.to_vec();
         high.resize(key_len, 0xFF);
-        self.scan(space, Bound::Included(&low), Bound::Included(&high), direction)
+        self.scan(
+            space,
+            Bound::Included(&low),
+            Bound::Included(&high),
+            direction,
+        )
     }
 
     /// The largest key smaller than `key`, with its value.
     pub fn last_before(&self, space: KeySpace, key: &[u8]) -> Result<Option<(Vec<u8>, Bytes)>> {
-        self.scan(space, Bound::Unbounded, Bound::Excluded(key), Direction::Reverse)?
-            .next()
-            .transpose()
+        self.scan(
+            space,
+            Bound::Unbounded,
+            Bound::Excluded(key),
+            Direction::Reverse,
+        )?
+        .next()
+        .transpose()
     }
 }

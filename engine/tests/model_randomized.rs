@@ -55,7 +55,11 @@ impl Harness {
     }
 
     fn durability(&mut self) -> Durability {
-        if self.rng.random_bool(0.1) { Durability::Synced } else { Durability::Buffered }
+        if self.rng.random_bool(0.1) {
+            Durability::Synced
+        } else {
+            Durability::Buffered
+        }
     }
 
     fn step(&mut self, op: u32) {
@@ -78,12 +82,20 @@ impl Harness {
             55..=79 => {
                 let k = self.random_key();
                 let got = self.engine.get(self.spaces[k.0], &k.1).unwrap();
-                assert_eq!(got.as_deref(), self.model.get(&k).map(Vec::as_slice), "seed {seed}: get {k:?}");
+                assert_eq!(
+                    got.as_deref(),
+                    self.model.get(&k).map(Vec::as_slice),
+                    "seed {seed}: get {k:?}"
+                );
             }
             80..=87 => {
                 let k = self.random_key();
                 let got = self.engine.exists(self.spaces[k.0], &k.1).unwrap();
-                assert_eq!(got, self.model.contains_key(&k), "seed {seed}: exists {k:?}");
+                assert_eq!(
+                    got,
+                    self.model.contains_key(&k),
+                    "seed {seed}: exists {k:?}"
+                );
             }
             88..=90 => self.scan(),
             91..=93 => self.engine.flush().unwrap(),
@@ -124,7 +136,11 @@ impl Harness {
             // A prefix scan of the prefixed key space, either direction.
             let prefix = self.rng.random_range(0..5u32).to_be_bytes();
             let reverse = self.rng.random_bool(0.5);
-            let direction = if reverse { Direction::Reverse } else { Direction::Forward };
+            let direction = if reverse {
+                Direction::Reverse
+            } else {
+                Direction::Forward
+            };
             let got: Vec<(Vec<u8>, Vec<u8>)> = self
                 .engine
                 .scan_prefix(self.spaces[1], &prefix, direction)
@@ -141,17 +157,27 @@ impl Harness {
             if reverse {
                 expected.reverse();
             }
-            assert_eq!(got, expected, "seed {seed}: prefix scan {prefix:?} {direction:?}");
+            assert_eq!(
+                got, expected,
+                "seed {seed}: prefix scan {prefix:?} {direction:?}"
+            );
         } else {
             // "Largest key smaller than" in the uniform key space.
             let probe = key(self.rng.random_range(0..400u64)).to_vec();
             let got = self.engine.last_before(self.spaces[0], &probe).unwrap();
             let expected = self
                 .model
-                .range((Bound::Included((0, vec![])), Bound::Excluded((0, probe.clone()))))
+                .range((
+                    Bound::Included((0, vec![])),
+                    Bound::Excluded((0, probe.clone())),
+                ))
                 .next_back()
                 .map(|((_, k), v)| (k.clone(), v.clone()));
-            assert_eq!(got.map(|(k, v)| (k, v.to_vec())), expected, "seed {seed}: last_before");
+            assert_eq!(
+                got.map(|(k, v)| (k, v.to_vec())),
+                expected,
+                "seed {seed}: last_before"
+            );
         }
     }
 
@@ -177,10 +203,17 @@ impl Harness {
         let seed = self.seed;
         for (k, v) in &self.model {
             let got = self.engine.get(self.spaces[k.0], &k.1).unwrap();
-            assert_eq!(got.as_deref(), Some(v.as_slice()), "seed {seed}: verify {k:?}");
+            assert_eq!(
+                got.as_deref(),
+                Some(v.as_slice()),
+                "seed {seed}: verify {k:?}"
+            );
         }
         for i in 400..420 {
-            assert!(self.engine.get(self.spaces[0], &key(i)).unwrap().is_none(), "seed {seed}: phantom key");
+            assert!(
+                self.engine.get(self.spaces[0], &key(i)).unwrap().is_none(),
+                "seed {seed}: phantom key"
+            );
         }
     }
 }
@@ -188,13 +221,19 @@ impl Harness {
 #[test]
 fn engine_matches_a_btreemap_model() {
     let seed = tidepool_testkit::seed_from_env("MODEL_SEED");
-    let ops: u32 = std::env::var("MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(6_000);
+    let ops: u32 = std::env::var("MODEL_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6_000);
     let (storage, mut config) = fault_storage();
     // Small memory budgets so cells load, unload and use disk lookups.
     config.index_memory_bytes = 48 << 10;
     config.value_cache_bytes = 32 << 10;
     let engine = open(&storage, &config).unwrap();
-    let spaces = [engine.key_space("default").unwrap(), engine.key_space("prefixed").unwrap()];
+    let spaces = [
+        engine.key_space("default").unwrap(),
+        engine.key_space("prefixed").unwrap(),
+    ];
     let mut harness = Harness {
         rng: SmallRng::seed_from_u64(seed),
         storage,
@@ -213,8 +252,17 @@ fn engine_matches_a_btreemap_model() {
     }
     harness.verify_all();
     let counters = harness.engine.metrics().counters;
-    let (flushes, loads) = (harness.flushes + counters.flushes, harness.cell_loads + counters.cell_loads);
-    println!("seed {seed}: {ops} operations, {} keys, {flushes} flushes, {loads} cell loads", harness.model.len());
-    assert!(flushes > 0 && loads > 0, "seed {seed}: the run must exercise flushing and loading");
+    let (flushes, loads) = (
+        harness.flushes + counters.flushes,
+        harness.cell_loads + counters.cell_loads,
+    );
+    println!(
+        "seed {seed}: {ops} operations, {} keys, {flushes} flushes, {loads} cell loads",
+        harness.model.len()
+    );
+    assert!(
+        flushes > 0 && loads > 0,
+        "seed {seed}: the run must exercise flushing and loading"
+    );
     harness.engine.close().unwrap();
 }

@@ -9,7 +9,9 @@
 //! 8   u16      key length
 //! 10  u16      entry size
 //! 12  u32      bloom bytes
-//! 16  u64      reserved (0)
+//! 16  u32      CRC32 of the bloom bytes (a lookup may read the bloom
+//!              alone, without the record's checksum)
+//! 20  u32      reserved (0)
 //! 24  bloom    (padded to 8)
 //! ..  entries  sorted by key
 //! ```
@@ -34,10 +36,14 @@ pub(crate) struct DiskRef {
 }
 
 impl DiskRef {
-    /// Log position of the encoded bloom filter.
-    pub fn bloom_position(&self) -> WalPosition {
-        self.position
-            .add((RECORD_HEADER_BYTES + BLOB_HEADER_BYTES) as u64)
+    /// Log position of the blob header (the bloom filter follows it).
+    pub fn header_position(&self) -> WalPosition {
+        self.position.add(RECORD_HEADER_BYTES as u64)
+    }
+
+    /// Bytes of the blob header and bloom filter.
+    pub fn header_and_bloom_len(&self) -> usize {
+        BLOB_HEADER_BYTES + self.bloom_len as usize
     }
 
     /// Log position of entry `i`.
@@ -79,8 +85,11 @@ pub(crate) fn encode(
     body.extend_from_slice(&(layout.key_len as u16).to_le_bytes());
     body.extend_from_slice(&(layout.size() as u16).to_le_bytes());
     body.extend_from_slice(&(bloom_len as u32).to_le_bytes());
-    body.extend_from_slice(&[0u8; 8]);
-    bloom.encode(&mut body);
+    let mut encoded_bloom = Vec::with_capacity(bloom_len);
+    bloom.encode(&mut encoded_bloom);
+    body.extend_from_slice(&crc32fast::hash(&encoded_bloom).to_le_bytes());
+    body.extend_from_slice(&[0u8; 4]);
+    body.extend_from_slice(&encoded_bloom);
     body.resize(BLOB_HEADER_BYTES + align8(bloom_len), 0);
     let start = body.len();
     body.resize(start + entries.len() * layout.size(), 0);
@@ -89,6 +98,21 @@ pub(crate) fn encode(
         layout.encode(key, entry, &mut body[at..at + layout.size()]);
     }
     (body, bloom, bloom_len as u32)
+}
+
+/// Decodes the bloom filter from the blob header and bloom bytes (read
+/// alone by lookups), verifying its checksum.
+pub(crate) fn decode_bloom(bytes: &[u8], expected: &DiskRef) -> Result<Bloom, Malformed> {
+    if bytes.len() != expected.header_and_bloom_len() || &bytes[..4] != MAGIC {
+        return Err(Malformed("not an index blob header".into()));
+    }
+    let stored_len = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
+    let stored_crc = u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes"));
+    let encoded = &bytes[BLOB_HEADER_BYTES..];
+    if stored_len != expected.bloom_len || crc32fast::hash(encoded) != stored_crc {
+        return Err(Malformed("bloom filter checksum mismatch".into()));
+    }
+    Bloom::decode(encoded).ok_or_else(|| Malformed("bad bloom filter".into()))
 }
 
 /// Decodes a whole blob body (from a verified record), checking every
@@ -113,8 +137,7 @@ pub(crate) fn decode(
     if body.len() != body_len(bloom_len as usize, count as usize, layout) {
         return Err(Malformed("index blob has the wrong length".into()));
     }
-    let bloom = Bloom::decode(&body[BLOB_HEADER_BYTES..BLOB_HEADER_BYTES + bloom_len as usize])
-        .ok_or_else(|| Malformed("bad bloom filter in index blob".into()))?;
+    let bloom = decode_bloom(&body[..BLOB_HEADER_BYTES + bloom_len as usize], expected)?;
     let start = BLOB_HEADER_BYTES + align8(bloom_len as usize);
     let mut entries: Vec<(Key, Entry)> = Vec::with_capacity(count as usize);
     for chunk in body[start..].chunks_exact(layout.size()) {
@@ -163,6 +186,14 @@ mod tests {
         assert_eq!(decoded, entries);
         assert_eq!(decoded_bloom, bloom);
         assert_eq!(record_len(body.len()), disk.record_len(&layout));
+        let header = &body[..disk.header_and_bloom_len()];
+        assert_eq!(decode_bloom(header, &disk).unwrap(), bloom);
+        let mut damaged = header.to_vec();
+        damaged[40] ^= 4;
+        assert!(
+            decode_bloom(&damaged, &disk).is_err(),
+            "a damaged bloom filter is detected"
+        );
         let first = disk.entry_position(&layout, 0).0 as usize - RECORD_HEADER_BYTES;
         assert_eq!(
             layout.decode(&body[first..first + layout.size()]),

@@ -62,12 +62,12 @@ impl IndexStore {
         blob::decode(layout, view.body, disk).map_err(|m| self.corrupt(disk.position, m.0))
     }
 
-    /// Reads a blob's bloom filter.
+    /// Reads and verifies a blob's bloom filter.
     pub fn load_bloom(&self, disk: &DiskRef) -> Result<Bloom> {
         let bytes = self
             .log
-            .read(disk.bloom_position(), disk.bloom_len as usize)?;
-        Bloom::decode(&bytes).ok_or_else(|| self.corrupt(disk.bloom_position(), "bad bloom filter"))
+            .read(disk.header_position(), disk.header_and_bloom_len())?;
+        blob::decode_bloom(&bytes, disk).map_err(|m| self.corrupt(disk.header_position(), m.0))
     }
 
     /// Looks `key` up in a blob with the optimistic window lookup.

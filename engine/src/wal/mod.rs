@@ -338,7 +338,11 @@ impl Drop for Log {
 
 impl Shared {
     fn active_id(&self) -> Result<SegmentId> {
-        self.current.load().as_ref().map(|a| a.segment.id).ok_or(Error::Closed)
+        self.current
+            .load()
+            .as_ref()
+            .map(|a| a.segment.id)
+            .ok_or(Error::Closed)
     }
 
     fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod workload;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -35,8 +37,14 @@ pub fn value(key: u64, version: u64, len: usize) -> Vec<u8> {
 
 /// Parses the version out of [`value`]'s output.
 pub fn version_of(value: &[u8]) -> u64 {
-    let text = std::str::from_utf8(&value[..value.iter().position(|&b| b == b':').expect("marker")]).expect("ascii");
-    text.split('v').nth(1).expect("version").parse().expect("number")
+    let text =
+        std::str::from_utf8(&value[..value.iter().position(|&b| b == b':').expect("marker")])
+            .expect("ascii");
+    text.split('v')
+        .nth(1)
+        .expect("version")
+        .parse()
+        .expect("number")
 }
 
 /// The in-memory storage used by the model and crash tests, with its
@@ -71,7 +79,10 @@ pub fn on_block_device(path: &Path) -> bool {
     let mut best: Option<(usize, String)> = None;
     for line in mounts.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() >= 3 && path.starts_with(fields[1]) && best.as_ref().is_none_or(|(len, _)| fields[1].len() > *len) {
+        if fields.len() >= 3
+            && path.starts_with(fields[1])
+            && best.as_ref().is_none_or(|(len, _)| fields[1].len() > *len)
+        {
             best = Some((fields[1].len(), fields[2].to_string()));
         }
     }
