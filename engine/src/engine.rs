@@ -487,11 +487,16 @@ impl Inner {
         }
         Metrics::add(&counters.cache_misses, 1);
         let position = WalPosition(entry.location);
-        let bytes = self.values.read(position, entry.len as usize)?;
         let corrupt = |detail: String| Error::Corrupt {
             file: "value WAL".into(),
             position,
             detail,
+        };
+        let bytes = match self.values.read(position, entry.len as usize) {
+            Err(Error::NoRecord(_)) => {
+                return Err(corrupt("the value's segment is missing".into()));
+            }
+            other => other?,
         };
         let (item, _) = format::decode_item(&bytes).map_err(|m| corrupt(m.0))?;
         if item.key != &key[..space.key_len()] || item.op != Op::Put {

@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::engine::Inner;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::table::CellId;
 use crate::table::cell::merge;
@@ -60,7 +60,7 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
         Ok(result) => result,
         Err(error) => {
             space.with_cell(id, |cell| cell.flushing = false);
-            return Err(inner.health.poison_with(error));
+            return Err(inner.health.poison_unless_full(error));
         }
     };
     let index_bytes = written
@@ -107,11 +107,11 @@ fn is_flushing(inner: &Inner, space: u8, id: &CellId) -> bool {
 pub(crate) fn run_flusher(inner: Arc<Inner>) {
     while !inner.shutdown.load(Ordering::Acquire) && !inner.health.is_poisoned() {
         match inner.flush_rx.recv_timeout(Duration::from_millis(50)) {
-            Ok((space, id)) => {
-                if flush_cell(&inner, space, &id).is_err() {
-                    return;
-                }
-            }
+            // A full disk leaves the cell dirty; maintenance queues it again.
+            Ok((space, id)) => match flush_cell(&inner, space, &id) {
+                Ok(_) | Err(Error::DiskFull(_)) => {}
+                Err(_) => return,
+            },
             Err(_) => continue,
         }
     }
@@ -137,9 +137,13 @@ pub(crate) fn run_maintenance(inner: Arc<Inner>) {
         let result = schedule_flushes(&inner)
             .map(|()| unload_under_pressure(&inner))
             .and_then(|()| crate::snapshot::write_snapshot(&inner));
-        if let Err(error) = result {
-            inner.health.poison(format!("maintenance failed: {error}"));
-            return;
+        match result {
+            // Nothing was written; try again next round.
+            Ok(()) | Err(Error::DiskFull(_)) => {}
+            Err(error) => {
+                inner.health.poison(format!("maintenance failed: {error}"));
+                return;
+            }
         }
     }
 }

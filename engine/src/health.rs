@@ -43,6 +43,16 @@ impl Health {
         self.poisoned.store(true, Ordering::Release);
     }
 
+    /// Poisons with `error` as the reason and returns it — unless the error
+    /// is a full disk, which only means nothing could be written (a file
+    /// could not be created): nothing on disk is in doubt.
+    pub fn poison_unless_full(&self, error: Error) -> Error {
+        if matches!(error, Error::DiskFull(_)) {
+            return error;
+        }
+        self.poison_with(error)
+    }
+
     /// Poisons with `error` as the reason and returns it.
     pub fn poison_with(&self, error: Error) -> Error {
         self.poison(error.to_string());

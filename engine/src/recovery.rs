@@ -258,12 +258,10 @@ fn recover_values(
 ) -> Result<Log> {
     let opts = log_options(config, LogKind::Values, control.log_id);
     let segments = replay::open_segments(&**storage, &opts)?;
-    let first_replayed = SegmentId(control.replay_from.0 / opts.segment_size);
-    if let Some((id, reason)) = segments
-        .unreadable
-        .iter()
-        .find(|(id, _)| *id < first_replayed)
-    {
+    // A segment that starts below the replay position held data the index
+    // points at (or that replay needs): unreadable, it is damage.
+    let starts_below = |id: &SegmentId| id.0 * opts.segment_size < control.replay_from.0;
+    if let Some((id, reason)) = segments.unreadable.iter().find(|(id, _)| starts_below(id)) {
         return Err(Error::Corrupt {
             file: opts.dir.clone(),
             position: WalPosition(id.0 * opts.segment_size),
@@ -271,7 +269,11 @@ fn recover_values(
         });
     }
     let end = replay::replay(&opts, &segments.valid, control.replay_from, visit)?;
-    if end.end < control.synced && config.recovery == RecoveryMode::Strict {
+    // Damage to synced data must not pass for a torn tail: the snapshot's
+    // watermark may be old, so also look for sync marks past the end.
+    let marked = replay::scan_sync_marks(&opts, &segments.valid, end.end)?;
+    let durable = control.synced.max(WalPosition(marked));
+    if end.end < durable && config.recovery == RecoveryMode::Strict {
         let detail = match end.stop {
             Stop::Bad { detail } => detail,
             Stop::End => "the log ends early".to_string(),
@@ -279,7 +281,7 @@ fn recover_values(
         return Err(Error::Corrupt {
             file: opts.dir.clone(),
             position: end.end,
-            detail: format!("{detail}; the log was durable up to {}", control.synced),
+            detail: format!("{detail}; the log was durable up to {durable}"),
         });
     }
     let next = replay::seal_tail(&opts, &segments.valid, control.replay_from, end.end)?;

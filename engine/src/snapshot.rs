@@ -71,7 +71,7 @@ pub(crate) fn write_snapshot(inner: &Inner) -> Result<()> {
     };
     let path = inner.config.dir.join(CONTROL_FILE);
     write_file_atomically(&*inner.storage, &path, &data.encode())
-        .map_err(|e| inner.health.poison_with(Error::io(&path, e)))?;
+        .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
     Metrics::add(&inner.metrics.counters.snapshots, 1);
     collect_index_garbage(inner, &data)?;
     *last = Some(data);

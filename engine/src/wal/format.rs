@@ -6,7 +6,8 @@
 //! ```text
 //! record header (16 bytes)
 //!   0  u32  body_len       bytes of body after the header
-//!   4  u8   kind           1 pad, 2 segment header, 3 entry, 4 index blob
+//!   4  u8   kind           1 pad, 2 segment header, 3 entry, 4 index blob,
+//!                          5 sync mark
 //!   5  u8   flags          entries: APPLIED, RELOCATED
 //!   6  u16  item_count     entries: number of items
 //!   8  u32  crc            see `record_crc`
@@ -53,6 +54,10 @@ pub(crate) enum Kind {
     Entry = 3,
     /// A flushed cell index (index log only).
     IndexBlob = 4,
+    /// "Everything below this position was synced": body is the position,
+    /// u64. Written after syncs, it lets recovery tell damage to synced
+    /// data from a torn tail.
+    SyncMark = 5,
 }
 
 impl Kind {
@@ -62,6 +67,7 @@ impl Kind {
             2 => Kind::SegmentHeader,
             3 => Kind::Entry,
             4 => Kind::IndexBlob,
+            5 => Kind::SyncMark,
             _ => return None,
         })
     }

@@ -74,6 +74,8 @@ pub(crate) struct Shared {
     synced: AtomicU64,
     sync: SyncState,
     epoch: AtomicU32,
+    /// End of the last sync mark written.
+    last_mark_end: AtomicU64,
     shutdown: AtomicBool,
 }
 
@@ -136,6 +138,7 @@ impl Log {
             synced: AtomicU64::new(base),
             sync: SyncState::default(),
             epoch: AtomicU32::new(epoch.0),
+            last_mark_end: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
         });
         shared.tracker.done(base, base + HEADER_RECORD_BYTES);
@@ -155,41 +158,7 @@ impl Log {
         len: usize,
         write: impl FnOnce(&mut [u8], WalPosition) -> R,
     ) -> Result<(WalPosition, R)> {
-        let shared = &*self.shared;
-        debug_assert_eq!(len % 8, 0);
-        if len as u64 > shared.opts.max_record_bytes() {
-            return Err(Error::TooLarge {
-                what: "record",
-                got: len as u64,
-                max: shared.opts.max_record_bytes(),
-            });
-        }
-        loop {
-            shared.health.check()?;
-            let guard = shared.current.load();
-            let Some(active) = guard.as_ref() else {
-                return Err(Error::Closed);
-            };
-            match active.mapping.claim(len as u64) {
-                Ok(mut region) => {
-                    let start = active.base + region.offset();
-                    let mut claimed = Claimed {
-                        shared,
-                        start,
-                        end: start + len as u64,
-                        finished: false,
-                    };
-                    let result = write(&mut region, WalPosition(start));
-                    claimed.finished = true;
-                    return Ok((WalPosition(start), result));
-                }
-                Err(ClaimError::Full { .. }) => {
-                    let full = active.segment.id;
-                    drop(guard);
-                    shared.rotate(full, None)?;
-                }
-            }
-        }
+        self.shared.append(len, write)
     }
 
     /// Reads `buf.len()` bytes at `position`.
@@ -337,6 +306,67 @@ impl Drop for Log {
 }
 
 impl Shared {
+    fn append<R>(
+        &self,
+        len: usize,
+        write: impl FnOnce(&mut [u8], WalPosition) -> R,
+    ) -> Result<(WalPosition, R)> {
+        debug_assert_eq!(len % 8, 0);
+        if len as u64 > self.opts.max_record_bytes() {
+            return Err(Error::TooLarge {
+                what: "record",
+                got: len as u64,
+                max: self.opts.max_record_bytes(),
+            });
+        }
+        loop {
+            self.health.check()?;
+            let guard = self.current.load();
+            let Some(active) = guard.as_ref() else {
+                return Err(Error::Closed);
+            };
+            match active.mapping.claim(len as u64) {
+                Ok(mut region) => {
+                    let start = active.base + region.offset();
+                    let mut claimed = Claimed {
+                        shared: self,
+                        start,
+                        end: start + len as u64,
+                        finished: false,
+                    };
+                    let result = write(&mut region, WalPosition(start));
+                    claimed.finished = true;
+                    return Ok((WalPosition(start), result));
+                }
+                Err(ClaimError::Full { .. }) => {
+                    let full = active.segment.id;
+                    drop(guard);
+                    self.rotate(full, None)?;
+                }
+            }
+        }
+    }
+
+    /// After a sync that made new data durable, records the synced
+    /// watermark in the log itself (a sync mark), so that recovery can tell
+    /// damage to synced data from a torn tail even if the last snapshot is
+    /// old. A sync that covered only the previous mark writes none (an idle
+    /// log stays idle). Failures are ignored: marks are an aid, not data.
+    fn append_sync_mark(&self, synced: u64) {
+        if synced <= self.last_mark_end.load(Ordering::Acquire) {
+            return;
+        }
+        let body = synced.to_le_bytes();
+        let len = format::record_len(body.len());
+        let written = self.append(len, |buf, position| {
+            format::write_plain(buf, position, format::Kind::SyncMark, &body);
+            position.0 + len as u64
+        });
+        if let Ok((_, end)) = written {
+            self.last_mark_end.fetch_max(end, Ordering::AcqRel);
+        }
+    }
+
     fn active_id(&self) -> Result<SegmentId> {
         self.current
             .load()

@@ -149,6 +149,7 @@ pub(crate) fn replay(
                 }
                 Kind::SegmentHeader => return Ok(bad(position, "segment header inside a segment")),
                 Kind::Entry | Kind::IndexBlob => visit(WalPosition(position), &view)?,
+                Kind::SyncMark => {}
             }
             position += len as u64;
             offset += len as u64;
@@ -231,7 +232,11 @@ pub(crate) fn seal_tail(
     if offset == 0 {
         return Ok(SegmentId(end.0 / size));
     }
-    let segment = &segments[&SegmentId(end.0 / size)];
+    let Some(segment) = segments.get(&SegmentId(end.0 / size)) else {
+        // The segment is gone (damage accepted by the recovery mode):
+        // nothing to pad.
+        return Ok(SegmentId(end.0 / size + 1));
+    };
     if size - offset >= RECORD_HEADER_BYTES as u64 {
         let mut pad = [0u8; RECORD_HEADER_BYTES];
         crate::wal::format::write_pad(&mut pad, end);
@@ -245,4 +250,37 @@ pub(crate) fn seal_tail(
             .map_err(|e| Error::io(&segment.path, e))?;
     }
     Ok(SegmentId(end.0 / size + 1))
+}
+
+/// The highest synced watermark claimed by a valid sync mark at or after
+/// `from`, found by checking every 8-byte boundary (the records around a
+/// damaged one cannot be trusted to say where the next starts). A mark's
+/// checksum covers its position, so garbage does not pass for one.
+pub(crate) fn scan_sync_marks(
+    opts: &LogOptions,
+    segments: &BTreeMap<SegmentId, Arc<SegmentFile>>,
+    from: WalPosition,
+) -> Result<u64> {
+    let size = opts.segment_size;
+    let mark_len = crate::wal::format::record_len(8);
+    let mut highest = 0;
+    for (id, segment) in segments.range(SegmentId(from.0 / size)..) {
+        let base = id.0 * size;
+        let mut reader = ChunkReader::new(&*segment.file, size);
+        let mut offset = from.0.saturating_sub(base).max(HEADER_RECORD_BYTES);
+        while offset + mark_len as u64 <= size {
+            let bytes = reader
+                .get(offset, mark_len)
+                .map_err(|e| Error::io(&segment.path, e))?;
+            if bytes[4] == Kind::SyncMark as u8
+                && let Ok(view) = RecordView::verify(WalPosition(base + offset), bytes)
+                && view.header.kind == Kind::SyncMark
+            {
+                let synced = u64::from_le_bytes(view.body.try_into().expect("8-byte mark"));
+                highest = highest.max(synced);
+            }
+            offset += 8;
+        }
+    }
+    Ok(highest)
 }

@@ -228,6 +228,7 @@ pub(crate) fn run_syncer(shared: Arc<Shared>) {
             state.wake();
             return;
         }
+        let before = shared.synced.load(Ordering::Acquire);
         if let Err(error) = shared.sync_to_processed() {
             shared
                 .health
@@ -236,5 +237,9 @@ pub(crate) fn run_syncer(shared: Arc<Shared>) {
             return;
         }
         state.synced.notify_all();
+        let synced = shared.synced.load(Ordering::Acquire);
+        if synced > before {
+            shared.append_sync_mark(synced);
+        }
     }
 }

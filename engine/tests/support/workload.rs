@@ -127,8 +127,32 @@ pub fn assert_prefix(
     if max >= min && model == *state {
         return;
     }
+    let expected = {
+        let mut m = Model::new();
+        for (op, _) in &ops[..min] {
+            apply_model(&mut m, op);
+        }
+        m
+    };
+    let differing: Vec<u64> = (0..KEYS)
+        .filter(|k| expected.get(k) != state.get(k))
+        .collect();
+    let describe = |m: &Model, k: u64| {
+        m.get(&k)
+            .map(|v| String::from_utf8_lossy(&v[..v.len().min(12)]).into_owned())
+    };
+    let details: Vec<String> = differing
+        .iter()
+        .map(|k| {
+            format!(
+                "key {k}: expected {:?}, got {:?}",
+                describe(&expected, *k),
+                describe(state, *k)
+            )
+        })
+        .collect();
     panic!(
-        "{context}: recovered state is no prefix of the workload of length in [{min}, {max}]: keys {:?}",
+        "{context}: after {min} ops differs at {details:?}; recovered state is no prefix of the workload of length in [{min}, {max}]: keys {:?}",
         state.keys().collect::<Vec<_>>()
     );
 }
