@@ -57,8 +57,10 @@ ci: ## The gate: format, lints, dependency rules, docs, all tests.
 	$(MAKE) --no-print-directory test; \
 	echo "ci: passed in $$(( $$(date +%s) - start ))s"
 
-bench: ## Benchmarks (builds heavy peers such as RocksDB).
-	@echo "bench: not yet — the engine benchmarks arrive with issues 3 and 5"; exit 1
+BENCH_SECONDS ?= 10
+
+bench: ## Benchmarks: engine put throughput (1 and 2 threads) vs the memcpy limit.
+	$(CARGO) run --release -p tidepool-benchmarks --bin engine-put -- --seconds $(BENCH_SECONDS)
 
 e2e: ## End-to-end scenarios on real processes and a real etcd.
 	@echo "e2e: not yet — the end-to-end suite arrives with issue 9"; exit 1

@@ -360,7 +360,7 @@ impl Inner {
         Metrics::add(&counters.puts, items.len() as u64 - deletes);
         Metrics::add(&counters.deletes, deletes);
         Metrics::add(&counters.wal_bytes_written, len as u64);
-        let end = position.add(len as u64);
+        let end = position.plus(len as u64);
         match durability {
             Durability::Buffered => self.values.wait_processed(end)?,
             Durability::Synced => self.values.wait_synced(end)?,

@@ -1,4 +1,54 @@
-//! Tidepool's local storage engine (being built in issue 3).
+//! Tidepool's local storage engine: a WAL-as-store for fixed-size keys,
+//! after the TideHunter design.
+//!
+//! Values are written once, into pre-allocated memory-mapped segments of a
+//! write-ahead log that *is* the permanent store. A Large Table of cells
+//! maps keys to WAL positions; dirty cells are flushed lazily into an
+//! append-only index log; a control region snapshot says where every cell's
+//! index is and where recovery replays from. Reads cost one small `pread`
+//! (the index is in memory, or one window of it is read). See
+//! `ARCHITECTURE.md` and `docs/design/` for the formats, the cell states, the
+//! flush and recovery sequences, and why nothing acknowledged is lost.
+//!
+//! What this crate is **not**: it is not replicated, not networked and not
+//! asynchronous. It runs on std threads, depends on no async runtime, RPC or
+//! Raft crate, and keeps every `unsafe` block in [`storage`], the one I/O
+//! seam (which has a fault-injecting twin for crash tests).
+//!
+//! # Example
+//!
+//! ```
+//! use tidepool_engine::{Config, Durability, Engine};
+//!
+//! # fn main() -> Result<(), tidepool_engine::Error> {
+//! let dir = tempfile::tempdir().expect("temp dir");
+//! let engine = Engine::open(Config::for_tests(dir.path()))?;
+//! let blobs = engine.key_space("default")?;
+//! let key = [7u8; 32];
+//! engine.put(blobs, &key, b"hello", Durability::Synced)?;
+//! assert_eq!(engine.get(blobs, &key)?.as_deref(), Some(&b"hello"[..]));
+//! assert!(engine.exists(blobs, &key)?);
+//! engine.delete(blobs, &key, Durability::Buffered)?;
+//! assert_eq!(engine.get(blobs, &key)?, None);
+//! engine.close()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Durability
+//!
+//! Every write names its [`Durability`]: `Buffered` returns once the record
+//! (and every record before it) is copied into the mapped WAL — it survives
+//! a crash of the process; `Synced` returns once it is `fsync`ed — it survives
+//! power loss. [`Engine::wait_synced`] waits for any position. After a
+//! failed write or `fsync` the engine is poisoned and refuses further I/O
+//! until reopened.
+//!
+//! # Replication
+//!
+//! [`Engine::append`], [`Engine::apply`] and [`Engine::read_record`] let a
+//! Raft layer use the WAL as its log, so a replicated value reaches each
+//! replica's disk once (see the `replication` module docs).
 
 mod batch;
 mod cache;

@@ -75,7 +75,7 @@ impl AppendedItem {
 }
 
 /// A record written by [`Engine::append`] (or read back by
-/// [`Engine::appended_at`]), ready to be applied.
+/// [`Engine::read_record`]), ready to be applied.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Appended {
     /// Position of the record.
@@ -142,7 +142,7 @@ impl Engine {
         let (position, locations) = inner.values.append(len, |buf, position| {
             format::write_entry(buf, position, 0, meta, &specs)
         })?;
-        let end = position.add(len as u64);
+        let end = position.plus(len as u64);
         inner.values.wait_processed(end)?;
         crate::metrics::Metrics::add(&inner.metrics.counters.wal_bytes_written, len as u64);
         let items = specs
@@ -234,7 +234,7 @@ impl Engine {
         }
         let appended = Appended {
             position,
-            end: position.add(bytes.len() as u64),
+            end: position.plus(bytes.len() as u64),
             items: appended_items,
         };
         Ok(RecordData {

@@ -15,7 +15,7 @@ pub struct WalPosition(pub u64);
 
 impl WalPosition {
     /// The position `bytes` further on.
-    pub fn add(self, bytes: u64) -> WalPosition {
+    pub fn plus(self, bytes: u64) -> WalPosition {
         WalPosition(self.0 + bytes)
     }
 }

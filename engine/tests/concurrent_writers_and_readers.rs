@@ -22,7 +22,7 @@ const OPS_PER_WRITER: u64 = 3_000;
 
 /// Versions of a key are numbered from 1; every fifth is a delete.
 fn is_delete(version: u64) -> bool {
-    version % 5 == 0
+    version.is_multiple_of(5)
 }
 
 struct Shadow {

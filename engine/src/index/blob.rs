@@ -38,7 +38,7 @@ pub(crate) struct DiskRef {
 impl DiskRef {
     /// Log position of the blob header (the bloom filter follows it).
     pub fn header_position(&self) -> WalPosition {
-        self.position.add(RECORD_HEADER_BYTES as u64)
+        self.position.plus(RECORD_HEADER_BYTES as u64)
     }
 
     /// Bytes of the blob header and bloom filter.
@@ -49,7 +49,7 @@ impl DiskRef {
     /// Log position of entry `i`.
     pub fn entry_position(&self, layout: &EntryLayout, i: usize) -> WalPosition {
         let first = RECORD_HEADER_BYTES + BLOB_HEADER_BYTES + align8(self.bloom_len as usize);
-        self.position.add((first + i * layout.size()) as u64)
+        self.position.plus((first + i * layout.size()) as u64)
     }
 
     /// Bytes of the whole record.

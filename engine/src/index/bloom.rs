@@ -81,7 +81,7 @@ impl Bloom {
 
     /// Decodes what [`Bloom::encode`] wrote.
     pub fn decode(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() < 12 || (bytes.len() - 4) % 8 != 0 {
+        if bytes.len() < 12 || !(bytes.len() - 4).is_multiple_of(8) {
             return None;
         }
         let hashes = u32::from_le_bytes(bytes[..4].try_into().ok()?);

@@ -129,8 +129,15 @@ impl StorageFile for DiskFile {
         // expected to truncate or write these files while they are mapped
         // (if one did, accesses could fault — the usual mmap caveat). The
         // space is reserved by `fallocate`, so writes cannot fault on a full
-        // disk.
-        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&self.file)? };
+        // disk. `populate` faults the pages in now, on the thread that maps
+        // (the allocator, ahead of need), so writers do not pay for the
+        // kernel zero-filling each fresh page.
+        let mut map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .populate()
+                .map_mut(&self.file)?
+        };
         let base = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
         // SAFETY: `base` points to the `len` bytes of `map`, which the mapping

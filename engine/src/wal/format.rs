@@ -273,7 +273,7 @@ pub(crate) fn write_entry(
         let slot = &mut body[at..at + align8(item_len)];
         write_item(slot, item);
         record_crc.update(&slot[..ITEM_HEADER_BYTES]);
-        let item_position = position.add((RECORD_HEADER_BYTES + at) as u64);
+        let item_position = position.plus((RECORD_HEADER_BYTES + at) as u64);
         locations.push(ItemLocation {
             position: item_position,
             len: item_len as u32,

@@ -412,7 +412,6 @@ impl Shared {
             if rest.len() >= format::RECORD_HEADER_BYTES {
                 format::write_pad(&mut rest, WalPosition(start));
             }
-            drop(rest);
             self.tracker.done(start, end);
         }
         let epoch = epoch.unwrap_or(Epoch(self.epoch.load(Ordering::Acquire)));
