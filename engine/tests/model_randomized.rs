@@ -161,6 +161,40 @@ impl Harness {
                 got, expected,
                 "seed {seed}: prefix scan {prefix:?} {direction:?}"
             );
+        } else if self.rng.random_bool(0.5) {
+            // A bounded range scan of the uniform key space.
+            let mut bounds = [
+                key(self.rng.random_range(0..400u64)).to_vec(),
+                key(self.rng.random_range(0..400u64)).to_vec(),
+            ];
+            bounds.sort();
+            let reverse = self.rng.random_bool(0.5);
+            let direction = if reverse {
+                Direction::Reverse
+            } else {
+                Direction::Forward
+            };
+            let got: Vec<(Vec<u8>, Vec<u8>)> = self
+                .engine
+                .scan(
+                    self.spaces[0],
+                    Bound::Included(&bounds[0]),
+                    Bound::Excluded(&bounds[1]),
+                    direction,
+                )
+                .unwrap()
+                .map(|r| r.map(|(k, v)| (k, v.to_vec())))
+                .collect::<Result<_, _>>()
+                .unwrap();
+            let mut expected: Vec<(Vec<u8>, Vec<u8>)> = self
+                .model
+                .range((0, bounds[0].clone())..(0, bounds[1].clone()))
+                .map(|((_, k), v)| (k.clone(), v.clone()))
+                .collect();
+            if reverse {
+                expected.reverse();
+            }
+            assert_eq!(got, expected, "seed {seed}: range scan {direction:?}");
         } else {
             // "Largest key smaller than" in the uniform key space.
             let probe = key(self.rng.random_range(0..400u64)).to_vec();
