@@ -43,19 +43,19 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
     let Some((flushable, base, disk)) = job.flatten() else {
         return Ok(false);
     };
-    let written = {
-        let _reading = inner.index_gc.read();
+    // Held until the new blob is installed: index garbage collection must
+    // not delete the segment of a blob that no cell references *yet*.
+    let _reading = inner.index_gc.read();
+    let written = (|| {
         let base = match (base, disk) {
             (Some(base), _) => base,
             (None, Some(disk)) => Arc::new(inner.index.load(&space.layout, &disk)?.0),
             (None, None) => Arc::new(Vec::new()),
         };
         let merged = merge(&base, &flushable);
-        inner
-            .index
-            .write(&space.layout, &merged)
-            .map(|written| (merged, written))
-    };
+        let written = inner.index.write(&space.layout, &merged)?;
+        Ok((merged, written))
+    })();
     let (merged, written) = match written {
         Ok(result) => result,
         Err(error) => {

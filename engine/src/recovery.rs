@@ -284,7 +284,13 @@ fn recover_values(
             detail: format!("{detail}; the log was durable up to {durable}"),
         });
     }
-    let next = replay::seal_tail(&opts, &segments.valid, control.replay_from, end.end)?;
+    let next = replay::seal_tail(
+        &**storage,
+        &opts,
+        &segments.valid,
+        control.replay_from,
+        end.end,
+    )?;
     let existing: BTreeMap<_, _> = segments
         .valid
         .into_iter()

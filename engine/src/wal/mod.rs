@@ -120,7 +120,7 @@ impl Log {
         next: SegmentId,
         existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
     ) -> Result<Log> {
-        remove_segments_from(&*storage, &opts, next)?;
+        replay::remove_segments_from(&*storage, &opts, next)?;
         let base = next.0 * opts.segment_size;
         let first = workers::create_spare(&*storage, &opts, next)?;
         let mut files = existing;
@@ -494,30 +494,6 @@ fn spawn_workers(shared: &Arc<Shared>) -> Result<Vec<JoinHandle<()>>> {
         spawn("alloc", workers::run_allocator)?,
         spawn("sync", workers::run_syncer)?,
     ])
-}
-
-/// Deletes segment files with ids at or after `from` (leftovers of a crash:
-/// spares, or segments past the recovered end of the log).
-fn remove_segments_from(storage: &dyn Storage, opts: &LogOptions, from: SegmentId) -> Result<()> {
-    let names = storage
-        .list(&opts.dir)
-        .map_err(|e| Error::io(&opts.dir, e))?;
-    let mut removed = false;
-    for name in names {
-        if let Some(id) = segment::parse_segment_name(&name, opts.kind)
-            && id >= from
-        {
-            let path = opts.dir.join(&name);
-            storage.remove(&path).map_err(|e| Error::io(&path, e))?;
-            removed = true;
-        }
-    }
-    if removed {
-        storage
-            .sync_dir(&opts.dir)
-            .map_err(|e| Error::io(&opts.dir, e))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

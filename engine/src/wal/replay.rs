@@ -205,14 +205,24 @@ impl<'a> ChunkReader<'a> {
 }
 
 /// Makes the log end at `end` for good, before new writes go to a fresh
-/// segment:
+/// segment. In this order, so that a crash between any two steps leaves a
+/// log that a later recovery cuts at the same place:
 /// 1. sync every segment from `from` to `end`, so what a crashed process
 ///    left in the page cache is durable before anything depends on it;
-/// 2. if `end` is inside a segment, write a pad record there and sync it, so
-///    later replays skip whatever torn bytes follow in that segment.
+/// 2. delete every segment file after `end`'s segment and sync the
+///    directory: they can only hold records past the end (never
+///    acknowledged as durable), which must never become reachable;
+/// 3. if `end` is inside a segment, write a pad record there and sync it, so
+///    later replays skip whatever torn bytes follow in that segment and go
+///    on to the (now absent) next segment.
+///
+/// Step 2 must precede step 3: with the pad in place but the later segments
+/// still there, a replay would jump over the torn record into records that
+/// follow it — a gap in the log.
 ///
 /// Returns the segment new writes must start in.
 pub(crate) fn seal_tail(
+    storage: &dyn Storage,
     opts: &LogOptions,
     segments: &BTreeMap<SegmentId, Arc<SegmentFile>>,
     from: WalPosition,
@@ -229,13 +239,19 @@ pub(crate) fn seal_tail(
             .map_err(|e| Error::io(&segment.path, e))?;
     }
     let offset = end.0 % size;
+    let next = if offset == 0 {
+        SegmentId(end.0 / size)
+    } else {
+        SegmentId(end.0 / size + 1)
+    };
+    remove_segments_from(storage, opts, next)?;
     if offset == 0 {
-        return Ok(SegmentId(end.0 / size));
+        return Ok(next);
     }
     let Some(segment) = segments.get(&SegmentId(end.0 / size)) else {
         // The segment is gone (damage accepted by the recovery mode):
         // nothing to pad.
-        return Ok(SegmentId(end.0 / size + 1));
+        return Ok(next);
     };
     if size - offset >= RECORD_HEADER_BYTES as u64 {
         let mut pad = [0u8; RECORD_HEADER_BYTES];
@@ -249,7 +265,35 @@ pub(crate) fn seal_tail(
             .sync_range(offset, RECORD_HEADER_BYTES as u64)
             .map_err(|e| Error::io(&segment.path, e))?;
     }
-    Ok(SegmentId(end.0 / size + 1))
+    Ok(next)
+}
+
+/// Deletes segment files with ids at or after `from` (spares, or segments
+/// past the recovered end of the log) and syncs the directory.
+pub(crate) fn remove_segments_from(
+    storage: &dyn Storage,
+    opts: &LogOptions,
+    from: SegmentId,
+) -> Result<()> {
+    let names = storage
+        .list(&opts.dir)
+        .map_err(|e| Error::io(&opts.dir, e))?;
+    let mut removed = false;
+    for name in names {
+        if let Some(id) = parse_segment_name(&name, opts.kind)
+            && id >= from
+        {
+            let path = opts.dir.join(&name);
+            storage.remove(&path).map_err(|e| Error::io(&path, e))?;
+            removed = true;
+        }
+    }
+    if removed {
+        storage
+            .sync_dir(&opts.dir)
+            .map_err(|e| Error::io(&opts.dir, e))?;
+    }
+    Ok(())
 }
 
 /// The highest synced watermark claimed by a valid sync mark at or after

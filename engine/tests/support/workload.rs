@@ -127,32 +127,46 @@ pub fn assert_prefix(
     if max >= min && model == *state {
         return;
     }
-    let expected = {
-        let mut m = Model::new();
-        for (op, _) in &ops[..min] {
-            apply_model(&mut m, op);
-        }
-        m
-    };
-    let differing: Vec<u64> = (0..KEYS)
-        .filter(|k| expected.get(k) != state.get(k))
-        .collect();
     let describe = |m: &Model, k: u64| {
         m.get(&k)
             .map(|v| String::from_utf8_lossy(&v[..v.len().min(12)]).into_owned())
     };
-    let details: Vec<String> = differing
+    let mut details = Vec::new();
+    for n in min..=max {
+        let mut expected = Model::new();
+        for (op, _) in &ops[..n] {
+            apply_model(&mut expected, op);
+        }
+        let diff: Vec<String> = (0..KEYS)
+            .filter(|k| expected.get(k) != state.get(k))
+            .map(|k| {
+                format!(
+                    "key {k}: expected {:?}, got {:?}",
+                    describe(&expected, k),
+                    describe(state, k)
+                )
+            })
+            .collect();
+        details.push(format!("prefix {n}: {diff:?}"));
+    }
+    let ops_text: Vec<String> = ops[min.saturating_sub(3)..max.min(ops.len())]
         .iter()
-        .map(|k| {
-            format!(
-                "key {k}: expected {:?}, got {:?}",
-                describe(&expected, *k),
-                describe(state, *k)
-            )
+        .enumerate()
+        .map(|(i, (op, d))| {
+            let text = match op {
+                Op::Put(k, _) => format!("put {k}"),
+                Op::Delete(k) => format!("delete {k}"),
+                Op::Batch(b) => format!(
+                    "batch {:?}",
+                    b.iter().map(|(k, v)| (k, v.is_some())).collect::<Vec<_>>()
+                ),
+            };
+            format!("#{} {text} {d:?}", i + min.saturating_sub(3))
         })
         .collect();
+    let details = format!("{details:#?}\nops: {ops_text:#?}");
     panic!(
-        "{context}: after {min} ops differs at {details:?}; recovered state is no prefix of the workload of length in [{min}, {max}]: keys {:?}",
+        "{context}: {details}; recovered state is no prefix of the workload of length in [{min}, {max}]: keys {:?}",
         state.keys().collect::<Vec<_>>()
     );
 }
