@@ -350,9 +350,8 @@ impl Inner {
                     },
                     epoch: item.epoch,
                     tag: item.tag,
-                    record_offset: (location.position.0 - position.0) as u32,
                 };
-                self.apply(item.key_space, key_array(item.key), entry);
+                self.apply(item.key_space, key_array(item.key), entry, position.0);
             }
         })?;
         let counters = &self.metrics.counters;
@@ -369,15 +368,16 @@ impl Inner {
         Ok(position)
     }
 
-    /// Points the index at `entry` (the newer version wins) and queues the
-    /// cell for flushing when it has gathered enough changes.
-    pub fn apply(&self, space: u8, key: Key, entry: Entry) {
+    /// Points the index at `entry`, carried by the WAL record at `record`
+    /// (the newer version wins), and queues the cell for flushing when it has
+    /// gathered enough changes.
+    pub fn apply(&self, space: u8, key: Key, entry: Entry, record: u64) {
         let table = &self.table.spaces[usize::from(space)];
         let id = table.cell_of(&key);
         let threshold = self.config.flush_dirty_entries as usize;
         let queue = table.with_cell_or_create(&id, |cell| {
             let before = cell.memory_bytes();
-            cell.apply(key, entry);
+            cell.apply(key, entry, record);
             self.table
                 .account(cell.memory_bytes() as isize - before as isize);
             let queue = cell.changes.len() >= threshold && !cell.queued && !cell.flushing;

@@ -52,7 +52,8 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
             (None, Some(disk)) => Arc::new(inner.index.load(&space.layout, &disk)?.0),
             (None, None) => Arc::new(Vec::new()),
         };
-        let merged = merge(&base, &flushable);
+        let changes: Vec<_> = flushable.iter().map(|(k, c)| (*k, c.entry)).collect();
+        let merged = merge(&base, &changes);
         let written = inner.index.write(&space.layout, &merged)?;
         Ok((merged, written))
     })();

@@ -365,11 +365,10 @@ fn replay_record(
             len,
             epoch: item.epoch,
             tag: item.tag,
-            record_offset: offset as u32,
         };
         space.with_cell_or_create(&id, |cell| {
             let before = cell.memory_bytes();
-            cell.apply(key, entry);
+            cell.apply(key, entry, position.0);
             recovered.memory_bytes =
                 (recovered.memory_bytes + cell.memory_bytes()).saturating_sub(before);
         });

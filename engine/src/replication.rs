@@ -60,6 +60,8 @@ pub struct AppendedItem {
     space: u8,
     key: Key,
     entry: Entry,
+    /// Position of the record holding the item.
+    record: u64,
 }
 
 impl AppendedItem {
@@ -161,8 +163,8 @@ impl Engine {
                     },
                     epoch: spec.epoch,
                     tag: spec.tag,
-                    record_offset: (location.position.0 - position.0) as u32,
                 },
+                record: position.0,
             })
             .collect();
         Ok(Appended {
@@ -176,7 +178,8 @@ impl Engine {
     pub fn apply(&self, appended: &Appended) -> Result<()> {
         self.inner.health.check()?;
         for item in &appended.items {
-            self.inner.apply(item.space, item.key, item.entry);
+            self.inner
+                .apply(item.space, item.key, item.entry, item.record);
         }
         Ok(())
     }
@@ -220,8 +223,8 @@ impl Engine {
                     len: if op == ItemOp::Delete { 0 } else { len as u32 },
                     epoch: item.epoch,
                     tag: item.tag,
-                    record_offset: offset as u32,
                 },
+                record: position.0,
             });
             items.push(ItemData {
                 space: KeySpace(item.key_space),

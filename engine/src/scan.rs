@@ -58,8 +58,7 @@ impl Inner {
     ) -> Result<Vec<(Key, Entry)>> {
         for _ in 0..8 {
             let Some((changes, base, disk)) = space.with_cell(id, |cell| {
-                let changes: Vec<(Key, Entry)> =
-                    cell.changes.iter().map(|(k, e)| (*k, *e)).collect();
+                let changes: Vec<(Key, Entry)> = cell.change_entries();
                 (changes, cell.base.clone(), cell.disk)
             }) else {
                 return Ok(Vec::new());

@@ -171,7 +171,6 @@ mod tests {
                     len: 40,
                     epoch: Epoch(1),
                     tag: Tag(0),
-                    record_offset: 0,
                 };
                 (key_array(&key), entry)
             })

@@ -31,10 +31,6 @@ pub(crate) struct Entry {
     pub epoch: Epoch,
     /// Application tag.
     pub tag: Tag,
-    /// Bytes from the start of the record that holds the item to the item
-    /// (unflushed changes only; 0 once on disk). Replay restarts at record
-    /// boundaries, so a cell's replay position is a record position.
-    pub record_offset: u32,
 }
 
 impl Entry {
@@ -43,15 +39,29 @@ impl Entry {
         self.len == 0
     }
 
-    /// Position of the record holding the item.
-    pub fn record(&self) -> u64 {
-        self.location - u64::from(self.record_offset)
-    }
-
     /// Whether `self` supersedes `other`: a later write wins, and between
     /// copies of one write the later copy wins.
     pub fn supersedes(&self, other: &Entry) -> bool {
         (self.version, self.location) > (other.version, other.location)
+    }
+
+    /// Whether `self` may replace `other`: it supersedes it, or it is the
+    /// same write at the same place (a touch changing only the epoch).
+    pub fn replaces(&self, other: &Entry) -> bool {
+        (self.version, self.location) >= (other.version, other.location)
+    }
+
+    /// Location of a drop marker: an entry removed by an epoch drop or a
+    /// relocation filter, superseding every copy of its write.
+    pub const DROPPED: u64 = u64::MAX;
+
+    /// A marker that removes `entry` (and every copy of its write).
+    pub fn dropped(entry: &Entry) -> Entry {
+        Entry {
+            location: Entry::DROPPED,
+            len: 0,
+            ..*entry
+        }
     }
 }
 
@@ -105,7 +115,6 @@ impl EntryLayout {
             len: field(k + 16),
             epoch: Epoch(field(k + 20)),
             tag: Tag(field(k + 24)),
-            record_offset: 0,
         };
         Some((key_array(&bytes[..k]), entry))
     }
@@ -130,7 +139,6 @@ mod tests {
             len: 300,
             epoch: Epoch(4),
             tag: Tag(2),
-            record_offset: 0,
         };
         let mut buf = vec![0u8; layout.size()];
         layout.encode(&key, &entry, &mut buf);
@@ -150,7 +158,6 @@ mod tests {
             len: 1,
             epoch: Epoch(0),
             tag: Tag(0),
-            record_offset: 0,
         };
         assert!(e(5, 5).supersedes(&e(4, 90)));
         assert!(e(4, 90).supersedes(&e(4, 4)));

@@ -138,7 +138,6 @@ mod tests {
                 len: 1,
                 epoch: Epoch(0),
                 tag: Tag(0),
-                record_offset: 0,
             };
             layout.encode(
                 key,

@@ -44,15 +44,30 @@ pub enum CellState {
 /// Sorted entries of a loaded on-disk index.
 pub(crate) type BaseEntries = Arc<Vec<(Key, Entry)>>;
 
-/// Approximate memory of one unflushed change (key, entry, tree overhead).
-pub(crate) const CHANGE_BYTES: usize = 112;
+/// Approximate memory of one unflushed change (key, change, tree overhead).
+pub(crate) const CHANGE_BYTES: usize = 120;
+
+/// An unflushed change: the new entry and the WAL record that carries it
+/// (replay must restart at or before `record` to restore it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Change {
+    pub entry: Entry,
+    /// Position of the record; [`Change::NO_RECORD`] for a drop marker,
+    /// which no record carries (it is durable once flushed).
+    pub record: u64,
+}
+
+impl Change {
+    /// `record` of a change no WAL record carries.
+    pub const NO_RECORD: u64 = u64::MAX;
+}
 /// Memory of one loaded entry.
 pub(crate) const BASE_ENTRY_BYTES: usize = std::mem::size_of::<(Key, Entry)>();
 
 /// One cell.
 #[derive(Debug, Default)]
 pub(crate) struct Cell {
-    pub changes: BTreeMap<Key, Entry>,
+    pub changes: BTreeMap<Key, Change>,
     pub base: Option<BaseEntries>,
     pub disk: Option<DiskRef>,
     pub bloom: Option<Arc<Bloom>>,
@@ -105,8 +120,8 @@ impl Cell {
     /// a zero `len`, so callers can tell "deleted" from "not here".
     pub fn probe(&mut self, key: &Key, key_len: usize) -> Probe {
         self.referenced = true;
-        if let Some(entry) = self.changes.get(key) {
-            return Probe::Found(Some(*entry));
+        if let Some(change) = self.changes.get(key) {
+            return Probe::Found(Some(change.entry));
         }
         if let Some(base) = &self.base {
             let found = base
@@ -129,17 +144,19 @@ impl Cell {
         }
     }
 
-    /// Records a change; the newer of it and an existing change wins.
-    /// Returns whether the cell changed.
-    pub fn apply(&mut self, key: Key, entry: Entry) -> bool {
+    /// Records a change carried by the WAL record at `record`; the newer of
+    /// it and an existing change wins (the same write at the same place —
+    /// a touch — replaces it). Returns whether the cell changed.
+    pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> bool {
+        let change = Change { entry, record };
         match self.changes.get_mut(&key) {
-            Some(existing) if !entry.supersedes(existing) => return false,
-            Some(existing) => *existing = entry,
+            Some(existing) if !entry.replaces(&existing.entry) => return false,
+            Some(existing) => *existing = change,
             None => {
-                self.changes.insert(key, entry);
+                self.changes.insert(key, change);
             }
         }
-        self.dirty_since = self.dirty_since.min(entry.record());
+        self.dirty_since = self.dirty_since.min(record);
         true
     }
 
@@ -184,13 +201,19 @@ impl Cell {
     }
 
     /// The changes a flush may write: those below `processed` (everything
-    /// below it is complete in the log).
-    pub fn flushable(&self, processed: u64) -> Vec<(Key, Entry)> {
+    /// below it is complete in the log), and drop markers.
+    pub fn flushable(&self, processed: u64) -> Vec<(Key, Change)> {
+        let ready = |c: &Change| c.entry.location < processed || c.entry.location == Entry::DROPPED;
         self.changes
             .iter()
-            .filter(|(_, e)| e.location < processed)
-            .map(|(k, e)| (*k, *e))
+            .filter(|(_, c)| ready(c))
+            .map(|(k, c)| (*k, *c))
             .collect()
+    }
+
+    /// The changes' entries, in key order.
+    pub fn change_entries(&self) -> Vec<(Key, Entry)> {
+        self.changes.iter().map(|(k, c)| (*k, c.entry)).collect()
     }
 
     /// Finishes a flush that wrote `flushed` over the previous index:
@@ -199,21 +222,21 @@ impl Cell {
     /// base if the cell was loaded. Returns the change in memory, bytes.
     pub fn finish_flush(
         &mut self,
-        flushed: &[(Key, Entry)],
+        flushed: &[(Key, Change)],
         disk: Option<DiskRef>,
         merged: BaseEntries,
         bloom: Option<Arc<Bloom>>,
     ) -> isize {
         let before = self.memory_bytes() as isize;
-        for (key, entry) in flushed {
-            if self.changes.get(key) == Some(entry) {
+        for (key, change) in flushed {
+            if self.changes.get(key) == Some(change) {
                 self.changes.remove(key);
             }
         }
         self.dirty_since = self
             .changes
             .values()
-            .map(Entry::record)
+            .map(|c| c.record)
             .min()
             .unwrap_or(u64::MAX);
         // A loaded cell (or one loaded from the old index while the flush
@@ -229,8 +252,9 @@ impl Cell {
     }
 }
 
-/// Merges `changes` into the sorted `base`: per key the superseding entry
-/// wins; tombstones remove keys and are not kept.
+/// Merges `changes` into the sorted `base`: per key the change wins unless
+/// the base entry supersedes it; tombstones and drop markers remove keys and
+/// are not kept.
 pub(crate) fn merge(base: &[(Key, Entry)], changes: &[(Key, Entry)]) -> Vec<(Key, Entry)> {
     let mut merged = Vec::with_capacity(base.len() + changes.len());
     let (mut b, mut c) = (0, 0);
@@ -239,7 +263,7 @@ pub(crate) fn merge(base: &[(Key, Entry)], changes: &[(Key, Entry)]) -> Vec<(Key
             (Some(x), Some(y)) if x.0 == y.0 => {
                 b += 1;
                 c += 1;
-                if y.1.supersedes(&x.1) { *y } else { *x }
+                if x.1.supersedes(&y.1) { *x } else { *y }
             }
             (Some(x), Some(y)) if x.0 < y.0 => {
                 b += 1;
@@ -275,7 +299,6 @@ mod tests {
             len: if tombstone { 0 } else { 40 },
             epoch: Epoch(1),
             tag: Tag(0),
-            record_offset: 0,
         }
     }
 
@@ -291,16 +314,16 @@ mod tests {
     fn states_follow_the_layers() {
         let mut cell = Cell::restored(None);
         assert_eq!(cell.state(), CellState::Empty);
-        cell.apply(key_array(b"a"), entry(1, false));
+        cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
         let mut cell = Cell::restored(Some(disk()));
         assert_eq!(cell.state(), CellState::Unloaded);
-        cell.apply(key_array(b"a"), entry(1, false));
+        cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyUnloaded);
         let mut cell = Cell::restored(Some(disk()));
         cell.install_base(disk(), Arc::new(vec![]), Arc::new(Bloom::new(1, 10)));
         assert_eq!(cell.state(), CellState::Loaded);
-        cell.apply(key_array(b"a"), entry(1, false));
+        cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
     }
 
@@ -308,9 +331,9 @@ mod tests {
     fn newer_change_wins_regardless_of_arrival_order() {
         let mut cell = Cell::restored(None);
         let key = key_array(b"k");
-        assert!(cell.apply(key, entry(9, false)));
-        assert!(!cell.apply(key, entry(5, true)));
-        assert_eq!(cell.changes[&key].version, 9);
+        assert!(cell.apply(key, entry(9, false), 9));
+        assert!(!cell.apply(key, entry(5, true), 5));
+        assert_eq!(cell.changes[&key].entry.version, 9);
         assert_eq!(cell.dirty_since, 9);
     }
 
@@ -336,14 +359,15 @@ mod tests {
     fn unmerge_keeps_changes_that_arrived_during_the_flush() {
         let mut cell = Cell::restored(None);
         let (a, b) = (key_array(b"a"), key_array(b"b"));
-        cell.apply(a, entry(1, false));
-        cell.apply(b, entry(2, false));
+        cell.apply(a, entry(1, false), 1);
+        cell.apply(b, entry(2, false), 2);
         let flushed = cell.flushable(100);
-        cell.apply(b, entry(3, false)); // arrives while the flush runs
-        let merged = Arc::new(merge(&[], &flushed));
+        cell.apply(b, entry(3, false), 3); // arrives while the flush runs
+        let entries: Vec<(Key, Entry)> = flushed.iter().map(|(k, c)| (*k, c.entry)).collect();
+        let merged = Arc::new(merge(&[], &entries));
         cell.finish_flush(&flushed, Some(disk()), merged, None);
         assert_eq!(cell.changes.len(), 1);
-        assert_eq!(cell.changes[&b].version, 3);
+        assert_eq!(cell.changes[&b].entry.version, 3);
         assert_eq!(cell.dirty_since, 3);
         assert_eq!(cell.state(), CellState::DirtyUnloaded);
     }
