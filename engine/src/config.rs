@@ -94,6 +94,23 @@ pub struct Config {
     pub bloom_bits_per_key: u32,
     /// Recovery's answer to damaged acknowledged data.
     pub recovery: RecoveryMode,
+    /// Whether the background relocation thread runs.
+    pub relocation_enabled: bool,
+    /// How often background relocation takes a census and looks for
+    /// segments to reclaim, milliseconds.
+    pub relocation_interval_ms: u64,
+    /// Background relocation reclaims a sealed segment once this fraction
+    /// of it is garbage (0 to 1).
+    pub relocation_garbage_ratio: f64,
+    /// When the volume has fewer free bytes than this, relocation works
+    /// harder: it uses `relocation_pressure_garbage_ratio` instead.
+    pub relocation_pressure_free_bytes: u64,
+    /// The garbage ratio used under disk pressure.
+    pub relocation_pressure_garbage_ratio: f64,
+    /// Bytes per second background relocation copies at most.
+    pub relocation_bytes_per_sec: u64,
+    /// Segments one background pass processes at most.
+    pub relocation_segments_per_pass: u32,
     /// The key spaces, in a fixed order: never remove or reorder one (new
     /// ones may be appended).
     pub key_spaces: Vec<KeySpaceConfig>,
@@ -117,6 +134,13 @@ impl Default for Config {
             lookup_window_entries: 800,
             bloom_bits_per_key: 10,
             recovery: RecoveryMode::Strict,
+            relocation_enabled: true,
+            relocation_interval_ms: 30_000,
+            relocation_garbage_ratio: 0.5,
+            relocation_pressure_free_bytes: 10 << 30,
+            relocation_pressure_garbage_ratio: 0.1,
+            relocation_bytes_per_sec: 64 << 20,
+            relocation_segments_per_pass: 8,
             key_spaces: vec![KeySpaceConfig {
                 name: "default".into(),
                 key_bytes: 32,
@@ -154,6 +178,13 @@ impl Config {
             lookup_window_entries: 16,
             bloom_bits_per_key: 10,
             recovery: RecoveryMode::Strict,
+            relocation_enabled: true,
+            relocation_interval_ms: 100,
+            relocation_garbage_ratio: 0.5,
+            relocation_pressure_free_bytes: 0,
+            relocation_pressure_garbage_ratio: 0.1,
+            relocation_bytes_per_sec: 64 << 20,
+            relocation_segments_per_pass: 8,
             key_spaces: vec![
                 KeySpaceConfig {
                     name: "default".into(),
@@ -193,6 +224,18 @@ impl Config {
         }
         if self.sync_interval_ms == 0 || self.snapshot_interval_ms == 0 {
             return fail("sync_interval_ms and snapshot_interval_ms must be at least 1".into());
+        }
+        if self.relocation_interval_ms == 0 || self.relocation_segments_per_pass == 0 {
+            return fail(
+                "relocation_interval_ms and relocation_segments_per_pass must be at least 1".into(),
+            );
+        }
+        let ratios = [
+            self.relocation_garbage_ratio,
+            self.relocation_pressure_garbage_ratio,
+        ];
+        if ratios.iter().any(|r| !(0.0..=1.0).contains(r)) {
+            return fail("relocation garbage ratios must be between 0 and 1".into());
         }
         if self.lookup_window_entries < 2
             || self.flush_dirty_entries == 0

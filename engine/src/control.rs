@@ -6,7 +6,6 @@
 //! log id [16], wal segment bytes u64, index segment bytes u64
 //! epoch u32, replay_from u64, synced u64
 //! app state: len u32 + bytes
-//! dropped_below: count u32 + (tag u32, epoch u32)*
 //! key spaces: count u32 + per space:
 //!   name: len u16 + bytes, key bytes u32, layout kind u8 (1 uniform,
 //!   2 prefixed), layout parameter u32,
@@ -17,13 +16,11 @@
 //! ```
 //! All integers little-endian.
 
-use std::collections::BTreeMap;
-
 use crate::config::{CellLayout, KeySpaceConfig};
 use crate::index::blob::DiskRef;
 use crate::index::entry::key_array;
 use crate::table::CellId;
-use crate::types::{Epoch, Tag, WalPosition};
+use crate::types::{Epoch, WalPosition};
 
 const MAGIC: &[u8; 8] = b"TPCONTRL";
 const VERSION: u32 = 1;
@@ -59,7 +56,6 @@ pub(crate) struct ControlData {
     /// below it is damage to acknowledged data.
     pub synced: WalPosition,
     pub app_state: Vec<u8>,
-    pub dropped_below: BTreeMap<Tag, Epoch>,
     pub spaces: Vec<SpaceControl>,
 }
 
@@ -142,11 +138,6 @@ impl ControlData {
         w.u64(self.synced.0);
         w.u32(self.app_state.len() as u32);
         w.bytes(&self.app_state);
-        w.u32(self.dropped_below.len() as u32);
-        for (tag, epoch) in &self.dropped_below {
-            w.u32(tag.0);
-            w.u32(epoch.0);
-        }
         w.u32(self.spaces.len() as u32);
         for space in &self.spaces {
             encode_space(&mut w, space);
@@ -183,10 +174,6 @@ impl ControlData {
         let synced = WalPosition(r.u64()?);
         let app_len = r.count(1)?;
         let app_state = r.take(app_len)?.to_vec();
-        let mut dropped_below = BTreeMap::new();
-        for _ in 0..r.count(8)? {
-            dropped_below.insert(Tag(r.u32()?), Epoch(r.u32()?));
-        }
         let mut spaces = Vec::new();
         for _ in 0..r.count(15)? {
             spaces.push(decode_space(&mut r)?);
@@ -202,7 +189,6 @@ impl ControlData {
             replay_from,
             synced,
             app_state,
-            dropped_below,
             spaces,
         })
     }
@@ -316,7 +302,6 @@ mod tests {
             replay_from: WalPosition(999),
             synced: WalPosition(1200),
             app_state: b"raft hard state".to_vec(),
-            dropped_below: BTreeMap::from([(Tag(2), Epoch(5))]),
             spaces: vec![
                 SpaceControl {
                     config: KeySpaceConfig {

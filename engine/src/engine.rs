@@ -7,13 +7,11 @@
 //! filter, or one window of the on-disk index) and reads the item with one
 //! `pread`, verifying its checksum and key.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -37,9 +35,6 @@ use crate::wal::format::{self, FLAG_APPLIED, ITEM_HEADER_BYTES, ItemSpec, Op};
 /// collected under it.
 const LOOKUP_ATTEMPTS: usize = 8;
 
-/// Per tag, the epoch below which entries are dropped.
-pub(crate) type DroppedBelow = BTreeMap<Tag, Epoch>;
-
 /// Everything the foreground paths and background threads share.
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -55,8 +50,6 @@ pub(crate) struct Inner {
     /// Opaque state of the application (the Raft layer), persisted with
     /// each snapshot.
     pub app_state: Mutex<Vec<u8>>,
-    /// Epoch drops in force; read on every lookup, so swapped, not locked.
-    pub dropped_below: ArcSwap<DroppedBelow>,
     /// Serializes snapshots; holds the last control data written.
     pub last_snapshot: Mutex<Option<ControlData>>,
     /// Readers of index blobs hold it shared; index garbage collection holds
@@ -67,6 +60,14 @@ pub(crate) struct Inner {
     pub shutdown: AtomicBool,
     /// Wakes the maintenance thread early.
     pub wake: (Mutex<bool>, Condvar),
+    /// One relocation pass or epoch drop at a time.
+    pub relocation_lock: Mutex<()>,
+    /// The filter background relocation uses.
+    pub filter: crate::relocation::FilterSlot,
+    /// Segments holding positions at or after this are never deleted.
+    pub retention: std::sync::atomic::AtomicU64,
+    /// The last census.
+    pub last_census: Mutex<Vec<crate::relocation::SegmentUsage>>,
 }
 
 /// A Tidepool storage engine over one directory.
@@ -151,10 +152,7 @@ impl Engine {
         let start = Instant::now();
         let (space_table, key) = inner.key(space, key)?;
         Metrics::add(&inner.metrics.counters.gets, 1);
-        let value = match inner.lookup(space_table, &key)? {
-            Some(entry) => Some(inner.read_value(space_table, &key, &entry)?),
-            None => None,
-        };
+        let value = inner.get_value(space_table, &key)?;
         inner.metrics.get_latency.record_since(start);
         Ok(value)
     }
@@ -205,6 +203,13 @@ impl Engine {
         snapshot.cache_bytes = inner.cache.bytes();
         snapshot.wal_processed = inner.values.processed().0;
         snapshot.wal_synced = inner.values.synced().0;
+        snapshot.segments = inner.last_census.lock().clone();
+        snapshot.relocation_lag_bytes = snapshot
+            .segments
+            .iter()
+            .filter(|s| s.sealed)
+            .map(|s| s.size_bytes.saturating_sub(s.live_bytes))
+            .sum();
         inner.table.for_each_cell(|_, _, cell| {
             let slot = match cell.state() {
                 CellState::Empty => 0,
@@ -359,11 +364,7 @@ impl Inner {
         Metrics::add(&counters.puts, items.len() as u64 - deletes);
         Metrics::add(&counters.deletes, deletes);
         Metrics::add(&counters.wal_bytes_written, len as u64);
-        let end = position.plus(len as u64);
-        match durability {
-            Durability::Buffered => self.values.wait_processed(end)?,
-            Durability::Synced => self.values.wait_synced(end)?,
-        }
+        self.wait_durable(position.plus(len as u64), durability)?;
         self.metrics.put_latency.record_since(start);
         Ok(position)
     }
@@ -390,14 +391,9 @@ impl Inner {
         }
     }
 
-    /// Whether an entry is a live value (not deleted, not expired).
+    /// The entry, if it is a live value (not deleted or dropped).
     fn live(&self, entry: Option<Entry>) -> Option<Entry> {
-        let entry = entry.filter(|e| !e.tombstone())?;
-        let dropped = self.dropped_below.load();
-        match dropped.get(&entry.tag) {
-            Some(below) if entry.epoch < *below => None,
-            _ => Some(entry),
-        }
+        entry.filter(|e| !e.tombstone())
     }
 
     /// The live entry for `key`, from memory or the on-disk index.
@@ -478,7 +474,28 @@ impl Inner {
         Ok(found.entry)
     }
 
-    /// Reads and verifies the value an entry points at.
+    /// The live value of `key`. If relocation deleted the value's segment
+    /// between the lookup and the read, the index already points at the
+    /// copy: look again.
+    pub fn get_value(&self, space: &SpaceTable, key: &Key) -> Result<Option<Bytes>> {
+        for _ in 0..LOOKUP_ATTEMPTS {
+            let Some(entry) = self.lookup(space, key)? else {
+                return Ok(None);
+            };
+            match self.read_value(space, key, &entry) {
+                Err(Error::NoRecord(_)) => continue,
+                result => return result.map(Some),
+            }
+        }
+        Err(Error::Corrupt {
+            file: "value WAL".into(),
+            position: WalPosition(0),
+            detail: "the index keeps pointing at a missing segment".into(),
+        })
+    }
+
+    /// Reads and verifies the value an entry points at; `NoRecord` if its
+    /// segment is gone.
     pub fn read_value(&self, space: &SpaceTable, key: &Key, entry: &Entry) -> Result<Bytes> {
         let counters = &self.metrics.counters;
         if let Some(value) = self.cache.get(entry.location) {
@@ -492,12 +509,7 @@ impl Inner {
             position,
             detail,
         };
-        let bytes = match self.values.read(position, entry.len as usize) {
-            Err(Error::NoRecord(_)) => {
-                return Err(corrupt("the value's segment is missing".into()));
-            }
-            other => other?,
-        };
+        let bytes = self.values.read(position, entry.len as usize)?;
         let (item, _) = format::decode_item(&bytes).map_err(|m| corrupt(m.0))?;
         if item.key != &key[..space.key_len()] || item.op != Op::Put {
             return Err(corrupt("the index points at another item".into()));

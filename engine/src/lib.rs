@@ -55,12 +55,15 @@ mod cache;
 mod config;
 mod control;
 mod engine;
+mod entry_update;
+mod epochs;
 mod error;
 mod flush;
 mod health;
 mod index;
 mod metrics;
 mod recovery;
+mod relocation;
 mod replication;
 mod scan;
 mod snapshot;
@@ -74,6 +77,9 @@ pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
 pub use engine::Engine;
 pub use error::{Error, Result};
 pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
+pub use relocation::{
+    Decision, EntryInfo, KeepAll, RelocationFilter, RelocationReport, SegmentUsage, Strategy,
+};
 pub use replication::{Appended, AppendedItem, ItemData, ItemInput, ItemOp, RecordData};
 pub use scan::{Direction, Scan};
 pub use table::cell::CellState;

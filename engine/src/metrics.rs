@@ -141,6 +141,20 @@ counters! {
     cell_unloads,
     /// Index log segments deleted as garbage.
     index_segments_deleted,
+    /// Entries copied forward by relocation and epoch drops.
+    entries_relocated,
+    /// Bytes of records written by relocation.
+    bytes_relocated,
+    /// Entries removed by a relocation filter or an epoch drop.
+    entries_dropped,
+    /// Value WAL segments deleted.
+    segments_deleted,
+    /// Bytes of value WAL segments deleted.
+    bytes_reclaimed,
+    /// Relocation passes run.
+    relocation_passes,
+    /// Entries touched into the current epoch.
+    touches,
 }
 
 /// All metrics of an engine.
@@ -171,6 +185,11 @@ pub struct MetricsSnapshot {
     /// Number of cells in each state, in the order Empty, Loaded,
     /// DirtyLoaded, Unloaded, DirtyUnloaded.
     pub cell_states: [u64; 5],
+    /// Live and total bytes of each WAL segment, as of the last census.
+    pub segments: Vec<crate::relocation::SegmentUsage>,
+    /// Relocation lag: garbage bytes in sealed segments as of the last
+    /// census — space relocation has yet to give back.
+    pub relocation_lag_bytes: u64,
 }
 
 impl Metrics {

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::cache::ValueCache;
@@ -105,15 +104,19 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         cache,
         metrics: Metrics::default(),
         app_state: Mutex::new(control.app_state.clone()),
-        dropped_below: ArcSwap::from_pointee(control.dropped_below.clone()),
         last_snapshot: Mutex::new(Some(control)),
         index_gc: RwLock::new(()),
         flush_tx,
         flush_rx,
         shutdown: AtomicBool::new(false),
         wake: (Mutex::new(false), Condvar::new()),
+        relocation_lock: Mutex::new(()),
+        filter: crate::relocation::FilterSlot::new(),
+        retention: std::sync::atomic::AtomicU64::new(u64::MAX),
+        last_census: Mutex::new(Vec::new()),
         config,
     });
+    apply_touches(&inner, &recovered.touches)?;
     inner.table.account(recovered.memory_bytes as isize);
     let threads = spawn_threads(&inner)?;
     Ok(Engine {
@@ -144,7 +147,6 @@ fn create_fresh(config: &Config, storage: &dyn Storage) -> Result<ControlData> {
         replay_from: WalPosition(0),
         synced: WalPosition(0),
         app_state: Vec::new(),
-        dropped_below: BTreeMap::new(),
         spaces: Vec::new(),
     };
     let path = config.dir.join(CONTROL_FILE);
@@ -309,6 +311,40 @@ fn recover_values(
 #[derive(Debug, Default)]
 struct Recovered {
     memory_bytes: usize,
+    /// Touches found, in log order, applied once the engine is built.
+    touches: Vec<Touch>,
+}
+
+/// A replayed touch: move the entry of `version` to `epoch`.
+#[derive(Debug)]
+struct Touch {
+    space: u8,
+    key: crate::index::entry::Key,
+    version: u64,
+    epoch: crate::types::Epoch,
+    record: u64,
+}
+
+/// Applies replayed touches in log order, each only if the entry it named
+/// is still the key's current one (a later write or delete wins). Applying
+/// them after the rest of the replay gives the same result as in order:
+/// every write after a touch supersedes the touched version either way.
+fn apply_touches(inner: &Inner, touches: &[Touch]) -> Result<()> {
+    for touch in touches {
+        inner.update_entry(
+            touch.space,
+            &touch.key,
+            touch.record,
+            crate::entry_update::DiskAccess::Read,
+            |now| {
+                (now.version == touch.version && !now.tombstone()).then(|| Entry {
+                    epoch: touch.epoch,
+                    ..*now
+                })
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Applies one replayed record's items to the table: only records the
@@ -351,8 +387,18 @@ fn replay_record(
         {
             continue;
         }
+        if item.op == Op::Touch {
+            recovered.touches.push(Touch {
+                space: item.key_space,
+                key,
+                version: item.version,
+                epoch: item.epoch,
+                record: position.0,
+            });
+            continue;
+        }
         let len = match item.op {
-            Op::Delete => 0,
+            Op::Delete | Op::Touch => 0,
             Op::Put => (ITEM_HEADER_BYTES + item.key.len() + item.value.len()) as u32,
         };
         let entry = Entry {
@@ -394,6 +440,12 @@ fn spawn_threads(inner: &Arc<Inner>) -> Result<Vec<std::thread::JoinHandle<()>>>
         "tidepool-maintenance".into(),
         crate::flush::run_maintenance,
     )?];
+    if inner.config.relocation_enabled {
+        threads.push(spawn(
+            "tidepool-relocation".into(),
+            crate::relocation::run_relocation,
+        )?);
+    }
     for i in 0..inner.config.flusher_threads {
         threads.push(spawn(
             format!("tidepool-flusher-{i}"),

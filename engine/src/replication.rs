@@ -34,6 +34,9 @@ pub enum ItemOp {
     Put,
     /// Delete the key.
     Delete,
+    /// Move the key's entry to another epoch (only read back: an engine
+    /// records touches itself, see [`Engine::touch`]).
+    Touch,
 }
 
 /// An item to append.
@@ -129,6 +132,11 @@ impl Engine {
                 let op = match i.op {
                     ItemOp::Put => Op::Put,
                     ItemOp::Delete => Op::Delete,
+                    ItemOp::Touch => {
+                        return Err(Error::Config(
+                            "append carries puts and deletes; touches are applied with Engine::touch".into(),
+                        ));
+                    }
                 };
                 inner.item(i.space, op, i.key, i.value, i.epoch, i.tag)
             })
@@ -204,10 +212,10 @@ impl Engine {
         let mut appended_items = Vec::new();
         for (offset, item) in view.items() {
             let location = position.0 + offset as u64;
-            let op = if item.op == Op::Delete {
-                ItemOp::Delete
-            } else {
-                ItemOp::Put
+            let op = match item.op {
+                Op::Put => ItemOp::Put,
+                Op::Delete => ItemOp::Delete,
+                Op::Touch => ItemOp::Touch,
             };
             let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
             appended_items.push(AppendedItem {
@@ -220,7 +228,7 @@ impl Engine {
                         item.version
                     },
                     location,
-                    len: if op == ItemOp::Delete { 0 } else { len as u32 },
+                    len: if op == ItemOp::Put { len as u32 } else { 0 },
                     epoch: item.epoch,
                     tag: item.tag,
                 },

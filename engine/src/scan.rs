@@ -75,10 +75,7 @@ impl Inner {
                     }
                 }
             };
-            let dropped = self.dropped_below.load();
-            let mut merged = merge(&base, &changes);
-            merged.retain(|(_, e)| dropped.get(&e.tag).is_none_or(|below| e.epoch >= *below));
-            return Ok(merged);
+            return Ok(merge(&base, &changes));
         }
         Err(Error::Io {
             path: "index log".into(),
@@ -116,7 +113,15 @@ impl Iterator for Scan<'_> {
                 if !self.in_range(&key) {
                     continue;
                 }
-                let value = self.inner.read_value(self.space, &key, &entry);
+                let value = match self.inner.read_value(self.space, &key, &entry) {
+                    // Relocated since the cell was read: look it up afresh.
+                    Err(Error::NoRecord(_)) => match self.inner.get_value(self.space, &key) {
+                        Ok(Some(value)) => Ok(value),
+                        Ok(None) => continue,
+                        Err(error) => Err(error),
+                    },
+                    other => other,
+                };
                 return Some(value.map(|v| (key[..self.space.key_len()].to_vec(), v)));
             }
             let id = self.next_cell()?;

@@ -33,7 +33,6 @@ pub(crate) fn write_snapshot(inner: &Inner) -> Result<()> {
     inner.health.check()?;
     let p0 = inner.values.processed().0;
     let app_state = inner.app_state.lock().clone();
-    let dropped_below = (**inner.dropped_below.load()).clone();
     let mut replay_from = p0;
     let mut spaces = Vec::new();
     for space in &inner.table.spaces {
@@ -66,7 +65,6 @@ pub(crate) fn write_snapshot(inner: &Inner) -> Result<()> {
         replay_from: WalPosition(replay_from),
         synced: inner.values.synced(),
         app_state,
-        dropped_below,
         spaces,
     };
     let path = inner.config.dir.join(CONTROL_FILE);

@@ -15,7 +15,8 @@
 //! entry body
 //!   meta (meta_len bytes, padded to 8), then item_count items
 //! item (32-byte header, key, value, padded to 8)
-//!   0  u8   op             1 put, 2 delete
+//!   0  u8   op             1 put, 2 delete, 3 touch (value empty:
+//!                          moves the entry of `version` to `epoch`)
 //!   1  u8   key_space
 //!   2  u8   key_len
 //!   3  u8   reserved (0)
@@ -88,6 +89,9 @@ pub enum Op {
     Put = 1,
     /// Delete the key (a tombstone).
     Delete = 2,
+    /// Move the entry whose version is the item's `version` into the
+    /// item's `epoch` (no value; applied only if that entry is current).
+    Touch = 3,
 }
 
 /// Rounds up to the next multiple of 8.
@@ -333,6 +337,7 @@ pub(crate) fn decode_item(bytes: &[u8]) -> Result<(Item<'_>, usize), Malformed> 
     let op = match bytes[0] {
         1 => Op::Put,
         2 => Op::Delete,
+        3 => Op::Touch,
         other => return Err(Malformed(format!("unknown item op {other}"))),
     };
     let key_len = usize::from(bytes[2]);

@@ -173,6 +173,11 @@ impl Log {
         Ok(buf)
     }
 
+    /// The log's settings.
+    pub fn options(&self) -> &LogOptions {
+        &self.shared.opts
+    }
+
     /// The processed watermark.
     pub fn processed(&self) -> WalPosition {
         WalPosition(self.shared.tracker.processed())

@@ -1,0 +1,112 @@
+//! Compare-and-set on one key's index entry: the primitive relocation, epoch
+//! drops and touches are built on.
+//!
+//! `update_entry` finds the key's *current* entry — in the cell's unflushed
+//! changes, its loaded index, or (reading the disk) its on-disk index — and
+//! hands it to a closure that returns the replacement, or `None` to leave it.
+//! The decision and the change happen under the cell's lock, so a write that
+//! lands in between is never overwritten: the closure sees it and declines.
+
+use crate::engine::Inner;
+use crate::error::{Error, Result};
+use crate::index::blob::DiskRef;
+use crate::index::entry::{Entry, Key};
+use crate::table::SpaceTable;
+use crate::table::cell::{Cell, Probe};
+
+/// Attempts before giving up when the cell's on-disk index keeps changing.
+const ATTEMPTS: usize = 16;
+
+/// Where a compare-and-set may look for the current entry on disk.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum DiskAccess {
+    /// Read the on-disk index if needed.
+    Read,
+    /// Do no I/O (the caller holds a WAL claim): if the current entry is
+    /// only on disk, use this earlier lookup when the cell still points at
+    /// the same blob, else decline.
+    Known(Option<(DiskRef, Option<Entry>)>),
+}
+
+enum Step {
+    Done(bool),
+    ReadDisk(DiskRef),
+}
+
+impl Inner {
+    /// Replaces the current entry of `key` with `update(current)`, recorded
+    /// as carried by the WAL record at `record`. Returns whether it did.
+    pub(crate) fn update_entry(
+        &self,
+        space_index: u8,
+        key: &Key,
+        record: u64,
+        access: DiskAccess,
+        update: impl Fn(&Entry) -> Option<Entry>,
+    ) -> Result<bool> {
+        let space = &self.table.spaces[usize::from(space_index)];
+        let id = space.cell_of(key);
+        let mut from_disk: Option<(DiskRef, Option<Entry>)> = match access {
+            DiskAccess::Known(known) => known,
+            DiskAccess::Read => None,
+        };
+        for _ in 0..ATTEMPTS {
+            let step = space.with_cell(&id, |cell| {
+                self.update_in_cell(space, cell, key, record, from_disk, &update)
+            });
+            match step {
+                None | Some(Step::Done(false)) => return Ok(false),
+                Some(Step::Done(true)) => return Ok(true),
+                Some(Step::ReadDisk(_)) if matches!(access, DiskAccess::Known(_)) => {
+                    return Ok(false);
+                }
+                Some(Step::ReadDisk(disk)) => {
+                    let _reading = self.index_gc.read();
+                    let (rank_from, low, high) = space.rank_range(&id);
+                    let guess = crate::index::lookup::estimate(
+                        crate::table::rank_at(key, rank_from),
+                        low,
+                        high,
+                        disk.count as usize,
+                    );
+                    match self.index.lookup(&space.layout, &disk, key, guess) {
+                        Ok(found) => from_disk = Some((disk, found.entry)),
+                        Err(Error::NoRecord(_)) => from_disk = None,
+                        Err(error) => return Err(error),
+                    }
+                }
+            }
+        }
+        Err(Error::Io {
+            path: "index log".into(),
+            source: std::io::Error::other("a cell's index kept changing under a compare-and-set"),
+        })
+    }
+
+    /// The decision under the cell's lock.
+    fn update_in_cell(
+        &self,
+        space: &SpaceTable,
+        cell: &mut Cell,
+        key: &Key,
+        record: u64,
+        from_disk: Option<(DiskRef, Option<Entry>)>,
+        update: &impl Fn(&Entry) -> Option<Entry>,
+    ) -> Step {
+        let current = match cell.probe(key, space.key_len()) {
+            Probe::Found(current) => current,
+            Probe::Disk { disk, .. } => match from_disk {
+                Some((read_from, entry)) if read_from == disk => entry,
+                _ => return Step::ReadDisk(disk),
+            },
+        };
+        let Some(replacement) = current.as_ref().and_then(update) else {
+            return Step::Done(false);
+        };
+        let before = cell.memory_bytes();
+        let changed = cell.apply(*key, replacement, record);
+        self.table
+            .account(cell.memory_bytes() as isize - before as isize);
+        Step::Done(changed)
+    }
+}

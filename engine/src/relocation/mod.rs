@@ -1,0 +1,376 @@
+//! Relocation: giving the space of overwritten, deleted and dropped values
+//! back without blocking writers.
+//!
+//! A pass copies the *live* entries out of old WAL segments to the tail
+//! (`mover`), repoints the index with compare-and-set (a newer write always
+//! wins), flushes the index and writes a snapshot, and only then deletes the
+//! segment files whole (`reclaim`). Two ways to find the live entries:
+//! - **WAL-based**: read the oldest segments record by record and keep the
+//!   items the index still points at;
+//! - **index-based**: walk the cells and take the entries below a cutoff.
+//!
+//! An application filter decides per entry: keep (copy it), drop (remove
+//! it), or stop (end the pass). See `docs/design/relocation.md`.
+
+mod census;
+mod mover;
+mod policy;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::engine::{Engine, Inner};
+use crate::error::{Error, Result};
+use crate::index::entry::key_array;
+use crate::metrics::Metrics;
+use crate::types::{Epoch, KeySpace, SegmentId, Tag, WalPosition};
+use crate::wal::format::{Kind, Op};
+use crate::wal::replay::{self, Stop};
+
+pub use census::SegmentUsage;
+pub(crate) use census::census;
+pub(crate) use mover::Mover;
+pub use mover::RelocationReport;
+pub(crate) use policy::run_relocation;
+
+/// What a relocation filter says about one entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Keep the entry (copy it forward if its segment is reclaimed).
+    Keep,
+    /// Remove the entry: its key reads as absent afterwards.
+    Drop,
+    /// Keep this and every remaining entry; end the pass.
+    Stop,
+}
+
+/// What a filter sees of an entry (never its value: deciding costs no I/O).
+#[derive(Clone, Copy, Debug)]
+pub struct EntryInfo<'a> {
+    /// Key space.
+    pub key_space: KeySpace,
+    /// The key.
+    pub key: &'a [u8],
+    /// Epoch of the entry's last write or touch.
+    pub epoch: Epoch,
+    /// Application tag.
+    pub tag: Tag,
+    /// Bytes of the item holding the value (header, key and value).
+    pub item_bytes: u32,
+    /// Where the value is now.
+    pub position: WalPosition,
+}
+
+/// The application's say in relocation and epoch drops. Must be
+/// deterministic (the same answer for the same entry) where replicas must
+/// agree, as in epoch drops.
+pub trait RelocationFilter: Send + Sync {
+    /// Keep, drop, or stop.
+    fn decide(&self, entry: &EntryInfo<'_>) -> Decision;
+}
+
+/// The default filter: keeps everything.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KeepAll;
+
+impl RelocationFilter for KeepAll {
+    fn decide(&self, _entry: &EntryInfo<'_>) -> Decision {
+        Decision::Keep
+    }
+}
+
+/// Holds the filter background relocation uses.
+pub(crate) struct FilterSlot(parking_lot::RwLock<Arc<dyn RelocationFilter>>);
+
+impl FilterSlot {
+    pub fn new() -> Self {
+        Self(parking_lot::RwLock::new(Arc::new(KeepAll)))
+    }
+
+    pub fn get(&self) -> Arc<dyn RelocationFilter> {
+        self.0.read().clone()
+    }
+
+    pub fn set(&self, filter: Arc<dyn RelocationFilter>) {
+        *self.0.write() = filter;
+    }
+}
+
+impl std::fmt::Debug for FilterSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FilterSlot")
+    }
+}
+
+/// How to pick what to relocate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// Read the oldest sealed segments (at most this many) record by record
+    /// and keep what the index still points at.
+    Wal {
+        /// Segments to process.
+        segments: usize,
+    },
+    /// Walk the index and relocate every entry below this position; then
+    /// reclaim the segments entirely below it.
+    Index {
+        /// The cutoff.
+        below: WalPosition,
+    },
+}
+
+impl Inner {
+    /// The filter view of an entry.
+    pub(crate) fn info<'k>(
+        &self,
+        space: u8,
+        key: &'k [u8],
+        entry: &crate::index::entry::Entry,
+    ) -> EntryInfo<'k> {
+        EntryInfo {
+            key_space: KeySpace(space),
+            key,
+            epoch: entry.epoch,
+            tag: entry.tag,
+            item_bytes: entry.len,
+            position: WalPosition(entry.location),
+        }
+    }
+
+    /// Sealed segments (not active, not retained for the application),
+    /// oldest first.
+    pub(crate) fn sealed_segments(&self) -> Vec<Arc<crate::wal::segment::SegmentFile>> {
+        let active = self.values.active_segment();
+        let size = self.config.wal_segment_bytes;
+        let retention = self.retention.load(Ordering::Acquire);
+        self.values
+            .segments()
+            .into_iter()
+            .filter(|s| s.id < active && (s.id.0 + 1) * size <= retention)
+            .collect()
+    }
+
+    /// WAL-based relocation of `segments`.
+    pub(crate) fn relocate_segments(
+        &self,
+        segments: &[Arc<crate::wal::segment::SegmentFile>],
+        filter: &dyn RelocationFilter,
+        rate: Option<u64>,
+    ) -> Result<RelocationReport> {
+        let mut mover = Mover::new(self, rate);
+        let mut emptied = Vec::new();
+        for segment in segments {
+            let (clean, stopped) = self.relocate_segment(segment, filter, &mut mover)?;
+            if stopped {
+                mover.report.stopped = true;
+                break;
+            }
+            if clean {
+                emptied.push(segment.id);
+            }
+        }
+        mover.finish()?;
+        let mut report = std::mem::take(&mut mover.report);
+        self.reclaim(&emptied, &mut report)?;
+        Ok(report)
+    }
+
+    /// Relocates the live items of one segment. Returns whether the whole
+    /// segment was read (no damage) and whether the filter stopped.
+    fn relocate_segment(
+        &self,
+        segment: &Arc<crate::wal::segment::SegmentFile>,
+        filter: &dyn RelocationFilter,
+        mover: &mut Mover<'_>,
+    ) -> Result<(bool, bool)> {
+        let opts = self.values.options();
+        let only = BTreeMap::from([(segment.id, segment.clone())]);
+        let base = WalPosition(segment.id.0 * opts.segment_size);
+        let mut stopped = false;
+        let end = replay::replay(opts, &only, base, |position, view| {
+            if stopped || view.header.kind != Kind::Entry {
+                return Ok(());
+            }
+            for (offset, item) in view.items() {
+                if item.op != Op::Put || stopped {
+                    continue;
+                }
+                let location = position.0 + offset as u64;
+                let space = usize::from(item.key_space);
+                let Some(table) = self.table.spaces.get(space) else {
+                    continue;
+                };
+                let key = key_array(item.key);
+                let Some(current) = self.lookup(table, &key)? else {
+                    continue;
+                };
+                if current.location != location {
+                    continue; // superseded: garbage
+                }
+                match filter.decide(&self.info(item.key_space, item.key, &current)) {
+                    Decision::Keep => {
+                        mover.relocate(item.key_space, key, current, item.value.to_vec())?
+                    }
+                    Decision::Drop => mover.drop_entry(item.key_space, &key, current)?,
+                    Decision::Stop => stopped = true,
+                }
+            }
+            Ok(())
+        })?;
+        Ok((end.stop == Stop::End, stopped))
+    }
+
+    /// Index-based relocation of every entry below `below`.
+    pub(crate) fn relocate_below(
+        &self,
+        below: WalPosition,
+        filter: &dyn RelocationFilter,
+    ) -> Result<RelocationReport> {
+        let mut mover = Mover::new(self, None);
+        let mut stopped = false;
+        'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
+            for id in space.cell_ids() {
+                for (key, entry) in self.cell_entries(space, &id)? {
+                    if entry.location >= below.0 {
+                        continue;
+                    }
+                    let key_bytes = &key[..space.key_len()];
+                    match filter.decide(&self.info(space_index as u8, key_bytes, &entry)) {
+                        Decision::Keep => {
+                            let value = self.read_value(space, &key, &entry)?;
+                            mover.relocate(space_index as u8, key, entry, value.to_vec())?;
+                        }
+                        Decision::Drop => mover.drop_entry(space_index as u8, &key, entry)?,
+                        Decision::Stop => {
+                            stopped = true;
+                            break 'spaces;
+                        }
+                    }
+                }
+            }
+        }
+        mover.finish()?;
+        let mut report = std::mem::take(&mut mover.report);
+        report.stopped = stopped;
+        let size = self.config.wal_segment_bytes;
+        let emptied: Vec<SegmentId> = if stopped {
+            Vec::new()
+        } else {
+            self.sealed_segments()
+                .iter()
+                .filter(|s| (s.id.0 + 1) * size <= below.0)
+                .map(|s| s.id)
+                .collect()
+        };
+        self.reclaim(&emptied, &mut report)?;
+        Ok(report)
+    }
+
+    /// Deletes `segments`, whose live entries have all been moved or
+    /// dropped, once nothing can reference them:
+    /// 1. flush every cell (the moves and drops reach the on-disk index);
+    /// 2. write a snapshot (the index, the copies and the control region are
+    ///    durable, and `replay_from` moves past the segments);
+    /// 3. delete each segment that ends at or below the durable
+    ///    `replay_from`, the synced watermark and the application's
+    ///    retention, and is not active — provided no move or drop is still
+    ///    unflushed;
+    /// 4. sync the directory.
+    ///
+    /// A reader that found an entry in a deleted segment before step 3 still
+    /// reads it (the file stays open); one that looks after finds the new
+    /// location in the index and retries.
+    pub(crate) fn reclaim(
+        &self,
+        segments: &[SegmentId],
+        report: &mut RelocationReport,
+    ) -> Result<()> {
+        crate::flush::flush_all(self)?;
+        crate::snapshot::write_snapshot(self)?;
+        if segments.is_empty() || self.has_unflushed_moves() {
+            return Ok(());
+        }
+        let replay_from = self
+            .last_snapshot
+            .lock()
+            .as_ref()
+            .map_or(0, |c| c.replay_from.0);
+        let limit = replay_from
+            .min(self.values.synced().0)
+            .min(self.retention.load(Ordering::Acquire));
+        let active = self.values.active_segment();
+        let size = self.config.wal_segment_bytes;
+        let mut deleted = 0;
+        for id in segments {
+            if *id < active && (id.0 + 1) * size <= limit {
+                self.values.delete_segment(*id)?;
+                deleted += 1;
+            }
+        }
+        if deleted > 0 {
+            self.values.sync_dir()?;
+            report.segments_deleted += deleted;
+            report.bytes_reclaimed += deleted * size;
+            Metrics::add(&self.metrics.counters.segments_deleted, deleted);
+            Metrics::add(&self.metrics.counters.bytes_reclaimed, deleted * size);
+        }
+        Ok(())
+    }
+
+    /// Whether any move or drop is still only in memory.
+    fn has_unflushed_moves(&self) -> bool {
+        let mut found = false;
+        self.table.for_each_cell(|_, _, cell| {
+            found |= cell
+                .changes
+                .values()
+                .any(|c| c.record == crate::table::cell::Change::NO_RECORD);
+        });
+        found
+    }
+}
+
+impl Engine {
+    /// Sets the filter background relocation uses (default: keep all).
+    pub fn set_relocation_filter(&self, filter: Arc<dyn RelocationFilter>) {
+        self.inner.filter.set(filter);
+    }
+
+    /// Runs one relocation pass now, with the configured filter and no rate
+    /// limit, and reclaims the segments it empties.
+    pub fn relocate(&self, strategy: Strategy) -> Result<RelocationReport> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let _one_at_a_time = inner.relocation_lock.lock();
+        let filter = inner.filter.get();
+        let report = match strategy {
+            Strategy::Wal { segments } => {
+                let oldest: Vec<_> = inner.sealed_segments().into_iter().take(segments).collect();
+                inner.relocate_segments(&oldest, &*filter, None)?
+            }
+            Strategy::Index { below } => inner.relocate_below(below, &*filter)?,
+        };
+        Metrics::add(&inner.metrics.counters.relocation_passes, 1);
+        Ok(report)
+    }
+
+    /// Live and total bytes of every WAL segment, from a walk of the whole
+    /// index (no value is read).
+    pub fn segment_usage(&self) -> Result<Vec<SegmentUsage>> {
+        self.inner.health.check()?;
+        census(&self.inner)
+    }
+
+    /// Keeps every WAL segment holding a position at or after `from` (a
+    /// replication layer keeps its uncompacted log this way); `u64::MAX`
+    /// (the default) keeps nothing extra.
+    pub fn set_log_retention(&self, from: WalPosition) {
+        self.inner.retention.store(from.0, Ordering::Release);
+    }
+}
+
+/// Errors a background pass may shrug off.
+pub(crate) fn is_transient(error: &Error) -> bool {
+    matches!(error, Error::DiskFull(_))
+}

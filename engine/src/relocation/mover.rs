@@ -1,0 +1,172 @@
+//! Moving entries: copies of live items re-appended at the WAL's tail in
+//! batches (records flagged RELOCATED, which replay skips), then each index
+//! entry repointed with a compare-and-set, and drop markers for entries the
+//! filter removes.
+
+use std::time::{Duration, Instant};
+
+use crate::engine::Inner;
+use crate::entry_update::DiskAccess;
+use crate::error::Result;
+use crate::index::entry::{Entry, Key};
+use crate::metrics::Metrics;
+use crate::table::cell::Change;
+use crate::wal::format::{self, FLAG_RELOCATED, ItemSpec, Op};
+
+/// Bytes of copies gathered before they are written as one record.
+const BATCH_BYTES: usize = 256 << 10;
+/// Items per record at most.
+const BATCH_ITEMS: usize = 1024;
+
+/// What a relocation or drop did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RelocationReport {
+    /// Entries copied forward.
+    pub entries_relocated: u64,
+    /// Bytes of items copied forward.
+    pub bytes_relocated: u64,
+    /// Entries removed (by the filter, or by an epoch drop).
+    pub entries_dropped: u64,
+    /// Segment files deleted.
+    pub segments_deleted: u64,
+    /// Bytes of the deleted segment files.
+    pub bytes_reclaimed: u64,
+    /// Whether the filter said stop.
+    pub stopped: bool,
+}
+
+struct Pending {
+    space: u8,
+    key: Key,
+    current: Entry,
+    value: Vec<u8>,
+}
+
+/// Gathers copies and drops, and writes them.
+pub(crate) struct Mover<'a> {
+    inner: &'a Inner,
+    pending: Vec<Pending>,
+    pending_bytes: usize,
+    /// Bytes per second to copy at most (`None`: unlimited).
+    rate: Option<u64>,
+    started: Instant,
+    copied_bytes: u64,
+    pub report: RelocationReport,
+}
+
+impl<'a> Mover<'a> {
+    pub fn new(inner: &'a Inner, rate: Option<u64>) -> Self {
+        Self {
+            inner,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            rate,
+            started: Instant::now(),
+            copied_bytes: 0,
+            report: RelocationReport::default(),
+        }
+    }
+
+    /// Queues a copy of `current` (whose value is `value`) to the tail.
+    pub fn relocate(&mut self, space: u8, key: Key, current: Entry, value: Vec<u8>) -> Result<()> {
+        self.pending_bytes += format::ITEM_HEADER_BYTES + key.len() + value.len();
+        self.pending.push(Pending {
+            space,
+            key,
+            current,
+            value,
+        });
+        if self.pending_bytes >= BATCH_BYTES || self.pending.len() >= BATCH_ITEMS {
+            self.write_batch()?;
+        }
+        Ok(())
+    }
+
+    /// Removes `current` (if it is still the key's entry).
+    pub fn drop_entry(&mut self, space: u8, key: &Key, current: Entry) -> Result<()> {
+        let dropped =
+            self.inner
+                .update_entry(space, key, Change::NO_RECORD, DiskAccess::Read, |now| {
+                    (*now == current).then(|| Entry::dropped(now))
+                })?;
+        if dropped {
+            self.report.entries_dropped += 1;
+            Metrics::add(&self.inner.metrics.counters.entries_dropped, 1);
+        }
+        Ok(())
+    }
+
+    /// Writes what is queued and waits until it is processed.
+    pub fn finish(&mut self) -> Result<()> {
+        self.write_batch()
+    }
+
+    fn write_batch(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let pending = std::mem::take(&mut self.pending);
+        self.pending_bytes = 0;
+        let specs: Vec<ItemSpec<'_>> = pending
+            .iter()
+            .map(|p| ItemSpec {
+                op: Op::Put,
+                key_space: p.space,
+                key: &p.key[..self.inner.table.spaces[usize::from(p.space)].key_len()],
+                value: &p.value,
+                epoch: p.current.epoch,
+                tag: p.current.tag,
+                version: p.current.version,
+            })
+            .collect();
+        let len = format::record_len(format::entry_body_len(0, &specs));
+        let (position, locations) = self.inner.values.append(len, |buf, position| {
+            format::write_entry(buf, position, FLAG_RELOCATED, &[], &specs)
+        })?;
+        self.inner
+            .values
+            .wait_processed(position.plus(len as u64))?;
+        let mut moved_entries = 0;
+        for (p, location) in pending.iter().zip(&locations) {
+            // A write that landed since the copy was made wins: the copy is
+            // then garbage.
+            let moved = self.inner.update_entry(
+                p.space,
+                &p.key,
+                Change::NO_RECORD,
+                DiskAccess::Read,
+                |now| {
+                    let same =
+                        now.version == p.current.version && now.location == p.current.location;
+                    (same && !now.tombstone()).then(|| Entry {
+                        location: location.position.0,
+                        len: location.len,
+                        ..*now
+                    })
+                },
+            )?;
+            if moved {
+                moved_entries += 1;
+                self.report.bytes_relocated += u64::from(location.len);
+            }
+        }
+        self.report.entries_relocated += moved_entries;
+        let counters = &self.inner.metrics.counters;
+        Metrics::add(&counters.entries_relocated, moved_entries);
+        Metrics::add(&counters.bytes_relocated, len as u64);
+        self.copied_bytes += len as u64;
+        self.throttle();
+        Ok(())
+    }
+
+    /// Sleeps as needed to keep copying at or below the rate limit.
+    fn throttle(&self) {
+        let Some(rate) = self.rate.filter(|r| *r > 0) else {
+            return;
+        };
+        let due = Duration::from_secs_f64(self.copied_bytes as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(self.started.elapsed()) {
+            std::thread::sleep(wait);
+        }
+    }
+}
