@@ -129,7 +129,7 @@ impl Engine {
                 format::write_entry(buf, position, FLAG_APPLIED, &[], &[item]);
                 inner.update_entry(space.0, &key, position.0, DiskAccess::Known(known), |now| {
                     (now.version == current.version && !now.tombstone())
-                        .then(|| Entry { epoch, ..*now })
+                        .then_some(Entry { epoch, ..*now })
                 })
             })?;
             inner.wait_durable(position.plus(len as u64), durability)?;

@@ -337,7 +337,7 @@ fn apply_touches(inner: &Inner, touches: &[Touch]) -> Result<()> {
             touch.record,
             crate::entry_update::DiskAccess::Read,
             |now| {
-                (now.version == touch.version && !now.tombstone()).then(|| Entry {
+                (now.version == touch.version && !now.tombstone()).then_some(Entry {
                     epoch: touch.epoch,
                     ..*now
                 })

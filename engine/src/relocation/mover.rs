@@ -138,7 +138,7 @@ impl<'a> Mover<'a> {
                 |now| {
                     let same =
                         now.version == p.current.version && now.location == p.current.location;
-                    (same && !now.tombstone()).then(|| Entry {
+                    (same && !now.tombstone()).then_some(Entry {
                         location: location.position.0,
                         len: location.len,
                         ..*now
