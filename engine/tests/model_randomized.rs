@@ -1,6 +1,7 @@
 //! A randomized model test: a mix of puts, deletes, atomic batches, gets,
-//! existence checks, scans, flushes, memory pressure and close/reopen or
-//! crash/reopen cycles, checked against a `BTreeMap` after every step.
+//! existence checks, scans, flushes, memory pressure, close/reopen or
+//! crash/reopen cycles, relocation passes, touches, epoch advances and epoch
+//! drops, checked against a `BTreeMap` after every step.
 //!
 //! Prints its seed; replay a failure with `MODEL_SEED=<seed>`. Runs 6,000
 //! operations by default; `MODEL_OPS=<n>` runs more.
@@ -14,7 +15,26 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use support::{fault_storage, key, open, prefixed_key, value};
 use tidepool_engine::storage::FaultStorage;
-use tidepool_engine::{Config, Direction, Durability, Engine, KeySpace, WriteBatch};
+use tidepool_engine::{
+    Config, Decision, Direction, Durability, Engine, EntryInfo, Epoch, KeySpace, RelocationFilter,
+    Strategy, Tag, WriteBatch,
+};
+
+/// Tag of entries epoch drops keep.
+const DURABLE: Tag = Tag(1);
+
+/// Keeps durable entries, drops the rest.
+struct KeepDurable;
+
+impl RelocationFilter for KeepDurable {
+    fn decide(&self, entry: &EntryInfo<'_>) -> Decision {
+        if entry.tag == DURABLE {
+            Decision::Keep
+        } else {
+            Decision::Drop
+        }
+    }
+}
 
 /// Model key: (key space index, key bytes).
 type ModelKey = (usize, Vec<u8>);
@@ -26,6 +46,10 @@ struct Harness {
     engine: Engine,
     spaces: [KeySpace; 2],
     model: BTreeMap<ModelKey, Vec<u8>>,
+    /// Epoch of each key's last write or touch, and whether it is durable
+    /// (tagged to survive epoch drops).
+    meta: BTreeMap<ModelKey, (u32, bool)>,
+    epoch: u32,
     version: u64,
     seed: u64,
     /// Flushes and cell loads of engines closed so far.
@@ -70,12 +94,14 @@ impl Harness {
                 let v = self.random_value(k.1[8] as u64);
                 let d = self.durability();
                 self.engine.put(self.spaces[k.0], &k.1, &v, d).unwrap();
+                self.meta.insert(k.clone(), (self.epoch, false));
                 self.model.insert(k, v);
             }
             40..=49 => {
                 let k = self.random_key();
                 let d = self.durability();
                 self.engine.delete(self.spaces[k.0], &k.1, d).unwrap();
+                self.meta.remove(&k);
                 self.model.remove(&k);
             }
             50..=54 => self.batch(),
@@ -102,8 +128,72 @@ impl Harness {
             94..=96 => self.engine.release_memory(),
             97 => self.reopen(true),
             98 => self.reopen(false),
-            _ => self.verify_all(),
+            99 => self.verify_all(),
+            100..=103 => self.touch(),
+            104 => self.advance_epoch(),
+            105 => self.drop_epochs(),
+            _ => self.relocate(),
         }
+    }
+
+    fn touch(&mut self) {
+        let k = self.random_key();
+        let d = self.durability();
+        let exists = self.engine.touch(self.spaces[k.0], &k.1, d).unwrap();
+        assert_eq!(
+            exists,
+            self.model.contains_key(&k),
+            "seed {}: touch {k:?}",
+            self.seed
+        );
+        if let Some(meta) = self.meta.get_mut(&k) {
+            meta.0 = self.epoch;
+        }
+    }
+
+    fn advance_epoch(&mut self) {
+        self.epoch += 1;
+        self.engine.advance_epoch(Epoch(self.epoch)).unwrap();
+    }
+
+    fn drop_epochs(&mut self) {
+        let below = self
+            .epoch
+            .saturating_sub(self.rng.random_range(0..3))
+            .max(1);
+        let report = self
+            .engine
+            .drop_epochs_below(Epoch(below), &KeepDurable)
+            .unwrap();
+        let expired: Vec<ModelKey> = self
+            .meta
+            .iter()
+            .filter(|(_, (epoch, durable))| *epoch < below && !durable)
+            .map(|(k, _)| k.clone())
+            .collect();
+        assert_eq!(
+            report.entries_dropped as usize,
+            expired.len(),
+            "seed {}: drop below {below}",
+            self.seed
+        );
+        for k in expired {
+            self.meta.remove(&k);
+            self.model.remove(&k);
+        }
+    }
+
+    fn relocate(&mut self) {
+        let strategy = if self.rng.random_bool(0.5) {
+            Strategy::Wal {
+                segments: self.rng.random_range(1..6),
+            }
+        } else {
+            Strategy::Index {
+                below: self.engine.processed_position(),
+            }
+        };
+        self.engine.relocate(strategy).unwrap();
     }
 
     fn batch(&mut self) {
@@ -113,8 +203,14 @@ impl Harness {
             let k = self.random_key();
             if self.rng.random_bool(0.8) {
                 let v = self.random_value(k.1[8] as u64);
-                batch.put(self.spaces[k.0], &k.1, &v);
-                staged.push((k, Some(v)));
+                let durable = self.rng.random_bool(0.3);
+                batch.put_tagged(
+                    self.spaces[k.0],
+                    &k.1,
+                    &v,
+                    if durable { DURABLE } else { Tag(0) },
+                );
+                staged.push((k, Some((v, durable))));
             } else {
                 batch.delete(self.spaces[k.0], &k.1);
                 staged.push((k, None));
@@ -124,9 +220,15 @@ impl Harness {
         self.engine.write_batch(&batch, d).unwrap();
         for (k, v) in staged {
             match v {
-                Some(v) => self.model.insert(k, v),
-                None => self.model.remove(&k),
-            };
+                Some((v, durable)) => {
+                    self.meta.insert(k.clone(), (self.epoch, durable));
+                    self.model.insert(k, v);
+                }
+                None => {
+                    self.meta.remove(&k);
+                    self.model.remove(&k);
+                }
+            }
         }
     }
 
@@ -275,13 +377,15 @@ fn engine_matches_a_btreemap_model() {
         engine,
         spaces,
         model: BTreeMap::new(),
+        meta: BTreeMap::new(),
+        epoch: 1,
         version: 0,
         seed,
         flushes: 0,
         cell_loads: 0,
     };
     for _ in 0..ops {
-        let op = harness.rng.random_range(0..100);
+        let op = harness.rng.random_range(0..110);
         harness.step(op);
     }
     harness.verify_all();

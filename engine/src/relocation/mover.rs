@@ -69,14 +69,20 @@ impl<'a> Mover<'a> {
 
     /// Queues a copy of `current` (whose value is `value`) to the tail.
     pub fn relocate(&mut self, space: u8, key: Key, current: Entry, value: Vec<u8>) -> Result<()> {
-        self.pending_bytes += format::ITEM_HEADER_BYTES + key.len() + value.len();
+        // A batch is one record: keep it well inside a segment.
+        let limit = BATCH_BYTES.min(self.inner.values.max_record_bytes() as usize / 2);
+        let item_bytes = format::align8(format::ITEM_HEADER_BYTES + key.len() + value.len());
+        if !self.pending.is_empty() && self.pending_bytes + item_bytes > limit {
+            self.write_batch()?;
+        }
+        self.pending_bytes += item_bytes;
         self.pending.push(Pending {
             space,
             key,
             current,
             value,
         });
-        if self.pending_bytes >= BATCH_BYTES || self.pending.len() >= BATCH_ITEMS {
+        if self.pending.len() >= BATCH_ITEMS {
             self.write_batch()?;
         }
         Ok(())

@@ -173,6 +173,11 @@ impl Log {
         Ok(buf)
     }
 
+    /// Largest record that fits in a segment.
+    pub fn max_record_bytes(&self) -> u64 {
+        self.shared.opts.max_record_bytes()
+    }
+
     /// The log's settings.
     pub fn options(&self) -> &LogOptions {
         &self.shared.opts

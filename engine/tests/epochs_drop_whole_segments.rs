@@ -1,0 +1,189 @@
+//! Epochs: keys written in epochs 1..=5, some touched later; dropping
+//! epochs below 3 removes exactly the keys last written or touched in epochs
+//! 1 and 2 — except those the filter keeps — deletes those epochs' segment
+//! files, and leaves everything else byte-identical. Two engines with
+//! different physical layouts, fed the same calls, end up identical.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use support::{fault_storage, key, open, value};
+use tidepool_engine::{
+    Config, Decision, Durability, Engine, EntryInfo, Epoch, RelocationFilter, Strategy, Tag,
+    WriteBatch,
+};
+
+/// Keeps entries tagged "durable"; drops the rest.
+struct KeepDurable;
+
+const DURABLE: Tag = Tag(7);
+
+impl RelocationFilter for KeepDurable {
+    fn decide(&self, entry: &EntryInfo<'_>) -> Decision {
+        if entry.tag == DURABLE {
+            Decision::Keep
+        } else {
+            Decision::Drop
+        }
+    }
+}
+
+/// Key -> (value, epoch of last write or touch, tag).
+type Model = BTreeMap<u64, (Vec<u8>, u32, Tag)>;
+
+/// Writes 40 keys per epoch in epochs 1..=5 (every 8th tagged durable),
+/// overwriting some older keys and touching others along the way.
+fn run(engine: &Engine, extra_relocation: bool) -> Model {
+    let ks = engine.key_space("default").unwrap();
+    let mut model = Model::new();
+    for epoch in 1..=5u32 {
+        if epoch > 1 {
+            engine.advance_epoch(Epoch(epoch)).unwrap();
+        }
+        for i in 0..40u64 {
+            let k = u64::from(epoch) * 100 + i;
+            let tag = if i % 8 == 0 { DURABLE } else { Tag(0) };
+            let v = value(k, u64::from(epoch), 300 + (k as usize % 700));
+            let mut batch = WriteBatch::new();
+            batch.put_tagged(ks, &key(k), &v, tag);
+            engine.write_batch(&batch, Durability::Buffered).unwrap();
+            model.insert(k, (v, epoch, tag));
+        }
+        if epoch == 4 {
+            // Overwrite a few epoch-1 keys: they now belong to epoch 4.
+            for k in 100..105u64 {
+                let v = value(k, 40, 500);
+                engine
+                    .put(
+                        engine.key_space("default").unwrap(),
+                        &key(k),
+                        &v,
+                        Durability::Buffered,
+                    )
+                    .unwrap();
+                model.insert(k, (v, 4, Tag(0)));
+            }
+        }
+        if epoch == 5 {
+            // Touch some epoch-1 and epoch-2 keys: they survive the drop.
+            for k in [110u64, 111, 210, 211] {
+                assert!(engine.touch(ks, &key(k), Durability::Buffered).unwrap());
+                model.get_mut(&k).unwrap().1 = 5;
+            }
+            assert!(
+                !engine.touch(ks, &key(999), Durability::Buffered).unwrap(),
+                "missing key"
+            );
+        }
+        if extra_relocation {
+            engine.relocate(Strategy::Wal { segments: 2 }).unwrap();
+        }
+    }
+    model
+}
+
+fn expected_after_drop(model: &Model, below: u32) -> Model {
+    model
+        .iter()
+        .filter(|(_, (_, epoch, tag))| *epoch >= below || *tag == DURABLE)
+        .map(|(k, v)| (*k, v.clone()))
+        .collect()
+}
+
+fn assert_matches(engine: &Engine, expected: &Model, context: &str) {
+    let ks = engine.key_space("default").unwrap();
+    for k in (100..140)
+        .chain(200..240)
+        .chain(300..340)
+        .chain(400..440)
+        .chain(500..540)
+    {
+        let got = engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec());
+        assert_eq!(
+            got.as_ref(),
+            expected.get(&k).map(|(v, _, _)| v),
+            "{context}: key {k}"
+        );
+    }
+}
+
+fn config(segment_bytes: u64) -> Config {
+    let (_, mut config) = fault_storage();
+    config.relocation_enabled = false;
+    config.wal_segment_bytes = segment_bytes;
+    config
+}
+
+#[test]
+fn dropping_epochs_removes_exactly_the_expired_keys_and_their_files() {
+    let (storage, _) = fault_storage();
+    let config = config(64 << 10);
+    let engine = open(&storage, &config).unwrap();
+    let model = run(&engine, false);
+    let old_segments = engine
+        .segment_usage()
+        .unwrap()
+        .iter()
+        .filter(|s| s.epoch.0 < 3)
+        .count();
+    assert!(old_segments > 0);
+
+    let report = engine.drop_epochs_below(Epoch(3), &KeepDurable).unwrap();
+    let expected = expected_after_drop(&model, 3);
+    assert_matches(&engine, &expected, "after the drop");
+    let dropped = model.len() - expected.len();
+    assert_eq!(report.entries_dropped as usize, dropped, "{report:?}");
+    assert_eq!(
+        report.segments_deleted as usize, old_segments,
+        "every epoch-1/2 segment goes: {report:?}"
+    );
+    assert!(
+        engine
+            .segment_usage()
+            .unwrap()
+            .iter()
+            .all(|s| s.epoch.0 >= 3),
+        "no segment of epochs 1-2 is left"
+    );
+    assert!(
+        report.entries_relocated > 0,
+        "durable and touched entries moved forward"
+    );
+
+    // Nothing comes back, and the kept keys stay, across a crash.
+    drop(engine);
+    let engine = open(&storage.restart_process(), &config).unwrap();
+    assert_matches(&engine, &expected, "after reopening");
+    // A later drop asks the filter again: durable keys stay for good.
+    engine.advance_epoch(Epoch(6)).unwrap();
+    engine.drop_epochs_below(Epoch(6), &KeepDurable).unwrap();
+    let expected = expected_after_drop(&expected, 6);
+    assert_matches(&engine, &expected, "after the second drop");
+    assert!(expected.values().all(|(_, _, tag)| *tag == DURABLE));
+}
+
+#[test]
+fn replicas_with_different_layouts_agree_after_a_drop() {
+    let (a_storage, _) = fault_storage();
+    let (b_storage, _) = fault_storage();
+    let a = open(&a_storage, &config(64 << 10)).unwrap();
+    let b = open(&b_storage, &config(128 << 10)).unwrap();
+    let model_a = run(&a, false);
+    let model_b = run(&b, true); // extra relocation passes move b's data around
+    assert_eq!(model_a, model_b);
+    let report_a = a.drop_epochs_below(Epoch(3), &KeepDurable).unwrap();
+    let report_b = b.drop_epochs_below(Epoch(3), &KeepDurable).unwrap();
+    assert_eq!(report_a.entries_dropped, report_b.entries_dropped);
+    let expected = expected_after_drop(&model_a, 3);
+    assert_matches(&a, &expected, "replica a");
+    assert_matches(&b, &expected, "replica b");
+}
+
+#[test]
+fn the_current_epoch_cannot_be_dropped() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    assert!(engine.drop_epochs_below(Epoch(2), &KeepDurable).is_err());
+    assert!(engine.advance_epoch(Epoch(1)).is_err(), "epochs only grow");
+}
