@@ -59,8 +59,10 @@ ci: ## The gate: format, lints, dependency rules, docs, all tests.
 
 BENCH_SECONDS ?= 10
 
-bench: ## Benchmarks: engine put throughput (1 and 2 threads) vs the memcpy limit.
-	$(CARGO) run --release -p tidepool-benchmarks --bin engine-put -- --seconds $(BENCH_SECONDS)
+bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off.
+	$(CARGO) build --release -p tidepool-benchmarks
+	./target/release/engine-put --seconds $(BENCH_SECONDS)
+	./target/release/engine-reclaim --seconds $(BENCH_SECONDS)
 
 e2e: ## End-to-end scenarios on real processes and a real etcd.
 	@echo "e2e: not yet — the end-to-end suite arrives with issue 9"; exit 1

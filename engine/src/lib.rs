@@ -44,6 +44,15 @@
 //! failed write or `fsync` the engine is poisoned and refuses further I/O
 //! until reopened.
 //!
+//! # Reclaiming space
+//!
+//! [`Engine::relocate`] (and a background thread, by policy) copies live
+//! entries out of old segments and deletes the segments whole; a
+//! [`RelocationFilter`] may drop entries on the way. Every segment belongs to
+//! an [`Epoch`]; [`Engine::drop_epochs_below`] expires whole epochs by
+//! deleting their files, keeping what the filter says and what was
+//! [`Engine::touch`]ed since.
+//!
 //! # Replication
 //!
 //! [`Engine::append`], [`Engine::apply`] and [`Engine::read_record`] let a
