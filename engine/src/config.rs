@@ -107,7 +107,7 @@ pub struct Config {
     pub relocation_pressure_free_bytes: u64,
     /// The garbage ratio used under disk pressure.
     pub relocation_pressure_garbage_ratio: f64,
-    /// Bytes per second background relocation copies at most.
+    /// Bytes per second background relocation copies at most (0: no limit).
     pub relocation_bytes_per_sec: u64,
     /// Segments one background pass processes at most.
     pub relocation_segments_per_pass: u32,

@@ -68,6 +68,9 @@ pub(crate) struct Inner {
     pub retention: std::sync::atomic::AtomicU64,
     /// The last census.
     pub last_census: Mutex<Vec<crate::relocation::SegmentUsage>>,
+    /// The processed watermark when background relocation last took a
+    /// census.
+    pub census_processed: std::sync::atomic::AtomicU64,
 }
 
 /// A Tidepool storage engine over one directory.

@@ -114,6 +114,7 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         filter: crate::relocation::FilterSlot::new(),
         retention: std::sync::atomic::AtomicU64::new(u64::MAX),
         last_census: Mutex::new(Vec::new()),
+        census_processed: std::sync::atomic::AtomicU64::new(0),
         config,
     });
     apply_touches(&inner, &recovered.touches)?;

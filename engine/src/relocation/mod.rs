@@ -221,6 +221,73 @@ impl Inner {
         Ok((end.stop == Stop::End, stopped))
     }
 
+    /// Index-based relocation of the entries living in `segments` (what the
+    /// background policy uses: the walk touches only the index, and only the
+    /// live values are read), then reclaims the segments.
+    pub(crate) fn relocate_out_of(
+        &self,
+        segments: &[SegmentId],
+        filter: &dyn RelocationFilter,
+        rate: Option<u64>,
+    ) -> Result<RelocationReport> {
+        let size = self.config.wal_segment_bytes;
+        let targets: std::collections::BTreeSet<u64> = segments.iter().map(|s| s.0).collect();
+        let mut mover = Mover::new(self, rate);
+        let mut stopped = false;
+        'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
+            for id in space.cell_ids() {
+                for (key, entry) in self.cell_entries(space, &id)? {
+                    if !targets.contains(&(entry.location / size)) {
+                        continue;
+                    }
+                    if !self.keep_or_drop(
+                        space_index as u8,
+                        space,
+                        &key,
+                        entry,
+                        filter,
+                        &mut mover,
+                    )? {
+                        stopped = true;
+                        break 'spaces;
+                    }
+                }
+            }
+        }
+        mover.finish()?;
+        let mut report = std::mem::take(&mut mover.report);
+        report.stopped = stopped;
+        let emptied = if stopped {
+            Vec::new()
+        } else {
+            segments.to_vec()
+        };
+        self.reclaim(&emptied, &mut report)?;
+        Ok(report)
+    }
+
+    /// Applies the filter to one live entry: copies it forward or drops it.
+    /// Returns `false` if the filter said stop.
+    fn keep_or_drop(
+        &self,
+        space_index: u8,
+        space: &crate::table::SpaceTable,
+        key: &crate::index::entry::Key,
+        entry: crate::index::entry::Entry,
+        filter: &dyn RelocationFilter,
+        mover: &mut Mover<'_>,
+    ) -> Result<bool> {
+        match filter.decide(&self.info(space_index, &key[..space.key_len()], &entry)) {
+            Decision::Keep => {
+                let value = self.read_value(space, key, &entry)?;
+                mover.relocate(space_index, *key, entry, value.to_vec())?;
+            }
+            Decision::Drop => mover.drop_entry(space_index, key, entry)?,
+            Decision::Stop => return Ok(false),
+        }
+        Ok(true)
+    }
+
     /// Index-based relocation of every entry below `below`.
     pub(crate) fn relocate_below(
         &self,
@@ -235,17 +302,16 @@ impl Inner {
                     if entry.location >= below.0 {
                         continue;
                     }
-                    let key_bytes = &key[..space.key_len()];
-                    match filter.decide(&self.info(space_index as u8, key_bytes, &entry)) {
-                        Decision::Keep => {
-                            let value = self.read_value(space, &key, &entry)?;
-                            mover.relocate(space_index as u8, key, entry, value.to_vec())?;
-                        }
-                        Decision::Drop => mover.drop_entry(space_index as u8, &key, entry)?,
-                        Decision::Stop => {
-                            stopped = true;
-                            break 'spaces;
-                        }
+                    if !self.keep_or_drop(
+                        space_index as u8,
+                        space,
+                        &key,
+                        entry,
+                        filter,
+                        &mut mover,
+                    )? {
+                        stopped = true;
+                        break 'spaces;
                     }
                 }
             }
