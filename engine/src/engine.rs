@@ -348,17 +348,14 @@ impl Inner {
         let (position, ()) = self.values.append(len, |buf, position| {
             let locations = format::write_entry(buf, position, FLAG_APPLIED, &[], items);
             for (item, location) in items.iter().zip(&locations) {
-                let entry = Entry {
-                    version: location.position.0,
-                    location: location.position.0,
-                    len: if item.op == Op::Delete {
-                        0
-                    } else {
-                        location.len
-                    },
-                    epoch: item.epoch,
-                    tag: item.tag,
-                };
+                let delete = item.op == Op::Delete;
+                let entry = Entry::written(
+                    location.position.0,
+                    location.len,
+                    delete,
+                    item.epoch,
+                    item.tag,
+                );
                 self.apply(item.key_space, key_array(item.key), entry, position.0);
             }
         })?;

@@ -161,17 +161,13 @@ impl Engine {
             .map(|(spec, location)| AppendedItem {
                 space: spec.key_space,
                 key: key_array(spec.key),
-                entry: Entry {
-                    version: location.position.0,
-                    location: location.position.0,
-                    len: if spec.op == Op::Delete {
-                        0
-                    } else {
-                        location.len
-                    },
-                    epoch: spec.epoch,
-                    tag: spec.tag,
-                },
+                entry: Entry::written(
+                    location.position.0,
+                    location.len,
+                    spec.op == Op::Delete,
+                    spec.epoch,
+                    spec.tag,
+                ),
                 record: position.0,
             })
             .collect();

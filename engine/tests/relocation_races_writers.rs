@@ -1,7 +1,7 @@
 //! Relocation concurrent with writes: writers overwrite and delete their
 //! keys while relocation passes (both strategies, and the background
-//! policy) copy, repoint and delete segments underneath them, and readers
-//! read everything. A shadow model proves that no relocated older value
+//! policy) copy, repoint and delete segments underneath them, and a reader
+//! reads everything. A shadow model proves that no relocated older value
 //! ever replaces a newer write, no deleted key comes back, and no live key
 //! disappears.
 //!
@@ -9,75 +9,13 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
-use support::{key, value, version_of};
-use tidepool_engine::{Config, Durability, Engine, Strategy};
+use support::shadow::Shadow;
+use tidepool_engine::{Config, Engine, Strategy};
 
 const WRITERS: u64 = 2;
-const KEYS: u64 = 200;
 const OPS_PER_WRITER: u64 = 10_000;
-
-fn is_delete(version: u64) -> bool {
-    version.is_multiple_of(4)
-}
-
-struct Shadow {
-    acked: Vec<AtomicU64>,
-    started: Vec<AtomicU64>,
-}
-
-fn write(engine: &Engine, shadow: &Shadow, id: u64, seed: u64) {
-    let ks = engine.key_space("default").unwrap();
-    let mut rng = SmallRng::seed_from_u64(seed ^ (id + 1));
-    let mine: Vec<u64> = (0..KEYS).filter(|k| k % WRITERS == id).collect();
-    for _ in 0..OPS_PER_WRITER {
-        let k = mine[rng.random_range(0..mine.len())];
-        let version = shadow.started[k as usize].load(Ordering::SeqCst) + 1;
-        shadow.started[k as usize].store(version, Ordering::SeqCst);
-        if is_delete(version) {
-            engine.delete(ks, &key(k), Durability::Buffered).unwrap();
-        } else {
-            let v = value(k, version, rng.random_range(100..2_000));
-            engine.put(ks, &key(k), &v, Durability::Buffered).unwrap();
-        }
-        shadow.acked[k as usize].store(version, Ordering::SeqCst);
-    }
-}
-
-fn read(engine: &Engine, shadow: &Shadow, stop: &AtomicBool, seed: u64) -> u64 {
-    let ks = engine.key_space("default").unwrap();
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let mut reads = 0;
-    while !stop.load(Ordering::SeqCst) {
-        let k = rng.random_range(0..KEYS);
-        let acked = shadow.acked[k as usize].load(Ordering::SeqCst);
-        let got = engine.get(ks, &key(k)).unwrap();
-        let started = shadow.started[k as usize].load(Ordering::SeqCst);
-        match got {
-            Some(v) => {
-                let version = version_of(&v);
-                assert!(
-                    version >= acked && version <= started,
-                    "seed {seed}: key {k} read version {version}, acknowledged {acked}, started {started}"
-                );
-                assert_eq!(
-                    v,
-                    value(k, version, v.len()),
-                    "seed {seed}: key {k} damaged"
-                );
-            }
-            None => assert!(
-                acked == 0 || (acked..=started).any(is_delete),
-                "seed {seed}: key {k} vanished (acknowledged {acked}, started {started})"
-            ),
-        }
-        reads += 1;
-    }
-    reads
-}
 
 #[test]
 fn relocation_never_replaces_a_newer_write_or_loses_a_live_key() {
@@ -87,19 +25,16 @@ fn relocation_never_replaces_a_newer_write_or_loses_a_live_key() {
     config.relocation_interval_ms = 20;
     config.relocation_garbage_ratio = 0.3;
     let engine = Engine::open(config.clone()).unwrap();
-    let shadow = Shadow {
-        acked: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
-        started: (0..KEYS).map(|_| AtomicU64::new(0)).collect(),
-    };
+    let shadow = Shadow::new(200, 4);
     let stop = AtomicBool::new(false);
     let (reads, passes) = std::thread::scope(|s| {
         let writers: Vec<_> = (0..WRITERS)
             .map(|id| {
                 let (engine, shadow) = (&engine, &shadow);
-                s.spawn(move || write(engine, shadow, id, seed))
+                s.spawn(move || shadow.write(engine, id, WRITERS, OPS_PER_WRITER, 0.0, seed))
             })
             .collect();
-        let reader = s.spawn(|| read(&engine, &shadow, &stop, seed));
+        let reader = s.spawn(|| shadow.read_until(&engine, &stop, seed));
         let relocator = s.spawn(|| {
             let mut passes = 0;
             while !stop.load(Ordering::SeqCst) {
@@ -121,16 +56,7 @@ fn relocation_never_replaces_a_newer_write_or_loses_a_live_key() {
         stop.store(true, Ordering::SeqCst);
         (reader.join().unwrap(), relocator.join().unwrap())
     });
-    let check = |engine: &Engine, context: &str| {
-        let ks = engine.key_space("default").unwrap();
-        for k in 0..KEYS {
-            let last = shadow.acked[k as usize].load(Ordering::SeqCst);
-            let got = engine.get(ks, &key(k)).unwrap().map(|v| version_of(&v));
-            let expected = (last > 0 && !is_delete(last)).then_some(last);
-            assert_eq!(got, expected, "seed {seed}, {context}: key {k}");
-        }
-    };
-    check(&engine, "live");
+    shadow.check_final(&engine, &format!("seed {seed}"));
     let counters = engine.metrics().counters;
     println!(
         "seed {seed}: {} writes, {reads} reads, {passes} explicit passes; {} entries relocated, {} segments deleted",
@@ -143,5 +69,8 @@ fn relocation_never_replaces_a_newer_write_or_loses_a_live_key() {
         "relocation must really delete segments under the writers"
     );
     drop(engine);
-    check(&Engine::open(config).unwrap(), "after a crash");
+    shadow.check_final(
+        &Engine::open(config).unwrap(),
+        &format!("seed {seed}, after a crash"),
+    );
 }

@@ -51,6 +51,18 @@ impl Entry {
         (self.version, self.location) >= (other.version, other.location)
     }
 
+    /// The entry of a freshly written item: its own position is its
+    /// version and its location; a delete has no value (length 0).
+    pub fn written(position: u64, item_len: u32, delete: bool, epoch: Epoch, tag: Tag) -> Entry {
+        Entry {
+            version: position,
+            location: position,
+            len: if delete { 0 } else { item_len },
+            epoch,
+            tag,
+        }
+    }
+
     /// Location of a drop marker: an entry removed by an epoch drop or a
     /// relocation filter, superseding every copy of its write.
     pub const DROPPED: u64 = u64::MAX;

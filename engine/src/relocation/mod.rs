@@ -232,22 +232,62 @@ impl Inner {
     ) -> Result<RelocationReport> {
         let size = self.config.wal_segment_bytes;
         let targets: std::collections::BTreeSet<u64> = segments.iter().map(|s| s.0).collect();
+        let mut report =
+            self.move_entries(filter, rate, |e| targets.contains(&(e.location / size)))?;
+        let emptied = if report.stopped {
+            Vec::new()
+        } else {
+            segments.to_vec()
+        };
+        self.reclaim(&emptied, &mut report)?;
+        Ok(report)
+    }
+
+    /// Index-based relocation of every entry below `below`, then reclaims
+    /// the sealed segments entirely below it.
+    pub(crate) fn relocate_below(
+        &self,
+        below: WalPosition,
+        filter: &dyn RelocationFilter,
+    ) -> Result<RelocationReport> {
+        let mut report = self.move_entries(filter, None, |e| e.location < below.0)?;
+        let size = self.config.wal_segment_bytes;
+        let emptied: Vec<SegmentId> = if report.stopped {
+            Vec::new()
+        } else {
+            self.sealed_segments()
+                .iter()
+                .filter(|s| (s.id.0 + 1) * size <= below.0)
+                .map(|s| s.id)
+                .collect()
+        };
+        self.reclaim(&emptied, &mut report)?;
+        Ok(report)
+    }
+
+    /// Walks every cell and hands each live entry `select` picks to the
+    /// filter: copies it forward or drops it, until the filter says stop.
+    fn move_entries(
+        &self,
+        filter: &dyn RelocationFilter,
+        rate: Option<u64>,
+        select: impl Fn(&crate::index::entry::Entry) -> bool,
+    ) -> Result<RelocationReport> {
         let mut mover = Mover::new(self, rate);
         let mut stopped = false;
         'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
             for id in space.cell_ids() {
                 for (key, entry) in self.cell_entries(space, &id)? {
-                    if !targets.contains(&(entry.location / size)) {
-                        continue;
-                    }
-                    if !self.keep_or_drop(
-                        space_index as u8,
-                        space,
-                        &key,
-                        entry,
-                        filter,
-                        &mut mover,
-                    )? {
+                    if select(&entry)
+                        && !self.keep_or_drop(
+                            space_index as u8,
+                            space,
+                            &key,
+                            entry,
+                            filter,
+                            &mut mover,
+                        )?
+                    {
                         stopped = true;
                         break 'spaces;
                     }
@@ -257,12 +297,6 @@ impl Inner {
         mover.finish()?;
         let mut report = std::mem::take(&mut mover.report);
         report.stopped = stopped;
-        let emptied = if stopped {
-            Vec::new()
-        } else {
-            segments.to_vec()
-        };
-        self.reclaim(&emptied, &mut report)?;
         Ok(report)
     }
 
@@ -286,51 +320,6 @@ impl Inner {
             Decision::Stop => return Ok(false),
         }
         Ok(true)
-    }
-
-    /// Index-based relocation of every entry below `below`.
-    pub(crate) fn relocate_below(
-        &self,
-        below: WalPosition,
-        filter: &dyn RelocationFilter,
-    ) -> Result<RelocationReport> {
-        let mut mover = Mover::new(self, None);
-        let mut stopped = false;
-        'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
-            for id in space.cell_ids() {
-                for (key, entry) in self.cell_entries(space, &id)? {
-                    if entry.location >= below.0 {
-                        continue;
-                    }
-                    if !self.keep_or_drop(
-                        space_index as u8,
-                        space,
-                        &key,
-                        entry,
-                        filter,
-                        &mut mover,
-                    )? {
-                        stopped = true;
-                        break 'spaces;
-                    }
-                }
-            }
-        }
-        mover.finish()?;
-        let mut report = std::mem::take(&mut mover.report);
-        report.stopped = stopped;
-        let size = self.config.wal_segment_bytes;
-        let emptied: Vec<SegmentId> = if stopped {
-            Vec::new()
-        } else {
-            self.sealed_segments()
-                .iter()
-                .filter(|s| (s.id.0 + 1) * size <= below.0)
-                .map(|s| s.id)
-                .collect()
-        };
-        self.reclaim(&emptied, &mut report)?;
-        Ok(report)
     }
 
     /// Deletes `segments`, whose live entries have all been moved or

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod shadow;
 pub mod workload;
 
 use std::path::Path;
