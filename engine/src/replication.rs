@@ -204,51 +204,50 @@ impl Engine {
         };
         let bytes = inner.values.read(position, header.record_len())?;
         let view = RecordView::verify(position, &bytes).map_err(|m| corrupt(m.0))?;
-        let mut items = Vec::new();
-        let mut appended_items = Vec::new();
-        for (offset, item) in view.items() {
-            let location = position.0 + offset as u64;
-            let op = match item.op {
-                Op::Put => ItemOp::Put,
-                Op::Delete => ItemOp::Delete,
-                Op::Touch => ItemOp::Touch,
-            };
-            let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
-            appended_items.push(AppendedItem {
-                space: item.key_space,
-                key: key_array(item.key),
-                entry: Entry {
-                    version: if item.version == 0 {
-                        location
-                    } else {
-                        item.version
-                    },
-                    location,
-                    len: if op == ItemOp::Put { len as u32 } else { 0 },
-                    epoch: item.epoch,
-                    tag: item.tag,
-                },
-                record: position.0,
-            });
-            items.push(ItemData {
+        let items = view
+            .items()
+            .map(|(_, item)| ItemData {
                 space: KeySpace(item.key_space),
-                op,
+                op: item_op(item.op),
                 key: item.key.to_vec(),
                 value: item.value.to_vec(),
                 epoch: item.epoch,
                 tag: item.tag,
-            });
-        }
-        let appended = Appended {
-            position,
-            end: position.plus(bytes.len() as u64),
-            items: appended_items,
-        };
+            })
+            .collect();
         Ok(RecordData {
             meta: view.meta().to_vec(),
             items,
-            appended,
+            appended: appended_from_view(position, &view),
         })
+    }
+
+    /// Visits, in log order, every record a replication layer appended
+    /// (with [`Engine::append`]) from `from` (a record position) to the end of
+    /// the log: its position, metadata and where its items are. For a
+    /// replication layer rebuilding its log index after a restart.
+    pub fn scan_appended(
+        &self,
+        from: WalPosition,
+        mut visit: impl FnMut(WalPosition, &[u8], Appended) -> Result<()>,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let processed = inner.values.processed();
+        let segments: std::collections::BTreeMap<_, _> = inner
+            .values
+            .segments()
+            .into_iter()
+            .map(|s| (s.id, s))
+            .collect();
+        crate::wal::replay::replay(inner.values.options(), &segments, from, |position, view| {
+            let appended_by_application = view.header.kind == Kind::Entry && view.header.flags == 0;
+            if position < processed && appended_by_application {
+                visit(position, view.meta(), appended_from_view(position, view))?;
+            }
+            Ok(())
+        })?;
+        Ok(())
     }
 
     /// Replaces the application state persisted with the next snapshot.
@@ -284,5 +283,45 @@ impl Engine {
             )));
         }
         self.inner.values.advance_epoch(epoch)
+    }
+}
+
+fn item_op(op: Op) -> ItemOp {
+    match op {
+        Op::Put => ItemOp::Put,
+        Op::Delete => ItemOp::Delete,
+        Op::Touch => ItemOp::Touch,
+    }
+}
+
+/// Where a verified record's items are, as an [`Appended`].
+fn appended_from_view(position: WalPosition, view: &RecordView<'_>) -> Appended {
+    let items = view
+        .items()
+        .map(|(offset, item)| {
+            let location = position.0 + offset as u64;
+            let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
+            AppendedItem {
+                space: item.key_space,
+                key: key_array(item.key),
+                entry: Entry {
+                    version: if item.version == 0 {
+                        location
+                    } else {
+                        item.version
+                    },
+                    location,
+                    len: if item.op == Op::Put { len as u32 } else { 0 },
+                    epoch: item.epoch,
+                    tag: item.tag,
+                },
+                record: position.0,
+            }
+        })
+        .collect();
+    Appended {
+        position,
+        end: position.plus(view.header.record_len() as u64),
+        items,
     }
 }

@@ -138,3 +138,53 @@ fn recovery_leaves_appended_records_to_the_replication_layer() {
         "the uncommitted record stays readable"
     );
 }
+
+#[test]
+fn scan_appended_visits_only_appended_records_in_order() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut positions = Vec::new();
+    for i in 0..30u64 {
+        let v = value(i, 1, 3_000);
+        let item = ItemInput {
+            space: ks,
+            op: ItemOp::Put,
+            key: &key(i),
+            value: &v,
+            epoch: Epoch(1),
+            tag: Tag(0),
+        };
+        let appended = engine
+            .append(format!("entry {i}").as_bytes(), &[item])
+            .unwrap();
+        positions.push(appended.position);
+        // Interleaved engine-applied writes are not visited.
+        engine
+            .put(
+                ks,
+                &key(1_000 + i),
+                b"local",
+                tidepool_engine::Durability::Buffered,
+            )
+            .unwrap();
+    }
+    engine.wait_synced(engine.processed_position()).unwrap();
+    drop(engine);
+    let engine = open(&storage.restart_process(), &config).unwrap();
+    let mut seen = Vec::new();
+    engine
+        .scan_appended(positions[0], |position, meta, appended| {
+            assert_eq!(appended.position, position);
+            assert_eq!(appended.items.len(), 1);
+            seen.push((position, String::from_utf8(meta.to_vec()).unwrap()));
+            Ok(())
+        })
+        .unwrap();
+    let expected: Vec<_> = positions
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (*p, format!("entry {i}")))
+        .collect();
+    assert_eq!(seen, expected);
+}
