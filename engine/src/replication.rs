@@ -240,6 +240,17 @@ impl Engine {
             .into_iter()
             .map(|s| (s.id, s))
             .collect();
+        // Start in the first segment that still exists at or after `from`
+        // (older ones may have been reclaimed).
+        let size = inner.values.options().segment_size;
+        let from = match segments
+            .range(crate::types::SegmentId(from.0 / size)..)
+            .next()
+        {
+            Some((id, _)) if id.0 * size > from.0 => WalPosition(id.0 * size),
+            Some(_) => from,
+            None => return Ok(()),
+        };
         crate::wal::replay::replay(inner.values.options(), &segments, from, |position, view| {
             let appended_by_application = view.header.kind == Kind::Entry && view.header.flags == 0;
             if position < processed && appended_by_application {

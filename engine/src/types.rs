@@ -53,8 +53,9 @@ impl fmt::Display for Epoch {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Tag(pub u32);
 
-/// Handle of a key space, obtained from [`crate::Engine::key_space`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// Handle of a key space, obtained from [`crate::Engine::key_space`]. The
+/// default is the first configured key space.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct KeySpace(pub(crate) u8);
 
 impl KeySpace {

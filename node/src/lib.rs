@@ -6,17 +6,17 @@
 //! does, and this crate never depends on it) and it does not implement storage
 //! formats (the `tidepool-engine` crate does).
 //!
-//! Status: not yet built (issue 6). [`serve`] reports that and fails.
+//! Status: the Raft log on the engine WAL is built (`raftlog`); replicas,
+//! transport and services are being built (issue 6). [`serve`] reports that
+//! and fails.
 
-/// Errors of the node.
-#[derive(Debug, thiserror::Error)]
-pub enum NodeError {
-    /// The capability is not built yet.
-    #[error("the storage node is not implemented yet")]
-    NotYet,
-}
+pub mod command;
+mod error;
+pub mod raftlog;
+
+pub use error::{NodeError, Result};
 
 /// Runs a storage node until shutdown. Not built yet: always fails.
-pub fn serve() -> Result<(), NodeError> {
+pub fn serve() -> Result<()> {
     Err(NodeError::NotYet)
 }

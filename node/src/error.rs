@@ -1,0 +1,21 @@
+//! The node's error type.
+
+/// Everything a node operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The storage engine failed.
+    #[error(transparent)]
+    Engine(#[from] tidepool_engine::Error),
+    /// raft-rs refused an operation.
+    #[error("raft: {0}")]
+    Raft(#[from] raft::Error),
+    /// Bytes from disk or the network did not decode.
+    #[error("malformed data: {0}")]
+    Malformed(String),
+    /// The capability is not built yet.
+    #[error("the storage node is not implemented yet")]
+    NotYet,
+}
+
+/// The node's result type.
+pub type Result<T, E = NodeError> = std::result::Result<T, E>;

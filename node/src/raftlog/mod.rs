@@ -1,0 +1,403 @@
+//! The Raft log of one shard replica, stored in the shard engine's WAL.
+//!
+//! Entries are engine records appended with [`Engine::append`] (their Write
+//! values are the records' items, written once); hard state and
+//! configuration are small state records. An in-memory map from index to
+//! record position serves raft-rs's [`Storage`] reads. See
+//! `docs/design/replication.md`.
+
+mod meta;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+use tidepool_engine::{Appended, Durability, Engine, KeySpace, WalPosition};
+
+use crate::command::Reader;
+use crate::error::{NodeError, Result};
+use meta::LogRecord;
+
+/// Magic of the replica's application state in the engine.
+const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
+const APP_STATE_VERSION: u8 = 1;
+
+/// Where an entry's record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Located {
+    position: WalPosition,
+    term: u64,
+}
+
+/// The replica's Raft log and state, on its engine.
+pub struct RaftLog {
+    engine: Arc<Engine>,
+    space: KeySpace,
+    entries: BTreeMap<u64, Located>,
+    /// Items of entries appended by this process and not applied yet.
+    unapplied: BTreeMap<u64, Appended>,
+    /// The entry before the first available one: (index, term).
+    truncated: (u64, u64),
+    hard_state: HardState,
+    conf_state: ConfState,
+    applied: u64,
+    /// Where recovery starts scanning the WAL for the log.
+    scan_from: WalPosition,
+}
+
+impl std::fmt::Debug for RaftLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftLog")
+            .field("first_index", &self.first())
+            .field("last_index", &self.last())
+            .field("applied", &self.applied)
+            .field("hard_state", &self.hard_state)
+            .finish()
+    }
+}
+
+impl RaftLog {
+    /// Opens the log on `engine`: for a new replica (empty engine), with
+    /// `initial_voters` as its configuration (empty for a replica that will
+    /// be added to an existing group); otherwise recovered from the WAL.
+    pub fn open(engine: Arc<Engine>, space: KeySpace, initial_voters: &[u64]) -> Result<RaftLog> {
+        let stored = engine.app_state();
+        let mut log = RaftLog {
+            scan_from: WalPosition(0),
+            engine,
+            space,
+            entries: BTreeMap::new(),
+            unapplied: BTreeMap::new(),
+            truncated: (0, 0),
+            hard_state: HardState::default(),
+            conf_state: ConfState::default(),
+            applied: 0,
+        };
+        // The application state is durable only at engine snapshots: after
+        // an early crash it may be missing although the WAL holds a log.
+        // What the WAL holds decides whether the replica is new.
+        if !stored.is_empty() {
+            log.restore_app_state(&stored)?;
+        }
+        let found_state = log.scan()?;
+        if stored.is_empty() && !found_state {
+            log.conf_state.voters = initial_voters.to_vec();
+            let end = log.persist_state()?;
+            log.engine.wait_synced(end)?;
+        }
+        log.save_app_state();
+        Ok(log)
+    }
+
+    /// Rebuilds the index map and the latest state from the WAL. Returns
+    /// whether a state record was found.
+    fn scan(&mut self) -> Result<bool> {
+        let first = self.first();
+        let (mut entries, mut state) = (BTreeMap::new(), None);
+        let mut malformed = None;
+        self.engine
+            .scan_appended(self.scan_from, |position, meta, _| {
+                match meta::parse(meta) {
+                    Ok(LogRecord::Entry(head)) if head.index >= first => {
+                        // A later record for an index replaces it and all after.
+                        entries.split_off(&head.index);
+                        entries.insert(
+                            head.index,
+                            Located {
+                                position,
+                                term: head.term,
+                            },
+                        );
+                    }
+                    Ok(LogRecord::Entry(_)) => {}
+                    Ok(LogRecord::State(hs, cs)) => state = Some((hs, cs)),
+                    Err(error) => {
+                        malformed.get_or_insert(error);
+                    }
+                }
+                Ok(())
+            })?;
+        if let Some(error) = malformed {
+            return Err(error);
+        }
+        self.entries = entries;
+        let found = state.is_some();
+        if let Some((hs, cs)) = state {
+            self.hard_state = hs;
+            self.conf_state = cs;
+        }
+        self.check_contiguous()?;
+        Ok(found)
+    }
+
+    fn check_contiguous(&self) -> Result<()> {
+        let mut expected = self.first();
+        for index in self.entries.keys() {
+            if *index != expected {
+                return Err(NodeError::Malformed(format!(
+                    "raft log has a gap: found {index}, expected {expected}"
+                )));
+            }
+            expected += 1;
+        }
+        Ok(())
+    }
+
+    /// First index available.
+    pub fn first(&self) -> u64 {
+        self.truncated.0 + 1
+    }
+
+    /// Last index in the log.
+    pub fn last(&self) -> u64 {
+        self.entries
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(self.truncated.0)
+    }
+
+    /// The applied index this log knows of.
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The hard state.
+    pub fn hard_state(&self) -> &HardState {
+        &self.hard_state
+    }
+
+    /// The configuration.
+    pub fn conf_state(&self) -> &ConfState {
+        &self.conf_state
+    }
+
+    /// Appends entries (replacing any at or after the first one's index).
+    /// Returns the end of the last record written, to wait on.
+    pub fn append(&mut self, entries: &[Entry]) -> Result<Option<WalPosition>> {
+        let Some(first) = entries.first() else {
+            return Ok(None);
+        };
+        if first.index < self.first() {
+            return Err(NodeError::Malformed(format!(
+                "append of index {} before the first index {}",
+                first.index,
+                self.first()
+            )));
+        }
+        self.entries.split_off(&first.index);
+        self.unapplied.split_off(&first.index);
+        let mut end = None;
+        for entry in entries {
+            let split = meta::split_entry(entry)?;
+            let items = meta::items(self.space, &split.ops);
+            let appended = self.engine.append(&split.meta, &items)?;
+            self.entries.insert(
+                entry.index,
+                Located {
+                    position: appended.position,
+                    term: entry.term,
+                },
+            );
+            end = Some(appended.end);
+            self.unapplied.insert(entry.index, appended);
+        }
+        Ok(end)
+    }
+
+    /// Records a new hard state and/or configuration. Returns the end of the
+    /// state record, to wait on.
+    pub fn set_state(
+        &mut self,
+        hard_state: Option<&HardState>,
+        conf_state: Option<&ConfState>,
+    ) -> Result<Option<WalPosition>> {
+        if hard_state.is_none() && conf_state.is_none() {
+            return Ok(None);
+        }
+        if let Some(hs) = hard_state {
+            self.hard_state = hs.clone();
+        }
+        if let Some(cs) = conf_state {
+            self.conf_state = cs.clone();
+        }
+        let end = self.persist_state()?;
+        self.save_app_state();
+        Ok(Some(end))
+    }
+
+    fn persist_state(&mut self) -> Result<WalPosition> {
+        let record = meta::encode_state(&self.hard_state, &self.conf_state);
+        Ok(self.engine.append(&record, &[])?.end)
+    }
+
+    /// Waits until everything up to `end` has the cluster's durability.
+    pub fn wait(&self, end: Option<WalPosition>, durability: Durability) -> Result<()> {
+        let Some(end) = end else {
+            return Ok(());
+        };
+        match durability {
+            Durability::Synced => self.engine.wait_synced(end)?,
+            Durability::Buffered => {}
+        }
+        Ok(())
+    }
+
+    /// The entry at `index`, read back from the WAL.
+    pub fn entry(&self, index: u64) -> Result<Entry> {
+        let located = self
+            .entries
+            .get(&index)
+            .ok_or_else(|| NodeError::Malformed(format!("no entry {index} in the log")))?;
+        let record = self.engine.read_record(located.position)?;
+        let LogRecord::Entry(head) = meta::parse(&record.meta)? else {
+            return Err(NodeError::Malformed(format!(
+                "record of entry {index} is not an entry"
+            )));
+        };
+        if head.index != index || head.term != located.term {
+            return Err(NodeError::Malformed(format!(
+                "record at {} is not entry {index}",
+                located.position
+            )));
+        }
+        meta::rebuild_entry(head, record.items)
+    }
+
+    /// Where the items of entry `index` are, for applying it.
+    pub fn appended(&mut self, index: u64) -> Result<Appended> {
+        if let Some(appended) = self.unapplied.remove(&index) {
+            return Ok(appended);
+        }
+        let located = self
+            .entries
+            .get(&index)
+            .ok_or_else(|| NodeError::Malformed(format!("no entry {index} to apply")))?;
+        Ok(self.engine.read_record(located.position)?.appended)
+    }
+
+    /// WAL position of entry `index`'s record.
+    pub fn position(&self, index: u64) -> Option<WalPosition> {
+        self.entries.get(&index).map(|l| l.position)
+    }
+
+    /// Records that everything up to `index` is applied.
+    pub fn set_applied(&mut self, index: u64) {
+        self.applied = index;
+        self.unapplied = self.unapplied.split_off(&(index + 1));
+        self.save_app_state();
+    }
+
+    /// The application state persisted with every engine snapshot.
+    fn save_app_state(&self) {
+        let mut bytes = Vec::with_capacity(128);
+        bytes.extend_from_slice(APP_STATE_MAGIC);
+        bytes.push(APP_STATE_VERSION);
+        for v in [
+            self.applied,
+            self.truncated.0,
+            self.truncated.1,
+            self.scan_from.0,
+        ] {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        bytes.extend_from_slice(&meta::encode_state(&self.hard_state, &self.conf_state));
+        self.engine.set_app_state(&bytes);
+    }
+
+    fn restore_app_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
+            return Err(NodeError::Malformed(
+                "not a replica's application state".into(),
+            ));
+        }
+        self.applied = r.u64()?;
+        self.truncated = (r.u64()?, r.u64()?);
+        self.scan_from = WalPosition(r.u64()?);
+        let LogRecord::State(hs, cs) = meta::parse(&bytes[r.at..])? else {
+            return Err(NodeError::Malformed(
+                "application state lacks the raft state".into(),
+            ));
+        };
+        self.hard_state = hs;
+        self.conf_state = cs;
+        Ok(())
+    }
+}
+
+fn storage_error(error: NodeError) -> raft::Error {
+    raft::Error::Store(StorageError::Other(Box::new(error)))
+}
+
+impl Storage for RaftLog {
+    fn initial_state(&self) -> raft::Result<RaftState> {
+        Ok(RaftState {
+            hard_state: self.hard_state.clone(),
+            conf_state: self.conf_state.clone(),
+        })
+    }
+
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        _context: GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        if low < self.first() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        if high > self.last() + 1 {
+            return Err(raft::Error::Store(StorageError::Unavailable));
+        }
+        let max_size = max_size.into();
+        let mut entries = Vec::with_capacity((high - low) as usize);
+        let mut size = 0u64;
+        for index in low..high {
+            let entry = self.entry(index).map_err(storage_error)?;
+            size += entry.data.len() as u64 + entry.context.len() as u64 + 24;
+            if !entries.is_empty() && max_size.is_some_and(|max| size > max) {
+                break;
+            }
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+
+    fn term(&self, index: u64) -> raft::Result<u64> {
+        if index == self.truncated.0 {
+            return Ok(self.truncated.1);
+        }
+        if index < self.first() {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        self.entries
+            .get(&index)
+            .map(|l| l.term)
+            .ok_or(raft::Error::Store(StorageError::Unavailable))
+    }
+
+    fn first_index(&self) -> raft::Result<u64> {
+        Ok(self.first())
+    }
+
+    fn last_index(&self) -> raft::Result<u64> {
+        Ok(self.last())
+    }
+
+    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        Err(raft::Error::Store(
+            StorageError::SnapshotTemporarilyUnavailable,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,177 @@
+//! The Raft log on an engine over the fault-injecting storage.
+
+use std::sync::Arc;
+
+use raft::eraftpb::{ConfState, Entry, EntryType, HardState};
+use raft::{GetEntriesContext, Storage};
+use tidepool_engine::storage::{FaultStorage, Storage as EngineStorage};
+use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig};
+
+use super::RaftLog;
+use crate::command::{Command, WriteOp};
+
+fn config() -> Config {
+    let mut config = Config::for_tests("/replica");
+    config.key_spaces = vec![KeySpaceConfig {
+        name: "blobs".into(),
+        key_bytes: 32,
+        layout: CellLayout::Uniform { cells: 16 },
+    }];
+    config
+}
+
+fn engine(storage: &FaultStorage) -> Arc<Engine> {
+    let storage: Arc<dyn EngineStorage> = Arc::new(storage.clone());
+    Arc::new(Engine::open_with_storage(config(), storage).unwrap())
+}
+
+fn write_entry(index: u64, term: u64, values: usize) -> Entry {
+    let ops = (0..values)
+        .map(|i| WriteOp {
+            value: Some(vec![(index + i as u64) as u8; 200 + i * 50]),
+            namespace: 1,
+            epoch: 1,
+            key: [(index as u8).wrapping_mul(31).wrapping_add(i as u8); 32],
+        })
+        .collect();
+    Entry {
+        entry_type: EntryType::EntryNormal as i32,
+        index,
+        term,
+        data: Command::Write(ops).encode(),
+        ..Entry::default()
+    }
+}
+
+fn all(log: &RaftLog) -> Vec<Entry> {
+    log.entries(
+        log.first(),
+        log.last() + 1,
+        None,
+        GetEntriesContext::empty(false),
+    )
+    .unwrap()
+}
+
+/// Compares logs by (index, term, data digest) so failures print briefly.
+fn summary(entries: &[Entry]) -> Vec<(u64, u64, usize, u64)> {
+    entries
+        .iter()
+        .map(|e| {
+            (
+                e.index,
+                e.term,
+                e.data.len(),
+                e.data
+                    .iter()
+                    .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(*b))),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn entries_and_state_survive_a_restart() {
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1, 2, 3]).unwrap();
+    assert_eq!(
+        log.initial_state().unwrap().conf_state.voters,
+        vec![1, 2, 3]
+    );
+    let mut written = vec![Entry {
+        entry_type: EntryType::EntryNormal as i32,
+        index: 1,
+        term: 1,
+        ..Entry::default()
+    }];
+    written.extend((2..=20).map(|i| write_entry(i, 1, (i % 4) as usize)));
+    written.push(Entry {
+        entry_type: EntryType::EntryConfChangeV2 as i32,
+        index: 21,
+        term: 1,
+        data: b"opaque conf change".to_vec(),
+        ..Entry::default()
+    });
+    let end = log.append(&written).unwrap();
+    let hs = HardState {
+        term: 1,
+        vote: 1,
+        commit: 15,
+    };
+    let state_end = log.set_state(Some(&hs), None).unwrap();
+    log.wait(end.max(state_end), Durability::Synced).unwrap();
+    assert_eq!(summary(&all(&log)), summary(&written));
+    assert_eq!(
+        (log.first_index().unwrap(), log.last_index().unwrap()),
+        (1, 21)
+    );
+    assert_eq!(log.term(0).unwrap(), 0);
+    assert!(log.term(22).is_err());
+    let limited = log
+        .entries(2, 21, 1_000, GetEntriesContext::empty(false))
+        .unwrap();
+    assert!(
+        !limited.is_empty() && limited.len() < 19,
+        "max_size limits the batch"
+    );
+    drop(log);
+
+    // A crash of the process: the page cache survives.
+    let log = RaftLog::open(engine(&storage.restart_process()), KeySpace::default(), &[]).unwrap();
+    assert_eq!(summary(&all(&log)), summary(&written));
+    assert_eq!(log.hard_state(), &hs);
+    assert_eq!(log.conf_state().voters, vec![1, 2, 3]);
+    // Power loss after the sync: everything was synced.
+    let log = RaftLog::open(engine(&storage.reboot(3)), KeySpace::default(), &[]).unwrap();
+    assert_eq!(summary(&all(&log)), summary(&written));
+    assert_eq!(log.hard_state(), &hs);
+}
+
+#[test]
+fn a_new_leader_overwrites_the_tail() {
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
+    let old: Vec<Entry> = (1..=10).map(|i| write_entry(i, 1, 1)).collect();
+    log.append(&old).unwrap();
+    let new: Vec<Entry> = (6..=8).map(|i| write_entry(i, 2, 2)).collect();
+    let end = log.append(&new).unwrap();
+    log.wait(end, Durability::Synced).unwrap();
+    let expected: Vec<Entry> = old[..5]
+        .iter()
+        .cloned()
+        .chain(new.iter().cloned())
+        .collect();
+    assert_eq!(summary(&all(&log)), summary(&expected));
+    assert_eq!(log.last(), 8);
+    drop(log);
+    let log = RaftLog::open(engine(&storage.restart_process()), KeySpace::default(), &[]).unwrap();
+    assert_eq!(
+        summary(&all(&log)),
+        summary(&expected),
+        "the overwritten tail stays overwritten after a restart"
+    );
+}
+
+#[test]
+fn applied_index_and_conf_state_are_kept_in_the_engine_snapshot() {
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
+    let end = log
+        .append(&(1..=5).map(|i| write_entry(i, 1, 1)).collect::<Vec<_>>())
+        .unwrap();
+    let cs = ConfState {
+        voters: vec![1, 2],
+        learners: vec![3],
+        ..ConfState::default()
+    };
+    log.set_state(None, Some(&cs)).unwrap();
+    log.wait(end, Durability::Synced).unwrap();
+    log.set_applied(4);
+    log.engine().flush().unwrap();
+    log.engine().close().unwrap();
+    drop(log);
+    let log = RaftLog::open(engine(&storage), KeySpace::default(), &[]).unwrap();
+    assert_eq!(log.applied(), 4);
+    assert_eq!(log.conf_state(), &cs);
+    assert_eq!(log.last(), 5);
+}
