@@ -132,14 +132,12 @@ impl RaftLog {
     }
 
     fn check_contiguous(&self) -> Result<()> {
-        let mut expected = self.first();
-        for index in self.entries.keys() {
+        for (expected, index) in (self.first()..).zip(self.entries.keys()) {
             if *index != expected {
                 return Err(NodeError::Malformed(format!(
                     "raft log has a gap: found {index}, expected {expected}"
                 )));
             }
-            expected += 1;
         }
         Ok(())
     }
