@@ -244,7 +244,7 @@ mod tests {
             entry_type: entry_type as i32,
             term: 3,
             index: 17,
-            data: data,
+            data,
             context: b"ctx".to_vec(),
             ..Entry::default()
         }
