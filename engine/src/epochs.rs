@@ -93,6 +93,19 @@ impl Engine {
     /// its age from now. Writes a small record, never the value. Returns
     /// whether the key exists.
     pub fn touch(&self, space: KeySpace, key: &[u8], durability: Durability) -> Result<bool> {
+        self.touch_to(space, key, self.epoch(), durability)
+    }
+
+    /// Moves `key`'s entry into `epoch` if it is older (a replication layer
+    /// passes the epoch the proposer chose, so every replica moves it to the
+    /// same one). Returns whether the key exists.
+    pub fn touch_to(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        epoch: Epoch,
+        durability: Durability,
+    ) -> Result<bool> {
         let inner = &*self.inner;
         inner.health.check()?;
         let (table, key) = inner.key(space, key)?;
@@ -100,7 +113,6 @@ impl Engine {
         // A concurrent write may supersede the entry between the lookup and
         // the record; then look again.
         for _ in 0..8 {
-            let epoch = self.epoch();
             let id = table.cell_of(&key);
             let disk = table.with_cell(&id, |cell| match cell.probe(&key, key_len) {
                 Probe::Disk { disk, .. } => Some(disk),

@@ -4,7 +4,7 @@
 //! version u8 (1), kind u8, body
 //! kind 1 Write:   count u32, then per op: op u8 (1 put, 2 delete),
 //!                 namespace u32, epoch u32, key [32], value_len u32, value
-//! kind 2 Touch:   namespace u32, key [32]
+//! kind 2 Touch:   namespace u32, epoch u32, key [32]
 //! kind 3 Advance: epoch u32
 //! kind 4 Drop:    namespace u32, below u32
 //! kind 5 Noop
@@ -37,10 +37,12 @@ pub struct WriteOp {
 pub enum Command {
     /// Puts and deletes, applied atomically.
     Write(Vec<WriteOp>),
-    /// Move a key into the current epoch.
+    /// Move a key into an epoch (the proposer's current one).
     Touch {
         /// Namespace id.
         namespace: u32,
+        /// The epoch to move it to.
+        epoch: u32,
         /// Storage key.
         key: [u8; KEY_BYTES],
     },
@@ -120,8 +122,13 @@ impl Command {
                     out.extend_from_slice(value);
                 }
             }
-            Command::Touch { namespace, key } => {
+            Command::Touch {
+                namespace,
+                epoch,
+                key,
+            } => {
                 out.extend_from_slice(&namespace.to_le_bytes());
+                out.extend_from_slice(&epoch.to_le_bytes());
                 out.extend_from_slice(key);
             }
             Command::AdvanceEpoch(epoch) => out.extend_from_slice(&epoch.to_le_bytes()),
@@ -158,6 +165,7 @@ impl Command {
             }
             Kind::Touch => Command::Touch {
                 namespace: r.u32()?,
+                epoch: r.u32()?,
                 key: r.key()?,
             },
             Kind::AdvanceEpoch => Command::AdvanceEpoch(r.u32()?),
@@ -264,6 +272,7 @@ mod tests {
             ]),
             Command::Touch {
                 namespace: 9,
+                epoch: 3,
                 key: [4; 32],
             },
             Command::AdvanceEpoch(12),

@@ -6,13 +6,16 @@
 //! does, and this crate never depends on it) and it does not implement storage
 //! formats (the `tidepool-engine` crate does).
 //!
-//! Status: the Raft log on the engine WAL is built (`raftlog`); replicas,
-//! transport and services are being built (issue 6). [`serve`] reports that
+//! Status: the Raft log on the engine WAL (`raftlog`), the replica's Ready
+//! loop (`replica`) and a simulated network for tests (`sim`) are built; the
+//! transport, services and snapshots are being built (issue 6). [`serve`] reports that
 //! and fails.
 
 pub mod command;
 mod error;
 pub mod raftlog;
+pub mod replica;
+pub mod sim;
 
 pub use error::{NodeError, Result};
 

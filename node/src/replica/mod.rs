@@ -1,0 +1,257 @@
+//! One shard replica: a raft-rs `RawNode` whose storage is the Raft log on
+//! the shard's engine, driven by exactly one owner through the Ready
+//! checklist (`ready.rs`), applying committed entries to the engine
+//! (`apply.rs`).
+//!
+//! The replica does no network I/O: messages to send come out of
+//! [`Replica::handle_ready`], messages received go in through
+//! [`Replica::step`], time through [`Replica::tick`]. The engine is its only
+//! I/O. So the same code runs under the gRPC transport and under the
+//! simulated network of the cluster tests.
+
+mod apply;
+mod proposals;
+mod ready;
+
+use std::sync::Arc;
+
+use raft::eraftpb::{ConfChangeV2, Message};
+use raft::{RawNode, StateRole};
+use tidepool_engine::{Durability, Engine, KeySpace};
+
+use crate::command::Command;
+use crate::error::{NodeError, Result};
+use crate::raftlog::RaftLog;
+use proposals::Proposals;
+pub use proposals::{Completion, Outcome};
+
+/// Settings of a replica.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// The shard.
+    pub shard_id: u32,
+    /// This replica's Raft id: the node id.
+    pub node_id: u64,
+    /// Ticks without a heartbeat before a follower campaigns.
+    pub election_ticks: usize,
+    /// Ticks between a leader's heartbeats.
+    pub heartbeat_ticks: usize,
+    /// Durability an entry needs before this replica acknowledges it.
+    pub durability: Durability,
+    /// Largest command accepted for proposal, bytes.
+    pub max_command_bytes: usize,
+    /// Largest batch of entries per append message, bytes.
+    pub max_message_bytes: u64,
+}
+
+impl ReplicaConfig {
+    /// Defaults for `shard_id` on node `node_id`.
+    pub fn new(shard_id: u32, node_id: u64) -> Self {
+        Self {
+            shard_id,
+            node_id,
+            election_ticks: 10,
+            heartbeat_ticks: 2,
+            durability: Durability::Synced,
+            max_command_bytes: 4 << 20,
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+/// One shard replica.
+pub struct Replica {
+    config: ReplicaConfig,
+    /// The engine key space of blob values.
+    space: KeySpace,
+    raw: RawNode<RaftLog>,
+    proposals: Proposals,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica")
+            .field("shard", &self.config.shard_id)
+            .field("node", &self.config.node_id)
+            .field("role", &self.raw.raft.state)
+            .field("term", &self.raw.raft.term)
+            .finish()
+    }
+}
+
+/// A snapshot of a replica's Raft state, for status reports and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// Whether this replica leads.
+    pub is_leader: bool,
+    /// The leader it knows of (0: none).
+    pub leader: u64,
+    /// Current term.
+    pub term: u64,
+    /// Highest index known committed.
+    pub commit: u64,
+    /// Highest index applied to the engine.
+    pub applied: u64,
+    /// Last index in the log.
+    pub last_index: u64,
+    /// Voters and learners.
+    pub voters: Vec<u64>,
+    /// Learners.
+    pub learners: Vec<u64>,
+}
+
+impl Replica {
+    /// Opens the replica on `engine`. A new replica with `initial_voters`
+    /// founds the group; one with none waits to be added.
+    pub fn open(
+        config: ReplicaConfig,
+        engine: Arc<Engine>,
+        space: KeySpace,
+        initial_voters: &[u64],
+    ) -> Result<Replica> {
+        let log = RaftLog::open(engine, space, initial_voters)?;
+        let raft_config = raft::Config {
+            id: config.node_id,
+            election_tick: config.election_ticks,
+            heartbeat_tick: config.heartbeat_ticks,
+            applied: log.applied(),
+            max_size_per_msg: config.max_message_bytes,
+            max_inflight_msgs: 256,
+            check_quorum: true,
+            pre_vote: true,
+            ..raft::Config::default()
+        };
+        raft_config.validate()?;
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let raw = RawNode::new(&raft_config, log, &logger)?;
+        let mut replica = Replica {
+            config,
+            space,
+            raw,
+            proposals: Proposals::default(),
+        };
+        replica.reapply_after_restart()?;
+        Ok(replica)
+    }
+
+    /// The shard.
+    pub fn shard_id(&self) -> u32 {
+        self.config.shard_id
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        self.raw.store().engine()
+    }
+
+    /// Advances the logical clock by one tick.
+    pub fn tick(&mut self) {
+        self.raw.tick();
+    }
+
+    /// Takes in a message from a peer.
+    pub fn step(&mut self, message: Message) -> Result<()> {
+        match self.raw.step(message) {
+            // Messages from peers outside the configuration are dropped.
+            Err(raft::Error::StepPeerNotFound) => Ok(()),
+            other => Ok(other?),
+        }
+    }
+
+    /// Proposes a command; `done` is called once it is applied, or with the
+    /// reason it will not be. Fails at once if this replica does not lead.
+    pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
+        if self.raw.raft.state != StateRole::Leader {
+            done(Outcome::NotLeader {
+                leader: self.raw.raft.leader_id,
+            });
+            return Ok(());
+        }
+        let data = command.encode();
+        if data.len() > self.config.max_command_bytes {
+            done(Outcome::TooLarge {
+                max: self.config.max_command_bytes,
+            });
+            return Ok(());
+        }
+        let before = self.raw.raft.raft_log.last_index();
+        match self.raw.propose(Vec::new(), data) {
+            Ok(()) => {
+                let index = self.raw.raft.raft_log.last_index();
+                debug_assert_eq!(index, before + 1);
+                self.proposals.add(index, self.raw.raft.term, done);
+                Ok(())
+            }
+            Err(raft::Error::ProposalDropped) => {
+                done(Outcome::NotLeader {
+                    leader: self.raw.raft.leader_id,
+                });
+                Ok(())
+            }
+            Err(error) => {
+                done(Outcome::Failed(error.to_string()));
+                Err(error.into())
+            }
+        }
+    }
+
+    /// Proposes a membership change (leader only).
+    pub fn propose_conf_change(&mut self, change: ConfChangeV2, done: Completion) -> Result<()> {
+        if self.raw.raft.state != StateRole::Leader {
+            done(Outcome::NotLeader {
+                leader: self.raw.raft.leader_id,
+            });
+            return Ok(());
+        }
+        match self.raw.propose_conf_change(Vec::new(), change) {
+            Ok(()) => {
+                let index = self.raw.raft.raft_log.last_index();
+                self.proposals.add(index, self.raw.raft.term, done);
+                Ok(())
+            }
+            Err(error) => {
+                done(Outcome::Failed(error.to_string()));
+                Ok(())
+            }
+        }
+    }
+
+    /// Starts an election now (tests and leader transfers).
+    pub fn campaign(&mut self) -> Result<()> {
+        Ok(self.raw.campaign()?)
+    }
+
+    /// Asks the leader to hand leadership to `to`.
+    pub fn transfer_leader(&mut self, to: u64) {
+        self.raw.transfer_leader(to);
+    }
+
+    /// The replica's Raft state.
+    pub fn status(&self) -> ReplicaStatus {
+        let raft = &self.raw.raft;
+        let conf = self.raw.store().conf_state();
+        ReplicaStatus {
+            is_leader: raft.state == StateRole::Leader,
+            leader: raft.leader_id,
+            term: raft.term,
+            commit: raft.raft_log.committed,
+            applied: raft.raft_log.applied,
+            last_index: raft.raft_log.last_index(),
+            voters: conf.voters.clone(),
+            learners: conf.learners.clone(),
+        }
+    }
+
+    fn log(&mut self) -> &mut RaftLog {
+        self.raw.mut_store()
+    }
+}
+
+/// Fails if a command cannot be applied because the engine refused it for a
+/// reason that would repeat on every replica (not an I/O failure).
+pub(crate) fn deterministic(error: &NodeError) -> bool {
+    matches!(error, NodeError::Engine(tidepool_engine::Error::Config(_)))
+}
+
+#[cfg(test)]
+mod tests;
