@@ -224,14 +224,19 @@ impl SimCluster {
 
     /// Proposes a put of `value` under `key` on the current leader.
     pub fn put(&mut self, key: [u8; 32], value: Vec<u8>) -> Pending {
+        let leader = self.leader().unwrap_or(1);
+        self.put_on(leader, key, value)
+    }
+
+    /// Proposes a put on node `id`, leader or not.
+    pub fn put_on(&mut self, id: u64, key: [u8; 32], value: Vec<u8>) -> Pending {
         let op = WriteOp {
             value: Some(value),
             namespace: 1,
             epoch: 1,
             key,
         };
-        let leader = self.leader().unwrap_or(1);
-        self.propose(leader, &Command::Write(vec![op]))
+        self.propose(id, &Command::Write(vec![op]))
     }
 
     /// One tick: every running replica ticks, then messages flow until the

@@ -87,6 +87,9 @@ impl RaftLog {
             log.engine.wait_synced(end)?;
         }
         log.save_app_state();
+        // Relocation must never delete a segment holding entries of the
+        // log: keep everything from where the log's records start.
+        log.engine.set_log_retention(log.scan_from);
         Ok(log)
     }
 

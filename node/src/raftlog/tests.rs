@@ -175,3 +175,33 @@ fn applied_index_and_conf_state_are_kept_in_the_engine_snapshot() {
     assert_eq!(log.conf_state(), &cs);
     assert_eq!(log.last(), 5);
 }
+
+/// Regression (found by the cluster scenarios): relocation reclaimed
+/// segments that still held entries of the log, and a restarted replica
+/// found a gap. The log pins its segments with the engine's log retention.
+#[test]
+fn relocation_never_takes_segments_the_log_needs() {
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
+    // The same keys over and over: every older value becomes garbage once
+    // the newer entry is applied.
+    let entries: Vec<Entry> = (1..=200).map(|i| write_entry(i, 1, 2)).collect();
+    let end = log.append(&entries).unwrap();
+    log.wait(end, Durability::Synced).unwrap();
+    for i in 1..=200 {
+        let appended = log.appended(i).unwrap();
+        log.engine().apply(&appended).unwrap();
+        log.set_applied(i);
+    }
+    let report = log
+        .engine()
+        .relocate(tidepool_engine::Strategy::Wal {
+            segments: usize::MAX,
+        })
+        .unwrap();
+    assert_eq!(report.segments_deleted, 0, "{report:?}");
+    assert_eq!(summary(&all(&log)), summary(&entries));
+    drop(log);
+    let log = RaftLog::open(engine(&storage.restart_process()), KeySpace::default(), &[]).unwrap();
+    assert_eq!(summary(&all(&log)), summary(&entries));
+}

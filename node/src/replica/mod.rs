@@ -20,7 +20,7 @@ use raft::{RawNode, StateRole};
 use tidepool_engine::{Durability, Engine, KeySpace};
 
 use crate::command::Command;
-use crate::error::{NodeError, Result};
+use crate::error::Result;
 use crate::raftlog::RaftLog;
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
@@ -247,10 +247,11 @@ impl Replica {
     }
 }
 
-/// Fails if a command cannot be applied because the engine refused it for a
-/// reason that would repeat on every replica (not an I/O failure).
-pub(crate) fn deterministic(error: &NodeError) -> bool {
-    matches!(error, NodeError::Engine(tidepool_engine::Error::Config(_)))
+impl Drop for Replica {
+    fn drop(&mut self) {
+        // A proposal never answered would leave its client waiting.
+        self.proposals.fail_all("the replica closed");
+    }
 }
 
 #[cfg(test)]
