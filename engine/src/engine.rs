@@ -169,6 +169,11 @@ impl Engine {
         Ok(inner.lookup(space_table, &key)?.is_some())
     }
 
+    /// `Ok` while the engine is open and not poisoned.
+    pub fn health(&self) -> Result<()> {
+        self.inner.health.check()
+    }
+
     /// The current epoch.
     pub fn epoch(&self) -> Epoch {
         self.inner.values.epoch()

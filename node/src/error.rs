@@ -12,6 +12,10 @@ pub enum NodeError {
     /// Bytes from disk or the network did not decode.
     #[error("malformed data: {0}")]
     Malformed(String),
+    /// The replica failed earlier (its engine failed, or raft-rs gave up on
+    /// it) and must be reopened.
+    #[error("the replica failed and must be reopened: {0}")]
+    Failed(String),
     /// The capability is not built yet.
     #[error("the storage node is not implemented yet")]
     NotYet,

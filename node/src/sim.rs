@@ -243,10 +243,16 @@ impl SimCluster {
     /// network is quiet for this tick.
     pub fn tick(&mut self) -> crate::Result<()> {
         self.now += 1;
-        for node in self.nodes.values_mut() {
-            if let Some(replica) = node.replica.as_mut() {
-                replica.tick();
+        let mut failed = Vec::new();
+        for (id, node) in &mut self.nodes {
+            if let Some(replica) = node.replica.as_mut()
+                && replica.tick().is_err()
+            {
+                failed.push(*id);
             }
+        }
+        for id in failed {
+            self.crashed(id);
         }
         for _ in 0..100 {
             let sent = self.drain_ready()?;
@@ -283,16 +289,42 @@ impl SimCluster {
 
     fn drain_ready(&mut self) -> crate::Result<usize> {
         let mut outgoing = Vec::new();
-        for node in self.nodes.values_mut() {
+        let mut failed = Vec::new();
+        for (id, node) in &mut self.nodes {
             if let Some(replica) = node.replica.as_mut() {
-                outgoing.extend(replica.handle_ready()?);
+                match replica.handle_ready() {
+                    Ok(messages) => outgoing.extend(messages),
+                    Err(_) => failed.push(*id),
+                }
             }
+        }
+        for id in failed {
+            self.crashed(id);
         }
         let sent = outgoing.len();
         for message in outgoing {
             self.send(message);
         }
         Ok(sent)
+    }
+
+    /// A replica whose engine failed (an injected crash) stops, like a
+    /// process that died; the test decides how it comes back.
+    fn crashed(&mut self, id: u64) {
+        if let Some(node) = self.nodes.get_mut(&id) {
+            node.replica = None;
+        }
+        self.in_flight.retain(|m| m.to != id);
+    }
+
+    /// The storage of node `id` (to inject faults).
+    pub fn storage(&self, id: u64) -> FaultStorage {
+        self.nodes[&id].storage.clone()
+    }
+
+    /// Whether node `id` is running.
+    pub fn is_up(&self, id: u64) -> bool {
+        self.nodes.get(&id).is_some_and(|n| n.replica.is_some())
     }
 
     fn send(&mut self, message: Message) {
@@ -326,8 +358,10 @@ impl SimCluster {
             if !self.can_talk(from, flight.to) {
                 continue;
             }
-            if let Some(replica) = self.replica(flight.to) {
-                replica.step(flight.message)?;
+            if let Some(replica) = self.replica(flight.to)
+                && replica.step(flight.message).is_err()
+            {
+                self.crashed(flight.to);
             }
         }
         Ok(count)

@@ -6,142 +6,14 @@
 //!
 //! Prints its seed; replay with `CLUSTER_SEED=<seed>`.
 
-use std::collections::BTreeMap;
+mod support;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use support::{Writes, assert_converged, elect, key, value, write_for};
 use tidepool_engine::Durability;
 use tidepool_node::replica::Outcome;
 use tidepool_node::sim::{NetworkFaults, Pending, SimCluster};
-
-fn key(i: u64) -> [u8; 32] {
-    let mut k = [0u8; 32];
-    k[..8].copy_from_slice(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes());
-    k[8..16].copy_from_slice(&i.to_le_bytes());
-    k
-}
-
-fn value(i: u64) -> Vec<u8> {
-    format!("value of {i}")
-        .into_bytes()
-        .repeat(1 + (i as usize % 40))
-}
-
-/// Writes proposed so far: key number -> outcome slot.
-struct Writes {
-    next: u64,
-    pending: BTreeMap<u64, Pending>,
-}
-
-impl Writes {
-    fn new() -> Self {
-        Self {
-            next: 0,
-            pending: BTreeMap::new(),
-        }
-    }
-
-    fn put(&mut self, cluster: &mut SimCluster) {
-        let i = self.next;
-        self.next += 1;
-        let slot = cluster.put(key(i), value(i));
-        self.pending.insert(i, slot);
-    }
-
-    fn acknowledged(&self) -> Vec<u64> {
-        self.pending
-            .iter()
-            .filter(|(_, p)| matches!(*p.lock().unwrap(), Some(Outcome::Applied { .. })))
-            .map(|(i, _)| *i)
-            .collect()
-    }
-}
-
-/// Heals everything, lets the cluster settle, and checks that every running
-/// replica applied the same entries, holds the same values, and has every
-/// acknowledged write.
-fn assert_converged(cluster: &mut SimCluster, writes: &Writes, context: &str) {
-    let seed = cluster.seed();
-    cluster.heal();
-    cluster.faults = NetworkFaults::default();
-    let settled = cluster
-        .run_until(2_000, |c| {
-            let statuses: Vec<_> = c
-                .ids()
-                .into_iter()
-                .filter_map(|id| c.replica(id).map(|r| r.status()))
-                .collect();
-            c.leader().is_some()
-                && statuses
-                    .windows(2)
-                    .all(|w| w[0].applied == w[1].applied && w[0].commit == w[1].commit)
-                && statuses.iter().all(|s| s.applied == s.commit)
-        })
-        .unwrap();
-    assert!(settled, "seed {seed}, {context}: replicas did not converge");
-    let acknowledged = writes.acknowledged();
-    let mut reference: Option<(u64, Vec<Option<Vec<u8>>>)> = None;
-    for id in cluster.ids() {
-        let Some(replica) = cluster.replica(id) else {
-            continue;
-        };
-        let engine = replica.engine().clone();
-        let space = engine.key_space("blobs").unwrap();
-        let state: Vec<Option<Vec<u8>>> = (0..writes.next)
-            .map(|i| engine.get(space, &key(i)).unwrap().map(|v| v.to_vec()))
-            .collect();
-        for i in &acknowledged {
-            assert_eq!(
-                state[*i as usize].as_deref(),
-                Some(&value(*i)[..]),
-                "seed {seed}, {context}: node {id} lost acknowledged write {i}"
-            );
-        }
-        for (i, v) in state.iter().enumerate() {
-            if let Some(v) = v {
-                assert_eq!(
-                    v,
-                    &value(i as u64),
-                    "seed {seed}, {context}: node {id} key {i} has a value never written"
-                );
-            }
-        }
-        match &reference {
-            None => reference = Some((id, state)),
-            Some((first, expected)) => {
-                let differing: Vec<usize> = (0..state.len())
-                    .filter(|i| state[*i] != expected[*i])
-                    .collect();
-                assert!(
-                    differing.is_empty(),
-                    "seed {seed}, {context}: node {id} and node {first} differ on keys {differing:?}"
-                );
-            }
-        }
-    }
-    assert!(
-        !acknowledged.is_empty(),
-        "seed {seed}, {context}: nothing was acknowledged"
-    );
-}
-
-fn elect(cluster: &mut SimCluster) -> u64 {
-    assert!(
-        cluster.run_until(500, |c| c.leader().is_some()).unwrap(),
-        "seed {}: no leader",
-        cluster.seed()
-    );
-    cluster.leader().unwrap()
-}
-
-fn write_for(cluster: &mut SimCluster, writes: &mut Writes, ticks: u64) {
-    for _ in 0..ticks {
-        for _ in 0..3 {
-            writes.put(cluster);
-        }
-        cluster.tick().unwrap();
-    }
-}
 
 #[test]
 fn leader_loss_and_restart() {

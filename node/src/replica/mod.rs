@@ -20,7 +20,7 @@ use raft::{RawNode, StateRole};
 use tidepool_engine::{Durability, Engine, KeySpace};
 
 use crate::command::Command;
-use crate::error::Result;
+use crate::error::{NodeError, Result};
 use crate::raftlog::RaftLog;
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
@@ -62,6 +62,8 @@ impl ReplicaConfig {
 /// One shard replica.
 pub struct Replica {
     config: ReplicaConfig,
+    /// Set once the replica failed; every later call refuses.
+    failed: Option<String>,
     /// The engine key space of blob values.
     space: KeySpace,
     raw: RawNode<RaftLog>,
@@ -126,6 +128,7 @@ impl Replica {
         let raw = RawNode::new(&raft_config, log, &logger)?;
         let mut replica = Replica {
             config,
+            failed: None,
             space,
             raw,
             proposals: Proposals::default(),
@@ -144,23 +147,54 @@ impl Replica {
         self.raw.store().engine()
     }
 
+    /// Runs `f` on the Raft state machine, unless the replica failed. A
+    /// failed engine, or a panic inside raft-rs (which it uses for storage
+    /// errors it cannot handle), fails the replica for good: like a crashed
+    /// process, it must be reopened, and its durable state is intact.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if let Some(reason) = &self.failed {
+            return Err(NodeError::Failed(reason.clone()));
+        }
+        if let Err(error) = self.engine().health() {
+            return Err(self.fail(error.to_string()));
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self))) {
+            Ok(Err(error @ NodeError::Engine(_))) => Err(self.fail(error.to_string())),
+            Ok(result) => result,
+            Err(_) => Err(self.fail("raft-rs panicked".into())),
+        }
+    }
+
+    fn fail(&mut self, reason: String) -> NodeError {
+        self.proposals.fail_all(&reason);
+        self.failed = Some(reason.clone());
+        NodeError::Failed(reason)
+    }
+
     /// Advances the logical clock by one tick.
-    pub fn tick(&mut self) {
-        self.raw.tick();
+    pub fn tick(&mut self) -> Result<()> {
+        self.guarded(|r| {
+            r.raw.tick();
+            Ok(())
+        })
     }
 
     /// Takes in a message from a peer.
     pub fn step(&mut self, message: Message) -> Result<()> {
-        match self.raw.step(message) {
+        self.guarded(|r| match r.raw.step(message) {
             // Messages from peers outside the configuration are dropped.
             Err(raft::Error::StepPeerNotFound) => Ok(()),
             other => Ok(other?),
-        }
+        })
     }
 
     /// Proposes a command; `done` is called once it is applied, or with the
     /// reason it will not be. Fails at once if this replica does not lead.
     pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
+        if let Some(reason) = &self.failed {
+            done(Outcome::Failed(reason.clone()));
+            return Err(NodeError::Failed(reason.clone()));
+        }
         if self.raw.raft.state != StateRole::Leader {
             done(Outcome::NotLeader {
                 leader: self.raw.raft.leader_id,
@@ -197,6 +231,10 @@ impl Replica {
 
     /// Proposes a membership change (leader only).
     pub fn propose_conf_change(&mut self, change: ConfChangeV2, done: Completion) -> Result<()> {
+        if let Some(reason) = &self.failed {
+            done(Outcome::Failed(reason.clone()));
+            return Err(NodeError::Failed(reason.clone()));
+        }
         if self.raw.raft.state != StateRole::Leader {
             done(Outcome::NotLeader {
                 leader: self.raw.raft.leader_id,
@@ -218,7 +256,7 @@ impl Replica {
 
     /// Starts an election now (tests and leader transfers).
     pub fn campaign(&mut self) -> Result<()> {
-        Ok(self.raw.campaign()?)
+        self.guarded(|r| Ok(r.raw.campaign()?))
     }
 
     /// Asks the leader to hand leadership to `to`.

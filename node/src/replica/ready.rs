@@ -18,6 +18,10 @@ impl Replica {
     /// Runs the Ready checklist if raft-rs has anything ready. Returns the
     /// messages to send.
     pub fn handle_ready(&mut self) -> Result<Vec<Message>> {
+        self.guarded(Self::handle_ready_unguarded)
+    }
+
+    fn handle_ready_unguarded(&mut self) -> Result<Vec<Message>> {
         if !self.raw.has_ready() {
             return Ok(Vec::new());
         }
