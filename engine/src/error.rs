@@ -75,7 +75,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// Wraps an I/O error, turning "no space left" into [`Error::DiskFull`].
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
         let path = path.into();
         if is_disk_full(&source) {
             return Error::DiskFull(format!("{}: {source}", path.display()));

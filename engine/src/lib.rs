@@ -61,6 +61,7 @@
 
 mod batch;
 mod cache;
+mod checkpoint;
 mod config;
 mod control;
 mod engine;
@@ -82,6 +83,7 @@ mod types;
 mod wal;
 
 pub use batch::WriteBatch;
+pub use checkpoint::{Checkpoint, CheckpointFile, remove_engine_files};
 pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
 pub use engine::Engine;
 pub use error::{Error, Result};

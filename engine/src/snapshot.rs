@@ -29,6 +29,15 @@ use crate::types::{SegmentId, WalPosition};
 
 /// Writes a snapshot (one at a time) and collects index garbage.
 pub(crate) fn write_snapshot(inner: &Inner) -> Result<()> {
+    write_snapshot_then(inner, |_| Ok(()))
+}
+
+/// Writes a snapshot, collects index garbage, and runs `then` on the new
+/// control data before another snapshot can start.
+pub(crate) fn write_snapshot_then<T>(
+    inner: &Inner,
+    then: impl FnOnce(&ControlData) -> Result<T>,
+) -> Result<T> {
     let mut last = inner.last_snapshot.lock();
     inner.health.check()?;
     let p0 = inner.values.processed().0;
@@ -72,8 +81,9 @@ pub(crate) fn write_snapshot(inner: &Inner) -> Result<()> {
         .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
     Metrics::add(&inner.metrics.counters.snapshots, 1);
     collect_index_garbage(inner, &data)?;
+    let result = then(&data);
     *last = Some(data);
-    Ok(())
+    result
 }
 
 /// Deletes sealed index segments that hold no blob referenced by the

@@ -60,8 +60,16 @@ fn acknowledged_writes_survive_sigkill() {
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let kill_after = Duration::from_millis(rng.random_range(300..1_500));
-        let started = Instant::now();
         let mut acked = 0usize;
+        // The kill timer starts at the first acknowledgement, so a slow
+        // start (a loaded machine) does not leave nothing to check.
+        for line in lines.by_ref() {
+            if let Some(n) = line.unwrap().strip_prefix("ack ") {
+                acked = n.parse().unwrap();
+                break;
+            }
+        }
+        let started = Instant::now();
         // Read acknowledgements until it is time to kill.
         while started.elapsed() < kill_after {
             match lines.next() {

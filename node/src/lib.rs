@@ -16,6 +16,8 @@ mod error;
 pub mod raftlog;
 pub mod replica;
 pub mod sim;
+pub mod snapshot;
+pub mod store;
 
 pub use error::{NodeError, Result};
 

@@ -11,14 +11,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-use raft::eraftpb::Message;
+use raft::eraftpb::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Message, MessageType};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tidepool_engine::storage::{FaultStorage, Storage};
-use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig};
+use tidepool_engine::{CellLayout, Config, Durability, KeySpaceConfig};
 
 use crate::command::{Command, WriteOp};
-use crate::replica::{Outcome, Replica, ReplicaConfig};
+use crate::replica::{BLOB_KEY_SPACE, Outcome, Replica, ReplicaConfig};
+use crate::snapshot::{Outbox, Receiver, manifest_of};
+use crate::store::ReplicaStore;
 
 /// How the network misbehaves.
 #[derive(Clone, Debug, Default)]
@@ -29,6 +31,20 @@ pub struct NetworkFaults {
     pub duplicate: f64,
     /// Messages are delayed by 0 to this many ticks (reordering them).
     pub max_delay_ticks: u64,
+    /// Probability that a snapshot file stream breaks before a chunk (the
+    /// receiver resumes from where it stopped).
+    pub snapshot_break: f64,
+}
+
+/// What snapshot transfers did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnapshotStats {
+    /// Snapshots received whole and stepped.
+    pub received: u64,
+    /// Streams that broke and were resumed.
+    pub resumed: u64,
+    /// Transfers that failed (reported to the leader).
+    pub failed: u64,
 }
 
 struct InFlight {
@@ -41,6 +57,8 @@ struct InFlight {
 struct SimNode {
     storage: FaultStorage,
     replica: Option<Replica>,
+    /// The snapshots this node's process offers (lost when it stops).
+    outbox: Arc<Outbox>,
 }
 
 /// The outcome of a proposal, filled in when it completes.
@@ -57,31 +75,40 @@ pub struct SimCluster {
     cut: BTreeSet<(u64, u64)>,
     /// The network's faults.
     pub faults: NetworkFaults,
-    durability: Durability,
+    /// Settings every replica opens with (its ids filled in).
+    template: ReplicaConfig,
+    /// Snapshot transfers so far.
+    pub snapshots: SnapshotStats,
 }
 
 /// The engine configuration of a simulated replica.
 pub fn engine_config() -> Config {
     let mut config = Config::for_tests("/replica");
     config.key_spaces = vec![KeySpaceConfig {
-        name: "blobs".into(),
+        name: BLOB_KEY_SPACE.into(),
         key_bytes: 32,
         layout: CellLayout::Uniform { cells: 16 },
     }];
     config
 }
 
-fn open_engine(storage: &FaultStorage) -> crate::Result<Arc<Engine>> {
+/// A replica's directory on a simulated node's storage.
+pub fn replica_store(storage: &FaultStorage) -> ReplicaStore {
     let storage: Arc<dyn Storage> = Arc::new(storage.clone());
-    Ok(Arc::new(Engine::open_with_storage(
-        engine_config(),
-        storage,
-    )?))
+    ReplicaStore::new(storage, "/replica", engine_config())
 }
 
 impl SimCluster {
     /// A cluster of `size` founding voters (ids 1 to `size`).
     pub fn new(seed: u64, size: u64, durability: Durability) -> Self {
+        let mut template = ReplicaConfig::new(0, 0);
+        template.durability = durability;
+        Self::with_config(seed, size, template)
+    }
+
+    /// A cluster of `size` founding voters whose replicas open with
+    /// `template` (shard and node ids replaced).
+    pub fn with_config(seed: u64, size: u64, template: ReplicaConfig) -> Self {
         let mut cluster = SimCluster {
             rng: SmallRng::seed_from_u64(seed),
             seed,
@@ -90,7 +117,8 @@ impl SimCluster {
             in_flight: Vec::new(),
             cut: BTreeSet::new(),
             faults: NetworkFaults::default(),
-            durability,
+            template,
+            snapshots: SnapshotStats::default(),
         };
         let voters: Vec<u64> = (1..=size).collect();
         for id in 1..=size {
@@ -108,14 +136,16 @@ impl SimCluster {
     /// replica waiting to be added.
     pub fn add_node(&mut self, id: u64, voters: &[u64]) {
         let storage = FaultStorage::default();
+        let outbox = Arc::new(Outbox::default());
         let replica = self
-            .open_replica(id, &storage, voters)
+            .open_replica(id, &storage, &outbox, voters)
             .expect("open replica");
         self.nodes.insert(
             id,
             SimNode {
                 storage,
                 replica: Some(replica),
+                outbox,
             },
         );
     }
@@ -124,11 +154,14 @@ impl SimCluster {
         &self,
         id: u64,
         storage: &FaultStorage,
+        outbox: &Arc<Outbox>,
         voters: &[u64],
     ) -> crate::Result<Replica> {
-        let mut config = ReplicaConfig::new(0, id);
-        config.durability = self.durability;
-        Replica::open(config, open_engine(storage)?, KeySpace::default(), voters)
+        let mut config = self.template.clone();
+        config.node_id = id;
+        config.address = format!("sim://{id}");
+        config.hash_snapshots_inline = true;
+        Replica::open(config, replica_store(storage), outbox.clone(), voters)
     }
 
     /// Node ids.
@@ -197,6 +230,7 @@ impl SimCluster {
     fn stop(&mut self, id: u64, after: impl FnOnce(&FaultStorage, u64) -> FaultStorage) {
         let node = self.nodes.get_mut(&id).expect("node");
         node.replica = None; // drops the engine and its threads
+        node.outbox = Arc::new(Outbox::default());
         node.storage = after(&node.storage, id);
         self.in_flight.retain(|m| m.to != id);
     }
@@ -204,7 +238,8 @@ impl SimCluster {
     /// Restarts a stopped node from its storage.
     pub fn restart(&mut self, id: u64) -> crate::Result<()> {
         let storage = self.nodes[&id].storage.clone();
-        let replica = self.open_replica(id, &storage, &[])?;
+        let outbox = self.nodes[&id].outbox.clone();
+        let replica = self.open_replica(id, &storage, &outbox, &[])?;
         self.nodes.get_mut(&id).expect("node").replica = Some(replica);
         Ok(())
     }
@@ -220,6 +255,34 @@ impl SimCluster {
             None => completion(Outcome::Failed("node is down".into())),
         }
         slot
+    }
+
+    /// Proposes a membership change of `node` on the current leader.
+    pub fn change_membership(&mut self, change: ConfChangeType, node: u64) -> Pending {
+        let slot: Pending = Arc::new(Mutex::new(None));
+        let done = slot.clone();
+        let completion = Box::new(move |outcome| *done.lock().expect("slot") = Some(outcome));
+        let mut single = ConfChangeSingle::default();
+        single.set_change_type(change);
+        single.node_id = node;
+        let mut request = ConfChangeV2::default();
+        request.set_changes(vec![single]);
+        let leader = self.leader().unwrap_or(1);
+        match self.replica(leader) {
+            Some(replica) => {
+                // A refused change is reported through the slot.
+                let _ = replica.propose_conf_change(request, completion);
+            }
+            None => completion(Outcome::Failed("no leader".into())),
+        }
+        slot
+    }
+
+    /// Stops node `id` for good and forgets it (after its removal from the
+    /// group).
+    pub fn remove_node(&mut self, id: u64) {
+        self.nodes.remove(&id);
+        self.in_flight.retain(|m| m.to != id);
     }
 
     /// Proposes a put of `value` under `key` on the current leader.
@@ -313,6 +376,7 @@ impl SimCluster {
     fn crashed(&mut self, id: u64) {
         if let Some(node) = self.nodes.get_mut(&id) {
             node.replica = None;
+            node.outbox = Arc::new(Outbox::default());
         }
         self.in_flight.retain(|m| m.to != id);
     }
@@ -358,6 +422,11 @@ impl SimCluster {
             if !self.can_talk(from, flight.to) {
                 continue;
             }
+            if flight.message.msg_type() == MessageType::MsgSnapshot
+                && !self.transfer_snapshot(&flight.message)
+            {
+                continue;
+            }
             if let Some(replica) = self.replica(flight.to)
                 && replica.step(flight.message).is_err()
             {
@@ -365,5 +434,55 @@ impl SimCluster {
             }
         }
         Ok(count)
+    }
+
+    /// Pulls the files of a snapshot message into its receiver's spare slot,
+    /// as the node's transport does before stepping the message; streams
+    /// break at random and resume. Returns whether the message may be
+    /// stepped; a failed transfer is reported to the sender.
+    fn transfer_snapshot(&mut self, message: &Message) -> bool {
+        let Some(replica) = self.replica(message.to) else {
+            return false;
+        };
+        if !replica.needs_snapshot(message) {
+            return true;
+        }
+        let store = replica.store().clone();
+        let ok = self.receive_snapshot(message, &store).is_ok();
+        if ok {
+            self.snapshots.received += 1;
+        } else {
+            self.snapshots.failed += 1;
+            if let Some(sender) = self.replica(message.from) {
+                sender.report_snapshot_failure(message.to);
+            }
+        }
+        ok
+    }
+
+    fn receive_snapshot(&mut self, message: &Message, store: &ReplicaStore) -> crate::Result<()> {
+        let manifest = manifest_of(message.get_snapshot())?;
+        let source = manifest.source.as_ref().map_or(0, |s| s.node_id);
+        let prepared = self
+            .nodes
+            .get(&source)
+            .and_then(|n| n.outbox.get(manifest.shard_id, manifest.snapshot_id))
+            .ok_or_else(|| crate::NodeError::Malformed("snapshot gone".into()))?;
+        let mut receiver = Receiver::start(manifest, store)?;
+        for _attempt in 0..20 {
+            let (file, offset) = receiver.resume_point();
+            for chunk in prepared.chunks(message.to, file, offset) {
+                if self.rng.random_bool(self.faults.snapshot_break) {
+                    self.snapshots.resumed += 1;
+                    break;
+                }
+                receiver.accept(&chunk?)?;
+            }
+            if receiver.is_complete() {
+                break;
+            }
+        }
+        receiver.finish()?;
+        Ok(())
     }
 }

@@ -12,7 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use support::{Writes, assert_converged, elect, key, value, write_for};
 use tidepool_engine::Durability;
-use tidepool_node::replica::Outcome;
+use tidepool_node::replica::{Outcome, ReplicaConfig};
 use tidepool_node::sim::{NetworkFaults, Pending, SimCluster};
 
 #[test]
@@ -95,11 +95,16 @@ fn an_isolated_leader_acknowledges_nothing_and_steps_down() {
 fn a_faulty_network_with_crashes_converges() {
     let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
     let mut rng = SmallRng::seed_from_u64(seed);
-    let mut cluster = SimCluster::new(seed, 5, Durability::Synced);
+    // A short log limit: replicas that were down or cut off come back
+    // through snapshots, whose streams break too.
+    let mut config = ReplicaConfig::new(0, 0);
+    config.compact_log_entries = 64;
+    let mut cluster = SimCluster::with_config(seed, 5, config);
     cluster.faults = NetworkFaults {
         drop: 0.05,
         duplicate: 0.05,
         max_delay_ticks: 3,
+        snapshot_break: 0.2,
     };
     let mut writes = Writes::new();
     elect(&mut cluster);
@@ -132,4 +137,5 @@ fn a_faulty_network_with_crashes_converges() {
         cluster.restart(victim).unwrap();
     }
     assert_converged(&mut cluster, &writes, "faulty network with crashes");
+    println!("seed {seed}: snapshots {:?}", cluster.snapshots);
 }

@@ -11,13 +11,45 @@ mod meta;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use parking_lot::Mutex;
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use tidepool_engine::{Appended, Durability, Engine, KeySpace, WalPosition};
+use tidepool_proto::v1::NodeAddress;
 
 use crate::command::Reader;
 use crate::error::{NodeError, Result};
+use crate::snapshot::{Outbox, Prepared};
 use meta::LogRecord;
+
+/// What a leader needs to offer snapshots of its shard.
+#[derive(Debug)]
+pub struct SnapshotSender {
+    /// The shard.
+    pub shard_id: u32,
+    /// This node, named in manifests as the place to fetch from.
+    pub source: NodeAddress,
+    /// Where prepared snapshots are offered.
+    pub outbox: Arc<Outbox>,
+    /// The latest snapshot prepared.
+    current: Mutex<Option<Arc<Prepared>>>,
+    /// Hash snapshot files on the Raft thread instead of a background one
+    /// (the simulated cluster, whose time must not depend on threads).
+    pub hash_inline: bool,
+}
+
+impl SnapshotSender {
+    /// Offers snapshots of `shard_id` from `source` through `outbox`.
+    pub fn new(shard_id: u32, source: NodeAddress, outbox: Arc<Outbox>) -> Self {
+        Self {
+            shard_id,
+            source,
+            outbox,
+            current: Mutex::new(None),
+            hash_inline: false,
+        }
+    }
+}
 
 /// Magic of the replica's application state in the engine.
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
@@ -44,6 +76,8 @@ pub struct RaftLog {
     applied: u64,
     /// Where recovery starts scanning the WAL for the log.
     scan_from: WalPosition,
+    /// Snapshot preparation (none: this log cannot send snapshots).
+    snapshots: Option<SnapshotSender>,
 }
 
 impl std::fmt::Debug for RaftLog {
@@ -73,6 +107,7 @@ impl RaftLog {
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             applied: 0,
+            snapshots: None,
         };
         // The application state is durable only at engine snapshots: after
         // an early crash it may be missing although the WAL holds a log.
@@ -177,6 +212,156 @@ impl RaftLog {
     /// The configuration.
     pub fn conf_state(&self) -> &ConfState {
         &self.conf_state
+    }
+
+    /// Lets this log prepare snapshots (when it leads).
+    pub fn set_snapshot_sender(&mut self, sender: SnapshotSender) {
+        self.snapshots = Some(sender);
+    }
+
+    /// Takes the snapshot sender (to move it to an installed log).
+    pub fn take_snapshot_sender(&mut self) -> Option<SnapshotSender> {
+        self.snapshots.take()
+    }
+
+    /// The log of a replica that has just received snapshot `meta` into
+    /// `engine` (opened from the replica's spare slot): empty, starting after
+    /// the snapshot's index, with the snapshot's configuration and this
+    /// replica's own term and vote. Durable when this returns; the engine's
+    /// copy of the sender's log records is never read (scanning starts
+    /// after them) and is garbage for relocation.
+    pub fn installed(
+        engine: Arc<Engine>,
+        space: KeySpace,
+        meta: &SnapshotMetadata,
+        hard_state: &HardState,
+    ) -> Result<RaftLog> {
+        let mut hard_state = hard_state.clone();
+        hard_state.commit = hard_state.commit.max(meta.index);
+        let mut log = RaftLog {
+            scan_from: engine.processed_position(),
+            engine,
+            space,
+            entries: BTreeMap::new(),
+            unapplied: BTreeMap::new(),
+            truncated: (meta.index, meta.term),
+            hard_state,
+            conf_state: meta.get_conf_state().clone(),
+            applied: meta.index,
+            snapshots: None,
+        };
+        log.persist_state()?;
+        log.save_app_state();
+        // Makes the state record, the application state and the received
+        // index durable in one control snapshot.
+        log.engine.flush()?;
+        log.engine.set_log_retention(log.scan_from);
+        Ok(log)
+    }
+
+    /// Discards the log up to and including `to` (which must be applied):
+    /// `first_index` moves to `to + 1`. The values stay: the engine's
+    /// index points at them, and relocation moves them out of the old
+    /// segments before it deletes them. Durable when this returns.
+    pub fn compact(&mut self, to: u64) -> Result<()> {
+        if to < self.first() {
+            return Ok(());
+        }
+        if to > self.applied {
+            return Err(NodeError::Malformed(format!(
+                "compaction to {to} past the applied index {}",
+                self.applied
+            )));
+        }
+        let term =
+            self.entries.get(&to).map(|l| l.term).ok_or_else(|| {
+                NodeError::Malformed(format!("compaction to {to}: no such entry"))
+            })?;
+        self.truncated = (to, term);
+        self.entries = self.entries.split_off(&(to + 1));
+        self.scan_from = match self.entries.values().next() {
+            Some(first) => first.position,
+            None => self.engine.processed_position(),
+        };
+        self.save_app_state();
+        // Everything applied through `to` reaches the on-disk index, and the
+        // new first index and scan start become durable, before relocation
+        // may delete the segments of the discarded entries.
+        self.engine.flush()?;
+        self.engine.set_log_retention(self.scan_from);
+        Ok(())
+    }
+
+    /// Chunks of the latest prepared snapshot served to node `to`.
+    pub fn snapshot_pulls(&self, to: u64) -> u64 {
+        self.snapshots
+            .as_ref()
+            .and_then(|s| s.current.lock().as_ref().map(|p| p.pulls(to)))
+            .unwrap_or(0)
+    }
+
+    /// WAL bytes from the first entry's record to the record after entry
+    /// `index` (to the end of the WAL if there is none): what compacting to
+    /// `index` would let relocation reclaim.
+    pub fn wal_bytes_through(&self, index: u64) -> u64 {
+        let end = self
+            .entries
+            .get(&(index + 1))
+            .map_or_else(|| self.engine.processed_position(), |l| l.position);
+        end.0.saturating_sub(self.scan_from.0)
+    }
+
+    /// Returns the latest usable snapshot, or prepares one (an engine
+    /// checkpoint of the applied state, hashed on a background thread) and
+    /// asks raft-rs to try again later.
+    fn snapshot_for(&self, request_index: u64) -> Result<Option<Snapshot>> {
+        let Some(sender) = &self.snapshots else {
+            return Ok(None);
+        };
+
+        let mut current = sender.current.lock();
+        if let Some(prepared) = current.as_ref()
+            && prepared.index >= self.truncated.0
+            && prepared.index >= request_index
+        {
+            match prepared.raft_snapshot() {
+                Some(Ok(snapshot)) => {
+                    sender.outbox.insert(prepared.clone());
+                    return Ok(Some(snapshot));
+                }
+                None => return Ok(None),
+                Some(Err(_)) => {} // hashing failed: prepare another
+            }
+        }
+        let index = self.applied;
+        let term = if index == self.truncated.0 {
+            self.truncated.1
+        } else {
+            self.entries
+                .get(&index)
+                .map(|l| l.term)
+                .ok_or_else(|| NodeError::Malformed(format!("no entry {index} to snapshot")))?
+        };
+        let checkpoint = self.engine.checkpoint()?;
+        let prepared = Arc::new(Prepared::new(
+            sender.shard_id,
+            index,
+            term,
+            self.conf_state.clone(),
+            sender.source.clone(),
+            checkpoint,
+        ));
+        *current = Some(prepared.clone());
+        if sender.hash_inline {
+            prepared.hash();
+            sender.outbox.insert(prepared.clone());
+            return prepared.raft_snapshot().transpose();
+        }
+        std::thread::Builder::new()
+            .name(format!("snapshot-{}", sender.shard_id))
+            .spawn(move || prepared.hash())
+            .map_err(|e| NodeError::Malformed(format!("cannot start a thread: {e}")))?;
+        Ok(None)
     }
 
     /// Appends entries (replacing any at or after the first one's index).
@@ -393,10 +578,14 @@ impl Storage for RaftLog {
         Ok(self.last())
     }
 
-    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        Err(raft::Error::Store(
-            StorageError::SnapshotTemporarilyUnavailable,
-        ))
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        match self.snapshot_for(request_index) {
+            Ok(Some(snapshot)) => Ok(snapshot),
+            Ok(None) => Err(raft::Error::Store(
+                StorageError::SnapshotTemporarilyUnavailable,
+            )),
+            Err(error) => Err(storage_error(error)),
+        }
     }
 }
 

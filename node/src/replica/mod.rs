@@ -18,10 +18,16 @@ use std::sync::Arc;
 use raft::eraftpb::{ConfChangeV2, Message};
 use raft::{RawNode, StateRole};
 use tidepool_engine::{Durability, Engine, KeySpace};
+use tidepool_proto::v1::NodeAddress;
 
 use crate::command::Command;
 use crate::error::{NodeError, Result};
-use crate::raftlog::RaftLog;
+use crate::raftlog::{RaftLog, SnapshotSender};
+use crate::snapshot::Outbox;
+use crate::store::ReplicaStore;
+
+/// Name of the engine key space holding a replica's blobs.
+pub const BLOB_KEY_SPACE: &str = "blobs";
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 
@@ -32,6 +38,8 @@ pub struct ReplicaConfig {
     pub shard_id: u32,
     /// This replica's Raft id: the node id.
     pub node_id: u64,
+    /// This node's gRPC address, where peers fetch its snapshots.
+    pub address: String,
     /// Ticks without a heartbeat before a follower campaigns.
     pub election_ticks: usize,
     /// Ticks between a leader's heartbeats.
@@ -42,6 +50,17 @@ pub struct ReplicaConfig {
     pub max_command_bytes: usize,
     /// Largest batch of entries per append message, bytes.
     pub max_message_bytes: u64,
+    /// Compact the log once it holds this many applied entries...
+    pub compact_log_entries: u64,
+    /// ... or its records span this many WAL bytes. A follower further
+    /// behind than `compact_log_entries` is caught up by a snapshot.
+    pub compact_log_bytes: u64,
+    /// A snapshot transfer that pulls nothing for this many ticks counts as
+    /// failed, and the leader sends a new one.
+    pub snapshot_idle_ticks: u32,
+    /// Hash snapshots on the Raft thread (deterministic tests only: it
+    /// blocks the shard while the whole snapshot is read).
+    pub hash_snapshots_inline: bool,
 }
 
 impl ReplicaConfig {
@@ -53,8 +72,13 @@ impl ReplicaConfig {
             election_ticks: 10,
             heartbeat_ticks: 2,
             durability: Durability::Synced,
+            address: String::new(),
             max_command_bytes: 4 << 20,
             max_message_bytes: 1 << 20,
+            compact_log_entries: 10_000,
+            compact_log_bytes: 512 << 20,
+            snapshot_idle_ticks: 50,
+            hash_snapshots_inline: false,
         }
     }
 }
@@ -64,10 +88,15 @@ pub struct Replica {
     config: ReplicaConfig,
     /// Set once the replica failed; every later call refuses.
     failed: Option<String>,
+    /// The replica's directory (engine slots).
+    store: ReplicaStore,
     /// The engine key space of blob values.
     space: KeySpace,
     raw: RawNode<RaftLog>,
     proposals: Proposals,
+    /// Followers being sent a snapshot: chunks pulled when last looked at,
+    /// and ticks since that changed.
+    snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
 }
 
 impl std::fmt::Debug for Replica {
@@ -94,6 +123,8 @@ pub struct ReplicaStatus {
     pub commit: u64,
     /// Highest index applied to the engine.
     pub applied: u64,
+    /// First index still in the log (entries before it are compacted).
+    pub first_index: u64,
     /// Last index in the log.
     pub last_index: u64,
     /// Voters and learners.
@@ -103,15 +134,28 @@ pub struct ReplicaStatus {
 }
 
 impl Replica {
-    /// Opens the replica on `engine`. A new replica with `initial_voters`
-    /// founds the group; one with none waits to be added.
+    /// Opens the replica in `store` (creating it if empty). A new replica
+    /// with `initial_voters` founds the group; one with none waits to be
+    /// added. Snapshots it prepares as a leader are offered in `outbox`.
     pub fn open(
         config: ReplicaConfig,
-        engine: Arc<Engine>,
-        space: KeySpace,
+        store: ReplicaStore,
+        outbox: Arc<Outbox>,
         initial_voters: &[u64],
     ) -> Result<Replica> {
-        let log = RaftLog::open(engine, space, initial_voters)?;
+        let engine = store.open_live()?;
+        let space = engine.key_space(BLOB_KEY_SPACE)?;
+        let mut log = RaftLog::open(engine, space, initial_voters)?;
+        let mut sender = SnapshotSender::new(
+            config.shard_id,
+            NodeAddress {
+                node_id: config.node_id,
+                address: config.address.clone(),
+            },
+            outbox,
+        );
+        sender.hash_inline = config.hash_snapshots_inline;
+        log.set_snapshot_sender(sender);
         let raft_config = raft::Config {
             id: config.node_id,
             election_tick: config.election_ticks,
@@ -129,9 +173,11 @@ impl Replica {
         let mut replica = Replica {
             config,
             failed: None,
+            store,
             space,
             raw,
             proposals: Proposals::default(),
+            snapshot_watch: Default::default(),
         };
         replica.reapply_after_restart()?;
         Ok(replica)
@@ -175,8 +221,41 @@ impl Replica {
     pub fn tick(&mut self) -> Result<()> {
         self.guarded(|r| {
             r.raw.tick();
+            r.watch_snapshots();
             Ok(())
         })
+    }
+
+    /// On the leader: a follower in snapshot state whose transfer pulled
+    /// nothing for `snapshot_idle_ticks` (the message was lost, or the
+    /// receiver gave up) is reported failed, so raft-rs sends another.
+    fn watch_snapshots(&mut self) {
+        if self.raw.raft.state != StateRole::Leader {
+            self.snapshot_watch.clear();
+            return;
+        }
+        let sending: Vec<u64> = self
+            .raw
+            .raft
+            .prs()
+            .iter()
+            .filter(|(_, p)| p.state == raft::ProgressState::Snapshot)
+            .map(|(id, _)| *id)
+            .collect();
+        self.snapshot_watch.retain(|id, _| sending.contains(id));
+        for id in sending {
+            let pulls = self.raw.store().snapshot_pulls(id);
+            let watch = self.snapshot_watch.entry(id).or_insert((pulls, 0));
+            if watch.0 == pulls {
+                watch.1 += 1;
+            } else {
+                *watch = (pulls, 0);
+            }
+            if watch.1 > self.config.snapshot_idle_ticks {
+                self.snapshot_watch.remove(&id);
+                self.raw.report_snapshot(id, raft::SnapshotStatus::Failure);
+            }
+        }
     }
 
     /// Takes in a message from a peer.
@@ -264,6 +343,26 @@ impl Replica {
         self.raw.transfer_leader(to);
     }
 
+    /// The replica's directory.
+    pub fn store(&self) -> &ReplicaStore {
+        &self.store
+    }
+
+    /// Whether a snapshot message carries state this replica lacks (its
+    /// files are worth fetching); otherwise raft-rs answers it without
+    /// installing anything.
+    pub fn needs_snapshot(&self, message: &Message) -> bool {
+        message.get_snapshot().get_metadata().index > self.raw.raft.raft_log.committed
+    }
+
+    /// Tells raft-rs (on the leader) that sending a snapshot to `to`
+    /// failed, so it tries again.
+    pub fn report_snapshot_failure(&mut self, to: u64) {
+        if self.failed.is_none() {
+            self.raw.report_snapshot(to, raft::SnapshotStatus::Failure);
+        }
+    }
+
     /// The replica's Raft state.
     pub fn status(&self) -> ReplicaStatus {
         let raft = &self.raw.raft;
@@ -274,6 +373,7 @@ impl Replica {
             term: raft.term,
             commit: raft.raft_log.committed,
             applied: raft.raft_log.applied,
+            first_index: self.raw.store().first(),
             last_index: raft.raft_log.last_index(),
             voters: conf.voters.clone(),
             learners: conf.learners.clone(),

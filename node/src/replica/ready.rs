@@ -1,6 +1,8 @@
 //! The Ready checklist, in raft-rs's order:
 //! 1. messages a leader may send before persisting;
-//! 2. a snapshot to install (not supported yet: an error);
+//! 2. a snapshot to install: its files are already in the spare slot (the
+//!    transport fetched them before stepping the message); open them, give
+//!    them this replica's Raft state, flip the slot;
 //! 3. committed entries to apply (already persisted);
 //! 4. new entries to append to the log;
 //! 5. a changed hard state to persist;
@@ -9,10 +11,13 @@
 //! 7. `advance`: a new commit index is persisted, its messages sent and its
 //!    committed entries applied; `advance_apply`.
 
-use raft::eraftpb::Message;
+use raft::StateRole;
+use raft::eraftpb::{Message, Snapshot};
 
 use super::Replica;
 use crate::error::{NodeError, Result};
+use crate::raftlog::RaftLog;
+use crate::snapshot::manifest_of;
 
 impl Replica {
     /// Runs the Ready checklist if raft-rs has anything ready. Returns the
@@ -28,9 +33,7 @@ impl Replica {
         let mut ready = self.raw.ready();
         let mut outgoing = ready.take_messages();
         if !ready.snapshot().is_empty() {
-            return Err(NodeError::Malformed(
-                "snapshot installation is not supported yet".into(),
-            ));
+            self.install_snapshot(ready.snapshot())?;
         }
         self.apply_entries(ready.take_committed_entries())?;
         let durability = self.config.durability;
@@ -48,6 +51,61 @@ impl Replica {
         outgoing.extend(light.take_messages());
         self.apply_entries(light.take_committed_entries())?;
         self.raw.advance_apply();
+        self.maybe_compact()?;
         Ok(outgoing)
+    }
+
+    /// Installs a snapshot whose files were received into the spare slot.
+    fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let manifest = manifest_of(snapshot)?;
+        if self.store.spare_snapshot()? != Some(manifest.snapshot_id) {
+            return Err(NodeError::Malformed(format!(
+                "snapshot {} was stepped before its files were received",
+                manifest.snapshot_id
+            )));
+        }
+        let engine = self.store.open_spare()?;
+        let hard_state = self.raw.store().hard_state().clone();
+        let mut log = RaftLog::installed(engine, self.space, snapshot.get_metadata(), &hard_state)?;
+        // The point of no return: from here on a restart opens the new slot.
+        self.store.flip()?;
+        if let Some(sender) = self.log().take_snapshot_sender() {
+            log.set_snapshot_sender(sender);
+        }
+        let old = std::mem::replace(self.log(), log);
+        // The old engine's data is superseded; a failing close loses nothing.
+        let _ = old.engine().close();
+        drop(old);
+        self.store.clear_spare()
+    }
+
+    /// Compacts the log in steps of a quarter of its limits: to the
+    /// applied index, except that a leader keeps what followers still need,
+    /// up to half the entry limit (a follower further behind gets a
+    /// snapshot).
+    fn maybe_compact(&mut self) -> Result<()> {
+        let applied = self.raw.raft.raft_log.applied;
+        let (max_entries, max_bytes) = (
+            self.config.compact_log_entries,
+            self.config.compact_log_bytes,
+        );
+        let mut to = applied;
+        if self.raw.raft.state == StateRole::Leader {
+            for (id, progress) in self.raw.raft.prs().iter() {
+                if *id != self.config.node_id {
+                    to = to.min(progress.matched);
+                }
+            }
+            to = to.max(applied.saturating_sub(max_entries / 2));
+        }
+        let log = self.raw.store();
+        if to < log.first() {
+            return Ok(());
+        }
+        let entries = to + 1 - log.first();
+        if entries >= (max_entries / 4).max(1) || log.wal_bytes_through(to) >= max_bytes / 4 {
+            self.log().compact(to)?;
+        }
+        Ok(())
     }
 }

@@ -72,7 +72,14 @@ pub fn assert_converged(cluster: &mut SimCluster, writes: &Writes, context: &str
                 && statuses.iter().all(|s| s.applied == s.commit)
         })
         .unwrap();
-    assert!(settled, "seed {seed}, {context}: replicas did not converge");
+    if !settled {
+        let statuses: Vec<_> = cluster
+            .ids()
+            .into_iter()
+            .map(|id| (id, cluster.replica(id).map(|r| r.status())))
+            .collect();
+        panic!("seed {seed}, {context}: replicas did not converge: {statuses:#?}");
+    }
     let acknowledged = writes.acknowledged();
     let mut reference: Option<(u64, Vec<Option<Vec<u8>>>)> = None;
     for id in cluster.ids() {

@@ -1,0 +1,205 @@
+//! Receiving a snapshot's files into a replica's spare slot.
+
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use tidepool_engine::storage::{Storage, StorageFile};
+use tidepool_proto::v1::{SnapshotChunk, SnapshotManifest};
+
+use crate::error::{NodeError, Result};
+use crate::store::ReplicaStore;
+
+/// Writes the files of one snapshot, chunk by chunk, in manifest order.
+/// After a broken stream, ask the sender again from
+/// [`Receiver::resume_point`]; a chunk that does not continue exactly
+/// there, fails its CRC, or completes a file with the wrong SHA-256 is an
+/// error and nothing is marked complete.
+pub struct Receiver {
+    manifest: SnapshotManifest,
+    store: ReplicaStore,
+    dir: PathBuf,
+    /// The file being written, and how much of it is written.
+    file: usize,
+    offset: u64,
+    out: Option<Arc<dyn StorageFile>>,
+    hasher: Sha256,
+}
+
+impl std::fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiver")
+            .field("snapshot", &self.manifest.snapshot_id)
+            .field("file", &self.file)
+            .field("offset", &self.offset)
+            .finish()
+    }
+}
+
+fn malformed(message: String) -> NodeError {
+    NodeError::Malformed(message)
+}
+
+/// A manifest path must stay inside the slot.
+fn checked_path(path: &str) -> Result<PathBuf> {
+    let candidate = Path::new(path);
+    let safe = !path.is_empty()
+        && candidate
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    if safe {
+        Ok(candidate.to_path_buf())
+    } else {
+        Err(malformed(format!(
+            "snapshot file path {path:?} leaves the replica directory"
+        )))
+    }
+}
+
+impl Receiver {
+    /// Starts receiving `manifest` into `store`'s spare slot, emptying it
+    /// first.
+    pub fn start(manifest: SnapshotManifest, store: &ReplicaStore) -> Result<Receiver> {
+        for file in &manifest.files {
+            checked_path(&file.path)?;
+            if file.file_size < file.size || file.sha256.len() != 32 {
+                return Err(malformed(format!(
+                    "snapshot file {}: size {} > file size {}, or a digest of {} bytes",
+                    file.path,
+                    file.size,
+                    file.file_size,
+                    file.sha256.len()
+                )));
+            }
+        }
+        store.clear_spare()?;
+        let mut receiver = Receiver {
+            dir: store.spare_dir()?,
+            store: store.clone(),
+            manifest,
+            file: 0,
+            offset: 0,
+            out: None,
+            hasher: Sha256::new(),
+        };
+        receiver.advance()?;
+        Ok(receiver)
+    }
+
+    /// The snapshot being received.
+    pub fn manifest(&self) -> &SnapshotManifest {
+        &self.manifest
+    }
+
+    /// Where to ask the sender to continue: file index and byte offset.
+    pub fn resume_point(&self) -> (u32, u64) {
+        (self.file as u32, self.offset)
+    }
+
+    /// Whether every file is written and verified.
+    pub fn is_complete(&self) -> bool {
+        self.file >= self.manifest.files.len()
+    }
+
+    fn storage(&self) -> &Arc<dyn Storage> {
+        self.store.storage()
+    }
+
+    fn io(&self, path: &Path, error: std::io::Error) -> NodeError {
+        NodeError::Engine(tidepool_engine::Error::io(path, error))
+    }
+
+    /// Opens the current file if needed, and finishes every file whose
+    /// bytes are all written (verifying and syncing it).
+    fn advance(&mut self) -> Result<()> {
+        while let Some(file) = self.manifest.files.get(self.file) {
+            let path = self.dir.join(checked_path(&file.path)?);
+            if self.out.is_none() {
+                let parent = path.parent().unwrap_or(&self.dir).to_path_buf();
+                self.storage()
+                    .create_dir_all(&parent)
+                    .map_err(|e| self.io(&parent, e))?;
+                let out = self
+                    .storage()
+                    .create(&path, file.file_size)
+                    .map_err(|e| self.io(&path, e))?;
+                self.out = Some(out);
+                self.hasher = Sha256::new();
+            }
+            if self.offset < file.size {
+                return Ok(());
+            }
+            let digest = std::mem::take(&mut self.hasher).finalize();
+            if digest[..] != file.sha256[..] {
+                return Err(malformed(format!(
+                    "snapshot file {} does not match its SHA-256",
+                    file.path
+                )));
+            }
+            let out = self.out.take().expect("opened above");
+            out.sync_all().map_err(|e| self.io(&path, e))?;
+            self.file += 1;
+            self.offset = 0;
+        }
+        Ok(())
+    }
+
+    /// Writes one chunk; it must continue exactly at the resume point.
+    pub fn accept(&mut self, chunk: &SnapshotChunk) -> Result<()> {
+        let (file, offset) = self.resume_point();
+        if chunk.file_index != file || chunk.offset != offset {
+            return Err(malformed(format!(
+                "snapshot chunk at file {} offset {}, expected file {file} offset {offset}",
+                chunk.file_index, chunk.offset
+            )));
+        }
+        let Some(meta) = self.manifest.files.get(self.file) else {
+            return Err(malformed("snapshot chunk after the last file".into()));
+        };
+        if crc32fast::hash(&chunk.data) != chunk.crc32 {
+            return Err(malformed(format!(
+                "snapshot chunk at file {file} offset {offset} fails its CRC"
+            )));
+        }
+        if offset + chunk.data.len() as u64 > meta.size || chunk.data.is_empty() {
+            return Err(malformed(format!(
+                "snapshot chunk of {} bytes at offset {offset} does not fit file {} ({} bytes)",
+                chunk.data.len(),
+                meta.path,
+                meta.size
+            )));
+        }
+        let out = self.out.as_ref().expect("advance opens the file");
+        out.write_at(&chunk.data, offset)
+            .map_err(|e| self.io(&self.dir.join(&meta.path), e))?;
+        self.hasher.update(&chunk.data);
+        self.offset += chunk.data.len() as u64;
+        self.advance()
+    }
+
+    /// Makes the received snapshot durable and marks the spare slot
+    /// complete. Fails unless every file was received.
+    pub fn finish(self) -> Result<u64> {
+        if !self.is_complete() {
+            return Err(malformed(format!(
+                "snapshot {} incomplete: stopped at file {} offset {}",
+                self.manifest.snapshot_id, self.file, self.offset
+            )));
+        }
+        let mut dirs: Vec<PathBuf> = self
+            .manifest
+            .files
+            .iter()
+            .filter_map(|f| self.dir.join(&f.path).parent().map(Path::to_path_buf))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        for dir in dirs {
+            self.storage()
+                .sync_dir(&dir)
+                .map_err(|e| self.io(&dir, e))?;
+        }
+        self.store.mark_spare_complete(self.manifest.snapshot_id)?;
+        Ok(self.manifest.snapshot_id)
+    }
+}

@@ -1,0 +1,119 @@
+//! Receiving snapshot files: resumption, and every kind of bad input.
+
+use std::sync::Arc;
+
+use raft::eraftpb::ConfState;
+use tidepool_engine::Durability;
+use tidepool_engine::storage::FaultStorage;
+use tidepool_proto::v1::NodeAddress;
+
+use super::*;
+use crate::replica::BLOB_KEY_SPACE;
+use crate::sim::replica_store;
+
+fn prepared() -> Arc<Prepared> {
+    let store = replica_store(&FaultStorage::default());
+    let engine = store.open_live().unwrap();
+    let space = engine.key_space(BLOB_KEY_SPACE).unwrap();
+    for i in 0..300u32 {
+        let mut key = [0u8; 32];
+        key[..4].copy_from_slice(&i.to_be_bytes());
+        engine
+            .put(space, &key, &vec![i as u8; 3_000], Durability::Buffered)
+            .unwrap();
+    }
+    let checkpoint = engine.checkpoint().unwrap();
+    let prepared = Arc::new(Prepared::new(
+        7,
+        42,
+        3,
+        ConfState::default(),
+        NodeAddress::default(),
+        checkpoint,
+    ));
+    prepared.hash();
+    prepared
+}
+
+fn manifest(prepared: &Prepared) -> SnapshotManifest {
+    manifest_of(&prepared.raft_snapshot().unwrap().unwrap()).unwrap()
+}
+
+#[test]
+fn a_broken_stream_resumes_where_it_stopped() {
+    let prepared = prepared();
+    let manifest = manifest(&prepared);
+    assert!(manifest.files.len() > 3, "{manifest:?}");
+    let store = replica_store(&FaultStorage::default());
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    let mut streams = 0;
+    while !receiver.is_complete() {
+        streams += 1;
+        let (file, offset) = receiver.resume_point();
+        // Each stream carries two chunks, then breaks.
+        for chunk in prepared.chunks(2, file, offset).take(2) {
+            receiver.accept(&chunk.unwrap()).unwrap();
+        }
+    }
+    assert!(streams > 2);
+    assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
+    assert_eq!(store.spare_snapshot().unwrap(), Some(manifest.snapshot_id));
+    assert!(prepared.pulls(2) > 0);
+    // The received engine holds the data.
+    let engine = store.open_spare().unwrap();
+    let space = engine.key_space(BLOB_KEY_SPACE).unwrap();
+    let mut key = [0u8; 32];
+    key[..4].copy_from_slice(&299u32.to_be_bytes());
+    assert_eq!(engine.get(space, &key).unwrap().unwrap().len(), 3_000);
+}
+
+#[test]
+fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
+    let prepared = prepared();
+    let manifest = manifest(&prepared);
+    let store = replica_store(&FaultStorage::default());
+
+    // A chunk whose bytes changed in flight.
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    let mut chunk = prepared.chunk(1, 0, 0).unwrap();
+    let mut data = chunk.data.to_vec();
+    data[10] ^= 1;
+    chunk.data = data;
+    assert!(receiver.accept(&chunk).is_err(), "CRC mismatch accepted");
+
+    // A chunk that does not continue where the receiver is.
+    let ahead = prepared.chunk(1, 1, 0).unwrap();
+    assert!(
+        receiver.accept(&ahead).is_err(),
+        "out-of-order chunk accepted"
+    );
+
+    // A file whose digest does not match: CRCs fine, content not the
+    // manifest's.
+    let mut wrong = manifest.clone();
+    wrong.files[0].sha256 = vec![0; 32];
+    let mut receiver = Receiver::start(wrong, &store).unwrap();
+    let mut failed = false;
+    for chunk in prepared.chunks(1, 0, 0) {
+        if receiver.accept(&chunk.unwrap()).is_err() {
+            failed = true;
+            break;
+        }
+    }
+    assert!(failed, "a file with the wrong SHA-256 was accepted");
+    assert!(receiver.finish().is_err());
+    assert_eq!(store.spare_snapshot().unwrap(), None);
+
+    // Paths that leave the replica directory, and impossible sizes.
+    for path in ["../escape", "/etc/passwd", "wal/../../x", ""] {
+        let mut bad = manifest.clone();
+        bad.files[0].path = path.into();
+        assert!(
+            Receiver::start(bad, &store).is_err(),
+            "path {path:?} accepted"
+        );
+    }
+    let mut bad = manifest.clone();
+    bad.files[0].file_size = bad.files[0].size - 1;
+    assert!(Receiver::start(bad, &store).is_err());
+}

@@ -1,0 +1,153 @@
+//! A replica's directory: two engine slots and a pointer to the live one.
+//!
+//! ```text
+//! <replica dir>/CURRENT   "a" or "b" (replaced atomically; missing = "a")
+//! <replica dir>/a/        an engine directory
+//! <replica dir>/b/        the other slot: empty, or a snapshot being
+//!                         received, with `b/SNAPSHOT` (the snapshot id)
+//!                         once every file of it is durable
+//! ```
+//!
+//! Installing a snapshot fills the spare slot, then flips `CURRENT`: a crash
+//! before the flip leaves the old engine live (the leader sends the
+//! snapshot again), after it the new one; either way one complete engine is
+//! live and the other slot is emptied at the next open.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tidepool_engine::storage::{FileStorage, Storage, read_whole_file, write_file_atomically};
+use tidepool_engine::{Config, Engine, remove_engine_files};
+
+use crate::error::{NodeError, Result};
+
+const CURRENT: &str = "CURRENT";
+const SLOTS: [&str; 2] = ["a", "b"];
+/// Marks a spare slot whose snapshot is complete and durable.
+const SNAPSHOT_MARK: &str = "SNAPSHOT";
+
+/// The directory of one replica; see the module docs.
+#[derive(Clone, Debug)]
+pub struct ReplicaStore {
+    storage: Arc<dyn Storage>,
+    dir: PathBuf,
+    /// Engine settings; `dir` is replaced by the slot's.
+    engine: Config,
+}
+
+fn io_error(path: &Path, error: std::io::Error) -> NodeError {
+    NodeError::Engine(tidepool_engine::Error::io(path, error))
+}
+
+impl ReplicaStore {
+    /// A replica directory on `storage`.
+    pub fn new(storage: Arc<dyn Storage>, dir: impl Into<PathBuf>, engine: Config) -> Self {
+        Self {
+            storage,
+            dir: dir.into(),
+            engine,
+        }
+    }
+
+    /// A replica directory on real files.
+    pub fn on_files(dir: impl Into<PathBuf>, engine: Config) -> Self {
+        Self::new(Arc::new(FileStorage::new()), dir, engine)
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
+    /// The replica's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn slot_dir(&self, slot: usize) -> PathBuf {
+        self.dir.join(SLOTS[slot])
+    }
+
+    fn live_slot(&self) -> Result<usize> {
+        let path = self.dir.join(CURRENT);
+        let bytes = read_whole_file(&*self.storage, &path).map_err(|e| io_error(&path, e))?;
+        match bytes.as_deref() {
+            None | Some(b"a") => Ok(0),
+            Some(b"b") => Ok(1),
+            Some(other) => Err(NodeError::Malformed(format!(
+                "{}: {:?} is not a slot",
+                path.display(),
+                String::from_utf8_lossy(other)
+            ))),
+        }
+    }
+
+    fn engine_config(&self, slot: usize) -> Config {
+        let mut config = self.engine.clone();
+        config.dir = self.slot_dir(slot);
+        config
+    }
+
+    /// Opens the live engine, emptying the spare slot first.
+    pub fn open_live(&self) -> Result<Arc<Engine>> {
+        self.storage
+            .create_dir_all(&self.dir)
+            .map_err(|e| io_error(&self.dir, e))?;
+        let live = self.live_slot()?;
+        self.clear_spare()?;
+        Ok(Arc::new(Engine::open_with_storage(
+            self.engine_config(live),
+            self.storage.clone(),
+        )?))
+    }
+
+    /// The spare slot's directory, where a snapshot is received.
+    pub fn spare_dir(&self) -> Result<PathBuf> {
+        Ok(self.slot_dir(1 - self.live_slot()?))
+    }
+
+    /// Empties the spare slot.
+    pub fn clear_spare(&self) -> Result<()> {
+        let dir = self.spare_dir()?;
+        let mark = dir.join(SNAPSHOT_MARK);
+        if self.storage.exists(&mark) {
+            self.storage.remove(&mark).map_err(|e| io_error(&mark, e))?;
+            self.storage.sync_dir(&dir).map_err(|e| io_error(&dir, e))?;
+        }
+        remove_engine_files(&*self.storage, &dir)?;
+        Ok(())
+    }
+
+    /// Records that the spare slot holds all of snapshot `id`, durably
+    /// (every file in it must be synced already).
+    pub fn mark_spare_complete(&self, id: u64) -> Result<()> {
+        let path = self.spare_dir()?.join(SNAPSHOT_MARK);
+        write_file_atomically(&*self.storage, &path, &id.to_le_bytes())
+            .map_err(|e| io_error(&path, e))
+    }
+
+    /// The id of the complete snapshot in the spare slot, if any.
+    pub fn spare_snapshot(&self) -> Result<Option<u64>> {
+        let path = self.spare_dir()?.join(SNAPSHOT_MARK);
+        let bytes = read_whole_file(&*self.storage, &path).map_err(|e| io_error(&path, e))?;
+        Ok(bytes.and_then(|b| Some(u64::from_le_bytes(b.try_into().ok()?))))
+    }
+
+    /// Opens the engine in the spare slot.
+    pub fn open_spare(&self) -> Result<Arc<Engine>> {
+        let spare = 1 - self.live_slot()?;
+        Ok(Arc::new(Engine::open_with_storage(
+            self.engine_config(spare),
+            self.storage.clone(),
+        )?))
+    }
+
+    /// Makes the spare slot the live one (the point of no return of an
+    /// install).
+    pub fn flip(&self) -> Result<()> {
+        let spare = 1 - self.live_slot()?;
+        let path = self.dir.join(CURRENT);
+        write_file_atomically(&*self.storage, &path, SLOTS[spare].as_bytes())
+            .map_err(|e| io_error(&path, e))
+    }
+}

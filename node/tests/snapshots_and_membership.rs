@@ -1,0 +1,141 @@
+//! Log compaction, snapshots shipped as files, and membership changes, on
+//! the simulated network: a follower cut off while the leader compacts its
+//! log comes back through a snapshot (whose file stream breaks and
+//! resumes); replicas are added, promoted and removed — the leader among
+//! them — while clients keep writing. After each, all replicas hold the
+//! same data and every acknowledged put is readable.
+//!
+//! Prints its seed; replay with `CLUSTER_SEED=<seed>`.
+
+mod support;
+
+use raft::eraftpb::ConfChangeType;
+use support::{Writes, assert_converged, elect, write_for};
+use tidepool_node::replica::{Outcome, ReplicaConfig};
+use tidepool_node::sim::{NetworkFaults, Pending, SimCluster};
+
+fn short_log_config(entries: u64) -> ReplicaConfig {
+    let mut config = ReplicaConfig::new(0, 0);
+    config.compact_log_entries = entries;
+    config
+}
+
+fn wait_applied(cluster: &mut SimCluster, slot: &Pending, what: &str) {
+    let seed = cluster.seed();
+    let done = cluster
+        .run_until(500, |_| slot.lock().unwrap().is_some())
+        .unwrap();
+    assert!(done, "seed {seed}: {what} never completed");
+    let outcome = slot.lock().unwrap().clone();
+    assert!(
+        matches!(outcome, Some(Outcome::Applied { .. })),
+        "seed {seed}: {what}: {outcome:?}"
+    );
+}
+
+fn caught_up(cluster: &mut SimCluster, id: u64) -> bool {
+    let Some(leader) = cluster.leader() else {
+        return false;
+    };
+    let commit = cluster.replica(leader).unwrap().status().commit;
+    cluster
+        .replica(id)
+        .is_some_and(|r| r.status().applied >= commit)
+}
+
+#[test]
+fn lagging_follower_is_caught_up_by_a_snapshot() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(32));
+    cluster.faults = NetworkFaults {
+        snapshot_break: 0.3,
+        ..NetworkFaults::default()
+    };
+    let mut writes = Writes::new();
+    let leader = elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 10);
+    let lagging = leader % 3 + 1;
+    cluster.partition(&[lagging]);
+    write_for(&mut cluster, &mut writes, 60);
+    let status = cluster.replica(leader).unwrap().status();
+    assert!(
+        status.first_index > cluster.replica(lagging).unwrap().status().last_index + 1,
+        "seed {seed}: the leader compacted past the lagging follower: {status:?}"
+    );
+    cluster.heal();
+    let snapshot_break = cluster.faults.snapshot_break;
+    assert!(
+        cluster.run_until(500, |c| caught_up(c, lagging)).unwrap(),
+        "seed {seed}: the lagging follower never caught up"
+    );
+    assert!(
+        cluster.snapshots.received >= 1,
+        "seed {seed}: caught up without a snapshot: {:?}",
+        cluster.snapshots
+    );
+    // It keeps up from the log afterwards, and holds what the others hold.
+    write_for(&mut cluster, &mut writes, 10);
+    assert_converged(&mut cluster, &writes, "lagging follower after a snapshot");
+    println!(
+        "seed {seed}: snapshots {:?} (streams broke with probability {snapshot_break})",
+        cluster.snapshots
+    );
+}
+
+#[test]
+fn membership_changes_while_writing() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(48));
+    let mut writes = Writes::new();
+    elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 30);
+
+    // A new, empty replica joins as a learner (through a snapshot: the log
+    // has been compacted), catches up, and becomes a voter.
+    cluster.add_node(4, &[]);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    write_for(&mut cluster, &mut writes, 5);
+    wait_applied(&mut cluster, &slot, "add learner 4");
+    write_for(&mut cluster, &mut writes, 10);
+    assert!(
+        cluster.run_until(500, |c| caught_up(c, 4)).unwrap(),
+        "seed {seed}: learner 4 never caught up"
+    );
+    let slot = cluster.change_membership(ConfChangeType::AddNode, 4);
+    write_for(&mut cluster, &mut writes, 5);
+    wait_applied(&mut cluster, &slot, "promote 4");
+
+    // The leader itself is removed; another takes over and writes go on.
+    let old_leader = elect(&mut cluster);
+    let slot = cluster.change_membership(ConfChangeType::RemoveNode, old_leader);
+    write_for(&mut cluster, &mut writes, 5);
+    wait_applied(&mut cluster, &slot, "remove the leader");
+    cluster.remove_node(old_leader);
+    let new_leader = elect(&mut cluster);
+    assert_ne!(new_leader, old_leader);
+    write_for(&mut cluster, &mut writes, 20);
+
+    // A learner that is removed before promotion.
+    cluster.add_node(5, &[]);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 5);
+    write_for(&mut cluster, &mut writes, 10);
+    wait_applied(&mut cluster, &slot, "add learner 5");
+    let slot = cluster.change_membership(ConfChangeType::RemoveNode, 5);
+    write_for(&mut cluster, &mut writes, 5);
+    wait_applied(&mut cluster, &slot, "remove learner 5");
+    cluster.remove_node(5);
+    write_for(&mut cluster, &mut writes, 10);
+
+    let status = cluster.replica(new_leader).unwrap().status();
+    let mut voters = status.voters.clone();
+    voters.sort();
+    let mut expected: Vec<u64> = [1, 2, 3, 4]
+        .into_iter()
+        .filter(|id| *id != old_leader)
+        .collect();
+    expected.sort();
+    assert_eq!(voters, expected, "seed {seed}: final voters");
+    assert!(status.learners.is_empty(), "seed {seed}: {status:?}");
+    assert_converged(&mut cluster, &writes, "membership changes");
+    println!("seed {seed}: snapshots {:?}", cluster.snapshots);
+}
