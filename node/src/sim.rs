@@ -9,6 +9,7 @@
 //! logic can be tested without sockets.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use raft::eraftpb::{ConfChangeSingle, ConfChangeType, ConfChangeV2, Message, MessageType};
@@ -53,9 +54,18 @@ struct InFlight {
     message: Message,
 }
 
+/// Where a simulated node keeps its replica.
+#[derive(Clone, Debug)]
+enum NodeDisk {
+    /// In-memory storage that can fail, crash and lose power.
+    Fault(FaultStorage),
+    /// Real files in a directory (to measure real disk traffic).
+    Files(PathBuf),
+}
+
 /// One simulated node.
 struct SimNode {
-    storage: FaultStorage,
+    storage: NodeDisk,
     replica: Option<Replica>,
     /// The snapshots this node's process offers (lost when it stops).
     outbox: Arc<Outbox>,
@@ -77,6 +87,10 @@ pub struct SimCluster {
     pub faults: NetworkFaults,
     /// Settings every replica opens with (its ids filled in).
     template: ReplicaConfig,
+    /// Engine settings of every replica.
+    engine: Config,
+    /// Real-file directories under this root instead of fault storage.
+    disk_root: Option<PathBuf>,
     /// Snapshot transfers so far.
     pub snapshots: SnapshotStats,
 }
@@ -98,6 +112,30 @@ pub fn replica_store(storage: &FaultStorage) -> ReplicaStore {
     ReplicaStore::new(storage, "/replica", engine_config())
 }
 
+/// How a simulated cluster is built.
+#[derive(Clone, Debug)]
+pub struct SimOptions {
+    /// Settings every replica opens with (its ids filled in).
+    pub replica: ReplicaConfig,
+    /// Engine settings of every replica.
+    pub engine: Config,
+    /// Keep replicas in real files under this directory (one subdirectory
+    /// per node) instead of fault storage; crashes are then process kills
+    /// only.
+    pub disk_root: Option<PathBuf>,
+}
+
+impl SimOptions {
+    /// Fault storage, test engine settings, replica settings `replica`.
+    pub fn new(replica: ReplicaConfig) -> Self {
+        Self {
+            replica,
+            engine: engine_config(),
+            disk_root: None,
+        }
+    }
+}
+
 impl SimCluster {
     /// A cluster of `size` founding voters (ids 1 to `size`).
     pub fn new(seed: u64, size: u64, durability: Durability) -> Self {
@@ -109,6 +147,11 @@ impl SimCluster {
     /// A cluster of `size` founding voters whose replicas open with
     /// `template` (shard and node ids replaced).
     pub fn with_config(seed: u64, size: u64, template: ReplicaConfig) -> Self {
+        Self::with_options(seed, size, SimOptions::new(template))
+    }
+
+    /// A cluster of `size` founding voters built as `options` say.
+    pub fn with_options(seed: u64, size: u64, options: SimOptions) -> Self {
         let mut cluster = SimCluster {
             rng: SmallRng::seed_from_u64(seed),
             seed,
@@ -117,7 +160,9 @@ impl SimCluster {
             in_flight: Vec::new(),
             cut: BTreeSet::new(),
             faults: NetworkFaults::default(),
-            template,
+            template: options.replica,
+            engine: options.engine,
+            disk_root: options.disk_root,
             snapshots: SnapshotStats::default(),
         };
         let voters: Vec<u64> = (1..=size).collect();
@@ -135,7 +180,10 @@ impl SimCluster {
     /// Starts a node: a founding voter if `voters` is given, else an empty
     /// replica waiting to be added.
     pub fn add_node(&mut self, id: u64, voters: &[u64]) {
-        let storage = FaultStorage::default();
+        let storage = match &self.disk_root {
+            Some(root) => NodeDisk::Files(root.join(format!("node-{id}"))),
+            None => NodeDisk::Fault(FaultStorage::default()),
+        };
         let outbox = Arc::new(Outbox::default());
         let replica = self
             .open_replica(id, &storage, &outbox, voters)
@@ -153,15 +201,22 @@ impl SimCluster {
     fn open_replica(
         &self,
         id: u64,
-        storage: &FaultStorage,
+        storage: &NodeDisk,
         outbox: &Arc<Outbox>,
         voters: &[u64],
     ) -> crate::Result<Replica> {
+        let store = match storage {
+            NodeDisk::Fault(storage) => {
+                let storage: Arc<dyn Storage> = Arc::new(storage.clone());
+                ReplicaStore::new(storage, "/replica", self.engine.clone())
+            }
+            NodeDisk::Files(dir) => ReplicaStore::on_files(dir, self.engine.clone()),
+        };
         let mut config = self.template.clone();
         config.node_id = id;
         config.address = format!("sim://{id}");
         config.hash_snapshots_inline = true;
-        Replica::open(config, replica_store(storage), outbox.clone(), voters)
+        Replica::open(config, store, outbox.clone(), voters)
     }
 
     /// Node ids.
@@ -217,21 +272,27 @@ impl SimCluster {
     /// Kills a node's process: the page cache survives, so on restart it has
     /// every write it acknowledged.
     pub fn kill(&mut self, id: u64) {
-        self.stop(id, |storage, _| storage.restart_process());
+        self.stop(id, |storage| match storage {
+            NodeDisk::Fault(storage) => NodeDisk::Fault(storage.restart_process()),
+            files => files.clone(),
+        });
     }
 
     /// Cuts a node's power: on restart it has what it synced, plus torn
     /// unsynced sectors.
     pub fn power_off(&mut self, id: u64) {
         let seed = self.rng.random();
-        self.stop(id, move |storage, _| storage.reboot(seed));
+        self.stop(id, move |storage| match storage {
+            NodeDisk::Fault(storage) => NodeDisk::Fault(storage.reboot(seed)),
+            NodeDisk::Files(_) => panic!("power loss needs fault storage"),
+        });
     }
 
-    fn stop(&mut self, id: u64, after: impl FnOnce(&FaultStorage, u64) -> FaultStorage) {
+    fn stop(&mut self, id: u64, after: impl FnOnce(&NodeDisk) -> NodeDisk) {
         let node = self.nodes.get_mut(&id).expect("node");
         node.replica = None; // drops the engine and its threads
         node.outbox = Arc::new(Outbox::default());
-        node.storage = after(&node.storage, id);
+        node.storage = after(&node.storage);
         self.in_flight.retain(|m| m.to != id);
     }
 
@@ -381,9 +442,12 @@ impl SimCluster {
         self.in_flight.retain(|m| m.to != id);
     }
 
-    /// The storage of node `id` (to inject faults).
+    /// The fault storage of node `id` (to inject faults).
     pub fn storage(&self, id: u64) -> FaultStorage {
-        self.nodes[&id].storage.clone()
+        match &self.nodes[&id].storage {
+            NodeDisk::Fault(storage) => storage.clone(),
+            NodeDisk::Files(_) => panic!("node {id} keeps real files"),
+        }
     }
 
     /// Whether node `id` is running.

@@ -10,6 +10,8 @@
 //! ```
 
 pub mod depcheck;
+mod io;
 mod seed;
 
+pub use io::{on_block_device, process_read_bytes, process_write_bytes};
 pub use seed::seed_from_env;

@@ -5,7 +5,6 @@
 pub mod shadow;
 pub mod workload;
 
-use std::path::Path;
 use std::sync::Arc;
 
 use tidepool_engine::storage::{FaultStorage, Storage};
@@ -60,32 +59,5 @@ pub fn open(storage: &FaultStorage, config: &Config) -> tidepool_engine::Result<
     Engine::open_with_storage(config.clone(), storage)
 }
 
-/// Bytes read from block devices by this process so far
-/// (`read_bytes` of `/proc/self/io`).
-pub fn process_read_bytes() -> u64 {
-    let io = std::fs::read_to_string("/proc/self/io").expect("/proc/self/io");
-    io.lines()
-        .find_map(|line| line.strip_prefix("read_bytes: "))
-        .expect("read_bytes line")
-        .trim()
-        .parse()
-        .expect("number")
-}
-
-/// Whether `path` is on a file system backed by a block device (not tmpfs),
-/// so `/proc/self/io` sees its reads.
-pub fn on_block_device(path: &Path) -> bool {
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let mut best: Option<(usize, String)> = None;
-    for line in mounts.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() >= 3
-            && path.starts_with(fields[1])
-            && best.as_ref().is_none_or(|(len, _)| fields[1].len() > *len)
-        {
-            best = Some((fields[1].len(), fields[2].to_string()));
-        }
-    }
-    best.is_some_and(|(_, fs)| !matches!(fs.as_str(), "tmpfs" | "ramfs"))
-}
+#[allow(unused_imports)]
+pub use tidepool_testkit::{on_block_device, process_read_bytes};
