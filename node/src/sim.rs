@@ -19,7 +19,9 @@ use tidepool_engine::storage::{FaultStorage, Storage};
 use tidepool_engine::{CellLayout, Config, Durability, KeySpaceConfig};
 
 use crate::command::{Command, WriteOp};
-use crate::replica::{BLOB_KEY_SPACE, Outcome, Replica, ReplicaConfig};
+use crate::replica::{
+    BLOB_KEY_SPACE, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig,
+};
 use crate::snapshot::{Outbox, Receiver, manifest_of};
 use crate::store::ReplicaStore;
 
@@ -314,6 +316,20 @@ impl SimCluster {
         match self.replica(id) {
             Some(replica) => replica.propose(command, completion).expect("propose"),
             None => completion(Outcome::Failed("node is down".into())),
+        }
+        slot
+    }
+
+    /// Asks node `id` for a linearizable read point; the outcome appears in
+    /// the returned slot.
+    pub fn read(&mut self, id: u64) -> Arc<Mutex<Option<ReadOutcome>>> {
+        let slot = Arc::new(Mutex::new(None));
+        let done = slot.clone();
+        let completion: ReadCompletion =
+            Box::new(move |outcome| *done.lock().expect("slot") = Some(outcome));
+        match self.replica(id) {
+            Some(replica) => replica.read_index(vec![completion]),
+            None => completion(ReadOutcome::Failed("node is down".into())),
         }
         slot
     }

@@ -12,7 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use support::{Writes, assert_converged, elect, key, value, write_for};
 use tidepool_engine::Durability;
-use tidepool_node::replica::{Outcome, ReplicaConfig};
+use tidepool_node::replica::{Outcome, ReadOutcome, ReplicaConfig};
 use tidepool_node::sim::{NetworkFaults, Pending, SimCluster};
 
 #[test]
@@ -61,6 +61,8 @@ fn partitioned_minority_catches_up_after_healing() {
 
 #[test]
 fn an_isolated_leader_acknowledges_nothing_and_steps_down() {
+    // ... and serves no linearizable read either, while the new leader
+    // serves reads that see every acknowledged write.
     let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
     let mut cluster = SimCluster::new(seed, 3, Durability::Synced);
     let mut writes = Writes::new();
@@ -68,6 +70,7 @@ fn an_isolated_leader_acknowledges_nothing_and_steps_down() {
     write_for(&mut cluster, &mut writes, 10);
     let before = writes.acknowledged().len();
     cluster.partition(&[old]);
+    let stale_read = cluster.read(old);
     // Proposals to the isolated leader cannot commit.
     let stranded: Vec<Pending> = (0..10)
         .map(|i| cluster.put_on(old, key(10_000 + i), value(10_000 + i)))
@@ -81,8 +84,45 @@ fn an_isolated_leader_acknowledges_nothing_and_steps_down() {
             "seed {seed}: an isolated leader acknowledged a write"
         );
     }
+    assert!(
+        matches!(
+            *stale_read.lock().unwrap(),
+            Some(ReadOutcome::NotLeader { .. })
+        ),
+        "seed {seed}: the isolated leader answered a read: {:?}",
+        stale_read.lock().unwrap()
+    );
     write_for(&mut cluster, &mut writes, 20);
     assert!(writes.acknowledged().len() > before);
+    let last = writes.acknowledged().into_iter().max().unwrap();
+    let follower = cluster
+        .ids()
+        .into_iter()
+        .find(|id| *id != new && *id != old)
+        .unwrap();
+    let on_follower = cluster.read(follower);
+    assert!(matches!(
+        *on_follower.lock().unwrap(),
+        Some(ReadOutcome::NotLeader { leader }) if leader == new
+    ));
+    let read = cluster.read(new);
+    assert!(
+        cluster
+            .run_until(50, |_| read.lock().unwrap().is_some())
+            .unwrap()
+    );
+    assert_eq!(
+        *read.lock().unwrap(),
+        Some(ReadOutcome::Ready),
+        "seed {seed}"
+    );
+    let engine = cluster.replica(new).unwrap().engine().clone();
+    let space = engine.key_space("blobs").unwrap();
+    assert_eq!(
+        engine.get(space, &key(last)).unwrap().as_deref(),
+        Some(&value(last)[..]),
+        "seed {seed}: a linearizable read missed acknowledged write {last}"
+    );
     assert_converged(&mut cluster, &writes, "isolated leader");
     let status = cluster.replica(old).unwrap().status();
     assert!(

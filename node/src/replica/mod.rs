@@ -11,6 +11,7 @@
 
 mod apply;
 mod proposals;
+mod read;
 mod ready;
 
 use std::sync::Arc;
@@ -30,6 +31,8 @@ use crate::store::ReplicaStore;
 pub const BLOB_KEY_SPACE: &str = "blobs";
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
+use read::Reads;
+pub use read::{ReadCompletion, ReadOutcome};
 
 /// Settings of a replica.
 #[derive(Clone, Debug)]
@@ -94,6 +97,7 @@ pub struct Replica {
     space: KeySpace,
     raw: RawNode<RaftLog>,
     proposals: Proposals,
+    reads: Reads,
     /// Followers being sent a snapshot: chunks pulled when last looked at,
     /// and ticks since that changed.
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
@@ -177,6 +181,7 @@ impl Replica {
             space,
             raw,
             proposals: Proposals::default(),
+            reads: Reads::default(),
             snapshot_watch: Default::default(),
         };
         replica.reapply_after_restart()?;
@@ -213,6 +218,7 @@ impl Replica {
 
     fn fail(&mut self, reason: String) -> NodeError {
         self.proposals.fail_all(&reason);
+        self.reads.fail_all(&ReadOutcome::Failed(reason.clone()));
         self.failed = Some(reason.clone());
         NodeError::Failed(reason)
     }
@@ -221,6 +227,7 @@ impl Replica {
     pub fn tick(&mut self) -> Result<()> {
         self.guarded(|r| {
             r.raw.tick();
+            r.expire_reads();
             r.watch_snapshots();
             Ok(())
         })
@@ -389,6 +396,8 @@ impl Drop for Replica {
     fn drop(&mut self) {
         // A proposal never answered would leave its client waiting.
         self.proposals.fail_all("the replica closed");
+        self.reads
+            .fail_all(&ReadOutcome::Failed("the replica closed".into()));
     }
 }
 

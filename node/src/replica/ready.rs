@@ -32,6 +32,7 @@ impl Replica {
         }
         let mut ready = self.raw.ready();
         let mut outgoing = ready.take_messages();
+        let read_states = ready.take_read_states();
         if !ready.snapshot().is_empty() {
             self.install_snapshot(ready.snapshot())?;
         }
@@ -43,14 +44,17 @@ impl Replica {
         outgoing.extend(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
         if let Some(commit) = light.commit_index() {
+            // A commit index need not be durable before anything goes out
+            // (a lower one after a crash is learnt again from the leader),
+            // so this record is not waited for: the next sync covers it.
             let mut hard_state = self.raw.store().hard_state().clone();
             hard_state.commit = commit;
-            let end = self.log().set_state(Some(&hard_state), None)?;
-            self.log().wait(end, durability)?;
+            self.log().set_state(Some(&hard_state), None)?;
         }
         outgoing.extend(light.take_messages());
         self.apply_entries(light.take_committed_entries())?;
         self.raw.advance_apply();
+        self.confirm_reads(read_states);
         self.maybe_compact()?;
         Ok(outgoing)
     }
