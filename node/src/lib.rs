@@ -15,6 +15,7 @@ pub mod command;
 mod error;
 pub mod raftlog;
 pub mod replica;
+pub mod shard;
 pub mod sim;
 pub mod snapshot;
 pub mod store;

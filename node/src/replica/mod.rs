@@ -350,6 +350,11 @@ impl Replica {
         self.raw.transfer_leader(to);
     }
 
+    /// Whether the replica failed and must be reopened.
+    pub fn is_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
     /// The replica's directory.
     pub fn store(&self) -> &ReplicaStore {
         &self.store

@@ -1,0 +1,513 @@
+//! A shard replica's owner: the one thread that drives its [`Replica`]
+//! through ticks, messages, proposals and the Ready checklist. Everyone else
+//! talks to it through events on a bounded channel.
+//!
+//! Group commit: the owner takes every event already queued before it runs
+//! the Ready checklist, so the puts that arrived while the previous Ready was
+//! being made durable become one Raft entry (up to `max_batch_ops` ops and
+//! `max_batch_bytes` of values), and the reads that arrived become one
+//! ReadIndex request.
+//!
+//! A replica that fails (its engine poisoned by an I/O error, say) is
+//! dropped and reopened from its directory after a backoff, as a restarted
+//! process would be; meanwhile every request fails with a clear error.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+use parking_lot::Mutex;
+use raft::eraftpb::{ConfChangeV2, Message};
+use tidepool_engine::Engine;
+
+use crate::command::{Command, WriteOp};
+use crate::error::{NodeError, Result};
+use crate::replica::{
+    Completion, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig, ReplicaStatus,
+};
+use crate::snapshot::Outbox;
+use crate::store::ReplicaStore;
+
+/// Where the owner sends Raft messages.
+pub trait Outgoing: Send + Sync + 'static {
+    /// Sends `message` (addressed by `message.to`) for `shard`; never
+    /// blocks (a message that cannot be queued is dropped: Raft resends).
+    fn send(&self, shard: u32, message: Message);
+}
+
+/// How the owner runs.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// Time per Raft tick.
+    pub tick: Duration,
+    /// Most ops group-committed into one entry.
+    pub max_batch_ops: usize,
+    /// Most value bytes group-committed into one entry.
+    pub max_batch_bytes: usize,
+    /// Events that may wait for the owner; more are refused (overload).
+    pub queue: usize,
+    /// First wait before reopening a failed replica (doubles, up to 30 s).
+    pub reopen_backoff: Duration,
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        Self {
+            tick: Duration::from_millis(100),
+            max_batch_ops: 256,
+            max_batch_bytes: 4 << 20,
+            queue: 65_536,
+            reopen_backoff: Duration::from_millis(500),
+        }
+    }
+}
+
+/// What the owner can be asked to do.
+pub enum Event {
+    /// A Raft message from a peer.
+    Step(Message),
+    /// A snapshot message whose files are in the spare slot: step it and
+    /// install it now.
+    SnapshotReceived(Message),
+    /// A put or delete, group-committed with others.
+    Write(WriteOp, Completion),
+    /// Any other command, proposed alone.
+    Propose(Command, Completion),
+    /// A linearizable read point, batched with others.
+    Read(ReadCompletion),
+    /// A membership change.
+    ConfChange(ConfChangeV2, Completion),
+    /// Hand leadership to this voter.
+    TransferLeader(u64),
+    /// Stop the owner (closing the replica).
+    Stop,
+}
+
+/// What the owner last published about its replica.
+#[derive(Clone, Debug, Default)]
+pub struct ShardState {
+    /// Raft status (default while the replica is down).
+    pub status: Option<ReplicaStatus>,
+    /// Why the replica is down, if it is.
+    pub failed: Option<String>,
+    /// The shard's epoch.
+    pub epoch: u32,
+    /// Disk bytes of its engine.
+    pub disk_bytes: u64,
+    /// Whether a snapshot is being received.
+    pub receiving_snapshot: bool,
+}
+
+/// The handle everyone else holds.
+pub struct ShardHandle {
+    /// The shard.
+    pub shard_id: u32,
+    tx: Sender<Event>,
+    engine: ArcSwap<Engine>,
+    state: Mutex<ShardState>,
+    fetching: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for ShardHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardHandle")
+            .field("shard", &self.shard_id)
+            .finish()
+    }
+}
+
+/// Everything needed to (re)open the replica.
+struct Opener {
+    config: ReplicaConfig,
+    store: ReplicaStore,
+    outbox: Arc<Outbox>,
+}
+
+impl Opener {
+    fn open(&self, voters: &[u64]) -> Result<Replica> {
+        Replica::open(
+            self.config.clone(),
+            self.store.clone(),
+            self.outbox.clone(),
+            voters,
+        )
+    }
+}
+
+impl ShardHandle {
+    /// Opens the replica in `store` and starts its owner thread.
+    pub fn start(
+        config: ReplicaConfig,
+        driver: DriverConfig,
+        store: ReplicaStore,
+        outbox: Arc<Outbox>,
+        initial_voters: &[u64],
+        outgoing: Arc<dyn Outgoing>,
+    ) -> Result<Arc<ShardHandle>> {
+        let opener = Opener {
+            config,
+            store,
+            outbox,
+        };
+        let replica = opener.open(initial_voters)?;
+        let (tx, rx) = crossbeam_channel::bounded(driver.queue);
+        let handle = Arc::new(ShardHandle {
+            shard_id: opener.config.shard_id,
+            tx,
+            engine: ArcSwap::new(replica.engine().clone()),
+            state: Mutex::new(ShardState::default()),
+            fetching: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        });
+        let mut owner = Owner {
+            handle: handle.clone(),
+            opener,
+            driver,
+            outgoing,
+            replica: Some(replica),
+            down_since: None,
+            backoff: Duration::ZERO,
+            writes: Vec::new(),
+            write_bytes: 0,
+            reads: Vec::new(),
+        };
+        owner.publish();
+        let thread = std::thread::Builder::new()
+            .name(format!("shard-{}", handle.shard_id))
+            .spawn(move || owner.run(rx))
+            .map_err(|e| NodeError::Malformed(format!("cannot start a shard thread: {e}")))?;
+        *handle.thread.lock() = Some(thread);
+        Ok(handle)
+    }
+
+    /// Queues an event; `Err` gives it back if the queue is full or the
+    /// owner stopped.
+    pub fn send(&self, event: Event) -> std::result::Result<(), Event> {
+        self.tx.try_send(event).map_err(|e| match e {
+            TrySendError::Full(event) | TrySendError::Disconnected(event) => event,
+        })
+    }
+
+    /// Queues a put or delete; its completion gets `Failed` if refused.
+    pub fn write(&self, op: WriteOp, done: Completion) {
+        if let Err(Event::Write(_, done)) = self.send(Event::Write(op, done)) {
+            done(Outcome::Failed("the shard is overloaded".into()));
+        }
+    }
+
+    /// Queues a command.
+    pub fn propose(&self, command: Command, done: Completion) {
+        if let Err(Event::Propose(_, done)) = self.send(Event::Propose(command, done)) {
+            done(Outcome::Failed("the shard is overloaded".into()));
+        }
+    }
+
+    /// Queues a linearizable read.
+    pub fn read(&self, done: ReadCompletion) {
+        if let Err(Event::Read(done)) = self.send(Event::Read(done)) {
+            done(ReadOutcome::Failed("the shard is overloaded".into()));
+        }
+    }
+
+    /// Queues a membership change.
+    pub fn change_membership(&self, change: ConfChangeV2, done: Completion) {
+        if let Err(Event::ConfChange(_, done)) = self.send(Event::ConfChange(change, done)) {
+            done(Outcome::Failed("the shard is overloaded".into()));
+        }
+    }
+
+    /// Delivers a Raft message (dropped if the queue is full).
+    pub fn step(&self, message: Message) -> bool {
+        self.send(Event::Step(message)).is_ok()
+    }
+
+    /// The engine holding the shard's applied state (replaced when a
+    /// snapshot is installed).
+    pub fn engine(&self) -> Arc<Engine> {
+        self.engine.load_full()
+    }
+
+    /// What the owner last published.
+    pub fn state(&self) -> ShardState {
+        let mut state = self.state.lock().clone();
+        state.receiving_snapshot = self.fetching.load(Ordering::Acquire);
+        state
+    }
+
+    /// Claims the right to receive a snapshot (one at a time); `false` if a
+    /// transfer is already running.
+    pub fn begin_snapshot(&self) -> bool {
+        !self.fetching.swap(true, Ordering::AcqRel)
+    }
+
+    /// Ends a transfer that failed (a successful one ends when the owner
+    /// has installed it).
+    pub fn abort_snapshot(&self) {
+        self.fetching.store(false, Ordering::Release);
+    }
+
+    /// Stops the owner and waits for it; the replica's engine is closed.
+    pub fn stop(&self) {
+        // A full queue still gets the stop: wait for room.
+        let _ = self.tx.send(Event::Stop);
+        if let Some(thread) = self.thread.lock().take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The owner thread's state.
+struct Owner {
+    handle: Arc<ShardHandle>,
+    opener: Opener,
+    driver: DriverConfig,
+    outgoing: Arc<dyn Outgoing>,
+    replica: Option<Replica>,
+    down_since: Option<Instant>,
+    backoff: Duration,
+    writes: Vec<(WriteOp, Completion)>,
+    write_bytes: usize,
+    reads: Vec<ReadCompletion>,
+}
+
+impl Owner {
+    fn run(&mut self, rx: Receiver<Event>) {
+        let tick = self.driver.tick;
+        let mut next_tick = Instant::now() + tick;
+        loop {
+            let wait = next_tick.saturating_duration_since(Instant::now());
+            let first = match rx.recv_timeout(wait) {
+                Ok(event) => Some(event),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            let mut stop = false;
+            // Everything already queued joins this round (group commit).
+            for event in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                if matches!(event, Event::Stop) {
+                    stop = true;
+                    break;
+                }
+                self.handle_event(event);
+            }
+            self.flush_writes();
+            self.flush_reads();
+            if stop {
+                break;
+            }
+            let now = Instant::now();
+            if now >= next_tick {
+                self.tick();
+                next_tick = (next_tick + tick).max(now);
+            }
+            self.ready();
+            self.publish();
+        }
+        self.close();
+    }
+
+    fn handle_event(&mut self, event: Event) {
+        match event {
+            Event::Write(op, done) => {
+                let bytes = op.value.as_ref().map_or(0, Vec::len);
+                if self.write_bytes + bytes > self.driver.max_batch_bytes {
+                    self.flush_writes();
+                }
+                self.write_bytes += bytes;
+                self.writes.push((op, done));
+                if self.writes.len() >= self.driver.max_batch_ops {
+                    self.flush_writes();
+                }
+            }
+            Event::Read(done) => self.reads.push(done),
+            other => {
+                // Keep the order of writes relative to other proposals.
+                self.flush_writes();
+                self.handle_other(other);
+            }
+        }
+    }
+
+    fn handle_other(&mut self, event: Event) {
+        let failure = self.failure();
+        let Some(replica) = self.replica.as_mut() else {
+            match event {
+                Event::Propose(_, done) | Event::ConfChange(_, done) => {
+                    done(Outcome::Failed(failure))
+                }
+                Event::SnapshotReceived(_) => self.handle.abort_snapshot(),
+                _ => {}
+            }
+            return;
+        };
+        let mut messages = Vec::new();
+        let result = match event {
+            Event::Step(message) => replica.step(message),
+            Event::SnapshotReceived(message) => {
+                // Installed right away, so the spare slot is free again
+                // before the next transfer may start.
+                let result = replica
+                    .step(message)
+                    .and_then(|()| replica.handle_ready())
+                    .map(|out| messages = out);
+                self.handle.engine.store(replica.engine().clone());
+                self.handle.abort_snapshot();
+                result
+            }
+            Event::Propose(command, done) => replica.propose(&command, done),
+            Event::ConfChange(change, done) => replica.propose_conf_change(change, done),
+            Event::TransferLeader(to) => {
+                replica.transfer_leader(to);
+                Ok(())
+            }
+            Event::Write(..) | Event::Read(_) | Event::Stop => Ok(()),
+        };
+        self.send_all(messages);
+        self.check(result);
+    }
+
+    fn send_all(&self, messages: Vec<Message>) {
+        for message in messages {
+            self.outgoing.send(self.handle.shard_id, message);
+        }
+    }
+
+    fn failure(&self) -> String {
+        match &self.handle.state.lock().failed {
+            Some(reason) => format!("shard {} is down: {reason}", self.handle.shard_id),
+            None => format!("shard {} is down", self.handle.shard_id),
+        }
+    }
+
+    /// Proposes the queued writes as one entry.
+    fn flush_writes(&mut self) {
+        if self.writes.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.writes);
+        self.write_bytes = 0;
+        let (ops, completions): (Vec<WriteOp>, Vec<Completion>) = batch.into_iter().unzip();
+        let done: Completion = Box::new(move |outcome: Outcome| {
+            for done in completions {
+                done(outcome.clone());
+            }
+        });
+        match self.replica.as_mut() {
+            Some(replica) => {
+                let result = replica.propose(&Command::Write(ops), done);
+                self.check(result);
+            }
+            None => done(Outcome::Failed(self.failure())),
+        }
+    }
+
+    fn flush_reads(&mut self) {
+        if self.reads.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.reads);
+        match self.replica.as_mut() {
+            Some(replica) => replica.read_index(batch),
+            None => {
+                let outcome = ReadOutcome::Failed(self.failure());
+                batch.into_iter().for_each(|done| done(outcome.clone()));
+            }
+        }
+    }
+
+    fn tick(&mut self) {
+        match self.replica.as_mut() {
+            Some(replica) => {
+                let result = replica.tick();
+                self.check(result);
+            }
+            None => self.maybe_reopen(),
+        }
+    }
+
+    fn ready(&mut self) {
+        let Some(replica) = self.replica.as_mut() else {
+            return;
+        };
+        match replica.handle_ready() {
+            Ok(messages) => self.send_all(messages),
+            Err(error) => self.check(Err(error)),
+        }
+    }
+
+    /// A failed call takes the replica down (its proposals and reads are
+    /// failed by the replica itself).
+    fn check(&mut self, result: Result<()>) {
+        let Err(error) = result else {
+            return;
+        };
+        let failed = matches!(error, NodeError::Failed(_) | NodeError::Engine(_))
+            || self.replica.as_ref().is_some_and(Replica::is_failed);
+        if !failed {
+            return;
+        }
+        self.replica = None;
+        self.down_since = Some(Instant::now());
+        self.backoff = if self.backoff.is_zero() {
+            self.driver.reopen_backoff
+        } else {
+            (self.backoff * 2).min(Duration::from_secs(30))
+        };
+        self.handle.state.lock().failed = Some(error.to_string());
+    }
+
+    fn maybe_reopen(&mut self) {
+        let Some(since) = self.down_since else {
+            return;
+        };
+        if since.elapsed() < self.backoff {
+            return;
+        }
+        match self.opener.open(&[]) {
+            Ok(replica) => {
+                self.handle.engine.store(replica.engine().clone());
+                self.replica = Some(replica);
+                self.down_since = None;
+                self.handle.state.lock().failed = None;
+            }
+            Err(error) => {
+                self.down_since = Some(Instant::now());
+                self.backoff = (self.backoff * 2).min(Duration::from_secs(30));
+                self.handle.state.lock().failed = Some(error.to_string());
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let mut state = self.handle.state.lock();
+        match &self.replica {
+            Some(replica) => {
+                let engine = replica.engine();
+                state.status = Some(replica.status());
+                state.epoch = engine.epoch().0;
+                state.disk_bytes = engine.disk_bytes();
+                if !Arc::ptr_eq(engine, &self.handle.engine.load()) {
+                    self.handle.engine.store(engine.clone());
+                }
+            }
+            None => state.status = None,
+        }
+    }
+
+    fn close(&mut self) {
+        self.flush_writes();
+        self.flush_reads();
+        if let Some(replica) = self.replica.take() {
+            let engine = replica.engine().clone();
+            drop(replica); // fails what is still pending
+            let _ = engine.close();
+        }
+    }
+}
