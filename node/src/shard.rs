@@ -68,10 +68,10 @@ impl Default for DriverConfig {
 /// What the owner can be asked to do.
 pub enum Event {
     /// A Raft message from a peer.
-    Step(Message),
+    Step(Box<Message>),
     /// A snapshot message whose files are in the spare slot: step it and
     /// install it now.
-    SnapshotReceived(Message),
+    SnapshotReceived(Box<Message>),
     /// A put or delete, group-committed with others.
     Write(WriteOp, Completion),
     /// Any other command, proposed alone.
@@ -222,7 +222,7 @@ impl ShardHandle {
 
     /// Delivers a Raft message (dropped if the queue is full).
     pub fn step(&self, message: Message) -> bool {
-        self.send(Event::Step(message)).is_ok()
+        self.send(Event::Step(Box::new(message))).is_ok()
     }
 
     /// The engine holding the shard's applied state (replaced when a
@@ -349,12 +349,12 @@ impl Owner {
         };
         let mut messages = Vec::new();
         let result = match event {
-            Event::Step(message) => replica.step(message),
+            Event::Step(message) => replica.step(*message),
             Event::SnapshotReceived(message) => {
                 // Installed right away, so the spare slot is free again
                 // before the next transfer may start.
                 let result = replica
-                    .step(message)
+                    .step(*message)
                     .and_then(|()| replica.handle_ready())
                     .map(|out| messages = out);
                 self.handle.engine.store(replica.engine().clone());
