@@ -60,8 +60,10 @@ fn leader(nodes: &BTreeMap<u64, Arc<ShardHandle>>) -> Option<u64> {
 fn concurrent_puts_are_group_committed_and_replicated() {
     let root = tempfile::tempdir().unwrap();
     let net = Arc::new(LocalNet::default());
-    let mut driver = DriverConfig::default();
-    driver.tick = Duration::from_millis(20);
+    let driver = DriverConfig {
+        tick: Duration::from_millis(20),
+        ..DriverConfig::default()
+    };
     for id in 1..=3u64 {
         let config = ReplicaConfig::new(0, id);
         let store = ReplicaStore::on_files(root.path().join(format!("node-{id}")), engine_config());
