@@ -73,6 +73,17 @@ pub(crate) struct Inner {
     pub census_processed: std::sync::atomic::AtomicU64,
 }
 
+/// A value read with [`Engine::get_stored`], and its entry's metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The value.
+    pub value: Bytes,
+    /// Epoch of the key's last write or touch.
+    pub epoch: Epoch,
+    /// Application tag of the write.
+    pub tag: Tag,
+}
+
 /// A Tidepool storage engine over one directory.
 ///
 /// `Engine` is `Send + Sync`: share it by reference or in an `Arc`. Call
@@ -158,6 +169,32 @@ impl Engine {
         let value = inner.get_value(space_table, &key)?;
         inner.metrics.get_latency.record_since(start);
         Ok(value)
+    }
+
+    /// The value stored under `key` with its entry's epoch and tag.
+    pub fn get_stored(&self, space: KeySpace, key: &[u8]) -> Result<Option<Stored>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let start = Instant::now();
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters.gets, 1);
+        let found = inner.get_entry_value(space_table, &key)?;
+        inner.metrics.get_latency.record_since(start);
+        Ok(found.map(|(value, entry)| Stored {
+            value,
+            epoch: entry.epoch,
+            tag: entry.tag,
+        }))
+    }
+
+    /// The epoch of `key`'s last write or touch, if it has a value. Never
+    /// reads the value.
+    pub fn epoch_of(&self, space: KeySpace, key: &[u8]) -> Result<Option<Epoch>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters.exists_checks, 1);
+        Ok(inner.lookup(space_table, &key)?.map(|entry| entry.epoch))
     }
 
     /// Whether `key` has a value. Never reads the value.
@@ -483,13 +520,18 @@ impl Inner {
     /// between the lookup and the read, the index already points at the
     /// copy: look again.
     pub fn get_value(&self, space: &SpaceTable, key: &Key) -> Result<Option<Bytes>> {
+        Ok(self.get_entry_value(space, key)?.map(|(value, _)| value))
+    }
+
+    /// The live value of `key` and the entry that points at it.
+    pub fn get_entry_value(&self, space: &SpaceTable, key: &Key) -> Result<Option<(Bytes, Entry)>> {
         for _ in 0..LOOKUP_ATTEMPTS {
             let Some(entry) = self.lookup(space, key)? else {
                 return Ok(None);
             };
             match self.read_value(space, key, &entry) {
                 Err(Error::NoRecord(_)) => continue,
-                result => return result.map(Some),
+                result => return result.map(|value| Some((value, entry))),
             }
         }
         Err(Error::Corrupt {

@@ -85,7 +85,7 @@ mod wal;
 pub use batch::WriteBatch;
 pub use checkpoint::{Checkpoint, CheckpointFile, remove_engine_files};
 pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
-pub use engine::Engine;
+pub use engine::{Engine, Stored};
 pub use error::{Error, Result};
 pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
 pub use relocation::{

@@ -54,6 +54,14 @@ fn append_then_apply_without_rewriting_values() {
         "apply writes no value bytes"
     );
     engine.apply(&appended).unwrap(); // idempotent
+    let stored = engine.get_stored(ks, &key(1)).unwrap().unwrap();
+    assert_eq!(
+        (stored.value.as_ref(), stored.epoch, stored.tag),
+        (&big[..], Epoch(3), Tag(7)),
+        "a stored value carries the epoch and tag its item was appended with"
+    );
+    assert_eq!(engine.epoch_of(ks, &key(1)).unwrap(), Some(Epoch(3)));
+    assert_eq!(engine.epoch_of(ks, &key(99)).unwrap(), None);
 
     let record = engine.read_record(appended.position).unwrap();
     assert_eq!(record.meta, b"raft index 5, term 2");

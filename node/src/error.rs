@@ -16,9 +16,12 @@ pub enum NodeError {
     /// it) and must be reopened.
     #[error("the replica failed and must be reopened: {0}")]
     Failed(String),
-    /// The capability is not built yet.
-    #[error("the storage node is not implemented yet")]
-    NotYet,
+    /// The configuration is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// A network or server error.
+    #[error("network: {0}")]
+    Network(String),
 }
 
 /// The node's result type.

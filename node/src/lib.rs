@@ -6,23 +6,32 @@
 //! does, and this crate never depends on it) and it does not implement storage
 //! formats (the `tidepool-engine` crate does).
 //!
-//! Status: the Raft log on the engine WAL (`raftlog`), the replica's Ready
-//! loop (`replica`) and a simulated network for tests (`sim`) are built; the
-//! transport, services and snapshots are being built (issue 6). [`serve`] reports that
-//! and fails.
+//! The map, bottom up: [`raftlog`] (the Raft log on the engine WAL),
+//! [`replica`] (one raft-rs `RawNode` and the Ready checklist), [`snapshot`]
+//! and [`store`] (snapshots as files, the replica's two engine slots),
+//! [`shard`] (the owner thread: group commit, ReadIndex batching),
+//! [`server`] (the node: gRPC services, transport, metrics), [`sim`] (a
+//! simulated network for tests). See `docs/design/replication.md`.
+//!
+//! ```no_run
+//! # async fn run() -> tidepool_node::Result<()> {
+//! let config = tidepool_node::config::NodeConfig::from_file("node.toml".as_ref())?;
+//! let running = tidepool_node::server::start(config).await?;
+//! println!("serving on {}", running.address);
+//! running.stop().await
+//! # }
+//! ```
 
+pub mod blob;
 pub mod command;
+pub mod config;
 mod error;
 pub mod raftlog;
 pub mod replica;
+pub mod server;
 pub mod shard;
 pub mod sim;
 pub mod snapshot;
 pub mod store;
 
 pub use error::{NodeError, Result};
-
-/// Runs a storage node until shutdown. Not built yet: always fails.
-pub fn serve() -> Result<()> {
-    Err(NodeError::NotYet)
-}

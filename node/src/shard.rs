@@ -105,6 +105,7 @@ pub struct ShardState {
 pub struct ShardHandle {
     /// The shard.
     pub shard_id: u32,
+    store: ReplicaStore,
     tx: Sender<Event>,
     engine: ArcSwap<Engine>,
     state: Mutex<ShardState>,
@@ -157,6 +158,7 @@ impl ShardHandle {
         let (tx, rx) = crossbeam_channel::bounded(driver.queue);
         let handle = Arc::new(ShardHandle {
             shard_id: opener.config.shard_id,
+            store: opener.store.clone(),
             tx,
             engine: ArcSwap::new(replica.engine().clone()),
             state: Mutex::new(ShardState::default()),
@@ -184,6 +186,11 @@ impl ShardHandle {
         Ok(handle)
     }
 
+    /// The replica's directory.
+    pub fn store(&self) -> &ReplicaStore {
+        &self.store
+    }
+
     /// Queues an event; `Err` gives it back if the queue is full or the
     /// owner stopped.
     pub fn send(&self, event: Event) -> std::result::Result<(), Event> {
@@ -195,14 +202,14 @@ impl ShardHandle {
     /// Queues a put or delete; its completion gets `Failed` if refused.
     pub fn write(&self, op: WriteOp, done: Completion) {
         if let Err(Event::Write(_, done)) = self.send(Event::Write(op, done)) {
-            done(Outcome::Failed("the shard is overloaded".into()));
+            done(Outcome::Overloaded);
         }
     }
 
     /// Queues a command.
     pub fn propose(&self, command: Command, done: Completion) {
         if let Err(Event::Propose(_, done)) = self.send(Event::Propose(command, done)) {
-            done(Outcome::Failed("the shard is overloaded".into()));
+            done(Outcome::Overloaded);
         }
     }
 
@@ -216,7 +223,7 @@ impl ShardHandle {
     /// Queues a membership change.
     pub fn change_membership(&self, change: ConfChangeV2, done: Completion) {
         if let Err(Event::ConfChange(_, done)) = self.send(Event::ConfChange(change, done)) {
-            done(Outcome::Failed("the shard is overloaded".into()));
+            done(Outcome::Overloaded);
         }
     }
 

@@ -139,3 +139,40 @@ fn membership_changes_while_writing() {
     assert_converged(&mut cluster, &writes, "membership changes");
     println!("seed {seed}: snapshots {:?}", cluster.snapshots);
 }
+
+/// Regression (found by the gRPC membership test): a replica added before
+/// the log was ever compacted replayed entries from index 1 and never
+/// learned the founding voters, so as leader it counted only itself for a
+/// quorum. Founded logs now start after a founding snapshot; a new replica
+/// always receives a snapshot carrying the configuration.
+#[test]
+fn a_replica_added_before_any_compaction_learns_the_founding_voters() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(100_000));
+    let mut writes = Writes::new();
+    elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 10);
+    cluster.add_node(4, &[]);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    wait_applied(&mut cluster, &slot, "add learner 4");
+    assert!(
+        cluster.run_until(500, |c| caught_up(c, 4)).unwrap(),
+        "seed {seed}: learner 4 never caught up"
+    );
+    let status = cluster.replica(4).unwrap().status();
+    let mut voters = status.voters.clone();
+    voters.sort();
+    assert_eq!(
+        voters,
+        vec![1, 2, 3],
+        "seed {seed}: learner's view {status:?}"
+    );
+    assert_eq!(status.learners, vec![4], "seed {seed}");
+    assert!(
+        cluster.snapshots.received >= 1,
+        "seed {seed}: {:?}",
+        cluster.snapshots
+    );
+    write_for(&mut cluster, &mut writes, 10);
+    assert_converged(&mut cluster, &writes, "learner added before compaction");
+}

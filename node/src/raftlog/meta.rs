@@ -9,7 +9,8 @@
 //! state record metadata:
 //!   "RS", version u8 (1), term u64, vote u64, commit u64,
 //!   voters, learners, voters_outgoing, learners_next (count u32 + u64s),
-//!   auto_leave u8
+//!   auto_leave u8, conf index u64 (the entry that made this configuration;
+//!   the shard's `conf_version`)
 //! ```
 //! A Write's values travel as the record's items, never in the metadata.
 
@@ -39,7 +40,7 @@ pub(crate) enum LogRecord {
     /// A Raft entry (its data not yet rebuilt).
     Entry(EntryHead),
     /// Hard state and configuration.
-    State(HardState, ConfState),
+    State(HardState, ConfState, u64),
 }
 
 /// The index and term of an entry record, and what is needed to rebuild it.
@@ -115,8 +116,8 @@ pub(crate) fn parse(meta: &[u8]) -> Result<LogRecord> {
     let record = if magic == ENTRY_MAGIC {
         LogRecord::Entry(parse_entry(&mut r)?)
     } else if magic == STATE_MAGIC {
-        let (hs, cs) = parse_state(&mut r)?;
-        LogRecord::State(hs, cs)
+        let (hs, cs, conf_index) = parse_state(&mut r)?;
+        LogRecord::State(hs, cs, conf_index)
     } else {
         return Err(NodeError::Malformed("not a raft record".into()));
     };
@@ -184,7 +185,7 @@ pub(crate) fn rebuild_entry(head: EntryHead, items: Vec<ItemData>) -> Result<Ent
 }
 
 /// Encodes a state record's metadata.
-pub(crate) fn encode_state(hs: &HardState, cs: &ConfState) -> Vec<u8> {
+pub(crate) fn encode_state(hs: &HardState, cs: &ConfState, conf_index: u64) -> Vec<u8> {
     let mut meta = Vec::with_capacity(64);
     meta.extend_from_slice(STATE_MAGIC);
     meta.push(VERSION);
@@ -203,10 +204,11 @@ pub(crate) fn encode_state(hs: &HardState, cs: &ConfState) -> Vec<u8> {
         }
     }
     meta.push(u8::from(cs.auto_leave));
+    meta.extend_from_slice(&conf_index.to_le_bytes());
     meta
 }
 
-fn parse_state(r: &mut Reader<'_>) -> Result<(HardState, ConfState)> {
+fn parse_state(r: &mut Reader<'_>) -> Result<(HardState, ConfState, u64)> {
     let hs = HardState {
         term: r.u64()?,
         vote: r.u64()?,
@@ -232,7 +234,7 @@ fn parse_state(r: &mut Reader<'_>) -> Result<(HardState, ConfState)> {
         learners_next,
         auto_leave: r.u8()? != 0,
     };
-    Ok((hs, cs))
+    Ok((hs, cs, r.u64()?))
 }
 
 #[cfg(test)]
@@ -323,11 +325,11 @@ mod tests {
             learners_next: vec![],
             auto_leave: true,
         };
-        let meta = encode_state(&hs, &cs);
-        let LogRecord::State(h, c) = parse(&meta).unwrap() else {
+        let meta = encode_state(&hs, &cs, 17);
+        let LogRecord::State(h, c, i) = parse(&meta).unwrap() else {
             panic!("state")
         };
-        assert_eq!((h, c), (hs, cs));
+        assert_eq!((h, c, i), (hs, cs, 17));
         for cut in 0..meta.len() {
             assert!(parse(&meta[..cut]).is_err(), "cut at {cut}");
         }

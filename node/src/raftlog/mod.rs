@@ -73,6 +73,8 @@ pub struct RaftLog {
     truncated: (u64, u64),
     hard_state: HardState,
     conf_state: ConfState,
+    /// Index of the entry that made `conf_state` (0: the founding one).
+    conf_index: u64,
     applied: u64,
     /// Where recovery starts scanning the WAL for the log.
     scan_from: WalPosition,
@@ -91,6 +93,11 @@ impl std::fmt::Debug for RaftLog {
     }
 }
 
+/// Index of the founding configuration (see `RaftLog::found`).
+pub const FOUNDING_INDEX: u64 = 1;
+/// Term of the founding configuration.
+pub const FOUNDING_TERM: u64 = 1;
+
 impl RaftLog {
     /// Opens the log on `engine`: for a new replica (empty engine), with
     /// `initial_voters` as its configuration (empty for a replica that will
@@ -106,6 +113,7 @@ impl RaftLog {
             truncated: (0, 0),
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
+            conf_index: 0,
             applied: 0,
             snapshots: None,
         };
@@ -117,15 +125,39 @@ impl RaftLog {
         }
         let found_state = log.scan()?;
         if stored.is_empty() && !found_state {
-            log.conf_state.voters = initial_voters.to_vec();
-            let end = log.persist_state()?;
-            log.engine.wait_synced(end)?;
+            if initial_voters.is_empty() {
+                // Joins an existing group: it learns everything, the
+                // configuration included, from the leader's snapshot.
+                let end = log.persist_state()?;
+                log.engine.wait_synced(end)?;
+            } else {
+                log.found(initial_voters)?;
+            }
         }
         log.save_app_state();
         // Relocation must never delete a segment holding entries of the
         // log: keep everything from where the log's records start.
         log.engine.set_log_retention(log.scan_from);
         Ok(log)
+    }
+
+    /// Founds a group: the log starts after a notional snapshot at
+    /// `FOUNDING_INDEX` holding the initial configuration and no data. A
+    /// replica added later therefore always starts from a snapshot, which
+    /// carries the configuration; replaying entries from index 1 would
+    /// never tell it who the founding voters were. Durable (in the engine's
+    /// control data) when this returns; a crash before that leaves an empty
+    /// replica that founds again identically.
+    fn found(&mut self, voters: &[u64]) -> Result<()> {
+        self.conf_state.voters = voters.to_vec();
+        self.conf_index = FOUNDING_INDEX;
+        self.truncated = (FOUNDING_INDEX, FOUNDING_TERM);
+        self.applied = FOUNDING_INDEX;
+        self.hard_state.term = FOUNDING_TERM;
+        self.hard_state.commit = FOUNDING_INDEX;
+        self.save_app_state();
+        self.engine.flush()?;
+        Ok(())
     }
 
     /// Rebuilds the index map and the latest state from the WAL. Returns
@@ -149,7 +181,7 @@ impl RaftLog {
                         );
                     }
                     Ok(LogRecord::Entry(_)) => {}
-                    Ok(LogRecord::State(hs, cs)) => state = Some((hs, cs)),
+                    Ok(LogRecord::State(hs, cs, ci)) => state = Some((hs, cs, ci)),
                     Err(error) => {
                         malformed.get_or_insert(error);
                     }
@@ -161,9 +193,10 @@ impl RaftLog {
         }
         self.entries = entries;
         let found = state.is_some();
-        if let Some((hs, cs)) = state {
+        if let Some((hs, cs, conf_index)) = state {
             self.hard_state = hs;
             self.conf_state = cs;
+            self.conf_index = conf_index;
         }
         self.check_contiguous()?;
         Ok(found)
@@ -247,6 +280,7 @@ impl RaftLog {
             truncated: (meta.index, meta.term),
             hard_state,
             conf_state: meta.get_conf_state().clone(),
+            conf_index: meta.index,
             applied: meta.index,
             snapshots: None,
         };
@@ -397,12 +431,17 @@ impl RaftLog {
         Ok(end)
     }
 
-    /// Records a new hard state and/or configuration. Returns the end of the
-    /// state record, to wait on.
+    /// The index of the entry that made the current configuration.
+    pub fn conf_index(&self) -> u64 {
+        self.conf_index
+    }
+
+    /// Records a new hard state and/or configuration (made by entry
+    /// `conf_state.1`). Returns the end of the state record, to wait on.
     pub fn set_state(
         &mut self,
         hard_state: Option<&HardState>,
-        conf_state: Option<&ConfState>,
+        conf_state: Option<(&ConfState, u64)>,
     ) -> Result<Option<WalPosition>> {
         if hard_state.is_none() && conf_state.is_none() {
             return Ok(None);
@@ -410,8 +449,9 @@ impl RaftLog {
         if let Some(hs) = hard_state {
             self.hard_state = hs.clone();
         }
-        if let Some(cs) = conf_state {
+        if let Some((cs, index)) = conf_state {
             self.conf_state = cs.clone();
+            self.conf_index = index;
         }
         let end = self.persist_state()?;
         self.save_app_state();
@@ -419,7 +459,7 @@ impl RaftLog {
     }
 
     fn persist_state(&mut self) -> Result<WalPosition> {
-        let record = meta::encode_state(&self.hard_state, &self.conf_state);
+        let record = meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index);
         Ok(self.engine.append(&record, &[])?.end)
     }
 
@@ -493,7 +533,11 @@ impl RaftLog {
         ] {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
-        bytes.extend_from_slice(&meta::encode_state(&self.hard_state, &self.conf_state));
+        bytes.extend_from_slice(&meta::encode_state(
+            &self.hard_state,
+            &self.conf_state,
+            self.conf_index,
+        ));
         self.engine.set_app_state(&bytes);
     }
 
@@ -507,13 +551,14 @@ impl RaftLog {
         self.applied = r.u64()?;
         self.truncated = (r.u64()?, r.u64()?);
         self.scan_from = WalPosition(r.u64()?);
-        let LogRecord::State(hs, cs) = meta::parse(&bytes[r.at..])? else {
+        let LogRecord::State(hs, cs, conf_index) = meta::parse(&bytes[r.at..])? else {
             return Err(NodeError::Malformed(
                 "application state lacks the raft state".into(),
             ));
         };
         self.hard_state = hs;
         self.conf_state = cs;
+        self.conf_index = conf_index;
         Ok(())
     }
 }

@@ -78,13 +78,16 @@ fn entries_and_state_survive_a_restart() {
         log.initial_state().unwrap().conf_state.voters,
         vec![1, 2, 3]
     );
+    // A founded log starts after the founding configuration.
+    assert_eq!((log.first(), log.last(), log.applied()), (2, 1, 1));
+    assert_eq!(log.term(1).unwrap(), 1);
     let mut written = vec![Entry {
         entry_type: EntryType::EntryNormal as i32,
-        index: 1,
+        index: 2,
         term: 1,
         ..Entry::default()
     }];
-    written.extend((2..=20).map(|i| write_entry(i, 1, (i % 4) as usize)));
+    written.extend((3..=20).map(|i| write_entry(i, 1, (i % 4) as usize)));
     written.push(Entry {
         entry_type: EntryType::EntryConfChangeV2 as i32,
         index: 21,
@@ -103,12 +106,12 @@ fn entries_and_state_survive_a_restart() {
     assert_eq!(summary(&all(&log)), summary(&written));
     assert_eq!(
         (log.first_index().unwrap(), log.last_index().unwrap()),
-        (1, 21)
+        (2, 21)
     );
-    assert_eq!(log.term(0).unwrap(), 0);
+    assert!(log.term(0).is_err(), "before the founding snapshot");
     assert!(log.term(22).is_err());
     let limited = log
-        .entries(2, 21, 1_000, GetEntriesContext::empty(false))
+        .entries(3, 21, 1_000, GetEntriesContext::empty(false))
         .unwrap();
     assert!(
         !limited.is_empty() && limited.len() < 19,
@@ -131,9 +134,9 @@ fn entries_and_state_survive_a_restart() {
 fn a_new_leader_overwrites_the_tail() {
     let storage = FaultStorage::default();
     let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
-    let old: Vec<Entry> = (1..=10).map(|i| write_entry(i, 1, 1)).collect();
+    let old: Vec<Entry> = (2..=11).map(|i| write_entry(i, 1, 1)).collect();
     log.append(&old).unwrap();
-    let new: Vec<Entry> = (6..=8).map(|i| write_entry(i, 2, 2)).collect();
+    let new: Vec<Entry> = (7..=9).map(|i| write_entry(i, 2, 2)).collect();
     let end = log.append(&new).unwrap();
     log.wait(end, Durability::Synced).unwrap();
     let expected: Vec<Entry> = old[..5]
@@ -142,7 +145,7 @@ fn a_new_leader_overwrites_the_tail() {
         .chain(new.iter().cloned())
         .collect();
     assert_eq!(summary(&all(&log)), summary(&expected));
-    assert_eq!(log.last(), 8);
+    assert_eq!(log.last(), 9);
     drop(log);
     let log = RaftLog::open(engine(&storage.restart_process()), KeySpace::default(), &[]).unwrap();
     assert_eq!(
@@ -157,23 +160,24 @@ fn applied_index_and_conf_state_are_kept_in_the_engine_snapshot() {
     let storage = FaultStorage::default();
     let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
     let end = log
-        .append(&(1..=5).map(|i| write_entry(i, 1, 1)).collect::<Vec<_>>())
+        .append(&(2..=6).map(|i| write_entry(i, 1, 1)).collect::<Vec<_>>())
         .unwrap();
     let cs = ConfState {
         voters: vec![1, 2],
         learners: vec![3],
         ..ConfState::default()
     };
-    log.set_state(None, Some(&cs)).unwrap();
+    log.set_state(None, Some((&cs, 9))).unwrap();
     log.wait(end, Durability::Synced).unwrap();
-    log.set_applied(4);
+    log.set_applied(5);
     log.engine().flush().unwrap();
     log.engine().close().unwrap();
     drop(log);
     let log = RaftLog::open(engine(&storage), KeySpace::default(), &[]).unwrap();
-    assert_eq!(log.applied(), 4);
+    assert_eq!(log.applied(), 5);
     assert_eq!(log.conf_state(), &cs);
-    assert_eq!(log.last(), 5);
+    assert_eq!(log.conf_index(), 9);
+    assert_eq!(log.last(), 6);
 }
 
 /// Regression (found by the cluster scenarios): relocation reclaimed
@@ -185,10 +189,10 @@ fn relocation_never_takes_segments_the_log_needs() {
     let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
     // The same keys over and over: every older value becomes garbage once
     // the newer entry is applied.
-    let entries: Vec<Entry> = (1..=200).map(|i| write_entry(i, 1, 2)).collect();
+    let entries: Vec<Entry> = (2..=201).map(|i| write_entry(i, 1, 2)).collect();
     let end = log.append(&entries).unwrap();
     log.wait(end, Durability::Synced).unwrap();
-    for i in 1..=200 {
+    for i in 2..=201 {
         let appended = log.appended(i).unwrap();
         log.engine().apply(&appended).unwrap();
         log.set_applied(i);

@@ -33,7 +33,7 @@ impl Replica {
                 let change = ConfChangeV2::decode(&entry.data[..])
                     .map_err(|e| NodeError::Malformed(format!("conf change at {index}: {e}")))?;
                 let conf_state = self.raw.apply_conf_change(&change)?;
-                self.log().set_state(None, Some(&conf_state))?;
+                self.log().set_state(None, Some((&conf_state, index)))?;
             } else if entry.entry_type == EntryType::EntryNormal as i32 {
                 self.apply_command(&entry)?;
             }

@@ -135,6 +135,8 @@ pub struct ReplicaStatus {
     pub voters: Vec<u64>,
     /// Learners.
     pub learners: Vec<u64>,
+    /// Raft index of the entry that made this configuration.
+    pub conf_index: u64,
 }
 
 impl Replica {
@@ -389,6 +391,7 @@ impl Replica {
             last_index: raft.raft_log.last_index(),
             voters: conf.voters.clone(),
             learners: conf.learners.clone(),
+            conf_index: self.raw.store().conf_index(),
         }
     }
 

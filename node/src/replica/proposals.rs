@@ -23,6 +23,8 @@ pub enum Outcome {
         /// The limit, bytes.
         max: usize,
     },
+    /// The shard's queue is full; nothing was proposed.
+    Overloaded,
     /// The replica failed (for example its engine is poisoned).
     Failed(String),
 }

@@ -1,0 +1,455 @@
+//! The node's configuration: a TOML file, with command-line flags on top
+//! (the server binary merges them). Every field has a default except the
+//! node id.
+//!
+//! ```toml
+//! node_id = 1
+//! listen = "127.0.0.1:7401"            # gRPC: clients, peers, coordinator
+//! advertise = "http://127.0.0.1:7401"  # how others reach it (default: from listen)
+//! data_dir = "/var/lib/tidepool"
+//! metrics_listen = "127.0.0.1:9401"    # Prometheus text at /metrics (optional)
+//!
+//! [raft]
+//! tick_ms = 100
+//! durability = "synced"                # or "buffered"
+//! max_value_bytes = 4194304            # largest blob content per put
+//!
+//! [engine]                             # per shard replica
+//! wal_segment_mib = 64
+//! index_memory_mib = 128
+//! value_cache_mib = 64
+//!
+//! # A fixed cluster without a coordinator: every listed node hosts every
+//! # shard. (With a coordinator, shards come from `NodeAdmin.OpenReplica`.)
+//! [cluster]
+//! shards = 4
+//! replicas = [1, 2, 3]
+//! peers = [{ id = 1, address = "http://127.0.0.1:7401" },
+//!          { id = 2, address = "http://127.0.0.1:7402" },
+//!          { id = 3, address = "http://127.0.0.1:7403" }]
+//! namespaces = [{ name = "default", id = 1 },
+//!               { name = "cas", id = 2, content_addressed = true }]
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tidepool_engine::{CellLayout, Config as EngineConfig, Durability, KeySpaceConfig};
+use tidepool_proto::v1::{
+    ClusterMap, Namespace, NodeInfo, NodeState, ReplicaInfo, ReplicaRole, Retention, ShardInfo,
+    retention,
+};
+
+use crate::error::{NodeError, Result};
+use crate::replica::{BLOB_KEY_SPACE, ReplicaConfig};
+use crate::shard::DriverConfig;
+
+/// Everything a node is configured with.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Cluster-unique id, never 0.
+    pub node_id: u64,
+    /// Address the gRPC server binds.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// URL others use to reach this node (default: `http://<listen>`).
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// Where shard replicas live (one subdirectory each).
+    #[serde(default = "default_data_dir")]
+    pub data_dir: PathBuf,
+    /// Address of the Prometheus `/metrics` endpoint; none by default.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Raft settings.
+    #[serde(default)]
+    pub raft: RaftSettings,
+    /// Engine settings, per shard replica.
+    #[serde(default)]
+    pub engine: EngineSettings,
+    /// A fixed cluster (no coordinator).
+    #[serde(default)]
+    pub cluster: Option<StaticCluster>,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:7401".parse().expect("valid")
+}
+
+fn default_data_dir() -> PathBuf {
+    PathBuf::from("tidepool-data")
+}
+
+/// Raft and replication settings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RaftSettings {
+    /// Milliseconds per Raft tick.
+    pub tick_ms: u64,
+    /// Ticks without a leader before an election.
+    pub election_ticks: usize,
+    /// Ticks between heartbeats.
+    pub heartbeat_ticks: usize,
+    /// `synced` (fsync on a majority before an ack) or `buffered`.
+    pub durability: String,
+    /// Largest blob content a put may carry.
+    pub max_value_bytes: u64,
+    /// Compact the log past this many entries.
+    pub compact_log_entries: u64,
+    /// Most puts group-committed into one entry.
+    pub max_batch_ops: usize,
+    /// Most value bytes group-committed into one entry.
+    pub max_batch_bytes: usize,
+}
+
+impl Default for RaftSettings {
+    fn default() -> Self {
+        Self {
+            tick_ms: 100,
+            election_ticks: 10,
+            heartbeat_ticks: 2,
+            durability: "synced".into(),
+            max_value_bytes: 4 << 20,
+            compact_log_entries: 10_000,
+            max_batch_ops: 256,
+            max_batch_bytes: 4 << 20,
+        }
+    }
+}
+
+/// Engine settings for each shard replica.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSettings {
+    /// WAL segment size, MiB (every node of a cluster must use the same).
+    pub wal_segment_mib: u64,
+    /// Index log segment size, MiB (same on every node).
+    pub index_segment_mib: u64,
+    /// In-memory index budget, MiB.
+    pub index_memory_mib: u64,
+    /// Value cache, MiB.
+    pub value_cache_mib: u64,
+    /// Index cells (parallelism of index flushes; same on every node).
+    pub cells: u32,
+    /// Background relocation (space reclamation).
+    pub relocation: bool,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            wal_segment_mib: 64,
+            index_segment_mib: 16,
+            index_memory_mib: 128,
+            value_cache_mib: 64,
+            cells: 1_024,
+            relocation: true,
+        }
+    }
+}
+
+/// A fixed cluster: peers, shards, namespaces.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticCluster {
+    /// Number of shards splitting the hash space evenly.
+    pub shards: u32,
+    /// Node ids hosting every shard (founding voters).
+    pub replicas: Vec<u64>,
+    /// Every node's address.
+    pub peers: Vec<Peer>,
+    /// Namespaces.
+    #[serde(default = "default_namespaces")]
+    pub namespaces: Vec<NamespaceSpec>,
+}
+
+/// A node and its address.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Peer {
+    /// Node id.
+    pub id: u64,
+    /// gRPC URL, `http://host:port`.
+    pub address: String,
+}
+
+/// A namespace of a fixed cluster.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceSpec {
+    /// Name.
+    pub name: String,
+    /// Id, unique, never 0.
+    pub id: u32,
+    /// Keys are SHA-256 digests of the content.
+    #[serde(default)]
+    pub content_addressed: bool,
+}
+
+fn default_namespaces() -> Vec<NamespaceSpec> {
+    vec![NamespaceSpec {
+        name: "default".into(),
+        id: 1,
+        content_addressed: false,
+    }]
+}
+
+impl NodeConfig {
+    /// A configuration with defaults for node `node_id`.
+    pub fn new(node_id: u64) -> Self {
+        toml::from_str(&format!("node_id = {node_id}")).expect("defaults parse")
+    }
+
+    /// Reads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| NodeError::Config(format!("cannot read {}: {e}", path.display())))?;
+        Self::from_toml(&text).map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses TOML text.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let config: NodeConfig =
+            toml::from_str(text).map_err(|e| NodeError::Config(e.to_string()))?;
+        Ok(config)
+    }
+
+    /// Checks the settings; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(NodeError::Config(m));
+        if self.node_id == 0 {
+            return bad("node_id must not be 0".into());
+        }
+        self.durability()?;
+        if self.raft.tick_ms == 0 || self.raft.heartbeat_ticks == 0 {
+            return bad("raft.tick_ms and raft.heartbeat_ticks must be positive".into());
+        }
+        if self.raft.election_ticks <= self.raft.heartbeat_ticks {
+            return bad("raft.election_ticks must exceed raft.heartbeat_ticks".into());
+        }
+        if self.raft.max_value_bytes == 0 || self.raft.max_value_bytes > 64 << 20 {
+            return bad("raft.max_value_bytes must be between 1 and 64 MiB".into());
+        }
+        if self.engine.wal_segment_mib << 20 < 2 * self.max_record_bytes() {
+            return bad(format!(
+                "engine.wal_segment_mib ({}) must hold two of the largest entries ({} bytes)",
+                self.engine.wal_segment_mib,
+                self.max_record_bytes()
+            ));
+        }
+        if let Some(cluster) = &self.cluster {
+            if cluster.shards == 0 {
+                return bad("cluster.shards must be positive".into());
+            }
+            if cluster.replicas.is_empty() {
+                return bad("cluster.replicas must name at least one node".into());
+            }
+            for id in &cluster.replicas {
+                if !cluster.peers.iter().any(|p| p.id == *id) {
+                    return bad(format!(
+                        "cluster.replicas names node {id}, which has no peer entry"
+                    ));
+                }
+            }
+            for ns in &cluster.namespaces {
+                tidepool_proto::validate_namespace_name(&ns.name)
+                    .map_err(|e| NodeError::Config(format!("namespace {:?}: {e}", ns.name)))?;
+                if ns.id == 0 {
+                    return bad(format!("namespace {:?}: id must not be 0", ns.name));
+                }
+            }
+        }
+        self.engine_config(self.data_dir.clone())
+            .validate()
+            .map_err(|e| NodeError::Config(format!("engine: {e}")))
+    }
+
+    /// The durability writes need before an ack.
+    pub fn durability(&self) -> Result<Durability> {
+        match self.raft.durability.as_str() {
+            "synced" => Ok(Durability::Synced),
+            "buffered" => Ok(Durability::Buffered),
+            other => Err(NodeError::Config(format!(
+                "raft.durability must be \"synced\" or \"buffered\", not {other:?}"
+            ))),
+        }
+    }
+
+    /// The URL peers and clients use for this node.
+    pub fn advertise(&self) -> String {
+        self.advertise
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", self.listen))
+    }
+
+    /// Largest engine record: a batch of values plus headers.
+    fn max_record_bytes(&self) -> u64 {
+        (self
+            .raft
+            .max_value_bytes
+            .max(self.raft.max_batch_bytes as u64))
+            + (1 << 20)
+    }
+
+    /// The engine configuration of a replica in `dir`.
+    pub fn engine_config(&self, dir: PathBuf) -> EngineConfig {
+        let e = &self.engine;
+        EngineConfig {
+            dir,
+            wal_segment_bytes: e.wal_segment_mib << 20,
+            index_segment_bytes: e.index_segment_mib << 20,
+            max_value_bytes: self.raft.max_value_bytes + crate::blob::HEADER_BYTES as u64 + 4096,
+            spare_segments: 1,
+            index_memory_bytes: e.index_memory_mib << 20,
+            value_cache_bytes: e.value_cache_mib << 20,
+            relocation_enabled: e.relocation,
+            key_spaces: vec![KeySpaceConfig {
+                name: BLOB_KEY_SPACE.into(),
+                key_bytes: 32,
+                layout: CellLayout::Uniform { cells: e.cells },
+            }],
+            ..EngineConfig::default()
+        }
+    }
+
+    /// The Raft settings of a replica of `shard_id`.
+    pub fn replica_config(&self, shard_id: u32) -> Result<ReplicaConfig> {
+        let mut config = ReplicaConfig::new(shard_id, self.node_id);
+        config.address = self.advertise();
+        config.election_ticks = self.raft.election_ticks;
+        config.heartbeat_ticks = self.raft.heartbeat_ticks;
+        config.durability = self.durability()?;
+        config.max_command_bytes = self.max_record_bytes() as usize;
+        config.compact_log_entries = self.raft.compact_log_entries;
+        Ok(config)
+    }
+
+    /// How shard owners run.
+    pub fn driver_config(&self) -> DriverConfig {
+        DriverConfig {
+            tick: Duration::from_millis(self.raft.tick_ms),
+            max_batch_ops: self.raft.max_batch_ops,
+            max_batch_bytes: self.raft.max_batch_bytes,
+            ..DriverConfig::default()
+        }
+    }
+
+    /// The cluster map of a fixed cluster (version 1), if configured.
+    pub fn static_map(&self) -> Option<ClusterMap> {
+        let cluster = self.cluster.as_ref()?;
+        let shards = u64::from(cluster.shards);
+        let span = u64::MAX / shards;
+        let shard_infos = (0..cluster.shards)
+            .map(|i| {
+                let start = u64::from(i) * span;
+                let end = if u64::from(i) + 1 == shards {
+                    u64::MAX
+                } else {
+                    start + span - 1
+                };
+                ShardInfo {
+                    shard_id: i + 1,
+                    hash_start: start,
+                    hash_end: end,
+                    replicas: cluster
+                        .replicas
+                        .iter()
+                        .map(|id| ReplicaInfo {
+                            node_id: *id,
+                            role: ReplicaRole::Voter as i32,
+                        })
+                        .collect(),
+                    leader_hint: 0,
+                    conf_version: 0,
+                }
+            })
+            .collect();
+        Some(ClusterMap {
+            version: 1,
+            cluster_id: "static".into(),
+            epoch: 1,
+            replication_factor: cluster.replicas.len() as u32,
+            max_value_bytes: self.raft.max_value_bytes,
+            nodes: cluster
+                .peers
+                .iter()
+                .map(|p| NodeInfo {
+                    node_id: p.id,
+                    address: p.address.clone(),
+                    zone: String::new(),
+                    capacity_bytes: 0,
+                    state: NodeState::Up as i32,
+                })
+                .collect(),
+            shards: shard_infos,
+            namespaces: cluster
+                .namespaces
+                .iter()
+                .map(|ns| Namespace {
+                    name: ns.name.clone(),
+                    id: ns.id,
+                    content_addressed: ns.content_addressed,
+                    retention: Some(Retention {
+                        policy: Some(retention::Policy::Durable(retention::Durable {})),
+                    }),
+                    created_epoch: 1,
+                })
+                .collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_with_a_static_cluster_parses_and_maps_the_whole_hash_space() {
+        let config = NodeConfig::from_toml(
+            r#"
+            node_id = 2
+            listen = "127.0.0.1:7402"
+            data_dir = "/tmp/x"
+            [raft]
+            tick_ms = 50
+            [cluster]
+            shards = 3
+            replicas = [1, 2]
+            peers = [{ id = 1, address = "http://a" }, { id = 2, address = "http://b" }]
+            namespaces = [{ name = "cas", id = 5, content_addressed = true }]
+            "#,
+        )
+        .unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.advertise(), "http://127.0.0.1:7402");
+        let map = config.static_map().unwrap();
+        assert_eq!(map.shards.len(), 3);
+        assert_eq!(map.shards[0].hash_start, 0);
+        assert_eq!(map.shards[2].hash_end, u64::MAX);
+        for pair in map.shards.windows(2) {
+            assert_eq!(pair[0].hash_end + 1, pair[1].hash_start);
+        }
+        assert!(map.namespaces[0].content_addressed);
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let err = |text: &str| {
+            NodeConfig::from_toml(text)
+                .and_then(|c| c.validate())
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err("node_id = 0").contains("node_id"));
+        assert!(err("node_id = 1\n[raft]\ndurability = \"maybe\"").contains("durability"));
+        assert!(err("node_id = 1\nbogus = 3").contains("bogus"));
+        assert!(
+            err("node_id = 1\n[cluster]\nshards = 2\nreplicas = [1, 9]\npeers = [{ id = 1, address = \"x\" }]")
+                .contains("node 9")
+        );
+        assert!(err("node_id = 1\n[engine]\nwal_segment_mib = 4").contains("wal_segment_mib"));
+    }
+}

@@ -1,0 +1,409 @@
+//! `NodeAdmin`: the calls the coordinator (or an operator) makes on a node
+//! to open and close replicas, change shard membership, move leadership,
+//! order admin entries and read the node's state.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use raft::eraftpb::{ConfChangeSingle, ConfChangeType, ConfChangeV2};
+use tidepool_proto::ErrorInfo;
+use tidepool_proto::v1::node_admin_server::NodeAdmin;
+use tidepool_proto::v1::{
+    ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
+    ErrorCode, MembershipChange, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
+    OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse, ReplicaInfo, ReplicaRole,
+    ReplicaStatus as WireReplicaStatus, ShardInfo, TransferLeaderRequest, TransferLeaderResponse,
+    propose_admin_request,
+};
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+
+use super::Node;
+use crate::command::Command;
+use crate::replica::{Outcome, ReplicaStatus};
+use crate::shard::{Event, ShardHandle};
+
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+type ApiResult<T> = std::result::Result<T, ErrorInfo>;
+
+/// The `NodeAdmin` service.
+pub(crate) struct AdminApi {
+    node: Arc<Node>,
+}
+
+impl AdminApi {
+    pub fn new(node: Arc<Node>) -> Self {
+        Self { node }
+    }
+
+    fn shard(&self, shard_id: u32) -> ApiResult<Arc<ShardHandle>> {
+        self.node.shard(shard_id).ok_or_else(|| {
+            self.node.error(
+                ErrorCode::ShardNotFound,
+                format!(
+                    "node {} hosts no replica of shard {shard_id}",
+                    self.node.config.node_id
+                ),
+            )
+        })
+    }
+
+    fn leader_status(&self, shard_id: u32, shard: &ShardHandle) -> ApiResult<ReplicaStatus> {
+        match shard.state().status {
+            Some(status) if status.is_leader => Ok(status),
+            Some(status) => Err(self.node.not_leader(shard_id, status.leader)),
+            None => Err(self
+                .node
+                .outcome_error(shard_id, Outcome::Failed("replica down".into()))),
+        }
+    }
+
+    async fn await_outcome(&self, shard_id: u32, rx: oneshot::Receiver<Outcome>) -> ApiResult<u64> {
+        match tokio::time::timeout(ADMIN_TIMEOUT, rx).await {
+            Ok(Ok(Outcome::Applied { index })) => Ok(index),
+            Ok(Ok(other)) => Err(self.node.outcome_error(shard_id, other)),
+            Ok(Err(_)) => Err(self
+                .node
+                .outcome_error(shard_id, Outcome::Failed("the replica stopped".into()))),
+            Err(_) => Err(self.node.error(
+                ErrorCode::Timeout,
+                format!("shard {shard_id} did not apply the change within {ADMIN_TIMEOUT:?}"),
+            )),
+        }
+    }
+
+    /// The shard as this replica's configuration describes it.
+    fn shard_info(&self, shard_id: u32, status: &ReplicaStatus) -> ShardInfo {
+        let mut info = self
+            .node
+            .hosted()
+            .into_iter()
+            .find(|(info, _)| info.shard_id == shard_id)
+            .map(|(info, _)| info)
+            .unwrap_or_default();
+        info.shard_id = shard_id;
+        info.replicas = status
+            .voters
+            .iter()
+            .map(|id| (*id, ReplicaRole::Voter))
+            .chain(status.learners.iter().map(|id| (*id, ReplicaRole::Learner)))
+            .map(|(node_id, role)| ReplicaInfo {
+                node_id,
+                role: role as i32,
+            })
+            .collect();
+        info.leader_hint = status.leader;
+        info.conf_version = status.conf_index;
+        info
+    }
+
+    async fn change_membership_inner(
+        &self,
+        request: ChangeMembershipRequest,
+    ) -> ApiResult<ChangeMembershipResponse> {
+        let shard_id = request.shard_id;
+        let shard = self.shard(shard_id)?;
+        let status = self.leader_status(shard_id, &shard)?;
+        if status.conf_index != request.expected_conf_version {
+            return Err(self.node.error(
+                ErrorCode::Conflict,
+                format!(
+                    "shard {shard_id} is at conf_version {}, not {}",
+                    status.conf_index, request.expected_conf_version
+                ),
+            ));
+        }
+        let node = request.node_id;
+        let change =
+            MembershipChange::try_from(request.change).unwrap_or(MembershipChange::Unspecified);
+        let (change_type, done_when): (ConfChangeType, fn(&ReplicaStatus, u64) -> bool) =
+            match change {
+                MembershipChange::AddLearner => (ConfChangeType::AddLearnerNode, |s, n| {
+                    s.learners.contains(&n)
+                }),
+                MembershipChange::Promote => {
+                    if !status.learners.contains(&node) {
+                        return Err(self.node.error(
+                            ErrorCode::Conflict,
+                            format!("node {node} is not a learner of shard {shard_id}"),
+                        ));
+                    }
+                    (ConfChangeType::AddNode, |s, n| s.voters.contains(&n))
+                }
+                MembershipChange::Remove => (ConfChangeType::RemoveNode, |s, n| {
+                    !s.voters.contains(&n) && !s.learners.contains(&n)
+                }),
+                MembershipChange::Unspecified => {
+                    return Err(self
+                        .node
+                        .error(ErrorCode::InvalidArgument, "change is required"));
+                }
+            };
+        if node == 0 {
+            return Err(self
+                .node
+                .error(ErrorCode::InvalidArgument, "node_id is required"));
+        }
+        let mut single = ConfChangeSingle::default();
+        single.set_change_type(change_type);
+        single.node_id = node;
+        let mut conf_change = ConfChangeV2::default();
+        conf_change.set_changes(vec![single]);
+        let (tx, rx) = oneshot::channel();
+        shard.change_membership(
+            conf_change,
+            Box::new(move |outcome| {
+                let _ = tx.send(outcome);
+            }),
+        );
+        let index = self.await_outcome(shard_id, rx).await?;
+        // The completion runs at apply time; the owner publishes the new
+        // configuration right after.
+        let status = published_at(&shard, index).await.unwrap_or(status);
+        if !done_when(&status, node) {
+            // raft-rs turns a change proposed while another is pending into
+            // an empty entry.
+            return Err(self.node.error(
+                ErrorCode::Conflict,
+                format!("shard {shard_id} had another membership change in progress; retry"),
+            ));
+        }
+        Ok(ChangeMembershipResponse {
+            shard: Some(self.shard_info(shard_id, &status)),
+        })
+    }
+
+    async fn propose_admin_inner(
+        &self,
+        request: ProposeAdminRequest,
+    ) -> ApiResult<ProposeAdminResponse> {
+        let shard_id = request.shard_id;
+        let shard = self.shard(shard_id)?;
+        self.leader_status(shard_id, &shard)?;
+        let epoch = |value: u64, field: &str| {
+            u32::try_from(value).map_err(|_| {
+                self.node.error(
+                    ErrorCode::InvalidArgument,
+                    format!("{field} {value} is out of range"),
+                )
+            })
+        };
+        let command = match request.op {
+            Some(propose_admin_request::Op::AdvanceEpoch(op)) => {
+                Command::AdvanceEpoch(epoch(op.epoch, "epoch")?)
+            }
+            Some(propose_admin_request::Op::DropEpochs(op)) => Command::DropEpochs {
+                namespace: op.namespace_id,
+                below: epoch(op.below, "below")?,
+            },
+            None => {
+                return Err(self
+                    .node
+                    .error(ErrorCode::InvalidArgument, "op is required"));
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        shard.propose(
+            command,
+            Box::new(move |outcome| {
+                let _ = tx.send(outcome);
+            }),
+        );
+        let raft_index = self.await_outcome(shard_id, rx).await?;
+        Ok(ProposeAdminResponse { raft_index })
+    }
+
+    fn status_inner(&self) -> NodeStatus {
+        let me = self.node.config.node_id;
+        let (used, capacity) = disk_usage(&self.node.config.data_dir);
+        let replicas = self
+            .node
+            .hosted()
+            .into_iter()
+            .map(|(info, shard)| {
+                let state = shard.state();
+                let status = state.status.unwrap_or(ReplicaStatus {
+                    is_leader: false,
+                    leader: 0,
+                    term: 0,
+                    commit: 0,
+                    applied: 0,
+                    first_index: 0,
+                    last_index: 0,
+                    voters: Vec::new(),
+                    learners: Vec::new(),
+                    conf_index: 0,
+                });
+                let role = if status.learners.contains(&me) {
+                    ReplicaRole::Learner
+                } else {
+                    ReplicaRole::Voter
+                };
+                WireReplicaStatus {
+                    shard_id: info.shard_id,
+                    role: role as i32,
+                    is_leader: status.is_leader,
+                    term: status.term,
+                    commit_index: status.commit,
+                    applied_index: status.applied,
+                    last_index: status.last_index,
+                    epoch: u64::from(state.epoch),
+                    disk_used_bytes: state.disk_bytes,
+                    receiving_snapshot: state.receiving_snapshot,
+                    drops: Vec::new(),
+                    conf_version: status.conf_index,
+                    first_index: status.first_index,
+                }
+            })
+            .collect();
+        NodeStatus {
+            node_id: me,
+            address: self.node.config.advertise(),
+            disk_used_bytes: used,
+            disk_capacity_bytes: capacity,
+            replicas,
+            map_version: self.node.map().version,
+        }
+    }
+}
+
+/// The replica's status once it is published with `index` applied (up to
+/// a second; `None` if the replica went down meanwhile).
+async fn published_at(shard: &ShardHandle, index: u64) -> Option<ReplicaStatus> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    loop {
+        let status = shard.state().status?;
+        if status.applied >= index || tokio::time::Instant::now() >= deadline {
+            return Some(status);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Used and total bytes of the volume holding `dir`.
+fn disk_usage(dir: &std::path::Path) -> (u64, u64) {
+    use tidepool_engine::storage::{FileStorage, Storage};
+    let free = FileStorage::new().available_bytes(dir).unwrap_or(0);
+    let total = total_bytes(dir).unwrap_or(free);
+    (total.saturating_sub(free), total)
+}
+
+fn total_bytes(dir: &std::path::Path) -> Option<u64> {
+    // `df`-style total from statvfs, through the engine's storage seam is
+    // not offered; read it from the kernel.
+    let stat = rustix::fs::statvfs(dir).ok()?;
+    Some(stat.f_blocks * stat.f_frsize)
+}
+
+fn respond<T>(result: ApiResult<T>) -> Result<Response<T>, Status> {
+    result.map(Response::new).map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl NodeAdmin for AdminApi {
+    async fn open_replica(
+        &self,
+        request: Request<OpenReplicaRequest>,
+    ) -> Result<Response<OpenReplicaResponse>, Status> {
+        let request = request.into_inner();
+        let result = (|| {
+            let info = request.shard.ok_or_else(|| {
+                self.node
+                    .error(ErrorCode::InvalidArgument, "shard is required")
+            })?;
+            if info.hash_start > info.hash_end {
+                return Err(self
+                    .node
+                    .error(ErrorCode::InvalidArgument, "hash_start is after hash_end"));
+            }
+            let voters: Vec<u64> = if request.bootstrap {
+                info.replicas
+                    .iter()
+                    .filter(|r| r.role == ReplicaRole::Voter as i32)
+                    .map(|r| r.node_id)
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            if request.bootstrap && !voters.contains(&self.node.config.node_id) {
+                return Err(self.node.error(
+                    ErrorCode::InvalidArgument,
+                    "a bootstrapped shard must list this node among its voters",
+                ));
+            }
+            let shard_id = info.shard_id;
+            tokio::task::block_in_place(|| self.node.open_replica(info, &voters))
+                .map_err(|e| self.node.internal_error(shard_id, e))
+        })();
+        respond(result.map(|already_open| OpenReplicaResponse { already_open }))
+    }
+
+    async fn change_membership(
+        &self,
+        request: Request<ChangeMembershipRequest>,
+    ) -> Result<Response<ChangeMembershipResponse>, Status> {
+        respond(self.change_membership_inner(request.into_inner()).await)
+    }
+
+    async fn transfer_leader(
+        &self,
+        request: Request<TransferLeaderRequest>,
+    ) -> Result<Response<TransferLeaderResponse>, Status> {
+        let request = request.into_inner();
+        let result = self.shard(request.shard_id).and_then(|shard| {
+            let status = self.leader_status(request.shard_id, &shard)?;
+            if !status.voters.contains(&request.to_node) {
+                return Err(self.node.error(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "node {} is not a voter of shard {}",
+                        request.to_node, request.shard_id
+                    ),
+                ));
+            }
+            shard
+                .send(Event::TransferLeader(request.to_node))
+                .map_err(|_| {
+                    self.node
+                        .error(ErrorCode::Overloaded, "the shard's queue is full")
+                })?;
+            Ok(TransferLeaderResponse {})
+        });
+        respond(result)
+    }
+
+    async fn close_replica(
+        &self,
+        request: Request<CloseReplicaRequest>,
+    ) -> Result<Response<CloseReplicaResponse>, Status> {
+        let shard_id = request.into_inner().shard_id;
+        let result = tokio::task::block_in_place(|| self.node.close_replica(shard_id, true))
+            .map_err(|e| self.node.internal_error(shard_id, e))
+            .and_then(|was_open| {
+                if was_open {
+                    Ok(CloseReplicaResponse {})
+                } else {
+                    Err(self.node.error(
+                        ErrorCode::ShardNotFound,
+                        format!("no replica of shard {shard_id} here"),
+                    ))
+                }
+            });
+        respond(result)
+    }
+
+    async fn propose_admin(
+        &self,
+        request: Request<ProposeAdminRequest>,
+    ) -> Result<Response<ProposeAdminResponse>, Status> {
+        respond(self.propose_admin_inner(request.into_inner()).await)
+    }
+
+    async fn status(
+        &self,
+        _request: Request<NodeStatusRequest>,
+    ) -> Result<Response<NodeStatus>, Status> {
+        Ok(Response::new(self.status_inner()))
+    }
+}

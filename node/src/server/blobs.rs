@@ -1,0 +1,648 @@
+//! `BlobService`: the client API of a node.
+//!
+//! Writes go to the shard leader, are group-committed with other writes,
+//! and are acknowledged once applied on the leader (so committed on a
+//! majority at the cluster's durability). Reads are linearizable by
+//! default: the leader confirms its leadership (ReadIndex) and reads its
+//! applied state; `ANY_REPLICA` reads the local applied state of any
+//! replica. Content-addressed puts of a blob already present write no
+//! value bytes: they only touch it into the current epoch.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidepool_engine::{Durability as EngineDurability, Engine, KeySpace};
+use tidepool_proto::v1::blob_service_server::BlobService;
+use tidepool_proto::v1::{
+    BatchExistsRequest, BatchExistsResponse, BlobKind, BlobRef, DeleteRequest, DeleteResponse,
+    Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse, Namespace, Presence,
+    PutHeader, PutRequest, PutResponse, ReadConsistency, ShardInfo, TouchRequest, TouchResponse,
+    get_response, put_request,
+};
+use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::Node;
+use crate::blob;
+use crate::command::{Command, WriteOp};
+use crate::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome};
+use crate::shard::ShardHandle;
+
+/// Largest piece of content per stream message.
+const CHUNK_BYTES: usize = 1 << 20;
+/// Most keys per `BatchExists`.
+const MAX_BATCH_KEYS: usize = 100_000;
+/// How long a request waits for its shard.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+type ApiResult<T> = std::result::Result<T, ErrorInfo>;
+
+/// The `BlobService`.
+pub(crate) struct BlobApi {
+    node: Arc<Node>,
+}
+
+impl BlobApi {
+    pub fn new(node: Arc<Node>) -> Self {
+        Self { node }
+    }
+}
+
+/// A request's blob, resolved: namespace, storage key, shard.
+struct Target {
+    namespace: Namespace,
+    key: StorageKey,
+    info: ShardInfo,
+    shard: Arc<ShardHandle>,
+}
+
+fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
+    node.error(ErrorCode::InvalidArgument, message)
+}
+
+impl BlobApi {
+    fn check_running(&self) -> ApiResult<()> {
+        if self.node.is_stopping() {
+            return Err(self
+                .node
+                .error(ErrorCode::ShuttingDown, "the node is shutting down"));
+        }
+        Ok(())
+    }
+
+    fn validate_key(&self, namespace: &Namespace, key: &[u8]) -> ApiResult<()> {
+        if key.is_empty() || key.len() > KEY_MAX_BYTES {
+            return Err(invalid(
+                &self.node,
+                format!("key must be 1 to {KEY_MAX_BYTES} bytes, not {}", key.len()),
+            ));
+        }
+        if namespace.content_addressed && key.len() != 32 {
+            return Err(invalid(
+                &self.node,
+                format!(
+                    "namespace {:?} is content-addressed: keys are 32-byte SHA-256 digests, not {} bytes",
+                    namespace.name,
+                    key.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn target(&self, blob: Option<&BlobRef>) -> ApiResult<Target> {
+        self.check_running()?;
+        let blob = blob.ok_or_else(|| invalid(&self.node, "blob is required"))?;
+        let namespace = self.node.namespace(&blob.namespace)?;
+        self.validate_key(&namespace, &blob.key)?;
+        let key = storage_key(namespace.id, &blob.key);
+        let (info, shard) = self.node.route(&key)?;
+        Ok(Target {
+            namespace,
+            key,
+            info,
+            shard,
+        })
+    }
+
+    /// `NOT_LEADER` unless this replica leads the shard.
+    fn require_leader(&self, target: &Target) -> ApiResult<()> {
+        let status = target.shard.state().status;
+        match status {
+            Some(status) if status.is_leader => Ok(()),
+            Some(status) => Err(self.node.not_leader(target.info.shard_id, status.leader)),
+            None => Err(self
+                .node
+                .outcome_error(target.info.shard_id, Outcome::Failed("replica down".into()))),
+        }
+    }
+
+    /// Waits until the replica may serve a read at `consistency`.
+    async fn read_point(&self, target: &Target, consistency: i32) -> ApiResult<()> {
+        match ReadConsistency::try_from(consistency) {
+            Ok(ReadConsistency::AnyReplica) => Ok(()),
+            Ok(ReadConsistency::Linearizable) => {
+                let (tx, rx) = oneshot::channel();
+                target.shard.read(Box::new(move |outcome| {
+                    let _ = tx.send(outcome);
+                }));
+                match self.wait(target, rx).await? {
+                    ReadOutcome::Ready => Ok(()),
+                    other => Err(self.node.read_error(target.info.shard_id, other)),
+                }
+            }
+            Err(_) => Err(invalid(
+                &self.node,
+                format!("unknown consistency {consistency}"),
+            )),
+        }
+    }
+
+    async fn wait<T>(&self, target: &Target, rx: oneshot::Receiver<T>) -> ApiResult<T> {
+        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(_)) => Err(self.node.outcome_error(
+                target.info.shard_id,
+                Outcome::Failed("the replica stopped".into()),
+            )),
+            Err(_) => {
+                let mut info = self.node.error(
+                    ErrorCode::Timeout,
+                    format!(
+                        "shard {} did not answer within {REQUEST_TIMEOUT:?}; a write may still apply",
+                        target.info.shard_id
+                    ),
+                );
+                info.detail.shard_id = Some(target.info.shard_id);
+                Err(info)
+            }
+        }
+    }
+
+    /// Proposes `command` (or queues `op` for group commit) and waits.
+    async fn commit(&self, target: &Target, proposal: Proposal) -> ApiResult<u64> {
+        let (tx, rx) = oneshot::channel();
+        let done = Box::new(move |outcome| {
+            let _ = tx.send(outcome);
+        });
+        match proposal {
+            Proposal::Write(op) => target.shard.write(op, done),
+            Proposal::Command(command) => target.shard.propose(command, done),
+        }
+        match self.wait(target, rx).await? {
+            Outcome::Applied { index } => Ok(index),
+            other => Err(self.node.outcome_error(target.info.shard_id, other)),
+        }
+    }
+
+    /// Refuses writes when the shard's volume is nearly full (reads go on).
+    fn check_space(&self, target: &Target) -> ApiResult<()> {
+        let store = target.shard.store();
+        let reserve = 2 * (self.node.config.engine.wal_segment_mib << 20)
+            + self.node.config.raft.max_value_bytes;
+        match store.storage().available_bytes(store.dir()) {
+            Ok(free) if free < reserve => Err(self.node.error(
+                ErrorCode::DiskFull,
+                format!("only {free} bytes free on the data volume; writes are refused"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn engine_read<T: Send + 'static>(
+        &self,
+        target: &Target,
+        f: impl FnOnce(&Engine, KeySpace) -> tidepool_engine::Result<T> + Send + 'static,
+    ) -> impl std::future::Future<Output = ApiResult<T>> + Send + 'static {
+        let engine = target.shard.engine();
+        let node = self.node.clone();
+        let shard_id = target.info.shard_id;
+        async move {
+            let result = tokio::task::spawn_blocking(move || {
+                let space = engine.key_space(BLOB_KEY_SPACE)?;
+                f(&engine, space)
+            })
+            .await
+            .map_err(|e| node.error(ErrorCode::Internal, format!("read task: {e}")))?;
+            result.map_err(|e| node.internal_error(shard_id, e.into()))
+        }
+    }
+
+    async fn put_inner(&self, mut stream: Streaming<PutRequest>) -> ApiResult<PutResponse> {
+        let first = stream
+            .next()
+            .await
+            .ok_or_else(|| invalid(&self.node, "empty put stream"))?
+            .map_err(|s| invalid(&self.node, s.message()))?;
+        let Some(put_request::Msg::Header(header)) = first.msg else {
+            return Err(invalid(
+                &self.node,
+                "the first put message must be the header",
+            ));
+        };
+        let target = self.target(header.blob.as_ref())?;
+        let max = self.node.config.raft.max_value_bytes;
+        if header.size > max {
+            return Err(self.node.error(
+                ErrorCode::ValueTooLarge,
+                format!(
+                    "blob of {} bytes exceeds the {max}-byte maximum; split it (the SDK does)",
+                    header.size
+                ),
+            ));
+        }
+        if !header.expected_sha256.is_empty() && header.expected_sha256.len() != 32 {
+            return Err(invalid(&self.node, "expected_sha256 must be 32 bytes"));
+        }
+        let kind = BlobKind::try_from(header.kind)
+            .map_err(|_| invalid(&self.node, format!("unknown blob kind {}", header.kind)))?;
+        self.require_leader(&target)?;
+        let content = self.receive(&mut stream, header.size).await?;
+        let digest = blob::sha256(&content);
+        self.check_digest(&target, &header, &digest)?;
+        let engine = target.shard.engine();
+        let epoch = engine.epoch().0;
+        if target.namespace.content_addressed {
+            let space = engine
+                .key_space(BLOB_KEY_SPACE)
+                .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
+            let present = engine
+                .epoch_of(space, &target.key)
+                .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
+            if let Some(stored_epoch) = present {
+                // The same key can only hold the same content: refresh its
+                // epoch, write nothing else.
+                if stored_epoch.0 < epoch {
+                    let touch = Command::Touch {
+                        namespace: target.namespace.id,
+                        epoch,
+                        key: target.key,
+                    };
+                    self.commit(&target, Proposal::Command(touch)).await?;
+                }
+                return Ok(PutResponse {
+                    info: Some(
+                        blob::Header {
+                            kind,
+                            sha256: digest,
+                            size: content.len() as u64,
+                        }
+                        .info(epoch),
+                    ),
+                    already_present: true,
+                });
+            }
+        }
+        self.check_space(&target)?;
+        let size = content.len() as u64;
+        let op = WriteOp {
+            value: Some(blob::encode(kind, &digest, &content)),
+            namespace: target.namespace.id,
+            epoch,
+            key: target.key,
+        };
+        drop(content);
+        self.commit(&target, Proposal::Write(op)).await?;
+        self.extra_durability(&target, header.durability, &engine)
+            .await?;
+        self.node.metrics.put_bytes.add(size);
+        Ok(PutResponse {
+            info: Some(
+                blob::Header {
+                    kind,
+                    sha256: digest,
+                    size,
+                }
+                .info(epoch),
+            ),
+            already_present: false,
+        })
+    }
+
+    /// A `SYNCED` request on a cluster configured `buffered` also waits for
+    /// the leader's own WAL to be synced (followers follow the cluster's
+    /// setting). A `BUFFERED` request on a synced cluster gets the stronger
+    /// guarantee anyway.
+    async fn extra_durability(
+        &self,
+        target: &Target,
+        requested: i32,
+        engine: &Arc<Engine>,
+    ) -> ApiResult<()> {
+        let cluster = self
+            .node
+            .config
+            .durability()
+            .unwrap_or(EngineDurability::Synced);
+        if requested == Durability::Synced as i32 && cluster == EngineDurability::Buffered {
+            let engine = engine.clone();
+            let node = self.node.clone();
+            let shard_id = target.info.shard_id;
+            tokio::task::spawn_blocking(move || engine.wait_synced(engine.processed_position()))
+                .await
+                .map_err(|e| node.error(ErrorCode::Internal, e.to_string()))?
+                .map_err(|e| node.internal_error(shard_id, e.into()))?;
+        }
+        Ok(())
+    }
+
+    async fn receive(&self, stream: &mut Streaming<PutRequest>, size: u64) -> ApiResult<Vec<u8>> {
+        let mut content = Vec::with_capacity(size as usize);
+        while let Some(message) = stream.next().await {
+            let message = message.map_err(|s| invalid(&self.node, s.message()))?;
+            match message.msg {
+                Some(put_request::Msg::Data(data)) => {
+                    if data.len() > CHUNK_BYTES {
+                        return Err(invalid(
+                            &self.node,
+                            format!("a put chunk carries at most {CHUNK_BYTES} bytes"),
+                        ));
+                    }
+                    if content.len() as u64 + data.len() as u64 > size {
+                        return Err(self.node.error(
+                            ErrorCode::SizeMismatch,
+                            format!("the stream carries more than the {size} bytes announced"),
+                        ));
+                    }
+                    content.extend_from_slice(&data);
+                }
+                Some(put_request::Msg::Header(_)) => {
+                    return Err(invalid(&self.node, "a second header in one put stream"));
+                }
+                None => {}
+            }
+        }
+        if content.len() as u64 != size {
+            return Err(self.node.error(
+                ErrorCode::SizeMismatch,
+                format!(
+                    "the stream carried {} bytes, {size} were announced",
+                    content.len()
+                ),
+            ));
+        }
+        Ok(content)
+    }
+
+    fn check_digest(
+        &self,
+        target: &Target,
+        header: &PutHeader,
+        digest: &[u8; 32],
+    ) -> ApiResult<()> {
+        let key = &header.blob.as_ref().expect("checked").key;
+        if target.namespace.content_addressed && key[..] != digest[..] {
+            return Err(self.node.error(
+                ErrorCode::DigestMismatch,
+                "the content's SHA-256 is not the key; nothing was stored",
+            ));
+        }
+        if !header.expected_sha256.is_empty() && header.expected_sha256[..] != digest[..] {
+            return Err(self.node.error(
+                ErrorCode::DigestMismatch,
+                "the content's SHA-256 is not expected_sha256; nothing was stored",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn get_inner(
+        &self,
+        request: GetRequest,
+    ) -> ApiResult<ReceiverStream<std::result::Result<GetResponse, Status>>> {
+        let target = self.target(request.blob.as_ref())?;
+        self.read_point(&target, request.consistency).await?;
+        let key = target.key;
+        let stored = self
+            .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
+            .await?
+            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+        let (header, _) = blob::decode(&stored.value)
+            .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+        let info = header.info(stored.epoch.0);
+        let size = header.size;
+        let start = request.offset.min(size);
+        let end = match request.length {
+            0 => size,
+            n => start.saturating_add(n).min(size),
+        };
+        self.node.metrics.get_bytes.add(end - start);
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let first = GetResponse {
+                msg: Some(get_response::Msg::Info(info)),
+            };
+            if tx.send(Ok(first)).await.is_err() {
+                return;
+            }
+            let content = &stored.value[blob::HEADER_BYTES..];
+            let mut at = start as usize;
+            while at < end as usize {
+                let next = (at + CHUNK_BYTES).min(end as usize);
+                let message = GetResponse {
+                    msg: Some(get_response::Msg::Data(content[at..next].to_vec())),
+                };
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+                at = next;
+            }
+        });
+        Ok(ReceiverStream::new(rx))
+    }
+
+    async fn head_inner(&self, request: HeadRequest) -> ApiResult<HeadResponse> {
+        let target = self.target(request.blob.as_ref())?;
+        self.read_point(&target, request.consistency).await?;
+        let key = target.key;
+        let stored = self
+            .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
+            .await?
+            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+        let (header, _) = blob::decode(&stored.value)
+            .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+        Ok(HeadResponse {
+            info: Some(header.info(stored.epoch.0)),
+        })
+    }
+
+    async fn batch_exists_inner(
+        &self,
+        request: BatchExistsRequest,
+    ) -> ApiResult<BatchExistsResponse> {
+        self.check_running()?;
+        if request.keys.len() > MAX_BATCH_KEYS {
+            return Err(invalid(
+                &self.node,
+                format!(
+                    "at most {MAX_BATCH_KEYS} keys per request, not {}",
+                    request.keys.len()
+                ),
+            ));
+        }
+        let namespace = self.node.namespace(&request.namespace)?;
+        let mut presence = vec![Presence::NotHere; request.keys.len()];
+        // Keys grouped by the hosted shard that owns them.
+        let mut by_shard: std::collections::BTreeMap<u32, (Target, Vec<usize>)> =
+            std::collections::BTreeMap::new();
+        for (i, key) in request.keys.iter().enumerate() {
+            self.validate_key(&namespace, key)?;
+            let storage = storage_key(namespace.id, key);
+            let Ok((info, shard)) = self.node.route(&storage) else {
+                continue;
+            };
+            by_shard
+                .entry(info.shard_id)
+                .or_insert_with(|| {
+                    (
+                        Target {
+                            namespace: namespace.clone(),
+                            key: storage,
+                            info,
+                            shard,
+                        },
+                        Vec::new(),
+                    )
+                })
+                .1
+                .push(i);
+        }
+        let linearizable = request.consistency == ReadConsistency::Linearizable as i32;
+        for (target, indexes) in by_shard.into_values() {
+            if self.read_point(&target, request.consistency).await.is_err() {
+                continue; // NOT_HERE: ask the leader
+            }
+            let keys: Vec<StorageKey> = indexes
+                .iter()
+                .map(|i| storage_key(namespace.id, &request.keys[*i]))
+                .collect();
+            let epochs = self
+                .engine_read(&target, move |engine, space| {
+                    keys.iter()
+                        .map(|k| engine.epoch_of(space, k))
+                        .collect::<tidepool_engine::Result<Vec<_>>>()
+                })
+                .await?;
+            let current = target.shard.engine().epoch().0;
+            for (i, epoch) in indexes.iter().zip(&epochs) {
+                presence[*i] = if epoch.is_some() {
+                    Presence::Present
+                } else {
+                    Presence::Absent
+                };
+            }
+            if request.touch && linearizable {
+                for (i, epoch) in indexes.iter().zip(epochs) {
+                    if epoch.is_some_and(|e| e.0 < current) {
+                        let touch = Command::Touch {
+                            namespace: namespace.id,
+                            epoch: current,
+                            key: storage_key(namespace.id, &request.keys[*i]),
+                        };
+                        self.commit(&target, Proposal::Command(touch)).await?;
+                    }
+                }
+            }
+        }
+        Ok(BatchExistsResponse {
+            presence: presence.into_iter().map(|p| p as i32).collect(),
+            map_version: self.node.map().version,
+        })
+    }
+
+    async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
+        let target = self.target(request.blob.as_ref())?;
+        self.require_leader(&target)?;
+        // The leader's applied state holds every acknowledged write.
+        let key = target.key;
+        let existed = self
+            .engine_read(&target, move |engine, space| engine.exists(space, &key))
+            .await?;
+        if existed {
+            let op = WriteOp {
+                value: None,
+                namespace: target.namespace.id,
+                epoch: target.shard.engine().epoch().0,
+                key: target.key,
+            };
+            self.commit(&target, Proposal::Write(op)).await?;
+            let engine = target.shard.engine();
+            self.extra_durability(&target, request.durability, &engine)
+                .await?;
+        }
+        Ok(DeleteResponse { existed })
+    }
+
+    async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
+        let target = self.target(request.blob.as_ref())?;
+        self.require_leader(&target)?;
+        let key = target.key;
+        let stored_epoch = self
+            .engine_read(&target, move |engine, space| engine.epoch_of(space, &key))
+            .await?
+            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+        let epoch = target.shard.engine().epoch().0;
+        if stored_epoch.0 < epoch {
+            let touch = Command::Touch {
+                namespace: target.namespace.id,
+                epoch,
+                key: target.key,
+            };
+            self.commit(&target, Proposal::Command(touch)).await?;
+        }
+        Ok(TouchResponse {
+            epoch: u64::from(epoch),
+        })
+    }
+
+    fn finish<T>(
+        &self,
+        operation: usize,
+        start: Instant,
+        result: ApiResult<T>,
+    ) -> Result<Response<T>, Status> {
+        self.node.metrics.finished(operation, start, result.is_ok());
+        result.map(Response::new).map_err(Status::from)
+    }
+}
+
+enum Proposal {
+    Write(WriteOp),
+    Command(Command),
+}
+
+#[tonic::async_trait]
+impl BlobService for BlobApi {
+    async fn put(
+        &self,
+        request: Request<Streaming<PutRequest>>,
+    ) -> Result<Response<PutResponse>, Status> {
+        let start = Instant::now();
+        let result = self.put_inner(request.into_inner()).await;
+        self.finish(0, start, result)
+    }
+
+    type GetStream = ReceiverStream<std::result::Result<GetResponse, Status>>;
+
+    async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
+        let start = Instant::now();
+        let result = self.get_inner(request.into_inner()).await;
+        self.finish(1, start, result)
+    }
+
+    async fn head(&self, request: Request<HeadRequest>) -> Result<Response<HeadResponse>, Status> {
+        let start = Instant::now();
+        let result = self.head_inner(request.into_inner()).await;
+        self.finish(2, start, result)
+    }
+
+    async fn batch_exists(
+        &self,
+        request: Request<BatchExistsRequest>,
+    ) -> Result<Response<BatchExistsResponse>, Status> {
+        let start = Instant::now();
+        let result = self.batch_exists_inner(request.into_inner()).await;
+        self.finish(3, start, result)
+    }
+
+    async fn delete(
+        &self,
+        request: Request<DeleteRequest>,
+    ) -> Result<Response<DeleteResponse>, Status> {
+        let start = Instant::now();
+        let result = self.delete_inner(request.into_inner()).await;
+        self.finish(4, start, result)
+    }
+
+    async fn touch(
+        &self,
+        request: Request<TouchRequest>,
+    ) -> Result<Response<TouchResponse>, Status> {
+        let start = Instant::now();
+        let result = self.touch_inner(request.into_inner()).await;
+        self.finish(5, start, result)
+    }
+}

@@ -1,0 +1,98 @@
+//! Turning replica outcomes and engine errors into the stable error codes
+//! clients see, with the hints they need to retry (leader, map version,
+//! shard).
+
+use tidepool_proto::ErrorInfo;
+use tidepool_proto::v1::ErrorCode;
+
+use super::Node;
+use crate::error::NodeError;
+use crate::replica::{Outcome, ReadOutcome};
+
+impl Node {
+    /// `NOT_LEADER` for `shard_id`, naming `leader` when known.
+    pub(crate) fn not_leader(&self, shard_id: u32, leader: u64) -> ErrorInfo {
+        let mut info = self.error(
+            ErrorCode::NotLeader,
+            match leader {
+                0 => format!("shard {shard_id} has no known leader"),
+                id => format!(
+                    "node {} does not lead shard {shard_id}; node {id} does",
+                    self.config.node_id
+                ),
+            },
+        );
+        info.detail.shard_id = Some(shard_id);
+        if leader != 0 {
+            info.detail.leader_hint = self.address_of(leader);
+        } else {
+            info.detail.retry_after_ms = self.config.raft.tick_ms as u32 * 5;
+        }
+        info
+    }
+
+    /// The error for a proposal that did not apply.
+    pub(crate) fn outcome_error(&self, shard_id: u32, outcome: Outcome) -> ErrorInfo {
+        let mut info = match outcome {
+            Outcome::Applied { .. } => self.error(ErrorCode::Internal, "applied is not an error"),
+            Outcome::NotLeader { leader } => return self.not_leader(shard_id, leader),
+            Outcome::Dropped => self.error(
+                ErrorCode::NoQuorum,
+                format!(
+                    "shard {shard_id} changed leader before the write committed; it was not applied, retry"
+                ),
+            ),
+            Outcome::TooLarge { max } => self.error(
+                ErrorCode::ValueTooLarge,
+                format!("the entry exceeds the {max}-byte maximum"),
+            ),
+            Outcome::Overloaded => {
+                let mut info = self.error(
+                    ErrorCode::Overloaded,
+                    format!("shard {shard_id} has too many requests queued"),
+                );
+                info.detail.retry_after_ms = 50;
+                info
+            }
+            Outcome::Failed(reason) => self.error(
+                ErrorCode::NoQuorum,
+                format!("shard {shard_id} is unavailable: {reason}"),
+            ),
+        };
+        info.detail.shard_id = Some(shard_id);
+        info
+    }
+
+    /// The error for a read that may not be served.
+    pub(crate) fn read_error(&self, shard_id: u32, outcome: ReadOutcome) -> ErrorInfo {
+        match outcome {
+            ReadOutcome::Ready => self.error(ErrorCode::Internal, "ready is not an error"),
+            ReadOutcome::NotLeader { leader } => self.not_leader(shard_id, leader),
+            ReadOutcome::Failed(reason) => {
+                let mut info = self.error(
+                    ErrorCode::NoQuorum,
+                    format!("shard {shard_id} cannot serve the read: {reason}"),
+                );
+                info.detail.shard_id = Some(shard_id);
+                info
+            }
+        }
+    }
+
+    /// The error for an engine or node failure while serving.
+    pub(crate) fn internal_error(&self, shard_id: u32, error: NodeError) -> ErrorInfo {
+        let code = match &error {
+            NodeError::Engine(tidepool_engine::Error::DiskFull(_)) => ErrorCode::DiskFull,
+            NodeError::Engine(tidepool_engine::Error::Corrupt { .. }) => ErrorCode::Corrupt,
+            NodeError::Engine(tidepool_engine::Error::Closed) => ErrorCode::NoQuorum,
+            NodeError::Malformed(_) => ErrorCode::Corrupt,
+            _ => ErrorCode::Internal,
+        };
+        if code == ErrorCode::Internal {
+            tracing::error!(shard_id, %error, "request failed");
+        }
+        let mut info = self.error(code, format!("shard {shard_id}: {error}"));
+        info.detail.shard_id = Some(shard_id);
+        info
+    }
+}

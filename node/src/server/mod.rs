@@ -1,0 +1,419 @@
+//! The running node: its shard replicas, the cluster map it routes by, the
+//! gRPC services (`BlobService`, `RaftTransport`, `NodeAdmin`) and the
+//! metrics endpoint.
+//!
+//! Layout of the data directory:
+//!
+//! ```text
+//! <data_dir>/shards/<shard id>/   one replica (see `store.rs`), with
+//!                                 SHARD: its ShardInfo (protobuf), so a
+//!                                 restarted node knows the range it serves
+//! ```
+
+mod admin;
+mod blobs;
+mod errors;
+mod metrics;
+mod raft_service;
+mod transport;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::RwLock;
+use prost::Message as _;
+use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomically};
+use tidepool_proto::v1::blob_service_server::BlobServiceServer;
+use tidepool_proto::v1::node_admin_server::NodeAdminServer;
+use tidepool_proto::v1::raft_transport_server::RaftTransportServer;
+use tidepool_proto::v1::{ClusterMap, ErrorCode, Namespace, NodeAddress, ShardInfo};
+use tidepool_proto::{ErrorInfo, StorageKey, hash_position};
+use tokio::sync::oneshot;
+
+use crate::config::NodeConfig;
+use crate::error::{NodeError, Result};
+use crate::shard::ShardHandle;
+use crate::snapshot::Outbox;
+use crate::store::ReplicaStore;
+pub use metrics::NodeMetrics;
+use transport::Transport;
+
+/// Largest gRPC message the node sends or accepts (Raft batches carry
+/// whole entries).
+pub(crate) const MAX_GRPC_MESSAGE: usize = 256 << 20;
+
+const SHARD_FILE: &str = "SHARD";
+
+/// How long a stopping node waits for requests in flight.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// A shard replica hosted here, with the range it serves.
+struct Hosted {
+    handle: Arc<ShardHandle>,
+    info: ShardInfo,
+}
+
+/// A storage node.
+pub struct Node {
+    /// Its configuration.
+    pub config: NodeConfig,
+    map: ArcSwap<ClusterMap>,
+    shards: RwLock<BTreeMap<u32, Hosted>>,
+    outbox: Arc<Outbox>,
+    transport: Arc<Transport>,
+    /// Request counters and latencies.
+    pub metrics: NodeMetrics,
+    /// Becomes true when the node begins to stop; long-lived streams
+    /// (peers' Raft traffic) end on it.
+    stopping: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("node_id", &self.config.node_id)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Opens the node: validates the configuration, reopens the replicas
+    /// in the data directory and, for a fixed cluster, founds or reopens
+    /// every shard it is a replica of. Must run inside a tokio runtime.
+    pub fn open(config: NodeConfig) -> Result<Arc<Node>> {
+        config.validate()?;
+        let shards_dir = config.data_dir.join("shards");
+        std::fs::create_dir_all(&shards_dir).map_err(|e| {
+            NodeError::Config(format!("cannot create {}: {e}", shards_dir.display()))
+        })?;
+        let map = config.static_map().unwrap_or_default();
+        let node = Arc::new(Node {
+            transport: Transport::new(config.node_id),
+            config,
+            map: ArcSwap::from_pointee(ClusterMap::default()),
+            shards: RwLock::new(BTreeMap::new()),
+            outbox: Arc::new(Outbox::default()),
+            metrics: NodeMetrics::default(),
+            stopping: tokio::sync::watch::Sender::new(false),
+        });
+        node.transport.set_node(Arc::downgrade(&node));
+        node.set_map(map.clone());
+        for (shard_id, info) in node.shards_on_disk()? {
+            node.open_replica(info, &[])
+                .map_err(|e| NodeError::Config(format!("shard {shard_id}: {e}")))?;
+        }
+        let me = node.config.node_id;
+        for info in &map.shards {
+            if info.replicas.iter().any(|r| r.node_id == me) {
+                let voters: Vec<u64> = info.replicas.iter().map(|r| r.node_id).collect();
+                node.open_replica(info.clone(), &voters)?;
+            }
+        }
+        Ok(node)
+    }
+
+    fn shard_dir(&self, shard_id: u32) -> PathBuf {
+        self.config
+            .data_dir
+            .join("shards")
+            .join(shard_id.to_string())
+    }
+
+    fn shards_on_disk(&self) -> Result<Vec<(u32, ShardInfo)>> {
+        let dir = self.config.data_dir.join("shards");
+        let mut found = Vec::new();
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| NodeError::Config(format!("cannot list {}: {e}", dir.display())))?;
+        for entry in entries.flatten() {
+            let Some(shard_id) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            let path = entry.path().join(SHARD_FILE);
+            let bytes = read_whole_file(&FileStorage::new(), &path)
+                .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
+            let info = match bytes {
+                Some(bytes) => ShardInfo::decode(&bytes[..])
+                    .map_err(|e| NodeError::Malformed(format!("{}: {e}", path.display())))?,
+                None => continue, // never finished opening: nothing in it
+            };
+            found.push((shard_id, info));
+        }
+        Ok(found)
+    }
+
+    /// The cluster map the node routes by.
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.map.load_full()
+    }
+
+    /// Installs a newer cluster map (older or equal versions are ignored):
+    /// peer addresses and the ranges of hosted shards follow it.
+    pub fn set_map(&self, map: ClusterMap) {
+        if map.version <= self.map.load().version && map.version != 0 {
+            return;
+        }
+        for node in &map.nodes {
+            self.transport
+                .set_address(node.node_id, node.address.clone());
+        }
+        let mut shards = self.shards.write();
+        for info in &map.shards {
+            if let Some(hosted) = shards.get_mut(&info.shard_id) {
+                hosted.info = info.clone();
+            }
+        }
+        drop(shards);
+        self.map.store(Arc::new(map));
+    }
+
+    /// Opens (or finds open) the replica of `info.shard_id`; a new one
+    /// founds the shard with `voters`, or waits to be added if `voters` is
+    /// empty. Returns whether it was already open.
+    pub fn open_replica(&self, info: ShardInfo, voters: &[u64]) -> Result<bool> {
+        let shard_id = info.shard_id;
+        let mut shards = self.shards.write();
+        if shards.contains_key(&shard_id) {
+            return Ok(true);
+        }
+        let dir = self.shard_dir(shard_id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+        let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()));
+        let handle = ShardHandle::start(
+            self.config.replica_config(shard_id)?,
+            self.config.driver_config(),
+            store,
+            self.outbox.clone(),
+            voters,
+            self.transport.clone(),
+        )?;
+        // Recorded once the replica exists, so a restart reopens it.
+        let path = dir.join(SHARD_FILE);
+        write_file_atomically(&FileStorage::new(), &path, &info.encode_to_vec())
+            .map_err(|e| NodeError::Engine(tidepool_engine::Error::io(&path, e)))?;
+        shards.insert(shard_id, Hosted { handle, info });
+        Ok(false)
+    }
+
+    /// Stops and forgets the replica of `shard_id`; with `delete`, removes
+    /// its data. Returns whether it was open.
+    pub fn close_replica(&self, shard_id: u32, delete: bool) -> Result<bool> {
+        let Some(hosted) = self.shards.write().remove(&shard_id) else {
+            return Ok(false);
+        };
+        hosted.handle.stop();
+        self.outbox.remove_shard(shard_id);
+        if delete {
+            let dir = self.shard_dir(shard_id);
+            std::fs::remove_dir_all(&dir)
+                .map_err(|e| NodeError::Config(format!("cannot delete {}: {e}", dir.display())))?;
+        }
+        Ok(true)
+    }
+
+    /// The hosted replica of `shard_id`.
+    pub fn shard(&self, shard_id: u32) -> Option<Arc<ShardHandle>> {
+        self.shards.read().get(&shard_id).map(|h| h.handle.clone())
+    }
+
+    /// Every hosted replica with its range.
+    pub fn hosted(&self) -> Vec<(ShardInfo, Arc<ShardHandle>)> {
+        self.shards
+            .read()
+            .values()
+            .map(|h| (h.info.clone(), h.handle.clone()))
+            .collect()
+    }
+
+    /// The hosted shard that owns `key`, or `WRONG_SHARD`.
+    pub(crate) fn route(
+        &self,
+        key: &StorageKey,
+    ) -> std::result::Result<(ShardInfo, Arc<ShardHandle>), ErrorInfo> {
+        let position = hash_position(key);
+        let shards = self.shards.read();
+        let found = shards
+            .values()
+            .find(|h| h.info.hash_start <= position && position <= h.info.hash_end);
+        match found {
+            Some(hosted) => Ok((hosted.info.clone(), hosted.handle.clone())),
+            None => Err(self.error(
+                ErrorCode::WrongShard,
+                format!(
+                    "node {} hosts no shard for hash position {position:#018x}",
+                    self.config.node_id
+                ),
+            )),
+        }
+    }
+
+    /// The namespace named `name`.
+    pub(crate) fn namespace(&self, name: &str) -> std::result::Result<Namespace, ErrorInfo> {
+        self.map
+            .load()
+            .namespaces
+            .iter()
+            .find(|ns| ns.name == name)
+            .cloned()
+            .ok_or_else(|| {
+                self.error(
+                    ErrorCode::NamespaceNotFound,
+                    format!("no namespace {name:?}"),
+                )
+            })
+    }
+
+    /// An error carrying this node's map version.
+    pub(crate) fn error(&self, code: ErrorCode, message: impl Into<String>) -> ErrorInfo {
+        let mut info = ErrorInfo::new(code, message);
+        info.detail.map_version = self.map.load().version;
+        info
+    }
+
+    /// Where node `id` is reached, if known.
+    pub(crate) fn address_of(&self, id: u64) -> Option<NodeAddress> {
+        if id == self.config.node_id {
+            return Some(NodeAddress {
+                node_id: id,
+                address: self.config.advertise(),
+            });
+        }
+        self.transport.address(id).map(|address| NodeAddress {
+            node_id: id,
+            address,
+        })
+    }
+
+    /// Whether the node is shutting down.
+    pub fn is_stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
+    /// Resolves once the node begins to stop.
+    pub(crate) fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut watch = self.stopping.subscribe();
+        async move {
+            let _ = watch.wait_for(|stopping| *stopping).await;
+        }
+    }
+
+    /// Refuses new requests and ends peers' streams.
+    pub(crate) fn begin_stop(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Stops every replica (their engines close cleanly).
+    pub fn shutdown(&self) {
+        self.begin_stop();
+        let shards: Vec<u32> = self.shards.read().keys().copied().collect();
+        for shard in shards {
+            let _ = self.close_replica(shard, false);
+        }
+    }
+}
+
+/// A node serving on its sockets.
+pub struct RunningNode {
+    /// The node.
+    pub node: Arc<Node>,
+    /// The bound gRPC address.
+    pub address: SocketAddr,
+    /// The bound metrics address, if any.
+    pub metrics_address: Option<SocketAddr>,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl RunningNode {
+    /// Stops serving and closes every replica.
+    /// Requests in flight get `STOP_GRACE` to finish; then the server is
+    /// dropped with whatever is still open.
+    pub async fn stop(mut self) -> Result<()> {
+        self.node.begin_stop();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let result = match tokio::time::timeout(STOP_GRACE, &mut self.server).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(NodeError::Network(format!("server task: {e}"))),
+            Err(_) => {
+                tracing::warn!(
+                    node_id = self.node.config.node_id,
+                    "requests still open after {STOP_GRACE:?}; closing them"
+                );
+                self.server.abort();
+                Ok(())
+            }
+        };
+        let node = self.node.clone();
+        tokio::task::spawn_blocking(move || node.shutdown())
+            .await
+            .map_err(|e| NodeError::Network(format!("shutdown: {e}")))?;
+        result
+    }
+
+    /// Waits until the server ends (it ends on `stop`, or on an error).
+    pub async fn wait(&mut self) -> Result<()> {
+        match (&mut self.server).await {
+            Ok(result) => result,
+            Err(e) => Err(NodeError::Network(format!("server task: {e}"))),
+        }
+    }
+}
+
+/// Opens the node and serves it until `stop` is called. Binds before
+/// returning (so `address` is usable at once).
+pub async fn start(config: NodeConfig) -> Result<RunningNode> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| NodeError::Network(format!("cannot bind {}: {e}", config.listen)))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| NodeError::Network(e.to_string()))?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| NodeError::Network(format!("cannot bind {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+    let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
+    let node = tokio::task::block_in_place(|| Node::open(config))?;
+    if let Some(listener) = metrics_listener {
+        tokio::spawn(metrics::serve(node.clone(), listener));
+    }
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let blob = BlobServiceServer::new(blobs::BlobApi::new(node.clone()))
+        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    let raft = RaftTransportServer::new(raft_service::RaftApi::new(node.clone()))
+        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    let admin = NodeAdminServer::new(admin::AdminApi::new(node.clone()));
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let server = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(blob)
+            .add_service(raft)
+            .add_service(admin)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop_rx.await;
+            })
+            .await
+            .map_err(|e| NodeError::Network(format!("gRPC server: {e}")))
+    });
+    tracing::info!(node_id = node.config.node_id, %address, "node serving");
+    Ok(RunningNode {
+        node,
+        address,
+        metrics_address,
+        stop: Some(stop_tx),
+        server,
+    })
+}

@@ -1,0 +1,244 @@
+//! `RaftTransport`: Raft messages in from peers, snapshot files out to
+//! them, and pulling a snapshot's files before its message is stepped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost011::Message as _;
+use raft::eraftpb::{Message, MessageType};
+use tidepool_proto::v1::raft_transport_client::RaftTransportClient;
+use tidepool_proto::v1::raft_transport_server::RaftTransport;
+use tidepool_proto::v1::{
+    ErrorCode, FetchSnapshotRequest, RaftBatch, RaftSendSummary, SnapshotChunk,
+};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{MAX_GRPC_MESSAGE, Node};
+use crate::error::{NodeError, Result};
+use crate::shard::{Event, ShardHandle};
+use crate::snapshot::{Receiver, manifest_of};
+
+/// Times a snapshot transfer resumes after a broken stream.
+const SNAPSHOT_ATTEMPTS: usize = 8;
+
+/// The `RaftTransport` service.
+pub(crate) struct RaftApi {
+    node: Arc<Node>,
+}
+
+impl RaftApi {
+    pub fn new(node: Arc<Node>) -> Self {
+        Self { node }
+    }
+}
+
+#[tonic::async_trait]
+impl RaftTransport for RaftApi {
+    async fn send(
+        &self,
+        request: Request<Streaming<RaftBatch>>,
+    ) -> std::result::Result<Response<RaftSendSummary>, Status> {
+        let mut stream = request.into_inner();
+        let mut summary = RaftSendSummary::default();
+        let me = self.node.config.node_id;
+        let stopped = self.node.stopped();
+        tokio::pin!(stopped);
+        loop {
+            let batch = tokio::select! {
+                batch = stream.next() => batch,
+                () = &mut stopped => break,
+            };
+            let Some(batch) = batch else { break };
+            let batch = batch?;
+            summary.batches += 1;
+            if batch.to_node != me {
+                summary.dropped += batch.messages.len() as u64;
+                continue;
+            }
+            for envelope in batch.messages {
+                let delivered = Message::decode(&envelope.message[..])
+                    .ok()
+                    .zip(self.node.shard(envelope.shard_id))
+                    .is_some_and(|(message, shard)| deliver(&self.node, &shard, message));
+                if delivered {
+                    summary.delivered += 1;
+                } else {
+                    summary.dropped += 1;
+                    self.node.metrics.raft_messages_dropped.inc();
+                }
+            }
+        }
+        Ok(Response::new(summary))
+    }
+
+    type FetchSnapshotStream = ReceiverStream<std::result::Result<SnapshotChunk, Status>>;
+
+    async fn fetch_snapshot(
+        &self,
+        request: Request<FetchSnapshotRequest>,
+    ) -> std::result::Result<Response<Self::FetchSnapshotStream>, Status> {
+        let request = request.into_inner();
+        let Some(prepared) = self.node.outbox.get(request.shard_id, request.snapshot_id) else {
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::SnapshotGone,
+                    format!(
+                        "snapshot {} of shard {} is no longer offered",
+                        request.snapshot_id, request.shard_id
+                    ),
+                )
+                .into());
+        };
+        let (tx, rx) = mpsc::channel(4);
+        let metrics = self.node.clone();
+        tokio::task::spawn_blocking(move || {
+            for chunk in prepared.chunks(request.to_node, request.file_index, request.offset) {
+                let item = chunk.map_err(|e| Status::internal(e.to_string()));
+                if let Ok(chunk) = &item {
+                    metrics
+                        .metrics
+                        .snapshot_bytes_sent
+                        .add(chunk.data.len() as u64);
+                }
+                if tx.blocking_send(item).is_err() {
+                    return; // the receiver went away
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Hands a message to its shard. A snapshot the replica needs is fetched
+/// first (one transfer per shard at a time; others are dropped: the leader
+/// retries).
+fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool {
+    if message.msg_type() != MessageType::MsgSnapshot {
+        return shard.step(message);
+    }
+    let commit = shard.state().status.map_or(0, |s| s.commit);
+    if message.get_snapshot().get_metadata().index <= commit {
+        return shard.step(message);
+    }
+    if !shard.begin_snapshot() {
+        return false;
+    }
+    let (node, shard) = (node.clone(), shard.clone());
+    tokio::spawn(async move {
+        match fetch_snapshot(&node, &shard, &message).await {
+            Ok(()) => {
+                if shard
+                    .send(Event::SnapshotReceived(Box::new(message)))
+                    .is_err()
+                {
+                    shard.abort_snapshot();
+                }
+            }
+            Err(error) => {
+                tracing::warn!(shard_id = shard.shard_id, %error, "snapshot transfer failed");
+                shard.abort_snapshot();
+            }
+        }
+    });
+    true
+}
+
+/// Pulls a snapshot's files into the shard's spare slot, resuming after
+/// broken streams.
+async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> Result<()> {
+    let manifest = manifest_of(message.get_snapshot())?;
+    let source = manifest
+        .source
+        .clone()
+        .ok_or_else(|| NodeError::Malformed("snapshot manifest names no source".into()))?;
+    let id = manifest.snapshot_id;
+    tracing::info!(
+        shard_id = shard.shard_id,
+        snapshot = id,
+        index = manifest.raft_index,
+        files = manifest.files.len(),
+        from = source.node_id,
+        "receiving snapshot"
+    );
+    let store = shard.store().clone();
+    let mut receiver = tokio::task::block_in_place(|| Receiver::start(manifest, &store))?;
+    let mut last_error = None;
+    for _ in 0..SNAPSHOT_ATTEMPTS {
+        if receiver.is_complete() {
+            break;
+        }
+        let (file_index, offset) = receiver.resume_point();
+        let request = FetchSnapshotRequest {
+            shard_id: shard.shard_id,
+            snapshot_id: id,
+            file_index,
+            offset,
+            to_node: node.config.node_id,
+        };
+        match pull(&source.address, request, &mut receiver, node).await {
+            Ok(()) => {}
+            Err(PullError::Gone(status)) => {
+                return Err(NodeError::Network(format!("snapshot {id}: {status}")));
+            }
+            Err(PullError::Broken(error)) => {
+                last_error = Some(error);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(PullError::Bad(error)) => return Err(error),
+        }
+    }
+    if !receiver.is_complete() {
+        return Err(NodeError::Network(format!(
+            "snapshot {id} incomplete after {SNAPSHOT_ATTEMPTS} attempts: {}",
+            last_error.unwrap_or_default()
+        )));
+    }
+    tokio::task::block_in_place(|| receiver.finish())?;
+    node.metrics.snapshots_received.inc();
+    Ok(())
+}
+
+enum PullError {
+    /// The sender no longer offers it.
+    Gone(Status),
+    /// The stream broke: resume.
+    Broken(String),
+    /// The data is wrong: give up.
+    Bad(NodeError),
+}
+
+async fn pull(
+    address: &str,
+    request: FetchSnapshotRequest,
+    receiver: &mut Receiver,
+    node: &Node,
+) -> std::result::Result<(), PullError> {
+    let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
+        .map_err(|e| PullError::Bad(NodeError::Network(format!("bad address {address}: {e}"))))?
+        .connect_timeout(Duration::from_secs(2));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| PullError::Broken(e.to_string()))?;
+    let mut client = RaftTransportClient::new(channel)
+        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    let mut stream = match client.fetch_snapshot(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) if status.code() == tonic::Code::NotFound => {
+            return Err(PullError::Gone(status));
+        }
+        Err(status) => return Err(PullError::Broken(status.to_string())),
+    };
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|s| PullError::Broken(s.to_string()))?;
+        let len = chunk.data.len() as u64;
+        tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
+        node.metrics.snapshot_bytes_received.add(len);
+    }
+    Ok(())
+}

@@ -1,0 +1,168 @@
+//! Raft traffic to peers: one task and one bounded queue per peer node,
+//! each holding a long-lived `RaftTransport.Send` stream that carries
+//! batches of messages (for all shared shards) as opaque bytes.
+//!
+//! A message that finds its peer's queue full is dropped — Raft resends —
+//! so a slow or unreachable peer never blocks the shard owners or the
+//! other peers. A broken stream is reopened with backoff; messages queued
+//! while a peer is unreachable are discarded (they would be stale).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use prost011::Message as _;
+use raft::eraftpb::Message;
+use tidepool_proto::v1::raft_transport_client::RaftTransportClient;
+use tidepool_proto::v1::{RaftBatch, RaftEnvelope};
+use tokio::sync::mpsc;
+
+use super::{MAX_GRPC_MESSAGE, Node};
+use crate::shard::Outgoing;
+
+/// Messages queued per peer before new ones are dropped.
+const PEER_QUEUE: usize = 4_096;
+/// Most messages per batch on the wire.
+const BATCH_MESSAGES: usize = 512;
+
+/// Outgoing Raft traffic of a node.
+pub(crate) struct Transport {
+    node_id: u64,
+    runtime: tokio::runtime::Handle,
+    addresses: RwLock<HashMap<u64, String>>,
+    peers: Mutex<HashMap<u64, (String, mpsc::Sender<RaftEnvelope>)>>,
+    node: RwLock<Weak<Node>>,
+}
+
+impl Transport {
+    /// A transport for node `node_id`; must be created in a tokio runtime.
+    pub fn new(node_id: u64) -> Arc<Transport> {
+        Arc::new(Transport {
+            node_id,
+            runtime: tokio::runtime::Handle::current(),
+            addresses: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            node: RwLock::new(Weak::new()),
+        })
+    }
+
+    /// The node, for metrics.
+    pub fn set_node(&self, node: Weak<Node>) {
+        *self.node.write() = node;
+    }
+
+    /// Records where node `id` is reached.
+    pub fn set_address(&self, id: u64, address: String) {
+        self.addresses.write().insert(id, address);
+    }
+
+    /// Where node `id` is reached.
+    pub fn address(&self, id: u64) -> Option<String> {
+        self.addresses.read().get(&id).cloned()
+    }
+
+    fn queue(&self, to: u64) -> Option<mpsc::Sender<RaftEnvelope>> {
+        let address = self.address(to)?;
+        let mut peers = self.peers.lock();
+        if let Some((known, tx)) = peers.get(&to)
+            && *known == address
+            && !tx.is_closed()
+        {
+            return Some(tx.clone());
+        }
+        // New peer, or its address changed: a new sender task.
+        let (tx, rx) = mpsc::channel(PEER_QUEUE);
+        self.runtime
+            .spawn(run_peer(self.node_id, to, address.clone(), rx));
+        peers.insert(to, (address, tx.clone()));
+        Some(tx)
+    }
+
+    fn count_dropped(&self) {
+        if let Some(node) = self.node.read().upgrade() {
+            node.metrics.raft_messages_dropped.inc();
+        }
+    }
+}
+
+impl Outgoing for Transport {
+    fn send(&self, shard: u32, message: Message) {
+        let Some(queue) = self.queue(message.to) else {
+            self.count_dropped();
+            return;
+        };
+        let envelope = RaftEnvelope {
+            shard_id: shard,
+            message: message.encode_to_vec(),
+        };
+        if queue.try_send(envelope).is_err() {
+            self.count_dropped();
+        }
+    }
+}
+
+/// Sends everything queued for peer `to`, reconnecting as needed.
+async fn run_peer(from: u64, to: u64, address: String, mut queue: mpsc::Receiver<RaftEnvelope>) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let endpoint = match tonic::transport::Endpoint::from_shared(address.clone()) {
+            Ok(endpoint) => endpoint
+                .connect_timeout(Duration::from_secs(1))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(Duration::from_secs(5)),
+            Err(error) => {
+                tracing::error!(to, %address, %error, "bad peer address; dropping its traffic");
+                while queue.recv().await.is_some() {}
+                return;
+            }
+        };
+        let channel = match endpoint.connect().await {
+            Ok(channel) => channel,
+            Err(error) => {
+                tracing::debug!(to, %address, %error, "peer unreachable");
+                // What queued up meanwhile is stale: Raft resends.
+                while queue.try_recv().is_ok() {}
+                if queue.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(50);
+        let mut client = RaftTransportClient::new(channel)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE)
+            .max_decoding_message_size(MAX_GRPC_MESSAGE);
+        let (stream_tx, stream_rx) = mpsc::channel::<RaftBatch>(8);
+        let call = client.send(tokio_stream::wrappers::ReceiverStream::new(stream_rx));
+        tokio::pin!(call);
+        loop {
+            tokio::select! {
+                result = &mut call => {
+                    if let Err(status) = result {
+                        tracing::debug!(to, %status, "raft stream ended");
+                    }
+                    break;
+                }
+                first = queue.recv() => {
+                    let Some(first) = first else { return };
+                    let mut messages = vec![first];
+                    while messages.len() < BATCH_MESSAGES {
+                        match queue.try_recv() {
+                            Ok(more) => messages.push(more),
+                            Err(_) => break,
+                        }
+                    }
+                    let batch = RaftBatch { from_node: from, to_node: to, messages };
+                    if stream_tx.send(batch).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+    }
+}

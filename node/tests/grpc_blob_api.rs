@@ -1,0 +1,267 @@
+//! The client API of real nodes over gRPC: three nodes, two shards.
+//! Every operation, every typed error a client can provoke, and the hints
+//! that let a client route: `NOT_LEADER` names the leader, `WRONG_SHARD`
+//! carries the map version.
+
+mod grpc_support;
+
+use grpc_support::{TestCluster, blob, code, get, get_on, put, put_on};
+use sha2::{Digest, Sha256};
+use tidepool_proto::error_detail;
+use tidepool_proto::v1::{
+    BatchExistsRequest, BlobKind, DeleteRequest, ErrorCode, GetRequest, HeadRequest, Presence,
+    PutHeader, PutRequest, ReadConsistency, TouchRequest, get_response, put_request,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_operation_and_every_client_error() {
+    let cluster = TestCluster::start(3, 2, |c| c.raft.max_value_bytes = 2 << 20).await;
+
+    // Put, get, head; content over several stream chunks.
+    let content: Vec<u8> = (0..1_500_000u32).map(|i| (i % 251) as u8).collect();
+    let put_response = put(&cluster, "default", b"reports/q3.pdf", &content)
+        .await
+        .unwrap();
+    let info = put_response.info.unwrap();
+    assert_eq!(info.size, content.len() as u64);
+    assert_eq!(info.sha256, Sha256::digest(&content).to_vec());
+    assert!(!put_response.already_present);
+    assert_eq!(
+        get(&cluster, "default", b"reports/q3.pdf").await.unwrap(),
+        content
+    );
+
+    // Find the leader of that key's shard through a NOT_LEADER hint.
+    let mut leader = 0;
+    for id in 1..=3 {
+        match get_on(
+            &cluster,
+            id,
+            "default",
+            b"reports/q3.pdf",
+            ReadConsistency::Linearizable,
+        )
+        .await
+        {
+            Ok(_) => leader = id,
+            Err(status) => {
+                assert_eq!(code(&status), ErrorCode::NotLeader, "{status:?}");
+                let detail = error_detail(&status).unwrap();
+                let hint = detail.leader_hint.expect("the follower names the leader");
+                assert_eq!(hint.address, cluster.url(hint.node_id));
+                assert!(detail.map_version >= 1);
+                assert!(detail.shard_id.is_some());
+            }
+        }
+    }
+    assert_ne!(leader, 0);
+    let follower = leader % 3 + 1;
+    // Any replica may serve reads that accept staleness, once it applied.
+    let mut served = false;
+    for _ in 0..100 {
+        if let Ok(bytes) = get_on(
+            &cluster,
+            follower,
+            "default",
+            b"reports/q3.pdf",
+            ReadConsistency::AnyReplica,
+        )
+        .await
+        {
+            assert_eq!(bytes, content);
+            served = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(served, "a follower never served an any-replica read");
+    let status = put_on(&cluster, follower, "default", b"reports/q3.pdf", b"x")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotLeader);
+
+    let mut client = cluster.client(leader).await;
+    // A range read, clamped at the end.
+    let mut stream = client
+        .get(GetRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            offset: 1_499_990,
+            length: 100,
+            ..GetRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut range = Vec::new();
+    while let Some(m) = stream.message().await.unwrap() {
+        if let Some(get_response::Msg::Data(d)) = m.msg {
+            range.extend_from_slice(&d);
+        }
+    }
+    assert_eq!(range, content[1_499_990..]);
+    let head = client
+        .head(HeadRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            ..HeadRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(head.info.unwrap().size, content.len() as u64);
+
+    // Missing blobs, namespaces, bad keys.
+    let status = get(&cluster, "default", b"nothing here").await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
+    let status = put_on(&cluster, leader, "nope", b"k", b"v")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NamespaceNotFound);
+    let status = put_on(&cluster, leader, "default", b"", b"v")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
+    let status = put_on(&cluster, leader, "default", &[7u8; 1025], b"v")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
+
+    // Too large, and a stream that does not match its header.
+    let status = put(&cluster, "default", b"big", &vec![0u8; (2 << 20) + 1])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::ValueTooLarge);
+    let lying = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("default", b"reports/q3.pdf"),
+                size: 10,
+                ..PutHeader::default()
+            })),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(vec![1; 5])),
+        },
+    ];
+    let status = client.put(tokio_stream::iter(lying)).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::SizeMismatch);
+    let wrong_digest = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("default", b"reports/q3.pdf"),
+                size: 3,
+                expected_sha256: vec![0; 32],
+                kind: BlobKind::Data as i32,
+                ..PutHeader::default()
+            })),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(b"abc".to_vec())),
+        },
+    ];
+    let status = client
+        .put(tokio_stream::iter(wrong_digest))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::DigestMismatch);
+    // Nothing of the refused puts was stored.
+    assert_eq!(
+        get(&cluster, "default", b"reports/q3.pdf").await.unwrap(),
+        content
+    );
+
+    // Content-addressed: the key must be the digest; a second put of the
+    // same content only refreshes it.
+    let chunk = b"a deduplicated chunk".to_vec();
+    let digest = Sha256::digest(&chunk).to_vec();
+    let first = put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    assert!(!first.already_present);
+    let again = put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    assert!(again.already_present);
+    let status = put(&cluster, "cas", &digest, b"other content")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::DigestMismatch);
+    let status = put(&cluster, "cas", b"short", &chunk).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
+
+    // Batch existence across both shards, from the leader of one: keys of
+    // the other shard are answered there or marked NOT_HERE, never guessed.
+    let mut keys: Vec<Vec<u8>> = (0..20).map(|i| format!("k{i}").into_bytes()).collect();
+    for key in keys.iter().take(10) {
+        put(&cluster, "default", key, b"v").await.unwrap();
+    }
+    keys.push(b"reports/q3.pdf".to_vec());
+    let mut answered = vec![Presence::NotHere; keys.len()];
+    for id in 1..=3 {
+        let response = cluster
+            .client(id)
+            .await
+            .batch_exists(BatchExistsRequest {
+                namespace: "default".into(),
+                keys: keys.clone(),
+                ..BatchExistsRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        for (i, p) in response.presence.iter().enumerate() {
+            let p = Presence::try_from(*p).unwrap();
+            if p != Presence::NotHere {
+                answered[i] = p;
+            }
+        }
+    }
+    for (i, p) in answered.iter().enumerate() {
+        let expected = if i < 10 || i == 20 {
+            Presence::Present
+        } else {
+            Presence::Absent
+        };
+        assert_eq!(*p, expected, "key {i}");
+    }
+
+    // Touch and delete.
+    let touched = cluster
+        .client(leader)
+        .await
+        .touch(TouchRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            ..TouchRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(touched.epoch, 1);
+    let deleted = client
+        .delete(DeleteRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            ..DeleteRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(deleted.existed);
+    let again = client
+        .delete(DeleteRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            ..DeleteRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.existed);
+    let status = get(&cluster, "default", b"reports/q3.pdf")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
+    let status = client
+        .touch(TouchRequest {
+            blob: blob("default", b"reports/q3.pdf"),
+            ..TouchRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
+
+    cluster.shutdown().await;
+}

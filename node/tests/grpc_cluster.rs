@@ -1,0 +1,247 @@
+//! Real nodes over real sockets: a leader stopped and restarted under
+//! writes, a replica that comes back after the log was compacted and is
+//! caught up by a snapshot streamed over gRPC, and a replica moved from one
+//! node to another through the admin calls the coordinator makes.
+
+mod grpc_support;
+
+use grpc_support::{
+    TestCluster, code, get, get_on, put, replica_status, wait_caught_up, wait_leader,
+};
+use tidepool_proto::v1::{
+    ChangeMembershipRequest, CloseReplicaRequest, ErrorCode, MembershipChange, OpenReplicaRequest,
+    ReadConsistency, TransferLeaderRequest,
+};
+
+fn value(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i * 31 + j) as u8).collect()
+}
+
+/// Every key reads back on node `id` from its local state.
+async fn assert_replica_holds(cluster: &TestCluster, id: u64, keys: &[(String, Vec<u8>)]) {
+    for (key, content) in keys {
+        let got = get_on(
+            cluster,
+            id,
+            "default",
+            key.as_bytes(),
+            ReadConsistency::AnyReplica,
+        )
+        .await
+        .unwrap_or_else(|s| panic!("node {id} lacks {key}: {s:?}"));
+        assert_eq!(&got, content, "node {id}, {key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leader_stopped_and_restarted_under_writes() {
+    let mut cluster = TestCluster::start(3, 1, |_| {}).await;
+    let mut written = Vec::new();
+    for i in 0..40 {
+        let key = format!("before/{i}");
+        let content = value(i, 2_000);
+        put(&cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        written.push((key, content));
+    }
+    let old = wait_leader(&cluster, 1).await;
+    cluster.stop(old).await;
+    // The two left elect a leader; the client follows the hints to it.
+    for i in 0..40 {
+        let key = format!("after/{i}");
+        let content = value(i + 1000, 3_000);
+        put(&cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        written.push((key, content));
+    }
+    let new = wait_leader(&cluster, 1).await;
+    assert_ne!(new, old);
+    cluster.restart(old).await;
+    wait_caught_up(&cluster, old, 1).await;
+    for id in 1..=3 {
+        assert_replica_holds(&cluster, id, &written).await;
+    }
+    for (key, content) in &written {
+        assert_eq!(
+            &get(&cluster, "default", key.as_bytes()).await.unwrap(),
+            content
+        );
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
+    let mut cluster = TestCluster::start(3, 1, |c| c.raft.compact_log_entries = 16).await;
+    put(&cluster, "default", b"first", b"1").await.unwrap();
+    let leader = wait_leader(&cluster, 1).await;
+    let away = leader % 3 + 1;
+    cluster.stop(away).await;
+    let mut written = Vec::new();
+    for i in 0..150 {
+        let key = format!("k/{i}");
+        let content = value(i, 8_000);
+        put(&cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        written.push((key, content));
+    }
+    // The log no longer reaches back to where the stopped replica was.
+    let leader = wait_leader(&cluster, 1).await;
+    let status = replica_status(&cluster, leader, 1).await.unwrap();
+    assert!(
+        status.first_index > 20,
+        "the leader never compacted: {status:?}"
+    );
+
+    cluster.restart(away).await;
+    wait_caught_up(&cluster, away, 1).await;
+    let metrics = &cluster.running[&away].node.metrics;
+    assert!(
+        metrics.snapshots_received.get() >= 1,
+        "caught up without a snapshot"
+    );
+    assert!(metrics.snapshot_bytes_received.get() > 150 * 8_000 / 2);
+    assert_replica_holds(&cluster, away, &written).await;
+    assert_replica_holds(&cluster, away, &[("first".into(), b"1".to_vec())]).await;
+    // And it keeps following the log afterwards.
+    put(&cluster, "default", b"last", b"2").await.unwrap();
+    wait_caught_up(&cluster, away, 1).await;
+    assert_replica_holds(&cluster, away, &[("last".into(), b"2".to_vec())]).await;
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replica_moved_to_a_new_node_through_admin_calls() {
+    // Four nodes; the shard starts on 1, 2 and 3.
+    let cluster = TestCluster::start(4, 1, |c| {
+        if let Some(static_cluster) = c.cluster.as_mut() {
+            static_cluster.replicas = vec![1, 2, 3];
+        }
+    })
+    .await;
+    assert!(replica_status(&cluster, 4, 1).await.is_none());
+    let mut written = Vec::new();
+    for i in 0..30 {
+        let key = format!("m/{i}");
+        let content = value(i, 5_000);
+        put(&cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        written.push((key, content));
+    }
+    let leader = wait_leader(&cluster, 1).await;
+    let info = cluster.running[&leader].node.map().shards[0].clone();
+
+    // Node 4 opens an empty replica that waits to be added.
+    let opened = cluster
+        .admin(4)
+        .await
+        .open_replica(OpenReplicaRequest {
+            shard: Some(info.clone()),
+            bootstrap: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!opened.already_open);
+
+    let change = |change: MembershipChange, node_id: u64, expected: u64| ChangeMembershipRequest {
+        shard_id: 1,
+        change: change as i32,
+        node_id,
+        expected_conf_version: expected,
+    };
+    // A stale conf_version is refused.
+    let conf = replica_status(&cluster, leader, 1)
+        .await
+        .unwrap()
+        .conf_version;
+    let status = cluster
+        .admin(leader)
+        .await
+        .change_membership(change(MembershipChange::AddLearner, 4, conf + 7))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Conflict);
+    // Promoting a node that is not a learner is refused.
+    let status = cluster
+        .admin(leader)
+        .await
+        .change_membership(change(MembershipChange::Promote, 4, conf))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Conflict);
+
+    let added = cluster
+        .admin(leader)
+        .await
+        .change_membership(change(MembershipChange::AddLearner, 4, conf))
+        .await
+        .unwrap()
+        .into_inner()
+        .shard
+        .unwrap();
+    assert!(added.conf_version > conf);
+    wait_caught_up(&cluster, 4, 1).await;
+    let promoted = cluster
+        .admin(leader)
+        .await
+        .change_membership(change(MembershipChange::Promote, 4, added.conf_version))
+        .await
+        .unwrap()
+        .into_inner()
+        .shard
+        .unwrap();
+    assert_eq!(promoted.replicas.len(), 4);
+
+    // Leadership to node 4, then node 1 leaves.
+    cluster
+        .admin(leader)
+        .await
+        .transfer_leader(TransferLeaderRequest {
+            shard_id: 1,
+            to_node: 4,
+        })
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !replica_status(&cluster, 4, 1).await.unwrap().is_leader {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leadership never moved to node 4"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let removed = cluster
+        .admin(4)
+        .await
+        .change_membership(change(MembershipChange::Remove, 1, promoted.conf_version))
+        .await
+        .unwrap()
+        .into_inner()
+        .shard
+        .unwrap();
+    assert!(removed.replicas.iter().all(|r| r.node_id != 1));
+    cluster
+        .admin(1)
+        .await
+        .close_replica(CloseReplicaRequest { shard_id: 1 })
+        .await
+        .unwrap();
+    assert!(replica_status(&cluster, 1, 1).await.is_none());
+    assert!(!cluster.configs[&1].data_dir.join("shards/1").exists());
+
+    // Writes go on with the new membership, and everything is on node 4.
+    put(&cluster, "default", b"after-move", b"ok")
+        .await
+        .unwrap();
+    written.push(("after-move".into(), b"ok".to_vec()));
+    for id in 2..=4 {
+        wait_caught_up(&cluster, id, 1).await;
+        assert_replica_holds(&cluster, id, &written).await;
+    }
+    cluster.shutdown().await;
+}
