@@ -247,6 +247,33 @@ impl NodeConfig {
             if cluster.replicas.is_empty() {
                 return bad("cluster.replicas must name at least one node".into());
             }
+            if !cluster.peers.iter().any(|p| p.id == self.node_id) {
+                return bad(format!(
+                    "cluster.peers has no entry for this node (node_id {})",
+                    self.node_id
+                ));
+            }
+            let mut ids: Vec<u64> = cluster.peers.iter().map(|p| p.id).collect();
+            ids.sort_unstable();
+            if let Some(pair) = ids.windows(2).find(|w| w[0] == w[1]) {
+                return bad(format!("cluster.peers lists node {} twice", pair[0]));
+            }
+            let mut names: Vec<(&str, u32)> = cluster
+                .namespaces
+                .iter()
+                .map(|ns| (ns.name.as_str(), ns.id))
+                .collect();
+            names.sort_unstable();
+            if let Some(pair) = names.windows(2).find(|w| w[0].0 == w[1].0) {
+                return bad(format!("namespace {:?} is listed twice", pair[0].0));
+            }
+            names.sort_unstable_by_key(|(_, id)| *id);
+            if let Some(pair) = names.windows(2).find(|w| w[0].1 == w[1].1) {
+                return bad(format!(
+                    "namespaces {:?} and {:?} share id {}",
+                    pair[0].0, pair[1].0, pair[0].1
+                ));
+            }
             for id in &cluster.replicas {
                 if !cluster.peers.iter().any(|p| p.id == *id) {
                     return bad(format!(
@@ -451,5 +478,35 @@ mod tests {
                 .contains("node 9")
         );
         assert!(err("node_id = 1\n[engine]\nwal_segment_mib = 4").contains("wal_segment_mib"));
+        let cluster = |peers: &str, namespaces: &str| {
+            format!(
+                "node_id = 1\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{peers}]\nnamespaces = [{namespaces}]"
+            )
+        };
+        assert!(
+            err(&cluster("{ id = 2, address = \"x\" }", "")).contains("no entry for this node")
+        );
+        assert!(
+            err(&cluster(
+                "{ id = 1, address = \"x\" }, { id = 1, address = \"y\" }",
+                ""
+            ))
+            .contains("node 1 twice")
+        );
+        let one = "{ id = 1, address = \"x\" }";
+        assert!(
+            err(&cluster(
+                one,
+                "{ name = \"a\", id = 1 }, { name = \"a\", id = 2 }"
+            ))
+            .contains("\"a\" is listed twice")
+        );
+        assert!(
+            err(&cluster(
+                one,
+                "{ name = \"a\", id = 3 }, { name = \"b\", id = 3 }"
+            ))
+            .contains("share id 3")
+        );
     }
 }

@@ -10,8 +10,19 @@
 //! ```
 
 pub mod depcheck;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 mod io;
 mod seed;
 
 pub use io::{on_block_device, process_read_bytes, process_write_bytes};
 pub use seed::seed_from_env;
+
+/// A free local TCP port (bound and released; another process could take
+/// it before the caller binds it, which is unlikely).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}

@@ -39,7 +39,7 @@ use crate::error::{NodeError, Result};
 use crate::shard::ShardHandle;
 use crate::snapshot::Outbox;
 use crate::store::ReplicaStore;
-pub use metrics::NodeMetrics;
+pub use metrics::{NodeMetrics, OPERATIONS};
 use transport::Transport;
 
 /// Largest gRPC message the node sends or accepts (Raft batches carry

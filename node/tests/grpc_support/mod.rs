@@ -2,7 +2,7 @@
 //! them, and a small client that finds shard leaders by following
 //! `NOT_LEADER` hints.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,22 +11,11 @@ use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster};
 use tidepool_node::server::{RunningNode, start};
 use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::node_admin_client::NodeAdminClient;
-use tidepool_proto::v1::{
-    BlobKind, BlobRef, ErrorCode, GetRequest, PutHeader, PutRequest, PutResponse, ReadConsistency,
-    get_response, put_request,
-};
-use tidepool_proto::{ErrorInfo, error_detail};
+use tidepool_proto::v1::{PutResponse, ReadConsistency};
+use tidepool_testkit::grpc;
 use tonic::transport::Channel;
 
-/// A free local port (bound and released; a race with other processes is
-/// possible but unlikely).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use tidepool_testkit::free_port;
 
 /// A cluster of nodes serving on loopback ports.
 pub struct TestCluster {
@@ -117,10 +106,7 @@ impl TestCluster {
     }
 
     pub async fn client(&self, id: u64) -> BlobServiceClient<Channel> {
-        BlobServiceClient::connect(self.url(id))
-            .await
-            .unwrap()
-            .max_decoding_message_size(64 << 20)
+        grpc::client(&self.url(id)).await
     }
 
     pub async fn admin(&self, id: u64) -> NodeAdminClient<Channel> {
@@ -135,18 +121,13 @@ impl TestCluster {
     }
 }
 
-/// The stable error code of a failed call.
-pub fn code(status: &tonic::Status) -> ErrorCode {
-    error_detail(status)
-        .map(|d| ErrorInfo { detail: d }.code())
-        .unwrap_or(ErrorCode::Unspecified)
-}
+pub use tidepool_testkit::grpc::{blob, code};
 
-pub fn blob(namespace: &str, key: &[u8]) -> Option<BlobRef> {
-    Some(BlobRef {
-        namespace: namespace.into(),
-        key: key.to_vec(),
-    })
+impl TestCluster {
+    /// URLs of the running nodes.
+    pub fn urls(&self) -> BTreeMap<u64, String> {
+        self.running.keys().map(|id| (*id, self.url(*id))).collect()
+    }
 }
 
 /// One put on node `id`.
@@ -157,68 +138,17 @@ pub async fn put_on(
     key: &[u8],
     content: &[u8],
 ) -> Result<PutResponse, tonic::Status> {
-    let mut messages = vec![PutRequest {
-        msg: Some(put_request::Msg::Header(PutHeader {
-            blob: blob(namespace, key),
-            size: content.len() as u64,
-            kind: BlobKind::Data as i32,
-            ..PutHeader::default()
-        })),
-    }];
-    for chunk in content.chunks(1 << 20) {
-        messages.push(PutRequest {
-            msg: Some(put_request::Msg::Data(chunk.to_vec())),
-        });
-    }
-    let mut client = cluster.client(id).await;
-    client
-        .put(tokio_stream::iter(messages))
-        .await
-        .map(|r| r.into_inner())
+    grpc::put_at(&cluster.url(id), namespace, key, content).await
 }
 
-/// Node to try next after `status`, from its leader hint.
-fn hinted(status: &tonic::Status) -> Option<u64> {
-    error_detail(status)?.leader_hint.map(|h| h.node_id)
-}
-
-/// A put routed to the shard leader, retrying (with hints) for up to 20 s.
+/// A put routed to the shard leader.
 pub async fn put(
     cluster: &TestCluster,
     namespace: &str,
     key: &[u8],
     content: &[u8],
 ) -> Result<PutResponse, tonic::Status> {
-    let mut target = *cluster.running.keys().next().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        match put_on(cluster, target, namespace, key, content).await {
-            Err(status)
-                if matches!(
-                    code(&status),
-                    ErrorCode::NotLeader | ErrorCode::NoQuorum | ErrorCode::WrongShard
-                ) && tokio::time::Instant::now() < deadline =>
-            {
-                target = match hinted(&status) {
-                    Some(id) if cluster.running.contains_key(&id) => id,
-                    _ => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        next_running(cluster, target)
-                    }
-                };
-            }
-            other => return other,
-        }
-    }
-}
-
-fn next_running(cluster: &TestCluster, after: u64) -> u64 {
-    cluster
-        .running
-        .keys()
-        .copied()
-        .find(|id| *id > after)
-        .unwrap_or_else(|| *cluster.running.keys().next().unwrap())
+    grpc::put(&cluster.urls(), namespace, key, content).await
 }
 
 /// A whole-blob get on node `id`.
@@ -229,22 +159,7 @@ pub async fn get_on(
     key: &[u8],
     consistency: ReadConsistency,
 ) -> Result<Vec<u8>, tonic::Status> {
-    let mut client = cluster.client(id).await;
-    let mut stream = client
-        .get(GetRequest {
-            blob: blob(namespace, key),
-            consistency: consistency as i32,
-            ..GetRequest::default()
-        })
-        .await?
-        .into_inner();
-    let mut content = Vec::new();
-    while let Some(message) = stream.message().await? {
-        if let Some(get_response::Msg::Data(data)) = message.msg {
-            content.extend_from_slice(&data);
-        }
-    }
-    Ok(content)
+    grpc::get_at(&cluster.url(id), namespace, key, consistency).await
 }
 
 /// A linearizable get routed to the leader.
@@ -253,35 +168,7 @@ pub async fn get(
     namespace: &str,
     key: &[u8],
 ) -> Result<Vec<u8>, tonic::Status> {
-    let mut target = *cluster.running.keys().next().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        match get_on(
-            cluster,
-            target,
-            namespace,
-            key,
-            ReadConsistency::Linearizable,
-        )
-        .await
-        {
-            Err(status)
-                if matches!(
-                    code(&status),
-                    ErrorCode::NotLeader | ErrorCode::NoQuorum | ErrorCode::WrongShard
-                ) && tokio::time::Instant::now() < deadline =>
-            {
-                target = match hinted(&status) {
-                    Some(id) if cluster.running.contains_key(&id) => id,
-                    _ => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        next_running(cluster, target)
-                    }
-                };
-            }
-            other => return other,
-        }
-    }
+    grpc::get(&cluster.urls(), namespace, key).await
 }
 
 /// Node `id`'s view of its replica of `shard`, if it hosts one.
