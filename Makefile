@@ -10,7 +10,7 @@ export CARGO_TERM_COLOR ?= never
 # Debian packages the build and the tests need.
 DEBIAN_PACKAGES := protobuf-compiler etcd-server
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench e2e image
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e image
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -59,10 +59,15 @@ ci: ## The gate: format, lints, dependency rules, docs, all tests.
 
 BENCH_SECONDS ?= 10
 
-bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off.
+bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks
 	./target/release/engine-put --seconds $(BENCH_SECONDS)
 	./target/release/engine-reclaim --seconds $(BENCH_SECONDS)
+	./target/release/node-shard --seconds $(BENCH_SECONDS)
+
+bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.
+	$(CARGO) build --release -p tidepool-benchmarks
+	./target/release/node-shard --seconds $(BENCH_SECONDS)
 
 e2e: ## End-to-end scenarios on real processes and a real etcd.
 	@echo "e2e: not yet — the end-to-end suite arrives with issue 9"; exit 1

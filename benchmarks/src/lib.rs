@@ -1,6 +1,6 @@
-//! Benchmarks of Tidepool against its peers (RocksDB, BlobDB), run side by
-//! side in one process on the same data. Heavy peers will sit behind a
-//! feature so `make ci` never builds them; `make bench` does.
+//! Benchmarks of Tidepool, with the peer each is compared against measured
+//! in the same run. Heavy peers (RocksDB) will sit behind a feature so
+//! `make ci` never builds them; `make bench` does.
 //!
 //! What this crate is **not**: a place for timing assertions. Results are
 //! recorded, with the command that produced them, in `benchmarks/RESULTS.md`.
@@ -8,3 +8,76 @@
 //! Binaries:
 //! - `engine-put`: engine put throughput with 1 and 2 threads next to the
 //!   `memcpy`-into-mmap limit of the same machine.
+//! - `engine-reclaim`: a delete-heavy workload with relocation off and on.
+//! - `node-shard`: a 3-replica shard of real nodes over loopback gRPC with
+//!   concurrent clients, next to a single engine driven the same way.
+
+use std::time::Duration;
+
+/// Latencies of one run, exact (every sample kept).
+#[derive(Debug, Default)]
+pub struct Latencies {
+    samples_ns: Vec<u64>,
+    sorted: bool,
+}
+
+impl Latencies {
+    /// Records one operation's latency.
+    pub fn record(&mut self, latency: Duration) {
+        self.samples_ns
+            .push(u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX));
+        self.sorted = false;
+    }
+
+    /// Adds another run's samples.
+    pub fn merge(&mut self, other: Latencies) {
+        self.samples_ns.extend(other.samples_ns);
+        self.sorted = false;
+    }
+
+    /// Samples recorded.
+    pub fn count(&self) -> u64 {
+        self.samples_ns.len() as u64
+    }
+
+    /// The `q`-quantile (0.0–1.0), or zero without samples.
+    pub fn quantile(&mut self, q: f64) -> Duration {
+        if self.samples_ns.is_empty() {
+            return Duration::ZERO;
+        }
+        if !self.sorted {
+            self.samples_ns.sort_unstable();
+            self.sorted = true;
+        }
+        let rank = ((self.samples_ns.len() - 1) as f64 * q).round() as usize;
+        Duration::from_nanos(self.samples_ns[rank])
+    }
+}
+
+/// A duration in the unit that reads best (µs below 10 ms, else ms).
+pub fn human(d: Duration) -> String {
+    if d < Duration::from_millis(10) {
+        format!("{:.0} µs", d.as_secs_f64() * 1e6)
+    } else {
+        format!("{:.1} ms", d.as_secs_f64() * 1e3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_exact_ranks() {
+        let mut l = Latencies::default();
+        for ms in (1..=100).rev() {
+            l.record(Duration::from_millis(ms));
+        }
+        assert_eq!(l.count(), 100);
+        assert_eq!(l.quantile(0.0), Duration::from_millis(1));
+        assert_eq!(l.quantile(0.5), Duration::from_millis(51));
+        assert_eq!(l.quantile(0.99), Duration::from_millis(99));
+        assert_eq!(l.quantile(1.0), Duration::from_millis(100));
+        assert_eq!(Latencies::default().quantile(0.5), Duration::ZERO);
+    }
+}

@@ -443,7 +443,13 @@ impl Owner {
         let Some(replica) = self.replica.as_mut() else {
             return;
         };
-        match replica.handle_ready() {
+        let (outgoing, shard_id) = (&self.outgoing, self.handle.shard_id);
+        let mut send_early = |messages: Vec<Message>| {
+            for message in messages {
+                outgoing.send(shard_id, message);
+            }
+        };
+        match replica.handle_ready_sending(&mut send_early) {
             Ok(messages) => self.send_all(messages),
             Err(error) => self.check(Err(error)),
         }

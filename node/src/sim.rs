@@ -432,9 +432,15 @@ impl SimCluster {
         let mut failed = Vec::new();
         for (id, node) in &mut self.nodes {
             if let Some(replica) = node.replica.as_mut() {
-                match replica.handle_ready() {
-                    Ok(messages) => outgoing.extend(messages),
-                    Err(_) => failed.push(*id),
+                // Early messages (a leader's appends) leave even when the
+                // replica then dies before its own sync, as on a real node.
+                let mut early = Vec::new();
+                match replica.handle_ready_sending(&mut |m| early.extend(m)) {
+                    Ok(messages) => outgoing.extend(early.into_iter().chain(messages)),
+                    Err(_) => {
+                        outgoing.extend(early);
+                        failed.push(*id);
+                    }
                 }
             }
         }

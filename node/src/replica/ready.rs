@@ -1,5 +1,7 @@
 //! The Ready checklist, in raft-rs's order:
-//! 1. messages a leader may send before persisting;
+//! 1. messages a leader may send before persisting (its appends to
+//!    followers): sent at once, so followers write while the leader syncs;
+//!    raft-rs counts the leader's own copy only after `advance`;
 //! 2. a snapshot to install: its files are already in the spare slot (the
 //!    transport fetched them before stepping the message); open them, give
 //!    them this replica's Raft state, flip the slot;
@@ -23,15 +25,36 @@ impl Replica {
     /// Runs the Ready checklist if raft-rs has anything ready. Returns the
     /// messages to send.
     pub fn handle_ready(&mut self) -> Result<Vec<Message>> {
-        self.guarded(Self::handle_ready_unguarded)
+        let mut early = Vec::new();
+        let rest = self.handle_ready_sending(&mut |messages| early.extend(messages))?;
+        early.extend(rest);
+        Ok(early)
     }
 
-    fn handle_ready_unguarded(&mut self) -> Result<Vec<Message>> {
+    /// `handle_ready`, handing the messages a leader may send before its
+    /// own append is durable (appends to followers) to `send_early` before
+    /// waiting for that sync, so the followers' writes overlap the
+    /// leader's. The rest are returned.
+    pub fn handle_ready_sending(
+        &mut self,
+        send_early: &mut dyn FnMut(Vec<Message>),
+    ) -> Result<Vec<Message>> {
+        self.guarded(|replica| replica.handle_ready_unguarded(send_early))
+    }
+
+    fn handle_ready_unguarded(
+        &mut self,
+        send_early: &mut dyn FnMut(Vec<Message>),
+    ) -> Result<Vec<Message>> {
         if !self.raw.has_ready() {
             return Ok(Vec::new());
         }
         let mut ready = self.raw.ready();
-        let mut outgoing = ready.take_messages();
+        let early = ready.take_messages();
+        let mut outgoing = Vec::new();
+        if !early.is_empty() {
+            send_early(early);
+        }
         let read_states = ready.take_read_states();
         if !ready.snapshot().is_empty() {
             self.install_snapshot(ready.snapshot())?;

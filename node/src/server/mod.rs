@@ -395,10 +395,13 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode> {
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
     let admin = NodeAdminServer::new(admin::AdminApi::new(node.clone()));
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Small Raft and client messages must not wait for Nagle's algorithm
+    // (40 ms with delayed ACKs).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)));
     let server = tokio::spawn(async move {
         tonic::transport::Server::builder()
-            .tcp_nodelay(true)
             .add_service(blob)
             .add_service(raft)
             .add_service(admin)

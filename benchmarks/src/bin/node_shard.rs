@@ -1,0 +1,399 @@
+//! `node-shard`: a 3-replica shard of real nodes — three `tidepool node`
+//! servers in this process, each with its own data directory, talking gRPC
+//! over loopback — driven by concurrent clients, next to a single engine
+//! (the same engine configuration, no Raft, no network) driven the same way
+//! in the same run.
+//!
+//! Phases per value size, `--seconds` each: puts of new keys, then
+//! linearizable gets of keys written in the put phase (just written, so in
+//! the page cache: this measures the serving path, not the disk).
+//! Durability is the node default, `synced`: a node put is acknowledged
+//! once its entry is fsynced on a majority and applied on the leader; the
+//! single engine's puts use `Durability::Synced` (fsynced locally).
+//!
+//! Usage: `cargo run --release -p tidepool-benchmarks --bin node-shard --
+//! [--seconds 10] [--clients 32] [--value-bytes 1024,65536]
+//! [--dir target/bench-node]`
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use rand::Rng;
+use tidepool_benchmarks::{Latencies, human};
+use tidepool_engine::{Durability, Engine};
+use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster};
+use tidepool_node::server::{RunningNode, start};
+use tidepool_proto::storage_key;
+use tidepool_proto::v1::blob_service_client::BlobServiceClient;
+use tidepool_proto::v1::node_admin_client::NodeAdminClient;
+use tidepool_proto::v1::{
+    BlobKind, BlobRef, GetRequest, NodeStatusRequest, PutHeader, PutRequest, ReadConsistency,
+    get_response, put_request,
+};
+use tonic::transport::Channel;
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// Seconds each phase runs.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Concurrent clients (tasks for the shard, threads for the engine).
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Value sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1024,65536")]
+    value_bytes: Vec<usize>,
+    /// Scratch directory (emptied first).
+    #[arg(long, default_value = "target/bench-node")]
+    dir: PathBuf,
+}
+
+/// One measured phase.
+struct Run {
+    system: &'static str,
+    op: &'static str,
+    value_bytes: usize,
+    ops: u64,
+    elapsed: Duration,
+    latencies: Latencies,
+}
+
+impl Run {
+    fn row(&mut self, clients: usize) -> String {
+        let rate = self.ops as f64 / self.elapsed.as_secs_f64();
+        format!(
+            "| {} | {} | {} B | {clients} | {rate:.0} | {:.1} | {} | {} |",
+            self.system,
+            self.op,
+            self.value_bytes,
+            rate * self.value_bytes as f64 / f64::from(1 << 20),
+            human(self.latencies.quantile(0.5)),
+            human(self.latencies.quantile(0.99)),
+        )
+    }
+}
+
+fn node_config(id: u64, dir: &Path, ports: &[u16]) -> NodeConfig {
+    let mut config = NodeConfig::new(id);
+    config.listen = format!("127.0.0.1:{}", ports[id as usize - 1])
+        .parse()
+        .expect("address");
+    config.data_dir = dir.join(format!("node-{id}"));
+    config.cluster = Some(StaticCluster {
+        shards: 1,
+        replicas: vec![1, 2, 3],
+        peers: (1..=3)
+            .map(|id| Peer {
+                id,
+                address: format!("http://127.0.0.1:{}", ports[id as usize - 1]),
+            })
+            .collect(),
+        namespaces: vec![NamespaceSpec {
+            name: "bench".into(),
+            id: 1,
+            content_addressed: false,
+        }],
+    });
+    config
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn key_of(value_bytes: usize, client: usize, n: u64) -> Vec<u8> {
+    format!("bench/{value_bytes}/{client}/{n}").into_bytes()
+}
+
+/// The single engine: `clients` threads putting, then getting.
+fn engine_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
+    let dir = args.dir.join("engine");
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = node_config(1, &args.dir, &[0, 0, 0]).engine_config(dir.clone());
+    let engine = Engine::open(config).context("open engine")?;
+    let space = engine.key_space(tidepool_node::replica::BLOB_KEY_SPACE)?;
+    let duration = Duration::from_secs(args.seconds);
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let per_client: Vec<(u64, Latencies)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..args.clients)
+            .map(|client| {
+                let (engine, stop) = (&engine, &stop);
+                s.spawn(move || {
+                    let value = vec![0xA5u8; value_bytes];
+                    let mut latencies = Latencies::default();
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let key = storage_key(1, &key_of(value_bytes, client, n));
+                        let t = Instant::now();
+                        engine
+                            .put(space, &key, &value, Durability::Synced)
+                            .expect("put");
+                        latencies.record(t.elapsed());
+                        n += 1;
+                    }
+                    (n, latencies)
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("worker"))
+            .collect()
+    });
+    let put_elapsed = start.elapsed();
+    let written: Vec<u64> = per_client.iter().map(|(n, _)| *n).collect();
+    let mut put = Run {
+        system: "single engine",
+        op: "put",
+        value_bytes,
+        ops: written.iter().sum(),
+        elapsed: put_elapsed,
+        latencies: Latencies::default(),
+    };
+    for (_, l) in per_client {
+        put.latencies.merge(l);
+    }
+
+    stop.store(false, Ordering::Relaxed);
+    let start = Instant::now();
+    let per_client: Vec<(u64, Latencies)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..args.clients)
+            .map(|client| {
+                let (engine, stop, written) = (&engine, &stop, &written);
+                s.spawn(move || {
+                    let mut rng = rand::rng();
+                    let mut latencies = Latencies::default();
+                    let mut n = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let owner = (client + n as usize) % written.len();
+                        let key = storage_key(
+                            1,
+                            &key_of(
+                                value_bytes,
+                                owner,
+                                rng.random_range(0..written[owner].max(1)),
+                            ),
+                        );
+                        let t = Instant::now();
+                        let value = engine.get(space, &key).expect("get");
+                        latencies.record(t.elapsed());
+                        assert!(value.is_some_and(|v| v.len() == value_bytes));
+                        n += 1;
+                    }
+                    (n, latencies)
+                })
+            })
+            .collect();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("worker"))
+            .collect()
+    });
+    let mut get = Run {
+        system: "single engine",
+        op: "get",
+        value_bytes,
+        ops: per_client.iter().map(|(n, _)| n).sum(),
+        elapsed: start.elapsed(),
+        latencies: Latencies::default(),
+    };
+    for (_, l) in per_client {
+        get.latencies.merge(l);
+    }
+    engine.close()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(vec![put, get])
+}
+
+fn blob(key: Vec<u8>) -> Option<BlobRef> {
+    Some(BlobRef {
+        namespace: "bench".into(),
+        key,
+    })
+}
+
+async fn put_once(
+    client: &mut BlobServiceClient<Channel>,
+    key: Vec<u8>,
+    value: &[u8],
+) -> Result<(), tonic::Status> {
+    let messages = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob(key),
+                size: value.len() as u64,
+                kind: BlobKind::Data as i32,
+                ..PutHeader::default()
+            })),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(value.to_vec())),
+        },
+    ];
+    client.put(tokio_stream::iter(messages)).await.map(|_| ())
+}
+
+async fn get_once(
+    client: &mut BlobServiceClient<Channel>,
+    key: Vec<u8>,
+) -> Result<usize, tonic::Status> {
+    let mut stream = client
+        .get(GetRequest {
+            blob: blob(key),
+            consistency: ReadConsistency::Linearizable as i32,
+            ..GetRequest::default()
+        })
+        .await?
+        .into_inner();
+    let mut len = 0;
+    while let Some(message) = stream.message().await? {
+        if let Some(get_response::Msg::Data(data)) = message.msg {
+            len += data.len();
+        }
+    }
+    Ok(len)
+}
+
+/// The shard's leader, once there is one.
+async fn leader(urls: &BTreeMap<u64, String>) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        for (id, url) in urls {
+            let mut admin = NodeAdminClient::connect(url.clone()).await?;
+            let status = admin.status(NodeStatusRequest {}).await?.into_inner();
+            if status.replicas.iter().any(|r| r.is_leader) {
+                return Ok(*id);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("no leader within 30 s")
+}
+
+/// The 3-replica shard: `clients` tasks on the leader, putting then getting.
+async fn shard_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
+    let dir = args.dir.join("shard");
+    let _ = std::fs::remove_dir_all(&dir);
+    let ports = [free_port()?, free_port()?, free_port()?];
+    let mut nodes: Vec<RunningNode> = Vec::new();
+    for id in 1..=3 {
+        nodes.push(start(node_config(id, &dir, &ports)).await?);
+    }
+    let urls: BTreeMap<u64, String> = (1..=3)
+        .map(|id| (id, format!("http://127.0.0.1:{}", ports[id as usize - 1])))
+        .collect();
+    let leader = leader(&urls).await?;
+    // A few HTTP/2 connections shared by the clients, as an SDK would pool.
+    let mut channels = Vec::new();
+    for _ in 0..4 {
+        channels.push(
+            Channel::from_shared(urls[&leader].clone())?
+                .connect()
+                .await?,
+        );
+    }
+    let duration = Duration::from_secs(args.seconds);
+    let mut runs = Vec::new();
+    let mut written = vec![0u64; args.clients];
+    for op in ["put", "get"] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let written_now = Arc::new(written.clone());
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..args.clients)
+            .map(|client| {
+                let mut grpc = BlobServiceClient::new(channels[client % channels.len()].clone())
+                    .max_decoding_message_size(64 << 20)
+                    .max_encoding_message_size(64 << 20);
+                let (stop, written) = (stop.clone(), written_now.clone());
+                tokio::spawn(async move {
+                    let value = vec![0x5Au8; value_bytes];
+                    let mut latencies = Latencies::default();
+                    let mut n = 0u64;
+                    let mut rng = rand::rngs::SmallRng::from_os_rng();
+                    while !stop.load(Ordering::Relaxed) {
+                        let t = Instant::now();
+                        if op == "put" {
+                            put_once(&mut grpc, key_of(value_bytes, client, n), &value).await?;
+                        } else {
+                            let owner = (client + n as usize) % written.len();
+                            let key = key_of(
+                                value_bytes,
+                                owner,
+                                rng.random_range(0..written[owner].max(1)),
+                            );
+                            let len = get_once(&mut grpc, key).await?;
+                            assert_eq!(len, value_bytes);
+                        }
+                        latencies.record(t.elapsed());
+                        n += 1;
+                    }
+                    Ok::<_, tonic::Status>((n, latencies))
+                })
+            })
+            .collect();
+        tokio::time::sleep(duration).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut run = Run {
+            system: "3-replica shard",
+            op,
+            value_bytes,
+            ops: 0,
+            elapsed: Duration::ZERO,
+            latencies: Latencies::default(),
+        };
+        for (client, task) in tasks.into_iter().enumerate() {
+            let (n, latencies) = task
+                .await?
+                .with_context(|| format!("{op} client {client}"))?;
+            if op == "put" {
+                written[client] = n;
+            }
+            run.ops += n;
+            run.latencies.merge(latencies);
+        }
+        run.elapsed = start.elapsed();
+        runs.push(run);
+    }
+    for node in nodes {
+        node.stop().await?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(runs)
+}
+
+use rand::SeedableRng as _;
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    println!(
+        "node-shard: {} clients, {} s per phase, durability synced (majority fsync before ack); \
+         gets are linearizable and of keys just written (page cache warm)",
+        args.clients, args.seconds
+    );
+    println!("| system | op | value | clients | ops/s | MiB/s | p50 | p99 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &value_bytes in &args.value_bytes {
+        for mut run in engine_runs(&args, value_bytes)? {
+            println!("{}", run.row(args.clients));
+        }
+        for mut run in runtime.block_on(shard_runs(&args, value_bytes))? {
+            println!("{}", run.row(args.clients));
+        }
+    }
+    Ok(())
+}
