@@ -120,74 +120,66 @@ fn engine_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
     let engine = Engine::open(config).context("open engine")?;
     let space = engine.key_space(tidepool_node::replica::BLOB_KEY_SPACE)?;
     let duration = Duration::from_secs(args.seconds);
+    let value = vec![0xA5u8; value_bytes];
+    let put = threaded_run(
+        "put",
+        value_bytes,
+        args.clients,
+        duration,
+        |client, n, _| {
+            let key = storage_key(1, &key_of(value_bytes, client, n));
+            engine
+                .put(space, &key, &value, Durability::Synced)
+                .expect("put");
+        },
+    );
+    let written = put.per_client.clone();
+    let get = threaded_run(
+        "get",
+        value_bytes,
+        args.clients,
+        duration,
+        |client, n, rng| {
+            let owner = (client + n as usize) % written.len();
+            let index = rng.random_range(0..written[owner].max(1));
+            let key = storage_key(1, &key_of(value_bytes, owner, index));
+            let value = engine.get(space, &key).expect("get");
+            assert!(value.is_some_and(|v| v.len() == value_bytes));
+        },
+    );
+    engine.close()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(vec![put.run, get.run])
+}
+
+/// A single-engine phase and how many operations each client did.
+struct Threaded {
+    run: Run,
+    per_client: Vec<u64>,
+}
+
+/// Runs `op(client, n, rng)` in a loop on `clients` threads for `duration`.
+fn threaded_run(
+    name: &'static str,
+    value_bytes: usize,
+    clients: usize,
+    duration: Duration,
+    op: impl Fn(usize, u64, &mut rand::rngs::ThreadRng) + Sync,
+) -> Threaded {
     let stop = AtomicBool::new(false);
     let start = Instant::now();
-    let per_client: Vec<(u64, Latencies)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..args.clients)
+    let results: Vec<(u64, Latencies)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..clients)
             .map(|client| {
-                let (engine, stop) = (&engine, &stop);
-                s.spawn(move || {
-                    let value = vec![0xA5u8; value_bytes];
-                    let mut latencies = Latencies::default();
-                    let mut n = 0;
-                    while !stop.load(Ordering::Relaxed) {
-                        let key = storage_key(1, &key_of(value_bytes, client, n));
-                        let t = Instant::now();
-                        engine
-                            .put(space, &key, &value, Durability::Synced)
-                            .expect("put");
-                        latencies.record(t.elapsed());
-                        n += 1;
-                    }
-                    (n, latencies)
-                })
-            })
-            .collect();
-        std::thread::sleep(duration);
-        stop.store(true, Ordering::Relaxed);
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("worker"))
-            .collect()
-    });
-    let put_elapsed = start.elapsed();
-    let written: Vec<u64> = per_client.iter().map(|(n, _)| *n).collect();
-    let mut put = Run {
-        system: "single engine",
-        op: "put",
-        value_bytes,
-        ops: written.iter().sum(),
-        elapsed: put_elapsed,
-        latencies: Latencies::default(),
-    };
-    for (_, l) in per_client {
-        put.latencies.merge(l);
-    }
-
-    stop.store(false, Ordering::Relaxed);
-    let start = Instant::now();
-    let per_client: Vec<(u64, Latencies)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..args.clients)
-            .map(|client| {
-                let (engine, stop, written) = (&engine, &stop, &written);
+                let (stop, op) = (&stop, &op);
                 s.spawn(move || {
                     let mut rng = rand::rng();
                     let mut latencies = Latencies::default();
                     let mut n = 0;
                     while !stop.load(Ordering::Relaxed) {
-                        let owner = (client + n as usize) % written.len();
-                        let key = storage_key(
-                            1,
-                            &key_of(
-                                value_bytes,
-                                owner,
-                                rng.random_range(0..written[owner].max(1)),
-                            ),
-                        );
                         let t = Instant::now();
-                        let value = engine.get(space, &key).expect("get");
+                        op(client, n, &mut rng);
                         latencies.record(t.elapsed());
-                        assert!(value.is_some_and(|v| v.len() == value_bytes));
                         n += 1;
                     }
                     (n, latencies)
@@ -201,20 +193,21 @@ fn engine_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
             .map(|w| w.join().expect("worker"))
             .collect()
     });
-    let mut get = Run {
+    let mut run = Run {
         system: "single engine",
-        op: "get",
+        op: name,
         value_bytes,
-        ops: per_client.iter().map(|(n, _)| n).sum(),
+        ops: 0,
         elapsed: start.elapsed(),
         latencies: Latencies::default(),
     };
-    for (_, l) in per_client {
-        get.latencies.merge(l);
+    let mut per_client = Vec::new();
+    for (n, latencies) in results {
+        run.ops += n;
+        run.latencies.merge(latencies);
+        per_client.push(n);
     }
-    engine.close()?;
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(vec![put, get])
+    Threaded { run, per_client }
 }
 
 fn blob(key: Vec<u8>) -> Option<BlobRef> {
