@@ -283,6 +283,12 @@ struct Owner {
 
 impl Owner {
     fn run(&mut self, rx: Receiver<Event>) {
+        let span = tracing::info_span!(
+            "shard",
+            node_id = self.opener.config.node_id,
+            shard_id = self.handle.shard_id
+        );
+        let _entered = span.enter();
         let tick = self.driver.tick;
         let mut next_tick = Instant::now() + tick;
         loop {
@@ -473,6 +479,7 @@ impl Owner {
         } else {
             (self.backoff * 2).min(Duration::from_secs(30))
         };
+        tracing::error!(%error, backoff = ?self.backoff, "replica failed; reopening it from disk");
         self.handle.state.lock().failed = Some(error.to_string());
     }
 
@@ -485,6 +492,7 @@ impl Owner {
         }
         match self.opener.open(&[]) {
             Ok(replica) => {
+                tracing::info!("replica reopened");
                 self.handle.engine.store(replica.engine().clone());
                 self.replica = Some(replica);
                 self.down_since = None;
@@ -493,6 +501,7 @@ impl Owner {
             Err(error) => {
                 self.down_since = Some(Instant::now());
                 self.backoff = (self.backoff * 2).min(Duration::from_secs(30));
+                tracing::warn!(%error, backoff = ?self.backoff, "replica could not be reopened");
                 self.handle.state.lock().failed = Some(error.to_string());
             }
         }
@@ -503,7 +512,17 @@ impl Owner {
         match &self.replica {
             Some(replica) => {
                 let engine = replica.engine();
-                state.status = Some(replica.status());
+                let status = replica.status();
+                let before = state.status.as_ref().map(|s| (s.term, s.leader));
+                if before != Some((status.term, status.leader)) {
+                    tracing::info!(
+                        term = status.term,
+                        leader = status.leader,
+                        is_leader = status.is_leader,
+                        "leadership changed"
+                    );
+                }
+                state.status = Some(status);
                 state.epoch = engine.epoch().0;
                 state.disk_bytes = engine.disk_bytes();
                 if !Arc::ptr_eq(engine, &self.handle.engine.load()) {

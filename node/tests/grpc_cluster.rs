@@ -245,3 +245,116 @@ async fn replica_moved_to_a_new_node_through_admin_calls() {
     }
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_entries_act_on_every_replica() {
+    use tidepool_proto::v1::{
+        AdvanceEpochOp, DropEpochsOp, ProposeAdminRequest, TouchRequest, propose_admin_request,
+    };
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    put(&cluster, "default", b"old", b"written in epoch 1")
+        .await
+        .unwrap();
+    put(&cluster, "default", b"kept", b"touched in epoch 2")
+        .await
+        .unwrap();
+    let leader = wait_leader(&cluster, 1).await;
+    let follower = leader % 3 + 1;
+    let admin = |op| ProposeAdminRequest {
+        shard_id: 1,
+        op: Some(op),
+    };
+
+    // Only the leader proposes; an empty request is refused.
+    let status = cluster
+        .admin(follower)
+        .await
+        .propose_admin(admin(propose_admin_request::Op::AdvanceEpoch(
+            AdvanceEpochOp { epoch: 2 },
+        )))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotLeader);
+    let status = cluster
+        .admin(leader)
+        .await
+        .propose_admin(ProposeAdminRequest {
+            shard_id: 1,
+            op: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
+    // Dropping the current epoch's data is refused.
+    let status = cluster
+        .admin(leader)
+        .await
+        .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
+            namespace_id: 1,
+            below: 2,
+        })))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
+
+    let advanced = cluster
+        .admin(leader)
+        .await
+        .propose_admin(admin(propose_admin_request::Op::AdvanceEpoch(
+            AdvanceEpochOp { epoch: 2 },
+        )))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(advanced.raft_index > 1);
+    let touched = cluster
+        .client(leader)
+        .await
+        .touch(TouchRequest {
+            blob: grpc_support::blob("default", b"kept"),
+            ..TouchRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(touched.epoch, 2);
+    put(&cluster, "default", b"new", b"written in epoch 2")
+        .await
+        .unwrap();
+    cluster
+        .admin(leader)
+        .await
+        .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
+            namespace_id: 1,
+            below: 2,
+        })))
+        .await
+        .unwrap();
+
+    for id in 1..=3 {
+        wait_caught_up(&cluster, id, 1).await;
+        assert_eq!(
+            replica_status(&cluster, id, 1).await.unwrap().epoch,
+            2,
+            "node {id}"
+        );
+        let status = get_on(&cluster, id, "default", b"old", ReadConsistency::AnyReplica)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            code(&status),
+            ErrorCode::NotFound,
+            "node {id} kept an expired blob"
+        );
+        assert_replica_holds(
+            &cluster,
+            id,
+            &[
+                ("kept".into(), b"touched in epoch 2".to_vec()),
+                ("new".into(), b"written in epoch 2".to_vec()),
+            ],
+        )
+        .await;
+    }
+    cluster.shutdown().await;
+}

@@ -269,6 +269,15 @@ async fn a_single_node_from_flags_with_metrics() {
     assert!(puts >= 1, "{text}");
     assert!(text.contains("tidepool_shard_is_leader"), "{text}");
     assert!(http_get(metrics, "/healthz").starts_with("HTTP/1.1 200"));
+    // Log lines carry the node, the shard and the term.
+    let log = node.log();
+    assert!(
+        log.lines().any(|l| l.contains("leadership changed")
+            && l.contains("node_id=1")
+            && l.contains("shard_id=")
+            && l.contains("term=")),
+        "{log}"
+    );
     assert!(node.terminate_checked().success());
 }
 

@@ -193,10 +193,22 @@ impl AdminApi {
             Some(propose_admin_request::Op::AdvanceEpoch(op)) => {
                 Command::AdvanceEpoch(epoch(op.epoch, "epoch")?)
             }
-            Some(propose_admin_request::Op::DropEpochs(op)) => Command::DropEpochs {
-                namespace: op.namespace_id,
-                below: epoch(op.below, "below")?,
-            },
+            Some(propose_admin_request::Op::DropEpochs(op)) => {
+                let below = epoch(op.below, "below")?;
+                let current = shard.engine().epoch().0;
+                if below > current {
+                    return Err(self.node.error(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "shard {shard_id} is at epoch {current}: epochs below {below} include the current one"
+                        ),
+                    ));
+                }
+                Command::DropEpochs {
+                    namespace: op.namespace_id,
+                    below,
+                }
+            }
             None => {
                 return Err(self
                     .node

@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument as _;
 
 use super::Node;
 use crate::blob;
@@ -100,6 +101,11 @@ impl BlobApi {
         self.validate_key(&namespace, &blob.key)?;
         let key = storage_key(namespace.id, &blob.key);
         let (info, shard) = self.node.route(&key)?;
+        let span = tracing::Span::current();
+        span.record("shard_id", info.shard_id);
+        if let Some(status) = shard.state().status {
+            span.record("term", status.term);
+        }
         Ok(Target {
             namespace,
             key,
@@ -578,6 +584,18 @@ impl BlobApi {
         })
     }
 
+    /// The span of one request: `shard_id` and `term` are recorded once
+    /// the blob is routed.
+    fn span(&self, op: &'static str) -> tracing::Span {
+        tracing::info_span!(
+            "request",
+            node_id = self.node.config.node_id,
+            op,
+            shard_id = tracing::field::Empty,
+            term = tracing::field::Empty
+        )
+    }
+
     fn finish<T>(
         &self,
         operation: usize,
@@ -601,7 +619,10 @@ impl BlobService for BlobApi {
         request: Request<Streaming<PutRequest>>,
     ) -> Result<Response<PutResponse>, Status> {
         let start = Instant::now();
-        let result = self.put_inner(request.into_inner()).await;
+        let result = self
+            .put_inner(request.into_inner())
+            .instrument(self.span("put"))
+            .await;
         self.finish(0, start, result)
     }
 
@@ -609,13 +630,19 @@ impl BlobService for BlobApi {
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
         let start = Instant::now();
-        let result = self.get_inner(request.into_inner()).await;
+        let result = self
+            .get_inner(request.into_inner())
+            .instrument(self.span("get"))
+            .await;
         self.finish(1, start, result)
     }
 
     async fn head(&self, request: Request<HeadRequest>) -> Result<Response<HeadResponse>, Status> {
         let start = Instant::now();
-        let result = self.head_inner(request.into_inner()).await;
+        let result = self
+            .head_inner(request.into_inner())
+            .instrument(self.span("head"))
+            .await;
         self.finish(2, start, result)
     }
 
@@ -624,7 +651,10 @@ impl BlobService for BlobApi {
         request: Request<BatchExistsRequest>,
     ) -> Result<Response<BatchExistsResponse>, Status> {
         let start = Instant::now();
-        let result = self.batch_exists_inner(request.into_inner()).await;
+        let result = self
+            .batch_exists_inner(request.into_inner())
+            .instrument(self.span("batch_exists"))
+            .await;
         self.finish(3, start, result)
     }
 
@@ -633,7 +663,10 @@ impl BlobService for BlobApi {
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
         let start = Instant::now();
-        let result = self.delete_inner(request.into_inner()).await;
+        let result = self
+            .delete_inner(request.into_inner())
+            .instrument(self.span("delete"))
+            .await;
         self.finish(4, start, result)
     }
 
@@ -642,7 +675,10 @@ impl BlobService for BlobApi {
         request: Request<TouchRequest>,
     ) -> Result<Response<TouchResponse>, Status> {
         let start = Instant::now();
-        let result = self.touch_inner(request.into_inner()).await;
+        let result = self
+            .touch_inner(request.into_inner())
+            .instrument(self.span("touch"))
+            .await;
         self.finish(5, start, result)
     }
 }
