@@ -33,6 +33,39 @@ async fn assert_replica_holds(cluster: &TestCluster, id: u64, keys: &[(String, V
     }
 }
 
+/// Advances shard 1 to `epoch` and drops namespace `namespace`'s blobs
+/// below it, through the leader.
+async fn drop_epochs(cluster: &TestCluster, leader: u64, epoch: u64, namespace: u32) {
+    use tidepool_proto::v1::{
+        AdvanceEpochOp, DropEpochsOp, ProposeAdminRequest, propose_admin_request::Op,
+    };
+    for op in [
+        Op::AdvanceEpoch(AdvanceEpochOp { epoch }),
+        Op::DropEpochs(DropEpochsOp {
+            namespace_id: namespace,
+            below: epoch,
+        }),
+    ] {
+        cluster
+            .admin(leader)
+            .await
+            .propose_admin(ProposeAdminRequest {
+                shard_id: 1,
+                op: Some(op),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+fn drop_bounds(status: &tidepool_proto::v1::ReplicaStatus) -> Vec<(u32, u64)> {
+    status
+        .drops
+        .iter()
+        .map(|d| (d.namespace_id, d.dropped_below))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_stopped_and_restarted_under_writes() {
     let mut cluster = TestCluster::start(3, 1, |_| {}).await;
@@ -79,6 +112,8 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     let leader = wait_leader(&cluster, 1).await;
     let away = leader % 3 + 1;
     cluster.stop(away).await;
+    // An epoch drop it misses must come with the snapshot.
+    drop_epochs(&cluster, leader, 2, 2).await;
     let mut written = Vec::new();
     for i in 0..150 {
         let key = format!("k/{i}");
@@ -106,6 +141,12 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     assert!(metrics.snapshot_bytes_received.get() > 150 * 8_000 / 2);
     assert_replica_holds(&cluster, away, &written).await;
     assert_replica_holds(&cluster, away, &[("first".into(), b"1".to_vec())]).await;
+    let status = replica_status(&cluster, away, 1).await.unwrap();
+    assert_eq!(
+        (status.epoch, drop_bounds(&status)),
+        (2, vec![(2, 2)]),
+        "{status:?}"
+    );
     // And it keeps following the log afterwards.
     put(&cluster, "default", b"last", b"2").await.unwrap();
     wait_caught_up(&cluster, away, 1).await;
@@ -258,6 +299,9 @@ async fn admin_entries_act_on_every_replica() {
     put(&cluster, "default", b"kept", b"touched in epoch 2")
         .await
         .unwrap();
+    put(&cluster, "default", b"batch", b"touched by batch-exists")
+        .await
+        .unwrap();
     let leader = wait_leader(&cluster, 1).await;
     let follower = leader % 3 + 1;
     let admin = |op| ProposeAdminRequest {
@@ -318,6 +362,24 @@ async fn admin_entries_act_on_every_replica() {
         .unwrap()
         .into_inner();
     assert_eq!(touched.epoch, 2);
+    let presence = cluster
+        .client(leader)
+        .await
+        .batch_exists(tidepool_proto::v1::BatchExistsRequest {
+            namespace: "default".into(),
+            keys: vec![b"batch".to_vec(), b"missing".to_vec()],
+            touch: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .presence;
+    use tidepool_proto::v1::Presence;
+    assert_eq!(
+        presence,
+        vec![Presence::Present as i32, Presence::Absent as i32]
+    );
     put(&cluster, "default", b"new", b"written in epoch 2")
         .await
         .unwrap();
@@ -333,9 +395,10 @@ async fn admin_entries_act_on_every_replica() {
 
     for id in 1..=3 {
         wait_caught_up(&cluster, id, 1).await;
+        let status = replica_status(&cluster, id, 1).await.unwrap();
         assert_eq!(
-            replica_status(&cluster, id, 1).await.unwrap().epoch,
-            2,
+            (status.epoch, drop_bounds(&status)),
+            (2, vec![(1, 2)]),
             "node {id}"
         );
         let status = get_on(&cluster, id, "default", b"old", ReadConsistency::AnyReplica)
@@ -352,6 +415,7 @@ async fn admin_entries_act_on_every_replica() {
             &[
                 ("kept".into(), b"touched in epoch 2".to_vec()),
                 ("new".into(), b"written in epoch 2".to_vec()),
+                ("batch".into(), b"touched by batch-exists".to_vec()),
             ],
         )
         .await;

@@ -53,7 +53,8 @@ impl SnapshotSender {
 
 /// Magic of the replica's application state in the engine.
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
-const APP_STATE_VERSION: u8 = 1;
+/// Version 2 added the epoch drops applied per namespace.
+const APP_STATE_VERSION: u8 = 2;
 
 /// Where an entry's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +72,8 @@ pub struct RaftLog {
     unapplied: BTreeMap<u64, Appended>,
     /// The entry before the first available one: (index, term).
     truncated: (u64, u64),
+    /// Epoch drops applied: namespace id → blobs below this epoch are gone.
+    drops: BTreeMap<u32, u32>,
     hard_state: HardState,
     conf_state: ConfState,
     /// Index of the entry that made `conf_state` (0: the founding one).
@@ -111,6 +114,7 @@ impl RaftLog {
             entries: BTreeMap::new(),
             unapplied: BTreeMap::new(),
             truncated: (0, 0),
+            drops: BTreeMap::new(),
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             conf_index: 0,
@@ -271,6 +275,7 @@ impl RaftLog {
     ) -> Result<RaftLog> {
         let mut hard_state = hard_state.clone();
         hard_state.commit = hard_state.commit.max(meta.index);
+        let drops = drops_in(&engine.app_state())?;
         let mut log = RaftLog {
             scan_from: engine.processed_position(),
             engine,
@@ -278,6 +283,9 @@ impl RaftLog {
             entries: BTreeMap::new(),
             unapplied: BTreeMap::new(),
             truncated: (meta.index, meta.term),
+            // The sender's drops, from the application state it saved in
+            // the copied engine (its applied index was the snapshot's).
+            drops,
             hard_state,
             conf_state: meta.get_conf_state().clone(),
             conf_index: meta.index,
@@ -513,6 +521,20 @@ impl RaftLog {
         self.entries.get(&index).map(|l| l.position)
     }
 
+    /// Epoch drops applied, by namespace id: blobs last written or touched
+    /// below the value are gone.
+    pub fn drops(&self) -> &BTreeMap<u32, u32> {
+        &self.drops
+    }
+
+    /// Records an applied epoch drop (persisted with the application
+    /// state; a drop lost in a crash is re-applied with its entry).
+    pub fn record_drop(&mut self, namespace: u32, below: u32) {
+        let bound = self.drops.entry(namespace).or_insert(0);
+        *bound = (*bound).max(below);
+        self.save_app_state();
+    }
+
     /// Records that everything up to `index` is applied.
     pub fn set_applied(&mut self, index: u64) {
         self.applied = index;
@@ -533,6 +555,11 @@ impl RaftLog {
         ] {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
+        bytes.extend_from_slice(&(self.drops.len() as u32).to_le_bytes());
+        for (namespace, below) in &self.drops {
+            bytes.extend_from_slice(&namespace.to_le_bytes());
+            bytes.extend_from_slice(&below.to_le_bytes());
+        }
         bytes.extend_from_slice(&meta::encode_state(
             &self.hard_state,
             &self.conf_state,
@@ -542,15 +569,11 @@ impl RaftLog {
     }
 
     fn restore_app_state(&mut self, bytes: &[u8]) -> Result<()> {
-        let mut r = Reader { bytes, at: 0 };
-        if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
-            return Err(NodeError::Malformed(
-                "not a replica's application state".into(),
-            ));
-        }
+        let mut r = app_state_reader(bytes)?;
         self.applied = r.u64()?;
         self.truncated = (r.u64()?, r.u64()?);
         self.scan_from = WalPosition(r.u64()?);
+        self.drops = read_drops(&mut r)?;
         let LogRecord::State(hs, cs, conf_index) = meta::parse(&bytes[r.at..])? else {
             return Err(NodeError::Malformed(
                 "application state lacks the raft state".into(),
@@ -561,6 +584,33 @@ impl RaftLog {
         self.conf_index = conf_index;
         Ok(())
     }
+}
+
+fn app_state_reader(bytes: &[u8]) -> Result<Reader<'_>> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
+        return Err(NodeError::Malformed(
+            "not a replica's application state (of this version)".into(),
+        ));
+    }
+    Ok(r)
+}
+
+fn read_drops(r: &mut Reader<'_>) -> Result<BTreeMap<u32, u32>> {
+    let count = r.u32()?;
+    (0..count).map(|_| Ok((r.u32()?, r.u32()?))).collect()
+}
+
+/// The epoch drops recorded in an application state (none if it is empty).
+fn drops_in(bytes: &[u8]) -> Result<BTreeMap<u32, u32>> {
+    if bytes.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let mut r = app_state_reader(bytes)?;
+    for _ in 0..4 {
+        r.u64()?;
+    }
+    read_drops(&mut r)
 }
 
 fn storage_error(error: NodeError) -> raft::Error {

@@ -170,11 +170,14 @@ fn applied_index_and_conf_state_are_kept_in_the_engine_snapshot() {
     log.set_state(None, Some((&cs, 9))).unwrap();
     log.wait(end, Durability::Synced).unwrap();
     log.set_applied(5);
+    log.record_drop(7, 3);
+    log.record_drop(7, 2); // an older bound never lowers it
     log.engine().flush().unwrap();
     log.engine().close().unwrap();
     drop(log);
     let log = RaftLog::open(engine(&storage), KeySpace::default(), &[]).unwrap();
     assert_eq!(log.applied(), 5);
+    assert_eq!(log.drops().iter().collect::<Vec<_>>(), vec![(&7, &3)]);
     assert_eq!(log.conf_state(), &cs);
     assert_eq!(log.conf_index(), 9);
     assert_eq!(log.last(), 6);

@@ -67,6 +67,7 @@ impl Replica {
                 // alike: nothing to do.
                 if Epoch(below) <= engine.epoch() {
                     engine.drop_epochs_below(Epoch(below), &Namespace(namespace))?;
+                    self.log().record_drop(namespace, below);
                 }
             }
             Command::Noop => {}

@@ -137,6 +137,8 @@ pub struct ReplicaStatus {
     pub learners: Vec<u64>,
     /// Raft index of the entry that made this configuration.
     pub conf_index: u64,
+    /// Epoch drops applied: (namespace id, blobs below this epoch gone).
+    pub drops: Vec<(u32, u32)>,
 }
 
 impl Replica {
@@ -392,6 +394,13 @@ impl Replica {
             voters: conf.voters.clone(),
             learners: conf.learners.clone(),
             conf_index: self.raw.store().conf_index(),
+            drops: self
+                .raw
+                .store()
+                .drops()
+                .iter()
+                .map(|(n, b)| (*n, *b))
+                .collect(),
         }
     }
 

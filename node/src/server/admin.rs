@@ -10,10 +10,10 @@ use tidepool_proto::ErrorInfo;
 use tidepool_proto::v1::node_admin_server::NodeAdmin;
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    ErrorCode, MembershipChange, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
-    OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse, ReplicaInfo, ReplicaRole,
-    ReplicaStatus as WireReplicaStatus, ShardInfo, TransferLeaderRequest, TransferLeaderResponse,
-    propose_admin_request,
+    EpochDropApplied, ErrorCode, MembershipChange, NodeStatus, NodeStatusRequest,
+    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
+    ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo, TransferLeaderRequest,
+    TransferLeaderResponse, propose_admin_request,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -246,6 +246,7 @@ impl AdminApi {
                     voters: Vec::new(),
                     learners: Vec::new(),
                     conf_index: 0,
+                    drops: Vec::new(),
                 });
                 let role = if status.learners.contains(&me) {
                     ReplicaRole::Learner
@@ -263,7 +264,14 @@ impl AdminApi {
                     epoch: u64::from(state.epoch),
                     disk_used_bytes: state.disk_bytes,
                     receiving_snapshot: state.receiving_snapshot,
-                    drops: Vec::new(),
+                    drops: status
+                        .drops
+                        .iter()
+                        .map(|(namespace_id, below)| EpochDropApplied {
+                            namespace_id: *namespace_id,
+                            dropped_below: u64::from(*below),
+                        })
+                        .collect(),
                     conf_version: status.conf_index,
                     first_index: status.first_index,
                 }

@@ -170,14 +170,12 @@ impl BlobApi {
 
     /// Proposes `command` (or queues `op` for group commit) and waits.
     async fn commit(&self, target: &Target, proposal: Proposal) -> ApiResult<u64> {
-        let (tx, rx) = oneshot::channel();
-        let done = Box::new(move |outcome| {
-            let _ = tx.send(outcome);
-        });
-        match proposal {
-            Proposal::Write(op) => target.shard.write(op, done),
-            Proposal::Command(command) => target.shard.propose(command, done),
-        }
+        let rx = submit(target, proposal);
+        self.committed(target, rx).await
+    }
+
+    /// Waits for a submitted proposal.
+    async fn committed(&self, target: &Target, rx: oneshot::Receiver<Outcome>) -> ApiResult<u64> {
         match self.wait(target, rx).await? {
             Outcome::Applied { index } => Ok(index),
             other => Err(self.node.outcome_error(target.info.shard_id, other)),
@@ -521,15 +519,23 @@ impl BlobApi {
                 };
             }
             if request.touch && linearizable {
-                for (i, epoch) in indexes.iter().zip(epochs) {
-                    if epoch.is_some_and(|e| e.0 < current) {
+                // All proposed before any is awaited: the shard owner takes
+                // them in one round, so they share one Ready and one sync.
+                let pending: Vec<_> = indexes
+                    .iter()
+                    .zip(epochs)
+                    .filter(|(_, epoch)| epoch.is_some_and(|e| e.0 < current))
+                    .map(|(i, _)| {
                         let touch = Command::Touch {
                             namespace: namespace.id,
                             epoch: current,
                             key: storage_key(namespace.id, &request.keys[*i]),
                         };
-                        self.commit(&target, Proposal::Command(touch)).await?;
-                    }
+                        submit(&target, Proposal::Command(touch))
+                    })
+                    .collect();
+                for rx in pending {
+                    self.committed(&target, rx).await?;
                 }
             }
         }
@@ -610,6 +616,19 @@ impl BlobApi {
 enum Proposal {
     Write(WriteOp),
     Command(Command),
+}
+
+/// Queues a proposal (or a write for group commit) without waiting.
+fn submit(target: &Target, proposal: Proposal) -> oneshot::Receiver<Outcome> {
+    let (tx, rx) = oneshot::channel();
+    let done = Box::new(move |outcome| {
+        let _ = tx.send(outcome);
+    });
+    match proposal {
+        Proposal::Write(op) => target.shard.write(op, done),
+        Proposal::Command(command) => target.shard.propose(command, done),
+    }
+    rx
 }
 
 #[tonic::async_trait]
