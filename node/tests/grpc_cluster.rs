@@ -80,6 +80,27 @@ async fn leader_stopped_and_restarted_under_writes() {
     }
     let old = wait_leader(&cluster, 1).await;
     cluster.stop(old).await;
+    // The first request the new leader serves: a delete that must see the
+    // put acknowledged by the old leader.
+    let (key, _) = written.pop().unwrap();
+    let deleted = tidepool_testkit::grpc::routed(&cluster.urls(), |url| {
+        let key = key.clone();
+        async move {
+            tidepool_testkit::grpc::client(&url)
+                .await
+                .delete(tidepool_proto::v1::DeleteRequest {
+                    blob: grpc_support::blob("default", key.as_bytes()),
+                    ..Default::default()
+                })
+                .await
+                .map(|r| r.into_inner())
+        }
+    })
+    .await
+    .unwrap();
+    assert!(deleted.existed);
+    let status = get(&cluster, "default", key.as_bytes()).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
     // The two left elect a leader; the client follows the hints to it.
     for i in 0..40 {
         let key = format!("after/{i}");

@@ -548,29 +548,38 @@ impl BlobApi {
     async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
-        // The leader's applied state holds every acknowledged write.
+        // A confirmed read point first: a new leader may not have applied
+        // everything committed yet, and `existed` must not miss a put
+        // acknowledged before this delete began.
+        self.read_point(&target, ReadConsistency::Linearizable as i32)
+            .await?;
         let key = target.key;
         let existed = self
             .engine_read(&target, move |engine, space| engine.exists(space, &key))
             .await?;
-        if existed {
-            let op = WriteOp {
-                value: None,
-                namespace: target.namespace.id,
-                epoch: target.shard.engine().epoch().0,
-                key: target.key,
-            };
-            self.commit(&target, Proposal::Write(op)).await?;
-            let engine = target.shard.engine();
-            self.extra_durability(&target, request.durability, &engine)
-                .await?;
-        }
+        // Proposed even when absent: a put racing with this delete may
+        // commit between the check and the proposal, and the delete must
+        // still order after it.
+        let op = WriteOp {
+            value: None,
+            namespace: target.namespace.id,
+            epoch: target.shard.engine().epoch().0,
+            key: target.key,
+        };
+        self.commit(&target, Proposal::Write(op)).await?;
+        let engine = target.shard.engine();
+        self.extra_durability(&target, request.durability, &engine)
+            .await?;
         Ok(DeleteResponse { existed })
     }
 
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
+        // As for delete: no NOT_FOUND for a blob whose put this leader has
+        // not applied yet.
+        self.read_point(&target, ReadConsistency::Linearizable as i32)
+            .await?;
         let key = target.key;
         let stored_epoch = self
             .engine_read(&target, move |engine, space| engine.epoch_of(space, &key))
