@@ -155,6 +155,7 @@ impl ShardHandle {
             outbox,
         };
         let replica = opener.open(initial_voters)?;
+        let opener_node_id = opener.config.node_id;
         let (tx, rx) = crossbeam_channel::bounded(driver.queue);
         let handle = Arc::new(ShardHandle {
             shard_id: opener.config.shard_id,
@@ -176,8 +177,13 @@ impl ShardHandle {
             writes: Vec::new(),
             write_bytes: 0,
             reads: Vec::new(),
+            span: tracing::info_span!(
+                "shard",
+                node_id = opener_node_id,
+                shard_id = handle.shard_id
+            ),
         };
-        owner.publish();
+        owner.span.in_scope(|| owner.publish());
         let thread = std::thread::Builder::new()
             .name(format!("shard-{}", handle.shard_id))
             .spawn(move || owner.run(rx))
@@ -279,15 +285,13 @@ struct Owner {
     writes: Vec<(WriteOp, Completion)>,
     write_bytes: usize,
     reads: Vec<ReadCompletion>,
+    /// Every event the owner logs carries the node and shard.
+    span: tracing::Span,
 }
 
 impl Owner {
     fn run(&mut self, rx: Receiver<Event>) {
-        let span = tracing::info_span!(
-            "shard",
-            node_id = self.opener.config.node_id,
-            shard_id = self.handle.shard_id
-        );
+        let span = self.span.clone();
         let _entered = span.enter();
         let tick = self.driver.tick;
         let mut next_tick = Instant::now() + tick;
