@@ -5,7 +5,11 @@
 //! What this crate is **not**: it never stores or reads blobs and has no
 //! dependency on the engine or the node; it talks to nodes over gRPC only.
 //!
-//! Status: not yet built (issue 7). [`serve`] reports that and fails.
+//! Status: being built (issue 7). Built: the metadata store ([`meta`]:
+//! etcd and embedded, one conformance suite). Not yet: placement, the
+//! reconciler, leadership, epochs; [`serve`] reports that and fails.
+
+pub mod meta;
 
 /// Errors of the coordinator.
 #[derive(Debug, thiserror::Error)]

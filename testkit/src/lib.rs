@@ -10,11 +10,13 @@
 //! ```
 
 pub mod depcheck;
+mod etcd;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 mod io;
 mod seed;
 
+pub use etcd::EtcdServer;
 pub use io::{on_block_device, process_read_bytes, process_write_bytes};
 pub use seed::seed_from_env;
 
