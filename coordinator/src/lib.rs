@@ -6,10 +6,12 @@
 //! dependency on the engine or the node; it talks to nodes over gRPC only.
 //!
 //! Status: being built (issue 7). Built: the metadata store ([`meta`]:
-//! etcd and embedded, one conformance suite). Not yet: placement, the
-//! reconciler, leadership, epochs; [`serve`] reports that and fails.
+//! etcd and embedded, one conformance suite) and placement ([`placement`]).
+//! Not yet: node registration, the reconciler, leadership, cluster-wide
+//! epochs; [`serve`] reports that and fails.
 
 pub mod meta;
+pub mod placement;
 
 /// Errors of the coordinator.
 #[derive(Debug, thiserror::Error)]

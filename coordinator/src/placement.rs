@@ -1,0 +1,232 @@
+//! Placement: where each shard's replicas should live. Pure functions over
+//! a snapshot of the nodes and the current placement; the reconciler turns
+//! the difference into membership changes.
+//!
+//! Rules, in priority order:
+//! 1. every shard has `min(R, eligible nodes)` replicas on distinct,
+//!    eligible nodes (live, not draining);
+//! 2. a shard's replicas sit in `min(R, zones with eligible nodes)`
+//!    distinct zones;
+//! 3. replica counts are balanced across nodes (ties broken by the lower
+//!    disk-usage fraction, then the lower id);
+//! 4. movement is minimal: a replica on an eligible node stays unless
+//!    moving it fixes rule 2 or narrows a count gap of two or more.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What placement knows of a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeView {
+    /// Node id.
+    pub id: u64,
+    /// Failure domain (Kubernetes zone, rack…); "" if unknown.
+    pub zone: String,
+    /// Bytes of its data volume.
+    pub capacity_bytes: u64,
+    /// Bytes used on it.
+    pub used_bytes: u64,
+    /// Heard from within the liveness grace period.
+    pub live: bool,
+    /// Being drained: replicas move off it.
+    pub draining: bool,
+}
+
+impl NodeView {
+    fn eligible(&self) -> bool {
+        self.live && !self.draining
+    }
+
+    /// Used fraction in millionths (0 when the capacity is unknown).
+    fn fullness(&self) -> u64 {
+        if self.capacity_bytes == 0 {
+            return 0;
+        }
+        (u128::from(self.used_bytes) * 1_000_000 / u128::from(self.capacity_bytes)) as u64
+    }
+}
+
+/// Replicas of each shard: shard id → node ids.
+pub type Placement = BTreeMap<u32, BTreeSet<u64>>;
+
+/// Moves allowed in one rebalancing pass per replica placed (bounds the
+/// work; each move strictly narrows a gap, so it terminates anyway).
+const MAX_BALANCE_MOVES: usize = 4;
+
+struct Planner<'a> {
+    nodes: BTreeMap<u64, &'a NodeView>,
+    counts: BTreeMap<u64, usize>,
+    placement: Placement,
+}
+
+impl<'a> Planner<'a> {
+    fn zone(&self, node: u64) -> &str {
+        &self.nodes[&node].zone
+    }
+
+    fn zones_of(&self, replicas: &BTreeSet<u64>) -> BTreeSet<&str> {
+        replicas.iter().map(|n| self.zone(*n)).collect()
+    }
+
+    /// Preference order: fewer replicas, emptier disk, lower id.
+    fn rank(&self, node: u64) -> (usize, u64, u64) {
+        (self.counts[&node], self.nodes[&node].fullness(), node)
+    }
+
+    /// The best node to add to `replicas`: in a new zone if there is one.
+    fn best_addition(&self, replicas: &BTreeSet<u64>) -> Option<u64> {
+        let used = self.zones_of(replicas);
+        let candidates = self.nodes.keys().copied().filter(|n| !replicas.contains(n));
+        candidates.min_by_key(|n| (used.contains(self.zone(*n)), self.rank(*n)))
+    }
+
+    fn add(&mut self, shard: u32, node: u64) {
+        self.placement.entry(shard).or_default().insert(node);
+        *self.counts.get_mut(&node).expect("eligible") += 1;
+    }
+
+    fn remove(&mut self, shard: u32, node: u64) {
+        self.placement.entry(shard).or_default().remove(&node);
+        *self.counts.get_mut(&node).expect("eligible") -= 1;
+    }
+
+    /// Replaces a replica that shares its zone with another one of the
+    /// same shard by one in an unused zone, where such a node exists.
+    fn spread_zones(&mut self, shard: u32) -> bool {
+        let replicas = self.placement[&shard].clone();
+        let used = self.zones_of(&replicas);
+        let mut per_zone: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for n in &replicas {
+            per_zone.entry(self.zone(*n)).or_default().push(*n);
+        }
+        let Some(crowded) = per_zone
+            .values()
+            .filter(|v| v.len() > 1)
+            .flat_map(|v| v.iter().copied())
+            .max_by_key(|n| self.rank(*n))
+        else {
+            return false;
+        };
+        let target = self
+            .nodes
+            .keys()
+            .copied()
+            .filter(|n| !used.contains(self.zone(*n)))
+            .min_by_key(|n| self.rank(*n));
+        match target {
+            Some(target) => {
+                self.remove(shard, crowded);
+                self.add(shard, target);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One move from the fullest node to a node with at least two fewer
+    /// replicas, keeping the shard's zone spread. Returns whether it moved.
+    fn balance_once(&mut self) -> bool {
+        let mut by_load: Vec<u64> = self.nodes.keys().copied().collect();
+        by_load.sort_by_key(|n| std::cmp::Reverse(self.rank(*n)));
+        for &from in &by_load {
+            let mut targets: Vec<u64> = self
+                .nodes
+                .keys()
+                .copied()
+                .filter(|t| self.counts[t] + 2 <= self.counts[&from])
+                .collect();
+            targets.sort_by_key(|t| self.rank(*t));
+            for to in targets {
+                let shards: Vec<u32> = self
+                    .placement
+                    .iter()
+                    .filter(|(_, r)| r.contains(&from) && !r.contains(&to))
+                    .map(|(s, _)| *s)
+                    .collect();
+                for shard in shards {
+                    let replicas = &self.placement[&shard];
+                    let zones_before = self.zones_of(replicas).len();
+                    let mut after = replicas.clone();
+                    after.remove(&from);
+                    after.insert(to);
+                    if self.zones_of(&after).len() >= zones_before {
+                        self.remove(shard, from);
+                        self.add(shard, to);
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+}
+
+/// The desired placement of `shards` with `replication` replicas each,
+/// given the nodes and the current placement.
+pub fn place(
+    nodes: &[NodeView],
+    current: &Placement,
+    shards: &[u32],
+    replication: usize,
+) -> Placement {
+    let eligible: BTreeMap<u64, &NodeView> = nodes
+        .iter()
+        .filter(|n| n.eligible())
+        .map(|n| (n.id, n))
+        .collect();
+    let mut planner = Planner {
+        counts: eligible.keys().map(|id| (*id, 0)).collect(),
+        nodes: eligible,
+        placement: Placement::new(),
+    };
+    // Keep what may stay.
+    for &shard in shards {
+        planner.placement.insert(shard, BTreeSet::new());
+        let kept: Vec<u64> = current
+            .get(&shard)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|n| planner.nodes.contains_key(n))
+            .take(replication)
+            .collect();
+        for node in kept {
+            planner.add(shard, node);
+        }
+    }
+    // Fill the gaps, the emptiest shards first.
+    let want = replication.min(planner.nodes.len());
+    loop {
+        let short = shards
+            .iter()
+            .copied()
+            .filter(|s| planner.placement[s].len() < want)
+            .min_by_key(|s| (planner.placement[s].len(), *s));
+        let Some(shard) = short else { break };
+        let node = planner
+            .best_addition(&planner.placement[&shard])
+            .expect("fewer replicas than eligible nodes");
+        planner.add(shard, node);
+    }
+    for &shard in shards {
+        while planner.spread_zones(shard) {}
+    }
+    let budget = MAX_BALANCE_MOVES * (shards.len() * want).max(1);
+    for _ in 0..budget {
+        if !planner.balance_once() {
+            break;
+        }
+    }
+    planner.placement
+}
+
+/// Replicas that `desired` adds or removes relative to `current`.
+pub fn moves(current: &Placement, desired: &Placement) -> usize {
+    let empty = BTreeSet::new();
+    desired
+        .iter()
+        .map(|(shard, replicas)| {
+            let before = current.get(shard).unwrap_or(&empty);
+            replicas.difference(before).count()
+        })
+        .sum()
+}
