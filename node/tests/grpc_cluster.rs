@@ -17,6 +17,27 @@ fn value(i: usize, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i * 31 + j) as u8).collect()
 }
 
+/// Puts `count` keys `<prefix>/<i>` of `len` bytes (content seeded by
+/// `i + seed`) through the leader; returns what was written.
+async fn write_keys(
+    cluster: &TestCluster,
+    prefix: &str,
+    count: usize,
+    seed: usize,
+    len: usize,
+) -> Vec<(String, Vec<u8>)> {
+    let mut written = Vec::new();
+    for i in 0..count {
+        let key = format!("{prefix}/{i}");
+        let content = value(i + seed, len);
+        put(cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        written.push((key, content));
+    }
+    written
+}
+
 /// Every key reads back on node `id` from its local state.
 async fn assert_replica_holds(cluster: &TestCluster, id: u64, keys: &[(String, Vec<u8>)]) {
     for (key, content) in keys {
@@ -69,15 +90,7 @@ fn drop_bounds(status: &tidepool_proto::v1::ReplicaStatus) -> Vec<(u32, u64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leader_stopped_and_restarted_under_writes() {
     let mut cluster = TestCluster::start(3, 1, |_| {}).await;
-    let mut written = Vec::new();
-    for i in 0..40 {
-        let key = format!("before/{i}");
-        let content = value(i, 2_000);
-        put(&cluster, "default", key.as_bytes(), &content)
-            .await
-            .unwrap();
-        written.push((key, content));
-    }
+    let mut written = write_keys(&cluster, "before", 40, 0, 2_000).await;
     let old = wait_leader(&cluster, 1).await;
     cluster.stop(old).await;
     // The first request the new leader serves: a delete that must see the
@@ -102,14 +115,7 @@ async fn leader_stopped_and_restarted_under_writes() {
     let status = get(&cluster, "default", key.as_bytes()).await.unwrap_err();
     assert_eq!(code(&status), ErrorCode::NotFound);
     // The two left elect a leader; the client follows the hints to it.
-    for i in 0..40 {
-        let key = format!("after/{i}");
-        let content = value(i + 1000, 3_000);
-        put(&cluster, "default", key.as_bytes(), &content)
-            .await
-            .unwrap();
-        written.push((key, content));
-    }
+    written.extend(write_keys(&cluster, "after", 40, 1000, 3_000).await);
     let new = wait_leader(&cluster, 1).await;
     assert_ne!(new, old);
     cluster.restart(old).await;
@@ -135,15 +141,7 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     cluster.stop(away).await;
     // An epoch drop it misses must come with the snapshot.
     drop_epochs(&cluster, leader, 2, 2).await;
-    let mut written = Vec::new();
-    for i in 0..150 {
-        let key = format!("k/{i}");
-        let content = value(i, 8_000);
-        put(&cluster, "default", key.as_bytes(), &content)
-            .await
-            .unwrap();
-        written.push((key, content));
-    }
+    let written = write_keys(&cluster, "k", 150, 0, 8_000).await;
     // The log no longer reaches back to where the stopped replica was.
     let leader = wait_leader(&cluster, 1).await;
     let status = replica_status(&cluster, leader, 1).await.unwrap();
@@ -185,15 +183,7 @@ async fn replica_moved_to_a_new_node_through_admin_calls() {
     })
     .await;
     assert!(replica_status(&cluster, 4, 1).await.is_none());
-    let mut written = Vec::new();
-    for i in 0..30 {
-        let key = format!("m/{i}");
-        let content = value(i, 5_000);
-        put(&cluster, "default", key.as_bytes(), &content)
-            .await
-            .unwrap();
-        written.push((key, content));
-    }
+    let mut written = write_keys(&cluster, "m", 30, 0, 5_000).await;
     let leader = wait_leader(&cluster, 1).await;
     let info = cluster.running[&leader].node.map().shards[0].clone();
 

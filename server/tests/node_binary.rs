@@ -39,6 +39,15 @@ impl NodeProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// SIGTERM; the log must show no panic.
+    fn terminate_checked(self) -> std::process::ExitStatus {
+        let path = self.log.clone();
+        let status = self.terminate();
+        let log = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(!log.contains("panicked"), "{log}");
+        status
+    }
+
     /// SIGTERM, then the exit status.
     fn terminate(mut self) -> std::process::ExitStatus {
         let pid = self.child.id().to_string();
@@ -209,17 +218,6 @@ async fn three_nodes_from_config_files_serve_and_restart_with_their_data() {
     for (_, node) in nodes {
         let status = node.terminate_checked();
         assert!(status.success(), "{status}");
-    }
-}
-
-impl NodeProcess {
-    /// SIGTERM; the log must show no panic.
-    fn terminate_checked(self) -> std::process::ExitStatus {
-        let path = self.log.clone();
-        let status = self.terminate();
-        let log = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(!log.contains("panicked"), "{log}");
-        status
     }
 }
 

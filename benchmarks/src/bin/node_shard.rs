@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use rand::Rng;
+use rand::{Rng, SeedableRng as _};
 use tidepool_benchmarks::{Latencies, human};
 use tidepool_engine::{Durability, Engine};
 use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster};
@@ -35,6 +35,7 @@ use tidepool_proto::v1::{
     BlobKind, BlobRef, GetRequest, NodeStatusRequest, PutHeader, PutRequest, ReadConsistency,
     get_response, put_request,
 };
+use tidepool_testkit::free_port;
 use tonic::transport::Channel;
 
 #[derive(Debug, Parser)]
@@ -100,12 +101,6 @@ fn node_config(id: u64, dir: &Path, ports: &[u16]) -> NodeConfig {
         }],
     });
     config
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 fn key_of(value_bytes: usize, client: usize, n: u64) -> Vec<u8> {
@@ -279,7 +274,7 @@ async fn leader(urls: &BTreeMap<u64, String>) -> anyhow::Result<u64> {
 async fn shard_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
     let dir = args.dir.join("shard");
     let _ = std::fs::remove_dir_all(&dir);
-    let ports = [free_port()?, free_port()?, free_port()?];
+    let ports = [free_port(), free_port(), free_port()];
     let mut nodes: Vec<RunningNode> = Vec::new();
     for id in 1..=3 {
         nodes.push(start(node_config(id, &dir, &ports)).await?);
@@ -365,8 +360,6 @@ async fn shard_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>>
     let _ = std::fs::remove_dir_all(&dir);
     Ok(runs)
 }
-
-use rand::SeedableRng as _;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();

@@ -569,36 +569,60 @@ impl RaftLog {
     }
 
     fn restore_app_state(&mut self, bytes: &[u8]) -> Result<()> {
-        let mut r = app_state_reader(bytes)?;
-        self.applied = r.u64()?;
-        self.truncated = (r.u64()?, r.u64()?);
-        self.scan_from = WalPosition(r.u64()?);
-        self.drops = read_drops(&mut r)?;
-        let LogRecord::State(hs, cs, conf_index) = meta::parse(&bytes[r.at..])? else {
-            return Err(NodeError::Malformed(
-                "application state lacks the raft state".into(),
-            ));
-        };
-        self.hard_state = hs;
-        self.conf_state = cs;
-        self.conf_index = conf_index;
+        let saved = AppState::decode(bytes)?;
+        self.applied = saved.applied;
+        self.truncated = saved.truncated;
+        self.scan_from = saved.scan_from;
+        self.drops = saved.drops;
+        self.hard_state = saved.hard_state;
+        self.conf_state = saved.conf_state;
+        self.conf_index = saved.conf_index;
         Ok(())
     }
 }
 
-fn app_state_reader(bytes: &[u8]) -> Result<Reader<'_>> {
-    let mut r = Reader { bytes, at: 0 };
-    if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
-        return Err(NodeError::Malformed(
-            "not a replica's application state (of this version)".into(),
-        ));
-    }
-    Ok(r)
+/// A replica's application state as saved in the engine's control data.
+struct AppState {
+    applied: u64,
+    truncated: (u64, u64),
+    scan_from: WalPosition,
+    drops: BTreeMap<u32, u32>,
+    hard_state: HardState,
+    conf_state: ConfState,
+    conf_index: u64,
 }
 
-fn read_drops(r: &mut Reader<'_>) -> Result<BTreeMap<u32, u32>> {
-    let count = r.u32()?;
-    (0..count).map(|_| Ok((r.u32()?, r.u32()?))).collect()
+impl AppState {
+    fn decode(bytes: &[u8]) -> Result<AppState> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
+            return Err(NodeError::Malformed(
+                "not a replica's application state (of this version)".into(),
+            ));
+        }
+        let applied = r.u64()?;
+        let truncated = (r.u64()?, r.u64()?);
+        let scan_from = WalPosition(r.u64()?);
+        let count = r.u32()?;
+        let drops = (0..count)
+            .map(|_| Ok((r.u32()?, r.u32()?)))
+            .collect::<Result<_>>()?;
+        let LogRecord::State(hard_state, conf_state, conf_index) = meta::parse(&bytes[r.at..])?
+        else {
+            return Err(NodeError::Malformed(
+                "application state lacks the raft state".into(),
+            ));
+        };
+        Ok(AppState {
+            applied,
+            truncated,
+            scan_from,
+            drops,
+            hard_state,
+            conf_state,
+            conf_index,
+        })
+    }
 }
 
 /// The epoch drops recorded in an application state (none if it is empty).
@@ -606,11 +630,7 @@ fn drops_in(bytes: &[u8]) -> Result<BTreeMap<u32, u32>> {
     if bytes.is_empty() {
         return Ok(BTreeMap::new());
     }
-    let mut r = app_state_reader(bytes)?;
-    for _ in 0..4 {
-        r.u64()?;
-    }
-    read_drops(&mut r)
+    Ok(AppState::decode(bytes)?.drops)
 }
 
 fn storage_error(error: NodeError) -> raft::Error {

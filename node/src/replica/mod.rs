@@ -278,19 +278,30 @@ impl Replica {
         })
     }
 
-    /// Proposes a command; `done` is called once it is applied, or with the
-    /// reason it will not be. Fails at once if this replica does not lead.
-    pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
+    /// Gives `done` back if this replica may propose; otherwise completes
+    /// it (failed, or not the leader) and returns what the proposing call
+    /// returns.
+    fn may_propose(&self, done: Completion) -> std::result::Result<Completion, Result<()>> {
         if let Some(reason) = &self.failed {
             done(Outcome::Failed(reason.clone()));
-            return Err(NodeError::Failed(reason.clone()));
+            return Err(Err(NodeError::Failed(reason.clone())));
         }
         if self.raw.raft.state != StateRole::Leader {
             done(Outcome::NotLeader {
                 leader: self.raw.raft.leader_id,
             });
-            return Ok(());
+            return Err(Ok(()));
         }
+        Ok(done)
+    }
+
+    /// Proposes a command; `done` is called once it is applied, or with the
+    /// reason it will not be. Fails at once if this replica does not lead.
+    pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
+        let done = match self.may_propose(done) {
+            Ok(done) => done,
+            Err(refused) => return refused,
+        };
         let data = command.encode();
         if data.len() > self.config.max_command_bytes {
             done(Outcome::TooLarge {
@@ -321,16 +332,10 @@ impl Replica {
 
     /// Proposes a membership change (leader only).
     pub fn propose_conf_change(&mut self, change: ConfChangeV2, done: Completion) -> Result<()> {
-        if let Some(reason) = &self.failed {
-            done(Outcome::Failed(reason.clone()));
-            return Err(NodeError::Failed(reason.clone()));
-        }
-        if self.raw.raft.state != StateRole::Leader {
-            done(Outcome::NotLeader {
-                leader: self.raw.raft.leader_id,
-            });
-            return Ok(());
-        }
+        let done = match self.may_propose(done) {
+            Ok(done) => done,
+            Err(refused) => return refused,
+        };
         match self.raw.propose_conf_change(Vec::new(), change) {
             Ok(()) => {
                 let index = self.raw.raft.raft_log.last_index();

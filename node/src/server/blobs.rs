@@ -599,24 +599,23 @@ impl BlobApi {
         })
     }
 
-    /// The span of one request: `shard_id` and `term` are recorded once
-    /// the blob is routed.
-    fn span(&self, op: &'static str) -> tracing::Span {
-        tracing::info_span!(
-            "request",
-            node_id = self.node.config.node_id,
-            op,
-            shard_id = tracing::field::Empty,
-            term = tracing::field::Empty
-        )
-    }
-
-    fn finish<T>(
+    /// Runs one request of operation `operation` (an index into
+    /// `OPERATIONS`) in its span — `shard_id` and `term` are recorded once
+    /// the blob is routed — and counts it.
+    async fn serve<T>(
         &self,
         operation: usize,
-        start: Instant,
-        result: ApiResult<T>,
+        request: impl std::future::Future<Output = ApiResult<T>>,
     ) -> Result<Response<T>, Status> {
+        let start = Instant::now();
+        let span = tracing::info_span!(
+            "request",
+            node_id = self.node.config.node_id,
+            op = super::OPERATIONS[operation],
+            shard_id = tracing::field::Empty,
+            term = tracing::field::Empty
+        );
+        let result = request.instrument(span).await;
         self.node.metrics.finished(operation, start, result.is_ok());
         result.map(Response::new).map_err(Status::from)
     }
@@ -646,67 +645,38 @@ impl BlobService for BlobApi {
         &self,
         request: Request<Streaming<PutRequest>>,
     ) -> Result<Response<PutResponse>, Status> {
-        let start = Instant::now();
-        let result = self
-            .put_inner(request.into_inner())
-            .instrument(self.span("put"))
-            .await;
-        self.finish(0, start, result)
+        self.serve(0, self.put_inner(request.into_inner())).await
     }
 
     type GetStream = ReceiverStream<std::result::Result<GetResponse, Status>>;
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
-        let start = Instant::now();
-        let result = self
-            .get_inner(request.into_inner())
-            .instrument(self.span("get"))
-            .await;
-        self.finish(1, start, result)
+        self.serve(1, self.get_inner(request.into_inner())).await
     }
 
     async fn head(&self, request: Request<HeadRequest>) -> Result<Response<HeadResponse>, Status> {
-        let start = Instant::now();
-        let result = self
-            .head_inner(request.into_inner())
-            .instrument(self.span("head"))
-            .await;
-        self.finish(2, start, result)
+        self.serve(2, self.head_inner(request.into_inner())).await
     }
 
     async fn batch_exists(
         &self,
         request: Request<BatchExistsRequest>,
     ) -> Result<Response<BatchExistsResponse>, Status> {
-        let start = Instant::now();
-        let result = self
-            .batch_exists_inner(request.into_inner())
-            .instrument(self.span("batch_exists"))
-            .await;
-        self.finish(3, start, result)
+        self.serve(3, self.batch_exists_inner(request.into_inner()))
+            .await
     }
 
     async fn delete(
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
-        let start = Instant::now();
-        let result = self
-            .delete_inner(request.into_inner())
-            .instrument(self.span("delete"))
-            .await;
-        self.finish(4, start, result)
+        self.serve(4, self.delete_inner(request.into_inner())).await
     }
 
     async fn touch(
         &self,
         request: Request<TouchRequest>,
     ) -> Result<Response<TouchResponse>, Status> {
-        let start = Instant::now();
-        let result = self
-            .touch_inner(request.into_inner())
-            .instrument(self.span("touch"))
-            .await;
-        self.finish(5, start, result)
+        self.serve(5, self.touch_inner(request.into_inner())).await
     }
 }
