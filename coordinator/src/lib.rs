@@ -5,23 +5,222 @@
 //! What this crate is **not**: it never stores or reads blobs and has no
 //! dependency on the engine or the node; it talks to nodes over gRPC only.
 //!
-//! Status: being built (issue 7). Built: the metadata store ([`meta`]:
-//! etcd and embedded, one conformance suite) and placement ([`placement`]).
-//! Not yet: node registration, the reconciler, leadership, cluster-wide
-//! epochs; [`serve`] reports that and fails.
+//! Parts: [`meta`] (the metadata store: etcd or embedded), [`schema`] (keys
+//! and the map's encoding), [`placement`] and [`plan`] (pure decisions),
+//! `core` (cached map, election with a fencing generation, fenced map
+//! updates), `reconcile` (the leader's loop), `ops` and `service` (the
+//! gRPC API), [`epochs`] (retention arithmetic and progress). Start one
+//! with [`start`]. Design: `docs/design/placement.md`,
+//! `docs/design/coordinator.md`, `docs/design/epochs-cluster.md`.
 
+pub mod config;
+mod core;
+pub mod epochs;
 pub mod meta;
+mod metrics;
+mod nodes;
+mod ops;
 pub mod placement;
+pub mod plan;
+mod reconcile;
+pub mod schema;
+mod service;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use config::CoordinatorConfig;
+pub use core::Shared;
+use meta::{EmbeddedStore, EtcdStore, MetaError, MetaStore};
+pub use reconcile::Progress;
+use tidepool_proto::v1::coordinator_service_server::CoordinatorServiceServer;
 
 /// Errors of the coordinator.
 #[derive(Debug, thiserror::Error)]
 pub enum CoordinatorError {
-    /// The capability is not built yet.
-    #[error("the coordinator is not implemented yet")]
-    NotYet,
+    /// A setting is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The metadata store failed.
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    /// Stored metadata could not be decoded.
+    #[error("corrupt metadata: {0}")]
+    Corrupt(String),
+    /// This coordinator does not lead (or just lost leadership).
+    #[error("this coordinator is not the leader")]
+    NotLeader,
+    /// The store holds no cluster yet.
+    #[error("the cluster is not created yet")]
+    NoCluster,
+    /// A node could not be reached.
+    #[error("node: {0}")]
+    Node(String),
+    /// A node refused a call.
+    #[error("{what}: {message}")]
+    NodeCall {
+        /// The call.
+        what: String,
+        /// The node's error code (`ErrorCode`).
+        code: i32,
+        /// The node's message.
+        message: String,
+    },
+    /// The node is not in the map.
+    #[error("no node {0} in the cluster map")]
+    UnknownNode(u64),
+    /// The shard has no known leader.
+    #[error("shard {0} has no known leader")]
+    NoLeader(u32),
+    /// The request conflicts with the current state.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// A request field is invalid.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The namespace exists already.
+    #[error("namespace {0:?} exists already")]
+    NamespaceExists(String),
+    /// No such namespace.
+    #[error("no namespace {0:?}")]
+    NamespaceNotFound(String),
+    /// Binding or serving failed.
+    #[error("i/o: {0}")]
+    Io(String),
 }
 
-/// Runs a coordinator until shutdown. Not built yet: always fails.
-pub fn serve() -> Result<(), CoordinatorError> {
-    Err(CoordinatorError::NotYet)
+/// A coordinator serving on its socket.
+pub struct RunningCoordinator {
+    /// Its state (map, leadership, progress).
+    pub shared: Arc<Shared>,
+    /// The bound gRPC address.
+    pub address: SocketAddr,
+    /// The bound metrics address, if any.
+    pub metrics_address: Option<SocketAddr>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    server: tokio::task::JoinHandle<Result<(), CoordinatorError>>,
+}
+
+impl std::fmt::Debug for RunningCoordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningCoordinator")
+            .field("id", &self.shared.id)
+            .field("address", &self.address)
+            .finish()
+    }
+}
+
+impl RunningCoordinator {
+    /// Resigns leadership (so another replica takes over at once) and stops
+    /// serving.
+    pub async fn stop(mut self) -> Result<(), CoordinatorError> {
+        self.shared.begin_stop();
+        for task in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        match tokio::time::timeout(Duration::from_secs(5), &mut self.server).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(CoordinatorError::Io(format!("server task: {e}"))),
+            Err(_) => {
+                self.server.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits until the server ends.
+    pub async fn wait(&mut self) -> Result<(), CoordinatorError> {
+        match (&mut self.server).await {
+            Ok(result) => result,
+            Err(e) => Err(CoordinatorError::Io(format!("server task: {e}"))),
+        }
+    }
+}
+
+/// Opens the metadata store the configuration names.
+pub async fn open_store(
+    config: &CoordinatorConfig,
+) -> Result<Arc<dyn MetaStore>, CoordinatorError> {
+    Ok(if !config.etcd.is_empty() {
+        Arc::new(EtcdStore::connect(&config.etcd).await?)
+    } else if let Some(path) = &config.embedded_path {
+        Arc::new(EmbeddedStore::open(path)?)
+    } else {
+        Arc::new(EmbeddedStore::in_memory())
+    })
+}
+
+/// Starts a coordinator on the store the configuration names.
+pub async fn start(config: CoordinatorConfig) -> Result<RunningCoordinator, CoordinatorError> {
+    config.validate()?;
+    let store = open_store(&config).await?;
+    start_with_store(config, store).await
+}
+
+/// Starts a coordinator on `store` (dev mode shares an embedded store).
+/// Binds before returning.
+pub async fn start_with_store(
+    config: CoordinatorConfig,
+    store: Arc<dyn MetaStore>,
+) -> Result<RunningCoordinator, CoordinatorError> {
+    config.validate()?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| CoordinatorError::Io(format!("cannot bind {}: {e}", config.listen)))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| CoordinatorError::Io(e.to_string()))?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| CoordinatorError::Io(format!("cannot bind {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+    let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
+    let advertise = config
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("http://{address}"));
+    let id = config
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("coordinator@{advertise}"));
+    let shared = Shared::new(config, id, advertise, store);
+    shared.ensure_cluster().await?;
+    let stop_rx = shared.stopping();
+    let mut tasks = vec![
+        tokio::spawn(shared.clone().follow_map(stop_rx.clone())),
+        tokio::spawn(shared.clone().campaign(stop_rx.clone())),
+        tokio::spawn(reconcile::run(shared.clone(), stop_rx.clone())),
+    ];
+    if let Some(listener) = metrics_listener {
+        tasks.push(tokio::spawn(metrics::serve(
+            shared.clone(),
+            listener,
+            stop_rx.clone(),
+        )));
+    }
+    let api = CoordinatorServiceServer::new(service::CoordinatorApi::new(shared.clone()));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut server_stop = stop_rx;
+    let server = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(api)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = server_stop.wait_for(|s| *s).await;
+            })
+            .await
+            .map_err(|e| CoordinatorError::Io(format!("gRPC server: {e}")))
+    });
+    tracing::info!(coordinator = %shared.id, %address, "coordinator serving");
+    Ok(RunningCoordinator {
+        shared,
+        address,
+        metrics_address,
+        tasks,
+        server,
+    })
 }

@@ -50,7 +50,9 @@ use crate::shard::DriverConfig;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
-    /// Cluster-unique id, never 0.
+    /// Cluster-unique id, never 0. With a `[coordinator]` it may be left
+    /// out: the coordinator assigns one and the data directory keeps it.
+    #[serde(default)]
     pub node_id: u64,
     /// Address the gRPC server binds.
     #[serde(default = "default_listen")]
@@ -73,6 +75,23 @@ pub struct NodeConfig {
     /// A fixed cluster (no coordinator).
     #[serde(default)]
     pub cluster: Option<StaticCluster>,
+    /// Coordinators to register with (instead of a fixed `cluster`).
+    #[serde(default)]
+    pub coordinator: Option<CoordinatorLink>,
+}
+
+/// How a node joins a coordinated cluster.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorLink {
+    /// Coordinator URLs (`http://host:port`); any one of them will do.
+    pub addresses: Vec<String>,
+    /// Failure-domain label (for example the Kubernetes zone).
+    #[serde(default)]
+    pub zone: String,
+    /// Disk bytes offered to the cluster; 0 means the data volume's size.
+    #[serde(default)]
+    pub capacity_bytes: u64,
 }
 
 fn default_listen() -> SocketAddr {
@@ -136,6 +155,9 @@ pub struct EngineSettings {
     pub cells: u32,
     /// Background relocation (space reclamation).
     pub relocation: bool,
+    /// How often background relocation looks for segments to reclaim,
+    /// milliseconds.
+    pub relocation_interval_ms: u64,
 }
 
 impl Default for EngineSettings {
@@ -147,6 +169,7 @@ impl Default for EngineSettings {
             value_cache_mib: 64,
             cells: 1_024,
             relocation: true,
+            relocation_interval_ms: 30_000,
         }
     }
 }
@@ -220,8 +243,16 @@ impl NodeConfig {
     /// Checks the settings; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(NodeError::Config(m));
-        if self.node_id == 0 {
-            return bad("node_id must not be 0".into());
+        if self.node_id == 0 && self.coordinator.is_none() {
+            return bad("node_id must not be 0 (only a coordinator assigns ids)".into());
+        }
+        if self.cluster.is_some() && self.coordinator.is_some() {
+            return bad("give either a fixed [cluster] or a [coordinator], not both".into());
+        }
+        if let Some(link) = &self.coordinator
+            && link.addresses.is_empty()
+        {
+            return bad("coordinator.addresses must name at least one coordinator".into());
         }
         self.durability()?;
         if self.raft.tick_ms == 0 || self.raft.heartbeat_ticks == 0 {
@@ -333,6 +364,7 @@ impl NodeConfig {
             index_memory_bytes: e.index_memory_mib << 20,
             value_cache_bytes: e.value_cache_mib << 20,
             relocation_enabled: e.relocation,
+            relocation_interval_ms: e.relocation_interval_ms,
             key_spaces: vec![KeySpaceConfig {
                 name: BLOB_KEY_SPACE.into(),
                 key_bytes: 32,

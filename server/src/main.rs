@@ -1,10 +1,10 @@
 //! `tidepool`: the server binary. Composes the node and coordinator libraries
 //! (which never depend on each other) behind three subcommands.
 //!
-//! `tidepool node` runs a storage node from a TOML file (`--config`) and/or
-//! flags (flags win); see `tidepool node --help` and the README. The
-//! coordinator and dev mode are not built yet: they say so and exit with
-//! status 2.
+//! `tidepool node` runs a storage node and `tidepool coordinator` a
+//! coordinator, each from a TOML file (`--config`) and/or flags (flags
+//! win); see `--help` and the README. Dev mode is not built yet: it says so
+//! and exits with status 2.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,7 +12,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster};
+use tidepool_coordinator::CoordinatorConfig;
+use tidepool_node::config::{CoordinatorLink, NamespaceSpec, NodeConfig, Peer, StaticCluster};
 
 /// Tidepool, a distributed replicated blob store.
 #[derive(Debug, Parser)]
@@ -27,7 +28,7 @@ enum Command {
     /// Run a storage node.
     Node(Box<NodeArgs>),
     /// Run a coordinator.
-    Coordinator,
+    Coordinator(Box<CoordinatorArgs>),
     /// Run a coordinator and three nodes in one process (local development).
     Dev,
 }
@@ -68,6 +69,107 @@ struct NodeArgs {
     /// content-addressed one (default: `default=1`).
     #[arg(long = "namespace", value_name = "NAME=ID[:cas]")]
     namespaces: Vec<String>,
+    /// A coordinator to register with, `http://host:port` (repeat for
+    /// several); instead of a fixed cluster. The node id is then optional:
+    /// the coordinator assigns one and the data directory keeps it.
+    #[arg(long = "coordinator", value_name = "URL")]
+    coordinators: Vec<String>,
+    /// Failure-domain label reported to the coordinator.
+    #[arg(long)]
+    zone: Option<String>,
+    /// Disk bytes offered to the cluster (default: the data volume's size).
+    #[arg(long)]
+    capacity_bytes: Option<u64>,
+}
+
+/// Settings of `tidepool coordinator`; each flag overrides the config file.
+#[derive(Debug, Args)]
+struct CoordinatorArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Name of this coordinator replica.
+    #[arg(long)]
+    id: Option<String>,
+    /// gRPC listen address.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// URL nodes and clients use to reach this coordinator.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Prometheus metrics listen address.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// etcd endpoints, comma-separated (`http://host:2379`); without them
+    /// the embedded store is used.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// File of the embedded metadata store (single coordinator only).
+    #[arg(long)]
+    embedded_path: Option<PathBuf>,
+    /// Prefix of this cluster's keys in etcd.
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// Shards of a new cluster.
+    #[arg(long)]
+    shards: Option<u32>,
+    /// Replicas per shard of a new cluster.
+    #[arg(long)]
+    replication_factor: Option<u32>,
+    /// Node heartbeat lease, milliseconds.
+    #[arg(long)]
+    node_lease_ms: Option<u64>,
+    /// Coordinator leadership lease, milliseconds.
+    #[arg(long)]
+    leader_lease_ms: Option<u64>,
+    /// How long a node may be down before its replicas are re-created
+    /// elsewhere, milliseconds.
+    #[arg(long)]
+    down_grace_ms: Option<u64>,
+    /// Most shards changing membership at once.
+    #[arg(long)]
+    max_concurrent_moves: Option<usize>,
+    /// Pause between reconcile rounds, milliseconds.
+    #[arg(long)]
+    reconcile_interval_ms: Option<u64>,
+    /// Advance the epoch this often, seconds (0: only on request).
+    #[arg(long)]
+    epoch_interval_s: Option<u64>,
+}
+
+impl CoordinatorArgs {
+    fn into_config(self) -> anyhow::Result<CoordinatorConfig> {
+        let mut c = match &self.config {
+            Some(path) => CoordinatorConfig::from_file(path)?,
+            None => CoordinatorConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident).+ = $value:expr) => {
+                if let Some(v) = $value {
+                    c.$($field).+ = v;
+                }
+            };
+        }
+        c.id = self.id.or(c.id);
+        set!(listen = self.listen);
+        c.advertise = self.advertise.or(c.advertise);
+        c.metrics_listen = self.metrics_listen.or(c.metrics_listen);
+        if !self.etcd.is_empty() {
+            c.etcd = self.etcd;
+        }
+        c.embedded_path = self.embedded_path.or(c.embedded_path);
+        set!(key_prefix = self.key_prefix);
+        set!(cluster.shards = self.shards);
+        set!(cluster.replication_factor = self.replication_factor);
+        set!(node_lease_ms = self.node_lease_ms);
+        set!(leader_lease_ms = self.leader_lease_ms);
+        set!(down_grace_ms = self.down_grace_ms);
+        set!(max_concurrent_moves = self.max_concurrent_moves);
+        set!(reconcile_interval_ms = self.reconcile_interval_ms);
+        set!(epoch_interval_s = self.epoch_interval_s);
+        c.validate()?;
+        Ok(c)
+    }
 }
 
 impl NodeArgs {
@@ -75,7 +177,8 @@ impl NodeArgs {
         let mut config = match (&self.config, self.node_id) {
             (Some(path), _) => NodeConfig::from_file(path)?,
             (None, Some(id)) => NodeConfig::new(id),
-            (None, None) => bail!("give --config or --node-id"),
+            (None, None) if !self.coordinators.is_empty() => NodeConfig::new(0),
+            (None, None) => bail!("give --config, --node-id or --coordinator"),
         };
         if let Some(id) = self.node_id {
             config.node_id = id;
@@ -144,19 +247,56 @@ impl NodeArgs {
                 namespaces,
             });
         }
+        if !self.coordinators.is_empty() {
+            config.coordinator = Some(CoordinatorLink {
+                addresses: self.coordinators,
+                zone: String::new(),
+                capacity_bytes: 0,
+            });
+        }
+        if let Some(link) = &mut config.coordinator {
+            if let Some(zone) = self.zone {
+                link.zone = zone;
+            }
+            if let Some(bytes) = self.capacity_bytes {
+                link.capacity_bytes = bytes;
+            }
+        }
         config.validate()?;
         Ok(config)
     }
 }
 
+fn runtime(name: &str) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name(name)
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
+    let config = args.into_config()?;
+    runtime("tidepool-coordinator")?.block_on(async {
+        let mut running = tidepool_coordinator::start(config).await?;
+        eprintln!(
+            "tidepool coordinator {} serving on {}",
+            running.shared.id, running.address
+        );
+        tokio::select! {
+            result = running.wait() => result?,
+            _ = shutdown_signal() => {
+                tracing::info!("shutting down");
+                running.stop().await?;
+            }
+        }
+        Ok(())
+    })
+}
+
 fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tidepool-node")
-        .build()
-        .context("cannot start the async runtime")?;
-    runtime.block_on(async {
+    runtime("tidepool-node")?.block_on(async {
         let mut running = tidepool_node::server::start(config).await?;
         eprintln!(
             "tidepool node {} serving on {}",
@@ -194,12 +334,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Node(args) => run_node(*args),
-        Command::Coordinator => {
-            if let Err(error) = tidepool_coordinator::serve() {
-                eprintln!("tidepool: not yet: {error}");
-            }
-            return ExitCode::from(2);
-        }
+        Command::Coordinator(args) => run_coordinator(*args),
         Command::Dev => {
             eprintln!("tidepool: not yet: dev mode is not implemented yet (issue 8)");
             return ExitCode::from(2);

@@ -19,12 +19,24 @@ use tonic::transport::Channel;
 /// How long a routed call keeps following hints and retrying.
 pub const ROUTE_DEADLINE: Duration = Duration::from_secs(20);
 
-/// A client of the node at `url`.
+/// A client of the node at `url`; panics if it cannot connect.
 pub async fn client(url: &str) -> BlobServiceClient<Channel> {
-    BlobServiceClient::connect(url.to_string())
+    try_client(url)
         .await
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"))
-        .max_decoding_message_size(64 << 20)
+}
+
+/// A client of the node at `url`, or `UNAVAILABLE` (with no Tidepool error
+/// detail) if it cannot connect.
+pub async fn try_client(url: &str) -> Result<BlobServiceClient<Channel>, Status> {
+    let endpoint = Channel::from_shared(url.to_string())
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .connect_timeout(Duration::from_secs(2));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot connect to {url}: {e}")))?;
+    Ok(BlobServiceClient::new(channel).max_decoding_message_size(64 << 20))
 }
 
 /// The stable error code of a failed call.
@@ -62,8 +74,8 @@ pub async fn put_at(
             msg: Some(put_request::Msg::Data(chunk.to_vec())),
         });
     }
-    client(url)
-        .await
+    try_client(url)
+        .await?
         .put(tokio_stream::iter(messages))
         .await
         .map(|r| r.into_inner())
@@ -76,8 +88,8 @@ pub async fn get_at(
     key: &[u8],
     consistency: ReadConsistency,
 ) -> Result<Vec<u8>, Status> {
-    let mut stream = client(url)
-        .await
+    let mut stream = try_client(url)
+        .await?
         .get(GetRequest {
             blob: blob(namespace, key),
             consistency: consistency as i32,

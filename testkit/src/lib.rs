@@ -14,10 +14,12 @@ mod etcd;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 mod io;
+mod process;
 mod seed;
 
 pub use etcd::EtcdServer;
 pub use io::{on_block_device, process_read_bytes, process_write_bytes};
+pub use process::TestProcess;
 pub use seed::seed_from_env;
 
 /// A free local TCP port (bound and released; another process could take

@@ -83,16 +83,7 @@ impl AdminApi {
             .map(|(info, _)| info)
             .unwrap_or_default();
         info.shard_id = shard_id;
-        info.replicas = status
-            .voters
-            .iter()
-            .map(|id| (*id, ReplicaRole::Voter))
-            .chain(status.learners.iter().map(|id| (*id, ReplicaRole::Learner)))
-            .map(|(node_id, role)| ReplicaInfo {
-                node_id,
-                role: role as i32,
-            })
-            .collect();
+        info.replicas = members(&status.voters, &status.learners);
         info.leader_hint = status.leader;
         info.conf_version = status.conf_index;
         info
@@ -225,12 +216,14 @@ impl AdminApi {
         let raft_index = self.await_outcome(shard_id, rx).await?;
         Ok(ProposeAdminResponse { raft_index })
     }
+}
 
-    fn status_inner(&self) -> NodeStatus {
-        let me = self.node.config.node_id;
-        let (used, capacity) = disk_usage(&self.node.config.data_dir);
+impl Node {
+    /// What the node reports about itself (`NodeAdmin.Status`, heartbeats).
+    pub fn status(&self) -> NodeStatus {
+        let me = self.config.node_id;
+        let (used, capacity) = disk_usage(&self.config.data_dir);
         let replicas = self
-            .node
             .hosted()
             .into_iter()
             .map(|(info, shard)| {
@@ -274,18 +267,35 @@ impl AdminApi {
                         .collect(),
                     conf_version: status.conf_index,
                     first_index: status.first_index,
+                    members: members(&status.voters, &status.learners),
+                    leader: status.leader,
                 }
             })
             .collect();
         NodeStatus {
             node_id: me,
-            address: self.node.config.advertise(),
+            address: self.config.advertise(),
             disk_used_bytes: used,
             disk_capacity_bytes: capacity,
             replicas,
-            map_version: self.node.map().version,
+            map_version: self.map().version,
         }
     }
+}
+
+/// A configuration as the wire lists it: voters, then learners.
+fn members(voters: &[u64], learners: &[u64]) -> Vec<ReplicaInfo> {
+    let with_role = |ids: &[u64], role: ReplicaRole| {
+        ids.iter()
+            .map(move |&node_id| ReplicaInfo {
+                node_id,
+                role: role as i32,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut all = with_role(voters, ReplicaRole::Voter);
+    all.extend(with_role(learners, ReplicaRole::Learner));
+    all
 }
 
 /// The replica's status once it is published with `index` applied (up to
@@ -302,7 +312,7 @@ async fn published_at(shard: &ShardHandle, index: u64) -> Option<ReplicaStatus> 
 }
 
 /// Used and total bytes of the volume holding `dir`.
-fn disk_usage(dir: &std::path::Path) -> (u64, u64) {
+pub(crate) fn disk_usage(dir: &std::path::Path) -> (u64, u64) {
     use tidepool_engine::storage::{FileStorage, Storage};
     let free = FileStorage::new().available_bytes(dir).unwrap_or(0);
     let total = total_bytes(dir).unwrap_or(free);
@@ -424,6 +434,6 @@ impl NodeAdmin for AdminApi {
         &self,
         _request: Request<NodeStatusRequest>,
     ) -> Result<Response<NodeStatus>, Status> {
-        Ok(Response::new(self.status_inner()))
+        Ok(Response::new(self.node.status()))
     }
 }

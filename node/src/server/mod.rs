@@ -12,6 +12,7 @@
 
 mod admin;
 mod blobs;
+mod coordination;
 mod errors;
 mod metrics;
 mod raft_service;
@@ -367,7 +368,7 @@ impl RunningNode {
 
 /// Opens the node and serves it until `stop` is called. Binds before
 /// returning (so `address` is usable at once).
-pub async fn start(config: NodeConfig) -> Result<RunningNode> {
+pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| NodeError::Network(format!("cannot bind {}: {e}", config.listen)))?;
@@ -383,7 +384,19 @@ pub async fn start(config: NodeConfig) -> Result<RunningNode> {
         None => None,
     };
     let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
+    if config.advertise.is_none() {
+        config.advertise = Some(format!("http://{address}"));
+    }
+    config.validate()?;
+    let registered = match config.coordinator {
+        Some(_) => Some(coordination::register(&mut config).await?),
+        None => None,
+    };
     let node = tokio::task::block_in_place(|| Node::open(config))?;
+    if let Some((map, lease_ttl)) = registered {
+        node.set_map(map);
+        coordination::spawn(node.clone(), lease_ttl);
+    }
     if let Some(listener) = metrics_listener {
         tokio::spawn(metrics::serve(node.clone(), listener));
     }

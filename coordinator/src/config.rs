@@ -1,0 +1,151 @@
+//! The coordinator's settings (TOML file and/or `tidepool coordinator`
+//! flags).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::CoordinatorError;
+
+/// Everything a coordinator is configured with.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// Name of this coordinator replica (shown in status and leader hints);
+    /// default `coordinator@<advertise>`.
+    pub id: Option<String>,
+    /// Address the gRPC server binds.
+    pub listen: SocketAddr,
+    /// URL nodes and clients use to reach this coordinator (default
+    /// `http://<bound address>`).
+    pub advertise: Option<String>,
+    /// Address of the Prometheus `/metrics` endpoint; none by default.
+    pub metrics_listen: Option<SocketAddr>,
+    /// etcd endpoints (`http://host:port`); empty to use the embedded store.
+    pub etcd: Vec<String>,
+    /// File of the embedded store (dev mode); in memory when unset.
+    pub embedded_path: Option<PathBuf>,
+    /// Prefix of every key this cluster keeps in the metadata store, so
+    /// several clusters can share one etcd.
+    pub key_prefix: String,
+    /// The cluster this coordinator creates if the store holds none.
+    pub cluster: ClusterSettings,
+    /// Node heartbeat lease, milliseconds (nodes beat every third of it).
+    pub node_lease_ms: u64,
+    /// Coordinator leadership lease, milliseconds.
+    pub leader_lease_ms: u64,
+    /// How long a node may be down before its replicas are re-created
+    /// elsewhere, milliseconds.
+    pub down_grace_ms: u64,
+    /// Pause between reconcile rounds, milliseconds.
+    pub reconcile_interval_ms: u64,
+    /// Most shards changing membership at once (the move rate limit).
+    pub max_concurrent_moves: usize,
+    /// A learner is promoted once it has applied up to this many entries
+    /// behind the leader's commit index.
+    pub catch_up_slack: u64,
+    /// Advance the cluster epoch this often, seconds; 0 advances only on
+    /// request (`AdvanceEpoch`).
+    pub epoch_interval_s: u64,
+}
+
+/// The shape of a new cluster.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSettings {
+    /// Shards splitting the 64-bit hash space evenly.
+    pub shards: u32,
+    /// Replicas per shard.
+    pub replication_factor: u32,
+    /// Largest value a node accepts, bytes (must match the nodes'
+    /// `raft.max_value_bytes`).
+    pub max_value_bytes: u64,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        Self {
+            shards: 16,
+            replication_factor: 3,
+            max_value_bytes: 4 << 20,
+        }
+    }
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        Self {
+            id: None,
+            listen: "127.0.0.1:7400".parse().expect("valid"),
+            advertise: None,
+            metrics_listen: None,
+            etcd: Vec::new(),
+            embedded_path: None,
+            key_prefix: "/tidepool/".into(),
+            cluster: ClusterSettings::default(),
+            node_lease_ms: 6_000,
+            leader_lease_ms: 6_000,
+            down_grace_ms: 60_000,
+            reconcile_interval_ms: 500,
+            max_concurrent_moves: 2,
+            catch_up_slack: 64,
+            epoch_interval_s: 0,
+        }
+    }
+}
+
+impl CoordinatorConfig {
+    /// Reads a TOML file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, CoordinatorError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CoordinatorError::Config(format!("cannot read {}: {e}", path.display()))
+        })?;
+        toml::from_str(&text)
+            .map_err(|e| CoordinatorError::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Checks the settings; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), CoordinatorError> {
+        let bad = |m: &str| Err(CoordinatorError::Config(m.to_string()));
+        if self.cluster.shards == 0 {
+            return bad("cluster.shards must be positive");
+        }
+        if self.cluster.replication_factor == 0 {
+            return bad("cluster.replication_factor must be positive");
+        }
+        if self.cluster.max_value_bytes == 0 {
+            return bad("cluster.max_value_bytes must be positive");
+        }
+        if !self.key_prefix.starts_with('/') || !self.key_prefix.ends_with('/') {
+            return bad("key_prefix must start and end with '/'");
+        }
+        if self.node_lease_ms < 300 || self.leader_lease_ms < 300 {
+            return bad("node_lease_ms and leader_lease_ms must be at least 300");
+        }
+        if self.reconcile_interval_ms == 0 || self.max_concurrent_moves == 0 {
+            return bad("reconcile_interval_ms and max_concurrent_moves must be positive");
+        }
+        if !self.etcd.is_empty() && self.embedded_path.is_some() {
+            return bad("give either etcd endpoints or an embedded_path, not both");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn node_lease(&self) -> Duration {
+        Duration::from_millis(self.node_lease_ms)
+    }
+
+    pub(crate) fn leader_lease(&self) -> Duration {
+        Duration::from_millis(self.leader_lease_ms)
+    }
+
+    pub(crate) fn down_grace(&self) -> Duration {
+        Duration::from_millis(self.down_grace_ms)
+    }
+
+    pub(crate) fn reconcile_interval(&self) -> Duration {
+        Duration::from_millis(self.reconcile_interval_ms)
+    }
+}

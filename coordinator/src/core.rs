@@ -1,0 +1,384 @@
+//! What every part of a running coordinator shares: the metadata store, the
+//! cached cluster map (followed through a watch), leadership (an election
+//! with a fencing generation) and fenced map updates.
+//!
+//! **Election.** A candidate grants a lease and creates the `leader` key
+//! under it only if the key is absent. The revision of that write is its
+//! *generation*. Every map write is a transaction that also compares the
+//! leader key's modification revision with the writer's generation, so a
+//! coordinator that lost its lease (and whose key expired, letting another
+//! win) cannot write, however late its request arrives. A leader steps down
+//! on its own when it cannot renew the lease for half its length.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tidepool_proto::v1::ClusterMap;
+use tokio::sync::watch;
+
+use crate::CoordinatorError;
+use crate::config::CoordinatorConfig;
+use crate::meta::{Compare, LeaseId, MetaStore, Op, WatchEvent};
+use crate::reconcile::Progress;
+use crate::schema::{Keys, LeaderRecord, decode_map, encode_map, new_map};
+
+/// This coordinator's term as leader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Leadership {
+    /// Modification revision of the leader key this coordinator wrote.
+    pub generation: u64,
+    lease: LeaseId,
+}
+
+/// State shared by the services, the election and the reconciler.
+pub struct Shared {
+    /// Settings.
+    pub config: CoordinatorConfig,
+    /// This replica's id.
+    pub id: String,
+    /// Where this replica serves.
+    pub address: String,
+    /// The metadata store.
+    pub store: Arc<dyn MetaStore>,
+    /// Key names.
+    pub keys: Keys,
+    map: watch::Sender<Arc<ClusterMap>>,
+    leadership: watch::Sender<Option<Leadership>>,
+    /// Heartbeat leases this replica granted, by node id.
+    pub(crate) node_leases: Mutex<std::collections::HashMap<u64, LeaseId>>,
+    /// What the reconciler last saw and did.
+    pub progress: Mutex<Progress>,
+    stop: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("id", &self.id).finish()
+    }
+}
+
+impl Shared {
+    /// Shared state for a coordinator serving at `address`.
+    pub fn new(
+        config: CoordinatorConfig,
+        id: String,
+        address: String,
+        store: Arc<dyn MetaStore>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            keys: Keys::new(&config.key_prefix),
+            config,
+            id,
+            address,
+            store,
+            map: watch::Sender::new(Arc::new(ClusterMap::default())),
+            leadership: watch::Sender::new(None),
+            node_leases: Mutex::new(Default::default()),
+            progress: Mutex::new(Progress::default()),
+            stop: watch::Sender::new(false),
+        })
+    }
+
+    /// Fires when the coordinator begins to stop.
+    pub fn stopping(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    /// Begins to stop: resigns, ends the loops and open streams.
+    pub(crate) fn begin_stop(&self) {
+        self.stop.send_replace(true);
+    }
+
+    /// The newest map this replica has seen (version 0 before the first).
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.map.borrow().clone()
+    }
+
+    /// Follows map versions as they are published.
+    pub fn subscribe_map(&self) -> watch::Receiver<Arc<ClusterMap>> {
+        self.map.subscribe()
+    }
+
+    /// Installs `map` if it is newer than the cached one.
+    fn publish(&self, map: ClusterMap) {
+        self.map.send_if_modified(|current| {
+            if map.version > current.version {
+                *current = Arc::new(map);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// The current leadership, if this replica leads.
+    pub fn leadership(&self) -> Option<Leadership> {
+        *self.leadership.borrow()
+    }
+
+    /// Follows leadership changes.
+    pub fn subscribe_leadership(&self) -> watch::Receiver<Option<Leadership>> {
+        self.leadership.subscribe()
+    }
+
+    /// The current leader as stored, if any.
+    pub async fn leader_record(&self) -> Option<LeaderRecord> {
+        let kv = self.store.get(&self.keys.leader()).await.ok()??;
+        serde_json::from_slice(&kv.value).ok()
+    }
+
+    /// Reads the map from the store (not the cache): the map and its key's
+    /// revision, `None` before the cluster exists.
+    async fn read_map(&self) -> Result<Option<(ClusterMap, u64)>, CoordinatorError> {
+        match self.store.get(&self.keys.map()).await? {
+            Some(kv) => Ok(Some((decode_map(&kv.value)?, kv.mod_revision))),
+            None => Ok(None),
+        }
+    }
+
+    /// Applies `change` to the current map as the leader: `change` returns
+    /// `None` to leave the map alone, or extra operations for the same
+    /// transaction. The write is fenced by this leader's generation and
+    /// retried if another write raced it. Returns the map after.
+    pub async fn update_map<F>(&self, mut change: F) -> Result<Arc<ClusterMap>, CoordinatorError>
+    where
+        F: FnMut(&mut ClusterMap) -> Result<Option<Vec<Op>>, CoordinatorError>,
+    {
+        loop {
+            let Some(leadership) = self.leadership() else {
+                return Err(CoordinatorError::NotLeader);
+            };
+            let Some((current, revision)) = self.read_map().await? else {
+                return Err(CoordinatorError::Corrupt(
+                    "the cluster map is missing".into(),
+                ));
+            };
+            let mut next = current.clone();
+            let Some(mut ops) = change(&mut next)? else {
+                self.publish(current.clone());
+                return Ok(Arc::new(current));
+            };
+            next.version = current.version + 1;
+            ops.push(Op::Put {
+                key: self.keys.map(),
+                value: encode_map(&next),
+                lease: None,
+            });
+            let compares = vec![
+                Compare::ModRevision(self.keys.leader(), leadership.generation),
+                Compare::ModRevision(self.keys.map(), revision),
+            ];
+            if self.store.txn(compares, ops).await?.succeeded {
+                self.publish(next.clone());
+                return Ok(Arc::new(next));
+            }
+            if !self.still_leader(leadership).await? {
+                self.step_down(leadership, "the leader key changed");
+                return Err(CoordinatorError::NotLeader);
+            }
+        }
+    }
+
+    async fn still_leader(&self, leadership: Leadership) -> Result<bool, CoordinatorError> {
+        let kv = self.store.get(&self.keys.leader()).await?;
+        Ok(kv.is_some_and(|kv| kv.mod_revision == leadership.generation))
+    }
+
+    fn step_down(&self, leadership: Leadership, why: &str) {
+        let changed = self.leadership.send_if_modified(|current| {
+            if *current == Some(leadership) {
+                *current = None;
+                true
+            } else {
+                false
+            }
+        });
+        if changed {
+            tracing::warn!(
+                coordinator = %self.id,
+                generation = leadership.generation,
+                "stepping down as leader: {why}"
+            );
+        }
+    }
+
+    /// Creates the cluster map if the store holds none (any replica may;
+    /// the first wins).
+    pub async fn ensure_cluster(&self) -> Result<(), CoordinatorError> {
+        if self.read_map().await?.is_some() {
+            return Ok(());
+        }
+        let c = &self.config.cluster;
+        let map = new_map(c.shards, c.replication_factor, c.max_value_bytes);
+        let ops = vec![
+            Op::Put {
+                key: self.keys.map(),
+                value: encode_map(&map),
+                lease: None,
+            },
+            Op::Put {
+                key: self.keys.epoch_started(),
+                value: unix_ms().to_string().into_bytes(),
+                lease: None,
+            },
+        ];
+        let created = self
+            .store
+            .txn(vec![Compare::Absent(self.keys.map())], ops)
+            .await?;
+        if created.succeeded {
+            tracing::info!(
+                cluster_id = %map.cluster_id,
+                shards = c.shards,
+                replication_factor = c.replication_factor,
+                "created the cluster"
+            );
+        }
+        Ok(())
+    }
+
+    /// Keeps the cached map current until `stop` fires.
+    pub async fn follow_map(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        loop {
+            let followed = async {
+                // Watch first, then read: nothing between the two is missed.
+                let mut events = self.store.watch(&self.keys.map(), 0).await?;
+                if let Some((map, _)) = self.read_map().await? {
+                    self.publish(map);
+                }
+                while let Some(event) = events.recv().await {
+                    if let WatchEvent::Put(kv) = event {
+                        self.publish(decode_map(&kv.value)?);
+                    }
+                }
+                Ok::<(), CoordinatorError>(())
+            };
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                result = followed => {
+                    if let Err(error) = result {
+                        tracing::warn!(%error, "cluster map watch broke; watching again");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    }
+
+    /// Campaigns for leadership and holds it while the lease renews, until
+    /// `stop` fires (then resigns, so another replica takes over at once).
+    pub async fn campaign(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let ttl = self.config.leader_lease();
+        let record = serde_json::to_vec(&LeaderRecord {
+            id: self.id.clone(),
+            address: self.address.clone(),
+        })
+        .expect("serializable");
+        loop {
+            let won = tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                won = self.try_win(ttl, &record) => won,
+            };
+            match won {
+                Ok(Some(leadership)) => {
+                    tracing::info!(
+                        coordinator = %self.id,
+                        generation = leadership.generation,
+                        "became the coordinator leader"
+                    );
+                    self.leadership.send_replace(Some(leadership));
+                    let resigned = self.hold(leadership, ttl, &mut stop).await;
+                    if resigned {
+                        let _ = self.store.revoke(leadership.lease).await;
+                        return;
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => tracing::warn!(%error, "election attempt failed"),
+            }
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(ttl / 4) => {}
+            }
+        }
+    }
+
+    async fn try_win(
+        &self,
+        ttl: Duration,
+        record: &[u8],
+    ) -> Result<Option<Leadership>, CoordinatorError> {
+        if self.store.get(&self.keys.leader()).await?.is_some() {
+            return Ok(None);
+        }
+        let lease = self.store.grant_lease(ttl).await?;
+        let put = Op::Put {
+            key: self.keys.leader(),
+            value: record.to_vec(),
+            lease: Some(lease),
+        };
+        let outcome = self
+            .store
+            .txn(vec![Compare::Absent(self.keys.leader())], vec![put])
+            .await?;
+        if outcome.succeeded {
+            Ok(Some(Leadership {
+                generation: outcome.revision,
+                lease,
+            }))
+        } else {
+            let _ = self.store.revoke(lease).await;
+            Ok(None)
+        }
+    }
+
+    /// Renews the lease until it is lost (returns false) or `stop` fires
+    /// (returns true).
+    async fn hold(
+        &self,
+        leadership: Leadership,
+        ttl: Duration,
+        stop: &mut watch::Receiver<bool>,
+    ) -> bool {
+        let mut renewed = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => {
+                    self.step_down(leadership, "stopping");
+                    return true;
+                }
+                _ = tokio::time::sleep(ttl / 6) => {}
+            }
+            if self.leadership() != Some(leadership) {
+                return false;
+            }
+            match self.store.keep_alive(leadership.lease).await {
+                Ok(true) => renewed = Instant::now(),
+                Ok(false) => {
+                    self.step_down(leadership, "the lease expired");
+                    return false;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot renew the leader lease");
+                }
+            }
+            if renewed.elapsed() > ttl / 2 {
+                self.step_down(leadership, "the lease could not be renewed");
+                let _ = self.store.revoke(leadership.lease).await;
+                return false;
+            }
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

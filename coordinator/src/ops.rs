@@ -1,0 +1,222 @@
+//! Cluster operations behind the coordinator's API: registering nodes,
+//! heartbeats, namespaces, epochs and drains. Each change to the map is one
+//! fenced compare-and-swap (`Shared::update_map`).
+
+use std::sync::Arc;
+
+use prost::Message as _;
+use tidepool_proto::v1::{
+    ClusterMap, Namespace, NodeInfo, NodeState, NodeStatus, RegisterNodeRequest, Retention,
+    retention::Policy,
+};
+
+use crate::CoordinatorError;
+use crate::core::{Shared, unix_ms};
+use crate::meta::Op;
+use crate::schema::durable;
+
+fn check_retention(retention: Option<Retention>) -> Result<Retention, CoordinatorError> {
+    let retention = retention.unwrap_or_else(durable);
+    match &retention.policy {
+        None => Ok(durable()),
+        Some(Policy::Retain(r)) if r.epochs == 0 => Err(CoordinatorError::InvalidArgument(
+            "retention.retain.epochs must be at least 1".into(),
+        )),
+        Some(_) => Ok(retention),
+    }
+}
+
+impl Shared {
+    /// Adds a node to the map (a new id when `node_id` is 0) or updates
+    /// the address, zone and capacity of a known one. Returns its id and
+    /// the map after.
+    pub async fn register_node(
+        &self,
+        request: RegisterNodeRequest,
+    ) -> Result<(u64, Arc<ClusterMap>), CoordinatorError> {
+        let address = request.address.trim().to_string();
+        if !(address.starts_with("http://") || address.starts_with("https://")) {
+            return Err(CoordinatorError::InvalidArgument(format!(
+                "address must be an http:// or https:// URL, not {address:?}"
+            )));
+        }
+        let mut assigned = 0;
+        let map = self
+            .update_map(|map| {
+                let id = if request.node_id != 0 {
+                    request.node_id
+                } else {
+                    map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0) + 1
+                };
+                assigned = id;
+                let info = NodeInfo {
+                    node_id: id,
+                    address: address.clone(),
+                    zone: request.zone.clone(),
+                    capacity_bytes: request.capacity_bytes,
+                    state: NodeState::Up as i32,
+                };
+                match map.nodes.iter_mut().find(|n| n.node_id == id) {
+                    Some(known) => {
+                        let state = known.state;
+                        let updated = NodeInfo { state, ..info };
+                        if *known == updated {
+                            return Ok(None);
+                        }
+                        *known = updated;
+                    }
+                    None => {
+                        map.nodes.push(info);
+                        map.nodes.sort_by_key(|n| n.node_id);
+                    }
+                }
+                Ok(Some(Vec::new()))
+            })
+            .await?;
+        tracing::info!(node_id = assigned, %address, zone = %request.zone, "node registered");
+        Ok((assigned, map))
+    }
+
+    /// Records a node's status under its liveness lease (granting a new
+    /// lease when this replica has none for it or it expired).
+    pub async fn heartbeat(&self, status: NodeStatus) -> Result<(), CoordinatorError> {
+        let id = status.node_id;
+        if !self.map().nodes.iter().any(|n| n.node_id == id) {
+            return Err(CoordinatorError::UnknownNode(id));
+        }
+        let known = self.node_leases.lock().get(&id).copied();
+        let lease = match known {
+            Some(lease) if self.store.keep_alive(lease).await? => lease,
+            _ => {
+                let lease = self.store.grant_lease(self.config.node_lease()).await?;
+                self.node_leases.lock().insert(id, lease);
+                lease
+            }
+        };
+        let put = Op::Put {
+            key: self.keys.node(id),
+            value: status.encode_to_vec(),
+            lease: Some(lease),
+        };
+        self.store.txn(Vec::new(), vec![put]).await?;
+        Ok(())
+    }
+
+    /// Creates a namespace with the next free id.
+    pub async fn create_namespace(
+        &self,
+        name: &str,
+        content_addressed: bool,
+        retention: Option<Retention>,
+    ) -> Result<Namespace, CoordinatorError> {
+        tidepool_proto::validate_namespace_name(name)
+            .map_err(|e| CoordinatorError::InvalidArgument(format!("namespace name: {e}")))?;
+        let retention = check_retention(retention)?;
+        let mut created = None;
+        self.update_map(|map| {
+            if map.namespaces.iter().any(|ns| ns.name == name) {
+                return Err(CoordinatorError::NamespaceExists(name.to_string()));
+            }
+            let namespace = Namespace {
+                name: name.to_string(),
+                id: map.namespaces.iter().map(|ns| ns.id).max().unwrap_or(0) + 1,
+                content_addressed,
+                retention: Some(retention),
+                created_epoch: map.epoch,
+            };
+            created = Some(namespace.clone());
+            map.namespaces.push(namespace);
+            map.namespaces.sort_by(|a, b| a.name.cmp(&b.name));
+            Ok(Some(Vec::new()))
+        })
+        .await?;
+        let namespace = created.expect("set by the successful change");
+        tracing::info!(name, id = namespace.id, "namespace created");
+        Ok(namespace)
+    }
+
+    /// Changes a namespace's retention.
+    pub async fn set_retention(
+        &self,
+        name: &str,
+        retention: Option<Retention>,
+    ) -> Result<Namespace, CoordinatorError> {
+        let retention = check_retention(retention)?;
+        let map = self
+            .update_map(|map| {
+                let ns = map
+                    .namespaces
+                    .iter_mut()
+                    .find(|ns| ns.name == name)
+                    .ok_or_else(|| CoordinatorError::NamespaceNotFound(name.to_string()))?;
+                if ns.retention.as_ref() == Some(&retention) {
+                    return Ok(None);
+                }
+                ns.retention = Some(retention);
+                Ok(Some(Vec::new()))
+            })
+            .await?;
+        Ok(map
+            .namespaces
+            .iter()
+            .find(|ns| ns.name == name)
+            .cloned()
+            .expect("present after the change"))
+    }
+
+    /// Starts the next cluster epoch; with `expected` non-zero, only if the
+    /// current epoch is `expected`. Returns the new epoch.
+    pub async fn advance_epoch(&self, expected: u64) -> Result<u64, CoordinatorError> {
+        let map = self
+            .update_map(|map| {
+                if expected != 0 && map.epoch != expected {
+                    return Err(CoordinatorError::Conflict(format!(
+                        "the epoch is {}, not {expected}",
+                        map.epoch
+                    )));
+                }
+                if map.epoch >= u64::from(u32::MAX) {
+                    return Err(CoordinatorError::InvalidArgument(
+                        "the epoch counter is exhausted".into(),
+                    ));
+                }
+                map.epoch += 1;
+                Ok(Some(vec![Op::Put {
+                    key: self.keys.epoch_started(),
+                    value: unix_ms().to_string().into_bytes(),
+                    lease: None,
+                }]))
+            })
+            .await?;
+        tracing::info!(epoch = map.epoch, "epoch advanced");
+        Ok(map.epoch)
+    }
+
+    /// Marks a node draining: placement stops using it and the reconciler
+    /// moves its replicas away. Returns how many replicas it holds.
+    pub async fn drain_node(&self, node_id: u64) -> Result<u32, CoordinatorError> {
+        let map = self
+            .update_map(|map| {
+                let node = map
+                    .nodes
+                    .iter_mut()
+                    .find(|n| n.node_id == node_id)
+                    .ok_or(CoordinatorError::UnknownNode(node_id))?;
+                if node.state == NodeState::Draining as i32
+                    || node.state == NodeState::Drained as i32
+                {
+                    return Ok(None);
+                }
+                node.state = NodeState::Draining as i32;
+                Ok(Some(Vec::new()))
+            })
+            .await?;
+        let hosted = map
+            .shards
+            .iter()
+            .filter(|s| s.replicas.iter().any(|r| r.node_id == node_id))
+            .count();
+        tracing::info!(node_id, replicas = hosted, "draining node");
+        Ok(hosted as u32)
+    }
+}

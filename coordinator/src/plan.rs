@@ -1,0 +1,371 @@
+//! Pure reconcile logic: what the nodes report, turned into a view of each
+//! shard, and the next membership step that moves a shard toward its
+//! desired replicas. No I/O; the reconciler (`reconcile.rs`) executes the
+//! steps.
+//!
+//! One shard moves one replica at a time: add a learner, let it catch up,
+//! promote it, then remove the replica it replaces (transferring leadership
+//! away first if that replica leads). Every step that changes the voters
+//! checks that a majority of the resulting voters is live, so no move ever
+//! takes a shard below a live majority.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tidepool_proto::v1::{ClusterMap, MoveStep, NodeStatus, ReplicaRole, ReplicaStatus};
+
+/// One shard as the latest reports show it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShardView {
+    /// The shard.
+    pub shard_id: u32,
+    /// Node of the replica that leads (highest term among those claiming
+    /// to), if any.
+    pub leader: Option<u64>,
+    /// Voters in the leader's configuration (the map's when leaderless).
+    pub voters: BTreeSet<u64>,
+    /// Learners in the leader's configuration.
+    pub learners: BTreeSet<u64>,
+    /// The leader's `conf_version`.
+    pub conf_version: u64,
+    /// Every replica a node reports, by node.
+    pub replicas: BTreeMap<u64, ReplicaStatus>,
+}
+
+impl ShardView {
+    /// Voters and learners.
+    pub fn members(&self) -> BTreeSet<u64> {
+        self.voters.union(&self.learners).copied().collect()
+    }
+
+    /// The leader's status.
+    pub fn leader_status(&self) -> Option<&ReplicaStatus> {
+        self.leader.and_then(|id| self.replicas.get(&id))
+    }
+}
+
+/// Views of every shard in `map` from the nodes' reports.
+pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec<ShardView> {
+    map.shards
+        .iter()
+        .map(|shard| {
+            let mut view = ShardView {
+                shard_id: shard.shard_id,
+                ..ShardView::default()
+            };
+            for (node, report) in reports {
+                if let Some(replica) = report
+                    .replicas
+                    .iter()
+                    .find(|r| r.shard_id == shard.shard_id)
+                {
+                    view.replicas.insert(*node, replica.clone());
+                }
+            }
+            view.leader = view
+                .replicas
+                .iter()
+                .filter(|(_, r)| r.is_leader)
+                .max_by_key(|(_, r)| r.term)
+                .map(|(node, _)| *node);
+            let (members, conf_version) = match view.leader_status() {
+                Some(leader) => (leader.members.clone(), leader.conf_version),
+                None => (shard.replicas.clone(), shard.conf_version),
+            };
+            for member in members {
+                if member.role == ReplicaRole::Learner as i32 {
+                    view.learners.insert(member.node_id);
+                } else {
+                    view.voters.insert(member.node_id);
+                }
+            }
+            view.conf_version = conf_version;
+            view
+        })
+        .collect()
+}
+
+/// Why a shard waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// The shard has no known leader.
+    NoLeader,
+    /// A learner is catching up.
+    CatchUp(u64),
+    /// The step would leave fewer live voters than a majority.
+    Unsafe,
+    /// The node that would get a replica is not live.
+    TargetDown(u64),
+}
+
+/// The next thing to do to a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Open an empty replica on the node and add it as a learner.
+    AddLearner(u64),
+    /// Close a leftover replica on a node outside the configuration (an
+    /// earlier member) before adding it afresh.
+    ClearStale(u64),
+    /// Make a caught-up learner a voter.
+    Promote(u64),
+    /// Remove a replica (learner or voter) from the configuration.
+    Remove(u64),
+    /// Move leadership to this voter (before removing the leader).
+    TransferLeader(u64),
+    /// Nothing can be done yet.
+    Wait(Wait),
+}
+
+impl Step {
+    /// The step as the status API names it.
+    pub fn move_step(&self) -> MoveStep {
+        match self {
+            Step::AddLearner(_) | Step::ClearStale(_) => MoveStep::AddLearner,
+            Step::Wait(Wait::CatchUp(_)) => MoveStep::CatchUp,
+            Step::Promote(_) => MoveStep::Promote,
+            Step::Remove(_) | Step::TransferLeader(_) => MoveStep::RemoveOld,
+            Step::Wait(_) => MoveStep::AddLearner,
+        }
+    }
+}
+
+fn majority(voters: usize) -> usize {
+    voters / 2 + 1
+}
+
+/// Whether the replica on `node` has applied close enough to the leader.
+fn caught_up(view: &ShardView, node: u64, slack: u64) -> bool {
+    let (Some(leader), Some(replica)) = (view.leader_status(), view.replicas.get(&node)) else {
+        return false;
+    };
+    !replica.receiving_snapshot
+        && replica.applied_index > 0
+        && replica.applied_index + slack >= leader.commit_index
+}
+
+/// The next step toward `desired` for a shard, or `None` when its
+/// configuration already is `desired` (all voters). `live` holds the nodes
+/// that answered this round.
+pub fn next_step(
+    view: &ShardView,
+    desired: &BTreeSet<u64>,
+    live: &BTreeSet<u64>,
+    slack: u64,
+) -> Option<Step> {
+    let Some(leader) = view.leader else {
+        return Some(Step::Wait(Wait::NoLeader));
+    };
+    let live_voters = view.voters.intersection(live).count();
+    // Learners first: finish or undo a move in progress.
+    if let Some(&learner) = view.learners.iter().find(|l| !desired.contains(l)) {
+        return Some(Step::Remove(learner));
+    }
+    if let Some(&learner) = view.learners.iter().next() {
+        if !caught_up(view, learner, slack) {
+            return Some(Step::Wait(Wait::CatchUp(learner)));
+        }
+        if live_voters + 1 < majority(view.voters.len() + 1) {
+            return Some(Step::Wait(Wait::Unsafe));
+        }
+        return Some(Step::Promote(learner));
+    }
+    // Then add what is missing, one at a time.
+    let members = view.members();
+    if let Some(&target) = desired.iter().find(|n| !members.contains(n)) {
+        if !live.contains(&target) {
+            return Some(Step::Wait(Wait::TargetDown(target)));
+        }
+        let leftover = view
+            .replicas
+            .get(&target)
+            .is_some_and(|r| r.last_index > 0 || r.applied_index > 0);
+        return Some(if leftover {
+            Step::ClearStale(target)
+        } else {
+            Step::AddLearner(target)
+        });
+    }
+    // Then remove what is extra: dead replicas first.
+    let mut extra: Vec<u64> = view
+        .voters
+        .iter()
+        .copied()
+        .filter(|v| !desired.contains(v))
+        .collect();
+    extra.sort_by_key(|v| (live.contains(v), *v));
+    let &victim = extra.first()?;
+    let remaining: BTreeSet<u64> = view
+        .voters
+        .iter()
+        .copied()
+        .filter(|v| *v != victim)
+        .collect();
+    if remaining.intersection(live).count() < majority(remaining.len()) {
+        return Some(Step::Wait(Wait::Unsafe));
+    }
+    if victim == leader {
+        let successor = remaining
+            .iter()
+            .copied()
+            .filter(|v| live.contains(v))
+            .max_by_key(|v| view.replicas.get(v).map_or(0, |r| r.applied_index));
+        return Some(match successor {
+            Some(to) => Step::TransferLeader(to),
+            None => Step::Wait(Wait::Unsafe),
+        });
+    }
+    Some(Step::Remove(victim))
+}
+
+#[cfg(test)]
+mod tests {
+    use tidepool_proto::v1::ReplicaInfo;
+
+    use super::*;
+
+    fn replica(leader: bool, applied: u64) -> ReplicaStatus {
+        ReplicaStatus {
+            shard_id: 1,
+            is_leader: leader,
+            term: 2,
+            commit_index: applied,
+            applied_index: applied,
+            last_index: applied,
+            ..ReplicaStatus::default()
+        }
+    }
+
+    fn view(voters: &[u64], learners: &[u64], leader: u64) -> ShardView {
+        let mut v = ShardView {
+            shard_id: 1,
+            leader: Some(leader),
+            voters: voters.iter().copied().collect(),
+            learners: learners.iter().copied().collect(),
+            conf_version: 5,
+            replicas: BTreeMap::new(),
+        };
+        for &n in voters.iter().chain(learners) {
+            v.replicas.insert(n, replica(n == leader, 100));
+        }
+        v
+    }
+
+    fn set(ids: &[u64]) -> BTreeSet<u64> {
+        ids.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_move_adds_then_promotes_then_removes() {
+        let live = set(&[1, 2, 3, 4]);
+        let desired = set(&[1, 2, 4]);
+        let v = view(&[1, 2, 3], &[], 1);
+        assert_eq!(
+            next_step(&v, &desired, &live, 10),
+            Some(Step::AddLearner(4))
+        );
+        let mut v = view(&[1, 2, 3], &[4], 1);
+        v.replicas.get_mut(&4).unwrap().applied_index = 3;
+        assert_eq!(
+            next_step(&v, &desired, &live, 10),
+            Some(Step::Wait(Wait::CatchUp(4)))
+        );
+        v.replicas.get_mut(&4).unwrap().applied_index = 95;
+        assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Promote(4)));
+        let v = view(&[1, 2, 3, 4], &[], 1);
+        assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Remove(3)));
+        let v = view(&[1, 2, 4], &[], 1);
+        assert_eq!(next_step(&v, &desired, &live, 10), None);
+    }
+
+    #[test]
+    fn the_leader_hands_over_before_it_is_removed() {
+        let live = set(&[1, 2, 3, 4]);
+        let mut v = view(&[1, 2, 3, 4], &[], 3);
+        v.replicas.get_mut(&2).unwrap().applied_index = 120;
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 4]), &live, 10),
+            Some(Step::TransferLeader(2))
+        );
+    }
+
+    #[test]
+    fn no_step_leaves_fewer_live_voters_than_a_majority() {
+        // Voters 1, 2, 3; 2 and 3 are down: promoting 4 makes 2 of 4 live.
+        let live = set(&[1, 4]);
+        let v = view(&[1, 2, 3], &[4], 1);
+        assert_eq!(
+            next_step(&v, &set(&[1, 4, 5]), &live, 10),
+            Some(Step::Wait(Wait::Unsafe))
+        );
+        // Removing a live voter while two others are down would leave 1 of 3.
+        let v = view(&[1, 2, 3, 4], &[], 1);
+        assert_eq!(
+            next_step(&v, &set(&[1, 3, 4]), &set(&[1, 2]), 10),
+            Some(Step::Wait(Wait::Unsafe))
+        );
+        // A dead voter goes first, and that is safe.
+        let live = set(&[1, 2, 4]);
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 4]), &live, 10),
+            Some(Step::Remove(3))
+        );
+    }
+
+    #[test]
+    fn unwanted_learners_are_removed_and_leftovers_cleared() {
+        let live = set(&[1, 2, 3, 4, 5]);
+        let v = view(&[1, 2, 3], &[5], 1);
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 4]), &live, 10),
+            Some(Step::Remove(5))
+        );
+        let mut v = view(&[1, 2, 3], &[], 1);
+        v.replicas.insert(4, replica(false, 40));
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 4]), &live, 10),
+            Some(Step::ClearStale(4))
+        );
+        v.replicas.insert(4, replica(false, 0));
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 4]), &live, 10),
+            Some(Step::AddLearner(4))
+        );
+        assert_eq!(
+            next_step(&v, &set(&[1, 2, 9]), &live, 10),
+            Some(Step::Wait(Wait::TargetDown(9)))
+        );
+    }
+
+    #[test]
+    fn views_follow_the_highest_term_leader_and_its_configuration() {
+        let mut map = ClusterMap::default();
+        map.shards.push(tidepool_proto::v1::ShardInfo {
+            shard_id: 1,
+            ..Default::default()
+        });
+        let member = |node_id, role: ReplicaRole| ReplicaInfo {
+            node_id,
+            role: role as i32,
+        };
+        let mut stale = replica(true, 10);
+        stale.term = 1;
+        stale.members = vec![member(1, ReplicaRole::Voter)];
+        let mut fresh = replica(true, 20);
+        fresh.term = 3;
+        fresh.conf_version = 9;
+        fresh.members = vec![
+            member(1, ReplicaRole::Voter),
+            member(2, ReplicaRole::Voter),
+            member(3, ReplicaRole::Learner),
+        ];
+        let report = |r: ReplicaStatus| NodeStatus {
+            replicas: vec![r],
+            ..Default::default()
+        };
+        let reports = BTreeMap::from([(1, report(stale)), (2, report(fresh))]);
+        let views = shard_views(&map, &reports);
+        assert_eq!(views[0].leader, Some(2));
+        assert_eq!(views[0].voters, set(&[1, 2]));
+        assert_eq!(views[0].learners, set(&[3]));
+        assert_eq!(views[0].conf_version, 9);
+    }
+}

@@ -1,0 +1,727 @@
+//! The reconciler: while this coordinator leads, every round it reads what
+//! the nodes report, brings the map in line with the shards' actual Raft
+//! configurations, founds shards that have no replicas yet, moves replicas
+//! toward the placement (one step per shard per round, a bounded number of
+//! shards at once), closes replicas nodes no longer need, balances
+//! leadership and drives epoch advances and drops on every shard.
+//!
+//! Nothing it decides lives only in its memory: the map and the nodes'
+//! Raft configurations hold every step's result, so a new leader resumes
+//! where the old one stopped. (What is in memory: when each node was first
+//! seen down. A new leader restarts that clock, which only delays
+//! re-replication by up to one grace period.)
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidepool_proto::v1::{
+    AdvanceEpochOp, ChangeMembershipRequest, CloseReplicaRequest, ClusterMap, DropEpochsOp,
+    ErrorCode, MembershipChange, NodeState, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
+    ProposeAdminRequest, ReplicaInfo, ReplicaMove, ReplicaRole, ShardInfo, TransferLeaderRequest,
+    propose_admin_request::Op as AdminOp,
+};
+use tokio::sync::watch;
+
+use crate::CoordinatorError;
+use crate::core::Shared;
+use crate::epochs::drop_target;
+use crate::nodes::NodeClients;
+use crate::placement::{NodeView, Placement, place};
+use crate::plan::{ShardView, Step, Wait, next_step, shard_views};
+
+/// Deadline of a status poll.
+const POLL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline of a call that changes a shard (it waits for a Raft commit;
+/// an epoch drop walks the index).
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the reconciler last saw and did, for status and metrics.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    /// Shards changing membership, with their step.
+    pub moves: Vec<ReplicaMove>,
+    /// Replica moves completed by this coordinator (an old replica
+    /// removed, or a missing one promoted).
+    pub moves_done: u64,
+    /// Shards with fewer live voters than the replication factor.
+    pub under_replicated: u32,
+    /// Rounds run while leading.
+    pub rounds: u64,
+    /// Rounds or steps that failed.
+    pub errors: u64,
+}
+
+/// The nodes whose liveness key exists, with the status they last sent.
+pub(crate) async fn alive(shared: &Shared) -> Result<BTreeMap<u64, NodeStatus>, CoordinatorError> {
+    use prost::Message as _;
+    let mut alive = BTreeMap::new();
+    for kv in shared.store.list(&shared.keys.nodes()).await? {
+        let Some(id) = kv.key.rsplit('/').next().and_then(|id| id.parse().ok()) else {
+            continue;
+        };
+        let status = NodeStatus::decode(&kv.value[..]).unwrap_or_default();
+        alive.insert(id, status);
+    }
+    Ok(alive)
+}
+
+/// Node views for placement.
+pub(crate) fn node_views(
+    map: &ClusterMap,
+    reports: &BTreeMap<u64, NodeStatus>,
+    live: impl Fn(u64) -> bool,
+) -> Vec<NodeView> {
+    map.nodes
+        .iter()
+        .map(|n| {
+            let report = reports.get(&n.node_id);
+            NodeView {
+                id: n.node_id,
+                zone: n.zone.clone(),
+                capacity_bytes: report
+                    .map(|r| r.disk_capacity_bytes)
+                    .filter(|c| *c > 0)
+                    .unwrap_or(n.capacity_bytes),
+                used_bytes: report.map_or(0, |r| r.disk_used_bytes),
+                live: live(n.node_id),
+                draining: n.state == NodeState::Draining as i32
+                    || n.state == NodeState::Drained as i32,
+            }
+        })
+        .collect()
+}
+
+/// The placement now: each founded shard's members (its map replicas while
+/// no leader reports).
+pub(crate) fn current_placement(views: &[ShardView]) -> Placement {
+    views.iter().map(|v| (v.shard_id, v.members())).collect()
+}
+
+/// Where each shard's replicas should be.
+pub(crate) fn desired_placement(
+    map: &ClusterMap,
+    views: &[ShardView],
+    nodes: &[NodeView],
+) -> Placement {
+    let shards: Vec<u32> = map.shards.iter().map(|s| s.shard_id).collect();
+    place(
+        nodes,
+        &current_placement(views),
+        &shards,
+        map.replication_factor as usize,
+    )
+}
+
+/// The moves in progress as the status API shows them.
+pub(crate) fn moves_of(
+    views: &[ShardView],
+    desired: &Placement,
+    live: &BTreeSet<u64>,
+    slack: u64,
+) -> Vec<(ReplicaMove, Step)> {
+    let empty = BTreeSet::new();
+    views
+        .iter()
+        .filter(|v| v.leader.is_some())
+        .filter_map(|v| {
+            let want = desired.get(&v.shard_id).unwrap_or(&empty);
+            let step = next_step(v, want, live, slack)?;
+            let from = v.voters.iter().find(|n| !want.contains(n)).copied();
+            let to = v
+                .learners
+                .iter()
+                .chain(want.iter().filter(|n| !v.voters.contains(n)))
+                .next()
+                .copied();
+            let shown = ReplicaMove {
+                shard_id: v.shard_id,
+                from_node: from.unwrap_or(0),
+                to_node: to.unwrap_or(0),
+                step: step.move_step() as i32,
+            };
+            Some((shown, step))
+        })
+        .collect()
+}
+
+/// Runs rounds while this coordinator leads, until `stop` fires.
+pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut reconciler = Reconciler {
+        shared: shared.clone(),
+        nodes: NodeClients::default(),
+        down_since: HashMap::new(),
+    };
+    let mut leadership = shared.subscribe_leadership();
+    let mut led = None;
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = leadership.wait_for(|l| l.is_some()) => {}
+        }
+        let generation = shared.leadership().map(|l| l.generation);
+        if generation != led {
+            // A new term: the down clock starts again.
+            reconciler.down_since.clear();
+            led = generation;
+        }
+        if let Err(error) = reconciler.round().await {
+            tracing::warn!(%error, "reconcile round failed");
+            shared.progress.lock().errors += 1;
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(shared.config.reconcile_interval()) => {}
+        }
+    }
+}
+
+struct Reconciler {
+    shared: Arc<Shared>,
+    nodes: NodeClients,
+    down_since: HashMap<u64, Instant>,
+}
+
+impl Reconciler {
+    async fn round(&mut self) -> Result<(), CoordinatorError> {
+        let shared = self.shared.clone();
+        let map = shared.map();
+        if map.version == 0 {
+            return Ok(());
+        }
+        let alive = alive(&shared).await?;
+        let now = Instant::now();
+        for node in &map.nodes {
+            if alive.contains_key(&node.node_id) {
+                self.down_since.remove(&node.node_id);
+            } else {
+                self.down_since.entry(node.node_id).or_insert(now);
+            }
+        }
+        let reports = self.poll(&map, &alive).await;
+        let live: BTreeSet<u64> = reports.keys().copied().collect();
+        let views = shard_views(&map, &reports);
+        let map = self.sync_map(&views, &alive).await?;
+        let grace = shared.config.down_grace();
+        let node_views = node_views(&map, &reports, |id| {
+            live.contains(&id) || self.down_since.get(&id).is_none_or(|t| t.elapsed() < grace)
+        });
+        let desired = desired_placement(&map, &views, &node_views);
+        self.found(&map, &views, &desired, &live).await?;
+        let busy = self.move_replicas(&map, &views, &desired, &live).await;
+        self.close_strays(&map, &views, &desired).await;
+        if !busy {
+            self.balance_leaders(&map, &views, &live).await;
+        }
+        self.drive_epochs(&map, &views).await;
+        if shared.config.epoch_interval_s > 0 {
+            self.advance_on_schedule(&map).await?;
+        }
+        let rf = map.replication_factor as usize;
+        let mut progress = shared.progress.lock();
+        progress.rounds += 1;
+        progress.under_replicated = views
+            .iter()
+            .filter(|v| v.voters.intersection(&live).count() < rf)
+            .count() as u32;
+        progress.moves = moves_of(&views, &desired, &live, shared.config.catch_up_slack)
+            .into_iter()
+            .map(|(m, _)| m)
+            .collect();
+        Ok(())
+    }
+
+    fn address(map: &ClusterMap, node: u64) -> Option<String> {
+        map.nodes
+            .iter()
+            .find(|n| n.node_id == node)
+            .map(|n| n.address.clone())
+    }
+
+    /// Fresh status from every live node that answers in time.
+    async fn poll(
+        &self,
+        map: &ClusterMap,
+        alive: &BTreeMap<u64, NodeStatus>,
+    ) -> BTreeMap<u64, NodeStatus> {
+        let mut calls = tokio::task::JoinSet::new();
+        for &id in alive.keys() {
+            let Some(mut client) = Self::address(map, id).and_then(|a| self.nodes.admin(&a).ok())
+            else {
+                continue;
+            };
+            calls.spawn(async move {
+                let status =
+                    NodeClients::call("status", POLL_TIMEOUT, client.status(NodeStatusRequest {}))
+                        .await;
+                (id, status)
+            });
+        }
+        let mut reports = BTreeMap::new();
+        while let Some(joined) = calls.join_next().await {
+            let Ok((id, status)) = joined else { continue };
+            match status {
+                Ok(status) if status.node_id == id => {
+                    reports.insert(id, status);
+                }
+                Ok(status) => tracing::warn!(
+                    node_id = id,
+                    answered = status.node_id,
+                    "a different node answers at this node's address"
+                ),
+                Err(error) => tracing::debug!(node_id = id, %error, "status poll failed"),
+            }
+        }
+        reports
+    }
+
+    /// Brings node states and each led shard's replicas, leader and
+    /// configuration version in the map in line with the reports.
+    async fn sync_map(
+        &self,
+        views: &[ShardView],
+        alive: &BTreeMap<u64, NodeStatus>,
+    ) -> Result<Arc<ClusterMap>, CoordinatorError> {
+        self.shared
+            .update_map(|map| {
+                let mut changed = false;
+                let hosting: BTreeSet<u64> = views
+                    .iter()
+                    .flat_map(|v| v.members())
+                    .chain(
+                        map.shards
+                            .iter()
+                            .flat_map(|s| s.replicas.iter().map(|r| r.node_id)),
+                    )
+                    .collect();
+                for node in &mut map.nodes {
+                    let state = match NodeState::try_from(node.state).unwrap_or(NodeState::Up) {
+                        NodeState::Draining if !hosting.contains(&node.node_id) => {
+                            NodeState::Drained
+                        }
+                        s @ (NodeState::Draining | NodeState::Drained) => s,
+                        _ if alive.contains_key(&node.node_id) => NodeState::Up,
+                        _ => NodeState::Down,
+                    };
+                    if node.state != state as i32 {
+                        tracing::info!(
+                            node_id = node.node_id,
+                            state = state.as_str_name(),
+                            "node state changed"
+                        );
+                        node.state = state as i32;
+                        changed = true;
+                    }
+                }
+                for shard in &mut map.shards {
+                    let Some(view) = views.iter().find(|v| v.shard_id == shard.shard_id) else {
+                        continue;
+                    };
+                    let Some(leader) = view.leader else { continue };
+                    let replicas = replica_infos(view);
+                    if shard.replicas != replicas
+                        || shard.leader_hint != leader
+                        || shard.conf_version != view.conf_version
+                    {
+                        shard.replicas = replicas;
+                        shard.leader_hint = leader;
+                        shard.conf_version = view.conf_version;
+                        changed = true;
+                    }
+                }
+                Ok(changed.then(Vec::new))
+            })
+            .await
+    }
+
+    /// Records replicas for shards that have none (once R nodes can take
+    /// them) and opens the founding replicas of shards not yet running.
+    /// The map is written first, so a coordinator that fails halfway is
+    /// followed by one that founds the same shard on the same nodes.
+    async fn found(
+        &self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        desired: &Placement,
+        live: &BTreeSet<u64>,
+    ) -> Result<(), CoordinatorError> {
+        let rf = map.replication_factor as usize;
+        let unplaced: Vec<u32> = map
+            .shards
+            .iter()
+            .filter(|s| s.replicas.is_empty())
+            .map(|s| s.shard_id)
+            .filter(|id| {
+                desired
+                    .get(id)
+                    .is_some_and(|d| d.len() == rf && d.is_subset(live))
+            })
+            .collect();
+        let map = if unplaced.is_empty() {
+            Arc::new(map.clone())
+        } else {
+            tracing::info!(shards = unplaced.len(), "placing new shards");
+            self.shared
+                .update_map(|m| {
+                    let mut changed = false;
+                    for shard in &mut m.shards {
+                        if shard.replicas.is_empty() && unplaced.contains(&shard.shard_id) {
+                            shard.replicas = desired[&shard.shard_id]
+                                .iter()
+                                .map(|&node_id| ReplicaInfo {
+                                    node_id,
+                                    role: ReplicaRole::Voter as i32,
+                                })
+                                .collect();
+                            changed = true;
+                        }
+                    }
+                    Ok(changed.then(Vec::new))
+                })
+                .await?
+        };
+        for shard in map.shards.iter().filter(|s| founding(s)) {
+            let view = views.iter().find(|v| v.shard_id == shard.shard_id);
+            if view.is_some_and(|v| v.leader.is_some()) {
+                continue;
+            }
+            for replica in &shard.replicas {
+                let reported = view.is_some_and(|v| v.replicas.contains_key(&replica.node_id));
+                if reported || !live.contains(&replica.node_id) {
+                    continue;
+                }
+                if let Err(error) = self.open(&map, replica.node_id, shard, true).await {
+                    tracing::warn!(shard_id = shard.shard_id, node_id = replica.node_id, %error, "cannot open a founding replica");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn open(
+        &self,
+        map: &ClusterMap,
+        node: u64,
+        shard: &ShardInfo,
+        bootstrap: bool,
+    ) -> Result<(), CoordinatorError> {
+        let address = Self::address(map, node).ok_or(CoordinatorError::UnknownNode(node))?;
+        let mut client = self.nodes.admin(&address)?;
+        let request = OpenReplicaRequest {
+            shard: Some(shard.clone()),
+            bootstrap,
+        };
+        NodeClients::call("open replica", CHANGE_TIMEOUT, client.open_replica(request)).await?;
+        Ok(())
+    }
+
+    async fn close(&self, map: &ClusterMap, node: u64, shard_id: u32) {
+        let Some(address) = Self::address(map, node) else {
+            return;
+        };
+        let Ok(mut client) = self.nodes.admin(&address) else {
+            return;
+        };
+        let result = NodeClients::call(
+            "close replica",
+            CHANGE_TIMEOUT,
+            client.close_replica(CloseReplicaRequest { shard_id }),
+        )
+        .await;
+        match result {
+            Ok(_) => tracing::info!(shard_id, node_id = node, "closed a replica"),
+            Err(error) => {
+                tracing::warn!(shard_id, node_id = node, %error, "cannot close a replica")
+            }
+        }
+    }
+
+    /// One step on each of up to `max_concurrent_moves` shards, shards
+    /// already in the middle of a move first. Returns whether any shard is
+    /// not where it should be.
+    async fn move_replicas(
+        &self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        desired: &Placement,
+        live: &BTreeSet<u64>,
+    ) -> bool {
+        let slack = self.shared.config.catch_up_slack;
+        let mut pending = moves_of(views, desired, live, slack);
+        if pending.is_empty() {
+            return false;
+        }
+        pending.sort_by_key(|(m, _)| {
+            let v = views.iter().find(|v| v.shard_id == m.shard_id);
+            let started = v.is_some_and(|v| {
+                !v.learners.is_empty() || v.voters.len() > desired[&v.shard_id].len()
+            });
+            (!started, m.shard_id)
+        });
+        for (shown, step) in pending
+            .into_iter()
+            .take(self.shared.config.max_concurrent_moves)
+        {
+            let view = views
+                .iter()
+                .find(|v| v.shard_id == shown.shard_id)
+                .expect("moves come from views");
+            if let Err(error) = self.execute(map, view, step).await {
+                tracing::warn!(shard_id = view.shard_id, ?step, %error, "move step failed");
+                self.shared.progress.lock().errors += 1;
+            }
+        }
+        true
+    }
+
+    async fn change(
+        &self,
+        map: &ClusterMap,
+        view: &ShardView,
+        change: MembershipChange,
+        node: u64,
+    ) -> Result<(), CoordinatorError> {
+        let leader = view
+            .leader
+            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
+        let address = Self::address(map, leader).ok_or(CoordinatorError::UnknownNode(leader))?;
+        let mut client = self.nodes.admin(&address)?;
+        let request = ChangeMembershipRequest {
+            shard_id: view.shard_id,
+            change: change as i32,
+            node_id: node,
+            expected_conf_version: view.conf_version,
+        };
+        NodeClients::call(
+            "change membership",
+            CHANGE_TIMEOUT,
+            client.change_membership(request),
+        )
+        .await?;
+        tracing::info!(
+            shard_id = view.shard_id,
+            node_id = node,
+            change = change.as_str_name(),
+            "membership changed"
+        );
+        Ok(())
+    }
+
+    async fn execute(
+        &self,
+        map: &ClusterMap,
+        view: &ShardView,
+        step: Step,
+    ) -> Result<(), CoordinatorError> {
+        let shard = map
+            .shards
+            .iter()
+            .find(|s| s.shard_id == view.shard_id)
+            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
+        match step {
+            Step::Wait(Wait::Unsafe) => {
+                tracing::debug!(
+                    shard_id = view.shard_id,
+                    "waiting: a step now would risk the shard's majority"
+                );
+            }
+            Step::Wait(_) => {}
+            Step::AddLearner(node) => {
+                self.open(map, node, shard, false).await?;
+                self.change(map, view, MembershipChange::AddLearner, node)
+                    .await?;
+            }
+            Step::ClearStale(node) => self.close(map, node, view.shard_id).await,
+            Step::Promote(node) => {
+                self.change(map, view, MembershipChange::Promote, node)
+                    .await?;
+            }
+            Step::Remove(node) => {
+                let was_voter = view.voters.contains(&node);
+                self.change(map, view, MembershipChange::Remove, node)
+                    .await?;
+                if was_voter {
+                    self.shared.progress.lock().moves_done += 1;
+                }
+                self.close(map, node, view.shard_id).await;
+            }
+            Step::TransferLeader(to) => self.transfer(map, view, to).await?,
+        }
+        Ok(())
+    }
+
+    async fn transfer(
+        &self,
+        map: &ClusterMap,
+        view: &ShardView,
+        to: u64,
+    ) -> Result<(), CoordinatorError> {
+        let leader = view
+            .leader
+            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
+        let address = Self::address(map, leader).ok_or(CoordinatorError::UnknownNode(leader))?;
+        let mut client = self.nodes.admin(&address)?;
+        let request = TransferLeaderRequest {
+            shard_id: view.shard_id,
+            to_node: to,
+        };
+        NodeClients::call(
+            "transfer leader",
+            CHANGE_TIMEOUT,
+            client.transfer_leader(request),
+        )
+        .await?;
+        tracing::info!(
+            shard_id = view.shard_id,
+            from = leader,
+            to,
+            "leadership transfer asked"
+        );
+        Ok(())
+    }
+
+    /// Closes replicas on nodes that are neither in the shard's
+    /// configuration nor wanted there (removed replicas whose node was away
+    /// when they were removed).
+    async fn close_strays(&self, map: &ClusterMap, views: &[ShardView], desired: &Placement) {
+        for view in views.iter().filter(|v| v.leader.is_some()) {
+            let members = view.members();
+            for &node in view.replicas.keys() {
+                let wanted = desired
+                    .get(&view.shard_id)
+                    .is_some_and(|d| d.contains(&node));
+                if !members.contains(&node) && !wanted {
+                    self.close(map, node, view.shard_id).await;
+                }
+            }
+        }
+    }
+
+    /// Moves one leadership from the node leading the most shards to a
+    /// live voter on the node leading the fewest, when they differ by two
+    /// or more.
+    async fn balance_leaders(&self, map: &ClusterMap, views: &[ShardView], live: &BTreeSet<u64>) {
+        let mut led: BTreeMap<u64, usize> = live.iter().map(|n| (*n, 0)).collect();
+        for view in views {
+            if let Some(leader) = view.leader {
+                *led.entry(leader).or_default() += 1;
+            }
+        }
+        let Some((&busiest, &most)) = led
+            .iter()
+            .max_by_key(|(n, c)| (**c, std::cmp::Reverse(**n)))
+        else {
+            return;
+        };
+        let candidates = views.iter().filter(|v| v.leader == Some(busiest));
+        for view in candidates {
+            let best = view
+                .voters
+                .iter()
+                .filter(|v| live.contains(v))
+                .min_by_key(|v| (led.get(v).copied().unwrap_or(usize::MAX), **v))
+                .copied();
+            if let Some(to) = best
+                && led.get(&to).is_some_and(|c| c + 2 <= most)
+            {
+                if let Err(error) = self.transfer(map, view, to).await {
+                    tracing::warn!(shard_id = view.shard_id, %error, "leader balance failed");
+                }
+                return;
+            }
+        }
+    }
+
+    /// Orders each shard's leader to advance to the cluster epoch, then to
+    /// drop the expired epochs of every namespace with retention.
+    async fn drive_epochs(&self, map: &ClusterMap, views: &[ShardView]) {
+        for view in views {
+            let (Some(leader), Some(status)) = (view.leader, view.leader_status()) else {
+                continue;
+            };
+            let op = if status.epoch < map.epoch {
+                Some(AdminOp::AdvanceEpoch(AdvanceEpochOp { epoch: map.epoch }))
+            } else {
+                map.namespaces.iter().find_map(|ns| {
+                    let target = drop_target(ns, map.epoch)?;
+                    let done = status
+                        .drops
+                        .iter()
+                        .find(|d| d.namespace_id == ns.id)
+                        .map_or(0, |d| d.dropped_below);
+                    (done < target && status.epoch >= target).then_some(AdminOp::DropEpochs(
+                        DropEpochsOp {
+                            namespace_id: ns.id,
+                            below: target,
+                        },
+                    ))
+                })
+            };
+            let Some(op) = op else { continue };
+            let Some(address) = Self::address(map, leader) else {
+                continue;
+            };
+            let Ok(mut client) = self.nodes.admin(&address) else {
+                continue;
+            };
+            let request = ProposeAdminRequest {
+                shard_id: view.shard_id,
+                op: Some(op),
+            };
+            let result = NodeClients::call(
+                "propose admin",
+                CHANGE_TIMEOUT,
+                client.propose_admin(request),
+            )
+            .await;
+            match result {
+                Ok(_) => tracing::info!(shard_id = view.shard_id, ?op, "epoch entry applied"),
+                Err(CoordinatorError::NodeCall { code, .. })
+                    if code == ErrorCode::NotLeader as i32 => {}
+                Err(error) => {
+                    tracing::warn!(shard_id = view.shard_id, ?op, %error, "epoch entry failed");
+                    self.shared.progress.lock().errors += 1;
+                }
+            }
+        }
+    }
+
+    async fn advance_on_schedule(&self, map: &ClusterMap) -> Result<(), CoordinatorError> {
+        let started = self
+            .shared
+            .store
+            .get(&self.shared.keys.epoch_started())
+            .await?
+            .and_then(|kv| String::from_utf8_lossy(&kv.value).parse::<u64>().ok())
+            .unwrap_or(0);
+        let due = started + self.shared.config.epoch_interval_s * 1000;
+        if crate::core::unix_ms() >= due {
+            match self.shared.advance_epoch(map.epoch).await {
+                Ok(epoch) => tracing::info!(epoch, "advanced the epoch on schedule"),
+                Err(CoordinatorError::Conflict(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a shard's replicas are recorded but it has never been seen led.
+fn founding(shard: &ShardInfo) -> bool {
+    !shard.replicas.is_empty() && shard.leader_hint == 0 && shard.conf_version == 0
+}
+
+/// A view's configuration as the map lists it: voters, then learners.
+fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
+    let with_role = |ids: &BTreeSet<u64>, role: ReplicaRole| {
+        ids.iter()
+            .map(move |&node_id| ReplicaInfo {
+                node_id,
+                role: role as i32,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut all = with_role(&view.voters, ReplicaRole::Voter);
+    all.extend(with_role(&view.learners, ReplicaRole::Learner));
+    all
+}

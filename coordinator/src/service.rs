@@ -1,0 +1,263 @@
+//! `CoordinatorService`: the gRPC API. Reads are answered by any replica
+//! from its cached map and the nodes' heartbeat records; changes go through
+//! the leader (others answer `NOT_COORDINATOR_LEADER` with a hint).
+
+use std::collections::BTreeSet;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tidepool_proto::v1::coordinator_service_server::CoordinatorService;
+use tidepool_proto::v1::{
+    AdvanceEpochRequest, AdvanceEpochResponse, ClusterMap, ClusterStatus, CreateNamespaceRequest,
+    DrainNodeRequest, DrainNodeResponse, EpochStatus, GetClusterMapRequest,
+    GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest, HeartbeatResponse,
+    ListNamespacesRequest, ListNamespacesResponse, Namespace, NodeAddress, RegisterNodeRequest,
+    RegisterNodeResponse, SetRetentionRequest, WatchClusterMapRequest,
+};
+use tidepool_proto::{ErrorInfo, v1::ErrorCode};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::CoordinatorError;
+use crate::core::Shared;
+use crate::epochs::epoch_status;
+use crate::plan::shard_views;
+use crate::reconcile::{alive, desired_placement, moves_of, node_views};
+
+/// The service.
+pub(crate) struct CoordinatorApi {
+    shared: Arc<Shared>,
+}
+
+impl CoordinatorApi {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// The error as a status; a `NOT_COORDINATOR_LEADER` names the leader.
+    async fn fail(&self, error: CoordinatorError) -> Status {
+        let mut info = ErrorInfo::from(&error);
+        info.detail.map_version = self.shared.map().version;
+        if matches!(error, CoordinatorError::NotLeader)
+            && let Some(leader) = self.shared.leader_record().await
+        {
+            info.detail.leader_hint = Some(NodeAddress {
+                node_id: 0,
+                address: leader.address,
+            });
+        }
+        Status::from(info)
+    }
+
+    async fn respond<T>(&self, result: Result<T, CoordinatorError>) -> Result<Response<T>, Status> {
+        match result {
+            Ok(value) => Ok(Response::new(value)),
+            Err(error) => Err(self.fail(error).await),
+        }
+    }
+
+    fn map_or_unavailable(&self) -> Result<Arc<ClusterMap>, CoordinatorError> {
+        let map = self.shared.map();
+        if map.version == 0 {
+            return Err(CoordinatorError::NoCluster);
+        }
+        Ok(map)
+    }
+
+    /// Epochs and moves as the nodes' last heartbeats show them.
+    async fn assess(&self) -> Result<ClusterStatus, CoordinatorError> {
+        let map = self.map_or_unavailable()?;
+        let reports = alive(&self.shared).await?;
+        let views = shard_views(&map, &reports);
+        let is_leader = self.shared.leadership().is_some();
+        let moves = if is_leader {
+            self.shared.progress.lock().moves.clone()
+        } else {
+            let live: BTreeSet<u64> = reports.keys().copied().collect();
+            let nodes = node_views(&map, &reports, |id| live.contains(&id));
+            let desired = desired_placement(&map, &views, &nodes);
+            moves_of(&views, &desired, &live, self.shared.config.catch_up_slack)
+                .into_iter()
+                .map(|(m, _)| m)
+                .collect()
+        };
+        Ok(ClusterStatus {
+            epochs: Some(epoch_status(map.epoch, &map.namespaces, &views)),
+            map: Some((*map).clone()),
+            nodes: reports.into_values().collect(),
+            moves,
+            coordinator_id: self.shared.id.clone(),
+            is_leader,
+        })
+    }
+}
+
+type MapStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<ClusterMap, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl CoordinatorService for CoordinatorApi {
+    async fn get_cluster_map(
+        &self,
+        _: Request<GetClusterMapRequest>,
+    ) -> Result<Response<ClusterMap>, Status> {
+        let result = self.map_or_unavailable().map(|m| (*m).clone());
+        self.respond(result).await
+    }
+
+    type WatchClusterMapStream = MapStream;
+
+    async fn watch_cluster_map(
+        &self,
+        request: Request<WatchClusterMapRequest>,
+    ) -> Result<Response<MapStream>, Status> {
+        let mut after = request.into_inner().after_version;
+        let mut maps = self.shared.subscribe_map();
+        let mut stopping = self.shared.stopping();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            loop {
+                let map = maps.borrow_and_update().clone();
+                if map.version > after {
+                    after = map.version;
+                    if tx.send(Ok((*map).clone())).await.is_err() {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    changed = maps.changed() => if changed.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = stopping.wait_for(|s| *s) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn register_node(
+        &self,
+        request: Request<RegisterNodeRequest>,
+    ) -> Result<Response<RegisterNodeResponse>, Status> {
+        let result = self
+            .shared
+            .register_node(request.into_inner())
+            .await
+            .map(|(node_id, map)| RegisterNodeResponse {
+                node_id,
+                lease_ttl_ms: self.shared.config.node_lease_ms as u32,
+                map: Some((*map).clone()),
+            });
+        self.respond(result).await
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let result = match request.into_inner().status {
+            Some(status) => self.shared.heartbeat(status).await,
+            None => Err(CoordinatorError::InvalidArgument(
+                "status is required".into(),
+            )),
+        }
+        .map(|()| HeartbeatResponse {
+            map_version: self.shared.map().version,
+            lease_ttl_ms: self.shared.config.node_lease_ms as u32,
+        });
+        self.respond(result).await
+    }
+
+    async fn create_namespace(
+        &self,
+        request: Request<CreateNamespaceRequest>,
+    ) -> Result<Response<Namespace>, Status> {
+        let r = request.into_inner();
+        let result = self
+            .shared
+            .create_namespace(&r.name, r.content_addressed, r.retention)
+            .await;
+        self.respond(result).await
+    }
+
+    async fn list_namespaces(
+        &self,
+        _: Request<ListNamespacesRequest>,
+    ) -> Result<Response<ListNamespacesResponse>, Status> {
+        let result = self.map_or_unavailable().map(|map| {
+            let mut namespaces = map.namespaces.clone();
+            namespaces.sort_by(|a, b| a.name.cmp(&b.name));
+            ListNamespacesResponse { namespaces }
+        });
+        self.respond(result).await
+    }
+
+    async fn set_retention(
+        &self,
+        request: Request<SetRetentionRequest>,
+    ) -> Result<Response<Namespace>, Status> {
+        let r = request.into_inner();
+        let result = self.shared.set_retention(&r.name, r.retention).await;
+        self.respond(result).await
+    }
+
+    async fn advance_epoch(
+        &self,
+        request: Request<AdvanceEpochRequest>,
+    ) -> Result<Response<AdvanceEpochResponse>, Status> {
+        let expected = request.into_inner().expected_current;
+        let result = self
+            .shared
+            .advance_epoch(expected)
+            .await
+            .map(|epoch| AdvanceEpochResponse { epoch });
+        self.respond(result).await
+    }
+
+    async fn get_epoch_status(
+        &self,
+        _: Request<GetEpochStatusRequest>,
+    ) -> Result<Response<EpochStatus>, Status> {
+        let result = self
+            .assess()
+            .await
+            .map(|status| status.epochs.unwrap_or_default());
+        self.respond(result).await
+    }
+
+    async fn drain_node(
+        &self,
+        request: Request<DrainNodeRequest>,
+    ) -> Result<Response<DrainNodeResponse>, Status> {
+        let result = self
+            .shared
+            .drain_node(request.into_inner().node_id)
+            .await
+            .map(|replicas_to_move| DrainNodeResponse { replicas_to_move });
+        self.respond(result).await
+    }
+
+    async fn get_cluster_status(
+        &self,
+        _: Request<GetClusterStatusRequest>,
+    ) -> Result<Response<ClusterStatus>, Status> {
+        let result = self.assess().await;
+        self.respond(result).await
+    }
+}
+
+impl From<&CoordinatorError> for ErrorInfo {
+    fn from(error: &CoordinatorError) -> Self {
+        use CoordinatorError as E;
+        let code = match error {
+            E::NotLeader => ErrorCode::NotCoordinatorLeader,
+            E::UnknownNode(_) => ErrorCode::NodeNotFound,
+            E::NamespaceExists(_) => ErrorCode::NamespaceExists,
+            E::NamespaceNotFound(_) => ErrorCode::NamespaceNotFound,
+            E::Conflict(_) => ErrorCode::Conflict,
+            E::InvalidArgument(_) | E::Config(_) => ErrorCode::InvalidArgument,
+            E::Meta(_) | E::NoLeader(_) | E::NoCluster => ErrorCode::NoQuorum,
+            E::Corrupt(_) | E::Node(_) | E::NodeCall { .. } | E::Io(_) => ErrorCode::Internal,
+        };
+        ErrorInfo::new(code, error.to_string())
+    }
+}

@@ -1,0 +1,256 @@
+//! The node's side of the coordinator: registration at start-up, periodic
+//! heartbeats carrying the node's status, and a watch of the cluster map.
+//!
+//! Any coordinator replica serves heartbeats and the map watch; only the
+//! leader registers nodes (the others answer `NOT_COORDINATOR_LEADER` with
+//! a hint, which the node follows). A node that cannot reach any
+//! coordinator keeps serving with the map it has: the data path never waits
+//! for the control plane.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomically};
+use tidepool_proto::error_detail;
+use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
+use tidepool_proto::v1::{
+    ClusterMap, ErrorCode, HeartbeatRequest, RegisterNodeRequest, WatchClusterMapRequest,
+};
+use tonic::transport::Channel;
+
+use super::Node;
+use crate::config::NodeConfig;
+use crate::error::{NodeError, Result};
+
+/// File in the data directory holding the id the cluster assigned.
+const NODE_ID_FILE: &str = "NODE_ID";
+/// Longest pause between attempts to reach a coordinator.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Connect timeout for a coordinator.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Coordinator clients, tried in turn; remembers which one answered last.
+struct Coordinators {
+    addresses: Vec<String>,
+    next: usize,
+}
+
+impl Coordinators {
+    fn new(addresses: Vec<String>) -> Self {
+        Self { addresses, next: 0 }
+    }
+
+    /// A client for the current address.
+    async fn client(&self) -> Result<CoordinatorServiceClient<Channel>> {
+        let address = &self.addresses[self.next % self.addresses.len()];
+        let endpoint = Channel::from_shared(address.clone())
+            .map_err(|e| NodeError::Config(format!("coordinator address {address:?}: {e}")))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| NodeError::Network(format!("coordinator {address}: {e}")))?;
+        Ok(CoordinatorServiceClient::new(channel))
+    }
+
+    /// Moves on after a failure: to the hinted leader if the error names
+    /// one, else to the next address.
+    fn after_failure(&mut self, status: Option<&tonic::Status>) {
+        let hint = status
+            .and_then(error_detail)
+            .filter(|d| d.code == ErrorCode::NotCoordinatorLeader as i32)
+            .and_then(|d| d.leader_hint)
+            .map(|h| h.address);
+        if let Some(address) = hint {
+            if let Some(i) = self.addresses.iter().position(|a| *a == address) {
+                self.next = i;
+                return;
+            }
+            self.addresses.push(address);
+            self.next = self.addresses.len() - 1;
+            return;
+        }
+        self.next = (self.next + 1) % self.addresses.len();
+    }
+}
+
+/// The id recorded in `data_dir`, if any.
+fn recorded_id(data_dir: &Path) -> Result<Option<u64>> {
+    let path = data_dir.join(NODE_ID_FILE);
+    let bytes = read_whole_file(&FileStorage::new(), &path)
+        .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
+    let Some(bytes) = bytes else { return Ok(None) };
+    let text = String::from_utf8_lossy(&bytes);
+    text.trim()
+        .parse()
+        .map(Some)
+        .map_err(|_| NodeError::Malformed(format!("{}: not a node id", path.display())))
+}
+
+/// Registers with the coordinators (retrying until a leader answers) and
+/// records the assigned id in the data
+/// directory. Sets `config.node_id`; returns the map the coordinator sent.
+pub(crate) async fn register(config: &mut NodeConfig) -> Result<(ClusterMap, Duration)> {
+    let link = config
+        .coordinator
+        .clone()
+        .ok_or_else(|| NodeError::Config("no coordinator configured".into()))?;
+    std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+        NodeError::Config(format!("cannot create {}: {e}", config.data_dir.display()))
+    })?;
+    let recorded = recorded_id(&config.data_dir)?;
+    let node_id = match (recorded, config.node_id) {
+        (Some(on_disk), configured) if configured != 0 && configured != on_disk => {
+            return Err(NodeError::Config(format!(
+                "node_id is {configured} but {} belongs to node {on_disk}",
+                config.data_dir.display()
+            )));
+        }
+        (Some(on_disk), _) => on_disk,
+        (None, configured) => configured,
+    };
+    let capacity_bytes = if link.capacity_bytes != 0 {
+        link.capacity_bytes
+    } else {
+        super::admin::disk_usage(&config.data_dir).1
+    };
+    let request = RegisterNodeRequest {
+        node_id,
+        address: config.advertise(),
+        zone: link.zone.clone(),
+        capacity_bytes,
+    };
+    let mut coordinators = Coordinators::new(link.addresses.clone());
+    let mut backoff = Duration::from_millis(100);
+    let response = loop {
+        let attempt = async {
+            let mut client = coordinators.client().await.map_err(|e| (e, None))?;
+            client
+                .register_node(request.clone())
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|status| {
+                    (
+                        NodeError::Network(format!("register: {}", status.message())),
+                        Some(status),
+                    )
+                })
+        };
+        match attempt.await {
+            Ok(response) => break response,
+            Err((error, status)) => {
+                tracing::warn!(%error, "cannot register with a coordinator yet; retrying");
+                coordinators.after_failure(status.as_ref());
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    };
+    if response.node_id == 0 || (node_id != 0 && response.node_id != node_id) {
+        return Err(NodeError::Malformed(format!(
+            "the coordinator assigned node id {} (asked for {node_id})",
+            response.node_id
+        )));
+    }
+    let path = config.data_dir.join(NODE_ID_FILE);
+    write_file_atomically(
+        &FileStorage::new(),
+        &path,
+        format!("{}\n", response.node_id).as_bytes(),
+    )
+    .map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))?;
+    config.node_id = response.node_id;
+    tracing::info!(
+        node_id = response.node_id,
+        "registered with the coordinator"
+    );
+    let lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms.max(300)));
+    Ok((response.map.unwrap_or_default(), lease_ttl))
+}
+
+/// Heartbeats and the map watch, until the node stops.
+pub(crate) fn spawn(node: Arc<Node>, lease_ttl: Duration) {
+    let Some(link) = node.config.coordinator.clone() else {
+        return;
+    };
+    tokio::spawn(heartbeats(node.clone(), link.addresses.clone(), lease_ttl));
+    tokio::spawn(watch_map(node, link.addresses));
+}
+
+async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Duration) {
+    let mut coordinators = Coordinators::new(addresses);
+    let stopped = node.stopped();
+    tokio::pin!(stopped);
+    loop {
+        let interval = (lease_ttl / 3).max(Duration::from_millis(100));
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let status = node.status();
+        let beat = async {
+            let mut client = coordinators.client().await.map_err(|e| (e, None))?;
+            let request = HeartbeatRequest {
+                status: Some(status),
+            };
+            client
+                .heartbeat(request)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| (NodeError::Network(s.message().to_string()), Some(s)))
+        };
+        match beat.await {
+            Ok(response) => {
+                if response.lease_ttl_ms > 0 {
+                    lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms));
+                }
+            }
+            Err((error, status)) => {
+                tracing::warn!(%error, "heartbeat failed");
+                coordinators.after_failure(status.as_ref());
+            }
+        }
+    }
+}
+
+async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
+    let mut coordinators = Coordinators::new(addresses);
+    let stopped = node.stopped();
+    tokio::pin!(stopped);
+    loop {
+        let follow = async {
+            let mut client = coordinators.client().await?;
+            let request = WatchClusterMapRequest {
+                after_version: node.map().version,
+            };
+            let mut stream = client
+                .watch_cluster_map(request)
+                .await
+                .map_err(|s| NodeError::Network(s.message().to_string()))?
+                .into_inner();
+            while let Some(map) = stream
+                .message()
+                .await
+                .map_err(|s| NodeError::Network(s.message().to_string()))?
+            {
+                node.set_map(map);
+            }
+            Ok::<(), NodeError>(())
+        };
+        tokio::select! {
+            _ = &mut stopped => return,
+            result = follow => {
+                if let Err(error) = result {
+                    tracing::warn!(%error, "cluster map watch ended; reconnecting");
+                }
+                coordinators.after_failure(None);
+            }
+        }
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+        }
+    }
+}

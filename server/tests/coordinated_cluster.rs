@@ -1,0 +1,709 @@
+//! The coordinator with real processes: `tidepool coordinator` replicas on
+//! a real etcd (Debian's `etcd-server`) and `tidepool node` processes that
+//! register with them. A node joins under client load; a node is killed
+//! and its shards are re-replicated after the grace period; the leading
+//! coordinator is killed in the middle of a move; epochs expire a
+//! namespace on every replica of a three-node cluster and give its disk
+//! space back.
+//!
+//! The scenarios share the two cores, so they run one at a time.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
+use tidepool_proto::v1::node_admin_client::NodeAdminClient;
+use tidepool_proto::v1::retention::{Policy, RetainEpochs};
+use tidepool_proto::v1::{
+    AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, ErrorCode,
+    GetClusterStatusRequest, NodeState, NodeStatusRequest, ReadConsistency, ReplicaRole, Retention,
+};
+use tidepool_testkit::grpc::{code, get, get_at, put};
+use tidepool_testkit::{EtcdServer, TestProcess, free_port};
+use tonic::transport::Channel;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
+
+/// One scenario at a time: each runs a cluster of processes.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Node {
+    process: TestProcess,
+    url: String,
+    args: Vec<String>,
+}
+
+/// etcd, coordinators and nodes, each a process with its own directory and
+/// port.
+struct Cluster {
+    dir: tempfile::TempDir,
+    etcd: EtcdServer,
+    coordinator_args: Vec<String>,
+    coordinators: Vec<(String, Option<TestProcess>)>,
+    nodes: Vec<Node>,
+}
+
+impl Cluster {
+    /// etcd and `coordinators` coordinator replicas started with `settings`.
+    fn start(coordinators: usize, settings: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let etcd = EtcdServer::start();
+        let mut cluster = Cluster {
+            dir,
+            coordinator_args: settings.iter().map(|s| s.to_string()).collect(),
+            etcd,
+            coordinators: Vec::new(),
+            nodes: Vec::new(),
+        };
+        for i in 0..coordinators {
+            let url = format!("http://127.0.0.1:{}", free_port());
+            cluster.coordinators.push((url, None));
+            cluster.start_coordinator(i);
+        }
+        cluster
+    }
+
+    fn start_coordinator(&mut self, i: usize) {
+        let url = self.coordinators[i].0.clone();
+        let mut args: Vec<String> = vec![
+            "coordinator".into(),
+            "--id".into(),
+            format!("c{i}"),
+            "--listen".into(),
+            url.trim_start_matches("http://").into(),
+            "--etcd".into(),
+            self.etcd.url.clone(),
+            "--key-prefix".into(),
+            "/test/".into(),
+        ];
+        args.extend(self.coordinator_args.iter().cloned());
+        let log = self.dir.path().join(format!("coordinator-{i}.log"));
+        self.coordinators[i].1 = Some(TestProcess::spawn(BIN, &args, log));
+    }
+
+    fn kill_coordinator(&mut self, i: usize) {
+        if let Some(p) = self.coordinators[i].1.as_mut() {
+            p.kill();
+        }
+        self.coordinators[i].1 = None;
+    }
+
+    /// Starts a node registering with every coordinator; `extra` adds
+    /// flags. Returns its index.
+    fn add_node(&mut self, extra: &[&str]) -> usize {
+        let i = self.nodes.len();
+        let port = free_port();
+        let data: PathBuf = self.dir.path().join(format!("node-{i}"));
+        let mut args: Vec<String> = vec![
+            "node".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--data-dir".into(),
+            data.display().to_string(),
+        ];
+        for (url, _) in &self.coordinators {
+            args.push("--coordinator".into());
+            args.push(url.clone());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = self.dir.path().join(format!("node-{i}.log"));
+        self.nodes.push(Node {
+            process: TestProcess::spawn(BIN, &args, log),
+            url: format!("http://127.0.0.1:{port}"),
+            args,
+        });
+        i
+    }
+
+    fn logs(&self) -> String {
+        let mut all = String::new();
+        for (i, (_, p)) in self.coordinators.iter().enumerate() {
+            if let Some(p) = p {
+                all += &format!("--- coordinator {i}\n{}\n", tail(&p.log()));
+            }
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            all += &format!("--- node {i}\n{}\n", tail(&n.process.log()));
+        }
+        all
+    }
+
+    /// Every process log is free of panics.
+    fn assert_no_panics(&self) {
+        for (_, p) in self.coordinators.iter() {
+            if let Some(p) = p {
+                assert!(!p.log().contains("panicked"), "{}", p.log());
+            }
+        }
+        for n in &self.nodes {
+            let log = n.process.log();
+            assert!(!log.contains("panicked"), "{log}");
+        }
+    }
+
+    async fn coordinator(&self) -> Option<CoordinatorServiceClient<Channel>> {
+        for (url, process) in &self.coordinators {
+            if process.is_none() {
+                continue;
+            }
+            if let Ok(client) = CoordinatorServiceClient::connect(url.clone()).await {
+                return Some(client);
+            }
+        }
+        None
+    }
+
+    /// The leader's status (any replica's if none leads yet).
+    async fn status(&self) -> Option<ClusterStatus> {
+        let mut any = None;
+        for (url, process) in &self.coordinators {
+            if process.is_none() {
+                continue;
+            }
+            let Ok(mut client) = CoordinatorServiceClient::connect(url.clone()).await else {
+                continue;
+            };
+            if let Ok(status) = client.get_cluster_status(GetClusterStatusRequest {}).await {
+                let status = status.into_inner();
+                if status.is_leader {
+                    return Some(status);
+                }
+                any = Some(status);
+            }
+        }
+        any
+    }
+
+    /// Waits until `done` holds for the leader's status; panics with the
+    /// last status and the logs after `timeout`.
+    async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&ClusterStatus) -> bool,
+    ) -> ClusterStatus {
+        let deadline = Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            if let Some(status) = self.status().await {
+                if done(&status) {
+                    return status;
+                }
+                last = Some(status);
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out waiting for {what}; last status: {}\n{}",
+                    describe(last.as_ref()),
+                    self.logs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+fn tail(log: &str) -> &str {
+    let start = log.len().saturating_sub(6000);
+    let start = (start..log.len())
+        .find(|i| log.is_char_boundary(*i))
+        .unwrap_or(0);
+    &log[start..]
+}
+
+fn describe(status: Option<&ClusterStatus>) -> String {
+    let Some(status) = status else {
+        return "none".into();
+    };
+    let map = status.map.clone().unwrap_or_default();
+    let mut out = format!(
+        "leader={} map v{} epoch {}; moves {:?}\n",
+        status.coordinator_id,
+        map.version,
+        map.epoch,
+        status
+            .moves
+            .iter()
+            .map(|m| (m.shard_id, m.from_node, m.to_node, m.step))
+            .collect::<Vec<_>>()
+    );
+    for n in &map.nodes {
+        out += &format!("  node {} {} state {}\n", n.node_id, n.address, n.state);
+    }
+    for s in &map.shards {
+        out += &format!(
+            "  shard {} leader {} conf {} replicas {:?}\n",
+            s.shard_id,
+            s.leader_hint,
+            s.conf_version,
+            s.replicas
+                .iter()
+                .map(|r| (r.node_id, r.role))
+                .collect::<Vec<_>>()
+        );
+    }
+    out
+}
+
+/// Every shard has exactly `r` voters (no learners) on live nodes, a
+/// leader, no move is pending, and every live node hosts exactly the
+/// replicas the map gives it.
+fn settled(status: &ClusterStatus, r: usize) -> bool {
+    let Some(map) = &status.map else { return false };
+    let up: BTreeSet<u64> = map
+        .nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Up as i32)
+        .map(|n| n.node_id)
+        .collect();
+    let shards_ok = map.shards.iter().all(|s| {
+        s.leader_hint != 0
+            && s.replicas.len() == r
+            && s.replicas
+                .iter()
+                .all(|x| x.role == ReplicaRole::Voter as i32 && up.contains(&x.node_id))
+    });
+    let hosts_ok = status.nodes.iter().all(|n| {
+        let hosted: BTreeSet<u32> = n.replicas.iter().map(|r| r.shard_id).collect();
+        let wanted: BTreeSet<u32> = map
+            .shards
+            .iter()
+            .filter(|s| s.replicas.iter().any(|x| x.node_id == n.node_id))
+            .map(|s| s.shard_id)
+            .collect();
+        hosted == wanted
+    });
+    shards_ok && hosts_ok && status.moves.is_empty()
+}
+
+/// Replicas per node in the map.
+fn replica_counts(map: &ClusterMap) -> BTreeMap<u64, usize> {
+    let mut counts: BTreeMap<u64, usize> = map.nodes.iter().map(|n| (n.node_id, 0)).collect();
+    for s in &map.shards {
+        for r in &s.replicas {
+            *counts.entry(r.node_id).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// `id → URL` of the nodes the map shows up.
+fn node_urls(map: &ClusterMap) -> BTreeMap<u64, String> {
+    map.nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Up as i32)
+        .map(|n| (n.node_id, n.address.clone()))
+        .collect()
+}
+
+fn content(i: u64) -> Vec<u8> {
+    let len = 512 + (i as usize * 37) % 2048;
+    (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+}
+
+/// Writes `count` keys; panics on any failure.
+async fn write_keys(map: &ClusterMap, namespace: &str, range: std::ops::Range<u64>) {
+    let nodes = node_urls(map);
+    for i in range {
+        let key = format!("key-{i}");
+        put(&nodes, namespace, key.as_bytes(), &content(i))
+            .await
+            .unwrap_or_else(|e| panic!("put {key}: {e:?}"));
+    }
+}
+
+/// Reads every key back with a linearizable get; panics on a difference.
+async fn check_keys(map: &ClusterMap, namespace: &str, keys: impl Iterator<Item = u64>) {
+    let nodes = node_urls(map);
+    for i in keys {
+        let key = format!("key-{i}");
+        let got = get(&nodes, namespace, key.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("get {key}: {e:?}"));
+        assert_eq!(got, content(i), "{key}");
+    }
+}
+
+/// Puts new keys and reads old ones in a loop until stopped, refreshing the
+/// map from the coordinator; returns the keys acknowledged and every
+/// failure.
+async fn client_load(cluster_urls: Vec<String>, stop: Arc<AtomicBool>) -> (Vec<u64>, Vec<String>) {
+    let mut acked = Vec::new();
+    let mut failures = Vec::new();
+    let mut nodes = BTreeMap::new();
+    let mut i = 100_000;
+    while !stop.load(Ordering::Relaxed) {
+        if i % 10 == 0 || nodes.is_empty() {
+            for url in &cluster_urls {
+                if let Ok(mut c) = CoordinatorServiceClient::connect(url.clone()).await
+                    && let Ok(map) = c
+                        .get_cluster_map(tidepool_proto::v1::GetClusterMapRequest {})
+                        .await
+                {
+                    nodes = node_urls(&map.into_inner());
+                    break;
+                }
+            }
+        }
+        i += 1;
+        let key = format!("key-{i}");
+        match put(&nodes, "default", key.as_bytes(), &content(i)).await {
+            Ok(_) => acked.push(i),
+            Err(e) => failures.push(format!("put {key}: {:?} {}", code(&e), e.message())),
+        }
+        if let Some(&old) = acked.get(acked.len() / 2) {
+            let key = format!("key-{old}");
+            match get(&nodes, "default", key.as_bytes()).await {
+                Ok(bytes) if bytes == content(old) => {}
+                Ok(_) => failures.push(format!("get {key}: wrong content")),
+                Err(e) => failures.push(format!("get {key}: {:?} {}", code(&e), e.message())),
+            }
+        }
+    }
+    (acked, failures)
+}
+
+const FAST: &[&str] = &[
+    "--shards",
+    "4",
+    "--replication-factor",
+    "3",
+    "--node-lease-ms",
+    "1500",
+    "--leader-lease-ms",
+    "2000",
+    "--down-grace-ms",
+    "4000",
+    "--reconcile-interval-ms",
+    "200",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_gets_replicas_while_clients_see_no_failure() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(1, FAST);
+    for _ in 0..3 {
+        cluster.add_node(&[]);
+    }
+    let status = cluster
+        .wait_for(
+            "three nodes to host every shard",
+            Duration::from_secs(60),
+            |s| settled(s, 3),
+        )
+        .await;
+    let map = status.map.unwrap();
+    assert_eq!(map.nodes.len(), 3);
+    write_keys(&map, "default", 0..50).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let urls = cluster.coordinators.iter().map(|c| c.0.clone()).collect();
+    let load = tokio::spawn(client_load(urls, stop.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.add_node(&[]);
+    let status = cluster
+        .wait_for(
+            "the fourth node to take its share",
+            Duration::from_secs(90),
+            |s| {
+                let map = s.map.as_ref().unwrap();
+                map.nodes.len() == 4
+                    && settled(s, 3)
+                    && replica_counts(map).values().all(|c| *c == 3)
+            },
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (acked, failures) = load.await.unwrap();
+    assert!(
+        failures.is_empty(),
+        "client operations failed during the join: {failures:#?}"
+    );
+    assert!(acked.len() > 20, "the load ran ({} puts)", acked.len());
+    let map = status.map.unwrap();
+    check_keys(&map, "default", 0..50).await;
+    check_keys(&map, "default", acked.into_iter()).await;
+    cluster.assert_no_panics();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_is_replaced_after_the_grace_period() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(1, FAST);
+    for _ in 0..4 {
+        cluster.add_node(&[]);
+    }
+    let status = cluster
+        .wait_for(
+            "four nodes to share the shards",
+            Duration::from_secs(60),
+            |s| s.map.as_ref().is_some_and(|m| m.nodes.len() == 4) && settled(s, 3),
+        )
+        .await;
+    let map = status.map.unwrap();
+    write_keys(&map, "default", 0..60).await;
+    // Kill the node hosting the most replicas.
+    let counts = replica_counts(&map);
+    let (&victim, _) = counts.iter().max_by_key(|(_, c)| **c).unwrap();
+    let address = map
+        .nodes
+        .iter()
+        .find(|n| n.node_id == victim)
+        .unwrap()
+        .address
+        .clone();
+    let index = cluster.nodes.iter().position(|n| n.url == address).unwrap();
+    cluster.nodes[index].process.kill();
+    let killed = Instant::now();
+    let status = cluster
+        .wait_for(
+            "every shard back at three live replicas",
+            Duration::from_secs(90),
+            |s| {
+                let map = s.map.as_ref().unwrap();
+                let down = map
+                    .nodes
+                    .iter()
+                    .any(|n| n.node_id == victim && n.state == NodeState::Down as i32);
+                down && settled(s, 3)
+            },
+        )
+        .await;
+    assert!(
+        killed.elapsed() >= Duration::from_secs(4),
+        "re-replication waited for the grace period"
+    );
+    let map = status.map.unwrap();
+    assert!(
+        map.shards
+            .iter()
+            .all(|s| s.replicas.iter().all(|r| r.node_id != victim))
+    );
+    check_keys(&map, "default", 0..60).await;
+
+    // The node comes back with its data directory: same id, and the
+    // replicas it no longer belongs to are closed.
+    let args = cluster.nodes[index].args.clone();
+    let log = cluster.dir.path().join("node-restarted.log");
+    cluster.nodes[index].process = TestProcess::spawn(BIN, &args, log);
+    let status = cluster
+        .wait_for(
+            "the returning node to be up with only what the map gives it",
+            Duration::from_secs(60),
+            |s| {
+                let up = s
+                    .map
+                    .as_ref()
+                    .unwrap()
+                    .nodes
+                    .iter()
+                    .any(|n| n.node_id == victim && n.state == NodeState::Up as i32);
+                let reported = s.nodes.iter().any(|n| n.node_id == victim);
+                up && reported && settled(s, 3)
+            },
+        )
+        .await;
+    assert_eq!(status.map.as_ref().unwrap().nodes.len(), 4, "no new id");
+    check_keys(status.map.as_ref().unwrap(), "default", 0..60).await;
+    cluster.assert_no_panics();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_coordinator_leader_finishes_the_reconcile() {
+    let _serial = SERIAL.lock().await;
+    let mut settings = FAST.to_vec();
+    // Slow moves, so the leader dies in the middle of them.
+    settings.extend(["--max-concurrent-moves", "1"]);
+    let mut cluster = Cluster::start(2, &settings);
+    for _ in 0..3 {
+        cluster.add_node(&[]);
+    }
+    let status = cluster
+        .wait_for(
+            "three nodes to host every shard",
+            Duration::from_secs(60),
+            |s| settled(s, 3),
+        )
+        .await;
+    write_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
+    let first_leader = status.coordinator_id.clone();
+    cluster.add_node(&[]);
+    cluster
+        .wait_for("a move toward the new node", Duration::from_secs(60), |s| {
+            !s.moves.is_empty()
+        })
+        .await;
+    let index: usize = first_leader.trim_start_matches('c').parse().unwrap();
+    cluster.kill_coordinator(index);
+    let status = cluster
+        .wait_for(
+            "the other coordinator to lead and finish the moves",
+            Duration::from_secs(120),
+            |s| {
+                let map = s.map.as_ref().unwrap();
+                s.is_leader
+                    && s.coordinator_id != first_leader
+                    && map.nodes.len() == 4
+                    && settled(s, 3)
+                    && replica_counts(map).values().all(|c| *c == 3)
+            },
+        )
+        .await;
+    check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
+    cluster.assert_no_panics();
+}
+
+fn retain(epochs: u32) -> Option<Retention> {
+    Some(Retention {
+        policy: Some(Policy::Retain(RetainEpochs { epochs })),
+    })
+}
+
+/// Sum of the replicas' engine disk bytes on each node.
+async fn disk_by_node(map: &ClusterMap) -> BTreeMap<u64, u64> {
+    let mut out = BTreeMap::new();
+    for (id, url) in node_urls(map) {
+        let mut admin = NodeAdminClient::connect(url).await.unwrap();
+        let status = admin
+            .status(NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        out.insert(id, status.replicas.iter().map(|r| r.disk_used_bytes).sum());
+    }
+    out
+}
+
+const CACHE_BLOBS: usize = 160;
+const BACKUP_BLOBS: usize = 16;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_epochs_are_dropped_on_every_replica() {
+    let _serial = SERIAL.lock().await;
+    let mut settings = FAST.to_vec();
+    settings[1] = "2";
+    let mut cluster = Cluster::start(1, &settings);
+    // Small WAL segments, a short Raft log and frequent background
+    // reclamation, so emptied segments are deleted within the test.
+    let config = cluster.dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        "[raft]\ncompact_log_entries = 40\n[engine]\nwal_segment_mib = 16\nrelocation_interval_ms = 300\n",
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    for _ in 0..3 {
+        cluster.add_node(&["--config", &config]);
+    }
+    let status = cluster
+        .wait_for(
+            "three nodes to host both shards",
+            Duration::from_secs(60),
+            |s| settled(s, 3),
+        )
+        .await;
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    for (name, retention) in [("cache", retain(1)), ("backup", None)] {
+        coordinator
+            .create_namespace(CreateNamespaceRequest {
+                name: name.into(),
+                content_addressed: false,
+                retention,
+            })
+            .await
+            .unwrap();
+    }
+    // The nodes learn the namespaces from the map.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let map = status.map.unwrap();
+    let big = vec![7u8; 256 << 10];
+    let nodes = node_urls(&map);
+    // 4 MiB to keep, then 40 MiB to expire: more than two 16 MiB segments
+    // per shard that hold nothing else once the backup blobs move forward.
+    for (ns, count) in [("backup", BACKUP_BLOBS), ("cache", CACHE_BLOBS)] {
+        for i in 0..count {
+            put(&nodes, ns, format!("{ns}-{i}").as_bytes(), &big)
+                .await
+                .unwrap();
+        }
+    }
+    let before = disk_by_node(&map).await;
+    let epoch = coordinator
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .epoch;
+    assert_eq!(epoch, 2);
+    // Entries after the drop move the Raft log past the old segments.
+    for i in 0..120 {
+        put(&nodes, "backup", format!("late-{i}").as_bytes(), b"x")
+            .await
+            .unwrap();
+    }
+    cluster
+        .wait_for(
+            "every shard to drop epoch 1 of cache",
+            Duration::from_secs(60),
+            |s| {
+                let epochs = s.epochs.as_ref().unwrap();
+                let cache = epochs.namespaces.iter().find(|n| n.namespace == "cache");
+                cache.is_some_and(|c| c.drop_below == 2 && c.shards_done == c.shards_total)
+            },
+        )
+        .await;
+    // Every replica: cache blobs gone, backup blobs intact.
+    for (id, url) in &nodes {
+        for i in 0..CACHE_BLOBS {
+            let gone = get_at(
+                url,
+                "cache",
+                format!("cache-{i}").as_bytes(),
+                ReadConsistency::AnyReplica,
+            )
+            .await;
+            assert_eq!(
+                gone.map_err(|e| code(&e)),
+                Err(ErrorCode::NotFound),
+                "cache-{i} on node {id}"
+            );
+        }
+        for i in 0..BACKUP_BLOBS {
+            let kept = get_at(
+                url,
+                "backup",
+                format!("backup-{i}").as_bytes(),
+                ReadConsistency::AnyReplica,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("backup-{i} on node {id}: {e:?}"));
+            assert_eq!(kept, big);
+        }
+    }
+    // Disk space comes back on every node: at least one whole segment per
+    // shard.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let after = disk_by_node(&map).await;
+        let returned = before
+            .iter()
+            .all(|(id, b)| after.get(id).is_some_and(|a| a + (32 << 20) <= *b));
+        if returned {
+            eprintln!("engine disk bytes per node: before {before:?}, after {after:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "disk not returned: before {before:?}, after {after:?}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    cluster.assert_no_panics();
+}
