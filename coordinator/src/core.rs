@@ -240,13 +240,16 @@ impl Shared {
 
     /// Keeps the cached map current until `stop` fires.
     pub async fn follow_map(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut delay = Duration::from_millis(200);
         loop {
+            let mut healthy = false;
             let followed = async {
                 // Watch first, then read: nothing between the two is missed.
                 let mut events = self.store.watch(&self.keys.map(), 0).await?;
                 if let Some((map, _)) = self.read_map().await? {
                     self.publish(map);
                 }
+                healthy = true;
                 while let Some(event) = events.recv().await {
                     if let WatchEvent::Put(kv) = event {
                         self.publish(decode_map(&kv.value)?);
@@ -258,13 +261,20 @@ impl Shared {
                 _ = stop.wait_for(|s| *s) => return,
                 result = followed => {
                     if let Err(error) = result {
-                        tracing::warn!(%error, "cluster map watch broke; watching again");
+                        tracing::warn!(%error, "cluster map watch broke; watching again in {delay:?}");
                     }
                 }
             }
+            // Back off while the store is unreachable; start over once a
+            // watch got going.
+            delay = if healthy {
+                Duration::from_millis(200)
+            } else {
+                (delay * 2).min(Duration::from_secs(5))
+            };
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = tokio::time::sleep(delay) => {}
             }
         }
     }
@@ -357,7 +367,14 @@ impl Shared {
                 return false;
             }
             match self.store.keep_alive(leadership.lease).await {
-                Ok(true) => renewed = Instant::now(),
+                Ok(true) => {
+                    renewed = Instant::now();
+                    if let Ok(false) = self.still_leader(leadership).await {
+                        self.step_down(leadership, "the leader key changed");
+                        let _ = self.store.revoke(leadership.lease).await;
+                        return false;
+                    }
+                }
                 Ok(false) => {
                     self.step_down(leadership, "the lease expired");
                     return false;

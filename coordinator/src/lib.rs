@@ -151,9 +151,16 @@ pub async fn open_store(
     })
 }
 
-/// Starts a coordinator on the store the configuration names.
+/// Starts a coordinator on the store the configuration names (etcd, or
+/// the embedded store's file; a coordinator whose map would vanish with
+/// the process is refused).
 pub async fn start(config: CoordinatorConfig) -> Result<RunningCoordinator, CoordinatorError> {
     config.validate()?;
+    if config.etcd.is_empty() && config.embedded_path.is_none() {
+        return Err(CoordinatorError::Config(
+            "give etcd endpoints (--etcd) or an embedded store file (--embedded-path)".into(),
+        ));
+    }
     let store = open_store(&config).await?;
     start_with_store(config, store).await
 }

@@ -74,6 +74,14 @@ impl Shared {
             })
             .await?;
         tracing::info!(node_id = assigned, %address, zone = %request.zone, "node registered");
+        // Live from now: the first heartbeat follows within a third of the
+        // lease.
+        let first = NodeStatus {
+            node_id: assigned,
+            address,
+            ..NodeStatus::default()
+        };
+        self.heartbeat(first).await?;
         Ok((assigned, map))
     }
 

@@ -18,8 +18,9 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_client::NodeAdminClient;
 use tidepool_proto::v1::retention::{Policy, RetainEpochs};
 use tidepool_proto::v1::{
-    AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, ErrorCode,
-    GetClusterStatusRequest, NodeState, NodeStatusRequest, ReadConsistency, ReplicaRole, Retention,
+    AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest,
+    ErrorCode, GetClusterStatusRequest, NodeState, NodeStatusRequest, ReadConsistency, ReplicaRole,
+    Retention,
 };
 use tidepool_testkit::grpc::{code, get, get_at, put};
 use tidepool_testkit::{EtcdServer, TestProcess, free_port};
@@ -43,6 +44,8 @@ struct Cluster {
     etcd: EtcdServer,
     coordinator_args: Vec<String>,
     coordinators: Vec<(String, Option<TestProcess>)>,
+    /// Each coordinator's metrics port.
+    metrics_ports: Vec<u16>,
     nodes: Vec<Node>,
 }
 
@@ -56,11 +59,13 @@ impl Cluster {
             coordinator_args: settings.iter().map(|s| s.to_string()).collect(),
             etcd,
             coordinators: Vec::new(),
+            metrics_ports: Vec::new(),
             nodes: Vec::new(),
         };
         for i in 0..coordinators {
             let url = format!("http://127.0.0.1:{}", free_port());
             cluster.coordinators.push((url, None));
+            cluster.metrics_ports.push(free_port());
             cluster.start_coordinator(i);
         }
         cluster
@@ -78,10 +83,25 @@ impl Cluster {
             self.etcd.url.clone(),
             "--key-prefix".into(),
             "/test/".into(),
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{}", self.metrics_ports[i]),
         ];
         args.extend(self.coordinator_args.iter().cloned());
         let log = self.dir.path().join(format!("coordinator-{i}.log"));
         self.coordinators[i].1 = Some(TestProcess::spawn(BIN, &args, log));
+    }
+
+    /// Coordinator `i`'s `/metrics` text.
+    fn metrics(&self, i: usize) -> String {
+        use std::io::{Read, Write};
+        let mut socket =
+            std::net::TcpStream::connect(("127.0.0.1", self.metrics_ports[i])).unwrap();
+        socket
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        socket.read_to_string(&mut text).unwrap();
+        text
     }
 
     fn kill_coordinator(&mut self, i: usize) {
@@ -290,6 +310,15 @@ fn replica_counts(map: &ClusterMap) -> BTreeMap<u64, usize> {
     counts
 }
 
+/// Shards led per node in the map.
+fn leader_counts(map: &ClusterMap) -> BTreeMap<u64, usize> {
+    let mut counts: BTreeMap<u64, usize> = map.nodes.iter().map(|n| (n.node_id, 0)).collect();
+    for s in &map.shards {
+        *counts.entry(s.leader_hint).or_default() += 1;
+    }
+    counts
+}
+
 /// `id → URL` of the nodes the map shows up.
 fn node_urls(map: &ClusterMap) -> BTreeMap<u64, String> {
     map.nodes
@@ -406,13 +435,14 @@ async fn a_joining_node_gets_replicas_while_clients_see_no_failure() {
     cluster.add_node(&[]);
     let status = cluster
         .wait_for(
-            "the fourth node to take its share",
+            "the fourth node to take its share of replicas and leaders",
             Duration::from_secs(90),
             |s| {
                 let map = s.map.as_ref().unwrap();
                 map.nodes.len() == 4
                     && settled(s, 3)
                     && replica_counts(map).values().all(|c| *c == 3)
+                    && leader_counts(map).values().all(|c| *c == 1)
             },
         )
         .await;
@@ -426,7 +456,41 @@ async fn a_joining_node_gets_replicas_while_clients_see_no_failure() {
     assert!(acked.len() > 20, "the load ran ({} puts)", acked.len());
     let map = status.map.unwrap();
     check_keys(&map, "default", 0..50).await;
-    check_keys(&map, "default", acked.into_iter()).await;
+    check_keys(&map, "default", acked.iter().copied()).await;
+
+    // Drain the newcomer: its replicas move back, it ends DRAINED.
+    let newcomer = map.nodes.iter().map(|n| n.node_id).max().unwrap();
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let refused = coordinator
+        .drain_node(DrainNodeRequest { node_id: 999 })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::NodeNotFound);
+    let drained = coordinator
+        .drain_node(DrainNodeRequest { node_id: newcomer })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(drained.replicas_to_move, 3);
+    let status = cluster
+        .wait_for(
+            "the drained node to be empty",
+            Duration::from_secs(90),
+            |s| {
+                let map = s.map.as_ref().unwrap();
+                let state = map
+                    .nodes
+                    .iter()
+                    .find(|n| n.node_id == newcomer)
+                    .unwrap()
+                    .state;
+                state == NodeState::Drained as i32
+                    && settled(s, 3)
+                    && replica_counts(map)[&newcomer] == 0
+            },
+        )
+        .await;
+    check_keys(status.map.as_ref().unwrap(), "default", acked.into_iter()).await;
     cluster.assert_no_panics();
 }
 
@@ -554,6 +618,25 @@ async fn a_new_coordinator_leader_finishes_the_reconcile() {
         )
         .await;
     check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
+    let metrics = cluster.metrics(1 - index);
+    assert!(
+        metrics.contains("\ntidepool_coordinator_is_leader 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("\ntidepool_coordinator_moves_in_progress 0\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tidepool_coordinator_nodes{state=\"up\"} 4"),
+        "{metrics}"
+    );
+    let completed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tidepool_coordinator_moves_completed_total "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap();
+    assert!(completed >= 1, "the new leader completed moves: {metrics}");
     cluster.assert_no_panics();
 }
 

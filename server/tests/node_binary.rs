@@ -309,7 +309,10 @@ fn bad_configurations_are_refused_with_a_clear_message() {
     };
     let (status, stderr) = run(&[]);
     assert!(!status.success());
-    assert!(stderr.contains("give --config or --node-id"), "{stderr}");
+    assert!(
+        stderr.contains("give --config, --node-id or --coordinator"),
+        "{stderr}"
+    );
 
     let (status, stderr) = run(&["--config", "/nonexistent/tidepool.toml"]);
     assert!(!status.success());
@@ -340,4 +343,60 @@ fn bad_configurations_are_refused_with_a_clear_message() {
     ]);
     assert!(!status.success());
     assert!(stderr.contains("peers"), "{stderr}");
+
+    // A fixed cluster and a coordinator at once.
+    let (status, stderr) = run(&[
+        "--node-id",
+        "1",
+        "--peer",
+        "1=http://127.0.0.1:1",
+        "--coordinator",
+        "http://127.0.0.1:2",
+    ]);
+    assert!(!status.success());
+    assert!(stderr.contains("not both"), "{stderr}");
+
+    // A data directory that belongs to another node.
+    let data = dir.path().join("owned");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("NODE_ID"), "7\n").unwrap();
+    let (status, stderr) = run(&[
+        "--node-id",
+        "3",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--coordinator",
+        "http://127.0.0.1:2",
+    ]);
+    assert!(!status.success());
+    assert!(stderr.contains("belongs to node 7"), "{stderr}");
+}
+
+#[test]
+fn the_coordinator_refuses_bad_settings() {
+    let run = |args: &[&str]| {
+        let output = Command::new(BIN)
+            .arg("coordinator")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            output.status,
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let (status, stderr) = run(&["--listen", "127.0.0.1:0"]);
+    assert!(!status.success());
+    assert!(stderr.contains("--etcd"), "{stderr}");
+    let (status, stderr) = run(&["--shards", "0"]);
+    assert!(!status.success());
+    assert!(stderr.contains("cluster.shards"), "{stderr}");
+    let (status, stderr) = run(&["--key-prefix", "tidepool"]);
+    assert!(!status.success());
+    assert!(stderr.contains("key_prefix"), "{stderr}");
+    let (status, stderr) = run(&["--config", "/nonexistent/c.toml"]);
+    assert!(!status.success());
+    assert!(stderr.contains("/nonexistent/c.toml"), "{stderr}");
 }

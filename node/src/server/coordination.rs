@@ -183,12 +183,16 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
     let mut coordinators = Coordinators::new(addresses);
     let stopped = node.stopped();
     tokio::pin!(stopped);
+    let mut first = true;
     loop {
         let interval = (lease_ttl / 3).max(Duration::from_millis(100));
-        tokio::select! {
-            _ = &mut stopped => return,
-            _ = tokio::time::sleep(interval) => {}
+        if !first {
+            tokio::select! {
+                _ = &mut stopped => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
         }
+        first = false;
         let status = node.status();
         let beat = async {
             let mut client = coordinators.client().await.map_err(|e| (e, None))?;
@@ -219,7 +223,9 @@ async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
     let mut coordinators = Coordinators::new(addresses);
     let stopped = node.stopped();
     tokio::pin!(stopped);
+    let mut delay = Duration::from_millis(100);
     loop {
+        let mut received = false;
         let follow = async {
             let mut client = coordinators.client().await?;
             let request = WatchClusterMapRequest {
@@ -235,6 +241,7 @@ async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
                 .await
                 .map_err(|s| NodeError::Network(s.message().to_string()))?
             {
+                received = true;
                 node.set_map(map);
             }
             Ok::<(), NodeError>(())
@@ -248,9 +255,14 @@ async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
                 coordinators.after_failure(None);
             }
         }
+        delay = if received {
+            Duration::from_millis(100)
+        } else {
+            (delay * 2).min(MAX_BACKOFF)
+        };
         tokio::select! {
             _ = &mut stopped => return,
-            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            _ = tokio::time::sleep(delay) => {}
         }
     }
 }

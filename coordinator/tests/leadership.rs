@@ -1,0 +1,108 @@
+//! Leadership and fencing on both metadata stores (etcd real): one of two
+//! coordinators leads; the other cannot change the map; a leader whose
+//! key was replaced behind its back (as when its lease expired and another
+//! won) cannot write either, however it still believes it leads; the new
+//! leader can; a leader that stops resigns so the other takes over at once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidepool_coordinator::meta::{EmbeddedStore, EtcdStore, MetaStore};
+use tidepool_coordinator::{CoordinatorConfig, CoordinatorError, Shared};
+use tidepool_testkit::EtcdServer;
+use tokio::sync::watch;
+
+fn config(lease_ms: u64) -> CoordinatorConfig {
+    CoordinatorConfig {
+        leader_lease_ms: lease_ms,
+        key_prefix: "/lead/".into(),
+        ..CoordinatorConfig::default()
+    }
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn bump(shared: &Shared) -> Result<u64, CoordinatorError> {
+    shared
+        .update_map(|map| {
+            map.replication_factor += 1;
+            Ok(Some(Vec::new()))
+        })
+        .await
+        .map(|m| m.version)
+}
+
+async fn fencing(store: Arc<dyn MetaStore>) {
+    // a renews (and rechecks its key) only every 10 s: it will not notice
+    // being deposed during the test, so only the fence can stop it.
+    let a = Shared::new(config(60_000), "a".into(), "http://a".into(), store.clone());
+    let b = Shared::new(config(1_000), "b".into(), "http://b".into(), store.clone());
+    a.ensure_cluster().await.unwrap();
+    b.ensure_cluster().await.unwrap();
+    let (stop_a, stop_a_rx) = watch::channel(false);
+    let (stop_b, stop_b_rx) = watch::channel(false);
+    tokio::spawn(a.clone().campaign(stop_a_rx));
+    until("a to lead", || a.leadership().is_some()).await;
+    tokio::spawn(b.clone().campaign(stop_b_rx));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(b.leadership().is_none(), "one leader at a time");
+
+    let v1 = bump(&a).await.unwrap();
+    assert!(matches!(bump(&b).await, Err(CoordinatorError::NotLeader)));
+
+    // Depose a behind its back: its key goes, b wins and writes.
+    store.delete(&a.keys.leader()).await.unwrap();
+    until("b to lead", || b.leadership().is_some()).await;
+    assert!(a.leadership().is_some(), "a has not noticed yet");
+    let v2 = bump(&b).await.unwrap();
+    assert_eq!(v2, v1 + 1);
+    // Whatever a believes, its write is refused and changes nothing.
+    let result = bump(&a).await;
+    assert!(
+        matches!(result, Err(CoordinatorError::NotLeader)),
+        "{result:?}"
+    );
+    assert!(a.leadership().is_none(), "a stepped down");
+    let stored = store.get(&a.keys.map()).await.unwrap().unwrap();
+    let map = tidepool_coordinator::schema::decode_map(&stored.value).unwrap();
+    assert_eq!(map.version, v2);
+
+    // A leader that stops resigns: c takes over well before b's lease
+    // would have expired.
+    let c = Shared::new(config(1_000), "c".into(), "http://c".into(), store.clone());
+    let (stop_c, stop_c_rx) = watch::channel(false);
+    tokio::spawn(c.clone().campaign(stop_c_rx));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(c.leadership().is_none());
+    let stopped = Instant::now();
+    stop_b.send_replace(true);
+    until("c to lead", || c.leadership().is_some()).await;
+    assert!(
+        stopped.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        stopped.elapsed()
+    );
+    assert!(b.leadership().is_none());
+    stop_a.send_replace(true);
+    stop_c.send_replace(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_on_the_embedded_store() {
+    fencing(Arc::new(EmbeddedStore::in_memory())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_on_etcd() {
+    let etcd = EtcdServer::start();
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url))
+        .await
+        .unwrap();
+    fencing(Arc::new(store)).await;
+}
