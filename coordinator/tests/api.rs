@@ -1,0 +1,268 @@
+//! The coordinator's gRPC API on real sockets, two coordinators sharing one
+//! embedded store: reads from either, changes only on the leader (the
+//! follower names it), namespaces and their validation, epochs advanced by
+//! call (with compare-and-swap) and on a schedule, the map watch.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
+use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
+use tidepool_proto::error_detail;
+use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
+use tidepool_proto::v1::retention::{Policy, RetainEpochs};
+use tidepool_proto::v1::{
+    AdvanceEpochRequest, CreateNamespaceRequest, DrainNodeRequest, ErrorCode, GetClusterMapRequest,
+    GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest, ListNamespacesRequest,
+    NodeStatus, RegisterNodeRequest, Retention, SetRetentionRequest, WatchClusterMapRequest,
+};
+use tonic::transport::Channel;
+
+fn config(epoch_interval_s: u64) -> CoordinatorConfig {
+    CoordinatorConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        leader_lease_ms: 1_000,
+        reconcile_interval_ms: 100,
+        epoch_interval_s,
+        cluster: tidepool_coordinator::config::ClusterSettings {
+            shards: 4,
+            ..Default::default()
+        },
+        ..CoordinatorConfig::default()
+    }
+}
+
+async fn client(c: &RunningCoordinator) -> CoordinatorServiceClient<Channel> {
+    CoordinatorServiceClient::connect(format!("http://{}", c.address))
+        .await
+        .unwrap()
+}
+
+fn code(status: &tonic::Status) -> ErrorCode {
+    error_detail(status)
+        .and_then(|d| ErrorCode::try_from(d.code).ok())
+        .unwrap_or(ErrorCode::Unspecified)
+}
+
+fn retain(epochs: u32) -> Option<Retention> {
+    Some(Retention {
+        policy: Some(Policy::Retain(RetainEpochs { epochs })),
+    })
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_go_to_the_leader_and_reads_to_anyone() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let first = start_with_store(config(0), store.clone()).await.unwrap();
+    until("the first to lead", || first.shared.leadership().is_some()).await;
+    let second = start_with_store(config(0), store.clone()).await.unwrap();
+    until("the second to see the map", || {
+        second.shared.map().version > 0
+    })
+    .await;
+    let (mut leader, mut follower) = (client(&first).await, client(&second).await);
+
+    // Both serve the map; only one cluster was created.
+    let a = leader
+        .get_cluster_map(GetClusterMapRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let b = follower
+        .get_cluster_map(GetClusterMapRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.cluster_id, b.cluster_id);
+    assert_eq!((a.shards.len(), a.epoch), (4, 1));
+    assert_eq!(a.shards.last().unwrap().hash_end, u64::MAX);
+
+    // A change on the follower names the leader.
+    let refused = follower
+        .create_namespace(CreateNamespaceRequest {
+            name: "cache".into(),
+            content_addressed: false,
+            retention: retain(2),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::NotCoordinatorLeader);
+    let hint = error_detail(&refused).unwrap().leader_hint.unwrap();
+    assert_eq!(hint.address, format!("http://{}", first.address));
+
+    // Namespaces: created with the next id, validated, listed by name.
+    let cache = leader
+        .create_namespace(CreateNamespaceRequest {
+            name: "cache".into(),
+            content_addressed: false,
+            retention: retain(2),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((cache.id, cache.created_epoch), (2, 1));
+    for (name, retention, expected) in [
+        ("cache", None, ErrorCode::NamespaceExists),
+        ("Bad Name", None, ErrorCode::InvalidArgument),
+        ("zero", retain(0), ErrorCode::InvalidArgument),
+    ] {
+        let e = leader
+            .create_namespace(CreateNamespaceRequest {
+                name: name.into(),
+                content_addressed: false,
+                retention,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), expected, "{name}: {}", e.message());
+    }
+    let e = leader
+        .set_retention(SetRetentionRequest {
+            name: "nope".into(),
+            retention: retain(1),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NamespaceNotFound);
+    let changed = leader
+        .set_retention(SetRetentionRequest {
+            name: "cache".into(),
+            retention: retain(1),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(changed.retention, retain(1));
+    until("the follower to see the namespace", || {
+        second.shared.map().namespaces.len() == 2
+    })
+    .await;
+    let names: Vec<String> = follower
+        .list_namespaces(ListNamespacesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .namespaces
+        .into_iter()
+        .map(|n| n.name)
+        .collect();
+    assert_eq!(names, ["cache", "default"]);
+
+    // Epochs: compare-and-swap, and the drop target in the status.
+    let e = leader
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: 5,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::Conflict);
+    let advanced = leader
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(advanced.epoch, 2);
+    let status = leader
+        .get_epoch_status(GetEpochStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.current_epoch, 2);
+    assert_eq!(
+        status.namespaces.len(),
+        1,
+        "durable namespaces have no drops"
+    );
+    assert_eq!(status.namespaces[0].drop_below, 2);
+    assert_eq!(status.namespaces[0].shards_done, 0, "no node runs a shard");
+
+    // Nodes: registration assigns ids, validates the address; drains and
+    // heartbeats of unknown nodes are refused.
+    let e = leader
+        .register_node(RegisterNodeRequest {
+            node_id: 0,
+            address: "127.0.0.1:1".into(),
+            zone: String::new(),
+            capacity_bytes: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::InvalidArgument);
+    let registered = leader
+        .register_node(RegisterNodeRequest {
+            node_id: 0,
+            address: "http://127.0.0.1:1".into(),
+            zone: "z".into(),
+            capacity_bytes: 1 << 30,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(registered.node_id, 1);
+    assert!(registered.map.unwrap().nodes.iter().any(|n| n.zone == "z"));
+    let e = follower
+        .heartbeat(HeartbeatRequest {
+            status: Some(NodeStatus {
+                node_id: 42,
+                ..NodeStatus::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NodeNotFound);
+    let e = leader
+        .drain_node(DrainNodeRequest { node_id: 42 })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NodeNotFound);
+    let status = follower
+        .get_cluster_status(GetClusterStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!status.is_leader);
+    assert_eq!(status.nodes.len(), 1, "the registered node counts as live");
+
+    second.stop().await.unwrap();
+    first.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_epoch_advances_on_schedule_and_watchers_see_each_map() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let coordinator = start_with_store(config(1), store).await.unwrap();
+    let mut api = client(&coordinator).await;
+    let mut watch = api
+        .watch_cluster_map(WatchClusterMapRequest { after_version: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    let started = Instant::now();
+    let mut last = first.clone();
+    while last.epoch < first.epoch + 2 {
+        let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
+            .await
+            .expect("a newer map within 5 s")
+            .unwrap()
+            .unwrap();
+        assert!(next.version > last.version, "versions only grow");
+        last = next;
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(6),
+        "two scheduled advances took {took:?}"
+    );
+    coordinator.stop().await.unwrap();
+}
