@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tidepool_proto::v1::node_admin_client::NodeAdminClient;
 use tidepool_proto::v1::{
     AdvanceEpochOp, ChangeMembershipRequest, CloseReplicaRequest, ClusterMap, DropEpochsOp,
     ErrorCode, MembershipChange, NodeState, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
@@ -22,6 +23,7 @@ use tidepool_proto::v1::{
     propose_admin_request::Op as AdminOp,
 };
 use tokio::sync::watch;
+use tonic::transport::Channel;
 
 use crate::CoordinatorError;
 use crate::core::Shared;
@@ -474,6 +476,19 @@ impl Reconciler {
         true
     }
 
+    /// The shard leader's id and an admin client for it.
+    fn leader_admin(
+        &self,
+        map: &ClusterMap,
+        view: &ShardView,
+    ) -> Result<(u64, NodeAdminClient<Channel>), CoordinatorError> {
+        let leader = view
+            .leader
+            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
+        let address = Self::address(map, leader).ok_or(CoordinatorError::UnknownNode(leader))?;
+        Ok((leader, self.nodes.admin(&address)?))
+    }
+
     async fn change(
         &self,
         map: &ClusterMap,
@@ -481,11 +496,7 @@ impl Reconciler {
         change: MembershipChange,
         node: u64,
     ) -> Result<(), CoordinatorError> {
-        let leader = view
-            .leader
-            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
-        let address = Self::address(map, leader).ok_or(CoordinatorError::UnknownNode(leader))?;
-        let mut client = self.nodes.admin(&address)?;
+        let (_, mut client) = self.leader_admin(map, view)?;
         let request = ChangeMembershipRequest {
             shard_id: view.shard_id,
             change: change as i32,
@@ -556,11 +567,7 @@ impl Reconciler {
         view: &ShardView,
         to: u64,
     ) -> Result<(), CoordinatorError> {
-        let leader = view
-            .leader
-            .ok_or(CoordinatorError::NoLeader(view.shard_id))?;
-        let address = Self::address(map, leader).ok_or(CoordinatorError::UnknownNode(leader))?;
-        let mut client = self.nodes.admin(&address)?;
+        let (leader, mut client) = self.leader_admin(map, view)?;
         let request = TransferLeaderRequest {
             shard_id: view.shard_id,
             to_node: to,
@@ -636,7 +643,7 @@ impl Reconciler {
     /// drop the expired epochs of every namespace with retention.
     async fn drive_epochs(&self, map: &ClusterMap, views: &[ShardView]) {
         for view in views {
-            let (Some(leader), Some(status)) = (view.leader, view.leader_status()) else {
+            let Some(status) = view.leader_status() else {
                 continue;
             };
             let op = if status.epoch < map.epoch {
@@ -658,10 +665,7 @@ impl Reconciler {
                 })
             };
             let Some(op) = op else { continue };
-            let Some(address) = Self::address(map, leader) else {
-                continue;
-            };
-            let Ok(mut client) = self.nodes.admin(&address) else {
+            let Ok((_, mut client)) = self.leader_admin(map, view) else {
                 continue;
             };
             let request = ProposeAdminRequest {

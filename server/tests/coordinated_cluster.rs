@@ -138,6 +138,29 @@ impl Cluster {
         i
     }
 
+    /// A cluster of `nodes` nodes (started with `node_flags`) once every
+    /// shard has `r` replicas on them.
+    async fn settled(
+        coordinators: usize,
+        settings: &[&str],
+        nodes: usize,
+        node_flags: &[&str],
+        r: usize,
+    ) -> (Cluster, ClusterStatus) {
+        let mut cluster = Cluster::start(coordinators, settings);
+        for _ in 0..nodes {
+            cluster.add_node(node_flags);
+        }
+        let status = cluster
+            .wait_for(
+                "the nodes to host every shard",
+                Duration::from_secs(60),
+                |s| s.map.as_ref().is_some_and(|m| m.nodes.len() == nodes) && settled(s, r),
+            )
+            .await;
+        (cluster, status)
+    }
+
     fn logs(&self) -> String {
         let mut all = String::new();
         for (i, (_, p)) in self.coordinators.iter().enumerate() {
@@ -413,19 +436,8 @@ const FAST: &[&str] = &[
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_node_gets_replicas_while_clients_see_no_failure() {
     let _serial = SERIAL.lock().await;
-    let mut cluster = Cluster::start(1, FAST);
-    for _ in 0..3 {
-        cluster.add_node(&[]);
-    }
-    let status = cluster
-        .wait_for(
-            "three nodes to host every shard",
-            Duration::from_secs(60),
-            |s| settled(s, 3),
-        )
-        .await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
     let map = status.map.unwrap();
-    assert_eq!(map.nodes.len(), 3);
     write_keys(&map, "default", 0..50).await;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -497,17 +509,7 @@ async fn a_joining_node_gets_replicas_while_clients_see_no_failure() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_node_is_replaced_after_the_grace_period() {
     let _serial = SERIAL.lock().await;
-    let mut cluster = Cluster::start(1, FAST);
-    for _ in 0..4 {
-        cluster.add_node(&[]);
-    }
-    let status = cluster
-        .wait_for(
-            "four nodes to share the shards",
-            Duration::from_secs(60),
-            |s| s.map.as_ref().is_some_and(|m| m.nodes.len() == 4) && settled(s, 3),
-        )
-        .await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 4, &[], 3).await;
     let map = status.map.unwrap();
     write_keys(&map, "default", 0..60).await;
     // Kill the node hosting the most replicas.
@@ -582,17 +584,7 @@ async fn a_new_coordinator_leader_finishes_the_reconcile() {
     let mut settings = FAST.to_vec();
     // Slow moves, so the leader dies in the middle of them.
     settings.extend(["--max-concurrent-moves", "1"]);
-    let mut cluster = Cluster::start(2, &settings);
-    for _ in 0..3 {
-        cluster.add_node(&[]);
-    }
-    let status = cluster
-        .wait_for(
-            "three nodes to host every shard",
-            Duration::from_secs(60),
-            |s| settled(s, 3),
-        )
-        .await;
+    let (mut cluster, status) = Cluster::settled(2, &settings, 3, &[], 3).await;
     write_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
     let first_leader = status.coordinator_id.clone();
     cluster.add_node(&[]);
@@ -669,26 +661,17 @@ async fn expired_epochs_are_dropped_on_every_replica() {
     let _serial = SERIAL.lock().await;
     let mut settings = FAST.to_vec();
     settings[1] = "2";
-    let mut cluster = Cluster::start(1, &settings);
     // Small WAL segments, a short Raft log and frequent background
     // reclamation, so emptied segments are deleted within the test.
-    let config = cluster.dir.path().join("node.toml");
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("node.toml");
     std::fs::write(
         &config,
         "[raft]\ncompact_log_entries = 40\n[engine]\nwal_segment_mib = 16\nrelocation_interval_ms = 300\n",
     )
     .unwrap();
     let config = config.display().to_string();
-    for _ in 0..3 {
-        cluster.add_node(&["--config", &config]);
-    }
-    let status = cluster
-        .wait_for(
-            "three nodes to host both shards",
-            Duration::from_secs(60),
-            |s| settled(s, 3),
-        )
-        .await;
+    let (cluster, status) = Cluster::settled(1, &settings, 3, &["--config", &config], 3).await;
     let mut coordinator = cluster.coordinator().await.unwrap();
     for (name, retention) in [("cache", retain(1)), ("backup", None)] {
         coordinator
