@@ -1,32 +1,55 @@
-//! The Tidepool Rust SDK: connects to a cluster, routes each key by hash to
-//! its shard leader, retries across leader changes and stale maps, streams
-//! large blobs in chunks and verifies content-addressed reads.
+//! The Tidepool Rust SDK: connects to a cluster through its coordinators,
+//! routes each key by hash to its shard leader, retries across leader
+//! changes and stale maps within a deadline, streams blobs of any size in
+//! chunks, and verifies what it reads.
 //!
 //! What this crate is **not**: it embeds no storage and depends on neither the
 //! engine nor the node; it speaks only the `tidepool.v1` wire contract.
 //!
-//! Status: not yet built (issue 8). [`Client::connect`] reports that.
+//! # Example
+//!
+//! ```no_run
+//! # async fn demo() -> tidepool_client::Result<()> {
+//! use tidepool_client::Client;
+//!
+//! let client = Client::connect(&["http://127.0.0.1:7400"]).await?;
+//! client.put("default", b"greeting", b"hello, tidepool").await?;
+//! assert_eq!(client.get("default", b"greeting").await?, b"hello, tidepool");
+//! assert!(client.exists("default", b"greeting").await?);
+//!
+//! // Any size: streamed in chunks below the node's entry limit.
+//! let file = tokio::fs::File::open("backup.tar").await?;
+//! client.put_stream("default", b"backup.tar", file).await?;
+//!
+//! // Content addressing: the key is the SHA-256 of the content.
+//! let digest = client.put_content("default", b"chunk bytes").await?;
+//! assert_eq!(client.get("default", &digest).await?, b"chunk bytes");
+//! # Ok(()) }
+//! ```
+//!
+//! Runnable programs: `client/examples/store_file.rs` (store a file and
+//! fetch it back) and `client/examples/dedup_chunker.rs` (content-defined
+//! chunking that uploads only the chunks the cluster lacks).
+//!
+//! # Errors
+//!
+//! Every failure is an [`Error`] with a stable [`ErrorCode`] (the wire
+//! contract's): `NOT_FOUND`, `NAMESPACE_NOT_FOUND`, `DIGEST_MISMATCH`,
+//! `CORRUPT` (content failed verification; never returned as data),
+//! `TIMEOUT` (the call's deadline passed while retrying), … Transient
+//! conditions (`NOT_LEADER`, `WRONG_SHARD`, `NO_QUORUM`, unreachable
+//! nodes) are retried inside the call and never surface unless the
+//! deadline passes.
 
+mod admin;
+mod client;
+mod cluster;
+mod error;
+mod stream;
+
+pub use admin::RetentionPolicy;
+pub use client::{BlobMeta, Client, ClientConfig, PutOutcome, sha256};
+pub use error::{Error, Result};
+pub use stream::hex;
 pub use tidepool_proto as proto;
-
-/// Errors of the SDK.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The capability is not built yet.
-    #[error("the client SDK is not implemented yet")]
-    NotYet,
-}
-
-/// A connection to a Tidepool cluster.
-#[derive(Debug)]
-pub struct Client {
-    _private: (),
-}
-
-impl Client {
-    /// Connects to the cluster through the given seed addresses. Not built
-    /// yet: always fails.
-    pub fn connect(_seeds: &[&str]) -> Result<Client, ClientError> {
-        Err(ClientError::NotYet)
-    }
-}
+pub use tidepool_proto::v1::ErrorCode;

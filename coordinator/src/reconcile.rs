@@ -100,19 +100,14 @@ pub(crate) fn current_placement(views: &[ShardView]) -> Placement {
     views.iter().map(|v| (v.shard_id, v.members())).collect()
 }
 
-/// Where each shard's replicas should be.
+/// Where each shard's replicas should be, starting from `current`.
 pub(crate) fn desired_placement(
     map: &ClusterMap,
-    views: &[ShardView],
+    current: &Placement,
     nodes: &[NodeView],
 ) -> Placement {
     let shards: Vec<u32> = map.shards.iter().map(|s| s.shard_id).collect();
-    place(
-        nodes,
-        &current_placement(views),
-        &shards,
-        map.replication_factor as usize,
-    )
+    place(nodes, current, &shards, map.replication_factor as usize)
 }
 
 /// The moves in progress as the status API shows them.
@@ -153,6 +148,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         shared: shared.clone(),
         nodes: NodeClients::default(),
         down_since: HashMap::new(),
+        targets: Placement::new(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -165,6 +161,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         if generation != led {
             // A new term: the down clock starts again.
             reconciler.down_since.clear();
+            reconciler.targets.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -182,6 +179,11 @@ struct Reconciler {
     shared: Arc<Shared>,
     nodes: NodeClients,
     down_since: HashMap<u64, Instant>,
+    /// Last round's desired placement. A shard in the middle of a move has
+    /// one replica more than it will keep; placing from its members would
+    /// pick which to keep by id, possibly undoing the move just made, so
+    /// placement starts from these targets instead.
+    targets: Placement,
 }
 
 impl Reconciler {
@@ -208,7 +210,17 @@ impl Reconciler {
         let node_views = node_views(&map, &reports, |id| {
             live.contains(&id) || self.down_since.get(&id).is_none_or(|t| t.elapsed() < grace)
         });
-        let desired = desired_placement(&map, &views, &node_views);
+        let mut current = current_placement(&views);
+        for view in &views {
+            if let Some(target) = self.targets.get(&view.shard_id)
+                && view.leader.is_some()
+                && (view.members() != *target || !view.learners.is_empty())
+            {
+                current.insert(view.shard_id, target.clone());
+            }
+        }
+        let desired = desired_placement(&map, &current, &node_views);
+        self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
         let busy = self.move_replicas(&map, &views, &desired, &live).await;
         self.close_strays(&map, &views, &desired).await;

@@ -23,7 +23,7 @@ use crate::CoordinatorError;
 use crate::core::Shared;
 use crate::epochs::epoch_status;
 use crate::plan::shard_views;
-use crate::reconcile::{alive, desired_placement, moves_of, node_views};
+use crate::reconcile::{alive, current_placement, desired_placement, moves_of, node_views};
 
 /// The service.
 pub(crate) struct CoordinatorApi {
@@ -76,7 +76,7 @@ impl CoordinatorApi {
         } else {
             let live: BTreeSet<u64> = reports.keys().copied().collect();
             let nodes = node_views(&map, &reports, |id| live.contains(&id));
-            let desired = desired_placement(&map, &views, &nodes);
+            let desired = desired_placement(&map, &current_placement(&views), &nodes);
             moves_of(&views, &desired, &live, self.shared.config.catch_up_slack)
                 .into_iter()
                 .map(|(m, _)| m)

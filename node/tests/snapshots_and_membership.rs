@@ -176,3 +176,31 @@ fn a_replica_added_before_any_compaction_learns_the_founding_voters() {
     write_for(&mut cluster, &mut writes, 10);
     assert_converged(&mut cluster, &writes, "learner added before compaction");
 }
+
+/// Regression: a leader reused the snapshot it had prepared for one new
+/// replica when a second was added with no compaction in between. That
+/// snapshot's configuration predates the second replica, which rejects a
+/// snapshot that does not name it — so it never caught up. A snapshot is
+/// now reused only while it carries the current configuration.
+#[test]
+fn a_second_replica_added_right_after_the_first_gets_a_current_snapshot() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(100_000));
+    let mut writes = Writes::new();
+    elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 10);
+    for id in [4, 5] {
+        cluster.add_node(id, &[]);
+        let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, id);
+        wait_applied(&mut cluster, &slot, &format!("add learner {id}"));
+        assert!(
+            cluster.run_until(500, |c| caught_up(c, id)).unwrap(),
+            "seed {seed}: learner {id} never caught up"
+        );
+    }
+    let mut learners = cluster.replica(5).unwrap().status().learners;
+    learners.sort();
+    assert_eq!(learners, vec![4, 5], "seed {seed}");
+    write_for(&mut cluster, &mut writes, 10);
+    assert_converged(&mut cluster, &writes, "two learners added back to back");
+}

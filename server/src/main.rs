@@ -3,8 +3,9 @@
 //!
 //! `tidepool node` runs a storage node and `tidepool coordinator` a
 //! coordinator, each from a TOML file (`--config`) and/or flags (flags
-//! win); see `--help` and the README. Dev mode is not built yet: it says so
-//! and exits with status 2.
+//! win); see `--help` and the README. `tidepool dev` runs a coordinator
+//! (embedded metadata store) and three nodes in one process on localhost:
+//! what `make run` starts.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,7 +31,7 @@ enum Command {
     /// Run a coordinator.
     Coordinator(Box<CoordinatorArgs>),
     /// Run a coordinator and three nodes in one process (local development).
-    Dev,
+    Dev(DevArgs),
 }
 
 /// Settings of `tidepool node`; each flag overrides the config file.
@@ -80,6 +81,20 @@ struct NodeArgs {
     /// Disk bytes offered to the cluster (default: the data volume's size).
     #[arg(long)]
     capacity_bytes: Option<u64>,
+}
+
+/// Settings of `tidepool dev`.
+#[derive(Debug, Args)]
+struct DevArgs {
+    /// Where the metadata and the nodes' data live (kept across restarts).
+    #[arg(long, default_value = "tidepool-dev")]
+    data_dir: PathBuf,
+    /// Coordinator port; the nodes take the next ones.
+    #[arg(long, default_value_t = 7400)]
+    port: u16,
+    /// Shards of the cluster (when it is created).
+    #[arg(long, default_value_t = 4)]
+    shards: u32,
 }
 
 /// Settings of `tidepool coordinator`; each flag overrides the config file.
@@ -294,6 +309,81 @@ fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
     })
 }
 
+/// Nodes in dev mode.
+const DEV_NODES: u16 = 3;
+
+fn run_dev(args: DevArgs) -> anyhow::Result<()> {
+    use std::sync::Arc;
+    use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
+    use tidepool_node::config::CoordinatorLink;
+
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("cannot create {}", args.data_dir.display()))?;
+    let data_dir = std::fs::canonicalize(&args.data_dir)?;
+    runtime("tidepool-dev")?.block_on(async {
+        let store: Arc<dyn MetaStore> =
+            Arc::new(EmbeddedStore::open(&data_dir.join("metadata.json"))?);
+        let mut config = CoordinatorConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
+            node_lease_ms: 3_000,
+            ..CoordinatorConfig::default()
+        };
+        config.cluster.shards = args.shards;
+        config.cluster.replication_factor = u32::from(DEV_NODES);
+        let coordinator = tidepool_coordinator::start_with_store(config, store).await?;
+        let coordinator_url = format!("http://{}", coordinator.address);
+        let mut nodes = Vec::new();
+        for i in 1..=DEV_NODES {
+            let mut node = NodeConfig::new(0);
+            node.listen = SocketAddr::from(([127, 0, 0, 1], args.port + i));
+            node.data_dir = data_dir.join(format!("node-{i}"));
+            node.engine.wal_segment_mib = 16;
+            node.engine.index_memory_mib = 32;
+            node.engine.value_cache_mib = 16;
+            node.coordinator = Some(CoordinatorLink {
+                addresses: vec![coordinator_url.clone()],
+                zone: String::new(),
+                capacity_bytes: 0,
+            });
+            nodes.push(tidepool_node::server::start(node).await?);
+        }
+        // Ready once every shard reports a leader.
+        let ready = async {
+            loop {
+                let map = coordinator.shared.map();
+                if !map.shards.is_empty() && map.shards.iter().all(|s| s.leader_hint != 0) {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        };
+        let interrupted = tokio::select! {
+            _ = ready => false,
+            _ = shutdown_signal() => true,
+        };
+        let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
+        if !interrupted {
+            println!(
+                "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
+             Try, in another shell:\n  \
+               target/release/tidectl put default hello README.md\n  \
+               target/release/tidectl get default hello\n  \
+               target/release/tidectl cluster status\n\
+             Ctrl-C stops it; starting it again keeps the data.",
+                node_list.join(", "),
+                data_dir.display()
+            );
+            shutdown_signal().await;
+        }
+        eprintln!("stopping");
+        for node in nodes {
+            node.stop().await?;
+        }
+        coordinator.stop().await?;
+        Ok(())
+    })
+}
+
 fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
     runtime("tidepool-node")?.block_on(async {
@@ -335,10 +425,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Node(args) => run_node(*args),
         Command::Coordinator(args) => run_coordinator(*args),
-        Command::Dev => {
-            eprintln!("tidepool: not yet: dev mode is not implemented yet (issue 8)");
-            return ExitCode::from(2);
-        }
+        Command::Dev(args) => run_dev(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

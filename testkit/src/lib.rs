@@ -9,6 +9,8 @@
 //! println!("re-run with EXAMPLE_SEED={seed}");
 //! ```
 
+#[cfg(feature = "cluster")]
+pub mod cluster;
 pub mod depcheck;
 mod etcd;
 #[cfg(feature = "grpc")]

@@ -1,31 +1,678 @@
 //! `tidectl`: the Tidepool command-line tool, built on the client SDK.
 //!
-//! Status: not yet built (issue 8); every command says so and exits with
-//! status 2.
+//! Exit codes scripts can rely on: 0 success; 1 the cluster refused or
+//! failed the operation; 2 bad usage or input (missing file, bad digest,
+//! unknown command); 3 not found (key, namespace, node), or for `exists`,
+//! some keys missing; 4 the cluster could not be reached in time.
 
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use serde_json::json;
+use tidepool_client::proto::v1::{ClusterStatus, MoveStep, Namespace, NodeState, retention};
+use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, hex};
 
 /// Command-line interface to a Tidepool cluster.
 #[derive(Debug, Parser)]
 #[command(name = "tidectl", version, about)]
 struct Cli {
-    /// Coordinator or node address to start from.
-    #[arg(long, default_value = "http://127.0.0.1:7400", global = true)]
-    endpoint: String,
-    /// The command and its arguments.
-    #[arg(trailing_var_arg = true)]
-    command: Vec<String>,
+    /// Coordinator address(es), comma-separated.
+    #[arg(
+        long,
+        env = "TIDEPOOL_COORDINATOR",
+        default_value = "http://127.0.0.1:7400",
+        value_delimiter = ',',
+        global = true
+    )]
+    coordinator: Vec<String>,
+    /// Print machine-readable JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Deadline of each operation, seconds.
+    #[arg(long, default_value_t = 60, global = true)]
+    timeout: u64,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Store a file (or stdin with `-`) under a key. In a content-addressed
+    /// namespace give `--content` instead of a key: the key is the SHA-256.
+    Put {
+        /// Namespace.
+        namespace: String,
+        /// Key (text; 64 hex digits in a content-addressed namespace), or
+        /// the file when `--content` is given.
+        key: String,
+        /// File to store; `-` for stdin.
+        file: Option<PathBuf>,
+        /// Store under the content's SHA-256 (printed).
+        #[arg(long)]
+        content: bool,
+    },
+    /// Fetch a blob to stdout or a file.
+    Get {
+        /// Namespace.
+        namespace: String,
+        /// Key.
+        key: String,
+        /// Write here instead of stdout.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Size, SHA-256 and epoch of a blob.
+    Head {
+        /// Namespace.
+        namespace: String,
+        /// Key.
+        key: String,
+    },
+    /// Delete a blob.
+    Rm {
+        /// Namespace.
+        namespace: String,
+        /// Key.
+        key: String,
+    },
+    /// Which of the keys on stdin (one per line) exist; prints the missing
+    /// ones (exit 3 if any).
+    Exists {
+        /// Namespace.
+        namespace: String,
+    },
+    /// The cluster.
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
+    /// Namespaces.
+    Namespace {
+        #[command(subcommand)]
+        command: NamespaceCommand,
+    },
+    /// Epochs.
+    Epoch {
+        #[command(subcommand)]
+        command: EpochCommand,
+    },
+    /// Nodes.
+    Node {
+        #[command(subcommand)]
+        command: NodeCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCommand {
+    /// Nodes, shards, leaders, epochs and moves in progress.
+    Status,
+}
+
+#[derive(Debug, Subcommand)]
+enum NamespaceCommand {
+    /// Create a namespace.
+    Create {
+        /// Name.
+        name: String,
+        /// Drop blobs this many epochs after their last write or touch
+        /// (default: durable).
+        #[arg(long)]
+        retain: Option<u32>,
+        /// Keys are SHA-256 digests of the content, verified on write.
+        #[arg(long)]
+        content_addressed: bool,
+    },
+    /// List namespaces.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+enum EpochCommand {
+    /// Start the next epoch.
+    Advance {
+        /// Only if the current epoch is this.
+        #[arg(long)]
+        expect: Option<u64>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum NodeCommand {
+    /// Move every replica off a node.
+    Drain {
+        /// Node id.
+        id: u64,
+    },
+}
+
+/// A failure with its exit code.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<tidepool_client::Error> for Failure {
+    fn from(error: tidepool_client::Error) -> Self {
+        let code = match error.code() {
+            ErrorCode::NotFound | ErrorCode::NamespaceNotFound | ErrorCode::NodeNotFound => 3,
+            ErrorCode::InvalidArgument
+            | ErrorCode::DigestMismatch
+            | ErrorCode::ValueTooLarge
+            | ErrorCode::NamespaceExists => 2,
+            ErrorCode::Timeout | ErrorCode::NoQuorum => 4,
+            _ => 1,
+        };
+        Failure {
+            code,
+            message: error.to_string(),
+        }
+    }
+}
+
+fn usage(message: impl Into<String>) -> Failure {
+    Failure {
+        code: 2,
+        message: message.into(),
+    }
+}
+
+type Outcome = Result<(), Failure>;
+
+/// Parses a key: 64 hex digits in a content-addressed namespace, else the
+/// text's bytes.
+fn parse_key(client: &Client, namespace: &str, key: &str) -> Result<Vec<u8>, Failure> {
+    let map = client.map();
+    let ns = map
+        .namespaces
+        .iter()
+        .find(|n| n.name == namespace)
+        .ok_or_else(|| Failure {
+            code: 3,
+            message: format!("no namespace {namespace:?} (see `tidectl namespace list`)"),
+        })?;
+    if !ns.content_addressed {
+        return Ok(key.as_bytes().to_vec());
+    }
+    parse_digest(key).ok_or_else(|| {
+        usage(format!(
+            "namespace {namespace:?} is content-addressed: keys are SHA-256 digests (64 hex digits), not {key:?}"
+        ))
+    })
+}
+
+fn parse_digest(text: &str) -> Option<Vec<u8>> {
+    let text = text.trim();
+    if text.len() != 64 {
+        return None;
+    }
+    (0..32)
+        .map(|i| u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok())
+        .collect()
+}
+
+fn progress_bar(total: Option<u64>) -> Option<indicatif::ProgressBar> {
+    const LARGE: u64 = 8 << 20;
+    if !std::io::stderr().is_terminal() || total.is_some_and(|t| t < LARGE) {
+        return None;
+    }
+    let bar = match total {
+        Some(total) => indicatif::ProgressBar::new(total),
+        None => indicatif::ProgressBar::no_length(),
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    Some(bar)
+}
+
+fn print(json: bool, value: serde_json::Value, text: String) {
+    if json {
+        println!("{value}");
+    } else if !text.is_empty() {
+        println!("{text}");
+    }
+}
+
+async fn put(
+    cli: &Cli,
+    client: &Client,
+    namespace: &str,
+    key: &str,
+    file: Option<&PathBuf>,
+    content: bool,
+) -> Outcome {
+    let (key_bytes, path) = if content {
+        if file.is_some() {
+            return Err(usage("with --content give only NAMESPACE and FILE"));
+        }
+        (None, PathBuf::from(key))
+    } else {
+        let path = file
+            .cloned()
+            .ok_or_else(|| usage("give NAMESPACE KEY FILE (or - for stdin)"))?;
+        (Some(parse_key(client, namespace, key)?), path)
+    };
+    let outcome = if path.as_os_str() == "-" {
+        if content {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes)
+                .map_err(|e| usage(format!("stdin: {e}")))?;
+            let digest = tidepool_client::sha256(&bytes);
+            client.put(namespace, &digest, &bytes).await?
+        } else {
+            let key = key_bytes.expect("set without --content");
+            client
+                .put_stream(namespace, &key, tokio::io::stdin())
+                .await?
+        }
+    } else {
+        let file = tokio::fs::File::open(&path)
+            .await
+            .map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?;
+        let size = file.metadata().await.map(|m| m.len()).ok();
+        let key = match key_bytes {
+            Some(key) => key,
+            None => {
+                // The key is the digest: hash the file first.
+                let bytes = tokio::fs::read(&path)
+                    .await
+                    .map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?;
+                tidepool_client::sha256(&bytes).to_vec()
+            }
+        };
+        let bar = progress_bar(size);
+        let result = client
+            .put_stream_progress(namespace, &key, file, |done| {
+                if let Some(bar) = &bar {
+                    bar.set_position(done);
+                }
+            })
+            .await;
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        result?
+    };
+    let digest = hex(&outcome.sha256);
+    print(
+        cli.json,
+        json!({"size": outcome.size, "sha256": digest, "epoch": outcome.epoch, "already_present": outcome.already_present}),
+        if content {
+            digest
+        } else {
+            format!("stored {} bytes, sha256 {digest}", outcome.size)
+        },
+    );
+    Ok(())
+}
+
+async fn get(client: &Client, namespace: &str, key: &str, output: Option<&PathBuf>) -> Outcome {
+    let key = parse_key(client, namespace, key)?;
+    match output {
+        Some(path) => {
+            // Into a temporary file renamed on success: a failed or
+            // unverifiable read leaves no partial output behind.
+            let tmp = path.with_extension("tidectl-partial");
+            let file = tokio::fs::File::create(&tmp)
+                .await
+                .map_err(|e| usage(format!("cannot write {}: {e}", tmp.display())))?;
+            let bar = progress_bar(None);
+            let result = client
+                .get_stream_progress(namespace, &key, file, |done, total| {
+                    if let Some(bar) = &bar {
+                        bar.set_length(total);
+                        bar.set_position(done);
+                    }
+                })
+                .await;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            if let Err(e) = result {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e.into());
+            }
+            std::fs::rename(&tmp, path)
+                .map_err(|e| usage(format!("cannot write {}: {e}", path.display())))?;
+        }
+        None => {
+            // Verified before a byte is printed.
+            let bytes = client.get(namespace, &key).await?;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&bytes)
+                .and_then(|()| out.flush())
+                .map_err(|e| Failure {
+                    code: 1,
+                    message: format!("stdout: {e}"),
+                })?;
+        }
+    }
+    Ok(())
+}
+
+fn state_name(state: i32) -> String {
+    NodeState::try_from(state)
+        .map(|s| {
+            s.as_str_name()
+                .trim_start_matches("NODE_STATE_")
+                .to_lowercase()
+        })
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn retention_text(ns: &Namespace) -> String {
+    match ns.retention.as_ref().and_then(|r| r.policy.as_ref()) {
+        Some(retention::Policy::Retain(r)) => format!("retain {} epochs", r.epochs),
+        _ => "durable".into(),
+    }
+}
+
+fn status_text(status: &ClusterStatus) -> String {
+    let map = status.map.clone().unwrap_or_default();
+    let mut out = format!(
+        "cluster {} map v{} epoch {} replication {} (answered by {}{})\n\nnodes:\n",
+        map.cluster_id,
+        map.version,
+        map.epoch,
+        map.replication_factor,
+        status.coordinator_id,
+        if status.is_leader { ", the leader" } else { "" }
+    );
+    for node in &map.nodes {
+        let report = status.nodes.iter().find(|n| n.node_id == node.node_id);
+        out += &format!(
+            "  {:>3} {:<9} {} zone={:?} replicas={} data={} MiB\n",
+            node.node_id,
+            state_name(node.state),
+            node.address,
+            node.zone,
+            report.map_or(0, |r| r.replicas.len()),
+            report.map_or(0, |r| r
+                .replicas
+                .iter()
+                .map(|x| x.disk_used_bytes)
+                .sum::<u64>()
+                >> 20)
+        );
+    }
+    out += "\nshards:\n";
+    for shard in &map.shards {
+        let replicas: Vec<String> = shard
+            .replicas
+            .iter()
+            .map(|r| r.node_id.to_string())
+            .collect();
+        out += &format!(
+            "  {:>3} [{:#018x}, {:#018x}] leader {} replicas {}\n",
+            shard.shard_id,
+            shard.hash_start,
+            shard.hash_end,
+            shard.leader_hint,
+            replicas.join(",")
+        );
+    }
+    out += &format!("\nmoves in progress: {}\n", status.moves.len());
+    for m in &status.moves {
+        let step = MoveStep::try_from(m.step)
+            .map(|s| {
+                s.as_str_name()
+                    .trim_start_matches("MOVE_STEP_")
+                    .to_lowercase()
+            })
+            .unwrap_or_default();
+        out += &format!(
+            "  shard {} {} -> {} ({step})\n",
+            m.shard_id, m.from_node, m.to_node
+        );
+    }
+    if let Some(epochs) = &status.epochs {
+        out += &format!("\nepoch drops (current epoch {}):\n", epochs.current_epoch);
+        for ns in &epochs.namespaces {
+            out += &format!(
+                "  {}: below {} on {}/{} shards\n",
+                ns.namespace, ns.drop_below, ns.shards_done, ns.shards_total
+            );
+        }
+    }
+    out
+}
+
+fn status_json(status: &ClusterStatus) -> serde_json::Value {
+    let map = status.map.clone().unwrap_or_default();
+    json!({
+        "cluster_id": map.cluster_id,
+        "map_version": map.version,
+        "epoch": map.epoch,
+        "replication_factor": map.replication_factor,
+        "coordinator": status.coordinator_id,
+        "is_leader": status.is_leader,
+        "nodes": map.nodes.iter().map(|n| json!({
+            "id": n.node_id, "address": n.address, "zone": n.zone, "state": state_name(n.state),
+        })).collect::<Vec<_>>(),
+        "shards": map.shards.iter().map(|s| json!({
+            "id": s.shard_id, "hash_start": s.hash_start, "hash_end": s.hash_end,
+            "leader": s.leader_hint,
+            "replicas": s.replicas.iter().map(|r| r.node_id).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "moves": status.moves.iter().map(|m| json!({
+            "shard": m.shard_id, "from": m.from_node, "to": m.to_node, "step": m.step,
+        })).collect::<Vec<_>>(),
+        "epoch_drops": status.epochs.as_ref().map(|e| e.namespaces.iter().map(|n| json!({
+            "namespace": n.namespace, "drop_below": n.drop_below,
+            "shards_done": n.shards_done, "shards_total": n.shards_total,
+        })).collect::<Vec<_>>()),
+    })
+}
+
+async fn run(cli: &Cli) -> Outcome {
+    let mut config = ClientConfig::new(&cli.coordinator);
+    config.timeout = Duration::from_secs(cli.timeout);
+    config.watch = false;
+    let client = Client::with_config(config).await.map_err(|e| Failure {
+        code: 4,
+        message: format!(
+            "cannot reach the cluster at {}: {e}",
+            cli.coordinator.join(", ")
+        ),
+    })?;
+    match &cli.command {
+        Command::Put {
+            namespace,
+            key,
+            file,
+            content,
+        } => put(cli, &client, namespace, key, file.as_ref(), *content).await,
+        Command::Get {
+            namespace,
+            key,
+            output,
+        } => get(&client, namespace, key, output.as_ref()).await,
+        Command::Head { namespace, key } => {
+            let key = parse_key(&client, namespace, key)?;
+            let meta = client.head(namespace, &key).await?;
+            let digest = hex(&meta.sha256);
+            print(
+                cli.json,
+                json!({"size": meta.size, "sha256": digest, "epoch": meta.epoch, "chunked": meta.chunked}),
+                format!(
+                    "size {} sha256 {digest} epoch {}{}",
+                    meta.size,
+                    meta.epoch,
+                    if meta.chunked { " (chunked)" } else { "" }
+                ),
+            );
+            Ok(())
+        }
+        Command::Rm { namespace, key } => {
+            let key_bytes = parse_key(&client, namespace, key)?;
+            if client.delete(namespace, &key_bytes).await? {
+                print(cli.json, json!({"deleted": true}), String::new());
+                Ok(())
+            } else {
+                print(cli.json, json!({"deleted": false}), String::new());
+                Err(Failure {
+                    code: 3,
+                    message: format!("no blob {key:?} in {namespace:?}"),
+                })
+            }
+        }
+        Command::Exists { namespace } => {
+            let mut texts = Vec::new();
+            let mut keys = Vec::new();
+            for line in std::io::stdin().lock().lines() {
+                let line = line.map_err(|e| usage(format!("stdin: {e}")))?;
+                let line = line.trim();
+                if line.is_empty() {
+                    continue;
+                }
+                keys.push(parse_key(&client, namespace, line)?);
+                texts.push(line.to_string());
+            }
+            let present = client.batch_exists(namespace, &keys).await?;
+            let missing: Vec<&String> = texts
+                .iter()
+                .zip(&present)
+                .filter(|(_, p)| !**p)
+                .map(|(t, _)| t)
+                .collect();
+            print(
+                cli.json,
+                json!({"present": present.iter().filter(|p| **p).count(), "missing": missing}),
+                missing
+                    .iter()
+                    .map(|m| m.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            );
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(Failure {
+                    code: 3,
+                    message: format!("{} of {} keys are missing", missing.len(), keys.len()),
+                })
+            }
+        }
+        Command::Cluster {
+            command: ClusterCommand::Status,
+        } => {
+            let status = client.cluster_status().await?;
+            print(cli.json, status_json(&status), status_text(&status));
+            Ok(())
+        }
+        Command::Namespace {
+            command:
+                NamespaceCommand::Create {
+                    name,
+                    retain,
+                    content_addressed,
+                },
+        } => {
+            let retention = match retain {
+                Some(0) => return Err(usage("--retain must be at least 1")),
+                Some(n) => RetentionPolicy::Epochs(*n),
+                None => RetentionPolicy::Durable,
+            };
+            let ns = client
+                .create_namespace(name, *content_addressed, retention)
+                .await?;
+            print(
+                cli.json,
+                json!({"name": ns.name, "id": ns.id, "content_addressed": ns.content_addressed, "retention": retention_text(&ns)}),
+                format!(
+                    "created namespace {} (id {}, {})",
+                    ns.name,
+                    ns.id,
+                    retention_text(&ns)
+                ),
+            );
+            Ok(())
+        }
+        Command::Namespace {
+            command: NamespaceCommand::List,
+        } => {
+            let list = client.list_namespaces().await?;
+            let text = list
+                .iter()
+                .map(|ns| {
+                    format!(
+                        "{:<24} id {:<4} {}{}",
+                        ns.name,
+                        ns.id,
+                        retention_text(ns),
+                        if ns.content_addressed {
+                            ", content-addressed"
+                        } else {
+                            ""
+                        }
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            let value = json!(
+                list.iter()
+                    .map(|ns| json!({
+                        "name": ns.name, "id": ns.id, "content_addressed": ns.content_addressed,
+                        "retention": retention_text(ns), "created_epoch": ns.created_epoch,
+                    }))
+                    .collect::<Vec<_>>()
+            );
+            print(cli.json, value, text);
+            Ok(())
+        }
+        Command::Epoch {
+            command: EpochCommand::Advance { expect },
+        } => {
+            let epoch = client.advance_epoch(*expect).await?;
+            print(cli.json, json!({"epoch": epoch}), format!("epoch {epoch}"));
+            Ok(())
+        }
+        Command::Node {
+            command: NodeCommand::Drain { id },
+        } => {
+            let replicas = client.drain_node(*id).await?;
+            print(
+                cli.json,
+                json!({"node": id, "replicas_to_move": replicas}),
+                format!(
+                    "draining node {id}: {replicas} replicas to move (see `tidectl cluster status`)"
+                ),
+            );
+            Ok(())
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match tidepool_client::Client::connect(&[cli.endpoint.as_str()]) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("tidectl: {}: not yet: {error}", cli.command.join(" "));
-            ExitCode::from(2)
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tidectl: cannot start: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(&cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            if cli.json {
+                println!(
+                    "{}",
+                    json!({"error": failure.message, "exit_code": failure.code})
+                );
+            }
+            eprintln!("tidectl: {}", failure.message);
+            ExitCode::from(failure.code)
         }
     }
 }

@@ -362,9 +362,13 @@ impl RaftLog {
         };
 
         let mut current = sender.current.lock();
+        // A snapshot is reused only while it carries the current
+        // configuration: a replica added since would find itself missing
+        // from it and reject it, forever.
         if let Some(prepared) = current.as_ref()
             && prepared.index >= self.truncated.0
             && prepared.index >= request_index
+            && *prepared.conf_state() == self.conf_state
         {
             match prepared.raft_snapshot() {
                 Some(Ok(snapshot)) => {

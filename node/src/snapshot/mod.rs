@@ -58,6 +58,11 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// The configuration the snapshot carries.
+    pub fn conf_state(&self) -> &ConfState {
+        &self.conf_state
+    }
+
     /// A snapshot of `checkpoint`, which holds the state at `index`.
     pub fn new(
         shard_id: u32,

@@ -1,0 +1,566 @@
+//! `Client`: the blob operations, each routed by key hash to its shard's
+//! leader and retried within the call's deadline.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use tidepool_proto::v1::blob_service_client::BlobServiceClient;
+use tidepool_proto::v1::{
+    BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, ErrorCode,
+    GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency, TouchRequest,
+    get_response, put_request,
+};
+use tonic::Status;
+use tonic::transport::Channel;
+
+use crate::cluster::{Cluster, MAX_MESSAGE};
+use crate::error::{Disposition, Error, Result, classify};
+
+/// Settings of a [`Client`].
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Coordinator addresses (`http://host:port`); any one will do.
+    pub seeds: Vec<String>,
+    /// Deadline of one SDK call, retries included.
+    pub timeout: Duration,
+    /// Deadline of connecting to one server.
+    pub connect_timeout: Duration,
+    /// Keep the map current with a watch on a coordinator. Without it (a
+    /// short-lived program), the map is refreshed only when a call finds
+    /// it stale.
+    pub watch: bool,
+}
+
+impl ClientConfig {
+    /// Defaults (30 s calls, 3 s connects) for `seeds`.
+    pub fn new<S: AsRef<str>>(seeds: &[S]) -> Self {
+        Self {
+            seeds: seeds.iter().map(|s| s.as_ref().to_string()).collect(),
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(3),
+            watch: true,
+        }
+    }
+}
+
+/// What a put stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutOutcome {
+    /// Size of the blob, bytes.
+    pub size: u64,
+    /// SHA-256 of the blob.
+    pub sha256: [u8; 32],
+    /// Epoch of the write.
+    pub epoch: u64,
+    /// A content-addressed key that was already stored (nothing written).
+    pub already_present: bool,
+}
+
+/// What `head` reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlobMeta {
+    /// Size of the blob, bytes (of the whole blob when chunked).
+    pub size: u64,
+    /// SHA-256 of the blob.
+    pub sha256: [u8; 32],
+    /// Epoch of its last write or touch.
+    pub epoch: u64,
+    /// Whether the SDK stored it in chunks.
+    pub chunked: bool,
+}
+
+/// A connection to a Tidepool cluster. Cheap to clone; clones share the
+/// map and connections.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) cluster: Arc<Cluster>,
+    pub(crate) timeout: Duration,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("seeds", &self.cluster.seeds)
+            .field("map_version", &self.cluster.map().version)
+            .finish()
+    }
+}
+
+/// SHA-256 of `bytes`.
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+fn backoff(attempt: usize) -> Duration {
+    Duration::from_millis(20 << attempt.min(5))
+}
+
+fn digest_of(bytes: &[u8]) -> Result<[u8; 32]> {
+    bytes.try_into().map_err(|_| {
+        Error::new(
+            ErrorCode::Internal,
+            "a node sent a digest that is not 32 bytes",
+        )
+    })
+}
+
+fn blob_ref(namespace: &str, key: &[u8]) -> Option<BlobRef> {
+    Some(BlobRef {
+        namespace: namespace.to_string(),
+        key: key.to_vec(),
+    })
+}
+
+impl Client {
+    /// Connects through `seeds` (coordinator addresses): fetches the map
+    /// and keeps it current in the background. Must run inside a tokio
+    /// runtime.
+    pub async fn connect<S: AsRef<str>>(seeds: &[S]) -> Result<Client> {
+        Self::with_config(ClientConfig::new(seeds)).await
+    }
+
+    /// Connects with explicit settings.
+    pub async fn with_config(config: ClientConfig) -> Result<Client> {
+        if config.seeds.is_empty() {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "give at least one coordinator address",
+            ));
+        }
+        let cluster = Cluster::new(config.seeds, config.connect_timeout);
+        cluster.refresh().await?;
+        if config.watch {
+            cluster.spawn_watch();
+        }
+        Ok(Client {
+            cluster,
+            timeout: config.timeout,
+        })
+    }
+
+    /// The cluster map the client routes by.
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.cluster.map()
+    }
+
+    /// Fetches the newest map now.
+    pub async fn refresh_map(&self) -> Result<Arc<ClusterMap>> {
+        self.cluster.refresh().await
+    }
+
+    /// Runs `op` on the leader of the shard owning `(namespace, key)`,
+    /// following `NOT_LEADER` hints, refreshing a stale map and backing off
+    /// on transient failures until it succeeds, fails for good, or the
+    /// deadline passes. `op` gets a channel and the map version routed by.
+    pub(crate) async fn on_shard<T, F, Fut>(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        mut op: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, u64) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        let deadline = Instant::now() + self.timeout;
+        let mut redirect: Option<String> = None;
+        let mut attempt = 0usize;
+        let mut refreshed = false;
+        loop {
+            let map = self.cluster.map();
+            let route = match Cluster::route(&map, namespace, key) {
+                Err(e) if e.code() == ErrorCode::NamespaceNotFound && !refreshed => {
+                    refreshed = true;
+                    self.cluster.refresh().await?;
+                    continue;
+                }
+                route => route?,
+            };
+            let address = redirect.take().or_else(|| {
+                let mut candidates: Vec<u64> = Vec::new();
+                if route.shard.leader_hint != 0 {
+                    candidates.push(route.shard.leader_hint);
+                }
+                candidates.extend(
+                    route
+                        .shard
+                        .replicas
+                        .iter()
+                        .map(|r| r.node_id)
+                        .filter(|id| *id != route.shard.leader_hint),
+                );
+                let id = *candidates.get(attempt % candidates.len().max(1))?;
+                Cluster::address(&map, id)
+            });
+            let last = match address {
+                None => Error::new(
+                    ErrorCode::NoQuorum,
+                    format!(
+                        "shard {} has no replica in the map yet",
+                        route.shard.shard_id
+                    ),
+                ),
+                Some(address) => {
+                    let channel = self.cluster.channel(&address)?;
+                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    let status =
+                        match tokio::time::timeout(remaining, op(channel, map.version)).await {
+                            Ok(Ok(value)) => return Ok(value),
+                            Ok(Err(status)) => status,
+                            Err(_) => {
+                                return Err(Error::new(
+                                    ErrorCode::Timeout,
+                                    format!("no answer from {address} within the deadline"),
+                                ));
+                            }
+                        };
+                    match classify(&status) {
+                        Disposition::Fail(error) => return Err(error),
+                        Disposition::Redirect(error, hinted, id) => {
+                            redirect =
+                                hinted.or_else(|| id.and_then(|id| Cluster::address(&map, id)));
+                            if redirect.as_deref() == Some(address.as_str()) {
+                                redirect = None;
+                            }
+                            if redirect.is_none() {
+                                tokio::time::sleep(backoff(attempt)).await;
+                            }
+                            error
+                        }
+                        Disposition::Refresh(error) => {
+                            let _ = self.cluster.refresh().await;
+                            tokio::time::sleep(backoff(attempt.min(2))).await;
+                            error
+                        }
+                        Disposition::Backoff(error) => {
+                            tokio::time::sleep(backoff(attempt)).await;
+                            error
+                        }
+                    }
+                }
+            };
+            attempt += 1;
+            if attempt.is_multiple_of(4) {
+                let _ = self.cluster.refresh().await;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorCode::Timeout,
+                    format!("gave up after {attempt} attempts; last error: {last}"),
+                ));
+            }
+        }
+    }
+
+    /// Stores one blob of at most the cluster's `max_value_bytes`.
+    pub(crate) async fn put_one(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+        kind: BlobKind,
+    ) -> Result<PutOutcome> {
+        let digest = sha256(content);
+        let response = self
+            .on_shard(namespace, key, |channel, map_version| {
+                let mut messages = vec![PutRequest {
+                    msg: Some(put_request::Msg::Header(PutHeader {
+                        blob: blob_ref(namespace, key),
+                        size: content.len() as u64,
+                        expected_sha256: digest.to_vec(),
+                        kind: kind as i32,
+                        map_version,
+                        ..PutHeader::default()
+                    })),
+                }];
+                messages.extend(content.chunks(1 << 20).map(|c| PutRequest {
+                    msg: Some(put_request::Msg::Data(c.to_vec())),
+                }));
+                async move {
+                    BlobServiceClient::new(channel)
+                        .put(tokio_stream::iter(messages))
+                        .await
+                        .map(|r| r.into_inner())
+                }
+            })
+            .await?;
+        let info = response.info.unwrap_or_default();
+        Ok(PutOutcome {
+            size: info.size,
+            sha256: digest,
+            epoch: info.epoch,
+            already_present: response.already_present,
+        })
+    }
+
+    /// Reads one stored blob whole: its info and bytes, verified against
+    /// the digest stored with it.
+    pub(crate) async fn get_one(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        consistency: ReadConsistency,
+    ) -> Result<(BlobInfo, Vec<u8>)> {
+        let (info, content) = self
+            .on_shard(namespace, key, |channel, map_version| async move {
+                let mut stream = BlobServiceClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .get(GetRequest {
+                        blob: blob_ref(namespace, key),
+                        consistency: consistency as i32,
+                        map_version,
+                        ..GetRequest::default()
+                    })
+                    .await?
+                    .into_inner();
+                let mut info = BlobInfo::default();
+                let mut content = Vec::new();
+                while let Some(message) = stream.message().await? {
+                    match message.msg {
+                        Some(get_response::Msg::Info(i)) => {
+                            content.reserve(i.size as usize);
+                            info = i;
+                        }
+                        Some(get_response::Msg::Data(data)) => content.extend_from_slice(&data),
+                        None => {}
+                    }
+                }
+                Ok((info, content))
+            })
+            .await?;
+        if sha256(&content)[..] != info.sha256[..] || content.len() as u64 != info.size {
+            return Err(Error::new(
+                ErrorCode::Corrupt,
+                format!(
+                    "blob {:?} in {namespace:?}: the bytes received do not match the digest stored with them",
+                    String::from_utf8_lossy(key)
+                ),
+            ));
+        }
+        Ok((info, content))
+    }
+
+    /// Stores `content` under `key` (in chunks if it is larger than one
+    /// node entry). Overwrites what the key held.
+    pub async fn put(&self, namespace: &str, key: &[u8], content: &[u8]) -> Result<PutOutcome> {
+        let limit = self.chunk_size();
+        if content.len() <= limit {
+            return self.put_one(namespace, key, content, BlobKind::Data).await;
+        }
+        self.put_stream(namespace, key, content).await
+    }
+
+    /// Stores `content` under its SHA-256 and returns the digest (the key).
+    /// In a content-addressed namespace the node verifies it.
+    pub async fn put_content(&self, namespace: &str, content: &[u8]) -> Result<[u8; 32]> {
+        let digest = sha256(content);
+        self.put(namespace, &digest, content).await?;
+        Ok(digest)
+    }
+
+    /// Reads a blob whole (reassembling a chunked one). The content is
+    /// verified: against the digest stored with it, and in a
+    /// content-addressed namespace against the key; a replica that returns
+    /// bad bytes is not believed (`CORRUPT`, or the bytes of a healthy
+    /// replica for content-addressed blobs).
+    pub async fn get(&self, namespace: &str, key: &[u8]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.get_stream(namespace, key, &mut out).await?;
+        Ok(out)
+    }
+
+    /// Size, digest and epoch of a blob.
+    pub async fn head(&self, namespace: &str, key: &[u8]) -> Result<BlobMeta> {
+        let info = self.head_info(namespace, key).await?;
+        if info.kind == BlobKind::Manifest as i32 {
+            let manifest = self.manifest(namespace, key).await?;
+            return Ok(BlobMeta {
+                size: manifest.size,
+                sha256: digest_of(&manifest.sha256)?,
+                epoch: info.epoch,
+                chunked: true,
+            });
+        }
+        Ok(BlobMeta {
+            size: info.size,
+            sha256: digest_of(&info.sha256)?,
+            epoch: info.epoch,
+            chunked: false,
+        })
+    }
+
+    /// The stored blob's own info (a manifest's, for a chunked blob).
+    pub(crate) async fn head_info(&self, namespace: &str, key: &[u8]) -> Result<BlobInfo> {
+        self.on_shard(namespace, key, |channel, map_version| async move {
+            BlobServiceClient::new(channel)
+                .head(HeadRequest {
+                    blob: blob_ref(namespace, key),
+                    map_version,
+                    ..HeadRequest::default()
+                })
+                .await
+                .map(|r| r.into_inner().info.unwrap_or_default())
+        })
+        .await
+    }
+
+    /// Whether a blob exists.
+    pub async fn exists(&self, namespace: &str, key: &[u8]) -> Result<bool> {
+        Ok(self.batch_exists(namespace, &[key.to_vec()]).await?[0])
+    }
+
+    /// For each key, whether it exists: one call per shard, answered by the
+    /// shard's leader (so the answer is exact, not a replica's guess).
+    pub async fn batch_exists(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<bool>> {
+        self.batch_exists_touch(namespace, keys, false).await
+    }
+
+    /// Like [`Client::batch_exists`], and moves every present blob into
+    /// the current epoch (what build caches expect of "find missing").
+    pub async fn find_missing(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
+        let present = self.batch_exists_touch(namespace, keys, true).await?;
+        Ok(keys
+            .iter()
+            .zip(present)
+            .filter(|(_, p)| !p)
+            .map(|(k, _)| k.clone())
+            .collect())
+    }
+
+    async fn batch_exists_touch(
+        &self,
+        namespace: &str,
+        keys: &[Vec<u8>],
+        touch: bool,
+    ) -> Result<Vec<bool>> {
+        let mut answers: Vec<Option<bool>> = vec![None; keys.len()];
+        let deadline = Instant::now() + self.timeout;
+        while answers.iter().any(Option::is_none) {
+            // Group the unanswered keys by shard under the current map.
+            let map = self.cluster.map();
+            let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+            for (i, key) in keys.iter().enumerate() {
+                if answers[i].is_none() {
+                    let route = match Cluster::route(&map, namespace, key) {
+                        Err(e) if e.code() == ErrorCode::NamespaceNotFound => {
+                            self.cluster.refresh().await?;
+                            Cluster::route(&self.cluster.map(), namespace, key)?
+                        }
+                        route => route?,
+                    };
+                    groups.entry(route.shard.shard_id).or_default().push(i);
+                }
+            }
+            for indexes in groups.values() {
+                let group: Vec<Vec<u8>> = indexes.iter().map(|i| keys[*i].clone()).collect();
+                let presence = self
+                    .on_shard(namespace, &group[0], |channel, map_version| {
+                        let request = BatchExistsRequest {
+                            namespace: namespace.to_string(),
+                            keys: group.clone(),
+                            touch,
+                            map_version,
+                            ..BatchExistsRequest::default()
+                        };
+                        async move {
+                            BlobServiceClient::new(channel)
+                                .batch_exists(request)
+                                .await
+                                .map(|r| r.into_inner().presence)
+                        }
+                    })
+                    .await?;
+                for (i, p) in indexes.iter().zip(presence) {
+                    if p == Presence::Present as i32 {
+                        answers[*i] = Some(true);
+                    } else if p == Presence::Absent as i32 {
+                        answers[*i] = Some(false);
+                    }
+                }
+            }
+            if answers.iter().any(Option::is_none) {
+                // Some keys belong elsewhere now: the map moved on.
+                if Instant::now() >= deadline {
+                    return Err(Error::new(
+                        ErrorCode::Timeout,
+                        "keys kept moving between shards until the deadline",
+                    ));
+                }
+                self.cluster.refresh().await?;
+            }
+        }
+        Ok(answers.into_iter().map(|a| a.unwrap_or(false)).collect())
+    }
+
+    /// Deletes a blob (and the chunks of a chunked one, outside
+    /// content-addressed namespaces, where chunks may be shared). Returns
+    /// whether it existed.
+    pub async fn delete(&self, namespace: &str, key: &[u8]) -> Result<bool> {
+        let chunks = match self.manifest_if_chunked(namespace, key).await? {
+            Some(manifest) if !self.content_addressed(namespace).await? => manifest.chunks,
+            _ => Vec::new(),
+        };
+        let existed = self.delete_one(namespace, key).await?;
+        for chunk in chunks {
+            self.delete_one(namespace, &chunk.key).await?;
+        }
+        Ok(existed)
+    }
+
+    pub(crate) async fn delete_one(&self, namespace: &str, key: &[u8]) -> Result<bool> {
+        self.on_shard(namespace, key, |channel, map_version| async move {
+            BlobServiceClient::new(channel)
+                .delete(DeleteRequest {
+                    blob: blob_ref(namespace, key),
+                    map_version,
+                    ..DeleteRequest::default()
+                })
+                .await
+                .map(|r| r.into_inner().existed)
+        })
+        .await
+    }
+
+    /// Moves a blob (and its chunks) into the current epoch. Returns the
+    /// epoch; `NOT_FOUND` if it does not exist.
+    pub async fn touch(&self, namespace: &str, key: &[u8]) -> Result<u64> {
+        let epoch = self.touch_one(namespace, key).await?;
+        if let Some(manifest) = self.manifest_if_chunked(namespace, key).await? {
+            for chunk in manifest.chunks {
+                self.touch_one(namespace, &chunk.key).await?;
+            }
+        }
+        Ok(epoch)
+    }
+
+    async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
+        self.on_shard(namespace, key, |channel, map_version| async move {
+            BlobServiceClient::new(channel)
+                .touch(TouchRequest {
+                    blob: blob_ref(namespace, key),
+                    map_version,
+                })
+                .await
+                .map(|r| r.into_inner().epoch)
+        })
+        .await
+    }
+
+    pub(crate) async fn content_addressed(&self, namespace: &str) -> Result<bool> {
+        let map = self.cluster.map();
+        let ns = match Cluster::namespace(&map, namespace) {
+            Ok(ns) => ns,
+            Err(_) => Cluster::namespace(&*self.cluster.refresh().await?, namespace)?,
+        };
+        Ok(ns.content_addressed)
+    }
+
+    /// Largest chunk: the cluster's value limit.
+    pub(crate) fn chunk_size(&self) -> usize {
+        let limit = self.cluster.map().max_value_bytes;
+        if limit == 0 { 4 << 20 } else { limit as usize }
+    }
+}

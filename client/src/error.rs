@@ -1,0 +1,102 @@
+//! The SDK's error: a stable code (the wire contract's `ErrorCode`) and a
+//! message, or a local I/O failure of a streamed transfer.
+
+use tidepool_proto::error_detail;
+use tidepool_proto::v1::ErrorCode;
+
+/// What went wrong. Match on [`Error::code`]; messages are for people.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The cluster refused the call, or the SDK detected the condition the
+    /// code names (for example `CORRUPT` when content fails verification,
+    /// `TIMEOUT` when the deadline passed while retrying).
+    #[error("{message} [{}]", code.as_str_name())]
+    Api {
+        /// The stable code.
+        code: ErrorCode,
+        /// What happened.
+        message: String,
+    },
+    /// Reading the input or writing the output of a streamed transfer
+    /// failed.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Results of the SDK.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An error with a code.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Error::Api {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The stable code (`INTERNAL` for local I/O failures).
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::Api { code, .. } => *code,
+            Error::Io(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// Whether the key, namespace or node does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self.code(),
+            ErrorCode::NotFound | ErrorCode::NamespaceNotFound | ErrorCode::NodeNotFound
+        )
+    }
+}
+
+/// What a failed call means for the retry loop.
+pub(crate) enum Disposition {
+    /// Final: give it to the caller.
+    Fail(Error),
+    /// Try the node this one named as leader (by address), at once.
+    Redirect(Error, Option<String>, Option<u64>),
+    /// The map is stale: refresh it, then try again.
+    Refresh(Error),
+    /// Transient: wait a little and try (another replica).
+    Backoff(Error),
+}
+
+/// Classifies a failed call.
+pub(crate) fn classify(status: &tonic::Status) -> Disposition {
+    let detail = error_detail(status);
+    let code = detail
+        .as_ref()
+        .and_then(|d| ErrorCode::try_from(d.code).ok())
+        .unwrap_or(ErrorCode::Unspecified);
+    let error = Error::new(
+        if code == ErrorCode::Unspecified {
+            ErrorCode::Timeout
+        } else {
+            code
+        },
+        status.message().to_string(),
+    );
+    match code {
+        ErrorCode::NotLeader => {
+            let hint = detail.and_then(|d| d.leader_hint);
+            let address = hint
+                .as_ref()
+                .map(|h| h.address.clone())
+                .filter(|a| !a.is_empty());
+            Disposition::Redirect(error, address, hint.map(|h| h.node_id))
+        }
+        ErrorCode::WrongShard | ErrorCode::StaleMap | ErrorCode::ShardNotFound => {
+            Disposition::Refresh(error)
+        }
+        ErrorCode::NoQuorum
+        | ErrorCode::ShuttingDown
+        | ErrorCode::Overloaded
+        | ErrorCode::Timeout
+        | ErrorCode::NotCoordinatorLeader
+        | ErrorCode::Unspecified => Disposition::Backoff(error),
+        _ => Disposition::Fail(error),
+    }
+}

@@ -1,0 +1,303 @@
+//! The SDK against a real cluster: an in-process coordinator and nodes on
+//! loopback sockets (`tidepool_testkit::cluster`). Routing and every
+//! operation; calls that keep working while shard leaders move; a client
+//! whose map went stale while replicas moved; a blob larger than 64 MiB
+//! streamed in chunks; corrupted bytes on a replica never returned as data.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use tidepool_client::proto::v1::TransferLeaderRequest;
+use tidepool_client::proto::v1::node_admin_client::NodeAdminClient;
+use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, sha256};
+use tidepool_testkit::cluster::LocalCluster;
+
+fn value(i: u64) -> Vec<u8> {
+    (0..(100 + i * 13 % 3000))
+        .map(|j| (i * 7 + j) as u8)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_routes_to_its_shard() {
+    let cluster = LocalCluster::start(3, 4, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("key-{i}").into_bytes()).collect();
+    for (i, key) in keys.iter().enumerate() {
+        let outcome = client.put("default", key, &value(i as u64)).await.unwrap();
+        assert_eq!(outcome.sha256, sha256(&value(i as u64)));
+    }
+    // The keys landed on every shard.
+    let map = client.map();
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(client.get("default", key).await.unwrap(), value(i as u64));
+    }
+    let meta = client.head("default", &keys[3]).await.unwrap();
+    assert_eq!(
+        (meta.size, meta.epoch, meta.chunked),
+        (value(3).len() as u64, 1, false)
+    );
+
+    // batch_exists is exact across shards, in order.
+    let mut asked = keys.clone();
+    asked.extend((0..10).map(|i| format!("absent-{i}").into_bytes()));
+    let present = client.batch_exists("default", &asked).await.unwrap();
+    assert_eq!(present.iter().filter(|p| **p).count(), 40);
+    assert!(present[..40].iter().all(|p| *p) && present[40..].iter().all(|p| !*p));
+    assert!(client.exists("default", &keys[0]).await.unwrap());
+    let missing = client.find_missing("default", &asked).await.unwrap();
+    assert_eq!(missing.len(), 10);
+
+    // Delete, touch, and their errors.
+    assert!(client.delete("default", &keys[0]).await.unwrap());
+    assert!(!client.delete("default", &keys[0]).await.unwrap());
+    assert!(!client.exists("default", &keys[0]).await.unwrap());
+    let e = client.get("default", &keys[0]).await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NotFound);
+    assert_eq!(client.touch("default", &keys[1]).await.unwrap(), 1);
+    assert_eq!(
+        client.touch("default", b"never").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    let e = client.put("nope", b"k", b"v").await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NamespaceNotFound);
+
+    // Content addressing: the node verifies, the SDK verifies.
+    client
+        .create_namespace("chunks", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let digest = client.put_content("chunks", b"some chunk").await.unwrap();
+    assert_eq!(digest, sha256(b"some chunk"));
+    assert_eq!(client.get("chunks", &digest).await.unwrap(), b"some chunk");
+    let again = client.put("chunks", &digest, b"some chunk").await.unwrap();
+    assert!(again.already_present);
+    let e = client
+        .put("chunks", &digest, b"other bytes")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::DigestMismatch);
+    let e = client.put("chunks", b"short", b"x").await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArgument);
+    assert!(map.shards.len() == 4);
+    cluster.stop().await;
+}
+
+/// Moves the leadership of every shard to another voter.
+async fn move_leaders(cluster: &LocalCluster) {
+    let map = cluster.map();
+    for shard in &map.shards {
+        let Some(to) = shard
+            .replicas
+            .iter()
+            .map(|r| r.node_id)
+            .find(|n| *n != shard.leader_hint)
+        else {
+            continue;
+        };
+        let address = map
+            .nodes
+            .iter()
+            .find(|n| n.node_id == shard.leader_hint)
+            .map(|n| n.address.clone())
+            .unwrap();
+        if let Ok(mut admin) = NodeAdminClient::connect(address).await {
+            let _ = admin
+                .transfer_leader(TransferLeaderRequest {
+                    shard_id: shard.shard_id,
+                    to_node: to,
+                })
+                .await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_keep_working_while_leaders_move() {
+    let cluster = LocalCluster::start(3, 4, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let client = client.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut done = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let key = format!("k-{done}");
+                client
+                    .put("default", key.as_bytes(), &value(done))
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    client.get("default", key.as_bytes()).await.unwrap(),
+                    value(done)
+                );
+                done += 1;
+            }
+            done
+        })
+    };
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        move_leaders(&cluster).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let done = load.await.expect("no call failed");
+    assert!(done > 10, "the load ran ({done} rounds)");
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_map_is_refreshed_after_replicas_move() {
+    let mut cluster = LocalCluster::start(3, 4, 3).await;
+    let mut config = ClientConfig::new(&[cluster.url.as_str()]);
+    config.watch = false;
+    let client = Client::with_config(config).await.unwrap();
+    for i in 0..30 {
+        client
+            .put("default", format!("k-{i}").as_bytes(), &value(i))
+            .await
+            .unwrap();
+    }
+    let before = client.map().version;
+    // Two nodes join and two old ones are drained: every shard leaves
+    // nodes the client's map still routes to.
+    cluster.add_node().await;
+    cluster.add_node().await;
+    let admin = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let old: Vec<u64> = client
+        .map()
+        .nodes
+        .iter()
+        .map(|n| n.node_id)
+        .take(2)
+        .collect();
+    for id in &old {
+        admin.drain_node(*id).await.unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        cluster.wait_settled(5).await;
+        let map = cluster.map();
+        let on_old = map
+            .shards
+            .iter()
+            .any(|s| s.replicas.iter().any(|r| old.contains(&r.node_id)));
+        if !on_old {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drain did not finish: {map:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(client.map().version, before, "the client has not looked");
+    for i in 0..30 {
+        let got = client
+            .get("default", format!("k-{i}").as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(got, value(i));
+        client
+            .put("default", format!("n-{i}").as_bytes(), &value(i))
+            .await
+            .unwrap();
+    }
+    assert!(client.map().version > before, "the stale map was refreshed");
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blobs_larger_than_64_mib_stream_in_chunks() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let seed = tidepool_testkit::seed_from_env("STREAM_SEED");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut big = vec![0u8; (65 << 20) + 12_345];
+    rng.fill(&mut big[..]);
+    let outcome = client
+        .put_stream("default", b"big", &big[..])
+        .await
+        .unwrap();
+    assert_eq!(outcome.size, big.len() as u64);
+    assert_eq!(outcome.sha256, sha256(&big));
+    let meta = client.head("default", b"big").await.unwrap();
+    assert!(meta.chunked);
+    assert_eq!((meta.size, meta.sha256), (big.len() as u64, sha256(&big)));
+    let mut out = Vec::new();
+    let size = client
+        .get_stream("default", b"big", &mut out)
+        .await
+        .unwrap();
+    assert_eq!(size, big.len() as u64);
+    assert!(out == big, "the blob comes back whole (seed {seed})");
+    // Replaced by a small one, then deleted.
+    client.put("default", b"big", b"small now").await.unwrap();
+    assert_eq!(client.get("default", b"big").await.unwrap(), b"small now");
+    assert!(client.delete("default", b"big").await.unwrap());
+    cluster.stop().await;
+}
+
+/// Flips one byte of the first copy of `pattern` under `dir`; returns
+/// whether it found one.
+fn corrupt_first(dir: &std::path::Path, pattern: &[u8]) -> bool {
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(&path).unwrap().flatten() {
+                stack.push(entry.path());
+            }
+            continue;
+        }
+        let Ok(mut bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        if let Some(at) = bytes.windows(pattern.len()).position(|w| w == pattern) {
+            bytes[at + pattern.len() / 2] ^= 0xff;
+            std::fs::write(&path, &bytes).unwrap();
+            return true;
+        }
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_replica_bytes_are_never_returned() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .create_namespace("cas", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let content: Vec<u8> = (0..200_000u32)
+        .flat_map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes())
+        .collect();
+    let digest = client.put_content("cas", &content).await.unwrap();
+    client.put("default", b"plain", &content).await.unwrap();
+    // Corrupt the leader's copy (the one linearizable reads use).
+    let leader = cluster.map().shards[0].leader_hint;
+    let index = cluster
+        .nodes
+        .iter()
+        .position(|n| n.as_ref().unwrap().node.config.node_id == leader)
+        .unwrap();
+    assert!(corrupt_first(
+        &cluster.node_dir(index),
+        &content[1000..1064]
+    ));
+    // Content-addressed: the right bytes (from a healthy replica) or an error.
+    match client.get("cas", &digest).await {
+        Ok(bytes) => assert!(bytes == content, "corrupt content returned"),
+        Err(e) => assert_eq!(e.code(), ErrorCode::Corrupt, "{e}"),
+    }
+    // Elsewhere: the right bytes or CORRUPT, never the damaged ones.
+    match client.get("default", b"plain").await {
+        Ok(bytes) => assert!(bytes == content, "corrupt content returned"),
+        Err(e) => assert_eq!(e.code(), ErrorCode::Corrupt, "{e}"),
+    }
+    cluster.stop().await;
+}
