@@ -30,8 +30,9 @@ deps: ## Install the Debian packages the build and tests need (idempotent; run a
 build: ## Build every crate and binary (debug).
 	$(CARGO) build --workspace --all-targets
 
-run: ## Start a local cluster (coordinator + 3 nodes) on the embedded defaults.
-	$(CARGO) run --release --bin tidepool -- dev
+run: ## Start a local cluster (coordinator + 3 nodes, data in ./tidepool-dev); builds tidepool and tidectl (release).
+	$(CARGO) build --release --bin tidepool --bin tidectl
+	./target/release/tidepool dev
 
 test: ## Run every test.
 	$(CARGO) test --workspace

@@ -89,7 +89,7 @@ struct DevArgs {
     /// Where the metadata and the nodes' data live (kept across restarts).
     #[arg(long, default_value = "tidepool-dev")]
     data_dir: PathBuf,
-    /// Coordinator port; the nodes take the next ones.
+    /// Coordinator port; the nodes take the next ones (0: any free ports).
     #[arg(long, default_value_t = 7400)]
     port: u16,
     /// Shards of the cluster (when it is created).
@@ -335,7 +335,8 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         let mut nodes = Vec::new();
         for i in 1..=DEV_NODES {
             let mut node = NodeConfig::new(0);
-            node.listen = SocketAddr::from(([127, 0, 0, 1], args.port + i));
+            let port = if args.port == 0 { 0 } else { args.port + i };
+            node.listen = SocketAddr::from(([127, 0, 0, 1], port));
             node.data_dir = data_dir.join(format!("node-{i}"));
             node.engine.wal_segment_mib = 16;
             node.engine.index_memory_mib = 32;

@@ -1,0 +1,203 @@
+//! `tidectl` as scripts run it, against an in-process cluster on real
+//! sockets: every command, `--json`, and bad input (missing file, bad
+//! digest, unknown namespace, missing key, unreachable cluster) giving a
+//! clear message and the documented exit code.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use tidepool_testkit::cluster::LocalCluster;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidectl");
+
+/// Runs tidectl against `url` with `stdin` (20 s deadline unless `args`
+/// set one).
+fn run(url: &str, args: &[&str], stdin: &[u8]) -> Output {
+    let mut command = Command::new(BIN);
+    command.arg("--coordinator").arg(url);
+    if !args.contains(&"--timeout") {
+        command.args(["--timeout", "20"]);
+    }
+    let mut child = command
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Asserts the exit code, showing stderr when it differs.
+fn expect(output: &Output, code: i32) {
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "stdout: {}\nstderr: {}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_and_its_errors() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let url = cluster.url.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("report.txt");
+    let content: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&file, &content).unwrap();
+    let file = file.to_str().unwrap().to_string();
+
+    tokio::task::spawn_blocking(move || {
+        // put / get / head / rm in the default namespace.
+        let out = run(&url, &["put", "default", "reports/q3", &file], b"");
+        expect(&out, 0);
+        assert!(text(&out.stdout).contains("stored 3000000 bytes"));
+        let out = run(&url, &["get", "default", "reports/q3"], b"");
+        expect(&out, 0);
+        assert!(out.stdout == content, "stdout carries the blob");
+        let copy = format!("{file}.copy");
+        expect(
+            &run(&url, &["get", "default", "reports/q3", "-o", &copy], b""),
+            0,
+        );
+        assert!(std::fs::read(&copy).unwrap() == content);
+        let out = run(&url, &["--json", "head", "default", "reports/q3"], b"");
+        expect(&out, 0);
+        let head: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(head["size"], 3_000_000);
+        assert_eq!(
+            head["chunked"], true,
+            "3 MB is above the test cluster's 1 MiB entry"
+        );
+        // From stdin.
+        expect(
+            &run(&url, &["put", "default", "piped", "-"], b"from stdin"),
+            0,
+        );
+        assert_eq!(
+            run(&url, &["get", "default", "piped"], b"").stdout,
+            b"from stdin"
+        );
+
+        // exists: keys on stdin, missing ones printed, exit 3.
+        let out = run(&url, &["exists", "default"], b"reports/q3\npiped\n");
+        expect(&out, 0);
+        let out = run(&url, &["exists", "default"], b"reports/q3\nnot-there\n");
+        expect(&out, 3);
+        assert_eq!(text(&out.stdout).trim(), "not-there");
+
+        expect(&run(&url, &["rm", "default", "piped"], b""), 0);
+        let out = run(&url, &["rm", "default", "piped"], b"");
+        expect(&out, 3);
+        let out = run(&url, &["get", "default", "piped"], b"");
+        expect(&out, 3);
+        assert!(
+            text(&out.stderr).contains("NOT_FOUND"),
+            "{}",
+            text(&out.stderr)
+        );
+
+        // Namespaces and content addressing.
+        let out = run(
+            &url,
+            &["namespace", "create", "cas", "--content-addressed"],
+            b"",
+        );
+        expect(&out, 0);
+        let out = run(
+            &url,
+            &["namespace", "create", "cache", "--retain", "2"],
+            b"",
+        );
+        expect(&out, 0);
+        expect(&run(&url, &["namespace", "create", "cache"], b""), 2);
+        expect(&run(&url, &["namespace", "create", "Bad Name"], b""), 2);
+        let out = run(&url, &["--json", "namespace", "list"], b"");
+        expect(&out, 0);
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let names: Vec<&str> = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["cache", "cas", "default"]);
+        let out = run(&url, &["put", "cas", "--content", &file], b"");
+        expect(&out, 0);
+        let digest = text(&out.stdout).trim().to_string();
+        assert_eq!(digest.len(), 64);
+        let out = run(&url, &["get", "cas", &digest], b"");
+        expect(&out, 0);
+        assert!(out.stdout == content);
+        let out = run(&url, &["exists", "cas"], format!("{digest}\n").as_bytes());
+        expect(&out, 0);
+
+        // Bad input: a clear message and a non-zero exit.
+        let out = run(&url, &["put", "default", "k", "/no/such/file"], b"");
+        expect(&out, 2);
+        assert!(text(&out.stderr).contains("/no/such/file"));
+        let out = run(&url, &["get", "cas", "not-a-digest"], b"");
+        expect(&out, 2);
+        assert!(
+            text(&out.stderr).contains("SHA-256"),
+            "{}",
+            text(&out.stderr)
+        );
+        let out = run(&url, &["exists", "cas"], b"abc\n");
+        expect(&out, 2);
+        let out = run(&url, &["get", "nosuch", "k"], b"");
+        expect(&out, 3);
+        assert!(text(&out.stderr).contains("nosuch"));
+        let out = run(&url, &["frobnicate"], b"");
+        expect(&out, 2);
+
+        // Cluster, epochs, nodes.
+        let out = run(&url, &["cluster", "status"], b"");
+        expect(&out, 0);
+        assert!(
+            text(&out.stdout).contains("shards:"),
+            "{}",
+            text(&out.stdout)
+        );
+        let out = run(&url, &["--json", "cluster", "status"], b"");
+        expect(&out, 0);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["nodes"].as_array().unwrap().len(), 3);
+        assert_eq!(status["shards"].as_array().unwrap().len(), 2);
+        let out = run(&url, &["--json", "epoch", "advance"], b"");
+        expect(&out, 0);
+        let epoch: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(epoch["epoch"], 2);
+        expect(&run(&url, &["epoch", "advance", "--expect", "7"], b""), 1);
+        let out = run(&url, &["node", "drain", "99"], b"");
+        expect(&out, 3);
+        let out = run(&url, &["--json", "node", "drain", "3"], b"");
+        expect(&out, 0);
+        let drained: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(drained["replicas_to_move"], 2);
+    })
+    .await
+    .unwrap();
+
+    // Nobody listening: exit 4.
+    let port = tidepool_testkit::free_port();
+    let out = tokio::task::spawn_blocking(move || {
+        run(
+            &format!("http://127.0.0.1:{port}"),
+            &["--timeout", "2", "cluster", "status"],
+            b"",
+        )
+    })
+    .await
+    .unwrap();
+    expect(&out, 4);
+    assert!(text(&out.stderr).contains("cannot reach"));
+    cluster.stop().await;
+}
