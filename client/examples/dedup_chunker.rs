@@ -87,7 +87,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The recipe: the digests in order, under the file's name.
     let recipe: String = digests.iter().map(|d| hex(d) + "\n").collect();
     client
-        .put("default", format!("recipe/{path}").as_bytes(), recipe.as_bytes())
+        .put(
+            "default",
+            format!("recipe/{path}").as_bytes(),
+            recipe.as_bytes(),
+        )
         .await?;
     println!(
         "{path}: {} bytes in {} chunks; {} were missing, {uploaded} bytes uploaded",

@@ -141,6 +141,15 @@ impl Client {
         })
     }
 
+    /// The same client (shared map and connections) with another deadline
+    /// for each call: `client.with_timeout(Duration::from_secs(2)).get(..)`.
+    pub fn with_timeout(&self, timeout: Duration) -> Client {
+        Client {
+            cluster: self.cluster.clone(),
+            timeout,
+        }
+    }
+
     /// The cluster map the client routes by.
     pub fn map(&self) -> Arc<ClusterMap> {
         self.cluster.map()

@@ -63,6 +63,9 @@ async fn every_operation_routes_to_its_shard() {
     );
     let e = client.put("nope", b"k", b"v").await.unwrap_err();
     assert_eq!(e.code(), ErrorCode::NamespaceNotFound);
+    // A per-call deadline, sharing the map and connections.
+    let quick = client.with_timeout(Duration::from_millis(300));
+    assert_eq!(quick.get("default", &keys[2]).await.unwrap(), value(2));
 
     // Content addressing: the node verifies, the SDK verifies.
     client

@@ -23,6 +23,9 @@ use crate::meta::{Compare, LeaseId, MetaStore, Op, WatchEvent};
 use crate::reconcile::Progress;
 use crate::schema::{Keys, LeaderRecord, decode_map, encode_map, new_map};
 
+/// Why a leader resigns when its coordinator stops.
+const STOPPING: &str = "the coordinator is stopping";
+
 /// This coordinator's term as leader.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Leadership {
@@ -194,7 +197,9 @@ impl Shared {
                 false
             }
         });
-        if changed {
+        if changed && why == STOPPING {
+            tracing::info!(coordinator = %self.id, generation = leadership.generation, "resigning as leader: {why}");
+        } else if changed {
             tracing::warn!(
                 coordinator = %self.id,
                 generation = leadership.generation,
@@ -358,7 +363,7 @@ impl Shared {
         loop {
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => {
-                    self.step_down(leadership, "stopping");
+                    self.step_down(leadership, STOPPING);
                     return true;
                 }
                 _ = tokio::time::sleep(ttl / 6) => {}

@@ -47,7 +47,10 @@ fn interrupt(mut child: Child) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "dev mode exits cleanly on Ctrl-C: {status}");
+            assert!(
+                status.success(),
+                "dev mode exits cleanly on Ctrl-C: {status}"
+            );
             return;
         }
         assert!(Instant::now() < deadline, "dev mode did not stop on Ctrl-C");
@@ -65,12 +68,16 @@ async fn dev_mode_keeps_data_across_a_restart() {
     assert_eq!(client.map().nodes.len(), 3);
     client.put("default", b"kept", &content).await.unwrap();
     drop(client);
-    tokio::task::spawn_blocking(move || interrupt(child)).await.unwrap();
+    tokio::task::spawn_blocking(move || interrupt(child))
+        .await
+        .unwrap();
 
     let (child, url) = start(dir.path());
     let client = Client::connect(&[url.as_str()]).await.unwrap();
     assert_eq!(client.map().nodes.len(), 3, "the same three nodes");
     assert_eq!(client.get("default", b"kept").await.unwrap(), content);
     drop(client);
-    tokio::task::spawn_blocking(move || interrupt(child)).await.unwrap();
+    tokio::task::spawn_blocking(move || interrupt(child))
+        .await
+        .unwrap();
 }
