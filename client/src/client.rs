@@ -107,7 +107,32 @@ fn digest_of(bytes: &[u8]) -> Result<[u8; 32]> {
     })
 }
 
-fn blob_ref(namespace: &str, key: &[u8]) -> Option<BlobRef> {
+/// One `Get` call, whole: the info message and the bytes.
+pub(crate) async fn read_blob(
+    channel: Channel,
+    request: GetRequest,
+) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
+    let mut stream = BlobServiceClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE)
+        .get(request)
+        .await?
+        .into_inner();
+    let mut info = BlobInfo::default();
+    let mut content = Vec::new();
+    while let Some(message) = stream.message().await? {
+        match message.msg {
+            Some(get_response::Msg::Info(i)) => {
+                content.reserve(i.size as usize);
+                info = i;
+            }
+            Some(get_response::Msg::Data(data)) => content.extend_from_slice(&data),
+            None => {}
+        }
+    }
+    Ok((info, content))
+}
+
+pub(crate) fn blob_ref(namespace: &str, key: &[u8]) -> Option<BlobRef> {
     Some(BlobRef {
         namespace: namespace.to_string(),
         key: key.to_vec(),
@@ -314,30 +339,16 @@ impl Client {
         consistency: ReadConsistency,
     ) -> Result<(BlobInfo, Vec<u8>)> {
         let (info, content) = self
-            .on_shard(namespace, key, |channel, map_version| async move {
-                let mut stream = BlobServiceClient::new(channel)
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .get(GetRequest {
+            .on_shard(namespace, key, |channel, map_version| {
+                read_blob(
+                    channel,
+                    GetRequest {
                         blob: blob_ref(namespace, key),
                         consistency: consistency as i32,
                         map_version,
                         ..GetRequest::default()
-                    })
-                    .await?
-                    .into_inner();
-                let mut info = BlobInfo::default();
-                let mut content = Vec::new();
-                while let Some(message) = stream.message().await? {
-                    match message.msg {
-                        Some(get_response::Msg::Info(i)) => {
-                            content.reserve(i.size as usize);
-                            info = i;
-                        }
-                        Some(get_response::Msg::Data(data)) => content.extend_from_slice(&data),
-                        None => {}
-                    }
-                }
-                Ok((info, content))
+                    },
+                )
             })
             .await?;
         if sha256(&content)[..] != info.sha256[..] || content.len() as u64 != info.size {

@@ -13,15 +13,13 @@
 
 use prost::Message as _;
 use sha2::{Digest, Sha256};
-use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
-    BlobInfo, BlobKind, BlobRef, ChunkManifest, ChunkRef, ErrorCode, GetRequest, ReadConsistency,
-    get_response,
+    BlobInfo, BlobKind, ChunkManifest, ChunkRef, ErrorCode, GetRequest, ReadConsistency,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::client::{Client, PutOutcome, sha256};
-use crate::cluster::{Cluster, MAX_MESSAGE};
+use crate::client::{Client, PutOutcome, blob_ref, read_blob, sha256};
+use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 
 /// Reads until `buf` holds `limit` bytes or the input ends.
@@ -251,30 +249,14 @@ impl Client {
         key: &[u8],
     ) -> Result<(BlobInfo, Vec<u8>)> {
         let channel = self.cluster.channel(address)?;
-        let fail = |s: tonic::Status| Error::new(ErrorCode::Internal, s.message().to_string());
-        let mut stream = BlobServiceClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE)
-            .get(GetRequest {
-                blob: Some(BlobRef {
-                    namespace: namespace.to_string(),
-                    key: key.to_vec(),
-                }),
-                consistency: ReadConsistency::AnyReplica as i32,
-                ..GetRequest::default()
-            })
+        let request = GetRequest {
+            blob: blob_ref(namespace, key),
+            consistency: ReadConsistency::AnyReplica as i32,
+            ..GetRequest::default()
+        };
+        read_blob(channel, request)
             .await
-            .map_err(fail)?
-            .into_inner();
-        let mut info = BlobInfo::default();
-        let mut content = Vec::new();
-        while let Some(message) = stream.message().await.map_err(fail)? {
-            match message.msg {
-                Some(get_response::Msg::Info(i)) => info = i,
-                Some(get_response::Msg::Data(d)) => content.extend_from_slice(&d),
-                None => {}
-            }
-        }
-        Ok((info, content))
+            .map_err(|s| Error::new(ErrorCode::Internal, s.message().to_string()))
     }
 
     /// The manifest stored under `key` (which must be chunked).

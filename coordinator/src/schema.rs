@@ -99,23 +99,16 @@ pub fn retained_epochs(namespace: &Namespace) -> Option<u32> {
 /// A new cluster's map (version 1): `shards` even ranges of the hash space
 /// with no replicas yet, no nodes, epoch 1, and the `default` namespace.
 pub fn new_map(shards: u32, replication_factor: u32, max_value_bytes: u64) -> ClusterMap {
-    let span = u64::MAX / u64::from(shards);
-    let shard_infos = (0..shards)
-        .map(|i| {
-            let start = u64::from(i) * span;
-            let end = if i + 1 == shards {
-                u64::MAX
-            } else {
-                start + span - 1
-            };
-            ShardInfo {
-                shard_id: i + 1,
-                hash_start: start,
-                hash_end: end,
-                replicas: Vec::new(),
-                leader_hint: 0,
-                conf_version: 0,
-            }
+    let shard_infos = tidepool_proto::even_shard_ranges(shards)
+        .into_iter()
+        .zip(1..)
+        .map(|((start, end), shard_id)| ShardInfo {
+            shard_id,
+            hash_start: start,
+            hash_end: end,
+            replicas: Vec::new(),
+            leader_hint: 0,
+            conf_version: 0,
         })
         .collect();
     ClusterMap {

@@ -399,31 +399,23 @@ impl NodeConfig {
     /// The cluster map of a fixed cluster (version 1), if configured.
     pub fn static_map(&self) -> Option<ClusterMap> {
         let cluster = self.cluster.as_ref()?;
-        let shards = u64::from(cluster.shards);
-        let span = u64::MAX / shards;
-        let shard_infos = (0..cluster.shards)
-            .map(|i| {
-                let start = u64::from(i) * span;
-                let end = if u64::from(i) + 1 == shards {
-                    u64::MAX
-                } else {
-                    start + span - 1
-                };
-                ShardInfo {
-                    shard_id: i + 1,
-                    hash_start: start,
-                    hash_end: end,
-                    replicas: cluster
-                        .replicas
-                        .iter()
-                        .map(|id| ReplicaInfo {
-                            node_id: *id,
-                            role: ReplicaRole::Voter as i32,
-                        })
-                        .collect(),
-                    leader_hint: 0,
-                    conf_version: 0,
-                }
+        let shard_infos = tidepool_proto::even_shard_ranges(cluster.shards)
+            .into_iter()
+            .zip(1..)
+            .map(|((start, end), shard_id)| ShardInfo {
+                shard_id,
+                hash_start: start,
+                hash_end: end,
+                replicas: cluster
+                    .replicas
+                    .iter()
+                    .map(|id| ReplicaInfo {
+                        node_id: *id,
+                        role: ReplicaRole::Voter as i32,
+                    })
+                    .collect(),
+                leader_hint: 0,
+                conf_version: 0,
             })
             .collect();
         Some(ClusterMap {

@@ -38,6 +38,24 @@ pub fn hash_position(key: &StorageKey) -> u64 {
     u64::from_be_bytes(prefix)
 }
 
+/// The hash ranges of `shards` shards splitting `[0, 2^64)` evenly, in
+/// order: `(first, last)` inclusive, the last ending at `u64::MAX`. Shard
+/// `i + 1` owns range `i`. `shards` must be positive.
+pub fn even_shard_ranges(shards: u32) -> Vec<(u64, u64)> {
+    let span = u64::MAX / u64::from(shards.max(1));
+    (0..shards)
+        .map(|i| {
+            let start = u64::from(i) * span;
+            let end = if i + 1 == shards {
+                u64::MAX
+            } else {
+                start + span - 1
+            };
+            (start, end)
+        })
+        .collect()
+}
+
 /// Checks a namespace name: 1 to 63 bytes of `[a-z0-9._-]`, starting with a
 /// letter or digit. Returns a sentence saying what is wrong.
 pub fn validate_namespace_name(name: &str) -> Result<(), String> {

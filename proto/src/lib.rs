@@ -39,6 +39,6 @@ pub mod v1 {
 
 pub use error::{ErrorInfo, error_detail, status_with_detail};
 pub use keys::{
-    KEY_MAX_BYTES, NAMESPACE_NAME_MAX_BYTES, STORAGE_KEY_BYTES, StorageKey, hash_position,
-    storage_key, validate_namespace_name,
+    KEY_MAX_BYTES, NAMESPACE_NAME_MAX_BYTES, STORAGE_KEY_BYTES, StorageKey, even_shard_ranges,
+    hash_position, storage_key, validate_namespace_name,
 };
