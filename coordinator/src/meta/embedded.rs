@@ -273,14 +273,9 @@ impl MetaStore for EmbeddedStore {
         }
         state.revision += 1;
         let revision = state.revision;
-        // Leased keys are not saved: a change that touches only them (a
-        // heartbeat) needs no write of the file.
-        let mut saved_keys_change = false;
         for op in ops {
             match op {
                 Op::Put { key, value, lease } => {
-                    saved_keys_change |= lease.is_none()
-                        || state.keys.get(&key).is_some_and(|kv| kv.lease.is_none());
                     let create_revision = state
                         .keys
                         .get(&key)
@@ -307,7 +302,6 @@ impl MetaStore for EmbeddedStore {
                     state.publish(WatchEvent::Put(kv));
                 }
                 Op::Delete { key } => {
-                    saved_keys_change |= state.keys.get(&key).is_some_and(|kv| kv.lease.is_none());
                     if state.keys.remove(&key).is_some() {
                         state.publish(WatchEvent::Delete {
                             key,
@@ -317,9 +311,9 @@ impl MetaStore for EmbeddedStore {
                 }
             }
         }
-        if saved_keys_change {
-            self.save(&state)?;
-        }
+        // Saved even when only leased keys changed: the revision must keep
+        // growing across restarts.
+        self.save(&state)?;
         Ok(TxnOutcome {
             succeeded: true,
             revision,
