@@ -10,7 +10,7 @@ export CARGO_TERM_COLOR ?= never
 # Debian packages the build and the tests need.
 DEBIAN_PACKAGES := protobuf-compiler etcd-server
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e image
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak image
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -70,8 +70,16 @@ bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.
 	$(CARGO) build --release -p tidepool-benchmarks
 	./target/release/node-shard --seconds $(BENCH_SECONDS)
 
-e2e: ## End-to-end scenarios on real processes and a real etcd.
-	@echo "e2e: not yet — the end-to-end suite arrives with issue 9"; exit 1
+E2E_REPORT ?= $(CURDIR)/target/e2e-report.md
+DURATION ?= 300
+
+e2e: ## End-to-end scenarios on real processes, real etcd, injected faults; report rows in target/e2e-report.md.
+	$(CARGO) build -p tidepool --bin tidepool
+	E2E_REPORT=$(E2E_REPORT) $(CARGO) test -p tidepool-e2e -- --include-ignored --skip soak --test-threads 1 --nocapture
+
+e2e-soak: ## A long randomized fault run (DURATION=seconds, default 300).
+	$(CARGO) build -p tidepool --bin tidepool
+	E2E_REPORT=$(E2E_REPORT) E2E_SOAK_SECONDS=$(DURATION) $(CARGO) test -p tidepool-e2e --test scenarios soak -- --ignored --nocapture
 
 image: ## Build the Docker image.
 	@echo "image: not yet — the Docker image arrives with the deployment work"; exit 1

@@ -243,6 +243,15 @@ impl Shared {
         Ok(())
     }
 
+    /// Reads the stored map into the cache (before serving, so no caller
+    /// ever sees an empty map from a coordinator whose cluster exists).
+    pub async fn load_map(&self) -> Result<(), CoordinatorError> {
+        if let Some((map, _)) = self.read_map().await? {
+            self.publish(map);
+        }
+        Ok(())
+    }
+
     /// Keeps the cached map current until `stop` fires.
     pub async fn follow_map(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut delay = Duration::from_millis(200);

@@ -197,6 +197,7 @@ pub async fn start_with_store(
         .unwrap_or_else(|| format!("coordinator@{advertise}"));
     let shared = Shared::new(config, id, advertise, store);
     shared.ensure_cluster().await?;
+    shared.load_map().await?;
     let stop_rx = shared.stopping();
     let mut tasks = vec![
         tokio::spawn(shared.clone().follow_map(stop_rx.clone())),

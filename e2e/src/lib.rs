@@ -1,6 +1,18 @@
-//! End-to-end tests of Tidepool: real `tidepool` processes, a real `etcd`,
-//! injected faults (kill -9, freezes, partitions, full disks) and a
-//! linearizability checker over recorded histories.
+//! End-to-end tests of Tidepool: real `tidepool` processes (coordinators
+//! and nodes) on a real etcd, faults injected from outside — kill -9,
+//! SIGSTOP, cut network paths, a full disk — under a concurrent workload
+//! whose history is checked (`history::check`).
 //!
-//! What this crate is **not**: a unit-test home or a library for production
-//! code. Status: not yet built (issue 9).
+//! - [`cluster`]: the harness (processes, proxies, tmpfs disks, logs);
+//! - [`proxy`]: the TCP proxy on every node-to-peer path;
+//! - [`workload`]: the clients and their recorded history;
+//! - [`history`]: the history and its checker;
+//! - [`scenario`]: run a workload through a fault and report.
+//!
+//! The scenarios are `e2e/tests/scenarios.rs`; figures in `e2e/RESULTS.md`.
+
+pub mod cluster;
+pub mod history;
+pub mod proxy;
+pub mod scenario;
+pub mod workload;

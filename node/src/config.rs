@@ -78,6 +78,12 @@ pub struct NodeConfig {
     /// Coordinators to register with (instead of a fixed `cluster`).
     #[serde(default)]
     pub coordinator: Option<CoordinatorLink>,
+    /// Where this node sends Raft traffic for the given peers, instead of
+    /// the address in the cluster map (a sidecar, a NAT, or a test
+    /// harness's fault-injecting proxy). Clients are still sent to the
+    /// map's addresses.
+    #[serde(default)]
+    pub peer_addresses: Vec<Peer>,
 }
 
 /// How a node joins a coordinated cluster.

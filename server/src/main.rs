@@ -81,6 +81,10 @@ struct NodeArgs {
     /// Disk bytes offered to the cluster (default: the data volume's size).
     #[arg(long)]
     capacity_bytes: Option<u64>,
+    /// Send Raft traffic for peer ID to URL instead of the map's address
+    /// (repeat per peer).
+    #[arg(long = "peer-address", value_name = "ID=URL")]
+    peer_addresses: Vec<String>,
 }
 
 /// Settings of `tidepool dev`.
@@ -260,6 +264,15 @@ impl NodeArgs {
                 replicas,
                 peers,
                 namespaces,
+            });
+        }
+        for p in &self.peer_addresses {
+            let (id, address) = p.split_once('=').context("--peer-address takes ID=URL")?;
+            config.peer_addresses.push(Peer {
+                id: id
+                    .parse()
+                    .with_context(|| format!("--peer-address {p}: bad id"))?,
+                address: address.to_string(),
             });
         }
         if !self.coordinators.is_empty() {

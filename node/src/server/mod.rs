@@ -158,8 +158,13 @@ impl Node {
             return;
         }
         for node in &map.nodes {
-            self.transport
-                .set_address(node.node_id, node.address.clone());
+            let address = self
+                .config
+                .peer_addresses
+                .iter()
+                .find(|p| p.id == node.node_id)
+                .map_or_else(|| node.address.clone(), |p| p.address.clone());
+            self.transport.set_address(node.node_id, address);
         }
         let mut shards = self.shards.write();
         for info in &map.shards {
@@ -283,10 +288,20 @@ impl Node {
                 address: self.config.advertise(),
             });
         }
-        self.transport.address(id).map(|address| NodeAddress {
-            node_id: id,
-            address,
-        })
+        // The map's address (what clients can reach), not a peer override.
+        let from_map = self
+            .map
+            .load()
+            .nodes
+            .iter()
+            .find(|n| n.node_id == id)
+            .map(|n| n.address.clone());
+        from_map
+            .or_else(|| self.transport.address(id))
+            .map(|address| NodeAddress {
+                node_id: id,
+                address,
+            })
     }
 
     /// Whether the node is shutting down.

@@ -1,0 +1,458 @@
+//! The harness: a real `etcd`, real `tidepool coordinator` and `tidepool
+//! node` processes, each in its own directory on its own port, and a TCP
+//! proxy on every node-to-peer path (`proxy.rs`; nodes are told to reach
+//! each peer through it with `--peer-address`). It can kill -9 and restart
+//! a process, freeze and thaw it (SIGSTOP/SIGCONT), cut and heal paths,
+//! put a node's data on a small filesystem (tmpfs with a size limit) and
+//! grow it again, and scan every log for panics and errors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use tidepool_client::proto::v1::{ClusterStatus, NodeState, ReplicaRole};
+use tidepool_client::{Client, ClientConfig};
+use tidepool_testkit::{EtcdServer, TestProcess, free_port};
+
+use crate::proxy::Proxy;
+
+/// The `tidepool` binary, built once per test process.
+pub fn binary() -> PathBuf {
+    static BUILD: Once = Once::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace");
+    BUILD.call_once(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "tidepool", "--bin", "tidepool"])
+            .current_dir(root)
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building the tidepool binary failed");
+    });
+    let target =
+        std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), PathBuf::from);
+    target.join("debug").join("tidepool")
+}
+
+/// A storage node process.
+pub struct NodeProcess {
+    /// Its id (fixed by the harness).
+    pub id: u64,
+    /// Its gRPC port.
+    pub port: u16,
+    /// Its data directory.
+    pub dir: PathBuf,
+    /// The running process (`None` while killed).
+    pub process: Option<TestProcess>,
+    args: Vec<String>,
+    logs: Vec<PathBuf>,
+    tmpfs: bool,
+}
+
+/// A coordinator process.
+pub struct CoordinatorProcess {
+    /// Its URL.
+    pub url: String,
+    /// The running process (`None` while killed).
+    pub process: Option<TestProcess>,
+    args: Vec<String>,
+    logs: Vec<PathBuf>,
+}
+
+/// Shape of a test cluster.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Storage nodes.
+    pub nodes: usize,
+    /// Coordinator replicas.
+    pub coordinators: usize,
+    /// Shards.
+    pub shards: u32,
+    /// Put this node's (index) data on a tmpfs of this many MiB.
+    pub small_disk: Option<(usize, u64)>,
+    /// Coordinator down-grace, milliseconds.
+    pub down_grace_ms: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            nodes: 3,
+            coordinators: 1,
+            shards: 4,
+            small_disk: None,
+            down_grace_ms: 60_000,
+        }
+    }
+}
+
+/// The processes of one cluster.
+pub struct Cluster {
+    /// Its directory (logs, data).
+    pub dir: tempfile::TempDir,
+    /// etcd.
+    pub etcd: EtcdServer,
+    /// Coordinators.
+    pub coordinators: Vec<CoordinatorProcess>,
+    /// Nodes, index `i` has id `i + 1`.
+    pub nodes: Vec<NodeProcess>,
+    proxies: BTreeMap<(u64, u64), Proxy>,
+    restarts: usize,
+}
+
+const NODE_CONFIG: &str =
+    "[engine]\nwal_segment_mib = 16\nindex_memory_mib = 32\nvalue_cache_mib = 16\n";
+
+impl Cluster {
+    /// Starts etcd, the coordinators and the nodes; returns once every
+    /// shard has three voters and a leader.
+    pub async fn start(options: Options) -> Cluster {
+        let bin = binary();
+        assert!(bin.exists(), "{} missing", bin.display());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let etcd = EtcdServer::start();
+        let config = dir.path().join("node.toml");
+        std::fs::write(&config, NODE_CONFIG).expect("node config");
+        let mut cluster = Cluster {
+            dir,
+            etcd,
+            coordinators: Vec::new(),
+            nodes: Vec::new(),
+            proxies: BTreeMap::new(),
+            restarts: 0,
+        };
+        let coordinator_urls: Vec<String> = (0..options.coordinators)
+            .map(|_| format!("http://127.0.0.1:{}", free_port()))
+            .collect();
+        for (i, url) in coordinator_urls.iter().enumerate() {
+            let args: Vec<String> = vec![
+                "coordinator".into(),
+                "--id".into(),
+                format!("c{i}"),
+                "--listen".into(),
+                url.trim_start_matches("http://").into(),
+                "--etcd".into(),
+                cluster.etcd.url.clone(),
+                "--key-prefix".into(),
+                "/e2e/".into(),
+                "--shards".into(),
+                options.shards.to_string(),
+                "--replication-factor".into(),
+                "3".into(),
+                "--node-lease-ms".into(),
+                "1500".into(),
+                "--leader-lease-ms".into(),
+                "2000".into(),
+                "--down-grace-ms".into(),
+                options.down_grace_ms.to_string(),
+                "--reconcile-interval-ms".into(),
+                "200".into(),
+            ];
+            cluster.coordinators.push(CoordinatorProcess {
+                url: url.clone(),
+                process: None,
+                args,
+                logs: Vec::new(),
+            });
+            cluster.start_coordinator(i);
+        }
+        let ports: Vec<u16> = (0..options.nodes).map(|_| free_port()).collect();
+        for (i, from) in (1..=options.nodes as u64).enumerate() {
+            let _ = i;
+            for (j, &port) in ports.iter().enumerate() {
+                let to = j as u64 + 1;
+                if to != from {
+                    let target = format!("127.0.0.1:{port}").parse().expect("address");
+                    cluster
+                        .proxies
+                        .insert((from, to), Proxy::start(target).await);
+                }
+            }
+        }
+        for (i, &port) in ports.iter().enumerate() {
+            let id = i as u64 + 1;
+            let data = cluster.dir.path().join(format!("node-{id}"));
+            std::fs::create_dir_all(&data).expect("data dir");
+            let tmpfs = match options.small_disk {
+                Some((index, mib)) if index == i => {
+                    mount_tmpfs(&data, mib);
+                    true
+                }
+                _ => false,
+            };
+            let mut args: Vec<String> = vec![
+                "node".into(),
+                "--config".into(),
+                config.display().to_string(),
+                "--node-id".into(),
+                id.to_string(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--data-dir".into(),
+                data.display().to_string(),
+            ];
+            for url in &coordinator_urls {
+                args.push("--coordinator".into());
+                args.push(url.clone());
+            }
+            for ((from, to), proxy) in &cluster.proxies {
+                if *from == id {
+                    args.push("--peer-address".into());
+                    args.push(format!("{to}=http://{}", proxy.address));
+                }
+            }
+            cluster.nodes.push(NodeProcess {
+                id,
+                port,
+                dir: data,
+                process: None,
+                args,
+                logs: Vec::new(),
+                tmpfs,
+            });
+            cluster.start_node(i);
+        }
+        cluster.wait_settled(Duration::from_secs(90)).await;
+        cluster
+    }
+
+    fn log_path(&mut self, name: &str) -> PathBuf {
+        self.restarts += 1;
+        self.dir
+            .path()
+            .join(format!("{name}.{}.log", self.restarts))
+    }
+
+    /// Starts (or restarts) coordinator `i`.
+    pub fn start_coordinator(&mut self, i: usize) {
+        let log = self.log_path(&format!("coordinator-{i}"));
+        let c = &mut self.coordinators[i];
+        c.logs.push(log.clone());
+        c.process = Some(TestProcess::spawn(
+            binary().to_str().expect("utf-8"),
+            &c.args,
+            log,
+        ));
+    }
+
+    /// Starts (or restarts) node index `i`.
+    pub fn start_node(&mut self, i: usize) {
+        let log = self.log_path(&format!("node-{}", i + 1));
+        let n = &mut self.nodes[i];
+        n.logs.push(log.clone());
+        n.process = Some(TestProcess::spawn(
+            binary().to_str().expect("utf-8"),
+            &n.args,
+            log,
+        ));
+    }
+
+    /// kill -9 node index `i`.
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(mut p) = self.nodes[i].process.take() {
+            p.kill();
+        }
+    }
+
+    /// SIGTERM node index `i` and wait for it.
+    pub fn stop_node(&mut self, i: usize) {
+        if let Some(mut p) = self.nodes[i].process.take() {
+            let status = p.terminate();
+            assert!(status.success(), "node {} exited with {status}", i + 1);
+        }
+    }
+
+    /// kill -9 coordinator `i`.
+    pub fn kill_coordinator(&mut self, i: usize) {
+        if let Some(mut p) = self.coordinators[i].process.take() {
+            p.kill();
+        }
+    }
+
+    fn signal(pid: u32, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    /// SIGSTOP node index `i` (a frozen peer).
+    pub fn freeze_node(&self, i: usize) {
+        if let Some(p) = &self.nodes[i].process {
+            Self::signal(p.pid(), "-STOP");
+        }
+    }
+
+    /// SIGCONT node index `i`.
+    pub fn thaw_node(&self, i: usize) {
+        if let Some(p) = &self.nodes[i].process {
+            Self::signal(p.pid(), "-CONT");
+        }
+    }
+
+    /// Cuts every path between nodes of different groups (node ids);
+    /// nodes in no group are cut from everyone.
+    pub fn partition(&self, groups: &[&[u64]]) {
+        let group_of = |id: u64| groups.iter().position(|g| g.contains(&id));
+        for ((from, to), proxy) in &self.proxies {
+            let same = matches!((group_of(*from), group_of(*to)), (Some(a), Some(b)) if a == b);
+            if same {
+                proxy.unblock();
+            } else {
+                proxy.block();
+            }
+        }
+    }
+
+    /// Heals every path.
+    pub fn heal(&self) {
+        for proxy in self.proxies.values() {
+            proxy.unblock();
+        }
+    }
+
+    /// Grows node index `i`'s small disk to `mib`.
+    pub fn grow_disk(&self, i: usize, mib: u64) {
+        let dir = &self.nodes[i].dir;
+        let status = Command::new("mount")
+            .args(["-o", &format!("remount,size={mib}m")])
+            .arg(dir)
+            .status()
+            .expect("mount runs");
+        assert!(status.success(), "remount of {}", dir.display());
+    }
+
+    /// A client of the cluster (every coordinator as a seed).
+    pub async fn client(&self) -> Client {
+        self.try_client().await.expect("a client connects")
+    }
+
+    async fn try_client(&self) -> Option<Client> {
+        let seeds: Vec<String> = self.coordinators.iter().map(|c| c.url.clone()).collect();
+        let mut config = ClientConfig::new(&seeds);
+        config.timeout = Duration::from_secs(20);
+        config.watch = false;
+        Client::with_config(config).await.ok()
+    }
+
+    /// The leader's status (or any coordinator's).
+    pub async fn status(&self) -> Option<ClusterStatus> {
+        let client = tokio::time::timeout(Duration::from_secs(5), self.try_client())
+            .await
+            .ok()??;
+        tokio::time::timeout(Duration::from_secs(5), client.cluster_status())
+            .await
+            .ok()?
+            .ok()
+    }
+
+    /// Waits until every shard has three voters on up nodes and a leader,
+    /// and no move is pending.
+    pub async fn wait_settled(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status().await
+                && settled(&status)
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not settle within {timeout:?}; last status: {:?}\n{}",
+                self.status().await.map(|s| s.map),
+                self.log_tails()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The last lines of every log.
+    pub fn log_tails(&self) -> String {
+        let mut out = String::new();
+        for path in self.all_logs() {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(15).collect();
+            out += &format!("--- {}\n", path.display());
+            for line in tail.into_iter().rev() {
+                out += line;
+                out.push('\n');
+            }
+        }
+        out
+    }
+
+    fn all_logs(&self) -> Vec<PathBuf> {
+        self.coordinators
+            .iter()
+            .flat_map(|c| c.logs.clone())
+            .chain(self.nodes.iter().flat_map(|n| n.logs.clone()))
+            .collect()
+    }
+
+    /// Lines of every log that report a panic or an error, except those
+    /// containing one of `expected`.
+    pub fn unexpected_log_lines(&self, expected: &[&str]) -> Vec<String> {
+        let mut found = Vec::new();
+        for path in self.all_logs() {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            for line in text.lines() {
+                let bad = line.contains("panicked") || line.contains(" ERROR ");
+                if bad && !expected.iter().any(|e| line.contains(e)) {
+                    found.push(format!("{}: {line}", path.display()));
+                }
+            }
+        }
+        found
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(p) = &n.process {
+                // A frozen process ignores SIGKILL until continued.
+                let _ = Command::new("kill")
+                    .args(["-CONT", &p.pid().to_string()])
+                    .status();
+            }
+            n.process = None;
+            if n.tmpfs {
+                let _ = Command::new("umount").arg("-l").arg(&n.dir).status();
+            }
+        }
+    }
+}
+
+fn mount_tmpfs(dir: &Path, mib: u64) {
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+        .arg(dir)
+        .status()
+        .expect("mount runs");
+    assert!(status.success(), "mounting a {mib} MiB tmpfs needs root");
+}
+
+/// Every shard has three voters on up nodes and a leader; nothing moves.
+pub fn settled(status: &ClusterStatus) -> bool {
+    let Some(map) = &status.map else { return false };
+    let up: Vec<u64> = map
+        .nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Up as i32)
+        .map(|n| n.node_id)
+        .collect();
+    !map.shards.is_empty()
+        && status.moves.is_empty()
+        && map.shards.iter().all(|s| {
+            s.leader_hint != 0
+                && s.replicas.len() == 3
+                && s.replicas
+                    .iter()
+                    .all(|r| r.role == ReplicaRole::Voter as i32 && up.contains(&r.node_id))
+        })
+}

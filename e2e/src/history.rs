@@ -1,0 +1,307 @@
+//! The history a workload records, and the checker.
+//!
+//! Every put writes a unique value (its id is in the content), so a read
+//! names the write it observed. For each key the checker demands what a
+//! linearizable register guarantees, in the three forms the issue names:
+//!
+//! 1. **no value from nowhere**: a read that returns value `v` overlaps or
+//!    follows the invocation of the put of `v`;
+//! 2. **nothing acknowledged lost, nothing stale**: a read that returns `v`
+//!    (or nothing) must not begin after another write was acknowledged
+//!    entirely after the write it saw — an acknowledged put that completed
+//!    before the read began is visible unless a later write could explain
+//!    it;
+//! 3. **no resurrection**: a delete acknowledged before a read began hides
+//!    every value written entirely before the delete was invoked.
+//!
+//! A write that failed or timed out is *indeterminate*: it may or may not
+//! have taken effect, at any time after its invocation. It can explain a
+//! read, but never proves one stale.
+
+use std::collections::BTreeMap;
+
+/// Nanoseconds since the workload began.
+pub type Nanos = u64;
+
+/// What an operation did to, or saw of, its key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Stored value `id`.
+    Put(u64),
+    /// Removed the key.
+    Delete,
+    /// Read: `Some(id)` seen, or `None` (absent).
+    Read(Option<u64>),
+    /// Asked whether the key exists (or touched it).
+    Exists(bool),
+}
+
+/// Whether an operation's effect is known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Acknowledged (for reads: answered).
+    Ok,
+    /// Failed or timed out, with its code: a write may still have applied.
+    Failed(String),
+}
+
+/// One operation: invoked, completed, outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Client that ran it.
+    pub client: usize,
+    /// The key (index into the workload's key set).
+    pub key: u32,
+    /// What it did.
+    pub op: Op,
+    /// When it was invoked.
+    pub invoked: Nanos,
+    /// When it returned.
+    pub completed: Nanos,
+    /// Its outcome.
+    pub status: Status,
+}
+
+/// A violation, with the events of its key that explain it.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// The key.
+    pub key: u32,
+    /// What is wrong.
+    pub what: String,
+    /// The offending read, then the writes involved, by time.
+    pub slice: Vec<Event>,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "key {}: {}", self.key, self.what)?;
+        for e in &self.slice {
+            writeln!(
+                f,
+                "  client {} {:?} [{:.3} s .. {:.3} s] {:?}",
+                e.client,
+                e.op,
+                e.invoked as f64 / 1e9,
+                e.completed as f64 / 1e9,
+                e.status
+            )?;
+        }
+        Ok(())
+    }
+}
+
+struct Write<'a> {
+    event: &'a Event,
+    value: Option<u64>,
+    acked: bool,
+}
+
+/// Checks a whole history; returns every violation found.
+pub fn check(history: &[Event]) -> Vec<Violation> {
+    let mut by_key: BTreeMap<u32, Vec<&Event>> = BTreeMap::new();
+    for e in history {
+        by_key.entry(e.key).or_default().push(e);
+    }
+    let mut violations = Vec::new();
+    for (key, events) in by_key {
+        let writes: Vec<Write<'_>> = events
+            .iter()
+            .filter_map(|e| {
+                let value = match e.op {
+                    Op::Put(v) => Some(v),
+                    Op::Delete => None,
+                    _ => return None,
+                };
+                Some(Write {
+                    event: e,
+                    value,
+                    acked: e.status == Status::Ok,
+                })
+            })
+            .collect();
+        for read in events.iter().filter(|e| e.status == Status::Ok) {
+            let seen: Option<Option<u64>> = match read.op {
+                Op::Read(v) => Some(v),
+                Op::Exists(true) => Some(Some(u64::MAX)), // some value
+                Op::Exists(false) => Some(None),
+                _ => None,
+            };
+            let Some(seen) = seen else { continue };
+            if let Some(v) = check_read(read, seen, &writes) {
+                let mut slice = vec![(*read).clone()];
+                slice.extend(
+                    writes
+                        .iter()
+                        .filter(|w| w.event.invoked <= read.completed)
+                        .map(|w| w.event.clone()),
+                );
+                violations.push(Violation {
+                    key,
+                    what: v,
+                    slice,
+                });
+            }
+        }
+    }
+    violations
+}
+
+/// Why `read` (which saw `seen`) is impossible, if it is.
+fn check_read(read: &Event, seen: Option<u64>, writes: &[Write<'_>]) -> Option<String> {
+    // Candidate writes the read may have observed.
+    let candidates: Vec<&Write<'_>> = writes
+        .iter()
+        .filter(|w| match (seen, w.value) {
+            (Some(u64::MAX), Some(_)) => true, // exists: any put
+            (Some(v), Some(w)) => v == w,
+            (None, None) => true,
+            _ => false,
+        })
+        .filter(|w| w.event.invoked < read.completed)
+        .collect();
+    if candidates.is_empty() {
+        if let Some(v) = seen {
+            if v == u64::MAX {
+                return Some("exists=true, but no put was invoked before it returned".into());
+            }
+            return Some(format!(
+                "read value {v}, which no put invoked before the read wrote"
+            ));
+        }
+        // Absent: fine unless an acknowledged put completed before the read
+        // began (then that put is lost: no delete can explain it).
+        return writes
+            .iter()
+            .find(|w| w.value.is_some() && w.acked && w.event.completed < read.invoked)
+            .map(|w| {
+                format!(
+                    "read nothing, but put of {:?} was acknowledged before the read began and no delete was invoked",
+                    w.value
+                )
+            });
+    }
+    // The read is fine if some candidate was not superseded: no other
+    // acknowledged write lies entirely between that candidate's completion
+    // (or, if indeterminate, its invocation is no bound) and the read's
+    // invocation.
+    // The read is explained by a candidate that nothing provably
+    // superseded: an indeterminate candidate may have applied just before
+    // the read; an acknowledged one is superseded by another acknowledged
+    // write that began after it completed and completed before the read
+    // began.
+    let superseded = |c: &Write<'_>| {
+        writes.iter().any(|w| {
+            let different = match (seen, w.value) {
+                (Some(u64::MAX), Some(_)) => false,
+                (a, b) => a != b,
+            };
+            different
+                && w.acked
+                && c.event.completed < w.event.invoked
+                && w.event.completed < read.invoked
+        })
+    };
+    let explained = candidates.iter().any(|c| !c.acked || !superseded(c));
+    if explained {
+        return None;
+    }
+    Some(match seen {
+        Some(u64::MAX) => {
+            "exists=true after every put was overwritten by an acknowledged delete".into()
+        }
+        Some(v) => {
+            format!("read value {v}, overwritten by an acknowledged write before the read began")
+        }
+        None => "read nothing after an acknowledged put that followed every delete".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(client: usize, op: Op, invoked: u64, completed: u64, ok: bool) -> Event {
+        Event {
+            client,
+            key: 1,
+            op,
+            invoked,
+            completed,
+            status: if ok {
+                Status::Ok
+            } else {
+                Status::Failed("TIMEOUT".into())
+            },
+        }
+    }
+
+    #[test]
+    fn a_linearizable_history_passes() {
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            ev(1, Op::Read(Some(1)), 5, 15, true), // overlaps the put
+            ev(0, Op::Put(2), 20, 30, true),
+            ev(1, Op::Read(Some(1)), 25, 28, true), // put 2 not yet visible
+            ev(1, Op::Read(Some(2)), 31, 35, true),
+            ev(0, Op::Delete, 40, 50, true),
+            ev(1, Op::Read(None), 45, 55, true),
+            ev(1, Op::Exists(false), 60, 61, true),
+            ev(0, Op::Put(3), 70, 80, false), // indeterminate
+            ev(1, Op::Read(Some(3)), 200, 210, true), // it applied later
+        ];
+        assert!(check(&h).is_empty(), "{:?}", check(&h));
+    }
+
+    #[test]
+    fn a_lost_acknowledged_put_is_caught() {
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            ev(1, Op::Read(None), 20, 30, true),
+        ];
+        let v = check(&h);
+        assert_eq!(v.len(), 1);
+        assert!(v[0].what.contains("acknowledged"), "{}", v[0]);
+    }
+
+    #[test]
+    fn a_stale_read_is_caught() {
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            ev(0, Op::Put(2), 20, 30, true),
+            ev(1, Op::Read(Some(1)), 40, 50, true),
+        ];
+        assert_eq!(check(&h).len(), 1);
+    }
+
+    #[test]
+    fn a_resurrected_key_is_caught() {
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            ev(0, Op::Delete, 20, 30, true),
+            ev(1, Op::Read(Some(1)), 40, 50, true),
+            ev(1, Op::Exists(true), 60, 70, true),
+        ];
+        assert_eq!(check(&h).len(), 2, "{:?}", check(&h));
+    }
+
+    #[test]
+    fn a_value_never_written_is_caught() {
+        let h = vec![
+            ev(1, Op::Read(Some(9)), 0, 5, true),
+            ev(0, Op::Put(9), 10, 20, true),
+        ];
+        assert_eq!(check(&h).len(), 1);
+    }
+
+    #[test]
+    fn failed_writes_explain_but_never_convict() {
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            ev(0, Op::Put(2), 20, 30, false),
+            ev(1, Op::Read(Some(1)), 40, 50, true), // put 2 may not have applied
+            ev(1, Op::Read(Some(2)), 60, 70, true), // or it did
+        ];
+        assert!(check(&h).is_empty(), "{:?}", check(&h));
+    }
+}

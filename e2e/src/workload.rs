@@ -1,0 +1,235 @@
+//! The workload: concurrent clients doing puts, gets, batch-exists,
+//! deletes and touches on a small set of keys (so they contend), each
+//! operation recorded with its invocation and completion time.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tidepool_client::{Client, ErrorCode};
+use tokio::sync::watch;
+
+use crate::history::{Event, Nanos, Op, Status};
+
+/// Shape of the load.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Distinct keys.
+    pub keys: u32,
+    /// Deadline of each operation (retries included).
+    pub op_timeout: Duration,
+    /// Seed of every client's choices.
+    pub seed: u64,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Self {
+            clients: 6,
+            keys: 24,
+            op_timeout: Duration::from_secs(5),
+            seed: 1,
+        }
+    }
+}
+
+/// What the clients did.
+#[derive(Debug)]
+pub struct Recorder {
+    start: Instant,
+    events: Mutex<Vec<Event>>,
+    errors: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Recorder {
+    /// A recorder whose clock starts now.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            start: Instant::now(),
+            events: Mutex::new(Vec::new()),
+            errors: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Nanoseconds since the start.
+    pub fn now(&self) -> Nanos {
+        self.start.elapsed().as_nanos() as Nanos
+    }
+
+    fn record(&self, event: Event) {
+        if let Status::Failed(code) = &event.status {
+            *self.errors.lock().entry(code.clone()).or_default() += 1;
+        }
+        self.events.lock().push(event);
+    }
+
+    /// Every event so far.
+    pub fn history(&self) -> Vec<Event> {
+        self.events.lock().clone()
+    }
+
+    /// Failed operations by error code.
+    pub fn errors(&self) -> BTreeMap<String, u64> {
+        self.errors.lock().clone()
+    }
+
+    /// The longest stretch in `[from, to]` without a completed
+    /// acknowledged write, in seconds.
+    pub fn longest_write_gap(&self, from: Nanos, to: Nanos) -> f64 {
+        let mut done: Vec<Nanos> = self
+            .events
+            .lock()
+            .iter()
+            .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete) && e.status == Status::Ok)
+            .map(|e| e.completed)
+            .filter(|t| *t >= from && *t <= to)
+            .collect();
+        done.sort_unstable();
+        let mut last = from;
+        let mut gap = 0;
+        for t in done {
+            gap = gap.max(t - last);
+            last = t;
+        }
+        gap = gap.max(to.saturating_sub(last));
+        gap as f64 / 1e9
+    }
+
+    /// Acknowledged operations.
+    pub fn acknowledged(&self) -> usize {
+        self.events
+            .lock()
+            .iter()
+            .filter(|e| e.status == Status::Ok)
+            .count()
+    }
+}
+
+/// The content a put of value `id` writes: the id, then bytes derived from
+/// it (so a read of anything else is recognised).
+pub fn content(id: u64) -> Vec<u8> {
+    let len = 16 + (id % 997) as usize;
+    let mut bytes = id.to_le_bytes().to_vec();
+    bytes.extend((0..len).map(|i| (id as usize).wrapping_mul(31).wrapping_add(i) as u8));
+    bytes
+}
+
+/// The value id a read returned, or `u64::MAX - 1` for bytes no put
+/// wrote.
+fn decode(bytes: &[u8]) -> u64 {
+    if bytes.len() < 8 {
+        return u64::MAX - 1;
+    }
+    let id = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    if content(id) == bytes {
+        id
+    } else {
+        u64::MAX - 1
+    }
+}
+
+fn key_name(key: u32) -> Vec<u8> {
+    format!("e2e-key-{key}").into_bytes()
+}
+
+fn failed(error: &tidepool_client::Error) -> Status {
+    Status::Failed(error.code().as_str_name().to_string())
+}
+
+/// Runs the clients until `stop` turns true.
+pub async fn run(
+    client: Client,
+    workload: Workload,
+    recorder: Arc<Recorder>,
+    stop: watch::Receiver<bool>,
+) {
+    let client = client.with_timeout(workload.op_timeout);
+    let mut tasks = Vec::new();
+    for c in 0..workload.clients {
+        let client = client.clone();
+        let recorder = recorder.clone();
+        let stop = stop.clone();
+        let workload = workload.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng =
+                SmallRng::seed_from_u64(workload.seed ^ (c as u64).wrapping_mul(0x9e37_79b9));
+            let mut seq = 0u64;
+            while !*stop.borrow() {
+                let key = rng.random_range(0..workload.keys);
+                let name = key_name(key);
+                let invoked = recorder.now();
+                let roll = rng.random_range(0..100);
+                let (op, status) = if roll < 40 {
+                    seq += 1;
+                    let id = ((c as u64) << 40) | seq;
+                    let status = match client.put("default", &name, &content(id)).await {
+                        Ok(_) => Status::Ok,
+                        Err(e) => failed(&e),
+                    };
+                    (Op::Put(id), status)
+                } else if roll < 75 {
+                    match client.get("default", &name).await {
+                        Ok(bytes) => (Op::Read(Some(decode(&bytes))), Status::Ok),
+                        Err(e) if e.code() == ErrorCode::NotFound => (Op::Read(None), Status::Ok),
+                        Err(e) => (Op::Read(None), failed(&e)),
+                    }
+                } else if roll < 85 {
+                    // batch-exists of this key and two others: record each.
+                    let others = [
+                        key,
+                        rng.random_range(0..workload.keys),
+                        rng.random_range(0..workload.keys),
+                    ];
+                    let names: Vec<Vec<u8>> = others.iter().map(|k| key_name(*k)).collect();
+                    let result = client.batch_exists("default", &names).await;
+                    let completed = recorder.now();
+                    for (i, k) in others.iter().enumerate() {
+                        let (op, status) = match &result {
+                            Ok(present) => (Op::Exists(present[i]), Status::Ok),
+                            Err(e) => (Op::Exists(false), failed(e)),
+                        };
+                        recorder.record(Event {
+                            client: c,
+                            key: *k,
+                            op,
+                            invoked,
+                            completed,
+                            status,
+                        });
+                    }
+                    continue;
+                } else if roll < 95 {
+                    match client.delete("default", &name).await {
+                        Ok(_) => (Op::Delete, Status::Ok),
+                        Err(e) => (Op::Delete, failed(&e)),
+                    }
+                } else {
+                    match client.touch("default", &name).await {
+                        Ok(_) => (Op::Exists(true), Status::Ok),
+                        Err(e) if e.code() == ErrorCode::NotFound => {
+                            (Op::Exists(false), Status::Ok)
+                        }
+                        Err(e) => (Op::Exists(false), failed(&e)),
+                    }
+                };
+                let completed = recorder.now();
+                recorder.record(Event {
+                    client: c,
+                    key,
+                    op,
+                    invoked,
+                    completed,
+                    status,
+                });
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+}

@@ -1,0 +1,408 @@
+//! The end-to-end scenarios, each on its own cluster of real processes
+//! with a checked workload (see `tidepool_e2e`). The ones in `make ci` are
+//! plain tests; the longer ones are `#[ignore]`d and run by `make e2e`.
+//! Every run prints its report row (and appends it to `$E2E_REPORT`);
+//! replay a seed with `E2E_SEED=<seed>`.
+
+use std::time::Duration;
+
+use tidepool_e2e::cluster::{Cluster, Options};
+use tidepool_e2e::history::{Op, Status};
+use tidepool_e2e::scenario::{Report, start};
+use tidepool_e2e::workload::Workload;
+
+/// One scenario at a time: each runs a cluster of processes.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn workload() -> Workload {
+    Workload {
+        seed: tidepool_testkit::seed_from_env("E2E_SEED"),
+        ..Workload::default()
+    }
+}
+
+/// The node (index) leading the most shards.
+async fn busiest_leader(cluster: &Cluster) -> usize {
+    let map = cluster.status().await.expect("status").map.expect("map");
+    let mut led = vec![0usize; cluster.nodes.len()];
+    for s in &map.shards {
+        if s.leader_hint > 0 {
+            led[s.leader_hint as usize - 1] += 1;
+        }
+    }
+    (0..led.len()).max_by_key(|i| led[*i]).expect("nodes")
+}
+
+/// The node (index) leading the fewest shards.
+async fn idlest_node(cluster: &Cluster) -> usize {
+    let map = cluster.status().await.expect("status").map.expect("map");
+    let mut led = vec![0usize; cluster.nodes.len()];
+    for s in &map.shards {
+        if s.leader_hint > 0 {
+            led[s.leader_hint as usize - 1] += 1;
+        }
+    }
+    (0..led.len()).min_by_key(|i| led[*i]).expect("nodes")
+}
+
+fn finish_checks(cluster: &Cluster, report: &Report, expected_log: &[&str]) {
+    report.assert_clean();
+    assert!(report.acknowledged > 50, "the workload ran: {report:?}");
+    let unexpected = cluster.unexpected_log_lines(expected_log);
+    assert!(
+        unexpected.is_empty(),
+        "unexpected log lines:\n{}",
+        unexpected.join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_kill_under_load() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let victim = busiest_leader(&cluster).await;
+    run.fault_begins();
+    cluster.kill_node(victim);
+    run.run_for(Duration::from_secs(6)).await;
+    cluster.start_node(victim);
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("leader kill -9 under load").await;
+    finish_checks(&cluster, &report, &[]);
+    assert!(report.write_gap_s < 10.0, "writes resumed: {report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minority_partition_and_heal() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let isolated = busiest_leader(&cluster).await as u64 + 1;
+    let rest: Vec<u64> = (1..=3).filter(|n| *n != isolated).collect();
+    run.fault_begins();
+    cluster.partition(&[&[isolated], &rest]);
+    run.run_for(Duration::from_secs(6)).await;
+    cluster.heal();
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run
+        .finish("minority partition (the busiest leader) and heal")
+        .await;
+    finish_checks(&cluster, &report, &[]);
+    assert!(
+        report.write_gap_s < 10.0,
+        "the majority kept serving: {report:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn majority_partition_acknowledges_no_write() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    run.fault_begins();
+    cluster.partition(&[&[1], &[2], &[3]]);
+    run.run_for(Duration::from_secs(6)).await;
+    cluster.heal();
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    run.run_for(Duration::from_secs(2)).await;
+    let (from, to) = run.fault_window();
+    let report = run
+        .finish("every node isolated (no majority anywhere)")
+        .await;
+    // Leaders keep their role for an election timeout, but cannot commit:
+    // no write begun after the cut is acknowledged before the heal.
+    let acknowledged_inside = report_history_writes_inside(&report, from + 1_500_000_000, to);
+    assert_eq!(
+        acknowledged_inside, 0,
+        "writes acknowledged without a majority"
+    );
+    finish_checks(&cluster, &report, &[]);
+}
+
+fn report_history_writes_inside(report: &Report, from: u64, to: u64) -> usize {
+    report
+        .history
+        .iter()
+        .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete))
+        .filter(|e| e.status == Status::Ok && e.invoked > from && e.completed < to)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_follower() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let frozen = idlest_node(&cluster).await;
+    run.fault_begins();
+    cluster.freeze_node(frozen);
+    run.run_for(Duration::from_secs(8)).await;
+    cluster.thaw_node(frozen);
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("frozen node (SIGSTOP 8 s)").await;
+    finish_checks(&cluster, &report, &[]);
+    assert!(
+        report.write_gap_s < 10.0,
+        "the others kept serving: {report:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_cluster_kill_and_restart() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(4)).await;
+    run.fault_begins();
+    for i in 0..3 {
+        cluster.kill_node(i);
+    }
+    cluster.kill_coordinator(0);
+    run.run_for(Duration::from_secs(1)).await;
+    cluster.start_coordinator(0);
+    for i in 0..3 {
+        cluster.start_node(i);
+    }
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    run.run_for(Duration::from_secs(4)).await;
+    let report = run.finish("whole cluster kill -9 and restart").await;
+    finish_checks(&cluster, &report, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "longer: make e2e"]
+async fn rolling_restart() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    run.fault_begins();
+    for i in 0..3 {
+        cluster.stop_node(i);
+        run.run_for(Duration::from_secs(2)).await;
+        cluster.start_node(i);
+        cluster.wait_settled(Duration::from_secs(60)).await;
+    }
+    run.fault_ends();
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run
+        .finish("rolling restart (SIGTERM, start, settle; each node)")
+        .await;
+    finish_checks(&cluster, &report, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "longer: make e2e"]
+async fn coordinator_failover_during_a_replica_move() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options {
+        nodes: 4,
+        coordinators: 2,
+        ..Options::default()
+    })
+    .await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let client = cluster.client().await;
+    run.fault_begins();
+    let to_move = client.drain_node(4).await.expect("drain");
+    assert!(to_move > 0, "node 4 holds replicas");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let leader = loop {
+        let status = cluster.status().await.expect("status");
+        if !status.moves.is_empty() && status.is_leader {
+            break status.coordinator_id;
+        }
+        assert!(std::time::Instant::now() < deadline, "no move started");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let index: usize = leader.trim_start_matches('c').parse().expect("c<i>");
+    cluster.kill_coordinator(index);
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Some(status) = cluster.status().await {
+            let map = status.map.clone().unwrap_or_default();
+            let off = map
+                .shards
+                .iter()
+                .all(|s| s.replicas.iter().all(|r| r.node_id != 4));
+            if off && status.coordinator_id != leader && tidepool_e2e::cluster::settled(&status) {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drain did not finish:\n{}",
+            cluster.log_tails()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    run.fault_ends();
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run
+        .finish("coordinator leader kill -9 during a drain")
+        .await;
+    finish_checks(&cluster, &report, &[]);
+}
+
+/// Free MiB of the filesystem holding `dir`.
+fn free_mib(dir: &std::path::Path) -> u64 {
+    let out = std::process::Command::new("df")
+        .args(["--output=avail", "-BM"])
+        .arg(dir)
+        .output()
+        .expect("df runs");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().trim_end_matches('M').parse().ok())
+        .expect("df prints the free space")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_full_on_one_node() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        shards: 1,
+        small_disk: Some((0, 112)),
+        ..Options::default()
+    })
+    .await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(2)).await;
+    // Fill node 1's disk with 512 KiB blobs until puts fail or 200 MiB.
+    run.fault_begins();
+    let client = cluster.client().await.with_timeout(Duration::from_secs(10));
+    let blob = |i: u32| -> Vec<u8> {
+        (0..512 * 1024u32)
+            .map(|j| (i.wrapping_mul(7) ^ j) as u8)
+            .collect()
+    };
+    let mut stored = Vec::new();
+    let mut refused = std::collections::BTreeMap::<String, u32>::new();
+    for i in 0..400u32 {
+        match client
+            .put("default", format!("fill-{i}").as_bytes(), &blob(i))
+            .await
+        {
+            Ok(_) => stored.push(i),
+            Err(e) => {
+                *refused
+                    .entry(e.code().as_str_name().to_string())
+                    .or_default() += 1
+            }
+        }
+        if refused.values().sum::<u32>() >= 5 {
+            break;
+        }
+    }
+    let free = free_mib(&cluster.nodes[0].dir);
+    eprintln!(
+        "filled: {} stored, refused {refused:?}; node 1 has {free} MiB free",
+        stored.len()
+    );
+    // Node 1 either led the shard and refused puts (it keeps a reserve),
+    // or followed and could not allocate another 16 MiB WAL segment while
+    // the other two went on.
+    assert!(
+        refused.contains_key("DISK_FULL") || free <= 16,
+        "node 1's disk filled up ({free} MiB free, refused {refused:?})"
+    );
+    // Space comes back: node 1 recovers and the cluster settles.
+    cluster.grow_disk(0, 1024);
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(90)).await;
+    run.run_for(Duration::from_secs(3)).await;
+    for i in &stored {
+        let got = client
+            .get("default", format!("fill-{i}").as_bytes())
+            .await
+            .expect("an acknowledged blob");
+        assert!(got == blob(*i), "fill-{i} intact");
+    }
+    let report = run
+        .finish("disk full on one node, then space returns")
+        .await;
+    for code in refused.keys() {
+        assert!(
+            ["DISK_FULL", "TIMEOUT", "NO_QUORUM"].contains(&code.as_str()),
+            "refusals are clear: {refused:?}"
+        );
+    }
+    finish_checks(
+        &cluster,
+        &report,
+        &["DiskFull", "disk full", "No space left"],
+    );
+}
+
+/// A long run with a random fault every few seconds (kill -9 and restart,
+/// minority partition, frozen node), all healed at the end:
+/// `make e2e-soak DURATION=<seconds>` (default 300).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "soak: make e2e-soak"]
+async fn soak() {
+    use rand::{Rng, SeedableRng};
+    let _serial = SERIAL.lock().await;
+    let seconds: u64 = std::env::var("E2E_SOAK_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300);
+    let mut cluster = Cluster::start(Options::default()).await;
+    let load = workload();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(load.seed);
+    let mut run = start(&cluster, load).await;
+    run.fault_begins();
+    let end = std::time::Instant::now() + Duration::from_secs(seconds);
+    let mut faults = Vec::new();
+    while std::time::Instant::now() < end {
+        let node = rng.random_range(0..3usize);
+        match rng.random_range(0..3) {
+            0 => {
+                faults.push(format!("kill -9 node {}", node + 1));
+                cluster.kill_node(node);
+                run.run_for(Duration::from_secs(rng.random_range(2..6)))
+                    .await;
+                cluster.start_node(node);
+            }
+            1 => {
+                let id = node as u64 + 1;
+                let rest: Vec<u64> = (1..=3).filter(|n| *n != id).collect();
+                faults.push(format!("isolate node {id}"));
+                cluster.partition(&[&[id], &rest]);
+                run.run_for(Duration::from_secs(rng.random_range(2..6)))
+                    .await;
+                cluster.heal();
+            }
+            _ => {
+                faults.push(format!("freeze node {}", node + 1));
+                cluster.freeze_node(node);
+                run.run_for(Duration::from_secs(rng.random_range(2..6)))
+                    .await;
+                cluster.thaw_node(node);
+            }
+        }
+        cluster.wait_settled(Duration::from_secs(90)).await;
+        run.run_for(Duration::from_secs(rng.random_range(1..4)))
+            .await;
+    }
+    run.fault_ends();
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run
+        .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
+        .await;
+    eprintln!("faults: {}", faults.join(", "));
+    finish_checks(&cluster, &report, &[]);
+}
