@@ -10,7 +10,7 @@ export CARGO_TERM_COLOR ?= never
 # Debian packages the build and the tests need.
 DEBIAN_PACKAGES := protobuf-compiler etcd-server
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak image
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -65,6 +65,20 @@ bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/o
 	./target/release/engine-put --seconds $(BENCH_SECONDS)
 	./target/release/engine-reclaim --seconds $(BENCH_SECONDS)
 	./target/release/node-shard --seconds $(BENCH_SECONDS)
+
+# What engine-compare's peers need to build (the rocksdb crate runs bindgen).
+BENCH_PACKAGES := libclang-dev
+ifeq ($(QUICK),1)
+ENGINE_COMPARE_ARGS ?= --seconds 3 --entries 100000 --value-bytes 1024 --threads 1,2
+else
+ENGINE_COMPARE_ARGS ?= --seconds 10 --entries 1000000 --value-bytes 64,128,1024,4096,65536 --threads 1,2
+endif
+
+bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process (QUICK=1: a few minutes); JSON lines in benchmarks/results/.
+	@$(MAKE) --no-print-directory deps DEBIAN_PACKAGES="$(BENCH_PACKAGES)"
+	$(CARGO) build --release -p tidepool-benchmarks --features peers --bin engine-compare
+	mkdir -p benchmarks/results
+	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --json benchmarks/results/engine-compare.jsonl
 
 bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.
 	$(CARGO) build --release -p tidepool-benchmarks
