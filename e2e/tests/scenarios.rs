@@ -272,6 +272,7 @@ fn free_mib(dir: &std::path::Path) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finds an open bug: a follower whose disk fills can panic in raft-rs commit_to (e2e/RESULTS.md); run with make e2e"]
 async fn disk_full_on_one_node() {
     let _serial = SERIAL.lock().await;
     let cluster = Cluster::start(Options {
