@@ -57,13 +57,13 @@ impl Client {
                 Ok(value) => return Ok(value),
                 Err(status) => status,
             };
+            // Follow a leader hint at once; otherwise pause and try the
+            // next seed.
             let last = match classify(&status) {
                 Disposition::Fail(error) => return Err(error),
-                Disposition::Redirect(error, hint, _) => {
-                    target = hint;
-                    error
-                }
-                Disposition::Refresh(error) | Disposition::Backoff(error) => error,
+                Disposition::Redirect(error, ..)
+                | Disposition::Refresh(error)
+                | Disposition::Backoff(error) => error,
             };
             let hinted = error_hint(&status);
             if hinted.is_some() && hinted.as_deref() != Some(address.as_str()) {

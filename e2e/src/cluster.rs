@@ -161,8 +161,7 @@ impl Cluster {
             cluster.start_coordinator(i);
         }
         let ports: Vec<u16> = (0..options.nodes).map(|_| free_port()).collect();
-        for (i, from) in (1..=options.nodes as u64).enumerate() {
-            let _ = i;
+        for from in 1..=options.nodes as u64 {
             for (j, &port) in ports.iter().enumerate() {
                 let to = j as u64 + 1;
                 if to != from {
