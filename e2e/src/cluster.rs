@@ -113,7 +113,15 @@ impl Cluster {
     pub async fn start(options: Options) -> Cluster {
         let bin = binary();
         assert!(bin.exists(), "{} missing", bin.display());
-        let dir = tempfile::tempdir().expect("temp dir");
+        let mut dir = tempfile::Builder::new()
+            .prefix("tidepool-e2e-")
+            .tempdir()
+            .expect("temp dir");
+        // E2E_KEEP=1 keeps every process's directory and log for a look.
+        if std::env::var_os("E2E_KEEP").is_some() {
+            dir.disable_cleanup(true);
+            eprintln!("E2E_KEEP: keeping {}", dir.path().display());
+        }
         let etcd = EtcdServer::start();
         let config = dir.path().join("node.toml");
         std::fs::write(&config, NODE_CONFIG).expect("node config");
@@ -348,6 +356,26 @@ impl Cluster {
             .await
             .ok()?
             .ok()
+    }
+
+    /// The leading coordinator's index and status, asking each coordinator
+    /// in turn (a follower answers with its own view, `is_leader` false).
+    pub async fn leader_status(&self) -> Option<(usize, ClusterStatus)> {
+        for (i, coordinator) in self.coordinators.iter().enumerate() {
+            let mut config = ClientConfig::new(std::slice::from_ref(&coordinator.url));
+            config.timeout = Duration::from_secs(2);
+            config.watch = false;
+            let ask = async {
+                let client = Client::with_config(config).await.ok()?;
+                client.cluster_status().await.ok()
+            };
+            if let Ok(Some(status)) = tokio::time::timeout(Duration::from_secs(3), ask).await
+                && status.is_leader
+            {
+                return Some((i, status));
+            }
+        }
+        None
     }
 
     /// Waits until every shard has three voters on up nodes and a leader,

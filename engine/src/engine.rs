@@ -71,6 +71,8 @@ pub(crate) struct Inner {
     /// The processed watermark when background relocation last took a
     /// census.
     pub census_processed: std::sync::atomic::AtomicU64,
+    /// The hold on the directory, let go when the engine stops.
+    pub dir_lock: Mutex<Option<crate::storage::DirLock>>,
 }
 
 /// A value read with [`Engine::get_stored`], and its entry's metadata.
@@ -300,18 +302,30 @@ impl Engine {
 
     /// Closes the engine: stops the background threads, flushes the index,
     /// syncs the WAL and writes a final snapshot, so the next open replays
-    /// nothing. Afterwards every call fails with [`Error::Closed`]. A write
-    /// racing with `close` either fails or is in the WAL (and replayed).
+    /// nothing. Afterwards every call fails with [`Error::Closed`] and the
+    /// directory may be opened again. A write racing with `close` either
+    /// fails or is in the WAL (and replayed). A poisoned engine is shut
+    /// down (see [`Engine::shutdown`]) and its poison returned.
     pub fn close(&self) -> Result<()> {
         let inner = &*self.inner;
-        inner.health.check()?;
+        let healthy = inner.health.check();
         self.stop_threads();
-        let result =
-            crate::flush::flush_all(inner).and_then(|()| crate::snapshot::write_snapshot(inner));
-        inner.health.close();
-        inner.values.shutdown();
-        inner.index.log.shutdown();
+        let result = healthy
+            .and_then(|()| crate::flush::flush_all(inner))
+            .and_then(|()| crate::snapshot::write_snapshot(inner));
+        self.release();
         result
+    }
+
+    /// Stops the engine at once and writes nothing more: no flush, no sync,
+    /// no snapshot — what a killed process would leave, which the next open
+    /// recovers (everything acknowledged as durable is). For an owner that
+    /// gave up on this engine and will reopen its directory. Afterwards
+    /// every call fails with [`Error::Closed`] (handles may still be held
+    /// elsewhere) and the directory may be opened again.
+    pub fn shutdown(&self) {
+        self.stop_threads();
+        self.release();
     }
 
     fn stop_threads(&self) {
@@ -322,13 +336,23 @@ impl Engine {
             }
         }
     }
+
+    /// Refuses further calls, stops the logs' threads (removing unused
+    /// spare segments) and lets go of the directory, in that order: nothing
+    /// of this engine touches the directory once another may open it.
+    fn release(&self) {
+        let inner = &*self.inner;
+        inner.health.close();
+        inner.values.shutdown();
+        inner.index.log.shutdown();
+        inner.dir_lock.lock().take();
+    }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop_threads();
-        self.inner.values.shutdown();
-        self.inner.index.log.shutdown();
+        self.release();
     }
 }
 

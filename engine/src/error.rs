@@ -43,6 +43,10 @@ pub enum Error {
     /// The engine was closed.
     #[error("engine is closed")]
     Closed,
+    /// Another open engine (in this process or another) holds the
+    /// directory.
+    #[error("engine directory in use: {0}")]
+    Locked(String),
     /// Stored bytes failed their checksum or are malformed.
     #[error("corrupt data in {file} at {position}: {detail}")]
     Corrupt {

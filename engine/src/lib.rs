@@ -44,6 +44,11 @@
 //! failed write or `fsync` the engine is poisoned and refuses further I/O
 //! until reopened.
 //!
+//! One engine at a time holds a directory (an `flock` on its `LOCK` file,
+//! so also across processes): a second open gets [`Error::Locked`] until
+//! the first is closed, dropped, or stopped with [`Engine::shutdown`],
+//! which writes nothing more — what a killed process leaves.
+//!
 //! # Reclaiming space
 //!
 //! [`Engine::relocate`] (and a background thread, by policy) copies live

@@ -63,6 +63,15 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
     ] {
         storage.create_dir_all(&dir).map_err(io(&dir))?;
     }
+    // Held until the engine is closed, shut down or dropped: two engines
+    // writing one directory would delete and overwrite each other's files.
+    let dir_lock = storage.lock(&config.dir).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            Error::Locked(e.to_string())
+        } else {
+            Error::io(&config.dir, e)
+        }
+    })?;
     let control_path = config.dir.join(CONTROL_FILE);
     let control = match read_whole_file(&*storage, &control_path).map_err(io(&control_path))? {
         Some(bytes) => ControlData::decode(&bytes).map_err(|detail| Error::Corrupt {
@@ -115,6 +124,7 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         retention: std::sync::atomic::AtomicU64::new(u64::MAX),
         last_census: Mutex::new(Vec::new()),
         census_processed: std::sync::atomic::AtomicU64::new(0),
+        dir_lock: Mutex::new(Some(dir_lock)),
         config,
     });
     apply_touches(&inner, &recovered.touches)?;

@@ -173,6 +173,7 @@ impl ShardHandle {
             outgoing,
             replica: Some(replica),
             down_since: None,
+            reopened_at: None,
             backoff: Duration::ZERO,
             writes: Vec::new(),
             write_bytes: 0,
@@ -273,6 +274,25 @@ impl ShardHandle {
     }
 }
 
+/// Longest wait before reopening a failed replica.
+const MAX_REOPEN_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A replica that ran this long after a reopen failed afresh: its backoff
+/// starts again from the first wait.
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
+/// The wait before reopening a replica that just failed: the first wait
+/// after a start or a healthy run, doubling (up to 30 s) while reopened
+/// replicas keep failing soon after.
+fn next_backoff(current: Duration, up_for: Option<Duration>, first: Duration) -> Duration {
+    let failing_again = up_for.is_some_and(|up| up < HEALTHY_RUN);
+    if current.is_zero() || !failing_again {
+        first
+    } else {
+        (current * 2).min(MAX_REOPEN_BACKOFF)
+    }
+}
+
 /// The owner thread's state.
 struct Owner {
     handle: Arc<ShardHandle>,
@@ -281,6 +301,8 @@ struct Owner {
     outgoing: Arc<dyn Outgoing>,
     replica: Option<Replica>,
     down_since: Option<Instant>,
+    /// When the replica was last reopened after a failure.
+    reopened_at: Option<Instant>,
     backoff: Duration,
     writes: Vec<(WriteOp, Completion)>,
     write_bytes: usize,
@@ -476,13 +498,17 @@ impl Owner {
         if !failed {
             return;
         }
-        self.replica = None;
+        if let Some(replica) = self.replica.take() {
+            let engine = replica.engine().clone();
+            drop(replica); // fails what is still pending
+            // Stopped before anything reopens the directory: a live engine
+            // (a full disk does not poison it) would go on allocating and
+            // discarding segment files under the new one's feet.
+            engine.shutdown();
+        }
         self.down_since = Some(Instant::now());
-        self.backoff = if self.backoff.is_zero() {
-            self.driver.reopen_backoff
-        } else {
-            (self.backoff * 2).min(Duration::from_secs(30))
-        };
+        let up_for = self.reopened_at.map(|at| at.elapsed());
+        self.backoff = next_backoff(self.backoff, up_for, self.driver.reopen_backoff);
         tracing::error!(%error, backoff = ?self.backoff, "replica failed; reopening it from disk");
         self.handle.state.lock().failed = Some(error.to_string());
     }
@@ -500,11 +526,12 @@ impl Owner {
                 self.handle.engine.store(replica.engine().clone());
                 self.replica = Some(replica);
                 self.down_since = None;
+                self.reopened_at = Some(Instant::now());
                 self.handle.state.lock().failed = None;
             }
             Err(error) => {
                 self.down_since = Some(Instant::now());
-                self.backoff = (self.backoff * 2).min(Duration::from_secs(30));
+                self.backoff = (self.backoff * 2).min(MAX_REOPEN_BACKOFF);
                 tracing::warn!(%error, backoff = ?self.backoff, "replica could not be reopened");
                 self.handle.state.lock().failed = Some(error.to_string());
             }
@@ -545,5 +572,26 @@ impl Owner {
             drop(replica); // fails what is still pending
             let _ = engine.close();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reopen_backoff_doubles_while_failing_and_resets_after_a_healthy_run() {
+        let first = Duration::from_millis(500);
+        let soon = Some(Duration::from_secs(1));
+        assert_eq!(next_backoff(Duration::ZERO, None, first), first);
+        assert_eq!(next_backoff(first, soon, first), first * 2);
+        assert_eq!(
+            next_backoff(Duration::from_secs(20), soon, first),
+            MAX_REOPEN_BACKOFF
+        );
+        assert_eq!(
+            next_backoff(MAX_REOPEN_BACKOFF, Some(HEALTHY_RUN), first),
+            first
+        );
     }
 }

@@ -2,7 +2,8 @@
 //! network: concurrent clients' puts are group-committed — many puts per
 //! Raft entry — and every acknowledged put is on every replica; a
 //! linearizable read after an acknowledged put sees it; a follower refuses
-//! linearizable reads and names the leader.
+//! linearizable reads and names the leader; a follower whose disk fills
+//! fails, reopens, catches up and keeps what it acknowledged.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
@@ -10,10 +11,11 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 use raft::eraftpb::Message;
+use tidepool_engine::storage::FaultStorage;
 use tidepool_node::command::WriteOp;
 use tidepool_node::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome, ReplicaConfig};
 use tidepool_node::shard::{DriverConfig, Outgoing, ShardHandle};
-use tidepool_node::sim::engine_config;
+use tidepool_node::sim::{engine_config, replica_store};
 use tidepool_node::snapshot::Outbox;
 use tidepool_node::store::ReplicaStore;
 
@@ -166,6 +168,134 @@ fn concurrent_puts_are_group_committed_and_replicated() {
         }
     }
     for handle in nodes.values() {
+        handle.stop();
+    }
+}
+
+/// Waits until every replica in `nodes` has applied the leader's commit
+/// index; panics with `what` after 60 s.
+fn wait_applied(nodes: &BTreeMap<u64, Arc<ShardHandle>>, leader_id: u64, what: &str) {
+    for _ in 0..6_000 {
+        let commit = nodes[&leader_id]
+            .state()
+            .status
+            .map_or(u64::MAX, |s| s.commit);
+        if nodes
+            .values()
+            .all(|h| h.state().status.is_some_and(|s| s.applied >= commit))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let states: Vec<_> = nodes.iter().map(|(id, h)| (id, h.state())).collect();
+    panic!("{what}: replicas did not catch up: {states:#?}");
+}
+
+/// A follower's disk fills while the others keep acknowledging writes: its
+/// replica fails and is reopened (again and again while the disk is full).
+/// Space returns; it catches up; then its process restarts. Every
+/// acknowledged write must be on it after the restart.
+///
+/// This once lost entries: the failed replica's engine (not poisoned by a
+/// full disk) stayed alive beside the reopened one and its spare-segment
+/// allocator and shutdown removed segment files the new engine was writing,
+/// so the restart found a log that ended before what the follower had
+/// acknowledged (raft-rs then panics: commit index beyond the last entry).
+#[test]
+fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
+    let net = Arc::new(LocalNet::default());
+    let driver = DriverConfig {
+        tick: Duration::from_millis(20),
+        reopen_backoff: Duration::from_millis(300),
+        ..DriverConfig::default()
+    };
+    let start = |id: u64, storage: &FaultStorage| {
+        ShardHandle::start(
+            ReplicaConfig::new(0, id),
+            driver.clone(),
+            replica_store(storage),
+            Arc::new(Outbox::default()),
+            &[1, 2, 3],
+            net.clone(),
+        )
+        .unwrap()
+    };
+    let storages: BTreeMap<u64, FaultStorage> =
+        (1..=3).map(|id| (id, FaultStorage::default())).collect();
+    for (id, storage) in &storages {
+        net.nodes.write().insert(*id, start(*id, storage));
+    }
+    let mut leader_id = None;
+    for _ in 0..500 {
+        leader_id = leader(&net.nodes.read());
+        if leader_id.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let leader_id = leader_id.expect("a leader is elected");
+    let victim = leader_id % 3 + 1;
+    let victim_storage = &storages[&victim];
+    // Room for a few more 64 KiB segments, then the disk is full.
+    victim_storage.set_capacity_bytes(Some(victim_storage.used_bytes() + (256 << 10)));
+
+    let leader_handle = net.nodes.read()[&leader_id].clone();
+    let value = |i: u64| format!("{i:>1000}").into_bytes();
+    let put_value = |i: u64| {
+        let (tx, rx) = mpsc::channel();
+        let op = WriteOp {
+            value: Some(value(i)),
+            namespace: 1,
+            epoch: 1,
+            key: key(i),
+        };
+        leader_handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
+        rx.recv_timeout(Duration::from_secs(20)).unwrap()
+    };
+    let mut acknowledged = Vec::new();
+    for i in 0..1_500u64 {
+        if matches!(put_value(i), Outcome::Applied { .. }) {
+            acknowledged.push(i);
+        }
+    }
+    assert!(
+        net.nodes.read()[&victim].state().failed.is_some(),
+        "the follower's disk filled up"
+    );
+    assert!(acknowledged.len() > 1_000, "the majority went on writing");
+
+    // Space returns; the follower catches up, writes go on meanwhile.
+    victim_storage.set_capacity_bytes(None);
+    for i in 1_500..1_700u64 {
+        if matches!(put_value(i), Outcome::Applied { .. }) {
+            acknowledged.push(i);
+        }
+    }
+    wait_applied(&net.nodes.read(), leader_id, "after space returned");
+
+    // The follower's process restarts from what it left on disk.
+    let handle = net.nodes.write().remove(&victim).unwrap();
+    handle.stop();
+    drop(handle);
+    let restarted = victim_storage.restart_process();
+    net.nodes.write().insert(victim, start(victim, &restarted));
+    for i in 1_700..1_800u64 {
+        if matches!(put_value(i), Outcome::Applied { .. }) {
+            acknowledged.push(i);
+        }
+    }
+    wait_applied(&net.nodes.read(), leader_id, "after the restart");
+    let engine = net.nodes.read()[&victim].engine();
+    let space = engine.key_space(BLOB_KEY_SPACE).unwrap();
+    for i in &acknowledged {
+        assert_eq!(
+            engine.get(space, &key(*i)).unwrap().as_deref(),
+            Some(&value(*i)[..]),
+            "key {i} on the restarted follower"
+        );
+    }
+    for handle in net.nodes.read().values() {
         handle.stop();
     }
 }

@@ -20,14 +20,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{Mapping, Storage, StorageFile};
+use super::{DirLock, Mapping, Storage, StorageFile};
 
 const SECTOR_BYTES: usize = 512;
 
@@ -62,6 +62,9 @@ struct State {
     live: BTreeMap<PathBuf, u64>,
     durable: BTreeMap<PathBuf, u64>,
     dirs: BTreeSet<PathBuf>,
+    /// Directories held by [`Storage::lock`] (a process's locks: a reboot
+    /// or restart starts without any).
+    locks: BTreeSet<PathBuf>,
     next_id: u64,
 }
 
@@ -237,7 +240,34 @@ fn parent(path: &Path) -> PathBuf {
     path.parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
+/// A hold on a directory of a [`FaultStorage`].
+struct FaultLock {
+    inner: Weak<Inner>,
+    dir: PathBuf,
+}
+
+impl Drop for FaultLock {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            inner.state.lock().locks.remove(&self.dir);
+        }
+    }
+}
+
 impl Storage for FaultStorage {
+    fn lock(&self, dir: &Path) -> io::Result<DirLock> {
+        if !self.inner.state.lock().locks.insert(dir.to_path_buf()) {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is locked by another open engine", dir.display()),
+            ));
+        }
+        Ok(DirLock::new(FaultLock {
+            inner: Arc::downgrade(&self.inner),
+            dir: dir.to_path_buf(),
+        }))
+    }
+
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {
         self.inner.op()?;
         let mut state = self.inner.state.lock();

@@ -9,9 +9,9 @@ use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use rustix::fs::{Advice, FallocateFlags};
+use rustix::fs::{Advice, FallocateFlags, FlockOperation};
 
-use super::{Mapping, Storage, StorageFile};
+use super::{DirLock, LOCK_FILE, Mapping, Storage, StorageFile};
 
 /// The production storage: files in a real directory tree.
 #[derive(Debug, Default, Clone)]
@@ -25,6 +25,27 @@ impl FileStorage {
 }
 
 impl Storage for FileStorage {
+    fn lock(&self, dir: &Path) -> io::Result<DirLock> {
+        let path = dir.join(LOCK_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)?;
+        // An flock belongs to this open file: a second open of the same
+        // directory, even in this process, is refused, and the hold ends
+        // when the file is closed — also when the process dies.
+        match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => Ok(DirLock::new(file)),
+            Err(rustix::io::Errno::WOULDBLOCK) => Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is locked by another open engine", path.display()),
+            )),
+            Err(error) => Err(error.into()),
+        }
+    }
+
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {
         let file = OpenOptions::new()
             .read(true)

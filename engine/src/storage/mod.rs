@@ -58,6 +58,34 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn exists(&self, path: &Path) -> bool;
     /// Free bytes on the volume that holds `dir`.
     fn available_bytes(&self, dir: &Path) -> io::Result<u64>;
+    /// Takes the exclusive hold on `dir` that every open engine keeps, so
+    /// that no second engine — in this process or another — opens the same
+    /// directory while the first is alive. Fails with
+    /// [`io::ErrorKind::WouldBlock`] if someone holds it.
+    fn lock(&self, dir: &Path) -> io::Result<DirLock>;
+}
+
+/// The name of the lock file [`FileStorage`] keeps in a locked directory.
+pub const LOCK_FILE: &str = "LOCK";
+
+/// A hold on a directory from [`Storage::lock`]; dropping it lets go.
+pub struct DirLock {
+    _hold: Box<dyn Send + Sync>,
+}
+
+impl DirLock {
+    /// Wraps whatever keeps the hold until dropped.
+    pub fn new(hold: impl Send + Sync + 'static) -> Self {
+        Self {
+            _hold: Box::new(hold),
+        }
+    }
+}
+
+impl fmt::Debug for DirLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DirLock")
+    }
 }
 
 /// One open file.
