@@ -67,19 +67,28 @@ bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/o
 	./target/release/engine-reclaim --seconds $(BENCH_SECONDS)
 	./target/release/node-shard --seconds $(BENCH_SECONDS)
 
-# What engine-compare's peers need to build (the rocksdb crate runs bindgen).
-BENCH_PACKAGES := libclang-dev
+# What engine-compare's peers need to build (the rocksdb crate runs bindgen),
+# and what draws its charts.
+BENCH_PACKAGES := libclang-dev python3-matplotlib
+ENGINE_COMPARE_JSON ?= benchmarks/results/engine-compare.jsonl
+DATA_GIB ?= 32
 ifeq ($(QUICK),1)
-ENGINE_COMPARE_ARGS ?= --seconds 3 --entries 100000 --value-bytes 1024 --threads 1,2
+ENGINE_COMPARE_ARGS ?= --seconds 3 --entries 100000 --value-bytes 64,1024 --threads 1,2 --label quick
+ENGINE_COMPARE_JSON := target/engine-compare-quick.jsonl
+ENGINE_COMPARE_OUT ?= target/engine-compare-quick
+else ifeq ($(LARGE),1)
+ENGINE_COMPARE_ARGS ?= --seconds 10 --data-mib $(shell echo $$(($(DATA_GIB) * 1024))) --value-bytes 1024 --threads 2 --label beyond-memory
 else
-ENGINE_COMPARE_ARGS ?= --seconds 10 --entries 1000000 --value-bytes 64,128,1024,4096,65536 --threads 1,2
+ENGINE_COMPARE_ARGS ?= --seconds 10 --data-mib 4096 --value-bytes 64,128,1024,4096,65536 --threads 1,2 --label in-memory
 endif
+ENGINE_COMPARE_OUT ?= benchmarks/results
 
-bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process (QUICK=1: a few minutes); JSON lines in benchmarks/results/.
+bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB sweep (QUICK=1: ~5 min smoke; LARGE=1 [DATA_GIB=32]: beyond memory); JSON, tables and charts in benchmarks/results/.
 	@$(MAKE) --no-print-directory deps DEBIAN_PACKAGES="$(BENCH_PACKAGES)"
 	$(CARGO) build --release -p tidepool-benchmarks --features peers --bin engine-compare
-	mkdir -p benchmarks/results
-	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --json benchmarks/results/engine-compare.jsonl
+	mkdir -p $(dir $(ENGINE_COMPARE_JSON)) $(ENGINE_COMPARE_OUT)
+	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --json $(ENGINE_COMPARE_JSON)
+	/usr/bin/python3 benchmarks/plot.py $(ENGINE_COMPARE_JSON) $(ENGINE_COMPARE_OUT)
 
 bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.
 	$(CARGO) build --release -p tidepool-benchmarks

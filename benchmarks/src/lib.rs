@@ -11,8 +11,16 @@
 //! - `engine-reclaim`: a delete-heavy workload with relocation off and on.
 //! - `node-shard`: a 3-replica shard of real nodes over loopback gRPC with
 //!   concurrent clients, next to a single engine driven the same way.
+//! - `engine-compare` (feature `peers`): the engine next to RocksDB and
+//!   BlobDB in one process, every workload of issue 5, with the
+//!   `memcpy`-into-mmap limit; `benchmarks/plot.py` draws its tables and
+//!   charts (`make bench-engine`).
 
-use std::time::Duration;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tidepool_engine::storage::{FileStorage, Storage};
 
 /// Latencies of one run, exact (every sample kept).
 #[derive(Debug, Default)]
@@ -61,6 +69,62 @@ pub fn human(d: Duration) -> String {
     } else {
         format!("{:.1} ms", d.as_secs_f64() * 1e3)
     }
+}
+
+/// Sequential `memcpy` of `chunk`-byte pieces into fresh, fallocated,
+/// mapped 256 MiB files (through the engine's own storage seam) by
+/// `threads` threads, each filling files of its own, for `duration`: the
+/// limit of any write path that copies values into a mapped log on this
+/// machine. Returns the pieces copied and the time taken. The files are
+/// removed as they fill and at the end.
+pub fn memcpy_limit(
+    dir: &Path,
+    chunk: usize,
+    threads: usize,
+    duration: Duration,
+) -> anyhow::Result<(u64, Duration)> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let copies = AtomicU64::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let copies = &copies;
+                s.spawn(move || -> anyhow::Result<()> {
+                    let storage = FileStorage::new();
+                    let source = vec![0x5Au8; chunk];
+                    let mut mine = 0u64;
+                    for file_number in 0.. {
+                        if start.elapsed() >= duration {
+                            break;
+                        }
+                        let path = dir.join(format!("memcpy-{t}-{file_number}"));
+                        let file = storage.create(&path, 256 << 20)?;
+                        let mapping = file.map()?;
+                        while let Ok(mut region) = mapping.claim(chunk as u64) {
+                            region.copy_from_slice(&source);
+                            mine += 1;
+                            if mine.is_multiple_of(4096) && start.elapsed() >= duration {
+                                break;
+                            }
+                        }
+                        drop(mapping);
+                        storage.remove(&path)?;
+                    }
+                    copies.fetch_add(mine, Ordering::Relaxed);
+                    Ok(())
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().expect("memcpy worker")?;
+        }
+        Ok(())
+    })?;
+    let elapsed = start.elapsed();
+    let _ = std::fs::remove_dir_all(dir);
+    Ok((copies.into_inner(), elapsed))
 }
 
 #[cfg(test)]

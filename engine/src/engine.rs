@@ -317,9 +317,10 @@ impl Engine {
         result
     }
 
-    /// Stops the engine at once and writes nothing more: no flush, no sync,
-    /// no snapshot — what a killed process would leave, which the next open
-    /// recovers (everything acknowledged as durable is). For an owner that
+    /// Stops the engine without a final flush, sync or snapshot (background
+    /// work already under way finishes first; nothing starts after) — what
+    /// a killed process would leave, which the next open recovers
+    /// (everything acknowledged as durable is). For an owner that
     /// gave up on this engine and will reopen its directory. Afterwards
     /// every call fails with [`Error::Closed`] (handles may still be held
     /// elsewhere) and the directory may be opened again.

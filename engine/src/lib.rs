@@ -46,8 +46,8 @@
 //!
 //! One engine at a time holds a directory (an `flock` on its `LOCK` file,
 //! so also across processes): a second open gets [`Error::Locked`] until
-//! the first is closed, dropped, or stopped with [`Engine::shutdown`],
-//! which writes nothing more — what a killed process leaves.
+//! the first is closed, dropped, or stopped with [`Engine::shutdown`]
+//! (no final flush or snapshot — what a killed process leaves).
 //!
 //! # Reclaiming space
 //!

@@ -6,7 +6,6 @@
 //! unflushed changes, captured under the cell's lock). Values are read as
 //! the iterator reaches them.
 
-use std::collections::VecDeque;
 use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
@@ -36,7 +35,11 @@ pub struct Scan<'a> {
     lower: Bound<Key>,
     upper: Bound<Key>,
     direction: Direction,
-    cells: VecDeque<CellId>,
+    /// The next cell to read, and the last one the range reaches (`None`:
+    /// the key space's end). Cells are found one at a time: a scan that
+    /// stops after one key costs one or two cells, not a list of them all.
+    cursor: Option<CellId>,
+    last: Option<CellId>,
     current: std::vec::IntoIter<(Key, Entry)>,
 }
 
@@ -90,10 +93,19 @@ impl<'a> Scan<'a> {
     }
 
     fn next_cell(&mut self) -> Option<CellId> {
-        match self.direction {
-            Direction::Forward => self.cells.pop_front(),
-            Direction::Reverse => self.cells.pop_back(),
+        let id = self.cursor.take()?;
+        let forward = self.direction == Direction::Forward;
+        if self.last.as_ref() != Some(&id) {
+            self.cursor = self
+                .space
+                .next_cell(&id, forward)
+                .filter(|next| match &self.last {
+                    Some(last) if forward => next <= last,
+                    Some(last) => next >= last,
+                    None => true,
+                });
         }
+        Some(id)
     }
 
     fn next_entry(&mut self) -> Option<(Key, Entry)> {
@@ -152,14 +164,19 @@ impl Engine {
             }
         }
         let (lower, upper) = (pad_bound(lower), pad_bound(upper));
-        let cells = table.cells_between(lower.as_ref(), upper.as_ref()).into();
+        let (cursor, last) = table.cell_walk(
+            lower.as_ref(),
+            upper.as_ref(),
+            direction == Direction::Forward,
+        );
         Ok(Scan {
             inner,
             space: table,
             lower,
             upper,
             direction,
-            cells,
+            cursor,
+            last,
             current: Vec::new().into_iter(),
         })
     }

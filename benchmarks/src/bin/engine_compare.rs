@@ -4,16 +4,23 @@
 //! limit measured in the same run. Built only with the `peers` feature
 //! (the `rocksdb` crate compiles RocksDB from C++): `make bench-engine`.
 //!
-//! For each engine, value size and thread count: fill `--entries` keys,
-//! then fixed-duration phases — 100% puts of new keys, 50/50 get/put, 100%
-//! gets of present keys, 100% exists (half present, half absent). Each
-//! phase reports ops/s, p50/p99/p99.9 latency, bytes written to disk per
-//! user byte (`/proc/self/io`), disk usage and CPU cores used; one JSON
-//! line per phase goes to `--json`, a Markdown table to stdout.
+//! For each value size and engine: fill the data size (`--data-mib`, or
+//! `--entries`), then, for each thread count, fixed-duration phases of
+//! 32-byte uniformly random keys — 100% puts of new keys, 50/50 get/put,
+//! 100% gets (uniform over every key), 100% gets skewed toward recent keys
+//! (Zipf, θ 0.99, over insertion order), 100% exists (half present, half
+//! absent), 100% "largest key smaller than" a random key — and at the last
+//! thread count 100% deletes (of every key, until the phase ends or none
+//! is left; disk used afterwards is the "without relocation" figure) and
+//! a reclaim pass (Tidepool: relocation of everything below the WAL's end;
+//! RocksDB: a full compaction, with blob garbage collection of every blob
+//! file for BlobDB; disk used afterwards is the "with relocation" figure).
 //!
-//! Status (issue 5, first increment): the fits-in-memory size and four of
-//! the issue's workloads; Zipf gets, reverse lookups, delete phases, the
-//! larger-than-memory size and the charts are not built yet.
+//! Every phase reports ops/s, p50/p99/p99.9 latency, disk bytes written
+//! per user byte (`/proc/self/io` write_bytes; user bytes = key + value of
+//! each put), disk bytes read per operation, disk usage and CPU cores used;
+//! one JSON line per phase goes to `--json`, a Markdown table to stdout.
+//! `benchmarks/plot.py` turns the JSON lines into tables and PNG charts.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -24,16 +31,21 @@ use anyhow::Context;
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tidepool_benchmarks::{Latencies, human};
-use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig};
-use tidepool_testkit::process_write_bytes;
+use tidepool_benchmarks::{Latencies, human, memcpy_limit};
+
+use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig, Strategy};
+use tidepool_testkit::{process_read_bytes, process_write_bytes};
 
 #[derive(Debug, Parser)]
 struct Args {
     /// Seconds each phase runs.
     #[arg(long, default_value_t = 10)]
     seconds: u64,
-    /// Entries filled before the phases.
+    /// Data filled before the phases, MiB of keys and values (overrides
+    /// `--entries`).
+    #[arg(long)]
+    data_mib: Option<u64>,
+    /// Entries filled before the phases (without `--data-mib`).
     #[arg(long, default_value_t = 200_000)]
     entries: u64,
     /// Value sizes, bytes.
@@ -42,26 +54,49 @@ struct Args {
     /// Thread counts.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,
-    /// Memory each engine may use for caches and indexes, MiB.
+    /// Memory each engine may use for caches, indexes and memtables, MiB.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
     /// Engines to run.
     #[arg(long, value_delimiter = ',', default_value = "tidepool,rocksdb,blobdb")]
     engines: Vec<String>,
+    /// Phases to run (put, mixed, get, get-zipf, exists, last-before,
+    /// delete, reclaim).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "put,mixed,get,get-zipf,exists,last-before,delete,reclaim"
+    )]
+    phases: Vec<String>,
     /// Scratch directory (emptied first).
     #[arg(long, default_value = "target/bench-compare")]
     dir: PathBuf,
     /// Append one JSON line per phase here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// A label for this run's data size in the JSON ("in-memory",
+    /// "beyond-memory").
+    #[arg(long, default_value = "in-memory")]
+    label: String,
 }
 
 /// What the benchmark needs of an engine.
 trait KvEngine: Send + Sync {
     fn put(&self, key: &[u8; 32], value: &[u8]);
+    fn delete(&self, key: &[u8; 32]);
     fn get(&self, key: &[u8; 32]) -> Option<usize>;
     fn exists(&self, key: &[u8; 32]) -> bool;
+    /// The largest key smaller than `key`, and its value's length.
+    fn last_before(&self, key: &[u8; 32]) -> Option<([u8; 32], usize)>;
+    /// Makes what was written reach the engine's files (index flushed,
+    /// memtables flushed).
     fn finish(&self);
+    /// Reclaims the space of deleted entries.
+    fn reclaim(&self);
+    /// Engine counters worth printing with a phase, as a string.
+    fn detail(&self) -> String {
+        String::new()
+    }
 }
 
 struct Tidepool {
@@ -75,6 +110,11 @@ impl KvEngine for Tidepool {
             .put(self.space, key, value, Durability::Buffered)
             .expect("tidepool put");
     }
+    fn delete(&self, key: &[u8; 32]) {
+        self.engine
+            .delete(self.space, key, Durability::Buffered)
+            .expect("tidepool delete");
+    }
     fn get(&self, key: &[u8; 32]) -> Option<usize> {
         self.engine
             .get(self.space, key)
@@ -86,14 +126,42 @@ impl KvEngine for Tidepool {
             .exists(self.space, key)
             .expect("tidepool exists")
     }
+    fn last_before(&self, key: &[u8; 32]) -> Option<([u8; 32], usize)> {
+        self.engine
+            .last_before(self.space, key)
+            .expect("tidepool last_before")
+            .map(|(k, v)| (k.try_into().expect("32-byte key"), v.len()))
+    }
     fn finish(&self) {
         self.engine.flush().expect("tidepool flush");
+    }
+    fn reclaim(&self) {
+        let below = self.engine.processed_position();
+        self.engine
+            .relocate(Strategy::Index { below })
+            .expect("tidepool relocate");
+    }
+    fn detail(&self) -> String {
+        let c = self.engine.metrics().counters;
+        format!(
+            "wal {} MiB, index {} MiB, cache hits {} misses {}, disk lookups {} ({} reads), bloom negatives {}, cell loads {} unloads {}",
+            c.wal_bytes_written >> 20,
+            c.index_bytes_written >> 20,
+            c.cache_hits,
+            c.cache_misses,
+            c.disk_lookups,
+            c.disk_lookup_reads,
+            c.bloom_negatives,
+            c.cell_loads,
+            c.cell_unloads
+        )
     }
 }
 
 struct Rocks {
     db: rocksdb::DB,
     write: rocksdb::WriteOptions,
+    blob: bool,
 }
 
 impl KvEngine for Rocks {
@@ -101,6 +169,11 @@ impl KvEngine for Rocks {
         self.db
             .put_opt(key, value, &self.write)
             .expect("rocksdb put");
+    }
+    fn delete(&self, key: &[u8; 32]) {
+        self.db
+            .delete_opt(key, &self.write)
+            .expect("rocksdb delete");
     }
     fn get(&self, key: &[u8; 32]) -> Option<usize> {
         self.db
@@ -113,8 +186,34 @@ impl KvEngine for Rocks {
         // "maybe" is checked by a read).
         self.db.get_pinned(key).expect("rocksdb get").is_some()
     }
+    fn last_before(&self, key: &[u8; 32]) -> Option<([u8; 32], usize)> {
+        let mut iter = self.db.raw_iterator();
+        iter.seek_for_prev(key);
+        if iter.valid() && iter.key() == Some(&key[..]) {
+            iter.prev();
+        }
+        if !iter.valid() {
+            iter.status().expect("rocksdb iterator");
+            return None;
+        }
+        let found = iter.key()?.try_into().expect("32-byte key");
+        Some((found, iter.value()?.len()))
+    }
     fn finish(&self) {
         self.db.flush().expect("rocksdb flush");
+    }
+    fn reclaim(&self) {
+        if self.blob {
+            // Every blob file is eligible for garbage collection during
+            // this compaction.
+            self.db
+                .set_options(&[("blob_garbage_collection_age_cutoff", "1.0")])
+                .expect("rocksdb set_options");
+        }
+        let mut options = rocksdb::CompactOptions::default();
+        options.set_bottommost_level_compaction(rocksdb::BottommostLevelCompaction::Force);
+        self.db
+            .compact_range_opt(None::<&[u8]>, None::<&[u8]>, &options);
     }
 }
 
@@ -133,13 +232,14 @@ fn open(
             config.index_memory_bytes = memory * 3 / 4;
             config.value_cache_bytes = memory / 4;
             config.max_value_bytes = (value_bytes as u64).max(1 << 20);
+            config.relocation_enabled = false;
             config.key_spaces = vec![KeySpaceConfig {
                 name: "default".into(),
                 key_bytes: 32,
                 layout: CellLayout::Uniform { cells: 16_384 },
             }];
             let settings = format!(
-                "WAL segments 256 MiB, index memory {} MiB, value cache {} MiB, 16384 cells, writes buffered (no fsync per write)",
+                "WAL segments 256 MiB, index memory {} MiB, value cache {} MiB, 16384 cells, writes buffered (no fsync per write), background relocation off",
                 config.index_memory_bytes >> 20,
                 config.value_cache_bytes >> 20
             );
@@ -169,17 +269,17 @@ fn open(
             write.set_sync(false);
             write.disable_wal(false);
             let settings = format!(
-                "leveled, WAL on, no sync per write, bloom 10 bits/key, block cache {} MiB, 2 memtables of {} MiB{}",
+                "leveled, WAL on, no sync per write, bloom 10 bits/key, block cache {} MiB, 2 memtables of {} MiB, no compression{}",
                 (memory / 2) >> 20,
                 (memory / 4) >> 20,
                 if blob {
-                    ", blob files for values >= 512 B, blob GC on"
+                    ", blob files for values >= 512 B, blob GC on (age cutoff 0.25; 1.0 for the reclaim pass)"
                 } else {
                     ""
                 }
             );
             let db = rocksdb::DB::open(&options, dir).context("open rocksdb")?;
-            Ok((Box::new(Rocks { db, write }), settings))
+            Ok((Box::new(Rocks { db, write, blob }), settings))
         }
         other => anyhow::bail!("unknown engine {other:?} (tidepool, rocksdb, blobdb)"),
     }
@@ -223,22 +323,99 @@ fn cpu_seconds() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// Zipf-distributed ranks in `0..n` (θ < 1), by the method of Gray et al.,
+/// "Quickly generating billion-record synthetic databases" (SIGMOD 1994),
+/// as YCSB uses it: rank 0 is the most popular.
+struct Zipf {
+    n: f64,
+    theta: f64,
+    alpha: f64,
+    zeta_n: f64,
+    eta: f64,
+}
+
+impl Zipf {
+    fn new(n: u64, theta: f64) -> Self {
+        let zeta = |n: u64| (1..=n).map(|i| 1.0 / (i as f64).powf(theta)).sum::<f64>();
+        let zeta_n = zeta(n);
+        let zeta_2 = zeta(2.min(n));
+        let nf = n as f64;
+        Self {
+            n: nf,
+            theta,
+            alpha: 1.0 / (1.0 - theta),
+            zeta_n,
+            eta: (1.0 - (2.0 / nf).powf(1.0 - theta)) / (1.0 - zeta_2 / zeta_n),
+        }
+    }
+
+    fn sample(&self, rng: &mut SmallRng) -> u64 {
+        let u: f64 = rng.random();
+        let uz = u * self.zeta_n;
+        if uz < 1.0 {
+            return 0;
+        }
+        if uz < 1.0 + 0.5f64.powf(self.theta) {
+            return 1;
+        }
+        let rank = (self.n * (self.eta * u - self.eta + 1.0).powf(self.alpha)) as u64;
+        rank.min(self.n as u64 - 1)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Phase {
     Puts,
     Mixed,
     Gets,
+    GetsZipf,
     Exists,
+    LastBefore,
+    Deletes,
+    Reclaim,
 }
 
 impl Phase {
+    const ALL: [Phase; 8] = [
+        Phase::Puts,
+        Phase::Mixed,
+        Phase::Gets,
+        Phase::GetsZipf,
+        Phase::Exists,
+        Phase::LastBefore,
+        Phase::Deletes,
+        Phase::Reclaim,
+    ];
+
+    fn id(self) -> &'static str {
+        match self {
+            Phase::Puts => "put",
+            Phase::Mixed => "mixed",
+            Phase::Gets => "get",
+            Phase::GetsZipf => "get-zipf",
+            Phase::Exists => "exists",
+            Phase::LastBefore => "last-before",
+            Phase::Deletes => "delete",
+            Phase::Reclaim => "reclaim",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Phase::Puts => "100% put (new keys)",
             Phase::Mixed => "50/50 get/put",
             Phase::Gets => "100% get (uniform)",
+            Phase::GetsZipf => "100% get (Zipf 0.99, recent keys hot)",
             Phase::Exists => "100% exists (half absent)",
+            Phase::LastBefore => "100% largest key smaller than",
+            Phase::Deletes => "100% delete (no relocation)",
+            Phase::Reclaim => "reclaim (relocation / full compaction)",
         }
+    }
+
+    /// Runs once, at the last thread count: it changes the data.
+    fn destructive(self) -> bool {
+        matches!(self, Phase::Deletes | Phase::Reclaim)
     }
 }
 
@@ -248,7 +425,15 @@ struct Measured {
     latencies: Latencies,
     user_bytes: u64,
     disk_written: u64,
+    disk_read: u64,
     cpu: f64,
+}
+
+/// Shared positions in the key sequence: keys `deleted..filled` are
+/// present (entry `i` holds `key(i)`).
+struct Keys {
+    filled: AtomicU64,
+    deleted: AtomicU64,
 }
 
 fn run_phase(
@@ -256,18 +441,35 @@ fn run_phase(
     phase: Phase,
     threads: usize,
     value: &[u8],
-    filled: &AtomicU64,
+    keys: &Keys,
     duration: Duration,
 ) -> Measured {
-    let stop = AtomicBool::new(false);
     let written_before = process_write_bytes();
+    let read_before = process_read_bytes();
     let cpu_before = cpu_seconds();
-    let user_bytes = AtomicU64::new(0);
     let start = Instant::now();
+    if phase == Phase::Reclaim {
+        engine.reclaim();
+        let mut latencies = Latencies::default();
+        latencies.record(start.elapsed());
+        return Measured {
+            ops: 1,
+            elapsed: start.elapsed(),
+            latencies,
+            user_bytes: 0,
+            disk_written: process_write_bytes() - written_before,
+            disk_read: process_read_bytes() - read_before,
+            cpu: cpu_seconds() - cpu_before,
+        };
+    }
+    let stop = AtomicBool::new(false);
+    let user_bytes = AtomicU64::new(0);
+    let present = keys.filled.load(Ordering::Relaxed);
+    let zipf = (phase == Phase::GetsZipf).then(|| Zipf::new(present, 0.99));
     let results: Vec<(u64, Latencies)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
-                let (stop, user_bytes) = (&stop, &user_bytes);
+                let (stop, user_bytes, zipf) = (&stop, &user_bytes, zipf.as_ref());
                 s.spawn(move || {
                     let mut rng = SmallRng::seed_from_u64(t as u64 * 7919 + 1);
                     let mut latencies = Latencies::default();
@@ -278,21 +480,46 @@ fn run_phase(
                             Phase::Mixed => rng.random_bool(0.5),
                             _ => false,
                         };
+                        // Keys below this may still be in flight in
+                        // another thread's put.
+                        let settled = |n: u64| n.saturating_sub(threads as u64 * 4).max(1);
                         let began = Instant::now();
                         if put {
-                            let i = filled.fetch_add(1, Ordering::Relaxed);
+                            let i = keys.filled.fetch_add(1, Ordering::Relaxed);
                             engine.put(&key(i), value);
                             user_bytes.fetch_add(value.len() as u64 + 32, Ordering::Relaxed);
-                        } else if phase == Phase::Exists {
-                            let n = filled.load(Ordering::Relaxed);
-                            let i = rng.random_range(0..n * 2);
-                            let present = engine.exists(&key(i));
-                            assert_eq!(present, i < n, "exists of entry {i} of {n}");
                         } else {
-                            let n = filled.load(Ordering::Relaxed);
-                            let i =
-                                rng.random_range(0..n.saturating_sub(threads as u64 * 4).max(1));
-                            assert!(engine.get(&key(i)).is_some(), "entry {i} is present");
+                            match phase {
+                                Phase::Exists => {
+                                    let n = keys.filled.load(Ordering::Relaxed);
+                                    let i = rng.random_range(0..n * 2);
+                                    let present = engine.exists(&key(i));
+                                    assert_eq!(present, i < n, "exists of entry {i} of {n}");
+                                }
+                                Phase::GetsZipf => {
+                                    let rank = zipf.expect("zipf").sample(&mut rng);
+                                    let i = present - 1 - rank;
+                                    assert!(engine.get(&key(i)).is_some(), "entry {i}");
+                                }
+                                Phase::LastBefore => {
+                                    let probe: [u8; 32] = rng.random();
+                                    if let Some((found, _)) = engine.last_before(&probe) {
+                                        assert!(found < probe, "a smaller key");
+                                    }
+                                }
+                                Phase::Deletes => {
+                                    let i = keys.deleted.fetch_add(1, Ordering::Relaxed);
+                                    if i >= keys.filled.load(Ordering::Relaxed) {
+                                        break;
+                                    }
+                                    engine.delete(&key(i));
+                                }
+                                _ => {
+                                    let n = settled(keys.filled.load(Ordering::Relaxed));
+                                    let i = rng.random_range(0..n);
+                                    assert!(engine.get(&key(i)).is_some(), "entry {i}");
+                                }
+                            }
                         }
                         latencies.record(began.elapsed());
                         ops += 1;
@@ -301,7 +528,9 @@ fn run_phase(
                 })
             })
             .collect();
-        std::thread::sleep(duration);
+        while start.elapsed() < duration && !handles.iter().all(|h| h.is_finished()) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         stop.store(true, Ordering::Relaxed);
         handles
             .into_iter()
@@ -322,7 +551,106 @@ fn run_phase(
         latencies,
         user_bytes: user_bytes.into_inner(),
         disk_written: process_write_bytes() - written_before,
+        disk_read: process_read_bytes() - read_before,
         cpu: cpu_seconds() - cpu_before,
+    }
+}
+
+/// Fills `entries` entries with two threads, as fast as the engine takes
+/// them.
+fn fill(engine: &dyn KvEngine, entries: u64, value: &[u8]) -> Duration {
+    let next = AtomicU64::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= entries {
+                        break;
+                    }
+                    engine.put(&key(i), value);
+                }
+            });
+        }
+    });
+    engine.finish();
+    start.elapsed()
+}
+
+/// One result row, for the table and the JSON line.
+struct Row<'a> {
+    engine: &'a str,
+    settings: &'a str,
+    value_bytes: usize,
+    threads: usize,
+    entries: u64,
+    phase: &'a str,
+    phase_name: &'a str,
+    rate: f64,
+    latency: (Duration, Duration, Duration),
+    amplification: Option<f64>,
+    read_per_op: f64,
+    disk: u64,
+    cores: f64,
+    detail: String,
+}
+
+struct Output {
+    json: Option<std::fs::File>,
+    label: String,
+    data_mib: u64,
+}
+
+impl Output {
+    fn row(&mut self, row: &Row<'_>) -> anyhow::Result<()> {
+        let (p50, p99, p999) = row.latency;
+        println!(
+            "| {} | {} B | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {} MiB | {:.2} |",
+            row.engine,
+            row.value_bytes,
+            row.threads,
+            row.phase_name,
+            row.rate,
+            human(p50),
+            human(p99),
+            human(p999),
+            row.amplification
+                .map_or_else(|| "-".into(), |a| format!("{a:.2}")),
+            row.read_per_op,
+            row.disk >> 20,
+            row.cores
+        );
+        if !row.detail.is_empty() {
+            eprintln!("  {} {}: {}", row.engine, row.phase, row.detail);
+        }
+        if let Some(file) = self.json.as_mut() {
+            let text = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+            writeln!(
+                file,
+                "{{\"label\":\"{}\",\"data_mib\":{},\"engine\":\"{}\",\"settings\":\"{}\",\"value_bytes\":{},\"threads\":{},\"entries\":{},\"phase\":\"{}\",\"phase_name\":\"{}\",\"ops_per_s\":{:.1},\"p50_ns\":{},\"p99_ns\":{},\"p999_ns\":{},\"write_amplification\":{},\"disk_read_bytes_per_op\":{:.1},\"disk_bytes\":{},\"cpu_cores\":{:.3},\"detail\":\"{}\"}}",
+                text(&self.label),
+                self.data_mib,
+                row.engine,
+                text(row.settings),
+                row.value_bytes,
+                row.threads,
+                row.entries,
+                row.phase,
+                row.phase_name,
+                row.rate,
+                p50.as_nanos(),
+                p99.as_nanos(),
+                p999.as_nanos(),
+                row.amplification
+                    .map_or_else(|| "null".into(), |a| format!("{a:.3}")),
+                row.read_per_op,
+                row.disk,
+                row.cores,
+                text(&row.detail)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -330,7 +658,17 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let duration = Duration::from_secs(args.seconds);
     let memory = args.memory_mib << 20;
-    let mut json = match &args.json {
+    let phases: Vec<Phase> = args
+        .phases
+        .iter()
+        .map(|id| {
+            Phase::ALL
+                .into_iter()
+                .find(|p| p.id() == id)
+                .with_context(|| format!("unknown phase {id:?}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let json = match &args.json {
         Some(path) => Some(
             std::fs::OpenOptions::new()
                 .create(true)
@@ -339,90 +677,105 @@ fn main() -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let entries_for = |value_bytes: usize| match args.data_mib {
+        Some(mib) => (mib << 20) / (value_bytes as u64 + 32),
+        None => args.entries,
+    };
+    let data_mib =
+        |value_bytes: usize| (entries_for(value_bytes) * (value_bytes as u64 + 32)) >> 20;
+    let mut out = Output {
+        json,
+        label: args.label.clone(),
+        data_mib: 0,
+    };
     println!(
-        "engine-compare: {} entries filled, 32-byte uniform keys, {} s per phase, {} MiB memory per engine",
-        args.entries, args.seconds, args.memory_mib
+        "engine-compare ({}): 32-byte uniform keys, {} s per phase, {} MiB memory per engine. \
+         This machine's memory manager evicts page-cache data idle for about a minute even \
+         when RAM is free: reads of data not touched in the last minute come from disk.",
+        args.label, args.seconds, args.memory_mib
     );
     println!(
-        "| engine | value | threads | phase | ops/s | p50 | p99 | p99.9 | disk bytes written / user byte | disk used | CPU cores |"
+        "| engine | value | threads | phase | ops/s | p50 | p99 | p99.9 | disk bytes written / user byte | disk bytes read / op | disk used | CPU cores |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let max_threads = args.threads.iter().copied().max().unwrap_or(1);
     for &value_bytes in &args.value_bytes {
+        let entries = entries_for(value_bytes);
+        out.data_mib = data_mib(value_bytes);
+        // The limit of a copy into a mapped log, at each thread count.
+        for &threads in &args.threads {
+            let (copies, elapsed) = memcpy_limit(
+                &args.dir.join("memcpy"),
+                value_bytes + 32,
+                threads,
+                duration,
+            )?;
+            out.row(&Row {
+                engine: "memcpy-mmap",
+                settings: "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files",
+                value_bytes,
+                threads,
+                entries: 0,
+                phase: "put",
+                phase_name: Phase::Puts.name(),
+                rate: copies as f64 / elapsed.as_secs_f64(),
+                latency: (Duration::ZERO, Duration::ZERO, Duration::ZERO),
+                amplification: None,
+                read_per_op: 0.0,
+                disk: 0,
+                cores: 0.0,
+                detail: String::new(),
+            })?;
+        }
         // Random bytes: no engine gains from compression.
         let mut value = vec![0u8; value_bytes];
         SmallRng::seed_from_u64(value_bytes as u64).fill(&mut value[..]);
-        for &threads in &args.threads {
-            for name in &args.engines {
-                let dir = args.dir.join(name);
-                let (engine, settings) = open(name, &dir, memory, value_bytes)?;
-                eprintln!("{name}: {settings}");
-                let filled = AtomicU64::new(0);
-                let fill_start = Instant::now();
-                // Fill with two threads, as fast as the engine takes it.
-                std::thread::scope(|s| {
-                    for _ in 0..2 {
-                        s.spawn(|| {
-                            loop {
-                                let i = filled.fetch_add(1, Ordering::Relaxed);
-                                if i >= args.entries {
-                                    break;
-                                }
-                                engine.put(&key(i), &value);
-                            }
-                        });
+        for name in &args.engines {
+            let dir = args.dir.join(name);
+            let (engine, settings) = open(name, &dir, memory, value_bytes)?;
+            eprintln!("{name}: {settings}");
+            let took = fill(engine.as_ref(), entries, &value);
+            eprintln!(
+                "{name}: filled {entries} entries of {value_bytes} B ({} MiB) in {}",
+                out.data_mib,
+                human(took)
+            );
+            let keys = Keys {
+                filled: AtomicU64::new(entries),
+                deleted: AtomicU64::new(0),
+            };
+            for &threads in &args.threads {
+                for &phase in &phases {
+                    if phase.destructive() && threads != max_threads {
+                        continue;
                     }
-                });
-                filled.store(args.entries, Ordering::Relaxed);
-                engine.finish();
-                eprintln!(
-                    "{name}: filled {} entries in {}",
-                    args.entries,
-                    human(fill_start.elapsed())
-                );
-                for phase in [Phase::Puts, Phase::Mixed, Phase::Gets, Phase::Exists] {
-                    let mut m =
-                        run_phase(engine.as_ref(), phase, threads, &value, &filled, duration);
-                    let rate = m.ops as f64 / m.elapsed.as_secs_f64();
-                    let amplification = if m.user_bytes > 0 {
-                        m.disk_written as f64 / m.user_bytes as f64
-                    } else {
-                        0.0
-                    };
-                    let disk = dir_bytes(&dir);
-                    let cores = m.cpu / m.elapsed.as_secs_f64();
-                    let (p50, p99, p999) = (
-                        m.latencies.quantile(0.5),
-                        m.latencies.quantile(0.99),
-                        m.latencies.quantile(0.999),
-                    );
-                    println!(
-                        "| {name} | {value_bytes} B | {threads} | {} | {rate:.0} | {} | {} | {} | {} | {} MiB | {cores:.2} |",
-                        phase.name(),
-                        human(p50),
-                        human(p99),
-                        human(p999),
-                        if m.user_bytes > 0 {
-                            format!("{amplification:.2}")
-                        } else {
-                            "-".into()
-                        },
-                        disk >> 20
-                    );
-                    if let Some(file) = json.as_mut() {
-                        writeln!(
-                            file,
-                            "{{\"engine\":\"{name}\",\"settings\":\"{settings}\",\"value_bytes\":{value_bytes},\"threads\":{threads},\"entries\":{},\"phase\":\"{}\",\"ops_per_s\":{rate:.1},\"p50_ns\":{},\"p99_ns\":{},\"p999_ns\":{},\"write_amplification\":{amplification:.3},\"disk_bytes\":{disk},\"cpu_cores\":{cores:.3}}}",
-                            args.entries,
-                            phase.name(),
-                            p50.as_nanos(),
-                            p99.as_nanos(),
-                            p999.as_nanos()
-                        )?;
-                    }
+                    let mut m = run_phase(engine.as_ref(), phase, threads, &value, &keys, duration);
+                    let elapsed = m.elapsed.as_secs_f64();
+                    out.row(&Row {
+                        engine: name,
+                        settings: &settings,
+                        value_bytes,
+                        threads,
+                        entries: keys.filled.load(Ordering::Relaxed),
+                        phase: phase.id(),
+                        phase_name: phase.name(),
+                        rate: m.ops as f64 / elapsed,
+                        latency: (
+                            m.latencies.quantile(0.5),
+                            m.latencies.quantile(0.99),
+                            m.latencies.quantile(0.999),
+                        ),
+                        amplification: (m.user_bytes > 0)
+                            .then(|| m.disk_written as f64 / m.user_bytes as f64),
+                        read_per_op: m.disk_read as f64 / m.ops.max(1) as f64,
+                        disk: dir_bytes(&dir),
+                        cores: m.cpu / elapsed,
+                        detail: engine.detail(),
+                    })?;
                 }
-                drop(engine);
-                let _ = std::fs::remove_dir_all(&dir);
             }
+            drop(engine);
+            let _ = std::fs::remove_dir_all(&dir);
         }
     }
     Ok(())

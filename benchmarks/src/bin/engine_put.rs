@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use rand::Rng;
-use tidepool_engine::storage::{FileStorage, Storage};
 use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpaceConfig};
 
 #[derive(Debug, Parser)]
@@ -83,39 +82,6 @@ fn engine_puts(
     Ok((ops.into_inner(), elapsed, detail))
 }
 
-/// Sequential `memcpy` of `chunk`-byte pieces into fresh fallocated,
-/// mapped files (the engine's own storage seam) for `duration`.
-fn memcpy_limit(
-    dir: &PathBuf,
-    chunk: usize,
-    duration: Duration,
-) -> anyhow::Result<(u64, Duration)> {
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir)?;
-    let storage = FileStorage::new();
-    let source = vec![0x5Au8; chunk];
-    let (mut copies, mut file_number) = (0u64, 0u32);
-    let start = Instant::now();
-    'outer: while start.elapsed() < duration {
-        let path = dir.join(format!("memcpy-{file_number}"));
-        file_number += 1;
-        let file = storage.create(&path, 256 << 20)?;
-        let mapping = file.map()?;
-        while let Ok(mut region) = mapping.claim(chunk as u64) {
-            region.copy_from_slice(&source);
-            copies += 1;
-            if copies % 4096 == 0 && start.elapsed() >= duration {
-                break 'outer;
-            }
-        }
-        drop(mapping);
-        storage.remove(&path)?;
-    }
-    let elapsed = start.elapsed();
-    let _ = std::fs::remove_dir_all(dir);
-    Ok((copies, elapsed))
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let duration = Duration::from_secs(args.seconds);
@@ -126,7 +92,8 @@ fn main() -> anyhow::Result<()> {
         "engine-put: {}-byte values, 32-byte random keys, Durability::Buffered, {} s per run",
         args.value_bytes, args.seconds
     );
-    let (copies, elapsed) = memcpy_limit(&args.dir, args.value_bytes, duration)?;
+    let (copies, elapsed) =
+        tidepool_benchmarks::memcpy_limit(&args.dir, args.value_bytes, 1, duration)?;
     let limit = copies as f64 / elapsed.as_secs_f64();
     println!("| run | ops/s | MiB/s | vs memcpy limit | latency |");
     println!("|---|---|---|---|---|");

@@ -35,15 +35,24 @@ impl Storage for FileStorage {
             .open(&path)?;
         // An flock belongs to this open file: a second open of the same
         // directory, even in this process, is refused, and the hold ends
-        // when the file is closed — also when the process dies.
-        match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => Ok(DirLock::new(file)),
-            Err(rustix::io::Errno::WOULDBLOCK) => Err(io::Error::new(
-                io::ErrorKind::WouldBlock,
-                format!("{} is locked by another open engine", path.display()),
-            )),
-            Err(error) => Err(error.into()),
+        // when the file is closed — also when the process dies. A child
+        // being spawned by another thread holds a copy of every descriptor
+        // until its exec closes them, and with it a just-released lock:
+        // try again for a second before calling the directory taken.
+        for attempt in 0.. {
+            match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(DirLock::new(file)),
+                Err(rustix::io::Errno::WOULDBLOCK) if attempt < 50 => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(rustix::io::Errno::WOULDBLOCK) => break,
+                Err(error) => return Err(error.into()),
+            }
         }
+        Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("{} is locked by another open engine", path.display()),
+        ))
     }
 
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {

@@ -9,7 +9,7 @@
 pub(crate) mod cell;
 
 use std::collections::BTreeMap;
-use std::ops::{Bound, RangeBounds};
+use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -177,21 +177,68 @@ impl SpaceTable {
         }
     }
 
-    /// Cell ids whose keys may fall in `[from, to]`, in key order.
-    pub fn cells_between(&self, from: Bound<&Key>, to: Bound<&Key>) -> Vec<CellId> {
-        let id_of = |key: &Key| self.cell_of(key);
-        let low = match from {
-            Bound::Included(k) | Bound::Excluded(k) => Bound::Included(id_of(k)),
-            Bound::Unbounded => Bound::Unbounded,
+    /// The cells whose keys may fall in `[from, to]`, walked in key order
+    /// (`forward`) or reverse, one at a time: the first to visit, and the
+    /// last (`None`: the walk ends with the key space).
+    pub fn cell_walk(
+        &self,
+        from: Bound<&Key>,
+        to: Bound<&Key>,
+        forward: bool,
+    ) -> (Option<CellId>, Option<CellId>) {
+        let cell = |bound: Bound<&Key>| match bound {
+            Bound::Included(k) | Bound::Excluded(k) => Some(self.cell_of(k)),
+            Bound::Unbounded => None,
         };
-        let high = match to {
-            Bound::Included(k) | Bound::Excluded(k) => Bound::Included(id_of(k)),
-            Bound::Unbounded => Bound::Unbounded,
-        };
-        self.cell_ids()
-            .into_iter()
-            .filter(|id| (low, high).contains(id))
-            .collect()
+        let (low, high) = (cell(from), cell(to));
+        let (start, end) = if forward { (low, high) } else { (high, low) };
+        let start = start.or_else(|| self.end_cell(forward));
+        (start, end)
+    }
+
+    /// The first cell of the key space (`forward`) or its last.
+    fn end_cell(&self, forward: bool) -> Option<CellId> {
+        match &self.cells {
+            Cells::Uniform { count, .. } => {
+                Some(CellId::Uniform(if forward { 0 } else { count - 1 }))
+            }
+            Cells::Prefixed { map, .. } => {
+                let map = map.read();
+                let key = if forward {
+                    map.keys().next()
+                } else {
+                    map.keys().next_back()
+                };
+                key.map(|k| CellId::Prefixed(*k))
+            }
+        }
+    }
+
+    /// The cell after `id` in key order (`forward`), or before it; `id`
+    /// need not exist (a prefix no key has yet).
+    pub fn next_cell(&self, id: &CellId, forward: bool) -> Option<CellId> {
+        match (&self.cells, id) {
+            (Cells::Uniform { count, .. }, CellId::Uniform(i)) => {
+                let next = if forward {
+                    i.checked_add(1).filter(|n| n < count)
+                } else {
+                    i.checked_sub(1)
+                };
+                next.map(CellId::Uniform)
+            }
+            (Cells::Prefixed { map, .. }, CellId::Prefixed(prefix)) => {
+                let map = map.read();
+                let next = if forward {
+                    map.range((Bound::Excluded(*prefix), Bound::Unbounded))
+                        .next()
+                } else {
+                    map.range((Bound::Unbounded, Bound::Excluded(*prefix)))
+                        .next_back()
+                };
+                next.map(|(k, _)| CellId::Prefixed(*k))
+            }
+            _ => unreachable!("cell id of another layout"),
+        }
     }
 }
 
