@@ -653,7 +653,7 @@ async fn disk_by_node(map: &ClusterMap) -> BTreeMap<u64, u64> {
     out
 }
 
-const CACHE_BLOBS: usize = 160;
+const CACHE_BLOBS: usize = 320;
 const BACKUP_BLOBS: usize = 16;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -688,8 +688,12 @@ async fn expired_epochs_are_dropped_on_every_replica() {
     let map = status.map.unwrap();
     let big = vec![7u8; 256 << 10];
     let nodes = node_urls(&map);
-    // 4 MiB to keep, then 40 MiB to expire: more than two 16 MiB segments
-    // per shard that hold nothing else once the backup blobs move forward.
+    // 4 MiB to keep, then 80 MiB to expire: about 40 MiB per shard, so
+    // every replica of each shard has at least one whole 16 MiB segment
+    // holding nothing else once the backup blobs move forward, wherever
+    // its segment boundaries fall (40 MiB in all was not: a replica whose
+    // shard got ~17 MiB could have none, and the test failed on a busy
+    // machine).
     for (ns, count) in [("backup", BACKUP_BLOBS), ("cache", CACHE_BLOBS)] {
         for i in 0..count {
             put(&nodes, ns, format!("{ns}-{i}").as_bytes(), &big)
