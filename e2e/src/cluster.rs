@@ -341,10 +341,7 @@ impl Cluster {
 
     async fn try_client(&self) -> Option<Client> {
         let seeds: Vec<String> = self.coordinators.iter().map(|c| c.url.clone()).collect();
-        let mut config = ClientConfig::new(&seeds);
-        config.timeout = Duration::from_secs(20);
-        config.watch = false;
-        Client::with_config(config).await.ok()
+        client_of(&seeds, Duration::from_secs(20)).await
     }
 
     /// The leader's status (or any coordinator's).
@@ -362,11 +359,9 @@ impl Cluster {
     /// in turn (a follower answers with its own view, `is_leader` false).
     pub async fn leader_status(&self) -> Option<(usize, ClusterStatus)> {
         for (i, coordinator) in self.coordinators.iter().enumerate() {
-            let mut config = ClientConfig::new(std::slice::from_ref(&coordinator.url));
-            config.timeout = Duration::from_secs(2);
-            config.watch = false;
             let ask = async {
-                let client = Client::with_config(config).await.ok()?;
+                let seed = std::slice::from_ref(&coordinator.url);
+                let client = client_of(seed, Duration::from_secs(2)).await?;
                 client.cluster_status().await.ok()
             };
             if let Ok(Some(status)) = tokio::time::timeout(Duration::from_secs(3), ask).await
@@ -482,4 +477,12 @@ pub fn settled(status: &ClusterStatus) -> bool {
                     .iter()
                     .all(|r| r.role == ReplicaRole::Voter as i32 && up.contains(&r.node_id))
         })
+}
+
+/// A client with these seeds and per-call timeout, not watching the map.
+async fn client_of(seeds: &[String], timeout: Duration) -> Option<Client> {
+    let mut config = ClientConfig::new(seeds);
+    config.timeout = timeout;
+    config.watch = false;
+    Client::with_config(config).await.ok()
 }

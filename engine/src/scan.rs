@@ -95,16 +95,14 @@ impl<'a> Scan<'a> {
     fn next_cell(&mut self) -> Option<CellId> {
         let id = self.cursor.take()?;
         let forward = self.direction == Direction::Forward;
-        if self.last.as_ref() != Some(&id) {
-            self.cursor = self
-                .space
-                .next_cell(&id, forward)
-                .filter(|next| match &self.last {
-                    Some(last) if forward => next <= last,
-                    Some(last) => next >= last,
-                    None => true,
-                });
-        }
+        self.cursor = self
+            .space
+            .next_cell(&id, forward)
+            .filter(|next| match &self.last {
+                Some(last) if forward => next <= last,
+                Some(last) => next >= last,
+                None => true,
+            });
         Some(id)
     }
 

@@ -628,30 +628,31 @@ impl Output {
             eprintln!("  {} {}: {}", row.engine, row.phase, row.detail);
         }
         if let Some(file) = self.json.as_mut() {
-            let text = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
-            writeln!(
-                file,
-                "{{\"label\":\"{}\",\"data_mib\":{},\"engine\":\"{}\",\"settings\":\"{}\",\"value_bytes\":{},\"threads\":{},\"entries\":{},\"phase\":\"{}\",\"phase_name\":\"{}\",\"ops_per_s\":{:.1},\"p50_ns\":{},\"p99_ns\":{},\"p999_ns\":{},\"write_amplification\":{},\"disk_read_bytes_per_op\":{:.1},\"disk_bytes\":{},\"cpu_cores\":{:.3},\"detail\":\"{}\"}}",
-                text(&self.label),
-                self.data_mib,
-                row.engine,
-                text(row.settings),
-                row.value_bytes,
-                row.threads,
-                row.entries,
-                row.phase,
-                row.phase_name,
-                row.rate,
-                p50.as_nanos(),
-                p99.as_nanos(),
-                p999.as_nanos(),
-                row.amplification
-                    .map_or_else(|| "null".into(), |a| format!("{a:.3}")),
-                row.read_per_op,
-                row.disk,
-                row.cores,
-                text(&row.detail)
-            )?;
+            let round = |x: f64, digits: i32| {
+                let scale = 10f64.powi(digits);
+                (x * scale).round() / scale
+            };
+            let line = serde_json::json!({
+                "label": self.label,
+                "data_mib": self.data_mib,
+                "engine": row.engine,
+                "settings": row.settings,
+                "value_bytes": row.value_bytes,
+                "threads": row.threads,
+                "entries": row.entries,
+                "phase": row.phase,
+                "phase_name": row.phase_name,
+                "ops_per_s": round(row.rate, 1),
+                "p50_ns": p50.as_nanos() as u64,
+                "p99_ns": p99.as_nanos() as u64,
+                "p999_ns": p999.as_nanos() as u64,
+                "write_amplification": row.amplification.map(|a| round(a, 3)),
+                "disk_read_bytes_per_op": round(row.read_per_op, 1),
+                "disk_bytes": row.disk,
+                "cpu_cores": round(row.cores, 3),
+                "detail": row.detail,
+            });
+            writeln!(file, "{line}")?;
         }
         Ok(())
     }

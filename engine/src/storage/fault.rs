@@ -257,10 +257,7 @@ impl Drop for FaultLock {
 impl Storage for FaultStorage {
     fn lock(&self, dir: &Path) -> io::Result<DirLock> {
         if !self.inner.state.lock().locks.insert(dir.to_path_buf()) {
-            return Err(io::Error::new(
-                io::ErrorKind::WouldBlock,
-                format!("{} is locked by another open engine", dir.display()),
-            ));
+            return Err(super::held(dir));
         }
         Ok(DirLock::new(FaultLock {
             inner: Arc::downgrade(&self.inner),

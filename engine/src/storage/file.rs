@@ -49,10 +49,7 @@ impl Storage for FileStorage {
                 Err(error) => return Err(error.into()),
             }
         }
-        Err(io::Error::new(
-            io::ErrorKind::WouldBlock,
-            format!("{} is locked by another open engine", path.display()),
-        ))
+        Err(super::held(&path))
     }
 
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {

@@ -68,6 +68,14 @@ pub trait Storage: Send + Sync + fmt::Debug {
 /// The name of the lock file [`FileStorage`] keeps in a locked directory.
 pub const LOCK_FILE: &str = "LOCK";
 
+/// What [`Storage::lock`] fails with when someone holds `what`.
+fn held(what: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::WouldBlock,
+        format!("{} is locked by another open engine", what.display()),
+    )
+}
+
 /// A hold on a directory from [`Storage::lock`]; dropping it lets go.
 pub struct DirLock {
     _hold: Box<dyn Send + Sync>,
