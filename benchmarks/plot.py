@@ -22,7 +22,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ENGINES = ["tidepool", "rocksdb", "blobdb"]
-COLORS = {"tidepool": "#1f77b4", "rocksdb": "#d62728", "blobdb": "#ff7f0e", "memcpy-mmap": "#7f7f7f"}
+COLORS = {"tidepool": "#1f77b4", "rocksdb": "#d62728", "blobdb": "#ff7f0e", "memcpy-mmap": "#7f7f7f",
+          "memcpy-mmap-recycled": "#c7c7c7"}
+# The memcpy limits: into files kept (the limit) and into files removed once
+# full, whose memory the next file reuses (reference only).
+LIMITS = ["memcpy-mmap", "memcpy-mmap-recycled"]
 PHASES = ["put", "mixed", "get", "get-zipf", "exists", "last-before", "delete"]
 
 
@@ -68,7 +72,7 @@ def markdown(rows):
         lr = [r for r in rows if r["label"] == label]
         threads = sorted({r["threads"] for r in lr})
         values = sorted({r["value_bytes"] for r in lr})
-        data = sorted({r["data_mib"] for r in lr if r["engine"] != "memcpy-mmap"})
+        data = sorted({r["data_mib"] for r in lr if r["engine"] not in LIMITS})
         out.append(f"## {label} (data filled: {', '.join(f'{d} MiB' for d in data)})")
         out.append("")
         for t in threads:
@@ -95,11 +99,12 @@ def markdown(rows):
             out.append("")
         out.append("### Writes: amplification, the memcpy limit, disk after deletes")
         out.append("")
-        out.append("| value | threads | engine | put ops/s | disk bytes written / user byte (puts) | put ops/s / memcpy-mmap | disk after deletes | reclaim time | disk after reclaim |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| value | threads | engine | put ops/s | disk bytes written / user byte (puts) | put ops/s / memcpy-mmap (files kept) | put ops/s / memcpy-mmap (files recycled) | disk after deletes | reclaim time | disk after reclaim |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for v in values:
             for t in threads:
                 limit = by.get((label, "memcpy-mmap", v, t, "put"))
+                recycled = by.get((label, "memcpy-mmap-recycled", v, t, "put"))
                 for e in ENGINES:
                     put = by.get((label, e, v, t, "put"))
                     if not put:
@@ -111,6 +116,7 @@ def markdown(rows):
                         f"{v} B", str(t), e, fmt_rate(put["ops_per_s"]),
                         f"{wa:.2f}" if wa is not None else "-",
                         ratio(put["ops_per_s"], limit["ops_per_s"]) if limit else "-",
+                        ratio(put["ops_per_s"], recycled["ops_per_s"]) if recycled else "-",
                         f"{dele['disk_bytes'] >> 20} MiB" if dele else "-",
                         fmt_ns(rec["p50_ns"]) if rec else "-",
                         f"{rec['disk_bytes'] >> 20} MiB" if rec else "-",
@@ -161,11 +167,11 @@ def charts(rows, out_dir):
         threads = sorted({r["threads"] for r in lr})
         fig, axes = plt.subplots(1, len(threads), figsize=(5.5 * len(threads), 4.2), squeeze=False)
         for ax, t in zip(axes[0], threads):
-            names = ENGINES + ["memcpy-mmap"]
+            names = ENGINES + LIMITS
             width = 0.8 / len(names)
             for k, e in enumerate(names):
                 ys = [by[(label, e, v, t, "put")]["ops_per_s"] if (label, e, v, t, "put") in by else 0 for v in values]
-                xs = [i + (k - 1.5) * width for i in range(len(values))]
+                xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(values))]
                 ax.bar(xs, ys, width, label=e, color=COLORS[e])
             ax.set_xticks(range(len(values)))
             ax.set_xticklabels([f"{v} B" for v in values])

@@ -88,7 +88,8 @@ pub struct Config {
     pub index_memory_bytes: u64,
     /// Memory for the value cache, bytes (0 disables it).
     pub value_cache_bytes: u64,
-    /// Entries read per optimistic index lookup.
+    /// Most entries read per optimistic index lookup (a lookup reads
+    /// `3·sqrt(count) + 16` of a cell's `count`, up to this).
     pub lookup_window_entries: u32,
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,

@@ -281,15 +281,18 @@ impl Engine {
         });
     }
 
-    /// Asks the kernel to drop the value WAL's clean cached pages, so the
-    /// next reads go to the disk (for cold-read tests and benchmarks).
+    /// Syncs the value WAL and the index log and asks the kernel to drop
+    /// their cached pages, so the next reads go to the disk (for cold-read
+    /// tests and benchmarks).
     pub fn drop_page_cache(&self) -> Result<()> {
-        self.inner.values.sync_now()?;
-        for segment in self.inner.values.segments() {
-            segment
-                .file
-                .evict_cache()
-                .map_err(|e| Error::io(&segment.path, e))?;
+        for log in [&self.inner.values, &self.inner.index.log] {
+            log.sync_now()?;
+            for segment in log.segments() {
+                segment
+                    .file
+                    .evict_cache()
+                    .map_err(|e| Error::io(&segment.path, e))?;
+            }
         }
         Ok(())
     }
@@ -444,10 +447,8 @@ impl Inner {
         let id = table.cell_of(&key);
         let threshold = self.config.flush_dirty_entries as usize;
         let queue = table.with_cell_or_create(&id, |cell| {
-            let before = cell.memory_bytes();
-            cell.apply(key, entry, record);
-            self.table
-                .account(cell.memory_bytes() as isize - before as isize);
+            let added = cell.apply(key, entry, record).unwrap_or(0);
+            self.table.account(added as isize);
             let queue = cell.changes.len() >= threshold && !cell.queued && !cell.flushing;
             cell.queued |= queue;
             queue
@@ -472,6 +473,10 @@ impl Inner {
             };
             let (disk, bloom) = match probe {
                 Probe::Found(entry) => return Ok(self.live(entry)),
+                Probe::Filtered => {
+                    Metrics::add(&self.metrics.counters.bloom_negatives, 1);
+                    return Ok(None);
+                }
                 Probe::Disk { disk, bloom } => (disk, bloom),
             };
             match self.lookup_disk(space, &id, key, disk, bloom) {

@@ -95,6 +95,7 @@ impl Inner {
     ) -> Step {
         let current = match cell.probe(key, space.key_len()) {
             Probe::Found(current) => current,
+            Probe::Filtered => None,
             Probe::Disk { disk, .. } => match from_disk {
                 Some((read_from, entry)) if read_from == disk => entry,
                 _ => return Step::ReadDisk(disk),
@@ -103,10 +104,8 @@ impl Inner {
         let Some(replacement) = current.as_ref().and_then(update) else {
             return Step::Done(false);
         };
-        let before = cell.memory_bytes();
-        let changed = cell.apply(*key, replacement, record);
-        self.table
-            .account(cell.memory_bytes() as isize - before as isize);
-        Step::Done(changed)
+        let added = cell.apply(*key, replacement, record);
+        self.table.account(added.unwrap_or(0) as isize);
+        Step::Done(added.is_some())
     }
 }

@@ -116,7 +116,7 @@ impl Engine {
             let id = table.cell_of(&key);
             let disk = table.with_cell(&id, |cell| match cell.probe(&key, key_len) {
                 Probe::Disk { disk, .. } => Some(disk),
-                Probe::Found(_) => None,
+                Probe::Found(_) | Probe::Filtered => None,
             });
             let Some(current) = inner.lookup(table, &key)? else {
                 return Ok(false);

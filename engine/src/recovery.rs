@@ -424,10 +424,7 @@ fn replay_record(
             tag: item.tag,
         };
         space.with_cell_or_create(&id, |cell| {
-            let before = cell.memory_bytes();
-            cell.apply(key, entry, position.0);
-            recovered.memory_bytes =
-                (recovered.memory_bytes + cell.memory_bytes()).saturating_sub(before);
+            recovered.memory_bytes += cell.apply(key, entry, position.0).unwrap_or(0);
         });
     }
     Ok(())

@@ -31,7 +31,7 @@ use anyhow::Context;
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tidepool_benchmarks::{Latencies, human, memcpy_limit};
+use tidepool_benchmarks::{Latencies, LimitFiles, human, memcpy_limit};
 
 use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig, Strategy};
 use tidepool_testkit::{process_read_bytes, process_write_bytes};
@@ -707,16 +707,24 @@ fn main() -> anyhow::Result<()> {
         let entries = entries_for(value_bytes);
         out.data_mib = data_mib(value_bytes);
         // The limit of a copy into a mapped log, at each thread count.
-        for &threads in &args.threads {
+        for (&threads, files) in args
+            .threads
+            .iter()
+            .flat_map(|t| [(t, LimitFiles::Kept), (t, LimitFiles::Recycled)])
+        {
             let (copies, elapsed) = memcpy_limit(
                 &args.dir.join("memcpy"),
                 value_bytes + 32,
                 threads,
                 duration,
+                files,
             )?;
             out.row(&Row {
-                engine: "memcpy-mmap",
-                settings: "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files",
+                engine: files.engine_name(),
+                settings: match files {
+                    LimitFiles::Kept => "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, kept (the limit)",
+                    LimitFiles::Recycled => "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, each removed once full (its memory reused; reference only)",
+                },
                 value_bytes,
                 threads,
                 entries: 0,

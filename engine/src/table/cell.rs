@@ -87,6 +87,8 @@ pub(crate) struct Cell {
 pub(crate) enum Probe {
     /// The answer, from memory (`None`: no such key, or deleted).
     Found(Option<Entry>),
+    /// No such key: the on-disk index's bloom filter says so.
+    Filtered,
     /// Only the on-disk index can tell.
     Disk {
         disk: DiskRef,
@@ -136,7 +138,7 @@ impl Cell {
         if let Some(bloom) = &self.bloom
             && !bloom.may_contain(&key[..key_len])
         {
-            return Probe::Found(None);
+            return Probe::Filtered;
         }
         Probe::Disk {
             disk,
@@ -146,18 +148,24 @@ impl Cell {
 
     /// Records a change carried by the WAL record at `record`; the newer of
     /// it and an existing change wins (the same write at the same place —
-    /// a touch — replaces it). Returns whether the cell changed.
-    pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> bool {
+    /// a touch — replaces it). Returns `None` if the cell did not change,
+    /// else the bytes of memory added (computed without touching the base
+    /// or the bloom filter: on the write path every extra cache miss counts).
+    pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> Option<usize> {
         let change = Change { entry, record };
-        match self.changes.get_mut(&key) {
-            Some(existing) if !entry.replaces(&existing.entry) => return false,
-            Some(existing) => *existing = change,
+        let added = match self.changes.get_mut(&key) {
+            Some(existing) if !entry.replaces(&existing.entry) => return None,
+            Some(existing) => {
+                *existing = change;
+                0
+            }
             None => {
                 self.changes.insert(key, change);
+                CHANGE_BYTES
             }
-        }
+        };
         self.dirty_since = self.dirty_since.min(record);
-        true
+        Some(added)
     }
 
     /// Memory held by the cell's in-memory layers, bytes.
@@ -331,10 +339,14 @@ mod tests {
     fn newer_change_wins_regardless_of_arrival_order() {
         let mut cell = Cell::restored(None);
         let key = key_array(b"k");
-        assert!(cell.apply(key, entry(9, false), 9));
-        assert!(!cell.apply(key, entry(5, true), 5));
+        assert_eq!(cell.apply(key, entry(9, false), 9), Some(CHANGE_BYTES));
+        assert_eq!(cell.apply(key, entry(5, true), 5), None);
         assert_eq!(cell.changes[&key].entry.version, 9);
         assert_eq!(cell.dirty_since, 9);
+        // A replaced change adds no memory; what apply reports adds up to
+        // what the cell holds.
+        assert_eq!(cell.apply(key, entry(10, false), 10), Some(0));
+        assert_eq!(cell.memory_bytes(), CHANGE_BYTES);
     }
 
     #[test]
