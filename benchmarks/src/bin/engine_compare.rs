@@ -1,7 +1,9 @@
 //! `engine-compare`: Tidepool's engine, RocksDB (leveled LSM) and BlobDB
 //! (RocksDB with blob files) side by side in one process, on the same
 //! keys and values, driven through one trait — with the `memcpy`-into-mmap
-//! limit measured in the same run. Built only with the `peers` feature
+//! limit measured in the same run (into files kept, as a log keeps its
+//! data — the limit; and, for reference, into files removed once full, whose
+//! memory the next file reuses). Built only with the `peers` feature
 //! (the `rocksdb` crate compiles RocksDB from C++): `make bench-engine`.
 //!
 //! For each value size and engine: fill the data size (`--data-mib`, or

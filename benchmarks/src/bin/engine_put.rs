@@ -1,7 +1,8 @@
 //! `engine-put`: put throughput of the engine with 1 and 2 writer threads,
 //! next to the machine's limit for the same bytes — a plain sequential
-//! `memcpy` into a memory-mapped, pre-allocated file — measured in the same
-//! run.
+//! `memcpy` into memory-mapped, pre-allocated files that are kept, as a
+//! log keeps its data (and, for reference, into files removed once full) —
+//! measured in the same run.
 //!
 //! Usage: `cargo run --release -p tidepool-benchmarks --bin engine-put --
 //! [--seconds 10] [--value-bytes 1024] [--dir target/bench-engine]`
