@@ -533,13 +533,7 @@ impl Inner {
             Metrics::add(&counters.bloom_negatives, 1);
             return Ok(None);
         }
-        let (rank_from, low, high) = space.rank_range(id);
-        let guess = crate::index::lookup::estimate(
-            crate::table::rank_at(key, rank_from),
-            low,
-            high,
-            disk.count as usize,
-        );
+        let guess = space.rank_guess(id, key, disk.count as usize);
         let found = self.index.lookup(&space.layout, &disk, key, guess)?;
         Metrics::add(&counters.disk_lookups, 1);
         Metrics::add(&counters.disk_lookup_reads, u64::from(found.reads));

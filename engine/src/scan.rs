@@ -87,6 +87,71 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// The largest live entry of one cell below `bound` (`None`: the
+    /// cell's largest). A cell not in memory answers from one window of
+    /// its on-disk index plus its changes, instead of loading it whole; if
+    /// the changes delete every entry of that window, the whole cell is
+    /// read after all.
+    pub(crate) fn last_in_cell(
+        &self,
+        space: &SpaceTable,
+        id: &CellId,
+        bound: Option<&Key>,
+    ) -> Result<Option<(Key, Entry)>> {
+        let below = |k: &Key| bound.is_none_or(|b| k < b);
+        for _ in 0..8 {
+            let Some((changes, base, disk)) = space.with_cell(id, |cell| {
+                let changes: Vec<(Key, Entry)> = match bound {
+                    Some(b) => cell
+                        .changes
+                        .range(..*b)
+                        .map(|(k, c)| (*k, c.entry))
+                        .collect(),
+                    None => cell.change_entries(),
+                };
+                (changes, cell.base.clone(), cell.disk)
+            }) else {
+                return Ok(None);
+            };
+            let disk = match (base, disk) {
+                (Some(base), _) => {
+                    let end = base.partition_point(|(k, _)| below(k));
+                    return Ok(merge(&base[..end], &changes).pop());
+                }
+                (None, None) => return Ok(merge(&[], &changes).pop()),
+                (None, Some(disk)) => disk,
+            };
+            let window = {
+                let _reading = self.index_gc.read();
+                let guess = bound.map_or(0, |b| space.rank_guess(id, b, disk.count as usize));
+                match self.index.entries_below(&space.layout, &disk, bound, guess) {
+                    Ok(window) => window,
+                    Err(Error::NoRecord(_)) => continue,
+                    Err(error) => return Err(error),
+                }
+            };
+            let first = window.entries.first().map(|(k, _)| *k);
+            let last = merge(&window.entries, &changes).pop();
+            // Entries before the window are unseen: the answer stands only
+            // if it is inside the window, or nothing precedes the window.
+            return match (last, first) {
+                (last, _) if window.from_start => Ok(last),
+                (Some(last), Some(first)) if last.0 >= first => Ok(Some(last)),
+                _ => Ok(self
+                    .cell_entries(space, id)?
+                    .into_iter()
+                    .rev()
+                    .find(|(k, _)| below(k))),
+            };
+        }
+        Err(Error::Io {
+            path: "index log".into(),
+            source: std::io::Error::other("index blobs kept changing under a scan"),
+        })
+    }
+}
+
 impl<'a> Scan<'a> {
     fn in_range(&self, key: &Key) -> bool {
         (self.lower, self.upper).contains(key)
@@ -206,15 +271,36 @@ impl Engine {
         )
     }
 
-    /// The largest key smaller than `key`, with its value.
+    /// The largest key smaller than `key`, with its value. Walks cells
+    /// down from `key`'s; each cell not in memory costs one window of its
+    /// on-disk index, not the whole cell.
     pub fn last_before(&self, space: KeySpace, key: &[u8]) -> Result<Option<(Vec<u8>, Bytes)>> {
-        self.scan(
-            space,
-            Bound::Unbounded,
-            Bound::Excluded(key),
-            Direction::Reverse,
-        )?
-        .next()
-        .transpose()
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (table, bound) = inner.key(space, key)?;
+        let mut cursor = Some(table.cell_of(&bound));
+        let mut first = true;
+        while let Some(id) = cursor {
+            let cell_bound = first.then_some(&bound);
+            if let Some((found, entry)) = inner.last_in_cell(table, &id, cell_bound)? {
+                return match inner.read_value(table, &found, &entry) {
+                    Ok(value) => Ok(Some((found[..table.key_len()].to_vec(), value))),
+                    // Relocated or deleted since: the ordered scan sorts it out.
+                    Err(Error::NoRecord(_)) => self
+                        .scan(
+                            space,
+                            Bound::Unbounded,
+                            Bound::Excluded(key),
+                            Direction::Reverse,
+                        )?
+                        .next()
+                        .transpose(),
+                    Err(error) => Err(error),
+                };
+            }
+            first = false;
+            cursor = table.next_cell(&id, false);
+        }
+        Ok(None)
     }
 }

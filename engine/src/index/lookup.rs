@@ -62,7 +62,7 @@ pub(crate) fn lookup<E>(
     key: &Key,
     guess: usize,
     window: usize,
-    mut read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+    read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
 ) -> Result<Found, LookupError<E>> {
     if count == 0 {
         return Ok(Found {
@@ -70,6 +70,106 @@ pub(crate) fn lookup<E>(
             reads: 0,
         });
     }
+    // The key is at or after the window's first entry, at or before its last.
+    let bracket = bracket(layout, count, guess, window, read, |first, last| {
+        (
+            layout.cmp_key(key, first) == Ordering::Less,
+            layout.cmp_key(key, last) == Ordering::Greater,
+        )
+    })?;
+    let entry = search(layout, &bracket.bytes, bracket.width, key, bracket.start)?;
+    Ok(Found {
+        entry,
+        reads: bracket.reads,
+    })
+}
+
+/// The entries a predecessor search needs: every entry of the window that
+/// holds the largest entry below the bound.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Below {
+    /// The window's entries below the bound, sorted, all verified.
+    pub entries: Vec<(Key, Entry)>,
+    /// Whether they start at the array's first entry (else entries before
+    /// them exist).
+    pub from_start: bool,
+    /// Windows read.
+    pub reads: u32,
+}
+
+/// Reads the window of `count` sorted entries that holds the largest entry
+/// below `bound` (`None`: the last entry) and returns its entries below the
+/// bound — the predecessor and the entries just before it, so that a
+/// caller whose newer changes delete the predecessor can usually find the
+/// next one without another read.
+pub(crate) fn entries_below<E>(
+    layout: &EntryLayout,
+    count: usize,
+    bound: Option<&Key>,
+    guess: usize,
+    window: usize,
+    read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+) -> Result<Below, LookupError<E>> {
+    if count == 0 {
+        return Ok(Below {
+            entries: Vec::new(),
+            from_start: true,
+            reads: 0,
+        });
+    }
+    let guess = if bound.is_some() { guess } else { count - 1 };
+    // The window's first entry is below the bound (or the array starts
+    // there) and its last is not (or the array ends there).
+    let bracket = bracket(
+        layout,
+        count,
+        guess,
+        window,
+        read,
+        |first, last| match bound {
+            Some(bound) => (
+                layout.cmp_key(bound, first) != Ordering::Greater,
+                layout.cmp_key(bound, last) == Ordering::Greater,
+            ),
+            None => (false, true),
+        },
+    )?;
+    let size = layout.size();
+    let mut entries = Vec::new();
+    for i in 0..bracket.width {
+        let bytes = &bracket.bytes[i * size..(i + 1) * size];
+        if bound.is_some_and(|b| layout.cmp_key(b, bytes) != Ordering::Greater) {
+            break;
+        }
+        entries.push(verify(layout, bytes, bracket.start + i)?);
+    }
+    Ok(Below {
+        entries,
+        from_start: bracket.start == 0,
+        reads: bracket.reads,
+    })
+}
+
+/// A window of encoded entries.
+struct Bracket {
+    start: usize,
+    width: usize,
+    bytes: Vec<u8>,
+    reads: u32,
+}
+
+/// Reads windows centred on `guess`, shifting them (keeping one entry of
+/// overlap) while `outside(first, last)` says the target lies before the
+/// window's first entry (`.0`) or after its last (`.1`) and the array
+/// continues that way. The first and last entries are verified.
+fn bracket<E>(
+    layout: &EntryLayout,
+    count: usize,
+    guess: usize,
+    window: usize,
+    mut read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+    outside: impl Fn(&[u8], &[u8]) -> (bool, bool),
+) -> Result<Bracket, LookupError<E>> {
     let size = layout.size();
     let width = window_for(count, window);
     let mut start = guess.saturating_sub(width / 2).min(count - width);
@@ -80,16 +180,21 @@ pub(crate) fn lookup<E>(
         let at = |i: usize| &bytes[i * size..(i + 1) * size];
         verify(layout, at(0), start)?;
         verify(layout, at(width - 1), start + width - 1)?;
-        if layout.cmp_key(key, at(0)) == Ordering::Less && start > 0 {
+        let (before, after) = outside(at(0), at(width - 1));
+        if before && start > 0 {
             start = (start + 1).saturating_sub(width);
             continue;
         }
-        if layout.cmp_key(key, at(width - 1)) == Ordering::Greater && start + width < count {
+        if after && start + width < count {
             start = (start + width - 1).min(count - width);
             continue;
         }
-        let entry = search(layout, &bytes, width, key, start)?;
-        return Ok(Found { entry, reads });
+        return Ok(Bracket {
+            start,
+            width,
+            bytes,
+            reads,
+        });
     }
 }
 
@@ -206,6 +311,62 @@ mod tests {
                 assert!(
                     hit_rate > 0.99,
                     "seed {seed}: hit rate {hit_rate}, window {width}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn entries_below_end_at_the_predecessor() {
+        let seed = tidepool_testkit::seed_from_env("LOOKUP_SEED");
+        let mut rng = SmallRng::seed_from_u64(seed);
+        for count in [1usize, 2, 7, 300, 5_000] {
+            let (layout, keys, bytes) = build(count, &mut rng);
+            let size = layout.size();
+            for _ in 0..500 {
+                let bound = match rng.random_range(0..4) {
+                    0 => None,
+                    1 => Some(keys[rng.random_range(0..keys.len())]),
+                    _ => Some(key_array(&rng.random::<[u8; 32]>())),
+                };
+                let below = keys.partition_point(|k| bound.is_none_or(|b| *k < b));
+                let guess = rng.random_range(0..keys.len());
+                let window = rng.random_range(2..64);
+                let got = entries_below::<()>(
+                    &layout,
+                    keys.len(),
+                    bound.as_ref(),
+                    guess,
+                    window,
+                    |first, n| Ok(bytes[first * size..(first + n) * size].to_vec()),
+                )
+                .unwrap();
+                // A contiguous run of entries ending at the predecessor.
+                let first = below - got.entries.len();
+                let expected: Vec<Key> = keys[first..below].to_vec();
+                let got_keys: Vec<Key> = got.entries.iter().map(|(k, _)| *k).collect();
+                assert_eq!(
+                    got_keys, expected,
+                    "seed {seed}: count {count}, bound {bound:?}"
+                );
+                if below == 0 {
+                    assert!(
+                        got.from_start,
+                        "seed {seed}: nothing below: the window reached the start"
+                    );
+                } else {
+                    assert!(
+                        !got.entries.is_empty(),
+                        "seed {seed}: the predecessor must be in the window"
+                    );
+                    assert_eq!(got.from_start, first == 0, "seed {seed}");
+                }
+                assert_eq!(
+                    got.entries
+                        .iter()
+                        .map(|(_, e)| e.version as usize)
+                        .collect::<Vec<_>>(),
+                    (first..below).collect::<Vec<_>>()
                 );
             }
         }

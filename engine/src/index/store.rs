@@ -70,6 +70,32 @@ impl IndexStore {
         blob::decode_bloom(&bytes, disk).map_err(|m| self.corrupt(disk.header_position(), m.0))
     }
 
+    /// The entries of a blob just below `bound` (`None`: its last ones),
+    /// ending at the largest, from one window read (usually).
+    pub fn entries_below(
+        &self,
+        layout: &EntryLayout,
+        disk: &DiskRef,
+        bound: Option<&Key>,
+        guess: usize,
+    ) -> Result<lookup::Below> {
+        let size = layout.size();
+        let read =
+            |first: usize, n: usize| self.log.read(disk.entry_position(layout, first), n * size);
+        lookup::entries_below(layout, disk.count as usize, bound, guess, self.window, read)
+            .map_err(|e| self.lookup_error(layout, disk, e))
+    }
+
+    fn lookup_error(&self, layout: &EntryLayout, disk: &DiskRef, e: LookupError<Error>) -> Error {
+        match e {
+            LookupError::Read(error) => error,
+            LookupError::Corrupt { entry } => self.corrupt(
+                disk.entry_position(layout, entry),
+                "index entry checksum mismatch",
+            ),
+        }
+    }
+
     /// Looks `key` up in a blob with the optimistic window lookup.
     pub fn lookup(
         &self,
@@ -81,14 +107,7 @@ impl IndexStore {
         let size = layout.size();
         let read =
             |first: usize, n: usize| self.log.read(disk.entry_position(layout, first), n * size);
-        lookup::lookup(layout, disk.count as usize, key, guess, self.window, read).map_err(|e| {
-            match e {
-                LookupError::Read(error) => error,
-                LookupError::Corrupt { entry } => self.corrupt(
-                    disk.entry_position(layout, entry),
-                    "index entry checksum mismatch",
-                ),
-            }
-        })
+        lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
+            .map_err(|e| self.lookup_error(layout, disk, e))
     }
 }

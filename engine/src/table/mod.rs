@@ -137,6 +137,13 @@ impl SpaceTable {
         }
     }
 
+    /// The estimated rank of `key` among the `count` sorted entries of
+    /// `cell`'s on-disk index (where the optimistic lookup starts).
+    pub fn rank_guess(&self, cell: &CellId, key: &Key, count: usize) -> usize {
+        let (rank_from, low, high) = self.rank_range(cell);
+        crate::index::lookup::estimate(rank_at(key, rank_from), low, high, count)
+    }
+
     /// Runs `f` on an existing cell under its lock; `None` if a prefixed
     /// cell does not exist.
     pub fn with_cell<R>(&self, id: &CellId, f: impl FnOnce(&mut Cell) -> R) -> Option<R> {
