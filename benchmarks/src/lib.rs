@@ -93,6 +93,14 @@ impl LimitFiles {
             LimitFiles::Recycled => "memcpy-mmap-recycled",
         }
     }
+
+    /// What becomes of the files, for result tables.
+    pub fn describe(self) -> &'static str {
+        match self {
+            LimitFiles::Kept => "files kept (the limit)",
+            LimitFiles::Recycled => "files recycled (reference)",
+        }
+    }
 }
 
 /// Sequential `memcpy` of `chunk`-byte pieces into fresh, fallocated,

@@ -80,14 +80,9 @@ impl Inner {
             };
             return Ok(merge(&base, &changes));
         }
-        Err(Error::Io {
-            path: "index log".into(),
-            source: std::io::Error::other("index blobs kept changing under a scan"),
-        })
+        Err(blobs_kept_changing())
     }
-}
 
-impl Inner {
     /// The largest live entry of one cell below `bound` (`None`: the
     /// cell's largest). A cell not in memory answers from one window of
     /// its on-disk index plus its changes, instead of loading it whole; if
@@ -145,10 +140,16 @@ impl Inner {
                     .find(|(k, _)| below(k))),
             };
         }
-        Err(Error::Io {
-            path: "index log".into(),
-            source: std::io::Error::other("index blobs kept changing under a scan"),
-        })
+        Err(blobs_kept_changing())
+    }
+}
+
+/// A scan's answer when a cell's on-disk index was replaced under every
+/// attempt to read it.
+fn blobs_kept_changing() -> Error {
+    Error::Io {
+        path: "index log".into(),
+        source: std::io::Error::other("index blobs kept changing under a scan"),
     }
 }
 

@@ -723,10 +723,10 @@ fn main() -> anyhow::Result<()> {
             )?;
             out.row(&Row {
                 engine: files.engine_name(),
-                settings: match files {
-                    LimitFiles::Kept => "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, kept (the limit)",
-                    LimitFiles::Recycled => "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, each removed once full (its memory reused; reference only)",
-                },
+                settings: &format!(
+                    "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, {}",
+                    files.describe()
+                ),
                 value_bytes,
                 threads,
                 entries: 0,

@@ -104,12 +104,8 @@ fn main() -> anyhow::Result<()> {
             limit = rate;
         }
         println!(
-            "| memcpy into mmap, files {} (1 thread) | {rate:.0} | {:.0} | {:.2} | - |",
-            if files == LimitFiles::Kept {
-                "kept (the limit)"
-            } else {
-                "recycled (reference)"
-            },
+            "| memcpy into mmap, {} (1 thread) | {rate:.0} | {:.0} | {:.2} | - |",
+            files.describe(),
             mib(copies, elapsed),
             rate / limit
         );

@@ -79,11 +79,27 @@ impl IndexStore {
         bound: Option<&Key>,
         guess: usize,
     ) -> Result<lookup::Below> {
-        let size = layout.size();
-        let read =
-            |first: usize, n: usize| self.log.read(disk.entry_position(layout, first), n * size);
-        lookup::entries_below(layout, disk.count as usize, bound, guess, self.window, read)
-            .map_err(|e| self.lookup_error(layout, disk, e))
+        lookup::entries_below(
+            layout,
+            disk.count as usize,
+            bound,
+            guess,
+            self.window,
+            self.entry_reader(layout, disk),
+        )
+        .map_err(|e| self.lookup_error(layout, disk, e))
+    }
+
+    /// Reads `n` encoded entries of a blob from entry `first` on.
+    fn entry_reader<'a>(
+        &'a self,
+        layout: &'a EntryLayout,
+        disk: &'a DiskRef,
+    ) -> impl FnMut(usize, usize) -> Result<Vec<u8>> + 'a {
+        move |first, n| {
+            self.log
+                .read(disk.entry_position(layout, first), n * layout.size())
+        }
     }
 
     fn lookup_error(&self, layout: &EntryLayout, disk: &DiskRef, e: LookupError<Error>) -> Error {
@@ -104,10 +120,14 @@ impl IndexStore {
         key: &Key,
         guess: usize,
     ) -> Result<Found> {
-        let size = layout.size();
-        let read =
-            |first: usize, n: usize| self.log.read(disk.entry_position(layout, first), n * size);
-        lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
-            .map_err(|e| self.lookup_error(layout, disk, e))
+        lookup::lookup(
+            layout,
+            disk.count as usize,
+            key,
+            guess,
+            self.window,
+            self.entry_reader(layout, disk),
+        )
+        .map_err(|e| self.lookup_error(layout, disk, e))
     }
 }
