@@ -7,9 +7,11 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
-# Debian packages the build and the tests need (procps: `kill`, which the
-# process tests use to send SIGTERM, SIGSTOP and SIGCONT).
-DEBIAN_PACKAGES := protobuf-compiler etcd-server procps
+# Debian packages the build and the tests need (libprotobuf-dev: the
+# well-known .proto files etcd-client's build imports — a Recommends of
+# protobuf-compiler, which --no-install-recommends leaves out; procps:
+# `kill`, which the process tests use to send SIGTERM, SIGSTOP and SIGCONT).
+DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps
 
 .PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image
 

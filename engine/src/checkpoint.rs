@@ -17,7 +17,7 @@ use crate::control::{CONTROL_FILE, ControlData};
 use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
 use crate::storage::StorageFile;
-use crate::types::{SegmentId, WalPosition};
+use crate::types::WalPosition;
 use crate::wal::segment::SegmentFile;
 
 /// Where a checkpoint file's bytes come from.
@@ -116,12 +116,7 @@ fn capture(inner: &Inner, control: &ControlData) -> Result<Checkpoint> {
         }
     }
     let index_size = inner.config.index_segment_bytes;
-    let referenced: std::collections::BTreeSet<SegmentId> = control
-        .spaces
-        .iter()
-        .flat_map(|s| &s.cells)
-        .filter_map(|c| c.disk.map(|d| SegmentId(d.position.0 / index_size)))
-        .collect();
+    let referenced = control.index_segments();
     let index_end = inner.index.log.synced().0;
     for segment in inner.index.log.segments() {
         if referenced.contains(&segment.id)

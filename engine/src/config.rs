@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::types::MAX_KEY_BYTES;
 
+/// Most deltas a cell's base may have (the control file stores a cell's
+/// layer count in one byte).
+pub const MAX_INDEX_DELTAS: u32 = 64;
+
 /// How a key space splits keys into cells.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -82,6 +86,11 @@ pub struct Config {
     /// behind the WAL's end are flushed at the next snapshot, bounding how
     /// much recovery replays.
     pub max_replay_bytes: u64,
+    /// Most delta blobs over a cell's base blob: a flush writes the cell's
+    /// changes alone as a delta, unless the cell already has this many
+    /// deltas or its deltas would hold as many entries as its base — then
+    /// it merges everything into a new base. 0 merges on every flush.
+    pub index_max_deltas: u32,
     /// Memory for the in-memory index (loaded cells, unflushed changes,
     /// bloom filters), bytes. Beyond it cells are unloaded and looked up on
     /// disk.
@@ -130,6 +139,7 @@ impl Default for Config {
             flusher_threads: 1,
             flush_dirty_entries: 4_096,
             max_replay_bytes: 1 << 30,
+            index_max_deltas: 8,
             index_memory_bytes: 1 << 30,
             value_cache_bytes: 256 << 20,
             lookup_window_entries: 800,
@@ -174,6 +184,7 @@ impl Config {
             flusher_threads: 2,
             flush_dirty_entries: 16,
             max_replay_bytes: 256 << 10,
+            index_max_deltas: 3,
             index_memory_bytes: 256 << 10,
             value_cache_bytes: 64 << 10,
             lookup_window_entries: 16,
@@ -243,6 +254,12 @@ impl Config {
             || self.bloom_bits_per_key == 0
         {
             return fail("lookup_window_entries must be at least 2; flush_dirty_entries and bloom_bits_per_key at least 1".into());
+        }
+        if self.index_max_deltas > MAX_INDEX_DELTAS {
+            return fail(format!(
+                "index_max_deltas must be at most {MAX_INDEX_DELTAS} (got {})",
+                self.index_max_deltas
+            ));
         }
         self.validate_key_spaces()
     }
@@ -316,6 +333,14 @@ mod tests {
         let mut c = Config::for_tests("/x");
         c.key_spaces[0].key_bytes = 33;
         assert!(c.validate().unwrap_err().to_string().contains("key_bytes"));
+        let mut c = Config::for_tests("/x");
+        c.index_max_deltas = MAX_INDEX_DELTAS + 1;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("index_max_deltas")
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! every cell's on-disk index is and where recovery must start replaying.
 //!
 //! ```text
-//! magic "TPCONTRL", version u32 (1)
+//! magic "TPCONTRL", version u32 (2; version 1 is read too)
 //! log id [16], wal segment bytes u64, index segment bytes u64
 //! epoch u32, replay_from u64, synced u64
 //! app state: len u32 + bytes
@@ -10,8 +10,10 @@
 //!   name: len u16 + bytes, key bytes u32, layout kind u8 (1 uniform,
 //!   2 prefixed), layout parameter u32,
 //!   cells: count u32 + per cell:
-//!     id (uniform: u32; prefixed: the prefix bytes), has_disk u8,
-//!     [position u64, count u32, bloom_len u32], replay_from u64
+//!     id (uniform: u32; prefixed: the prefix bytes), blob count u8
+//!     (version 1: has_disk u8, 0 or 1), per blob (the base, then its
+//!     deltas, oldest first) [position u64, count u32, bloom_len u32],
+//!     replay_from u64
 //! crc32 of everything above, u32
 //! ```
 //! All integers little-endian.
@@ -23,7 +25,10 @@ use crate::table::CellId;
 use crate::types::{Epoch, WalPosition};
 
 const MAGIC: &[u8; 8] = b"TPCONTRL";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// The oldest version this build reads: version 1 had at most one blob per
+/// cell (a base, no deltas), with the same bytes as a count of 0 or 1.
+const OLDEST_VERSION: u32 = 1;
 
 /// Name of the control file in the engine directory.
 pub(crate) const CONTROL_FILE: &str = "control";
@@ -32,7 +37,9 @@ pub(crate) const CONTROL_FILE: &str = "control";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CellControl {
     pub id: CellId,
-    pub disk: Option<DiskRef>,
+    /// The cell's on-disk index: its base blob, then the deltas over it,
+    /// oldest first (empty: nothing on disk).
+    pub layers: Vec<DiskRef>,
     /// Replay must apply this cell's items at or after this position.
     pub replay_from: u64,
 }
@@ -125,6 +132,16 @@ impl<'a> Reader<'a> {
 }
 
 impl ControlData {
+    /// The index log segments holding a blob this snapshot references.
+    pub fn index_segments(&self) -> std::collections::BTreeSet<crate::types::SegmentId> {
+        self.spaces
+            .iter()
+            .flat_map(|s| &s.cells)
+            .flat_map(|c| &c.layers)
+            .map(|d| crate::types::SegmentId(d.position.0 / self.index_segment_bytes))
+            .collect()
+    }
+
     /// Encodes the control region.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer(Vec::new());
@@ -161,9 +178,9 @@ impl ControlData {
             return Err("not a control file".into());
         }
         let version = r.u32()?;
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(format!(
-                "control file version {version}, this build reads {VERSION}"
+                "control file version {version}, this build reads {OLDEST_VERSION} to {VERSION}"
             ));
         }
         let log_id = r.take(16)?.try_into().expect("16 bytes");
@@ -176,7 +193,7 @@ impl ControlData {
         let app_state = r.take(app_len)?.to_vec();
         let mut spaces = Vec::new();
         for _ in 0..r.count(15)? {
-            spaces.push(decode_space(&mut r)?);
+            spaces.push(decode_space(&mut r, version)?);
         }
         if r.at != body.len() {
             return Err("control file has trailing bytes".into());
@@ -217,20 +234,17 @@ fn encode_space(w: &mut Writer, space: &SpaceControl) {
             CellId::Uniform(i) => w.u32(*i),
             CellId::Prefixed(prefix) => w.bytes(&prefix[..prefix_bytes]),
         }
-        match cell.disk {
-            Some(disk) => {
-                w.u8(1);
-                w.u64(disk.position.0);
-                w.u32(disk.count);
-                w.u32(disk.bloom_len);
-            }
-            None => w.u8(0),
+        w.u8(u8::try_from(cell.layers.len()).expect("at most 255 blobs per cell"));
+        for disk in &cell.layers {
+            w.u64(disk.position.0);
+            w.u32(disk.count);
+            w.u32(disk.bloom_len);
         }
         w.u64(cell.replay_from);
     }
 }
 
-fn decode_space(r: &mut Reader<'_>) -> Result<SpaceControl, String> {
+fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String> {
     let name_len = usize::from(r.u16()?);
     let name =
         String::from_utf8(r.take(name_len)?.to_vec()).map_err(|_| "key space name is not UTF-8")?;
@@ -260,19 +274,22 @@ fn decode_space(r: &mut Reader<'_>) -> Result<SpaceControl, String> {
                 CellId::Prefixed(key_array(r.take(prefix_bytes as usize)?))
             }
         };
-        let disk = match r.u8()? {
-            0 => None,
-            1 => Some(DiskRef {
+        let blobs = r.u8()?;
+        if version == 1 && blobs > 1 {
+            return Err(format!("bad cell flag {blobs}"));
+        }
+        let mut layers = Vec::with_capacity(usize::from(blobs));
+        for _ in 0..blobs {
+            layers.push(DiskRef {
                 position: WalPosition(r.u64()?),
                 count: r.u32()?,
                 bloom_len: r.u32()?,
-            }),
-            other => return Err(format!("bad cell flag {other}")),
-        };
+            });
+        }
         let replay_from = r.u64()?;
         cells.push(CellControl {
             id,
-            disk,
+            layers,
             replay_from,
         });
     }
@@ -311,7 +328,7 @@ mod tests {
                     },
                     cells: vec![CellControl {
                         id: CellId::Uniform(3),
-                        disk: Some(disk),
+                        layers: vec![disk],
                         replay_from: 1000,
                     }],
                 },
@@ -323,7 +340,7 @@ mod tests {
                     },
                     cells: vec![CellControl {
                         id: CellId::Prefixed(key_array(b"abcd")),
-                        disk: None,
+                        layers: vec![],
                         replay_from: 999,
                     }],
                 },
@@ -331,10 +348,32 @@ mod tests {
         }
     }
 
+    /// `sample()` as version 1 of the format wrote it (one blob per cell
+    /// at most), kept to prove old control files still open.
+    const SAMPLE_VERSION_1: &str = "5450434f4e54524c01000000030303030303030303030303030303030000100000000000000001000000000007000000e703000000000000b0040000000000000f0000007261667420686172642073746174650200000001007520000000010800000001000000030000000100100000000000000c0000001c000000e803000000000000010070100000000204000000010000006162636400e70300000000000047068425";
+
+    fn unhex(hex: &str) -> Vec<u8> {
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
     #[test]
     fn round_trips() {
-        let data = sample();
+        let mut data = sample();
+        assert_eq!(ControlData::decode(&data.encode()), Ok(data.clone()));
+        data.spaces[0].cells[0].layers.push(DiskRef {
+            position: WalPosition(9000),
+            count: 3,
+            bloom_len: 12,
+        });
         assert_eq!(ControlData::decode(&data.encode()), Ok(data));
+    }
+
+    #[test]
+    fn version_1_files_still_open() {
+        assert_eq!(ControlData::decode(&unhex(SAMPLE_VERSION_1)), Ok(sample()));
     }
 
     #[test]

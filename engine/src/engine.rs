@@ -22,6 +22,7 @@ use crate::control::ControlData;
 use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::index::entry::{Entry, Key, key_array};
+use crate::index::layers::{Layer, Layers};
 use crate::index::store::IndexStore;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::storage::{FileStorage, Storage};
@@ -471,15 +472,15 @@ impl Inner {
             let Some(probe) = space.with_cell(&id, |cell| cell.probe(key, space.key_len())) else {
                 return Ok(None);
             };
-            let (disk, bloom) = match probe {
+            let layers = match probe {
                 Probe::Found(entry) => return Ok(self.live(entry)),
                 Probe::Filtered => {
                     Metrics::add(&self.metrics.counters.bloom_negatives, 1);
                     return Ok(None);
                 }
-                Probe::Disk { disk, bloom } => (disk, bloom),
+                Probe::Disk(layers) => layers,
             };
-            match self.lookup_disk(space, &id, key, disk, bloom) {
+            match self.lookup_disk(space, &id, key, &layers) {
                 Err(Error::NoRecord(_)) => continue,
                 result => return result.map(|entry| self.live(entry)),
             }
@@ -491,52 +492,66 @@ impl Inner {
     }
 
     /// Looks `key` up in the cell's on-disk index: loads the whole cell if
-    /// the memory budget allows, else reads the bloom filter (once) and one
-    /// window of entries.
+    /// the memory budget allows, else searches its blobs newest first (one
+    /// window each, for the blobs whose bloom filters let the key through).
     fn lookup_disk(
         &self,
         space: &SpaceTable,
         id: &CellId,
         key: &Key,
-        disk: crate::index::blob::DiskRef,
-        bloom: Option<Arc<crate::index::bloom::Bloom>>,
+        layers: &Layers,
     ) -> Result<Option<Entry>> {
         let _reading = self.index_gc.read();
-        let counters = &self.metrics.counters;
-        let loaded_bytes = disk.count as u64 * BASE_ENTRY_BYTES as u64;
-        if self.table.memory_bytes() + loaded_bytes <= self.config.index_memory_bytes {
-            let (entries, bloom) = self.index.load(&space.layout, &disk)?;
-            let found = entries
-                .binary_search_by(|(k, _)| k.cmp(key))
-                .ok()
-                .map(|i| entries[i].1);
-            let entries = Arc::new(entries);
+        let entries: u64 = layers.iter().map(|l| u64::from(l.disk.count)).sum();
+        let loaded_bytes = entries * BASE_ENTRY_BYTES as u64;
+        if self.table.memory_bytes() + loaded_bytes > self.config.index_memory_bytes {
+            return self.lookup_layers(space, id, key, layers);
+        }
+        let (entries, loaded) = self.index.load_layers(&space.layout, layers)?;
+        let found = entries
+            .binary_search_by(|(k, _)| k.cmp(key))
+            .ok()
+            .map(|i| entries[i].1);
+        let entries = Arc::new(entries);
+        space.with_cell(id, |cell| {
+            self.table
+                .account(cell.install_base(&loaded, entries) as isize)
+        });
+        Metrics::add(&self.metrics.counters.cell_loads, 1);
+        Ok(found)
+    }
+
+    /// The newest entry of `key` in the on-disk `layers` of cell `id`
+    /// (a tombstone if deleted there), without loading the cell. Bloom
+    /// filters read on the way are kept in the cell. The caller holds the
+    /// index-GC read lock.
+    pub(crate) fn lookup_layers(
+        &self,
+        space: &SpaceTable,
+        id: &CellId,
+        key: &Key,
+        layers: &[Layer],
+    ) -> Result<Option<Entry>> {
+        let found = self
+            .index
+            .lookup_layers(&space.layout, layers, key, |count| {
+                space.rank_guess(id, key, count)
+            })?;
+        if !found.blooms.is_empty() {
             space.with_cell(id, |cell| {
-                self.table
-                    .account(cell.install_base(disk, entries, Arc::new(bloom)) as isize)
+                for (disk, bloom) in found.blooms {
+                    self.table.account(cell.install_bloom(disk, bloom) as isize);
+                }
             });
-            Metrics::add(&counters.cell_loads, 1);
-            return Ok(found);
         }
-        let bloom = match bloom {
-            Some(bloom) => bloom,
-            None => {
-                let bloom = Arc::new(self.index.load_bloom(&disk)?);
-                space.with_cell(id, |cell| {
-                    self.table
-                        .account(cell.install_bloom(disk, bloom.clone()) as isize)
-                });
-                bloom
-            }
-        };
-        if !bloom.may_contain(&key[..space.key_len()]) {
+        let counters = &self.metrics.counters;
+        if found.searched == 0 {
             Metrics::add(&counters.bloom_negatives, 1);
-            return Ok(None);
+        } else {
+            Metrics::add(&counters.disk_lookups, 1);
+            Metrics::add(&counters.disk_lookup_blobs, u64::from(found.searched));
+            Metrics::add(&counters.disk_lookup_reads, u64::from(found.reads));
         }
-        let guess = space.rank_guess(id, key, disk.count as usize);
-        let found = self.index.lookup(&space.layout, &disk, key, guess)?;
-        Metrics::add(&counters.disk_lookups, 1);
-        Metrics::add(&counters.disk_lookup_reads, u64::from(found.reads));
         Ok(found.entry)
     }
 

@@ -2,15 +2,15 @@
 //! drops and touches are built on.
 //!
 //! `update_entry` finds the key's *current* entry — in the cell's unflushed
-//! changes, its loaded index, or (reading the disk) its on-disk index — and
+//! changes, its loaded index, or (reading the disk) its on-disk layers — and
 //! hands it to a closure that returns the replacement, or `None` to leave it.
 //! The decision and the change happen under the cell's lock, so a write that
 //! lands in between is never overwritten: the closure sees it and declines.
 
 use crate::engine::Inner;
 use crate::error::{Error, Result};
-use crate::index::blob::DiskRef;
 use crate::index::entry::{Entry, Key};
+use crate::index::layers::{Layers, same_layers};
 use crate::table::SpaceTable;
 use crate::table::cell::{Cell, Probe};
 
@@ -18,19 +18,19 @@ use crate::table::cell::{Cell, Probe};
 const ATTEMPTS: usize = 16;
 
 /// Where a compare-and-set may look for the current entry on disk.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum DiskAccess {
     /// Read the on-disk index if needed.
     Read,
     /// Do no I/O (the caller holds a WAL claim): if the current entry is
-    /// only on disk, use this earlier lookup when the cell still points at
-    /// the same blob, else decline.
-    Known(Option<(DiskRef, Option<Entry>)>),
+    /// only on disk, use this earlier lookup when the cell still has the
+    /// same on-disk layers, else decline.
+    Known(Option<(Layers, Option<Entry>)>),
 }
 
 enum Step {
     Done(bool),
-    ReadDisk(DiskRef),
+    ReadDisk(Layers),
 }
 
 impl Inner {
@@ -46,31 +46,25 @@ impl Inner {
     ) -> Result<bool> {
         let space = &self.table.spaces[usize::from(space_index)];
         let id = space.cell_of(key);
-        let mut from_disk: Option<(DiskRef, Option<Entry>)> = match access {
+        let no_io = matches!(access, DiskAccess::Known(_));
+        let mut from_disk: Option<(Layers, Option<Entry>)> = match access {
             DiskAccess::Known(known) => known,
             DiskAccess::Read => None,
         };
         for _ in 0..ATTEMPTS {
             let step = space.with_cell(&id, |cell| {
-                self.update_in_cell(space, cell, key, record, from_disk, &update)
+                self.update_in_cell(space, cell, key, record, from_disk.as_ref(), &update)
             });
             match step {
                 None | Some(Step::Done(false)) => return Ok(false),
                 Some(Step::Done(true)) => return Ok(true),
-                Some(Step::ReadDisk(_)) if matches!(access, DiskAccess::Known(_)) => {
+                Some(Step::ReadDisk(_)) if no_io => {
                     return Ok(false);
                 }
-                Some(Step::ReadDisk(disk)) => {
+                Some(Step::ReadDisk(layers)) => {
                     let _reading = self.index_gc.read();
-                    let (rank_from, low, high) = space.rank_range(&id);
-                    let guess = crate::index::lookup::estimate(
-                        crate::table::rank_at(key, rank_from),
-                        low,
-                        high,
-                        disk.count as usize,
-                    );
-                    match self.index.lookup(&space.layout, &disk, key, guess) {
-                        Ok(found) => from_disk = Some((disk, found.entry)),
+                    match self.lookup_layers(space, &id, key, &layers) {
+                        Ok(entry) => from_disk = Some((layers, entry)),
                         Err(Error::NoRecord(_)) => from_disk = None,
                         Err(error) => return Err(error),
                     }
@@ -90,15 +84,15 @@ impl Inner {
         cell: &mut Cell,
         key: &Key,
         record: u64,
-        from_disk: Option<(DiskRef, Option<Entry>)>,
+        from_disk: Option<&(Layers, Option<Entry>)>,
         update: &impl Fn(&Entry) -> Option<Entry>,
     ) -> Step {
         let current = match cell.probe(key, space.key_len()) {
             Probe::Found(current) => current,
             Probe::Filtered => None,
-            Probe::Disk { disk, .. } => match from_disk {
-                Some((read_from, entry)) if read_from == disk => entry,
-                _ => return Step::ReadDisk(disk),
+            Probe::Disk(layers) => match from_disk {
+                Some((read_from, entry)) if same_layers(read_from, &layers) => *entry,
+                _ => return Step::ReadDisk(layers),
             },
         };
         let Some(replacement) = current.as_ref().and_then(update) else {

@@ -115,7 +115,7 @@ impl Engine {
         for _ in 0..8 {
             let id = table.cell_of(&key);
             let disk = table.with_cell(&id, |cell| match cell.probe(&key, key_len) {
-                Probe::Disk { disk, .. } => Some(disk),
+                Probe::Disk(layers) => Some(layers),
                 Probe::Found(_) | Probe::Filtered => None,
             });
             let Some(current) = inner.lookup(table, &key)? else {

@@ -3,16 +3,18 @@
 //! A flush of one cell:
 //! 1. under the cell's lock, take the changes below the WAL's processed
 //!    watermark (everything below it is complete in the log) and the current
-//!    index (loaded entries, or where it lives on disk); mark the cell
-//!    flushing;
-//! 2. without the lock, read the on-disk index if it is not loaded, merge
-//!    the changes into it (newest entry per key; tombstones drop keys) and
-//!    append the result to the index log as one blob;
-//! 3. under the lock, swap the cell to the new blob and remove each flushed
-//!    change that was not superseded meanwhile ("unmerge").
+//!    index (the merged entries if loaded, and the on-disk layers); mark the
+//!    cell flushing;
+//! 2. without the lock, either append the changes alone as a *delta* blob
+//!    over the on-disk layers (no read), or *merge*: read the layers not
+//!    in memory, merge the changes in (newest entry per key; tombstones drop
+//!    keys) and append the result as a new *base* blob that replaces every
+//!    layer (`index::layers::flush_kind` decides);
+//! 3. under the lock, install the new layers and remove each flushed change
+//!    that was not superseded meanwhile ("unmerge").
 //!
-//! Readers see the old index plus all changes until step 3, and the new
-//! index plus the remaining changes after it: never a partial view.
+//! Readers see the old layers plus all changes until step 3, and the new
+//! layers plus the remaining changes after it: never a partial view.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,9 +22,19 @@ use std::time::Duration;
 
 use crate::engine::Inner;
 use crate::error::{Error, Result};
+use crate::index::blob::BlobKind;
+use crate::index::entry::{Entry, Key};
+use crate::index::layers::{FlushKind, Layer, Layers, flush_kind, merge};
 use crate::metrics::Metrics;
-use crate::table::CellId;
-use crate::table::cell::merge;
+use crate::table::cell::{BaseEntries, Change};
+use crate::table::{CellId, SpaceTable};
+
+/// What a flush captured under the cell's lock.
+struct Job {
+    flushable: Vec<(Key, Change)>,
+    base: Option<BaseEntries>,
+    layers: Layers,
+}
 
 /// Flushes one cell. Returns whether anything was written.
 pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<bool> {
@@ -38,46 +50,96 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
             return None;
         }
         cell.flushing = true;
-        Some((flushable, cell.base.clone(), cell.disk))
+        Some(Job {
+            flushable,
+            base: cell.base.clone(),
+            layers: cell.layers.clone(),
+        })
     });
-    let Some((flushable, base, disk)) = job.flatten() else {
+    let Some(job) = job.flatten() else {
         return Ok(false);
     };
     // Held until the new blob is installed: index garbage collection must
     // not delete the segment of a blob that no cell references *yet*.
     let _reading = inner.index_gc.read();
-    let written = (|| {
-        let base = match (base, disk) {
-            (Some(base), _) => base,
-            (None, Some(disk)) => Arc::new(inner.index.load(&space.layout, &disk)?.0),
-            (None, None) => Arc::new(Vec::new()),
-        };
-        let changes: Vec<_> = flushable.iter().map(|(k, c)| (*k, c.entry)).collect();
-        let merged = merge(&base, &changes);
-        let written = inner.index.write(&space.layout, &merged)?;
-        Ok((merged, written))
-    })();
-    let (merged, written) = match written {
+    let kind = flush_kind(
+        &job.layers,
+        job.flushable.len(),
+        inner.config.index_max_deltas,
+    );
+    let (layers, merged, written) = match write_flush(inner, space, &job, kind) {
         Ok(result) => result,
         Err(error) => {
             space.with_cell(id, |cell| cell.flushing = false);
             return Err(inner.health.poison_unless_full(error));
         }
     };
-    let index_bytes = written
-        .as_ref()
-        .map_or(0, |(disk, _)| disk.record_len(&space.layout));
-    let (disk, bloom) = written.map_or((None, None), |(disk, bloom)| (Some(disk), Some(bloom)));
     space.with_cell(id, |cell| {
-        let delta = cell.finish_flush(&flushable, disk, Arc::new(merged), bloom);
+        debug_assert!(
+            crate::index::layers::same_layers(&cell.layers, &job.layers),
+            "only a flush changes a cell's layers, one at a time"
+        );
+        let delta = cell.finish_flush(&job.flushable, layers, merged);
         inner.table.account(delta);
     });
-    Metrics::add(&inner.metrics.counters.flushes, 1);
-    Metrics::add(
-        &inner.metrics.counters.index_bytes_written,
-        index_bytes as u64,
-    );
+    let counters = &inner.metrics.counters;
+    Metrics::add(&counters.flushes, 1);
+    Metrics::add(&counters.index_bytes_written, written as u64);
+    if kind == FlushKind::Delta {
+        Metrics::add(&counters.delta_flushes, 1);
+    }
     Ok(true)
+}
+
+/// Step 2 of a flush: writes the delta or the merged base. Returns the new
+/// layers, the new merged index if the flush computed it (the cell was
+/// loaded, or it merged), and the bytes written.
+fn write_flush(
+    inner: &Inner,
+    space: &SpaceTable,
+    job: &Job,
+    kind: FlushKind,
+) -> Result<(Layers, Option<BaseEntries>, usize)> {
+    let changes: Vec<(Key, Entry)> = job.flushable.iter().map(|(k, c)| (*k, c.entry)).collect();
+    let layout = &space.layout;
+    let record_len = |written: &Option<(crate::index::blob::DiskRef, _)>| {
+        written
+            .as_ref()
+            .map_or(0, |(disk, _)| disk.record_len(layout))
+    };
+    match kind {
+        FlushKind::Delta => {
+            let written = inner.index.write(layout, &changes, BlobKind::Delta)?;
+            let bytes = record_len(&written);
+            let (disk, bloom) = written.expect("a delta of at least one change");
+            let mut layers = job.layers.as_ref().clone();
+            layers.push(Layer {
+                disk,
+                bloom: Some(bloom),
+            });
+            let merged = job
+                .base
+                .as_ref()
+                .map(|base| Arc::new(merge(base, &changes)));
+            Ok((Arc::new(layers), merged, bytes))
+        }
+        FlushKind::Merge => {
+            let current = match &job.base {
+                Some(base) => base.clone(),
+                None => Arc::new(inner.index.load_layers(layout, &job.layers)?.0),
+            };
+            let merged = merge(&current, &changes);
+            let written = inner.index.write(layout, &merged, BlobKind::Base)?;
+            let bytes = record_len(&written);
+            let layers = written.map_or_else(Vec::new, |(disk, bloom)| {
+                vec![Layer {
+                    disk,
+                    bloom: Some(bloom),
+                }]
+            });
+            Ok((Arc::new(layers), Some(Arc::new(merged)), bytes))
+        }
+    }
 }
 
 /// Flushes every cell with flushable changes, on the calling thread.

@@ -121,8 +121,11 @@ counters! {
     wal_bytes_written,
     /// Bytes of index blobs appended to the index log.
     index_bytes_written,
-    /// Cell flushes completed.
+    /// Cell flushes completed (deltas and merges).
     flushes,
+    /// Cell flushes that wrote a delta blob (the rest merged into a new
+    /// base).
+    delta_flushes,
     /// Control-region snapshots written.
     snapshots,
     /// Gets served from the value cache.
@@ -131,8 +134,12 @@ counters! {
     cache_misses,
     /// Lookups answered "absent" by a bloom filter.
     bloom_negatives,
-    /// Optimistic lookups on a cell's on-disk index.
+    /// Lookups that searched a cell's on-disk index (its blobs' filters
+    /// let the key through).
     disk_lookups,
+    /// Blobs searched by those lookups (base and deltas; blobs per lookup
+    /// = this / disk_lookups).
+    disk_lookup_blobs,
     /// Windows read by optimistic lookups (reads per lookup = this / disk_lookups).
     disk_lookup_reads,
     /// Whole cell indexes loaded into memory.

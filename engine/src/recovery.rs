@@ -200,7 +200,7 @@ fn restore_cells(table: &LargeTable, control: &ControlData) -> HashMap<(usize, C
     for (space_index, space) in control.spaces.iter().enumerate() {
         let table_space = &table.spaces[space_index];
         for cell in &space.cells {
-            table_space.with_cell_or_create(&cell.id, |c| *c = Cell::restored(cell.disk));
+            table_space.with_cell_or_create(&cell.id, |c| *c = Cell::restored(&cell.layers));
             positions.insert((space_index, cell.id), cell.replay_from);
         }
     }
@@ -222,11 +222,11 @@ fn open_index_log(
         .iter()
         .flat_map(|s| s.cells.iter().map(move |c| (s, c)))
     {
-        if let Some(disk) = cell.disk
-            && !segments
+        if let Some(disk) = cell.layers.iter().find(|disk| {
+            !segments
                 .valid
                 .contains_key(&SegmentId(disk.position.0 / opts.segment_size))
-        {
+        }) {
             return Err(Error::Corrupt {
                 file: opts.dir.clone(),
                 position: disk.position,

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
 use crate::index::entry::{Entry, Key, key_array};
-use crate::table::cell::merge;
+use crate::index::layers::{merge, overlay};
 use crate::table::{CellId, SpaceTable};
 use crate::types::KeySpace;
 
@@ -60,18 +60,18 @@ impl Inner {
         id: &CellId,
     ) -> Result<Vec<(Key, Entry)>> {
         for _ in 0..8 {
-            let Some((changes, base, disk)) = space.with_cell(id, |cell| {
+            let Some((changes, base, layers)) = space.with_cell(id, |cell| {
                 let changes: Vec<(Key, Entry)> = cell.change_entries();
-                (changes, cell.base.clone(), cell.disk)
+                (changes, cell.base.clone(), cell.layers.clone())
             }) else {
                 return Ok(Vec::new());
             };
-            let base = match (base, disk) {
-                (Some(base), _) => base,
-                (None, None) => Arc::new(Vec::new()),
-                (None, Some(disk)) => {
+            let base = match base {
+                Some(base) => base,
+                None if layers.is_empty() => Arc::new(Vec::new()),
+                None => {
                     let _reading = self.index_gc.read();
-                    match self.index.load(&space.layout, &disk) {
+                    match self.index.load_layers(&space.layout, &layers) {
                         Ok((entries, _)) => Arc::new(entries),
                         Err(Error::NoRecord(_)) => continue,
                         Err(error) => return Err(error),
@@ -85,9 +85,9 @@ impl Inner {
 
     /// The largest live entry of one cell below `bound` (`None`: the
     /// cell's largest). A cell not in memory answers from one window of
-    /// its on-disk index plus its changes, instead of loading it whole; if
-    /// the changes delete every entry of that window, the whole cell is
-    /// read after all.
+    /// its base blob plus its deltas (small, read whole) and changes,
+    /// instead of loading it whole; if the deltas and changes delete every
+    /// entry of that window, the whole cell is read after all.
     pub(crate) fn last_in_cell(
         &self,
         space: &SpaceTable,
@@ -96,7 +96,7 @@ impl Inner {
     ) -> Result<Option<(Key, Entry)>> {
         let below = |k: &Key| bound.is_none_or(|b| k < b);
         for _ in 0..8 {
-            let Some((changes, base, disk)) = space.with_cell(id, |cell| {
+            let Some((changes, base, layers)) = space.with_cell(id, |cell| {
                 let changes: Vec<(Key, Entry)> = match bound {
                     Some(b) => cell
                         .changes
@@ -105,29 +105,37 @@ impl Inner {
                         .collect(),
                     None => cell.change_entries(),
                 };
-                (changes, cell.base.clone(), cell.disk)
+                (changes, cell.base.clone(), cell.layers.clone())
             }) else {
                 return Ok(None);
             };
-            let disk = match (base, disk) {
-                (Some(base), _) => {
-                    let end = base.partition_point(|(k, _)| below(k));
-                    return Ok(merge(&base[..end], &changes).pop());
-                }
-                (None, None) => return Ok(merge(&[], &changes).pop()),
-                (None, Some(disk)) => disk,
+            if let Some(base) = base {
+                let end = base.partition_point(|(k, _)| below(k));
+                return Ok(merge(&base[..end], &changes).pop());
+            }
+            let Some(disk) = layers.first().map(|l| l.disk) else {
+                return Ok(merge(&[], &changes).pop());
             };
-            let window = {
+            let (window, newer) = {
                 let _reading = self.index_gc.read();
                 let guess = bound.map_or(0, |b| space.rank_guess(id, b, disk.count as usize));
-                match self.index.entries_below(&space.layout, &disk, bound, guess) {
-                    Ok(window) => window,
+                let read = self
+                    .index
+                    .entries_below(&space.layout, &disk, bound, guess)
+                    .and_then(|window| {
+                        let deltas = self.index.load_deltas(&space.layout, &layers)?;
+                        Ok((window, deltas))
+                    });
+                match read {
+                    Ok(read) => read,
                     Err(Error::NoRecord(_)) => continue,
                     Err(error) => return Err(error),
                 }
             };
+            let end = newer.partition_point(|(k, _)| below(k));
+            let newer = overlay(&newer[..end], &changes);
             let first = window.entries.first().map(|(k, _)| *k);
-            let last = merge(&window.entries, &changes).pop();
+            let last = merge(&window.entries, &newer).pop();
             // Entries before the window are unseen: the answer stands only
             // if it is inside the window, or nothing precedes the window.
             return match (last, first) {

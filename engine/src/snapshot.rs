@@ -3,7 +3,7 @@
 //!
 //! A snapshot, in order:
 //! 1. read the WAL's processed watermark P0 and the application state;
-//! 2. for each cell, record its on-disk index and its replay position
+//! 2. for each cell, record its on-disk index (its blobs) and its replay position
 //!    `min(oldest unflushed change, P0)`; `replay_from` is the least of them
 //!    (P0 if none is lower);
 //! 3. make the value WAL durable up to the current processed watermark
@@ -23,6 +23,7 @@ use std::collections::BTreeSet;
 use crate::control::{CONTROL_FILE, CellControl, ControlData, SpaceControl};
 use crate::engine::Inner;
 use crate::error::{Error, Result};
+use crate::index::layers::layer_refs;
 use crate::metrics::Metrics;
 use crate::storage::write_file_atomically;
 use crate::types::{SegmentId, WalPosition};
@@ -48,12 +49,12 @@ pub(crate) fn write_snapshot_then<T>(
         let mut cells = Vec::new();
         for id in space.cell_ids() {
             space.with_cell(&id, |cell| {
-                if cell.disk.is_some() || !cell.changes.is_empty() {
+                if !cell.layers.is_empty() || !cell.changes.is_empty() {
                     let cell_replay = cell.dirty_since.min(p0);
                     replay_from = replay_from.min(cell_replay);
                     cells.push(CellControl {
                         id,
-                        disk: cell.disk,
+                        layers: layer_refs(&cell.layers),
                         replay_from: cell_replay,
                     });
                 }
@@ -91,15 +92,10 @@ pub(crate) fn write_snapshot_then<T>(
 fn collect_index_garbage(inner: &Inner, durable: &ControlData) -> Result<()> {
     let _exclusive = inner.index_gc.write();
     let size = inner.config.index_segment_bytes;
-    let mut live = BTreeSet::new();
-    for cell in durable.spaces.iter().flat_map(|s| &s.cells) {
-        if let Some(disk) = cell.disk {
-            live.insert(SegmentId(disk.position.0 / size));
-        }
-    }
+    let mut live: BTreeSet<SegmentId> = durable.index_segments();
     inner.table.for_each_cell(|_, _, cell| {
-        if let Some(disk) = cell.disk {
-            live.insert(SegmentId(disk.position.0 / size));
+        for layer in cell.layers.iter() {
+            live.insert(SegmentId(layer.disk.position.0 / size));
         }
     });
     let active = inner.index.log.active_segment();

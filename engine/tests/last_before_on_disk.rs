@@ -1,8 +1,9 @@
 //! "Largest key smaller than" on cells that stay on disk: each answer comes
-//! from one window of the cell's on-disk index merged with the cell's
+//! from one window of the cell's base blob merged with its deltas and
 //! unflushed changes — including deletes that hide whole runs of the
 //! window, which send the search to the whole cell — and must equal a
-//! `BTreeMap`'s answer.
+//! `BTreeMap`'s answer, before the deletes are flushed and after (most
+//! cells then have them in a delta blob, some merged a new base).
 
 mod support;
 
@@ -57,17 +58,29 @@ fn last_before_on_disk_cells_with_unflushed_deletes_matches_a_model() {
     probes.extend(sorted.iter().step_by(3).copied());
     probes.push([0u8; 32]);
     probes.push([0xFF; 32]);
-    for probe in &probes {
-        let expected = model
-            .range(..*probe)
-            .next_back()
-            .map(|(k, v)| (k.to_vec(), v.clone()));
-        let got = engine
-            .last_before(ks, probe)
-            .unwrap()
-            .map(|(k, v)| (k, v.to_vec()));
-        assert_eq!(got, expected, "seed {seed}: last_before({probe:02x?})");
-    }
+    let check = |when: &str| {
+        for probe in &probes {
+            let expected = model
+                .range(..*probe)
+                .next_back()
+                .map(|(k, v)| (k.to_vec(), v.clone()));
+            let got = engine
+                .last_before(ks, probe)
+                .unwrap()
+                .map(|(k, v)| (k, v.to_vec()));
+            assert_eq!(
+                got, expected,
+                "seed {seed}, {when}: last_before({probe:02x?})"
+            );
+        }
+    };
+    check("deletes unflushed");
+    engine.flush().unwrap();
+    assert!(
+        engine.metrics().counters.delta_flushes > 0,
+        "seed {seed}: some deletes went out as deltas"
+    );
+    check("deletes in deltas");
     let metrics = engine.metrics().counters;
     println!(
         "seed {seed}: {} probes over {} keys, {} cell loads",

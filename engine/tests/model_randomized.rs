@@ -52,9 +52,12 @@ struct Harness {
     epoch: u32,
     version: u64,
     seed: u64,
-    /// Flushes and cell loads of engines closed so far.
+    /// Flushes, delta flushes, cell loads and blobs searched by disk
+    /// lookups of engines closed so far.
     flushes: u64,
+    deltas: u64,
     cell_loads: u64,
+    blobs_searched: u64,
 }
 
 impl Harness {
@@ -320,7 +323,9 @@ impl Harness {
     fn reopen(&mut self, clean: bool) {
         let counters = self.engine.metrics().counters;
         self.flushes += counters.flushes;
+        self.deltas += counters.delta_flushes;
         self.cell_loads += counters.cell_loads;
+        self.blobs_searched += counters.disk_lookup_blobs;
         let engine = if clean {
             self.engine.close().unwrap();
             open(&self.storage, &self.config).unwrap()
@@ -382,7 +387,9 @@ fn engine_matches_a_btreemap_model() {
         version: 0,
         seed,
         flushes: 0,
+        deltas: 0,
         cell_loads: 0,
+        blobs_searched: 0,
     };
     for _ in 0..ops {
         let op = harness.rng.random_range(0..110);
@@ -390,17 +397,19 @@ fn engine_matches_a_btreemap_model() {
     }
     harness.verify_all();
     let counters = harness.engine.metrics().counters;
-    let (flushes, loads) = (
+    let (flushes, deltas, loads, blobs) = (
         harness.flushes + counters.flushes,
+        harness.deltas + counters.delta_flushes,
         harness.cell_loads + counters.cell_loads,
+        harness.blobs_searched + counters.disk_lookup_blobs,
     );
     println!(
-        "seed {seed}: {ops} operations, {} keys, {flushes} flushes, {loads} cell loads",
+        "seed {seed}: {ops} operations, {} keys, {flushes} flushes ({deltas} wrote deltas), {loads} cell loads, {blobs} blobs searched by disk lookups",
         harness.model.len()
     );
     assert!(
-        flushes > 0 && loads > 0,
-        "seed {seed}: the run must exercise flushing and loading"
+        flushes > deltas && deltas > 0 && loads > 0 && blobs > 0,
+        "seed {seed}: the run must exercise merges, deltas, loading and disk lookups"
     );
     harness.engine.close().unwrap();
 }

@@ -146,12 +146,15 @@ impl KvEngine for Tidepool {
     fn detail(&self) -> String {
         let c = self.engine.metrics().counters;
         format!(
-            "wal {} MiB, index {} MiB, cache hits {} misses {}, disk lookups {} ({} reads), bloom negatives {}, cell loads {} unloads {}",
+            "wal {} MiB, index {} MiB ({} flushes, {} deltas), cache hits {} misses {}, disk lookups {} ({} blobs, {} reads), bloom negatives {}, cell loads {} unloads {}",
             c.wal_bytes_written >> 20,
             c.index_bytes_written >> 20,
+            c.flushes,
+            c.delta_flushes,
             c.cache_hits,
             c.cache_misses,
             c.disk_lookups,
+            c.disk_lookup_blobs,
             c.disk_lookup_reads,
             c.bloom_negatives,
             c.cell_loads,

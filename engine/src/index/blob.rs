@@ -1,7 +1,9 @@
-//! An index blob: one cell's whole on-disk index, appended to the index log
-//! as one record: a small header, the cell's bloom filter, then the sorted
-//! fixed-size entries. A lookup reads a window of entries straight from the
-//! log without a directory (see `lookup.rs`).
+//! An index blob: one layer of a cell's on-disk index, appended to the
+//! index log as one record: a small header, the blob's bloom filter, then
+//! the sorted fixed-size entries. A *base* blob is a whole index (live
+//! entries only); a *delta* blob holds the changes of one flush over it,
+//! tombstones included. A lookup reads a window of entries straight from
+//! the log without a directory (see `lookup.rs`).
 //!
 //! ```text
 //! 0   [u8; 4]  magic "TPIX"
@@ -11,7 +13,8 @@
 //! 12  u32      bloom bytes
 //! 16  u32      CRC32 of the bloom bytes (a lookup may read the bloom
 //!              alone, without the record's checksum)
-//! 20  u32      reserved (0)
+//! 20  u32      kind: 0 base, 1 delta (version 1 of the format had only
+//!              bases, with 0 here)
 //! 24  bloom    (padded to 8)
 //! ..  entries  sorted by key
 //! ```
@@ -23,6 +26,16 @@ use crate::wal::format::{Malformed, RECORD_HEADER_BYTES, align8, record_len};
 
 const MAGIC: &[u8; 4] = b"TPIX";
 const BLOB_HEADER_BYTES: usize = 24;
+
+/// What a blob holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlobKind {
+    /// A whole index: live entries only.
+    Base = 0,
+    /// The changes of one flush over the layers below it: tombstones and
+    /// drop markers included.
+    Delta = 1,
+}
 
 /// Where a cell's index lives in the index log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,14 +79,19 @@ fn body_len(bloom_len: usize, count: usize, layout: &EntryLayout) -> usize {
     BLOB_HEADER_BYTES + align8(bloom_len) + count * layout.size()
 }
 
-/// Encodes sorted, distinct, live `entries` as a blob body, with a bloom
-/// filter of `bits_per_key`. Returns the body, the filter and the bloom
-/// length to record in the [`DiskRef`].
+/// Encodes sorted, distinct `entries` (live ones only for a base) as a
+/// blob body, with a bloom filter of `bits_per_key`. Returns the body, the
+/// filter and the bloom length to record in the [`DiskRef`].
 pub(crate) fn encode(
     layout: &EntryLayout,
     entries: &[(Key, Entry)],
     bits_per_key: u32,
+    kind: BlobKind,
 ) -> (Vec<u8>, Bloom, u32) {
+    debug_assert!(
+        kind == BlobKind::Delta || entries.iter().all(|(_, e)| !e.tombstone()),
+        "a base blob holds live entries only"
+    );
     let mut bloom = Bloom::new(entries.len(), bits_per_key);
     for (key, _) in entries {
         bloom.insert(&key[..layout.key_len]);
@@ -88,7 +106,7 @@ pub(crate) fn encode(
     let mut encoded_bloom = Vec::with_capacity(bloom_len);
     bloom.encode(&mut encoded_bloom);
     body.extend_from_slice(&crc32fast::hash(&encoded_bloom).to_le_bytes());
-    body.extend_from_slice(&[0u8; 4]);
+    body.extend_from_slice(&(kind as u32).to_le_bytes());
     body.extend_from_slice(&encoded_bloom);
     body.resize(BLOB_HEADER_BYTES + align8(bloom_len), 0);
     let start = body.len();
@@ -115,12 +133,14 @@ pub(crate) fn decode_bloom(bytes: &[u8], expected: &DiskRef) -> Result<Bloom, Ma
     Bloom::decode(encoded).ok_or_else(|| Malformed("bad bloom filter".into()))
 }
 
-/// Decodes a whole blob body (from a verified record), checking every
-/// entry's checksum and the sort order.
+/// Decodes a whole blob body (from a verified record) of the `kind` its
+/// place among the cell's layers says it is, checking every entry's
+/// checksum and the sort order.
 pub(crate) fn decode(
     layout: &EntryLayout,
     body: &[u8],
     expected: &DiskRef,
+    kind: BlobKind,
 ) -> Result<(Vec<(Key, Entry)>, Bloom), Malformed> {
     if body.len() < BLOB_HEADER_BYTES || &body[..4] != MAGIC {
         return Err(Malformed("not an index blob".into()));
@@ -129,6 +149,12 @@ pub(crate) fn decode(
     let count = u32_at(4);
     let key_len = usize::from(u16::from_le_bytes([body[8], body[9]]));
     let bloom_len = u32_at(12);
+    if u32_at(20) != kind as u32 {
+        return Err(Malformed(format!(
+            "index blob kind {} where a {kind:?} blob belongs",
+            u32_at(20)
+        )));
+    }
     if count != expected.count || bloom_len != expected.bloom_len || key_len != layout.key_len {
         return Err(Malformed(
             "index blob header does not match its reference".into(),
@@ -146,6 +172,9 @@ pub(crate) fn decode(
             .ok_or_else(|| Malformed("index entry checksum mismatch".into()))?;
         if entries.last().is_some_and(|(last, _)| *last >= decoded.0) {
             return Err(Malformed("index entries out of order".into()));
+        }
+        if kind == BlobKind::Base && decoded.1.tombstone() {
+            return Err(Malformed("a tombstone in a base index blob".into()));
         }
         entries.push(decoded);
     }
@@ -175,13 +204,17 @@ mod tests {
                 (key_array(&key), entry)
             })
             .collect();
-        let (body, bloom, bloom_len) = encode(&layout, &entries, 10);
+        let (body, bloom, bloom_len) = encode(&layout, &entries, 10, BlobKind::Base);
         let disk = DiskRef {
             position: WalPosition(0),
             count: 100,
             bloom_len,
         };
-        let (decoded, decoded_bloom) = decode(&layout, &body, &disk).unwrap();
+        let (decoded, decoded_bloom) = decode(&layout, &body, &disk, BlobKind::Base).unwrap();
+        assert!(
+            decode(&layout, &body, &disk, BlobKind::Delta).is_err(),
+            "a base is not read as a delta"
+        );
         assert_eq!(decoded, entries);
         assert_eq!(decoded_bloom, bloom);
         assert_eq!(record_len(body.len()), disk.record_len(&layout));
@@ -198,5 +231,31 @@ mod tests {
             layout.decode(&body[first..first + layout.size()]),
             Some(entries[0])
         );
+    }
+
+    #[test]
+    fn deltas_carry_tombstones_and_bases_refuse_them() {
+        let layout = EntryLayout { key_len: 32 };
+        let mut key = [0u8; 32];
+        key[0] = 7;
+        let tombstone = Entry {
+            version: 9,
+            location: Entry::DROPPED,
+            len: 0,
+            epoch: Epoch(2),
+            tag: Tag(5),
+        };
+        let entries = vec![(key_array(&key), tombstone)];
+        let (body, _, bloom_len) = encode(&layout, &entries, 10, BlobKind::Delta);
+        let disk = DiskRef {
+            position: WalPosition(0),
+            count: 1,
+            bloom_len,
+        };
+        let (decoded, _) = decode(&layout, &body, &disk, BlobKind::Delta).unwrap();
+        assert_eq!(decoded, entries);
+        let mut as_base = body.clone();
+        as_base[20] = 0;
+        assert!(decode(&layout, &as_base, &disk, BlobKind::Base).is_err());
     }
 }

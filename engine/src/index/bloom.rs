@@ -25,6 +25,18 @@ fn hash_key(key: &[u8]) -> u64 {
     h
 }
 
+/// A key's hash, computed once and probed in any number of filters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KeyHash(u64, u64);
+
+impl KeyHash {
+    /// Hashes `key`.
+    pub fn of(key: &[u8]) -> Self {
+        let h1 = hash_key(key);
+        KeyHash(h1, mix(h1) | 1)
+    }
+}
+
 impl Bloom {
     /// An empty filter sized for `keys` keys at `bits_per_key`.
     pub fn new(keys: usize, bits_per_key: u32) -> Self {
@@ -37,9 +49,8 @@ impl Bloom {
         }
     }
 
-    fn probes(&self, key: &[u8]) -> impl Iterator<Item = (usize, u64)> {
-        let h1 = hash_key(key);
-        let h2 = mix(h1) | 1;
+    fn probes(&self, hash: &KeyHash) -> impl Iterator<Item = (usize, u64)> {
+        let (h1, h2) = (hash.0, hash.1);
         let m = self.bits.len() as u64 * 64;
         (0..u64::from(self.hashes)).map(move |i| {
             let bit = h1.wrapping_add(i.wrapping_mul(h2)) % m;
@@ -49,15 +60,22 @@ impl Bloom {
 
     /// Adds a key.
     pub fn insert(&mut self, key: &[u8]) {
-        let probes: Vec<_> = self.probes(key).collect();
+        let probes: Vec<_> = self.probes(&KeyHash::of(key)).collect();
         for (word, mask) in probes {
             self.bits[word] |= mask;
         }
     }
 
     /// False means the key was certainly never inserted.
+    #[cfg(test)]
     pub fn may_contain(&self, key: &[u8]) -> bool {
-        self.probes(key)
+        self.may_contain_hash(&KeyHash::of(key))
+    }
+
+    /// [`Bloom::may_contain`] for a key hashed once (a cell's layers each
+    /// have a filter; the key is hashed once for all of them).
+    pub fn may_contain_hash(&self, hash: &KeyHash) -> bool {
+        self.probes(hash)
             .all(|(word, mask)| self.bits[word] & mask != 0)
     }
 

@@ -8,6 +8,9 @@ use crate::types::{Epoch, MAX_KEY_BYTES, Tag};
 /// have the same length, so padding never changes their order.
 pub(crate) type Key = [u8; MAX_KEY_BYTES];
 
+/// Entries sorted by key, distinct keys.
+pub(crate) type SortedEntries = Vec<(Key, Entry)>;
+
 /// Pads `key` (at most `MAX_KEY_BYTES` long) into a [`Key`].
 pub(crate) fn key_array(key: &[u8]) -> Key {
     let mut padded = [0u8; MAX_KEY_BYTES];
@@ -96,7 +99,6 @@ impl EntryLayout {
 
     /// Writes `entry` for `key` into `out` (exactly `size()` bytes).
     pub fn encode(&self, key: &Key, entry: &Entry, out: &mut [u8]) {
-        debug_assert!(!entry.tombstone(), "tombstones are never written to disk");
         let k = self.key_len;
         out[..k].copy_from_slice(&key[..k]);
         out[k..k + 8].copy_from_slice(&entry.version.to_le_bytes());

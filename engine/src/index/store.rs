@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::index::blob::{self, DiskRef};
+use crate::index::blob::{self, BlobKind, DiskRef};
 use crate::index::bloom::Bloom;
 use crate::index::entry::{Entry, EntryLayout, Key};
 use crate::index::lookup::{self, Found, LookupError};
@@ -29,16 +29,18 @@ impl IndexStore {
         }
     }
 
-    /// Appends the sorted live `entries` as one blob; `None` for no entries.
+    /// Appends the sorted `entries` (live ones only for a base) as one
+    /// blob of `kind`; `None` for no entries.
     pub fn write(
         &self,
         layout: &EntryLayout,
         entries: &[(Key, Entry)],
+        kind: BlobKind,
     ) -> Result<Option<(DiskRef, Arc<Bloom>)>> {
         if entries.is_empty() {
             return Ok(None);
         }
-        let (body, bloom, bloom_len) = blob::encode(layout, entries, self.bits_per_key);
+        let (body, bloom, bloom_len) = blob::encode(layout, entries, self.bits_per_key, kind);
         let len = format::record_len(body.len());
         let (position, ()) = self.log.append(len, |buf, position| {
             format::write_plain(buf, position, Kind::IndexBlob, &body)
@@ -51,15 +53,20 @@ impl IndexStore {
         Ok(Some((disk, Arc::new(bloom))))
     }
 
-    /// Reads and verifies a whole blob.
-    pub fn load(&self, layout: &EntryLayout, disk: &DiskRef) -> Result<(Vec<(Key, Entry)>, Bloom)> {
+    /// Reads and verifies a whole blob of `kind`.
+    pub fn load(
+        &self,
+        layout: &EntryLayout,
+        disk: &DiskRef,
+        kind: BlobKind,
+    ) -> Result<(Vec<(Key, Entry)>, Bloom)> {
         let bytes = self.log.read(disk.position, disk.record_len(layout))?;
         let view = RecordView::verify(disk.position, &bytes)
             .map_err(|m| self.corrupt(disk.position, m.0))?;
         if view.header.kind != Kind::IndexBlob {
             return Err(self.corrupt(disk.position, "not an index blob record"));
         }
-        blob::decode(layout, view.body, disk).map_err(|m| self.corrupt(disk.position, m.0))
+        blob::decode(layout, view.body, disk, kind).map_err(|m| self.corrupt(disk.position, m.0))
     }
 
     /// Reads and verifies a blob's bloom filter.

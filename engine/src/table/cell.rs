@@ -3,8 +3,10 @@
 //! A cell holds up to three layers, newest first:
 //! - `changes`: unflushed writes (the newest entry per key, tombstones
 //!   included);
-//! - `base`: the whole on-disk index, when loaded;
-//! - `disk`: where the on-disk index lives in the index log.
+//! - `base`: the whole on-disk index merged into one sorted array, when
+//!   loaded;
+//! - `layers`: where the on-disk index lives in the index log — a base blob
+//!   and the delta blobs flushed over it since it was written, oldest first.
 //!
 //! Its state follows from which layers are present:
 //!
@@ -17,14 +19,16 @@
 //! | DirtyUnloaded | some    | no          | yes     |
 //!
 //! A write never loads anything: in an Unloaded cell it only buffers the
-//! entry (DirtyUnloaded). See `docs/design/cell-states.md`.
+//! entry (DirtyUnloaded). See `docs/design/cell-states.md` and
+//! `docs/design/index-flush.md`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::index::blob::DiskRef;
-use crate::index::bloom::Bloom;
+use crate::index::bloom::{Bloom, KeyHash};
 use crate::index::entry::{Entry, Key};
+use crate::index::layers::{Layer, Layers, same_layers};
 
 /// The five cell states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -68,9 +72,10 @@ pub(crate) const BASE_ENTRY_BYTES: usize = std::mem::size_of::<(Key, Entry)>();
 #[derive(Debug, Default)]
 pub(crate) struct Cell {
     pub changes: BTreeMap<Key, Change>,
+    /// The on-disk index merged into one sorted array (no tombstones),
+    /// when loaded.
     pub base: Option<BaseEntries>,
-    pub disk: Option<DiskRef>,
-    pub bloom: Option<Arc<Bloom>>,
+    pub layers: Layers,
     /// Lowest record position among `changes` (`u64::MAX` when there are
     /// none): replay must start at or before it.
     pub dirty_since: u64,
@@ -87,20 +92,21 @@ pub(crate) struct Cell {
 pub(crate) enum Probe {
     /// The answer, from memory (`None`: no such key, or deleted).
     Found(Option<Entry>),
-    /// No such key: the on-disk index's bloom filter says so.
+    /// No such key: the bloom filter of every on-disk layer says so.
     Filtered,
     /// Only the on-disk index can tell.
-    Disk {
-        disk: DiskRef,
-        bloom: Option<Arc<Bloom>>,
-    },
+    Disk(Layers),
 }
 
 impl Cell {
-    /// A cell restored from a snapshot.
-    pub fn restored(disk: Option<DiskRef>) -> Self {
+    /// A cell restored from a snapshot: its on-disk blobs, oldest first.
+    pub fn restored(disk: &[DiskRef]) -> Self {
         Self {
-            disk,
+            layers: Arc::new(
+                disk.iter()
+                    .map(|&disk| Layer { disk, bloom: None })
+                    .collect(),
+            ),
             dirty_since: u64::MAX,
             ..Self::default()
         }
@@ -109,7 +115,7 @@ impl Cell {
     /// The cell's state.
     pub fn state(&self) -> CellState {
         let dirty = !self.changes.is_empty();
-        match (self.disk.is_some(), self.base.is_some(), dirty) {
+        match (!self.layers.is_empty(), self.base.is_some(), dirty) {
             (false, _, false) => CellState::Empty,
             (false, _, true) | (true, true, true) => CellState::DirtyLoaded,
             (true, true, false) => CellState::Loaded,
@@ -132,25 +138,26 @@ impl Cell {
                 .map(|i| base[i].1);
             return Probe::Found(found);
         }
-        let Some(disk) = self.disk else {
+        if self.layers.is_empty() {
             return Probe::Found(None);
-        };
-        if let Some(bloom) = &self.bloom
-            && !bloom.may_contain(&key[..key_len])
-        {
+        }
+        let hash = KeyHash::of(&key[..key_len]);
+        let filtered = self
+            .layers
+            .iter()
+            .all(|l| l.bloom.as_ref().is_some_and(|b| !b.may_contain_hash(&hash)));
+        if filtered {
             return Probe::Filtered;
         }
-        Probe::Disk {
-            disk,
-            bloom: self.bloom.clone(),
-        }
+        Probe::Disk(self.layers.clone())
     }
 
     /// Records a change carried by the WAL record at `record`; the newer of
     /// it and an existing change wins (the same write at the same place —
     /// a touch — replaces it). Returns `None` if the cell did not change,
     /// else the bytes of memory added (computed without touching the base
-    /// or the bloom filter: on the write path every extra cache miss counts).
+    /// or the bloom filters: on the write path every extra cache miss
+    /// counts).
     pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> Option<usize> {
         let change = Change { entry, record };
         let added = match self.changes.get_mut(&key) {
@@ -168,37 +175,51 @@ impl Cell {
         Some(added)
     }
 
+    /// Memory of the bloom filters in memory, bytes.
+    fn bloom_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| l.bloom.as_ref())
+            .map(|b| b.memory_bytes())
+            .sum()
+    }
+
     /// Memory held by the cell's in-memory layers, bytes.
     pub fn memory_bytes(&self) -> usize {
         self.changes.len() * CHANGE_BYTES
             + self.base.as_ref().map_or(0, |b| b.len() * BASE_ENTRY_BYTES)
-            + self.bloom.as_ref().map_or(0, |b| b.memory_bytes())
+            + self.bloom_bytes()
     }
 
-    /// Installs a loaded on-disk index if it is still the current one.
+    /// Installs the merged on-disk index read from `seen` (with every
+    /// layer's bloom filter) if `seen` is still the cell's on-disk index.
     /// Returns the bytes of memory added.
-    pub fn install_base(
-        &mut self,
-        disk: DiskRef,
-        entries: BaseEntries,
-        bloom: Arc<Bloom>,
-    ) -> usize {
-        if self.disk != Some(disk) || self.base.is_some() {
+    pub fn install_base(&mut self, seen: &[Layer], entries: BaseEntries) -> usize {
+        if !same_layers(&self.layers, seen) || self.base.is_some() {
             return 0;
         }
         let added = entries.len() * BASE_ENTRY_BYTES;
         self.base = Some(entries);
-        added + self.install_bloom(disk, bloom)
+        let mut blooms = 0;
+        for layer in seen {
+            if let Some(bloom) = &layer.bloom {
+                blooms += self.install_bloom(layer.disk, bloom.clone());
+            }
+        }
+        added + blooms
     }
 
-    /// Installs the bloom filter of the current on-disk index. Returns the
-    /// bytes of memory added.
+    /// Installs the bloom filter of the on-disk blob `disk`, if it is one
+    /// of the cell's layers. Returns the bytes of memory added.
     pub fn install_bloom(&mut self, disk: DiskRef, bloom: Arc<Bloom>) -> usize {
-        if self.disk != Some(disk) || self.bloom.is_some() {
+        let Some(i) = self.layers.iter().position(|l| l.disk == disk) else {
+            return 0;
+        };
+        if self.layers[i].bloom.is_some() {
             return 0;
         }
         let added = bloom.memory_bytes();
-        self.bloom = Some(bloom);
+        Arc::make_mut(&mut self.layers)[i].bloom = Some(bloom);
         added
     }
 
@@ -224,16 +245,16 @@ impl Cell {
         self.changes.iter().map(|(k, c)| (*k, c.entry)).collect()
     }
 
-    /// Finishes a flush that wrote `flushed` over the previous index:
-    /// points the cell at `disk`, drops each flushed change that was not
-    /// superseded meanwhile ("unmerge"), and keeps the merged entries as the
-    /// base if the cell was loaded. Returns the change in memory, bytes.
+    /// Finishes a flush that wrote `flushed` as the new on-disk index
+    /// `layers`: drops each flushed change that was not superseded
+    /// meanwhile ("unmerge"), and, if the cell is loaded, installs `merged`
+    /// (the new on-disk index merged, when the flush computed it) or
+    /// unloads. Returns the change in memory, bytes.
     pub fn finish_flush(
         &mut self,
         flushed: &[(Key, Change)],
-        disk: Option<DiskRef>,
-        merged: BaseEntries,
-        bloom: Option<Arc<Bloom>>,
+        layers: Layers,
+        merged: Option<BaseEntries>,
     ) -> isize {
         let before = self.memory_bytes() as isize;
         for (key, change) in flushed {
@@ -249,49 +270,14 @@ impl Cell {
             .unwrap_or(u64::MAX);
         // A loaded cell (or one loaded from the old index while the flush
         // ran) keeps the merged entries; an emptied cell has nothing on disk.
-        self.base = match disk {
-            Some(_) if self.base.is_some() => Some(merged),
+        self.base = match merged {
+            Some(merged) if self.base.is_some() && !layers.is_empty() => Some(merged),
             _ => None,
         };
-        self.disk = disk;
-        self.bloom = bloom;
+        self.layers = layers;
         self.flushing = false;
         self.memory_bytes() as isize - before
     }
-}
-
-/// Merges `changes` into the sorted `base`: per key the change wins unless
-/// the base entry supersedes it; tombstones and drop markers remove keys and
-/// are not kept.
-pub(crate) fn merge(base: &[(Key, Entry)], changes: &[(Key, Entry)]) -> Vec<(Key, Entry)> {
-    let mut merged = Vec::with_capacity(base.len() + changes.len());
-    let (mut b, mut c) = (0, 0);
-    while b < base.len() || c < changes.len() {
-        let pick = match (base.get(b), changes.get(c)) {
-            (Some(x), Some(y)) if x.0 == y.0 => {
-                b += 1;
-                c += 1;
-                if x.1.supersedes(&y.1) { *x } else { *y }
-            }
-            (Some(x), Some(y)) if x.0 < y.0 => {
-                b += 1;
-                *x
-            }
-            (Some(x), None) => {
-                b += 1;
-                *x
-            }
-            (_, Some(y)) => {
-                c += 1;
-                *y
-            }
-            (None, None) => unreachable!("loop condition"),
-        };
-        if !pick.1.tombstone() {
-            merged.push(pick);
-        }
-    }
-    merged
 }
 
 #[cfg(test)]
@@ -310,34 +296,90 @@ mod tests {
         }
     }
 
-    fn disk() -> DiskRef {
+    fn disk_at(position: u64, count: u32) -> DiskRef {
         DiskRef {
-            position: crate::types::WalPosition(0),
-            count: 1,
+            position: crate::types::WalPosition(position),
+            count,
             bloom_len: 12,
         }
     }
 
+    fn disk() -> DiskRef {
+        disk_at(0, 1)
+    }
+
+    fn layers(refs: &[DiskRef]) -> Layers {
+        Arc::new(
+            refs.iter()
+                .map(|&disk| Layer { disk, bloom: None })
+                .collect(),
+        )
+    }
+
     #[test]
     fn states_follow_the_layers() {
-        let mut cell = Cell::restored(None);
+        let mut cell = Cell::restored(&[]);
         assert_eq!(cell.state(), CellState::Empty);
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
-        let mut cell = Cell::restored(Some(disk()));
+        let mut cell = Cell::restored(&[disk()]);
         assert_eq!(cell.state(), CellState::Unloaded);
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyUnloaded);
-        let mut cell = Cell::restored(Some(disk()));
-        cell.install_base(disk(), Arc::new(vec![]), Arc::new(Bloom::new(1, 10)));
+        let mut cell = Cell::restored(&[disk()]);
+        let seen = vec![Layer {
+            disk: disk(),
+            bloom: Some(Arc::new(Bloom::new(1, 10))),
+        }];
+        cell.install_base(&seen, Arc::new(vec![]));
         assert_eq!(cell.state(), CellState::Loaded);
+        assert!(
+            cell.layers[0].bloom.is_some(),
+            "the bloom came with the base"
+        );
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
     }
 
     #[test]
+    fn a_base_read_from_replaced_layers_is_not_installed() {
+        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)]);
+        let stale = layers(&[disk()]);
+        assert_eq!(cell.install_base(&stale, Arc::new(vec![])), 0);
+        assert_eq!(cell.state(), CellState::Unloaded);
+        assert_eq!(
+            cell.install_bloom(disk_at(7, 1), Arc::new(Bloom::new(1, 10))),
+            0
+        );
+        assert!(cell.install_bloom(disk_at(100, 1), Arc::new(Bloom::new(1, 10))) > 0);
+        assert!(cell.layers[1].bloom.is_some());
+    }
+
+    #[test]
+    fn absent_keys_are_filtered_only_when_every_layer_says_so() {
+        let key = key_array(&[9u8; 32]);
+        let other = key_array(&[1u8; 32]);
+        let mut bloom = Bloom::new(1, 10);
+        bloom.insert(&other);
+        let bloom = Arc::new(bloom);
+        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)]);
+        assert!(
+            matches!(cell.probe(&key, 32), Probe::Disk(_)),
+            "no filter known yet"
+        );
+        cell.install_bloom(disk(), bloom.clone());
+        assert!(
+            matches!(cell.probe(&key, 32), Probe::Disk(_)),
+            "one filter unknown"
+        );
+        cell.install_bloom(disk_at(100, 1), bloom);
+        assert!(matches!(cell.probe(&key, 32), Probe::Filtered));
+        assert!(matches!(cell.probe(&other, 32), Probe::Disk(_)));
+    }
+
+    #[test]
     fn newer_change_wins_regardless_of_arrival_order() {
-        let mut cell = Cell::restored(None);
+        let mut cell = Cell::restored(&[]);
         let key = key_array(b"k");
         assert_eq!(cell.apply(key, entry(9, false), 9), Some(CHANGE_BYTES));
         assert_eq!(cell.apply(key, entry(5, true), 5), None);
@@ -350,34 +392,16 @@ mod tests {
     }
 
     #[test]
-    fn merge_keeps_the_superseding_entry_and_drops_tombstones() {
-        let k = |s: &[u8]| key_array(s);
-        let base = vec![
-            (k(b"a"), entry(1, false)),
-            (k(b"b"), entry(2, false)),
-            (k(b"d"), entry(3, false)),
-        ];
-        let changes = vec![
-            (k(b"b"), entry(10, true)),
-            (k(b"c"), entry(11, false)),
-            (k(b"d"), entry(2, false)),
-        ];
-        let merged = merge(&base, &changes);
-        let keys: Vec<_> = merged.iter().map(|(key, e)| (key[0], e.version)).collect();
-        assert_eq!(keys, vec![(b'a', 1), (b'c', 11), (b'd', 3)]);
-    }
-
-    #[test]
     fn unmerge_keeps_changes_that_arrived_during_the_flush() {
-        let mut cell = Cell::restored(None);
+        let mut cell = Cell::restored(&[]);
         let (a, b) = (key_array(b"a"), key_array(b"b"));
         cell.apply(a, entry(1, false), 1);
         cell.apply(b, entry(2, false), 2);
         let flushed = cell.flushable(100);
         cell.apply(b, entry(3, false), 3); // arrives while the flush runs
         let entries: Vec<(Key, Entry)> = flushed.iter().map(|(k, c)| (*k, c.entry)).collect();
-        let merged = Arc::new(merge(&[], &entries));
-        cell.finish_flush(&flushed, Some(disk()), merged, None);
+        let merged = Arc::new(crate::index::layers::merge(&[], &entries));
+        cell.finish_flush(&flushed, layers(&[disk()]), Some(merged));
         assert_eq!(cell.changes.len(), 1);
         assert_eq!(cell.changes[&b].entry.version, 3);
         assert_eq!(cell.dirty_since, 3);

@@ -83,7 +83,7 @@ impl SpaceTable {
                     rows: (0..rows)
                         .map(|r| {
                             let in_row = CELLS_PER_ROW.min(cells - r * CELLS_PER_ROW);
-                            Mutex::new((0..in_row).map(|_| Cell::restored(None)).collect())
+                            Mutex::new((0..in_row).map(|_| Cell::restored(&[])).collect())
                         })
                         .collect(),
                 }
@@ -169,7 +169,7 @@ impl SpaceTable {
         {
             map.write()
                 .entry(*prefix)
-                .or_insert_with(|| Arc::new(Mutex::new(Cell::restored(None))));
+                .or_insert_with(|| Arc::new(Mutex::new(Cell::restored(&[]))));
         }
         self.with_cell(id, f).expect("the cell exists")
     }

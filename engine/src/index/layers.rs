@@ -1,0 +1,296 @@
+//! A cell's on-disk index as layers: a base blob (a whole index) and the
+//! delta blobs flushed over it (the changes of one flush each, tombstones
+//! included), oldest first — how they are merged, when a flush writes a
+//! delta or merges, and how lookups and loads read them.
+//!
+//! A key's entry is in the newest layer that has one: every layer was
+//! written from changes that were never older than the layers below
+//! (`docs/design/cell-states.md`), so reading newest first is the same as
+//! taking the superseding entry. Merges take the superseding entry anyway.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::index::blob::{BlobKind, DiskRef};
+use crate::index::bloom::{Bloom, KeyHash};
+use crate::index::entry::{Entry, EntryLayout, Key, SortedEntries};
+use crate::index::store::IndexStore;
+
+/// One blob of a cell's on-disk index, with its bloom filter once read.
+#[derive(Clone, Debug)]
+pub(crate) struct Layer {
+    pub disk: DiskRef,
+    pub bloom: Option<Arc<Bloom>>,
+}
+
+/// A cell's on-disk index, oldest first: `[0]` is the base (a whole
+/// index: no tombstones), the rest are deltas (the changes of one flush
+/// each, tombstones included). Empty when nothing is on disk. Shared
+/// read-only; a flush installs a new one.
+pub(crate) type Layers = Arc<Vec<Layer>>;
+
+/// Whether two layer lists name the same blobs (bloom filters aside).
+pub(crate) fn same_layers(a: &[Layer], b: &[Layer]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.disk == y.disk)
+}
+
+/// The blobs of a layer list.
+pub(crate) fn layer_refs(layers: &[Layer]) -> Vec<DiskRef> {
+    layers.iter().map(|l| l.disk).collect()
+}
+
+/// The kind of the blob at `index` among a cell's layers.
+pub(crate) fn kind_at(index: usize) -> BlobKind {
+    if index == 0 {
+        BlobKind::Base
+    } else {
+        BlobKind::Delta
+    }
+}
+
+/// Merges `changes` into the sorted `base`: per key the change wins unless
+/// the base entry supersedes it; tombstones and drop markers remove keys and
+/// are not kept.
+pub(crate) fn merge(base: &[(Key, Entry)], changes: &[(Key, Entry)]) -> Vec<(Key, Entry)> {
+    combine(base, changes, false)
+}
+
+/// Lays the sorted `newer` over the sorted `older` as [`merge`] does, but
+/// keeps tombstones and drop markers: the result can itself be laid over
+/// an older index (a delta, or deltas read together).
+pub(crate) fn overlay(older: &[(Key, Entry)], newer: &[(Key, Entry)]) -> Vec<(Key, Entry)> {
+    combine(older, newer, true)
+}
+
+fn combine(
+    base: &[(Key, Entry)],
+    changes: &[(Key, Entry)],
+    keep_tombstones: bool,
+) -> Vec<(Key, Entry)> {
+    let mut merged = Vec::with_capacity(base.len() + changes.len());
+    let (mut b, mut c) = (0, 0);
+    while b < base.len() || c < changes.len() {
+        let pick = match (base.get(b), changes.get(c)) {
+            (Some(x), Some(y)) if x.0 == y.0 => {
+                b += 1;
+                c += 1;
+                if x.1.supersedes(&y.1) { *x } else { *y }
+            }
+            (Some(x), Some(y)) if x.0 < y.0 => {
+                b += 1;
+                *x
+            }
+            (Some(x), None) => {
+                b += 1;
+                *x
+            }
+            (_, Some(y)) => {
+                c += 1;
+                *y
+            }
+            (None, None) => unreachable!("loop condition"),
+        };
+        if keep_tombstones || !pick.1.tombstone() {
+            merged.push(pick);
+        }
+    }
+    merged
+}
+
+/// How a flush writes a cell's changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FlushKind {
+    /// Merge the on-disk index and the changes into a new base blob.
+    Merge,
+    /// Append the changes alone as a delta blob over the current index.
+    Delta,
+}
+
+/// Whether a flush of `changes` changes over `layers` writes a delta or
+/// merges: it merges when there is no base yet, when `max_deltas` deltas
+/// are already there, or when the deltas would hold as many entries as
+/// the base. Every entry of a delta is written about three times over its
+/// life (the delta, then the merge that writes it into a base of about the
+/// deltas' size), however large the cell — instead of once per flush.
+pub(crate) fn flush_kind(layers: &[Layer], changes: usize, max_deltas: u32) -> FlushKind {
+    let Some((base, deltas)) = layers.split_first() else {
+        return FlushKind::Merge;
+    };
+    let in_deltas: usize = deltas.iter().map(|d| d.disk.count as usize).sum::<usize>() + changes;
+    if deltas.len() >= max_deltas as usize || in_deltas >= base.disk.count as usize {
+        FlushKind::Merge
+    } else {
+        FlushKind::Delta
+    }
+}
+
+/// What a lookup through a cell's layers found.
+#[derive(Debug, Default)]
+pub(crate) struct LayeredFound {
+    /// The key's entry in the newest layer that has one (a tombstone if
+    /// it was deleted there).
+    pub entry: Option<Entry>,
+    /// Bloom filters read from disk on the way, to install in the cell.
+    pub blooms: Vec<(DiskRef, Arc<Bloom>)>,
+    /// Blobs searched (the filter let the key through).
+    pub searched: u32,
+    /// Windows read.
+    pub reads: u32,
+}
+
+impl IndexStore {
+    /// Looks `key` up in `layers`, newest first, skipping each blob whose
+    /// bloom filter (read now if not known) rules the key out. `guess`
+    /// estimates the key's rank among a blob's `count` entries.
+    pub fn lookup_layers(
+        &self,
+        layout: &EntryLayout,
+        layers: &[Layer],
+        key: &Key,
+        guess: impl Fn(usize) -> usize,
+    ) -> Result<LayeredFound> {
+        let hash = KeyHash::of(&key[..layout.key_len]);
+        let mut found = LayeredFound::default();
+        for layer in layers.iter().rev() {
+            let bloom = match &layer.bloom {
+                Some(bloom) => bloom.clone(),
+                None => {
+                    let bloom = Arc::new(self.load_bloom(&layer.disk)?);
+                    found.blooms.push((layer.disk, bloom.clone()));
+                    bloom
+                }
+            };
+            if !bloom.may_contain_hash(&hash) {
+                continue;
+            }
+            let count = layer.disk.count as usize;
+            let hit = self.lookup(layout, &layer.disk, key, guess(count))?;
+            found.searched += 1;
+            found.reads += hit.reads;
+            if hit.entry.is_some() {
+                found.entry = hit.entry;
+                break;
+            }
+        }
+        Ok(found)
+    }
+
+    /// Reads every blob of `layers` whole: the merged index (live entries
+    /// only) and the layers with their bloom filters.
+    pub fn load_layers(
+        &self,
+        layout: &EntryLayout,
+        layers: &[Layer],
+    ) -> Result<(SortedEntries, Vec<Layer>)> {
+        let mut merged: Vec<(Key, Entry)> = Vec::new();
+        let mut loaded = Vec::with_capacity(layers.len());
+        for (i, layer) in layers.iter().enumerate() {
+            let (entries, bloom) = self.load(layout, &layer.disk, kind_at(i))?;
+            merged = if i == 0 {
+                entries
+            } else {
+                overlay(&merged, &entries)
+            };
+            loaded.push(Layer {
+                disk: layer.disk,
+                bloom: Some(layer.bloom.clone().unwrap_or_else(|| Arc::new(bloom))),
+            });
+        }
+        merged.retain(|(_, e)| !e.tombstone());
+        Ok((merged, loaded))
+    }
+
+    /// Reads the deltas of `layers` whole and lays them over each other,
+    /// tombstones kept (what lies over the base).
+    pub fn load_deltas(&self, layout: &EntryLayout, layers: &[Layer]) -> Result<Vec<(Key, Entry)>> {
+        let mut deltas: Vec<(Key, Entry)> = Vec::new();
+        for layer in layers.iter().skip(1) {
+            let (entries, _) = self.load(layout, &layer.disk, BlobKind::Delta)?;
+            deltas = overlay(&deltas, &entries);
+        }
+        Ok(deltas)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::entry::key_array;
+    use crate::types::{Epoch, Tag, WalPosition};
+
+    fn entry(version: u64, tombstone: bool) -> Entry {
+        Entry {
+            version,
+            location: version,
+            len: if tombstone { 0 } else { 40 },
+            epoch: Epoch(1),
+            tag: Tag(0),
+        }
+    }
+
+    fn disk_at(position: u64, count: u32) -> DiskRef {
+        DiskRef {
+            position: WalPosition(position),
+            count,
+            bloom_len: 12,
+        }
+    }
+
+    fn layers(refs: &[DiskRef]) -> Layers {
+        Arc::new(
+            refs.iter()
+                .map(|&disk| Layer { disk, bloom: None })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn flushes_merge_without_a_base_at_the_delta_limit_or_past_the_base_size() {
+        assert_eq!(flush_kind(&[], 5, 8), FlushKind::Merge);
+        let base = disk_at(0, 100);
+        assert_eq!(flush_kind(&layers(&[base]), 10, 8), FlushKind::Delta);
+        assert_eq!(flush_kind(&layers(&[base]), 100, 8), FlushKind::Merge);
+        let three = layers(&[base, disk_at(1, 30), disk_at(2, 30)]);
+        assert_eq!(flush_kind(&three, 39, 8), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 40, 8), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 1, 2), FlushKind::Merge);
+        assert_eq!(flush_kind(&layers(&[base]), 1, 0), FlushKind::Merge);
+    }
+
+    #[test]
+    fn overlay_keeps_tombstones_and_merge_of_the_overlay_equals_merging_in_turn() {
+        let k = |s: &[u8]| key_array(s);
+        let base = vec![(k(b"a"), entry(1, false)), (k(b"b"), entry(2, false))];
+        let delta1 = vec![(k(b"a"), entry(5, true)), (k(b"c"), entry(6, false))];
+        let delta2 = vec![(k(b"a"), entry(7, false)), (k(b"c"), entry(8, true))];
+        let deltas = overlay(&delta1, &delta2);
+        assert_eq!(deltas.len(), 2);
+        assert!(
+            deltas[1].1.tombstone(),
+            "c's delete is kept for older layers"
+        );
+        let at_once = merge(&base, &deltas);
+        let in_turn = merge(&merge(&base, &delta1), &delta2);
+        assert_eq!(at_once, in_turn);
+        let keys: Vec<_> = at_once.iter().map(|(key, e)| (key[0], e.version)).collect();
+        assert_eq!(keys, vec![(b'a', 7), (b'b', 2)]);
+    }
+
+    #[test]
+    fn merge_keeps_the_superseding_entry_and_drops_tombstones() {
+        let k = |s: &[u8]| key_array(s);
+        let base = vec![
+            (k(b"a"), entry(1, false)),
+            (k(b"b"), entry(2, false)),
+            (k(b"d"), entry(3, false)),
+        ];
+        let changes = vec![
+            (k(b"b"), entry(10, true)),
+            (k(b"c"), entry(11, false)),
+            (k(b"d"), entry(2, false)),
+        ];
+        let merged = merge(&base, &changes);
+        let keys: Vec<_> = merged.iter().map(|(key, e)| (key[0], e.version)).collect();
+        assert_eq!(keys, vec![(b'a', 1), (b'c', 11), (b'd', 3)]);
+    }
+}

@@ -1,0 +1,179 @@
+//! Delta blobs: a flush over a cell's on-disk index writes only the
+//! changes (deletes included) while the cell has few deltas, merges into a
+//! new base past the limit, and lookups, scans and recovery see the
+//! layers as one index — on cells in memory and on disk, after a clean
+//! close and after a crash.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use support::{fault_storage, key, open, value};
+use tidepool_engine::storage::FaultStorage;
+use tidepool_engine::{Config, Direction, Durability, Engine, KeySpace};
+
+const CELLS: u64 = 64;
+
+fn config() -> (FaultStorage, Config) {
+    let (storage, mut config) = fault_storage();
+    config.flush_dirty_entries = 1 << 20; // flushes only when asked
+    config.max_replay_bytes = 1 << 40;
+    config.relocation_enabled = false;
+    config.index_max_deltas = 4;
+    config.wal_segment_bytes = 1 << 20;
+    config.index_segment_bytes = 1 << 20;
+    (storage, config)
+}
+
+fn check(engine: &Engine, ks: KeySpace, model: &BTreeMap<[u8; 32], Vec<u8>>, what: &str) {
+    for i in 0..3_000u64 {
+        let k = key(i);
+        let got = engine.get(ks, &k).unwrap();
+        assert_eq!(
+            got.as_deref(),
+            model.get(&k).map(|v| &v[..]),
+            "{what}: key {i}"
+        );
+        assert_eq!(
+            engine.exists(ks, &k).unwrap(),
+            model.contains_key(&k),
+            "{what}: exists {i}"
+        );
+    }
+    let scanned: Vec<Vec<u8>> = engine
+        .scan(ks, Bound::Unbounded, Bound::Unbounded, Direction::Forward)
+        .unwrap()
+        .map(|r| r.unwrap().0)
+        .collect();
+    let expected: Vec<Vec<u8>> = model.keys().map(|k| k.to_vec()).collect();
+    assert_eq!(scanned, expected, "{what}: scan");
+    for (probe, _) in model.iter().step_by(37) {
+        let got = engine.last_before(ks, probe).unwrap().map(|(k, _)| k);
+        let want = model.range(..*probe).next_back().map(|(k, _)| k.to_vec());
+        assert_eq!(got, want, "{what}: last_before");
+    }
+}
+
+#[test]
+fn small_flushes_over_a_base_write_deltas_and_every_reader_sees_one_index() {
+    let (storage, config) = config();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..CELLS * 30 {
+        let v = value(i, 1, 40);
+        engine.put(ks, &key(i), &v, Durability::Buffered).unwrap();
+        model.insert(key(i), v);
+    }
+    engine.flush().unwrap();
+    let base = engine.metrics().counters;
+    assert_eq!(
+        base.delta_flushes, 0,
+        "the first flush of a cell writes its base"
+    );
+
+    // Four rounds of a few changes per cell: deletes of base keys,
+    // overwrites and new keys. Each round is a delta over the base.
+    for round in 0..4u64 {
+        for i in (round..CELLS * 30).step_by(23) {
+            engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+            model.remove(&key(i));
+        }
+        for i in (round * 7..CELLS * 30).step_by(29) {
+            let v = value(i, 10 + round, 50);
+            engine.put(ks, &key(i), &v, Durability::Buffered).unwrap();
+            model.insert(key(i), v);
+        }
+        let new = 2_000 + round * 100;
+        for i in new..new + 100 {
+            let v = value(i, 1, 30);
+            engine.put(ks, &key(i), &v, Durability::Buffered).unwrap();
+            model.insert(key(i), v);
+        }
+        let before = engine.metrics().counters;
+        engine.flush().unwrap();
+        let after = engine.metrics().counters;
+        let flushes = after.flushes - before.flushes;
+        let deltas = after.delta_flushes - before.delta_flushes;
+        let written = after.index_bytes_written - before.index_bytes_written;
+        println!("round {round}: {flushes} flushes, {deltas} deltas, {written} index bytes");
+        assert_eq!(
+            deltas, flushes,
+            "round {round}: few changes over a base are deltas"
+        );
+        // ~250 changed entries of 64 bytes plus headers and filters, not
+        // the ~120 KiB of the whole index.
+        assert!(written < 40_000, "round {round}: {written} bytes written");
+        check(&engine, ks, &model, &format!("round {round}, loaded"));
+        engine.release_memory();
+        check(&engine, ks, &model, &format!("round {round}, on disk"));
+    }
+    // The fifth small flush finds four deltas: it merges.
+    for i in (0..CELLS * 30).step_by(31) {
+        engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+        model.remove(&key(i));
+    }
+    let before = engine.metrics().counters;
+    engine.flush().unwrap();
+    let after = engine.metrics().counters;
+    assert!(after.flushes > before.flushes);
+    assert_eq!(
+        after.delta_flushes, before.delta_flushes,
+        "past the limit, flushes merge"
+    );
+    check(&engine, ks, &model, "after the merge");
+
+    // One more delta, then reopen: cleanly, and after a crash.
+    for i in (5..CELLS * 30).step_by(41) {
+        engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+        model.remove(&key(i));
+    }
+    engine.flush().unwrap();
+    engine.close().unwrap();
+    drop(engine);
+    let engine = open(&storage, &config).unwrap();
+    check(&engine, ks, &model, "reopened");
+    for i in (6..CELLS * 30).step_by(43) {
+        engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+        model.remove(&key(i));
+    }
+    engine.flush().unwrap();
+    let placeholder = open(&FaultStorage::default(), &config).unwrap();
+    drop(std::mem::replace(&mut { engine }, placeholder));
+    let storage = storage.restart_process();
+    let engine = open(&storage, &config).unwrap();
+    check(&engine, ks, &model, "after a crash");
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_delete_in_a_delta_hides_the_base_entry_on_disk() {
+    let (storage, mut config) = config();
+    config.index_memory_bytes = 1; // never load a cell: every lookup reads blobs
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for i in 0..CELLS * 20 {
+        engine
+            .put(ks, &key(i), &value(i, 1, 40), Durability::Buffered)
+            .unwrap();
+    }
+    engine.flush().unwrap();
+    engine.delete(ks, &key(5), Durability::Buffered).unwrap();
+    engine.flush().unwrap();
+    let counters = engine.metrics().counters;
+    assert_eq!(counters.delta_flushes, 1, "the delete went out as a delta");
+    assert!(
+        !engine.exists(ks, &key(5)).unwrap(),
+        "the delta's tombstone wins"
+    );
+    assert!(engine.get(ks, &key(5)).unwrap().is_none());
+    assert!(
+        engine.exists(ks, &key(6)).unwrap(),
+        "other keys come from the base"
+    );
+    let counters = engine.metrics().counters;
+    assert_eq!(counters.cell_loads, 0);
+    assert!(counters.disk_lookups >= 2);
+    engine.close().unwrap();
+}
