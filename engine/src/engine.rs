@@ -251,6 +251,7 @@ impl Engine {
         snapshot.cache_bytes = inner.cache.bytes();
         snapshot.wal_processed = inner.values.processed().0;
         snapshot.wal_synced = inner.values.synced().0;
+        snapshot.wal_released_bytes = inner.values.released_bytes();
         snapshot.segments = inner.last_census.lock().clone();
         snapshot.relocation_lag_bytes = snapshot
             .segments

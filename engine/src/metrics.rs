@@ -189,6 +189,9 @@ pub struct MetricsSnapshot {
     pub wal_processed: u64,
     /// The value WAL's synced watermark.
     pub wal_synced: u64,
+    /// Bytes of sealed value WAL segments whose pages were dropped from the
+    /// page cache once synced (`Config::wal_cached_bytes`).
+    pub wal_released_bytes: u64,
     /// Number of cells in each state, in the order Empty, Loaded,
     /// DirtyLoaded, Unloaded, DirtyUnloaded.
     pub cell_states: [u64; 5],

@@ -35,9 +35,14 @@ use crate::wal::{Log, LogOptions};
 const FIRST_EPOCH: Epoch = Epoch(1);
 
 fn log_options(config: &Config, kind: LogKind, log_id: [u8; 16]) -> LogOptions {
-    let (sub, segment_size) = match kind {
-        LogKind::Values => ("wal", config.wal_segment_bytes),
-        LogKind::Index => ("index", config.index_segment_bytes),
+    // The index log stays cached: lookups read its windows all the time.
+    let (sub, segment_size, keep_cached_bytes) = match kind {
+        LogKind::Values => (
+            "wal",
+            config.wal_segment_bytes,
+            (config.wal_cached_bytes != u64::MAX).then_some(config.wal_cached_bytes),
+        ),
+        LogKind::Index => ("index", config.index_segment_bytes, None),
     };
     LogOptions {
         dir: config.dir.join(sub),
@@ -46,6 +51,7 @@ fn log_options(config: &Config, kind: LogKind, log_id: [u8; 16]) -> LogOptions {
         segment_size,
         spare_segments: config.spare_segments as usize,
         sync_interval: Duration::from_millis(config.sync_interval_ms),
+        keep_cached_bytes,
     }
 }
 

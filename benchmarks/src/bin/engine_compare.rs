@@ -80,6 +80,9 @@ struct Args {
     /// "beyond-memory").
     #[arg(long, default_value = "in-memory")]
     label: String,
+    /// Skip the memcpy-limit runs (when profiling an engine).
+    #[arg(long)]
+    skip_limits: bool,
 }
 
 /// What the benchmark needs of an engine.
@@ -712,8 +715,12 @@ fn main() -> anyhow::Result<()> {
         let entries = entries_for(value_bytes);
         out.data_mib = data_mib(value_bytes);
         // The limit of a copy into a mapped log, at each thread count.
-        for (&threads, files) in args
-            .threads
+        let limits = if args.skip_limits {
+            &[][..]
+        } else {
+            &args.threads[..]
+        };
+        for (&threads, files) in limits
             .iter()
             .flat_map(|t| [(t, LimitFiles::Kept), (t, LimitFiles::Recycled)])
         {

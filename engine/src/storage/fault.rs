@@ -54,6 +54,9 @@ struct Inner {
     crash_at_op: AtomicU64,
     crashed: AtomicBool,
     capacity_bytes: AtomicU64,
+    /// Calls of `evict_cache`, and those on files with unsynced bytes.
+    evictions: AtomicU64,
+    unsynced_evictions: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -75,6 +78,15 @@ impl Default for FaultStorage {
 }
 
 impl FaultStorage {
+    /// Calls of [`StorageFile::evict_cache`] on this storage's files, and
+    /// how many of them found bytes not yet synced.
+    pub fn evictions(&self) -> (u64, u64) {
+        (
+            self.inner.evictions.load(Ordering::SeqCst),
+            self.inner.unsynced_evictions.load(Ordering::SeqCst),
+        )
+    }
+
     /// An empty storage with the given faults.
     pub fn new(config: FaultConfig) -> Self {
         let inner = Inner {
@@ -83,6 +95,8 @@ impl FaultStorage {
             crash_at_op: AtomicU64::new(config.crash_at_op.unwrap_or(0)),
             crashed: AtomicBool::new(false),
             capacity_bytes: AtomicU64::new(config.capacity_bytes.unwrap_or(u64::MAX)),
+            evictions: AtomicU64::new(0),
+            unsynced_evictions: AtomicU64::new(0),
         };
         Self {
             inner: Arc::new(inner),
@@ -533,6 +547,21 @@ impl StorageFile for FaultFile {
     }
 
     fn evict_cache(&self) -> io::Result<()> {
+        // Dropping clean pages loses nothing (a real kernel writes dirty
+        // ones back first); count the call, and whether the file still had
+        // unsynced bytes — an engine should only release what it synced.
+        let unsynced = {
+            let durable = self.durable.lock();
+            let mut volatile = vec![0u8; self.len as usize];
+            self.volatile.read(&mut volatile, 0)?;
+            durable.len() != volatile.len() || *durable != volatile
+        };
+        if let Some(inner) = self.storage.upgrade() {
+            inner.evictions.fetch_add(1, Ordering::SeqCst);
+            if unsynced {
+                inner.unsynced_evictions.fetch_add(1, Ordering::SeqCst);
+            }
+        }
         Ok(())
     }
 }

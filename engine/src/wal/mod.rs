@@ -40,6 +40,10 @@ pub(crate) struct LogOptions {
     pub segment_size: u64,
     pub spare_segments: usize,
     pub sync_interval: Duration,
+    /// Synced bytes behind the synced watermark whose pages stay in the
+    /// page cache; sealed segments further behind have theirs dropped
+    /// (`None`: never).
+    pub keep_cached_bytes: Option<u64>,
 }
 
 impl LogOptions {
@@ -76,6 +80,11 @@ pub(crate) struct Shared {
     epoch: AtomicU32,
     /// End of the last sync mark written.
     last_mark_end: AtomicU64,
+    /// Segments below this id had their pages dropped (see
+    /// [`LogOptions::keep_cached_bytes`]).
+    released_below: Mutex<u64>,
+    /// Bytes of segments whose pages were dropped.
+    released_bytes: AtomicU64,
     shutdown: AtomicBool,
 }
 
@@ -139,6 +148,8 @@ impl Log {
             sync: SyncState::default(),
             epoch: AtomicU32::new(epoch.0),
             last_mark_end: AtomicU64::new(0),
+            released_below: Mutex::new(0),
+            released_bytes: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
         });
         shared.tracker.done(base, base + HEADER_RECORD_BYTES);
@@ -246,6 +257,12 @@ impl Log {
         shared.health.check()?;
         shared.epoch.store(epoch.0, Ordering::Release);
         shared.rotate(shared.active_id()?, Some(epoch))
+    }
+
+    /// Bytes of sealed segments whose pages were dropped from the page
+    /// cache once synced (see [`LogOptions::keep_cached_bytes`]).
+    pub fn released_bytes(&self) -> u64 {
+        self.shared.released_bytes.load(Ordering::Relaxed)
     }
 
     /// Every segment file, oldest first.
@@ -439,6 +456,31 @@ impl Shared {
     }
 
     /// Makes every processed byte durable.
+    /// Drops the page-cache pages of sealed segments that are synced and
+    /// lie more than `keep_cached_bytes` behind the synced watermark, each
+    /// once. The advice cannot lose data (the pages are clean; the kernel
+    /// writes back any dirty one first), so a failure is ignored.
+    fn release_cold_pages(&self) {
+        let Some(keep) = self.opts.keep_cached_bytes else {
+            return;
+        };
+        let size = self.opts.segment_size;
+        let limit = self.synced.load(Ordering::Acquire).saturating_sub(keep);
+        let mut next = self.released_below.lock();
+        let cold: Vec<Arc<SegmentFile>> = self
+            .files
+            .read()
+            .range(SegmentId(*next)..)
+            .take_while(|(id, _)| (id.0 + 1) * size <= limit)
+            .map(|(_, s)| s.clone())
+            .collect();
+        for segment in cold {
+            let _ = segment.file.evict_cache();
+            *next = segment.id.0 + 1;
+            self.released_bytes.fetch_add(size, Ordering::Relaxed);
+        }
+    }
+
     fn sync_to_processed(&self) -> Result<()> {
         let target = self.tracker.processed();
         let from = self.synced.load(Ordering::Acquire);

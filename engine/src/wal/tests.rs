@@ -22,6 +22,7 @@ fn options() -> LogOptions {
         segment_size: SEGMENT,
         spare_segments: 2,
         sync_interval: Duration::from_millis(5),
+        keep_cached_bytes: None,
     }
 }
 

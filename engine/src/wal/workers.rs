@@ -240,6 +240,7 @@ pub(crate) fn run_syncer(shared: Arc<Shared>) {
         let synced = shared.synced.load(Ordering::Acquire);
         if synced > before {
             shared.append_sync_mark(synced);
+            shared.release_cold_pages();
         }
     }
 }
