@@ -20,7 +20,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tidepool_engine::storage::{FileStorage, Storage};
+use std::sync::Arc;
+
+use tidepool_engine::storage::{FileStorage, Storage, StorageFile};
 
 /// Latencies of one run, exact (every sample kept).
 #[derive(Debug, Default)]
@@ -79,6 +81,13 @@ pub enum LimitFiles {
     /// kernel writes the dirty pages back meanwhile — what a store's write
     /// path pays too. The limit the engine is held to.
     Kept,
+    /// Keep it, and have a background thread sync it and drop its pages
+    /// from the page cache (`POSIX_FADV_DONTNEED`) as soon as it is full —
+    /// what the engine's syncer does to sealed segments once they are
+    /// synced (`Config::wal_cached_bytes`, here with nothing kept): the
+    /// next files reuse that memory, and every byte is still written to
+    /// the disk.
+    Released,
     /// Remove it at once: the next file reuses the freed (already touched)
     /// memory and its dirty pages are never written. An upper bound no
     /// store that keeps its data can reach; shown for reference.
@@ -90,6 +99,7 @@ impl LimitFiles {
     pub fn engine_name(self) -> &'static str {
         match self {
             LimitFiles::Kept => "memcpy-mmap",
+            LimitFiles::Released => "memcpy-mmap-released",
             LimitFiles::Recycled => "memcpy-mmap-recycled",
         }
     }
@@ -97,7 +107,8 @@ impl LimitFiles {
     /// What becomes of the files, for result tables.
     pub fn describe(self) -> &'static str {
         match self {
-            LimitFiles::Kept => "files kept (the limit)",
+            LimitFiles::Kept => "files kept in the page cache",
+            LimitFiles::Released => "files kept, synced and released from the page cache",
             LimitFiles::Recycled => "files recycled (reference)",
         }
     }
@@ -132,6 +143,15 @@ pub fn memcpy_limit(
                     let storage = FileStorage::new();
                     let source = vec![0x5Au8; chunk];
                     let mut mine = 0u64;
+                    // Syncs and releases full files behind the copy (Released).
+                    let (full_tx, full_rx) = std::sync::mpsc::channel::<Arc<dyn StorageFile>>();
+                    let releaser = std::thread::spawn(move || -> std::io::Result<()> {
+                        for file in full_rx {
+                            file.sync_all()?;
+                            file.evict_cache()?;
+                        }
+                        Ok(())
+                    });
                     for file_number in 0.. {
                         if start.elapsed() >= duration {
                             break;
@@ -147,11 +167,15 @@ pub fn memcpy_limit(
                             }
                         }
                         drop(mapping);
-                        if files == LimitFiles::Recycled {
-                            storage.remove(&path)?;
+                        match files {
+                            LimitFiles::Kept => {}
+                            LimitFiles::Released => full_tx.send(file)?,
+                            LimitFiles::Recycled => storage.remove(&path)?,
                         }
                     }
                     copies.fetch_add(mine, Ordering::Relaxed);
+                    drop(full_tx);
+                    releaser.join().expect("releaser")?;
                     Ok(())
                 })
             })

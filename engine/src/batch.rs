@@ -87,7 +87,7 @@ impl Engine {
             })
             .collect::<Result<_>>()?;
         let position = self.inner.write(&items, durability)?;
-        crate::metrics::Metrics::add(&self.inner.metrics.counters.batches, 1);
+        crate::metrics::Metrics::add(&self.inner.metrics.counters().batches, 1);
         Ok(position)
     }
 }

@@ -98,13 +98,15 @@ pub struct Config {
     /// Memory for the value cache, bytes (0 disables it).
     pub value_cache_bytes: u64,
     /// Bytes of the most recently synced value WAL left to the kernel's
-    /// page cache. Once a sealed segment is synced and lies this far behind
+    /// page cache; `u64::MAX` (the default) leaves all of it to the kernel.
+    /// Otherwise, once a sealed segment is synced and lies this far behind
     /// the synced watermark, the engine asks the kernel to drop its pages
     /// (`POSIX_FADV_DONTNEED`): new writes then reuse that memory instead
     /// of memory never touched before, which on virtual machines that back
-    /// guest memory lazily costs several times the copy. Reads of older
-    /// values go to the disk unless the value cache holds them.
-    /// `u64::MAX` never drops pages.
+    /// guest memory lazily costs several times the copy — but reads of
+    /// older values go to the disk unless the value cache holds them. For
+    /// hosts whose data is far larger than memory; see
+    /// `docs/design/wal-format.md` for the measured trade-off.
     pub wal_cached_bytes: u64,
     /// Most entries read per optimistic index lookup (a lookup reads
     /// `3·sqrt(count) + 16` of a cell's `count`, up to this).
@@ -151,7 +153,7 @@ impl Default for Config {
             index_max_deltas: 8,
             index_memory_bytes: 1 << 30,
             value_cache_bytes: 256 << 20,
-            wal_cached_bytes: 1 << 30,
+            wal_cached_bytes: u64::MAX,
             lookup_window_entries: 800,
             bloom_bits_per_key: 10,
             recovery: RecoveryMode::Strict,

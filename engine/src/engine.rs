@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex};
 
 use crate::cache::ValueCache;
 use crate::config::Config;
@@ -55,7 +55,7 @@ pub(crate) struct Inner {
     pub last_snapshot: Mutex<Option<ControlData>>,
     /// Readers of index blobs hold it shared; index garbage collection holds
     /// it exclusively while deleting segments.
-    pub index_gc: RwLock<()>,
+    pub index_gc: crate::striped::StripedRwLock,
     pub flush_tx: Sender<(u8, CellId)>,
     pub flush_rx: Receiver<(u8, CellId)>,
     pub shutdown: AtomicBool,
@@ -168,9 +168,9 @@ impl Engine {
         inner.health.check()?;
         let start = Instant::now();
         let (space_table, key) = inner.key(space, key)?;
-        Metrics::add(&inner.metrics.counters.gets, 1);
+        Metrics::add(&inner.metrics.counters().gets, 1);
         let value = inner.get_value(space_table, &key)?;
-        inner.metrics.get_latency.record_since(start);
+        inner.metrics.get_latency().record_since(start);
         Ok(value)
     }
 
@@ -180,9 +180,9 @@ impl Engine {
         inner.health.check()?;
         let start = Instant::now();
         let (space_table, key) = inner.key(space, key)?;
-        Metrics::add(&inner.metrics.counters.gets, 1);
+        Metrics::add(&inner.metrics.counters().gets, 1);
         let found = inner.get_entry_value(space_table, &key)?;
-        inner.metrics.get_latency.record_since(start);
+        inner.metrics.get_latency().record_since(start);
         Ok(found.map(|(value, entry)| Stored {
             value,
             epoch: entry.epoch,
@@ -196,7 +196,7 @@ impl Engine {
         let inner = &*self.inner;
         inner.health.check()?;
         let (space_table, key) = inner.key(space, key)?;
-        Metrics::add(&inner.metrics.counters.exists_checks, 1);
+        Metrics::add(&inner.metrics.counters().exists_checks, 1);
         Ok(inner.lookup(space_table, &key)?.map(|entry| entry.epoch))
     }
 
@@ -205,7 +205,7 @@ impl Engine {
         let inner = &*self.inner;
         inner.health.check()?;
         let (space_table, key) = inner.key(space, key)?;
-        Metrics::add(&inner.metrics.counters.exists_checks, 1);
+        Metrics::add(&inner.metrics.counters().exists_checks, 1);
         Ok(inner.lookup(space_table, &key)?.is_some())
     }
 
@@ -431,13 +431,13 @@ impl Inner {
                 self.apply(item.key_space, key_array(item.key), entry, position.0);
             }
         })?;
-        let counters = &self.metrics.counters;
+        let counters = &self.metrics.counters();
         let deletes = items.iter().filter(|i| i.op == Op::Delete).count() as u64;
         Metrics::add(&counters.puts, items.len() as u64 - deletes);
         Metrics::add(&counters.deletes, deletes);
         Metrics::add(&counters.wal_bytes_written, len as u64);
         self.wait_durable(position.plus(len as u64), durability)?;
-        self.metrics.put_latency.record_since(start);
+        self.metrics.put_latency().record_since(start);
         Ok(position)
     }
 
@@ -476,7 +476,7 @@ impl Inner {
             let layers = match probe {
                 Probe::Found(entry) => return Ok(self.live(entry)),
                 Probe::Filtered => {
-                    Metrics::add(&self.metrics.counters.bloom_negatives, 1);
+                    Metrics::add(&self.metrics.counters().bloom_negatives, 1);
                     return Ok(None);
                 }
                 Probe::Disk(layers) => layers,
@@ -518,7 +518,7 @@ impl Inner {
             self.table
                 .account(cell.install_base(&loaded, entries) as isize)
         });
-        Metrics::add(&self.metrics.counters.cell_loads, 1);
+        Metrics::add(&self.metrics.counters().cell_loads, 1);
         Ok(found)
     }
 
@@ -545,7 +545,7 @@ impl Inner {
                 }
             });
         }
-        let counters = &self.metrics.counters;
+        let counters = &self.metrics.counters();
         if found.searched == 0 {
             Metrics::add(&counters.bloom_negatives, 1);
         } else {
@@ -584,7 +584,7 @@ impl Inner {
     /// Reads and verifies the value an entry points at; `NoRecord` if its
     /// segment is gone.
     pub fn read_value(&self, space: &SpaceTable, key: &Key, entry: &Entry) -> Result<Bytes> {
-        let counters = &self.metrics.counters;
+        let counters = &self.metrics.counters();
         if let Some(value) = self.cache.get(entry.location) {
             Metrics::add(&counters.cache_hits, 1);
             return Ok(value);

@@ -146,7 +146,7 @@ impl Engine {
             })?;
             inner.wait_durable(position.plus(len as u64), durability)?;
             if touched? {
-                Metrics::add(&inner.metrics.counters.touches, 1);
+                Metrics::add(&inner.metrics.counters().touches, 1);
                 return Ok(true);
             }
         }

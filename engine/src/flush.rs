@@ -82,7 +82,7 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
         let delta = cell.finish_flush(&job.flushable, layers, merged);
         inner.table.account(delta);
     });
-    let counters = &inner.metrics.counters;
+    let counters = &inner.metrics.counters();
     Metrics::add(&counters.flushes, 1);
     Metrics::add(&counters.index_bytes_written, written as u64);
     if kind == FlushKind::Delta {
@@ -249,7 +249,7 @@ fn unload_under_pressure(inner: &Inner) {
             }
             let freed = cell.unload();
             inner.table.account(-(freed as isize));
-            Metrics::add(&inner.metrics.counters.cell_unloads, 1);
+            Metrics::add(&inner.metrics.counters().cell_unloads, 1);
         });
         if inner.table.memory_bytes() <= budget {
             return;

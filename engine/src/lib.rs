@@ -83,6 +83,7 @@ mod replication;
 mod scan;
 mod snapshot;
 pub mod storage;
+mod striped;
 mod table;
 mod types;
 mod wal;

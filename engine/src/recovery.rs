@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex};
 
 use crate::cache::ValueCache;
 use crate::config::{Config, RecoveryMode};
@@ -120,7 +120,7 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         metrics: Metrics::default(),
         app_state: Mutex::new(control.app_state.clone()),
         last_snapshot: Mutex::new(Some(control)),
-        index_gc: RwLock::new(()),
+        index_gc: Default::default(),
         flush_tx,
         flush_rx,
         shutdown: AtomicBool::new(false),

@@ -154,7 +154,7 @@ impl Engine {
         })?;
         let end = position.plus(len as u64);
         inner.values.wait_processed(end)?;
-        crate::metrics::Metrics::add(&inner.metrics.counters.wal_bytes_written, len as u64);
+        crate::metrics::Metrics::add(&inner.metrics.counters().wal_bytes_written, len as u64);
         let items = specs
             .iter()
             .zip(&locations)

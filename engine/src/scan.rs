@@ -97,14 +97,7 @@ impl Inner {
         let below = |k: &Key| bound.is_none_or(|b| k < b);
         for _ in 0..8 {
             let Some((changes, base, layers)) = space.with_cell(id, |cell| {
-                let changes: Vec<(Key, Entry)> = match bound {
-                    Some(b) => cell
-                        .changes
-                        .range(..*b)
-                        .map(|(k, c)| (*k, c.entry))
-                        .collect(),
-                    None => cell.change_entries(),
-                };
+                let changes = cell.change_entries_below(bound);
                 (changes, cell.base.clone(), cell.layers.clone())
             }) else {
                 return Ok(None);

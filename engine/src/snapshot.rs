@@ -80,7 +80,7 @@ pub(crate) fn write_snapshot_then<T>(
     let path = inner.config.dir.join(CONTROL_FILE);
     write_file_atomically(&*inner.storage, &path, &data.encode())
         .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
-    Metrics::add(&inner.metrics.counters.snapshots, 1);
+    Metrics::add(&inner.metrics.counters().snapshots, 1);
     collect_index_garbage(inner, &data)?;
     let result = then(&data);
     *last = Some(data);
@@ -108,7 +108,7 @@ fn collect_index_garbage(inner: &Inner, durable: &ControlData) -> Result<()> {
     }
     if deleted > 0 {
         inner.index.log.sync_dir()?;
-        Metrics::add(&inner.metrics.counters.index_segments_deleted, deleted);
+        Metrics::add(&inner.metrics.counters().index_segments_deleted, deleted);
     }
     Ok(())
 }

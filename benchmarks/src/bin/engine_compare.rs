@@ -720,10 +720,13 @@ fn main() -> anyhow::Result<()> {
         } else {
             &args.threads[..]
         };
-        for (&threads, files) in limits
-            .iter()
-            .flat_map(|t| [(t, LimitFiles::Kept), (t, LimitFiles::Recycled)])
-        {
+        for (&threads, files) in limits.iter().flat_map(|t| {
+            [
+                (t, LimitFiles::Kept),
+                (t, LimitFiles::Released),
+                (t, LimitFiles::Recycled),
+            ]
+        }) {
             let (copies, elapsed) = memcpy_limit(
                 &args.dir.join("memcpy"),
                 value_bytes + 32,

@@ -367,8 +367,8 @@ impl Inner {
             self.values.sync_dir()?;
             report.segments_deleted += deleted;
             report.bytes_reclaimed += deleted * size;
-            Metrics::add(&self.metrics.counters.segments_deleted, deleted);
-            Metrics::add(&self.metrics.counters.bytes_reclaimed, deleted * size);
+            Metrics::add(&self.metrics.counters().segments_deleted, deleted);
+            Metrics::add(&self.metrics.counters().bytes_reclaimed, deleted * size);
         }
         Ok(())
     }
@@ -406,7 +406,7 @@ impl Engine {
             }
             Strategy::Index { below } => inner.relocate_below(below, &*filter)?,
         };
-        Metrics::add(&inner.metrics.counters.relocation_passes, 1);
+        Metrics::add(&inner.metrics.counters().relocation_passes, 1);
         Ok(report)
     }
 

@@ -97,7 +97,7 @@ impl<'a> Mover<'a> {
                 })?;
         if dropped {
             self.report.entries_dropped += 1;
-            Metrics::add(&self.inner.metrics.counters.entries_dropped, 1);
+            Metrics::add(&self.inner.metrics.counters().entries_dropped, 1);
         }
         Ok(())
     }
@@ -157,7 +157,7 @@ impl<'a> Mover<'a> {
             }
         }
         self.report.entries_relocated += moved_entries;
-        let counters = &self.inner.metrics.counters;
+        let counters = &self.inner.metrics.counters();
         Metrics::add(&counters.entries_relocated, moved_entries);
         Metrics::add(&counters.bytes_relocated, len as u64);
         self.copied_bytes += len as u64;

@@ -83,6 +83,6 @@ fn pass(inner: &Inner) -> Result<()> {
     }
     let filter = inner.filter.get();
     inner.relocate_out_of(&candidates, &*filter, Some(config.relocation_bytes_per_sec))?;
-    Metrics::add(&inner.metrics.counters.relocation_passes, 1);
+    Metrics::add(&inner.metrics.counters().relocation_passes, 1);
     Ok(())
 }

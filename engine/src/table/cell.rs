@@ -22,7 +22,9 @@
 //! entry (DirtyUnloaded). See `docs/design/cell-states.md` and
 //! `docs/design/index-flush.md`.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as Slot;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use crate::index::blob::DiskRef;
@@ -68,10 +70,36 @@ impl Change {
 /// Memory of one loaded entry.
 pub(crate) const BASE_ENTRY_BYTES: usize = std::mem::size_of::<(Key, Entry)>();
 
+/// Hashes a [`Key`]: its 8-byte words folded with a multiply-xorshift
+/// mix. Keys of uniform key spaces are hashes already; keys of prefixed
+/// ones share prefixes, which the mix spreads.
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            let mixed = (self.0 ^ u64::from_le_bytes(word)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            self.0 = mixed ^ (mixed >> 29);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A cell's unflushed changes by key. A hash map: a write finds its slot in
+/// a cache miss or two, where a B-tree walk compared a dozen keys. The rare
+/// readers that need key order (flushes, scans) sort what they take.
+pub(crate) type ChangeMap = HashMap<Key, Change, BuildHasherDefault<KeyHasher>>;
+
 /// One cell.
 #[derive(Debug, Default)]
 pub(crate) struct Cell {
-    pub changes: BTreeMap<Key, Change>,
+    pub changes: ChangeMap,
     /// The on-disk index merged into one sorted array (no tombstones),
     /// when loaded.
     pub base: Option<BaseEntries>,
@@ -160,14 +188,14 @@ impl Cell {
     /// counts).
     pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> Option<usize> {
         let change = Change { entry, record };
-        let added = match self.changes.get_mut(&key) {
-            Some(existing) if !entry.replaces(&existing.entry) => return None,
-            Some(existing) => {
-                *existing = change;
+        let added = match self.changes.entry(key) {
+            Slot::Occupied(existing) if !entry.replaces(&existing.get().entry) => return None,
+            Slot::Occupied(mut existing) => {
+                *existing.get_mut() = change;
                 0
             }
-            None => {
-                self.changes.insert(key, change);
+            Slot::Vacant(slot) => {
+                slot.insert(change);
                 CHANGE_BYTES
             }
         };
@@ -229,20 +257,37 @@ impl Cell {
         self.base.take().map_or(0, |b| b.len() * BASE_ENTRY_BYTES)
     }
 
-    /// The changes a flush may write: those below `processed` (everything
-    /// below it is complete in the log), and drop markers.
+    /// The changes a flush may write, in key order: those below
+    /// `processed` (everything below it is complete in the log), and drop
+    /// markers.
     pub fn flushable(&self, processed: u64) -> Vec<(Key, Change)> {
         let ready = |c: &Change| c.entry.location < processed || c.entry.location == Entry::DROPPED;
-        self.changes
+        let mut flushable: Vec<(Key, Change)> = self
+            .changes
             .iter()
             .filter(|(_, c)| ready(c))
             .map(|(k, c)| (*k, *c))
-            .collect()
+            .collect();
+        flushable.sort_unstable_by_key(|(k, _)| *k);
+        flushable
+    }
+
+    /// The changes' entries below `bound` (all of them for `None`), in key
+    /// order.
+    pub fn change_entries_below(&self, bound: Option<&Key>) -> Vec<(Key, Entry)> {
+        let mut entries: Vec<(Key, Entry)> = self
+            .changes
+            .iter()
+            .filter(|(k, _)| bound.is_none_or(|b| *k < b))
+            .map(|(k, c)| (*k, c.entry))
+            .collect();
+        entries.sort_unstable_by_key(|(k, _)| *k);
+        entries
     }
 
     /// The changes' entries, in key order.
     pub fn change_entries(&self) -> Vec<(Key, Entry)> {
-        self.changes.iter().map(|(k, c)| (*k, c.entry)).collect()
+        self.change_entries_below(None)
     }
 
     /// Finishes a flush that wrote `flushed` as the new on-disk index
@@ -261,6 +306,11 @@ impl Cell {
             if self.changes.get(key) == Some(change) {
                 self.changes.remove(key);
             }
+        }
+        // A hash map keeps its capacity: give back what the flush emptied,
+        // so memory follows the changes held (as accounted).
+        if self.changes.capacity() > 2 * self.changes.len() + 16 {
+            self.changes.shrink_to_fit();
         }
         self.dirty_since = self
             .changes
@@ -389,6 +439,37 @@ mod tests {
         // what the cell holds.
         assert_eq!(cell.apply(key, entry(10, false), 10), Some(0));
         assert_eq!(cell.memory_bytes(), CHANGE_BYTES);
+    }
+
+    #[test]
+    fn flushes_and_ordered_reads_get_the_changes_sorted() {
+        let mut cell = Cell::restored(&[]);
+        let keys: Vec<Key> = (0..200u64)
+            .map(|i| key_array(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes()))
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            cell.apply(*key, entry(i as u64 + 1, false), i as u64 + 1);
+        }
+        let mut sorted = keys.clone();
+        sorted.sort();
+        let flushable: Vec<Key> = cell.flushable(u64::MAX).iter().map(|(k, _)| *k).collect();
+        assert_eq!(flushable, sorted);
+        let bound = sorted[120];
+        let below: Vec<Key> = cell
+            .change_entries_below(Some(&bound))
+            .iter()
+            .map(|(k, _)| *k)
+            .collect();
+        assert_eq!(below, sorted[..120].to_vec());
+        // A flush that empties the cell gives the map's memory back.
+        let flushed = cell.flushable(u64::MAX);
+        cell.finish_flush(&flushed, layers(&[disk()]), None);
+        assert!(cell.changes.is_empty());
+        assert!(
+            cell.changes.capacity() <= 16,
+            "capacity {}",
+            cell.changes.capacity()
+        );
     }
 
     #[test]

@@ -11,12 +11,12 @@ pub(crate) mod cell;
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{CellLayout, KeySpaceConfig};
 use crate::index::entry::{EntryLayout, Key, key_array};
+use crate::striped::StripedCounter;
 use cell::Cell;
 
 /// Cells per row (per lock) in a uniform key space.
@@ -56,8 +56,8 @@ pub(crate) struct SpaceTable {
 #[derive(Debug)]
 pub(crate) struct LargeTable {
     pub spaces: Vec<SpaceTable>,
-    /// Bytes held by cells in memory.
-    memory: AtomicI64,
+    /// Bytes held by cells in memory (striped: every put of a new key adds).
+    memory: StripedCounter,
 }
 
 /// Lowest key rank (first 8 bytes, big-endian) of uniform cell `i` of `n`.
@@ -254,18 +254,18 @@ impl LargeTable {
     pub fn new(spaces: &[KeySpaceConfig]) -> Self {
         Self {
             spaces: spaces.iter().cloned().map(SpaceTable::new).collect(),
-            memory: AtomicI64::new(0),
+            memory: StripedCounter::default(),
         }
     }
 
     /// Records a change in memory use, bytes.
     pub fn account(&self, delta: isize) {
-        self.memory.fetch_add(delta as i64, Ordering::Relaxed);
+        self.memory.add(delta as i64);
     }
 
     /// Bytes held in memory by all cells.
     pub fn memory_bytes(&self) -> u64 {
-        self.memory.load(Ordering::Relaxed).max(0) as u64
+        self.memory.sum().max(0) as u64
     }
 
     /// Runs `f` on every cell of every key space, one lock at a time.
