@@ -52,6 +52,9 @@ fn log_options(config: &Config, kind: LogKind, log_id: [u8; 16]) -> LogOptions {
         spare_segments: config.spare_segments as usize,
         sync_interval: Duration::from_millis(config.sync_interval_ms),
         keep_cached_bytes,
+        // Index lookups read a few entries of a window at a time: in place
+        // through a mapping, not by copying whole windows with `pread`.
+        mapped_reads: kind == LogKind::Index,
     }
 }
 

@@ -11,6 +11,7 @@
 //! read almost always suffices, and it is a few KiB — about one value's
 //! bytes — however large the cell.
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 
 use crate::index::entry::{Entry, EntryLayout, Key};
@@ -55,14 +56,14 @@ pub(crate) fn window_for(count: usize, max_window: usize) -> usize {
 
 /// Looks `key` up among `count` sorted entries, reading windows of at most
 /// `window` entries. `read(first, n)` returns the encoded entries
-/// `first..first + n`.
-pub(crate) fn lookup<E>(
+/// `first..first + n` (in place, or read into a buffer).
+pub(crate) fn lookup<'r, E>(
     layout: &EntryLayout,
     count: usize,
     key: &Key,
     guess: usize,
     window: usize,
-    read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+    read: impl FnMut(usize, usize) -> Result<Cow<'r, [u8]>, E>,
 ) -> Result<Found, LookupError<E>> {
     if count == 0 {
         return Ok(Found {
@@ -102,13 +103,13 @@ pub(crate) struct Below {
 /// bound — the predecessor and the entries just before it, so that a
 /// caller whose newer changes delete the predecessor can usually find the
 /// next one without another read.
-pub(crate) fn entries_below<E>(
+pub(crate) fn entries_below<'r, E>(
     layout: &EntryLayout,
     count: usize,
     bound: Option<&Key>,
     guess: usize,
     window: usize,
-    read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+    read: impl FnMut(usize, usize) -> Result<Cow<'r, [u8]>, E>,
 ) -> Result<Below, LookupError<E>> {
     if count == 0 {
         return Ok(Below {
@@ -151,10 +152,10 @@ pub(crate) fn entries_below<E>(
 }
 
 /// A window of encoded entries.
-struct Bracket {
+struct Bracket<'r> {
     start: usize,
     width: usize,
-    bytes: Vec<u8>,
+    bytes: Cow<'r, [u8]>,
     reads: u32,
 }
 
@@ -162,14 +163,14 @@ struct Bracket {
 /// overlap) while `outside(first, last)` says the target lies before the
 /// window's first entry (`.0`) or after its last (`.1`) and the array
 /// continues that way. The first and last entries are verified.
-fn bracket<E>(
+fn bracket<'r, E>(
     layout: &EntryLayout,
     count: usize,
     guess: usize,
     window: usize,
-    mut read: impl FnMut(usize, usize) -> Result<Vec<u8>, E>,
+    mut read: impl FnMut(usize, usize) -> Result<Cow<'r, [u8]>, E>,
     outside: impl Fn(&[u8], &[u8]) -> (bool, bool),
-) -> Result<Bracket, LookupError<E>> {
+) -> Result<Bracket<'r>, LookupError<E>> {
     let size = layout.size();
     let width = window_for(count, window);
     let mut start = guess.saturating_sub(width / 2).min(count - width);
@@ -285,7 +286,7 @@ mod tests {
             for (i, key) in keys.iter().enumerate() {
                 let guess = estimate(rank(key), 0, u64::MAX, keys.len());
                 let found = lookup::<()>(&layout, keys.len(), key, guess, window, |first, n| {
-                    Ok(bytes[first * size..(first + n) * size].to_vec())
+                    Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
                 })
                 .unwrap();
                 assert_eq!(
@@ -338,7 +339,7 @@ mod tests {
                     bound.as_ref(),
                     guess,
                     window,
-                    |first, n| Ok(bytes[first * size..(first + n) * size].to_vec()),
+                    |first, n| Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size])),
                 )
                 .unwrap();
                 // A contiguous run of entries ending at the predecessor.
@@ -381,7 +382,7 @@ mod tests {
             let key = key_array(&rng.random::<[u8; 32]>());
             let guess = rng.random_range(0..keys.len());
             let found = lookup::<()>(&layout, keys.len(), &key, guess, 50, |first, n| {
-                Ok(bytes[first * size..(first + n) * size].to_vec())
+                Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
             })
             .unwrap();
             assert_eq!(found.entry.is_some(), keys.binary_search(&key).is_ok());
@@ -395,7 +396,7 @@ mod tests {
         let size = layout.size();
         bytes[50 * size + 3] ^= 1;
         let result = lookup::<()>(&layout, keys.len(), &keys[50], 50, 200, |first, n| {
-            Ok(bytes[first * size..(first + n) * size].to_vec())
+            Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
         });
         assert!(matches!(result, Err(LookupError::Corrupt { entry: 50 })));
     }

@@ -1,6 +1,7 @@
 //! The index store: index blobs in the index log — written by flushes,
 //! read whole when a cell loads, read by window for optimistic lookups.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -86,26 +87,32 @@ impl IndexStore {
         bound: Option<&Key>,
         guess: usize,
     ) -> Result<lookup::Below> {
-        lookup::entries_below(
-            layout,
-            disk.count as usize,
-            bound,
-            guess,
-            self.window,
-            self.entry_reader(layout, disk),
-        )
+        self.with_entries(layout, disk, |read| {
+            lookup::entries_below(layout, disk.count as usize, bound, guess, self.window, read)
+        })?
         .map_err(|e| self.lookup_error(layout, disk, e))
     }
 
-    /// Reads `n` encoded entries of a blob from entry `first` on.
-    fn entry_reader<'a>(
-        &'a self,
-        layout: &'a EntryLayout,
-        disk: &'a DiskRef,
-    ) -> impl FnMut(usize, usize) -> Result<Vec<u8>> + 'a {
-        move |first, n| {
-            self.log
-                .read(disk.entry_position(layout, first), n * layout.size())
+    /// Runs `search` with a reader of a blob's entries: `read(first, n)`
+    /// gives entries `first..first + n` — in place when the index log's
+    /// segment is mapped, else read with `pread`.
+    fn with_entries<R>(
+        &self,
+        layout: &EntryLayout,
+        disk: &DiskRef,
+        search: impl for<'r> FnOnce(&mut dyn FnMut(usize, usize) -> Result<Cow<'r, [u8]>>) -> R,
+    ) -> Result<R> {
+        let size = layout.size();
+        let first = disk.entry_position(layout, 0);
+        match self.log.mapped(first, disk.count as usize * size)? {
+            Some(all) => Ok(search(&mut |from, n| {
+                Ok(Cow::Borrowed(&all[from * size..(from + n) * size]))
+            })),
+            None => Ok(search(&mut |from, n| {
+                self.log
+                    .read(disk.entry_position(layout, from), n * size)
+                    .map(Cow::Owned)
+            })),
         }
     }
 
@@ -127,14 +134,9 @@ impl IndexStore {
         key: &Key,
         guess: usize,
     ) -> Result<Found> {
-        lookup::lookup(
-            layout,
-            disk.count as usize,
-            key,
-            guess,
-            self.window,
-            self.entry_reader(layout, disk),
-        )
+        self.with_entries(layout, disk, |read| {
+            lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
+        })?
         .map_err(|e| self.lookup_error(layout, disk, e))
     }
 }

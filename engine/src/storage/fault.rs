@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{DirLock, Mapping, Storage, StorageFile};
+use super::{DirLock, Mapping, ReadMapping, Storage, StorageFile};
 
 const SECTOR_BYTES: usize = 512;
 
@@ -534,6 +534,14 @@ impl StorageFile for FaultFile {
             mapped: self.mapped.clone(),
         };
         Ok(unsafe { Mapping::from_raw(self.volatile.ptr, self.len, Box::new(owner)) })
+    }
+
+    fn map_read(&self) -> io::Result<ReadMapping> {
+        // SAFETY: the buffer is `len` bytes of heap memory kept alive by the
+        // `Arc` the read mapping owns.
+        Ok(unsafe {
+            ReadMapping::from_raw(self.volatile.ptr, self.len, Box::new(self.volatile.clone()))
+        })
     }
 
     fn sync_range(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rustix::fs::{Advice, FallocateFlags, FlockOperation};
 
-use super::{DirLock, LOCK_FILE, Mapping, Storage, StorageFile};
+use super::{DirLock, LOCK_FILE, Mapping, ReadMapping, Storage, StorageFile};
 
 /// The production storage: files in a real directory tree.
 #[derive(Debug, Default, Clone)]
@@ -171,6 +171,29 @@ impl StorageFile for DiskFile {
         // owns and which stay mapped until it is dropped; only the mapping
         // writes them (file reads go through `pread`, which is fine).
         Ok(unsafe { Mapping::from_raw(base, len as u64, Box::new(map)) })
+    }
+
+    fn map_read(&self) -> io::Result<ReadMapping> {
+        let len = usize::try_from(self.len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file too large to map"))?;
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty file",
+            ));
+        }
+        // SAFETY: as for `map`: the engine owns these files and never
+        // truncates one while it is mapped. The mapping is read-only; pages
+        // written through the file's writable mapping or by the kernel are
+        // the same page-cache pages.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&self.file)? };
+        // Fault in one page per access, never a readahead window.
+        map.advise(memmap2::Advice::Random)?;
+        let base = NonNull::new(map.as_ptr().cast_mut())
+            .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
+        // SAFETY: `base` points to the `len` bytes of `map`, which the read
+        // mapping owns and which stay mapped until it is dropped.
+        Ok(unsafe { ReadMapping::from_raw(base, len as u64, Box::new(map)) })
     }
 
     fn sync_range(&self, _offset: u64, _len: u64) -> io::Result<()> {

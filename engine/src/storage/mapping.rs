@@ -186,6 +186,65 @@ impl DerefMut for RegionMut<'_> {
     }
 }
 
+/// A read-only view of a whole file in memory, to read byte ranges without
+/// a system call or a copy.
+///
+/// Its contract with the engine, as for every read through the seam: a
+/// range is read only once it holds completed log records, which are never
+/// written again — so no byte of a slice handed out changes while it lives.
+pub struct ReadMapping {
+    base: NonNull<u8>,
+    len: u64,
+    _owner: Box<dyn MappedMemory>,
+}
+
+// SAFETY: the memory behind `base` is owned by `_owner` (`Send + Sync`) and
+// only read through this type; slices handed out cover bytes nobody writes
+// (the contract above).
+unsafe impl Send for ReadMapping {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ReadMapping {}
+
+impl fmt::Debug for ReadMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadMapping")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl ReadMapping {
+    /// Wraps `len` readable bytes at `base`, kept alive by `owner`.
+    ///
+    /// # Safety
+    ///
+    /// `base` must point to `len` bytes that are valid for reads for as long
+    /// as `owner` lives.
+    pub(crate) unsafe fn from_raw(
+        base: NonNull<u8>,
+        len: u64,
+        owner: Box<dyn MappedMemory>,
+    ) -> Self {
+        Self {
+            base,
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// The bytes `[offset, offset + len)`, or `None` past the end.
+    pub fn bytes(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let end = offset.checked_add(len as u64)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: the range is inside the mapping (checked), which lives as
+        // long as `self`; per the contract nobody writes these bytes while
+        // the slice lives.
+        Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset as usize), len) })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,8 @@
 //! engine lives in this module.
 //!
 //! Two implementations:
-//! - [`FileStorage`]: real files, `mmap` for appends, `pread` for reads,
+//! - [`FileStorage`]: real files, `mmap` for appends, `pread` or read-only
+//!   mappings (advised random) for reads,
 //!   `fallocate` so a mapped write can never hit a full disk, and
 //!   `POSIX_FADV_RANDOM` so a read costs one small disk read rather than a
 //!   readahead window.
@@ -31,7 +32,7 @@ use std::sync::Arc;
 pub use atomic_file::{read_whole_file, write_file_atomically};
 pub use fault::{FaultConfig, FaultStorage};
 pub use file::FileStorage;
-pub use mapping::{ClaimError, Mapping, RegionMut};
+pub use mapping::{ClaimError, Mapping, ReadMapping, RegionMut};
 
 /// A directory tree of files, as the engine needs it.
 ///
@@ -111,6 +112,10 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
     /// A writable mapping of the whole file. At most one per file.
     fn map(&self) -> io::Result<Mapping>;
+    /// A read-only mapping of the whole file, advised for random access (a
+    /// read of a page not in memory fetches that page, not a readahead
+    /// window). Any number per file, also while it is mapped writable.
+    fn map_read(&self) -> io::Result<ReadMapping>;
     /// Makes the bytes written in `[offset, offset + len)` durable.
     fn sync_range(&self, offset: u64, len: u64) -> io::Result<()>;
     /// Makes every written byte of the file durable.

@@ -44,6 +44,10 @@ pub(crate) struct LogOptions {
     /// page cache; sealed segments further behind have theirs dropped
     /// (`None`: never).
     pub keep_cached_bytes: Option<u64>,
+    /// Read through a read-only mapping of each segment (no system call,
+    /// and [`Log::mapped`] hands out ranges without a copy) instead of
+    /// `pread`.
+    pub mapped_reads: bool,
 }
 
 impl LogOptions {
@@ -86,6 +90,26 @@ pub(crate) struct Shared {
     /// Bytes of segments whose pages were dropped.
     released_bytes: AtomicU64,
     shutdown: AtomicBool,
+}
+
+/// A range of a segment read in place through its mapping (it keeps the
+/// segment, and so the mapping, alive).
+#[derive(Debug)]
+pub(crate) struct MappedRange {
+    segment: Arc<SegmentFile>,
+    offset: u64,
+    len: usize,
+}
+
+impl std::ops::Deref for MappedRange {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.segment
+            .mapped()
+            .and_then(|m| m.bytes(self.offset, self.len))
+            .expect("checked when the range was made")
+    }
 }
 
 /// A log open for appending and reading.
@@ -175,6 +199,24 @@ impl Log {
     /// Reads `buf.len()` bytes at `position`.
     pub fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
         self.shared.read_into(position, buf)
+    }
+
+    /// The `len` bytes at `position` in place, if this log reads through
+    /// mappings (`Ok(None)` otherwise, or if the segment cannot be mapped).
+    /// The range must hold completed records.
+    pub fn mapped(&self, position: WalPosition, len: usize) -> Result<Option<MappedRange>> {
+        if !self.shared.opts.mapped_reads {
+            return Ok(None);
+        }
+        let (segment, offset) = self.shared.segment_of(position, len)?;
+        if segment.mapped().is_none() {
+            return Ok(None);
+        }
+        Ok(Some(MappedRange {
+            segment,
+            offset,
+            len,
+        }))
     }
 
     /// Reads `len` bytes at `position`.
@@ -402,11 +444,14 @@ impl Shared {
             .ok_or(Error::Closed)
     }
 
-    fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
+    /// The segment holding `[position, position + len)`, and the range's
+    /// offset in it; `NoRecord` if there is none (deleted, or the range
+    /// crosses a segment's end).
+    fn segment_of(&self, position: WalPosition, len: usize) -> Result<(Arc<SegmentFile>, u64)> {
         let size = self.opts.segment_size;
         let id = SegmentId(position.0 / size);
         let offset = position.0 % size;
-        if offset + buf.len() as u64 > size {
+        if offset + len as u64 > size {
             return Err(Error::NoRecord(position));
         }
         let segment = self
@@ -415,6 +460,17 @@ impl Shared {
             .get(&id)
             .cloned()
             .ok_or(Error::NoRecord(position))?;
+        Ok((segment, offset))
+    }
+
+    fn read_into(&self, position: WalPosition, buf: &mut [u8]) -> Result<()> {
+        let (segment, offset) = self.segment_of(position, buf.len())?;
+        if self.opts.mapped_reads
+            && let Some(bytes) = segment.mapped().and_then(|m| m.bytes(offset, buf.len()))
+        {
+            buf.copy_from_slice(bytes);
+            return Ok(());
+        }
         segment
             .file
             .read_at(buf, offset)
@@ -520,12 +576,7 @@ fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
             .expect("a fresh segment has room for its header");
         opts.header(spare.id, epoch).write_record(&mut region, base);
     }
-    let segment = Arc::new(SegmentFile {
-        id: spare.id,
-        path: spare.path,
-        file: spare.file,
-        epoch,
-    });
+    let segment = Arc::new(SegmentFile::new(spare.id, spare.path, spare.file, epoch));
     Active {
         segment,
         mapping: spare.mapping,

@@ -36,12 +36,7 @@ pub(crate) fn open_segments(storage: &dyn Storage, opts: &LogOptions) -> Result<
         let file = storage.open(&path).map_err(|e| Error::io(&path, e))?;
         match read_header(&*file, opts, id) {
             Ok(header) => {
-                let segment = SegmentFile {
-                    id,
-                    path,
-                    file,
-                    epoch: header.epoch,
-                };
+                let segment = SegmentFile::new(id, path, file, header.epoch);
                 segments.valid.insert(id, Arc::new(segment));
             }
             Err(reason) => segments.unreadable.push((id, reason)),

@@ -2,9 +2,9 @@
 //! in-memory handles of sealed and active segments.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use crate::storage::{Mapping, StorageFile};
+use crate::storage::{Mapping, ReadMapping, StorageFile};
 use crate::types::{Epoch, SegmentId};
 use crate::wal::format::{self, Kind, RECORD_HEADER_BYTES};
 
@@ -141,6 +141,30 @@ pub(crate) struct SegmentFile {
     pub path: PathBuf,
     pub file: Arc<dyn StorageFile>,
     pub epoch: Epoch,
+    /// A read-only mapping of the file, made on first use by logs that read
+    /// through one (`None` inside: mapping failed; reads use `pread`).
+    pub reader: OnceLock<Option<ReadMapping>>,
+}
+
+impl SegmentFile {
+    /// A readable segment.
+    pub fn new(id: SegmentId, path: PathBuf, file: Arc<dyn StorageFile>, epoch: Epoch) -> Self {
+        Self {
+            id,
+            path,
+            file,
+            epoch,
+            reader: OnceLock::new(),
+        }
+    }
+
+    /// The file's read-only mapping, made now if needed; `None` if the
+    /// file cannot be mapped.
+    pub fn mapped(&self) -> Option<&ReadMapping> {
+        self.reader
+            .get_or_init(|| self.file.map_read().ok())
+            .as_ref()
+    }
 }
 
 /// The segment writers append to.

@@ -23,6 +23,7 @@ fn options() -> LogOptions {
         spare_segments: 2,
         sync_interval: Duration::from_millis(5),
         keep_cached_bytes: None,
+        mapped_reads: false,
     }
 }
 
@@ -31,10 +32,18 @@ fn start(
     next: u64,
     existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
 ) -> Log {
-    storage.create_dir_all(&options().dir).unwrap();
-    let storage: Arc<dyn Storage> = Arc::new(storage.clone());
+    start_with(options(), Arc::new(storage.clone()), next, existing)
+}
+
+fn start_with(
+    opts: LogOptions,
+    storage: Arc<dyn Storage>,
+    next: u64,
+    existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
+) -> Log {
+    storage.create_dir_all(&opts.dir).unwrap();
     Log::start(
-        options(),
+        opts,
         storage,
         Arc::default(),
         Epoch(1),
@@ -113,6 +122,50 @@ fn appends_across_segments_read_back_and_replay_in_order() {
         positions.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>()
     );
     assert_eq!(end.stop, Stop::End);
+}
+
+#[test]
+fn mapped_reads_match_pread_on_both_storages() {
+    let dir = tempfile::tempdir().unwrap();
+    let storages: [Arc<dyn Storage>; 2] = [
+        Arc::new(FaultStorage::default()),
+        Arc::new(crate::storage::FileStorage),
+    ];
+    for (n, storage) in storages.into_iter().enumerate() {
+        let mut opts = options();
+        opts.mapped_reads = true;
+        opts.dir = dir.path().join(n.to_string());
+        let log = start_with(opts.clone(), storage.clone(), 0, BTreeMap::new());
+        let plain = {
+            let mut opts = opts.clone();
+            opts.mapped_reads = false;
+            opts
+        };
+        let mut positions = Vec::new();
+        for i in 0..100u32 {
+            let value = vec![i as u8; 40 + (i as usize % 5) * 31];
+            let at = put(&log, &i.to_le_bytes(), &value);
+            // Read back at once: the active segment is read in place too.
+            let mapped = log.mapped(at, 24).unwrap().expect("the log maps");
+            assert_eq!(&mapped[..], &log.read(at, 24).unwrap()[..]);
+            positions.push(at);
+        }
+        assert!(log.active_segment().0 >= 2, "several segments");
+        for &at in &positions {
+            let via_map = log.mapped(at, 32).unwrap().expect("mapped")[..].to_vec();
+            let mut via_pread = vec![0; 32];
+            let (segment, offset) = log.shared.segment_of(at, 32).unwrap();
+            segment.file.read_at(&mut via_pread, offset).unwrap();
+            assert_eq!(via_map, via_pread, "at {at:?}");
+        }
+        // A range past a segment's end is no record, mapped or not.
+        let last = WalPosition(SEGMENT - 8);
+        assert!(matches!(log.mapped(last, 16), Err(Error::NoRecord(_))));
+        assert!(matches!(log.read(last, 16), Err(Error::NoRecord(_))));
+        drop(log);
+        let log = start_with(plain, storage, 10, BTreeMap::new());
+        assert!(log.mapped(WalPosition(10 * SEGMENT), 8).unwrap().is_none());
+    }
 }
 
 #[test]
