@@ -212,13 +212,14 @@ impl IndexStore {
     }
 }
 
+/// Entries and layers for unit tests of the index and the cells.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
-    use crate::index::entry::key_array;
     use crate::types::{Epoch, Tag, WalPosition};
 
-    fn entry(version: u64, tombstone: bool) -> Entry {
+    /// An entry of `version` (at location `version`), or its tombstone.
+    pub fn entry(version: u64, tombstone: bool) -> Entry {
         Entry {
             version,
             location: version,
@@ -228,7 +229,8 @@ mod tests {
         }
     }
 
-    fn disk_at(position: u64, count: u32) -> DiskRef {
+    /// A blob reference of `count` entries at `position`.
+    pub fn disk_at(position: u64, count: u32) -> DiskRef {
         DiskRef {
             position: WalPosition(position),
             count,
@@ -236,13 +238,21 @@ mod tests {
         }
     }
 
-    fn layers(refs: &[DiskRef]) -> Layers {
+    /// Layers over `refs`, filters not read.
+    pub fn layers(refs: &[DiskRef]) -> Layers {
         Arc::new(
             refs.iter()
                 .map(|&disk| Layer { disk, bloom: None })
                 .collect(),
         )
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{disk_at, entry, layers};
+    use super::*;
+    use crate::index::entry::key_array;
 
     #[test]
     fn flushes_merge_without_a_base_at_the_delta_limit_or_past_the_base_size() {

@@ -128,6 +128,20 @@ impl DiskFile {
         rustix::fs::fadvise(&file, 0, None, Advice::Random)?;
         Ok(Self { file, len })
     }
+
+    /// The file's length as a mapping length: refused if empty or larger
+    /// than the address space.
+    fn mappable_len(&self) -> io::Result<usize> {
+        let len = usize::try_from(self.len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file too large to map"))?;
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty file",
+            ));
+        }
+        Ok(len)
+    }
 }
 
 impl StorageFile for DiskFile {
@@ -144,14 +158,7 @@ impl StorageFile for DiskFile {
     }
 
     fn map(&self) -> io::Result<Mapping> {
-        let len = usize::try_from(self.len)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file too large to map"))?;
-        if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "cannot map an empty file",
-            ));
-        }
+        let len = self.mappable_len()?;
         // SAFETY: the engine owns its data directory; no other process is
         // expected to truncate or write these files while they are mapped
         // (if one did, accesses could fault — the usual mmap caveat). The
@@ -174,14 +181,7 @@ impl StorageFile for DiskFile {
     }
 
     fn map_read(&self) -> io::Result<ReadMapping> {
-        let len = usize::try_from(self.len)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file too large to map"))?;
-        if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "cannot map an empty file",
-            ));
-        }
+        let len = self.mappable_len()?;
         // SAFETY: as for `map`: the engine owns these files and never
         // truncates one while it is mapped. The mapping is read-only; pages
         // written through the file's writable mapping or by the kernel are

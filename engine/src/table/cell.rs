@@ -334,36 +334,10 @@ impl Cell {
 mod tests {
     use super::*;
     use crate::index::entry::key_array;
-    use crate::types::{Epoch, Tag};
-
-    fn entry(version: u64, tombstone: bool) -> Entry {
-        Entry {
-            version,
-            location: version,
-            len: if tombstone { 0 } else { 40 },
-            epoch: Epoch(1),
-            tag: Tag(0),
-        }
-    }
-
-    fn disk_at(position: u64, count: u32) -> DiskRef {
-        DiskRef {
-            position: crate::types::WalPosition(position),
-            count,
-            bloom_len: 12,
-        }
-    }
+    use crate::index::layers::test_support::{disk_at, entry, layers};
 
     fn disk() -> DiskRef {
         disk_at(0, 1)
-    }
-
-    fn layers(refs: &[DiskRef]) -> Layers {
-        Arc::new(
-            refs.iter()
-                .map(|&disk| Layer { disk, bloom: None })
-                .collect(),
-        )
     }
 
     #[test]

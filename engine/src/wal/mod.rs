@@ -209,7 +209,11 @@ impl Log {
             return Ok(None);
         }
         let (segment, offset) = self.shared.segment_of(position, len)?;
-        if segment.mapped().is_none() {
+        if segment
+            .mapped()
+            .and_then(|m| m.bytes(offset, len))
+            .is_none()
+        {
             return Ok(None);
         }
         Ok(Some(MappedRange {
