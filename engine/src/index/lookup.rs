@@ -16,6 +16,20 @@ use std::cmp::Ordering;
 
 use crate::index::entry::{Entry, EntryLayout, Key};
 
+#[cfg(test)]
+thread_local! {
+    /// Entries compared against the key by this thread's searches (tests
+    /// count the entries a search touches).
+    static COMPARED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Compares `key` with an encoded entry's key (counted in tests).
+fn compare(layout: &EntryLayout, key: &Key, entry: &[u8]) -> Ordering {
+    #[cfg(test)]
+    COMPARED.with(|c| c.set(c.get() + 1));
+    layout.cmp_key(key, entry)
+}
+
 /// Why a lookup could not complete.
 #[derive(Debug)]
 pub(crate) enum LookupError<E> {
@@ -74,11 +88,20 @@ pub(crate) fn lookup<'r, E>(
     // The key is at or after the window's first entry, at or before its last.
     let bracket = bracket(layout, count, guess, window, read, |first, last| {
         (
-            layout.cmp_key(key, first) == Ordering::Less,
-            layout.cmp_key(key, last) == Ordering::Greater,
+            compare(layout, key, first) == Ordering::Less,
+            compare(layout, key, last) == Ordering::Greater,
         )
     })?;
-    let entry = search(layout, &bracket.bytes, bracket.width, key, bracket.start)?;
+    // The window's ends are verified and bracket the key (or end the array).
+    let width = bracket.width;
+    let entry = search(
+        layout,
+        &bracket.bytes,
+        bracket.start,
+        key,
+        (0, width),
+        (0, width - 1),
+    )?;
     Ok(Found {
         entry,
         reads: bracket.reads,
@@ -209,26 +232,156 @@ fn verify<E>(
         .ok_or(LookupError::Corrupt { entry: index })
 }
 
-/// Binary search in a window, verifying every entry it compares against.
-fn search<E>(
+/// Looks `key` up among the sorted entries `all` held in memory (a blob in
+/// the mapped index log): no windows — each probe touches one entry in
+/// place. It probes the estimate `guess`, then steps away from it in
+/// strides of the estimate's typical error (`sqrt(count)/2`, doubling)
+/// until two probed entries bracket the key, then searches between them.
+/// With uniform keys that is about 4.4 entries touched in a blob of
+/// 640–1,000 entries (a window's ends and a binary search: eight or
+/// nine); the unit test prints the counts.
+pub(crate) fn lookup_in_place<E>(
     layout: &EntryLayout,
-    bytes: &[u8],
-    width: usize,
+    all: &[u8],
     key: &Key,
-    start: usize,
+    guess: usize,
 ) -> Result<Option<Entry>, LookupError<E>> {
     let size = layout.size();
-    let (mut lo, mut hi) = (0, width);
+    let count = all.len() / size;
+    if count == 0 {
+        return Ok(None);
+    }
+    let at = |i: usize| &all[i * size..(i + 1) * size];
+    let (mut lo, mut hi) = (0, count);
+    let (mut below, mut above) = (None, None);
+    let mut probe = guess.min(count - 1);
+    let mut stride = count.isqrt() / 2 + 1;
     while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        let (mid_key, entry) = verify(layout, &bytes[mid * size..(mid + 1) * size], start + mid)?;
-        match key.cmp(&mid_key) {
-            Ordering::Equal => return Ok(Some(entry)),
-            Ordering::Less => hi = mid,
-            Ordering::Greater => lo = mid + 1,
+        let entry = at(probe);
+        match compare(layout, key, entry) {
+            Ordering::Equal => return verify(layout, entry, probe).map(|(_, e)| Some(e)),
+            Ordering::Less => {
+                hi = probe;
+                above = Some(probe);
+            }
+            Ordering::Greater => {
+                lo = probe + 1;
+                below = Some(probe);
+            }
         }
+        match (below, above) {
+            (Some(b), Some(a)) => return search(layout, all, 0, key, (lo, hi), (b, a)),
+            (Some(_), None) => probe = (probe + stride).min(count - 1),
+            (None, _) => probe = probe.saturating_sub(stride),
+        }
+        stride *= 2;
+    }
+    absent(layout, all, 0, lo)
+}
+
+/// Searches `entries` (entry `start` of the blob onwards) for `key` within
+/// positions `lo..hi`, between the probed entries at `anchors` (the
+/// nearest known at or below and at or above the key), comparing raw keys.
+/// Only the entries the answer rests on are verified: the matching entry
+/// (its CRC covers its key), or — see [`absent`] — the two the key falls
+/// between; a damaged entry elsewhere on the path cannot make the answer
+/// wrong, and one the answer rests on is `Corrupt`.
+///
+/// Probes interpolate on the keys' bytes after the anchors' common
+/// prefix (keys are near-uniform: a probe or two lands next to the key);
+/// a probe that did not halve the interval is followed by a bisection, so
+/// a search takes at most about twice a binary search's probes whatever
+/// the keys.
+fn search<E>(
+    layout: &EntryLayout,
+    entries: &[u8],
+    start: usize,
+    key: &Key,
+    (mut lo, mut hi): (usize, usize),
+    anchors: (usize, usize),
+) -> Result<Option<Entry>, LookupError<E>> {
+    let size = layout.size();
+    let at = |i: usize| &entries[i * size..(i + 1) * size];
+    let from = common_prefix(layout.key_of(at(anchors.0)), layout.key_of(at(anchors.1)));
+    let rank = |entry: &[u8]| rank_after(layout.key_of(entry), from);
+    let target = rank_after(&key[..layout.key_len], from);
+    let mut below = (anchors.0, rank(at(anchors.0)));
+    let mut above = (anchors.1, rank(at(anchors.1)));
+    let mut bisect = false;
+    while lo < hi {
+        let span = hi - lo;
+        let mid = if bisect {
+            lo + span / 2
+        } else {
+            interpolate(target, below, above).clamp(lo, hi - 1)
+        };
+        let entry = at(mid);
+        match compare(layout, key, entry) {
+            Ordering::Equal => return verify(layout, entry, start + mid).map(|(_, e)| Some(e)),
+            Ordering::Less => {
+                hi = mid;
+                above = (mid, rank(entry));
+            }
+            Ordering::Greater => {
+                lo = mid + 1;
+                below = (mid, rank(entry));
+            }
+        }
+        // Bisect next if this probe did not at least halve the interval.
+        bisect = !bisect && hi - lo > span / 2;
+    }
+    absent(layout, entries, start, lo)
+}
+
+/// The key compared above every entry before `lo` and below every entry
+/// from `lo` on, so it is absent — if the comparisons were with genuine
+/// entries. Entries `lo - 1` and `lo` were compared (a search sets `lo`
+/// just past an entry it compared below the key and `hi` at one it
+/// compared above), or are the ends of the array; verifying their CRCs
+/// makes those two comparisons facts, and two adjacent genuine entries
+/// bracketing the key prove it absent from the sorted array.
+fn absent<E>(
+    layout: &EntryLayout,
+    entries: &[u8],
+    start: usize,
+    lo: usize,
+) -> Result<Option<Entry>, LookupError<E>> {
+    let size = layout.size();
+    let count = entries.len() / size;
+    for i in [lo.checked_sub(1), (lo < count).then_some(lo)]
+        .into_iter()
+        .flatten()
+    {
+        verify(layout, &entries[i * size..(i + 1) * size], start + i)?;
     }
     Ok(None)
+}
+
+/// Length of the common prefix of two keys, bytes.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The 8 bytes of `key` from `from` on, big-endian, zero-padded.
+fn rank_after(key: &[u8], from: usize) -> u64 {
+    let mut bytes = [0u8; 8];
+    let tail = &key[from.min(key.len())..];
+    let n = tail.len().min(8);
+    bytes[..n].copy_from_slice(&tail[..n]);
+    u64::from_be_bytes(bytes)
+}
+
+/// The position of rank `target` by linear interpolation between two
+/// (position, rank) points (the nearer point outside them).
+fn interpolate(target: u64, (p0, r0): (usize, u64), (p1, r1): (usize, u64)) -> usize {
+    if target <= r0 || p1 <= p0 {
+        return p0;
+    }
+    if target >= r1 {
+        return p1;
+    }
+    let offset = u128::from(target - r0) * (p1 - p0) as u128 / u128::from(r1 - r0);
+    p0 + offset as usize
 }
 
 #[cfg(test)]
@@ -283,8 +436,11 @@ mod tests {
             let (layout, keys, bytes) = build(count, &mut rng);
             let size = layout.size();
             let (mut total_reads, mut first_hits) = (0u64, 0u64);
+            let compared = || COMPARED.with(|c| c.get());
+            let (mut windowed, mut in_place) = (0, 0);
             for (i, key) in keys.iter().enumerate() {
                 let guess = estimate(rank(key), 0, u64::MAX, keys.len());
+                let before = compared();
                 let found = lookup::<()>(&layout, keys.len(), key, guess, window, |first, n| {
                     Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
                 })
@@ -296,15 +452,24 @@ mod tests {
                 );
                 total_reads += u64::from(found.reads);
                 first_hits += u64::from(found.reads == 1);
+                let middle = compared();
+                let entry = lookup_in_place::<()>(&layout, &bytes, key, guess).unwrap();
+                assert_eq!(entry.map(|e| e.version), Some(i as u64), "seed {seed}");
+                windowed += middle - before;
+                in_place += compared() - middle;
             }
             let n = keys.len() as f64;
             let hit_rate = first_hits as f64 / n;
             let reads = total_reads as f64 / n;
             let width = window_for(keys.len(), window);
+            let (windowed, in_place) = (windowed as f64 / n, in_place as f64 / n);
             println!(
-                "optimistic lookup: {count} entries, window {width} (at most {window}): hit rate {:.4}, {reads:.4} reads/lookup",
+                "optimistic lookup: {count} entries, window {width} (at most {window}): hit rate {:.4}, {reads:.4} reads/lookup, {windowed:.2} entries compared; in place {in_place:.2}",
                 hit_rate
             );
+            // Searching in place touches fewer entries than a window's
+            // ends and search.
+            assert!(in_place < windowed, "seed {seed}: {in_place} vs {windowed}");
             // The rank error of a uniform sample is about sqrt(count)/2, and
             // correlated along the array; a window of 3·sqrt(count) covers
             // ±3 of it. A capped window is smaller and may miss more.
@@ -386,6 +551,114 @@ mod tests {
             })
             .unwrap();
             assert_eq!(found.entry.is_some(), keys.binary_search(&key).is_ok());
+            let found = lookup_in_place::<()>(&layout, &bytes, &key, guess).unwrap();
+            assert_eq!(found.is_some(), keys.binary_search(&key).is_ok());
+        }
+        for (i, key) in keys.iter().enumerate() {
+            let guess = rng.random_range(0..keys.len());
+            let found = lookup_in_place::<()>(&layout, &bytes, key, guess).unwrap();
+            assert_eq!(found.map(|e| e.version), Some(i as u64));
+        }
+    }
+
+    /// One damaged entry anywhere (key, fields or CRC): every lookup —
+    /// of each present key and of absent keys — gives the right answer or
+    /// `Corrupt` naming that entry, never a wrong answer.
+    #[test]
+    fn a_damaged_entry_never_gives_a_wrong_answer() {
+        let seed = tidepool_testkit::seed_from_env("LOOKUP_SEED");
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let (mut corrupt, mut right) = (0u32, 0u32);
+        for _ in 0..40 {
+            let count = rng.random_range(1..400);
+            let (layout, keys, mut bytes) = build(count, &mut rng);
+            let size = layout.size();
+            let damaged = rng.random_range(0..keys.len());
+            bytes[damaged * size + rng.random_range(0..size)] ^= 1 << rng.random_range(0..8);
+            let absent: Vec<Key> = (0..50)
+                .map(|_| key_array(&rng.random::<[u8; 32]>()))
+                .collect();
+            for key in keys.iter().copied().chain(absent) {
+                let expected = keys.binary_search(&key).ok();
+                let guess = rng.random_range(0..keys.len());
+                let window = rng.random_range(2..64);
+                let windowed =
+                    lookup::<()>(&layout, keys.len(), &key, guess, window, |first, n| {
+                        Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
+                    })
+                    .map(|found| found.entry);
+                let in_place = lookup_in_place::<()>(&layout, &bytes, &key, guess);
+                for result in [windowed, in_place] {
+                    match result {
+                        Ok(found) => {
+                            assert_eq!(
+                                found.map(|e| e.version as usize),
+                                expected,
+                                "seed {seed}: entry {damaged} damaged, count {count}"
+                            );
+                            right += 1;
+                        }
+                        Err(LookupError::Corrupt { entry }) => {
+                            assert_eq!(entry, damaged, "seed {seed}");
+                            corrupt += 1;
+                        }
+                        Err(LookupError::Read(())) => unreachable!(),
+                    }
+                }
+            }
+        }
+        // Only lookups whose answer rests on the damaged entry fail.
+        assert!(
+            corrupt > 0 && right > 10 * corrupt,
+            "seed {seed}: {corrupt} corrupt, {right} right"
+        );
+    }
+
+    #[test]
+    fn interpolation_lands_on_skewed_keys_too() {
+        // Keys crowded into a few clusters: the bisection steps bound the
+        // probes; every key is still found and absent keys are absent.
+        let layout = EntryLayout { key_len: 32 };
+        let mut rng = SmallRng::seed_from_u64(3);
+        let mut keys: Vec<Key> = (0..3_000)
+            .map(|i| {
+                let mut k = rng.random::<[u8; 32]>();
+                k[0] = [0u8, 1, 255][i % 3];
+                k[1] = if i % 3 == 1 { 0 } else { k[1] };
+                key_array(&k)
+            })
+            .collect();
+        keys.sort();
+        keys.dedup();
+        let size = layout.size();
+        let mut bytes = vec![0u8; keys.len() * size];
+        for (i, key) in keys.iter().enumerate() {
+            let entry = Entry {
+                version: i as u64,
+                location: 0,
+                len: 1,
+                epoch: Epoch(0),
+                tag: Tag(0),
+            };
+            layout.encode(key, &entry, &mut bytes[i * size..(i + 1) * size]);
+        }
+        let read = |first: usize, n: usize| -> Result<Cow<'_, [u8]>, ()> {
+            Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
+        };
+        for (i, key) in keys.iter().enumerate() {
+            let found = lookup(&layout, keys.len(), key, i / 2, 4_000, read).unwrap();
+            assert_eq!(found.entry.map(|e| e.version), Some(i as u64));
+            let found = lookup_in_place::<()>(&layout, &bytes, key, i / 2).unwrap();
+            assert_eq!(found.map(|e| e.version), Some(i as u64));
+        }
+        for _ in 0..1_000 {
+            let key = key_array(&rng.random::<[u8; 32]>());
+            let present = keys.binary_search(&key).is_ok();
+            let found = lookup(&layout, keys.len(), &key, 0, 4_000, read).unwrap();
+            assert_eq!(found.entry.is_some(), present);
+            let guess = rng.random_range(0..keys.len());
+            let found = lookup_in_place::<()>(&layout, &bytes, &key, guess).unwrap();
+            assert_eq!(found.is_some(), present);
         }
     }
 

@@ -126,7 +126,8 @@ impl IndexStore {
         }
     }
 
-    /// Looks `key` up in a blob with the optimistic window lookup.
+    /// Looks `key` up in a blob: in place when the index log's segment is
+    /// mapped, else with the optimistic window lookup (`pread`).
     pub fn lookup(
         &self,
         layout: &EntryLayout,
@@ -134,9 +135,17 @@ impl IndexStore {
         key: &Key,
         guess: usize,
     ) -> Result<Found> {
-        self.with_entries(layout, disk, |read| {
-            lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
-        })?
-        .map_err(|e| self.lookup_error(layout, disk, e))
+        let first = disk.entry_position(layout, 0);
+        let found = match self
+            .log
+            .mapped(first, disk.count as usize * layout.size())?
+        {
+            Some(all) => lookup::lookup_in_place(layout, &all, key, guess)
+                .map(|entry| Found { entry, reads: 1 }),
+            None => self.with_entries(layout, disk, |read| {
+                lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
+            })?,
+        };
+        found.map_err(|e| self.lookup_error(layout, disk, e))
     }
 }
