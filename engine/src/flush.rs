@@ -112,7 +112,7 @@ fn write_flush(
             let written = inner.index.write(layout, &changes, BlobKind::Delta)?;
             let bytes = record_len(&written);
             let (disk, bloom) = written.expect("a delta of at least one change");
-            let mut layers = job.layers.as_ref().clone();
+            let mut layers = job.layers.to_vec();
             layers.push(Layer {
                 disk,
                 bloom: Some(bloom),
@@ -121,7 +121,7 @@ fn write_flush(
                 .base
                 .as_ref()
                 .map(|base| Arc::new(merge(base, &changes)));
-            Ok((Arc::new(layers), merged, bytes))
+            Ok((layers.into(), merged, bytes))
         }
         FlushKind::Merge => {
             let current = match &job.base {
@@ -137,7 +137,7 @@ fn write_flush(
                     bloom: Some(bloom),
                 }]
             });
-            Ok((Arc::new(layers), Some(Arc::new(merged)), bytes))
+            Ok((layers.into(), Some(Arc::new(merged)), bytes))
         }
     }
 }

@@ -1,10 +1,15 @@
 //! A per-cell bloom filter over the keys of the cell's on-disk index: a
 //! "no" skips the disk lookup.
 
-/// A bloom filter with `hashes` probes over `bits.len() * 64` bits.
+use std::sync::Arc;
+
+/// A bloom filter with `hashes` probes over `bits.len() * 64` bits. Cheap
+/// to clone (the bits are shared, read-only once built): a cell's layer
+/// holds it by value, so a check follows one pointer from the layer to
+/// the bits, not one to a shared filter and another to its bits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Bloom {
-    bits: Vec<u64>,
+    bits: Arc<[u64]>,
     hashes: u32,
 }
 
@@ -44,7 +49,7 @@ impl Bloom {
         let hashes =
             ((f64::from(bits_per_key) * std::f64::consts::LN_2).round() as u32).clamp(1, 16);
         Self {
-            bits: vec![0; bits.max(1)],
+            bits: vec![0; bits.max(1)].into(),
             hashes,
         }
     }
@@ -58,11 +63,12 @@ impl Bloom {
         })
     }
 
-    /// Adds a key.
+    /// Adds a key (copying the bits first if the filter is shared).
     pub fn insert(&mut self, key: &[u8]) {
         let probes: Vec<_> = self.probes(&KeyHash::of(key)).collect();
+        let bits = Arc::make_mut(&mut self.bits);
         for (word, mask) in probes {
-            self.bits[word] |= mask;
+            bits[word] |= mask;
         }
     }
 
@@ -92,7 +98,7 @@ impl Bloom {
     /// Encodes as `hashes: u32` then the bit words, little-endian.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.hashes.to_le_bytes());
-        for word in &self.bits {
+        for word in self.bits.iter() {
             out.extend_from_slice(&word.to_le_bytes());
         }
     }

@@ -20,14 +20,14 @@ use crate::index::store::IndexStore;
 #[derive(Clone, Debug)]
 pub(crate) struct Layer {
     pub disk: DiskRef,
-    pub bloom: Option<Arc<Bloom>>,
+    pub bloom: Option<Bloom>,
 }
 
 /// A cell's on-disk index, oldest first: `[0]` is the base (a whole
 /// index: no tombstones), the rest are deltas (the changes of one flush
 /// each, tombstones included). Empty when nothing is on disk. Shared
 /// read-only; a flush installs a new one.
-pub(crate) type Layers = Arc<Vec<Layer>>;
+pub(crate) type Layers = Arc<[Layer]>;
 
 /// Whether two layer lists name the same blobs (bloom filters aside).
 pub(crate) fn same_layers(a: &[Layer], b: &[Layer]) -> bool {
@@ -131,7 +131,7 @@ pub(crate) struct LayeredFound {
     /// it was deleted there).
     pub entry: Option<Entry>,
     /// Bloom filters read from disk on the way, to install in the cell.
-    pub blooms: Vec<(DiskRef, Arc<Bloom>)>,
+    pub blooms: Vec<(DiskRef, Bloom)>,
     /// Blobs searched (the filter let the key through).
     pub searched: u32,
     /// Windows read.
@@ -153,11 +153,11 @@ impl IndexStore {
         let mut found = LayeredFound::default();
         for layer in layers.iter().rev() {
             let bloom = match &layer.bloom {
-                Some(bloom) => bloom.clone(),
+                Some(bloom) => bloom,
                 None => {
-                    let bloom = Arc::new(self.load_bloom(&layer.disk)?);
-                    found.blooms.push((layer.disk, bloom.clone()));
-                    bloom
+                    let bloom = self.load_bloom(&layer.disk)?;
+                    found.blooms.push((layer.disk, bloom));
+                    &found.blooms.last().expect("just pushed").1
                 }
             };
             if !bloom.may_contain_hash(&hash) {
@@ -193,7 +193,7 @@ impl IndexStore {
             };
             loaded.push(Layer {
                 disk: layer.disk,
-                bloom: Some(layer.bloom.clone().unwrap_or_else(|| Arc::new(bloom))),
+                bloom: Some(layer.bloom.clone().unwrap_or(bloom)),
             });
         }
         merged.retain(|(_, e)| !e.tombstone());
@@ -240,11 +240,9 @@ pub(crate) mod test_support {
 
     /// Layers over `refs`, filters not read.
     pub fn layers(refs: &[DiskRef]) -> Layers {
-        Arc::new(
-            refs.iter()
-                .map(|&disk| Layer { disk, bloom: None })
-                .collect(),
-        )
+        refs.iter()
+            .map(|&disk| Layer { disk, bloom: None })
+            .collect()
     }
 }
 

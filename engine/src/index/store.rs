@@ -2,7 +2,6 @@
 //! read whole when a cell loads, read by window for optimistic lookups.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::index::blob::{self, BlobKind, DiskRef};
@@ -37,7 +36,7 @@ impl IndexStore {
         layout: &EntryLayout,
         entries: &[(Key, Entry)],
         kind: BlobKind,
-    ) -> Result<Option<(DiskRef, Arc<Bloom>)>> {
+    ) -> Result<Option<(DiskRef, Bloom)>> {
         if entries.is_empty() {
             return Ok(None);
         }
@@ -51,7 +50,7 @@ impl IndexStore {
             count: entries.len() as u32,
             bloom_len,
         };
-        Ok(Some((disk, Arc::new(bloom))))
+        Ok(Some((disk, bloom)))
     }
 
     /// Reads and verifies a whole blob of `kind`.

@@ -130,11 +130,10 @@ impl Cell {
     /// A cell restored from a snapshot: its on-disk blobs, oldest first.
     pub fn restored(disk: &[DiskRef]) -> Self {
         Self {
-            layers: Arc::new(
-                disk.iter()
-                    .map(|&disk| Layer { disk, bloom: None })
-                    .collect(),
-            ),
+            layers: disk
+                .iter()
+                .map(|&disk| Layer { disk, bloom: None })
+                .collect(),
             dirty_since: u64::MAX,
             ..Self::default()
         }
@@ -239,7 +238,7 @@ impl Cell {
 
     /// Installs the bloom filter of the on-disk blob `disk`, if it is one
     /// of the cell's layers. Returns the bytes of memory added.
-    pub fn install_bloom(&mut self, disk: DiskRef, bloom: Arc<Bloom>) -> usize {
+    pub fn install_bloom(&mut self, disk: DiskRef, bloom: Bloom) -> usize {
         let Some(i) = self.layers.iter().position(|l| l.disk == disk) else {
             return 0;
         };
@@ -353,7 +352,7 @@ mod tests {
         let mut cell = Cell::restored(&[disk()]);
         let seen = vec![Layer {
             disk: disk(),
-            bloom: Some(Arc::new(Bloom::new(1, 10))),
+            bloom: Some(Bloom::new(1, 10)),
         }];
         cell.install_base(&seen, Arc::new(vec![]));
         assert_eq!(cell.state(), CellState::Loaded);
@@ -371,11 +370,8 @@ mod tests {
         let stale = layers(&[disk()]);
         assert_eq!(cell.install_base(&stale, Arc::new(vec![])), 0);
         assert_eq!(cell.state(), CellState::Unloaded);
-        assert_eq!(
-            cell.install_bloom(disk_at(7, 1), Arc::new(Bloom::new(1, 10))),
-            0
-        );
-        assert!(cell.install_bloom(disk_at(100, 1), Arc::new(Bloom::new(1, 10))) > 0);
+        assert_eq!(cell.install_bloom(disk_at(7, 1), Bloom::new(1, 10)), 0);
+        assert!(cell.install_bloom(disk_at(100, 1), Bloom::new(1, 10)) > 0);
         assert!(cell.layers[1].bloom.is_some());
     }
 
@@ -385,7 +381,6 @@ mod tests {
         let other = key_array(&[1u8; 32]);
         let mut bloom = Bloom::new(1, 10);
         bloom.insert(&other);
-        let bloom = Arc::new(bloom);
         let mut cell = Cell::restored(&[disk(), disk_at(100, 1)]);
         assert!(
             matches!(cell.probe(&key, 32), Probe::Disk(_)),
