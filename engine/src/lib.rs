@@ -6,7 +6,7 @@
 //! maps keys to WAL positions; dirty cells are flushed lazily into an
 //! append-only index log; a control region snapshot says where every cell's
 //! index is and where recovery replays from. Reads cost one small `pread`
-//! (the index is in memory, or one window of it is read). See
+//! (the index is in memory, or a few entries of its mapped log are read). See
 //! `ARCHITECTURE.md` and `docs/design/` for the formats, the cell states, the
 //! flush and recovery sequences, and why nothing acknowledged is lost.
 //!

@@ -3,13 +3,17 @@
 //! Keys are uniformly distributed over the cell's key range, so a key's rank
 //! in the sorted entries is close to `count * (key - low) / (high - low)`.
 //! The estimate's error is about `sqrt(count)/2` entries (the spread of a
-//! uniform sample's rank), so the lookup reads a window of `3·sqrt(count) +
-//! 16` entries (±3 standard deviations, capped by `lookup_window_entries`)
+//! uniform sample's rank). When the blob is mapped, [`lookup_in_place`]
+//! probes the estimate and strides out from it until two probed entries
+//! bracket the key, touching a handful of entries in place. When it is
+//! read with `pread`, [`lookup`] reads a window of `3·sqrt(count) + 16`
+//! entries (±3 standard deviations, capped by `lookup_window_entries`)
 //! centred on it; if the key falls before the window's first key or after
 //! its last, it shifts the window (keeping one entry of overlap) until the
-//! key is bracketed or the array ends, then binary-searches the window. One
-//! read almost always suffices, and it is a few KiB — about one value's
-//! bytes — however large the cell.
+//! key is bracketed or the array ends. One read almost always suffices,
+//! and it is a few KiB — about one value's bytes — however large the cell.
+//! Both finish with the same interpolation search, which verifies only the
+//! entries its answer rests on.
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
