@@ -54,10 +54,12 @@ impl Bloom {
         }
     }
 
-    fn probes(&self, hash: &KeyHash) -> impl Iterator<Item = (usize, u64)> {
+    /// The (word, mask) of each probe of `hash` in a filter of `words`
+    /// words and `hashes` probes.
+    fn probes(words: usize, hashes: u32, hash: &KeyHash) -> impl Iterator<Item = (usize, u64)> {
         let (h1, h2) = (hash.0, hash.1);
-        let m = self.bits.len() as u64 * 64;
-        (0..u64::from(self.hashes)).map(move |i| {
+        let m = words as u64 * 64;
+        (0..u64::from(hashes)).map(move |i| {
             let bit = h1.wrapping_add(i.wrapping_mul(h2)) % m;
             ((bit / 64) as usize, 1u64 << (bit % 64))
         })
@@ -65,9 +67,9 @@ impl Bloom {
 
     /// Adds a key (copying the bits first if the filter is shared).
     pub fn insert(&mut self, key: &[u8]) {
-        let probes: Vec<_> = self.probes(&KeyHash::of(key)).collect();
+        let hash = KeyHash::of(key);
         let bits = Arc::make_mut(&mut self.bits);
-        for (word, mask) in probes {
+        for (word, mask) in Self::probes(bits.len(), self.hashes, &hash) {
             bits[word] |= mask;
         }
     }
@@ -81,7 +83,7 @@ impl Bloom {
     /// [`Bloom::may_contain`] for a key hashed once (a cell's layers each
     /// have a filter; the key is hashed once for all of them).
     pub fn may_contain_hash(&self, hash: &KeyHash) -> bool {
-        self.probes(hash)
+        Self::probes(self.bits.len(), self.hashes, hash)
             .all(|(word, mask)| self.bits[word] & mask != 0)
     }
 

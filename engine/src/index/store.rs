@@ -1,5 +1,6 @@
 //! The index store: index blobs in the index log — written by flushes,
-//! read whole when a cell loads, read by window for optimistic lookups.
+//! read whole when a cell loads, searched in place (mapped) or by window
+//! (`pread`) for optimistic lookups.
 
 use std::borrow::Cow;
 
@@ -86,28 +87,32 @@ impl IndexStore {
         bound: Option<&Key>,
         guess: usize,
     ) -> Result<lookup::Below> {
-        self.with_entries(layout, disk, |read| {
+        self.with_entries(layout, disk, |_, read| {
             lookup::entries_below(layout, disk.count as usize, bound, guess, self.window, read)
         })?
         .map_err(|e| self.lookup_error(layout, disk, e))
     }
 
-    /// Runs `search` with a reader of a blob's entries: `read(first, n)`
-    /// gives entries `first..first + n` — in place when the index log's
-    /// segment is mapped, else read with `pread`.
+    /// Runs `search` with a blob's entries: all of them in place when the
+    /// index log's segment is mapped (`Some`), and a reader `read(first,
+    /// n)` of entries `first..first + n` — borrowed from the mapping, else
+    /// read with `pread`.
     fn with_entries<R>(
         &self,
         layout: &EntryLayout,
         disk: &DiskRef,
-        search: impl for<'r> FnOnce(&mut dyn FnMut(usize, usize) -> Result<Cow<'r, [u8]>>) -> R,
+        search: impl for<'r> FnOnce(
+            Option<&'r [u8]>,
+            &mut dyn FnMut(usize, usize) -> Result<Cow<'r, [u8]>>,
+        ) -> R,
     ) -> Result<R> {
         let size = layout.size();
         let first = disk.entry_position(layout, 0);
         match self.log.mapped(first, disk.count as usize * size)? {
-            Some(all) => Ok(search(&mut |from, n| {
+            Some(all) => Ok(search(Some(&all), &mut |from, n| {
                 Ok(Cow::Borrowed(&all[from * size..(from + n) * size]))
             })),
-            None => Ok(search(&mut |from, n| {
+            None => Ok(search(None, &mut |from, n| {
                 self.log
                     .read(disk.entry_position(layout, from), n * size)
                     .map(Cow::Owned)
@@ -134,17 +139,11 @@ impl IndexStore {
         key: &Key,
         guess: usize,
     ) -> Result<Found> {
-        let first = disk.entry_position(layout, 0);
-        let found = match self
-            .log
-            .mapped(first, disk.count as usize * layout.size())?
-        {
-            Some(all) => lookup::lookup_in_place(layout, &all, key, guess)
+        self.with_entries(layout, disk, |all, read| match all {
+            Some(all) => lookup::lookup_in_place(layout, all, key, guess)
                 .map(|entry| Found { entry, reads: 1 }),
-            None => self.with_entries(layout, disk, |read| {
-                lookup::lookup(layout, disk.count as usize, key, guess, self.window, read)
-            })?,
-        };
-        found.map_err(|e| self.lookup_error(layout, disk, e))
+            None => lookup::lookup(layout, disk.count as usize, key, guess, self.window, read),
+        })?
+        .map_err(|e| self.lookup_error(layout, disk, e))
     }
 }
