@@ -74,6 +74,8 @@ bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/o
 BENCH_PACKAGES := libclang-dev python3-matplotlib
 ENGINE_COMPARE_JSON ?= benchmarks/results/engine-compare.jsonl
 DATA_GIB ?= 32
+# Runs of each sequence; results are the median run (REPEAT=3 for the numbers in RESULTS.md).
+REPEAT ?= 1
 ifeq ($(QUICK),1)
 ENGINE_COMPARE_ARGS ?= --seconds 3 --entries 100000 --value-bytes 64,1024 --threads 1,2 --label quick
 ENGINE_COMPARE_JSON := target/engine-compare-quick.jsonl
@@ -87,11 +89,11 @@ ENGINE_COMPARE_ARGS ?= --seconds 10 --data-mib 4096 --value-bytes 64,128,1024,40
 endif
 ENGINE_COMPARE_OUT ?= benchmarks/results
 
-bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB sweep (QUICK=1: ~5 min smoke; LARGE=1 [DATA_GIB=32]: beyond memory); JSON, tables and charts in benchmarks/results/.
+bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB sweep (QUICK=1: ~5 min smoke; LARGE=1 [DATA_GIB=32]: beyond memory; REPEAT=3: median of three runs); JSON, tables and charts in benchmarks/results/.
 	@$(MAKE) --no-print-directory deps DEBIAN_PACKAGES="$(BENCH_PACKAGES)"
 	$(CARGO) build --release -p tidepool-benchmarks --features peers --bin engine-compare
 	mkdir -p $(dir $(ENGINE_COMPARE_JSON)) $(ENGINE_COMPARE_OUT)
-	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --json $(ENGINE_COMPARE_JSON)
+	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --repeat $(REPEAT) --json $(ENGINE_COMPARE_JSON)
 	/usr/bin/python3 benchmarks/plot.py $(ENGINE_COMPARE_JSON) $(ENGINE_COMPARE_OUT)
 
 bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.

@@ -60,6 +60,29 @@ def fmt_ns(ns):
     return f"{ns / 1e3:.0f} µs"
 
 
+def fmt_runs(r):
+    """ops/s, with the range of the runs when the row is a median of several."""
+    runs = r.get("ops_per_s_runs") or []
+    if len(runs) < 2:
+        return fmt_rate(r["ops_per_s"])
+    return f"{fmt_rate(r['ops_per_s'])} (median of {len(runs)}: {fmt_rate(min(runs))}–{fmt_rate(max(runs))})"
+
+
+def fmt_amplification(r):
+    """Write amplification, split into the engine's value log and index where it counts them."""
+    wa = r.get("write_amplification")
+    if wa is None:
+        return "-"
+    log, index = r.get("log_bytes_per_user_byte"), r.get("index_bytes_per_user_byte")
+    text = f"{wa:.2f}"
+    if log is not None and index is not None:
+        text += f" (log {log:.3f}, index {index:.3f})"
+    runs = r.get("write_amplification_runs") or []
+    if len(runs) > 1:
+        text += f"; runs {min(runs):.2f}–{max(runs):.2f}"
+    return text
+
+
 def ratio(a, b):
     return f"{a / b:.2f}×" if a and b else "-"
 
@@ -78,7 +101,9 @@ def markdown(rows):
         out.append(f"## {label} (data filled: {', '.join(f'{d} MiB' for d in data)})")
         out.append("")
         for t in threads:
-            out.append(f"### {t} thread{'s' if t > 1 else ''}: ops/s (p99)")
+            runs = max((r.get("runs", 1) for r in lr if r["threads"] == t), default=1)
+            median = f", the median run of {runs}" if runs > 1 else ""
+            out.append(f"### {t} thread{'s' if t > 1 else ''}: ops/s (p99){median}")
             out.append("")
             out.append("| value | workload | tidepool | rocksdb | blobdb | tidepool / rocksdb | tidepool / blobdb |")
             out.append("|---|---|---|---|---|---|---|")
@@ -114,10 +139,9 @@ def markdown(rows):
                         continue
                     dele = by.get((label, e, v, t, "delete"))
                     rec = by.get((label, e, v, t, "reclaim"))
-                    wa = put.get("write_amplification")
                     cells = [
-                        f"{v} B", str(t), e, fmt_rate(put["ops_per_s"]),
-                        f"{wa:.2f}" if wa is not None else "-",
+                        f"{v} B", str(t), e, fmt_runs(put),
+                        fmt_amplification(put),
                         ratio(put["ops_per_s"], limit["ops_per_s"]) if limit else "-",
                         ratio(put["ops_per_s"], released["ops_per_s"]) if released else "-",
                         ratio(put["ops_per_s"], recycled["ops_per_s"]) if recycled else "-",

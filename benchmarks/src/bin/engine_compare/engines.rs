@@ -24,6 +24,12 @@ pub trait KvEngine: Send + Sync {
     fn detail(&self) -> String {
         String::new()
     }
+    /// Bytes the engine itself has written since it opened, where it
+    /// counts them: (value log, index). Splits a phase's write
+    /// amplification into its parts.
+    fn written(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 struct Tidepool {
@@ -67,6 +73,10 @@ impl KvEngine for Tidepool {
         self.engine
             .relocate(Strategy::Index { below })
             .expect("tidepool relocate");
+    }
+    fn written(&self) -> Option<(u64, u64)> {
+        let c = self.engine.metrics().counters;
+        Some((c.wal_bytes_written, c.index_bytes_written))
     }
     fn detail(&self) -> String {
         let c = self.engine.metrics().counters;

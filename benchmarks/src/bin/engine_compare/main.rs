@@ -85,6 +85,12 @@ struct Args {
     /// Skip the memcpy-limit runs (when profiling an engine).
     #[arg(long)]
     skip_limits: bool,
+    /// Runs of the whole sequence (limits, then each engine from a fresh
+    /// fill), one after another; the JSON and the last table give, per
+    /// engine, threads and phase, the run with the median ops/s, and the
+    /// JSON lists every run's ops/s and write amplification.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 /// The key of entry `i` (uniformly distributed, reproducible).
@@ -229,6 +235,9 @@ struct Measured {
     disk_written: u64,
     disk_read: u64,
     cpu: f64,
+    /// Bytes the engine counted itself writing in the phase (value log,
+    /// index), where it counts them.
+    engine_written: Option<(u64, u64)>,
 }
 
 /// Shared positions in the key sequence: keys `deleted..filled` are
@@ -247,6 +256,7 @@ fn run_phase(
     duration: Duration,
 ) -> Measured {
     let written_before = process_write_bytes();
+    let engine_before = engine.written();
     let read_before = process_read_bytes();
     let cpu_before = cpu_seconds();
     let start = Instant::now();
@@ -262,6 +272,7 @@ fn run_phase(
             disk_written: process_write_bytes() - written_before,
             disk_read: process_read_bytes() - read_before,
             cpu: cpu_seconds() - cpu_before,
+            engine_written: written_since(engine, engine_before),
         };
     }
     let stop = AtomicBool::new(false);
@@ -358,7 +369,14 @@ fn run_phase(
         disk_written: process_write_bytes() - written_before,
         disk_read: process_read_bytes() - read_before,
         cpu,
+        engine_written: written_since(engine, engine_before),
     }
+}
+
+/// What the engine counted itself writing since `before`.
+fn written_since(engine: &dyn KvEngine, before: Option<(u64, u64)>) -> Option<(u64, u64)> {
+    let ((log, index), (log0, index0)) = (engine.written()?, before?);
+    Some((log - log0, index - index0))
 }
 
 /// Fills `entries` entries with two threads, as fast as the engine takes
@@ -384,97 +402,251 @@ fn fill(engine: &dyn KvEngine, entries: u64, value: &[u8]) -> Duration {
 }
 
 /// One result row, for the table and the JSON line.
-struct Row<'a> {
-    engine: &'a str,
-    settings: &'a str,
+struct Row {
+    engine: String,
+    settings: String,
     value_bytes: usize,
     threads: usize,
     entries: u64,
-    phase: &'a str,
-    phase_name: &'a str,
+    phase: Phase,
     rate: f64,
     latency: (Duration, Duration, Duration),
     amplification: Option<f64>,
+    /// The engine's own value-log and index bytes per user byte (the parts
+    /// of `amplification` it counts).
+    parts: Option<(f64, f64)>,
     read_per_op: f64,
     disk: u64,
     cores: f64,
     detail: String,
 }
 
-struct Output {
-    json: Option<std::fs::File>,
-    label: String,
-    data_mib: u64,
-}
+const TABLE_HEADER: &str = "| engine | value | threads | phase | ops/s | p50 | p99 | p99.9 | disk bytes written / user byte | disk bytes read / op | disk used | CPU cores |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
 
-impl Output {
-    fn row(&mut self, row: &Row<'_>) -> anyhow::Result<()> {
-        let (p50, p99, p999) = row.latency;
+impl Row {
+    fn print(&self) {
+        let (p50, p99, p999) = self.latency;
+        let amplification = match (self.amplification, self.parts) {
+            (Some(a), Some((log, index))) => format!("{a:.2} (log {log:.3}, index {index:.3})"),
+            (Some(a), None) => format!("{a:.2}"),
+            (None, _) => "-".into(),
+        };
         println!(
             "| {} | {} B | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {} MiB | {:.2} |",
-            row.engine,
-            row.value_bytes,
-            row.threads,
-            row.phase_name,
-            row.rate,
+            self.engine,
+            self.value_bytes,
+            self.threads,
+            self.phase.name(),
+            self.rate,
             human(p50),
             human(p99),
             human(p999),
-            row.amplification
-                .map_or_else(|| "-".into(), |a| format!("{a:.2}")),
-            row.read_per_op,
-            row.disk >> 20,
-            row.cores
+            amplification,
+            self.read_per_op,
+            self.disk >> 20,
+            self.cores
         );
-        if !row.detail.is_empty() {
-            eprintln!("  {} {}: {}", row.engine, row.phase, row.detail);
+        if !self.detail.is_empty() {
+            eprintln!("  {} {}: {}", self.engine, self.phase.id(), self.detail);
         }
-        if let Some(file) = self.json.as_mut() {
-            let round = |x: f64, digits: i32| {
-                let scale = 10f64.powi(digits);
-                (x * scale).round() / scale
-            };
-            let line = serde_json::json!({
-                "label": self.label,
-                "data_mib": self.data_mib,
-                "engine": row.engine,
-                "settings": row.settings,
-                "value_bytes": row.value_bytes,
-                "threads": row.threads,
-                "entries": row.entries,
-                "phase": row.phase,
-                "phase_name": row.phase_name,
-                "ops_per_s": round(row.rate, 1),
-                "p50_ns": p50.as_nanos() as u64,
-                "p99_ns": p99.as_nanos() as u64,
-                "p999_ns": p999.as_nanos() as u64,
-                "write_amplification": row.amplification.map(|a| round(a, 3)),
-                "disk_read_bytes_per_op": round(row.read_per_op, 1),
-                "disk_bytes": row.disk,
-                "cpu_cores": round(row.cores, 3),
-                "detail": row.detail,
-            });
-            writeln!(file, "{line}")?;
+    }
+
+    /// The JSON line of this row, which stands for `runs` (this row among
+    /// them) of the same engine, threads and phase.
+    fn json(&self, label: &str, data_mib: u64, runs: &[&Row]) -> serde_json::Value {
+        let round = |x: f64, digits: i32| {
+            let scale = 10f64.powi(digits);
+            (x * scale).round() / scale
+        };
+        let (p50, p99, p999) = self.latency;
+        serde_json::json!({
+            "label": label,
+            "data_mib": data_mib,
+            "engine": self.engine,
+            "settings": self.settings,
+            "value_bytes": self.value_bytes,
+            "threads": self.threads,
+            "entries": self.entries,
+            "phase": self.phase.id(),
+            "phase_name": self.phase.name(),
+            "ops_per_s": round(self.rate, 1),
+            "p50_ns": p50.as_nanos() as u64,
+            "p99_ns": p99.as_nanos() as u64,
+            "p999_ns": p999.as_nanos() as u64,
+            "write_amplification": self.amplification.map(|a| round(a, 3)),
+            "log_bytes_per_user_byte": self.parts.map(|p| round(p.0, 4)),
+            "index_bytes_per_user_byte": self.parts.map(|p| round(p.1, 4)),
+            "disk_read_bytes_per_op": round(self.read_per_op, 1),
+            "disk_bytes": self.disk,
+            "cpu_cores": round(self.cores, 3),
+            "runs": runs.len(),
+            "ops_per_s_runs": runs.iter().map(|r| round(r.rate, 1)).collect::<Vec<_>>(),
+            "write_amplification_runs": runs
+                .iter()
+                .filter_map(|r| r.amplification.map(|a| round(a, 3)))
+                .collect::<Vec<_>>(),
+            "detail": self.detail,
+        })
+    }
+}
+
+/// For each (engine, threads, phase), in the order first measured: the
+/// run with the median rate (the lower middle one for an even count) and
+/// all the runs.
+fn medians(runs: &[Vec<Row>]) -> Vec<(&Row, Vec<&Row>)> {
+    let mut groups: Vec<Vec<&Row>> = Vec::new();
+    for row in runs.iter().flatten() {
+        let same = |g: &&mut Vec<&Row>| {
+            let first = g[0];
+            (first.engine.as_str(), first.threads, first.phase.id())
+                == (row.engine.as_str(), row.threads, row.phase.id())
+        };
+        match groups.iter_mut().find(same) {
+            Some(group) => group.push(row),
+            None => groups.push(vec![row]),
         }
-        Ok(())
+    }
+    groups
+        .into_iter()
+        .map(|group| {
+            let mut by_rate = group.clone();
+            by_rate.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+            (by_rate[(by_rate.len() - 1) / 2], group)
+        })
+        .collect()
+}
+
+/// Measures the memcpy limits and runs every engine's sequence once, for
+/// one value size; prints each row as it is measured.
+fn run_once(
+    args: &Args,
+    value_bytes: usize,
+    entries: u64,
+    data_mib: u64,
+) -> anyhow::Result<Vec<Row>> {
+    let duration = Duration::from_secs(args.seconds);
+    let memory = args.memory_mib << 20;
+    let phases = args.phase_list()?;
+    let max_threads = args.threads.iter().copied().max().unwrap_or(1);
+    let mut rows = Vec::new();
+    // The limit of a copy into a mapped log, at each thread count.
+    let limits = if args.skip_limits {
+        &[][..]
+    } else {
+        &args.threads[..]
+    };
+    for (&threads, files) in limits.iter().flat_map(|t| {
+        [
+            (t, LimitFiles::Kept),
+            (t, LimitFiles::Released),
+            (t, LimitFiles::Recycled),
+        ]
+    }) {
+        let (copies, elapsed) = memcpy_limit(
+            &args.dir.join("memcpy"),
+            value_bytes + 32,
+            threads,
+            duration,
+            files,
+        )?;
+        let row = Row {
+            engine: files.engine_name().into(),
+            settings: format!(
+                "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, {}",
+                files.describe()
+            ),
+            value_bytes,
+            threads,
+            entries: 0,
+            phase: Phase::Puts,
+            rate: copies as f64 / elapsed.as_secs_f64(),
+            latency: (Duration::ZERO, Duration::ZERO, Duration::ZERO),
+            amplification: None,
+            parts: None,
+            read_per_op: 0.0,
+            disk: 0,
+            cores: 0.0,
+            detail: String::new(),
+        };
+        row.print();
+        rows.push(row);
+    }
+    // Random bytes: no engine gains from compression.
+    let mut value = vec![0u8; value_bytes];
+    SmallRng::seed_from_u64(value_bytes as u64).fill(&mut value[..]);
+    for name in &args.engines {
+        let dir = args.dir.join(name);
+        let (engine, settings) = open(name, &dir, memory, value_bytes)?;
+        eprintln!("{name}: {settings}");
+        let took = fill(engine.as_ref(), entries, &value);
+        eprintln!(
+            "{name}: filled {entries} entries of {value_bytes} B ({data_mib} MiB) in {}",
+            human(took)
+        );
+        let keys = Keys {
+            filled: AtomicU64::new(entries),
+            deleted: AtomicU64::new(0),
+        };
+        for &threads in &args.threads {
+            for &phase in &phases {
+                if phase.destructive() && threads != max_threads {
+                    continue;
+                }
+                let mut m = run_phase(engine.as_ref(), phase, threads, &value, &keys, duration);
+                let elapsed = m.elapsed.as_secs_f64();
+                let per_user_byte = |n: u64| n as f64 / m.user_bytes as f64;
+                let row = Row {
+                    engine: name.clone(),
+                    settings: settings.clone(),
+                    value_bytes,
+                    threads,
+                    entries: keys.filled.load(Ordering::Relaxed),
+                    phase,
+                    rate: m.ops as f64 / elapsed,
+                    latency: (
+                        m.latencies.quantile(0.5),
+                        m.latencies.quantile(0.99),
+                        m.latencies.quantile(0.999),
+                    ),
+                    amplification: (m.user_bytes > 0).then(|| per_user_byte(m.disk_written)),
+                    parts: m
+                        .engine_written
+                        .filter(|_| m.user_bytes > 0)
+                        .map(|(log, index)| (per_user_byte(log), per_user_byte(index))),
+                    read_per_op: m.disk_read as f64 / m.ops.max(1) as f64,
+                    disk: dir_bytes(&dir),
+                    cores: m.cpu / elapsed,
+                    detail: engine.detail(),
+                };
+                row.print();
+                rows.push(row);
+            }
+        }
+        drop(engine);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(rows)
+}
+
+impl Args {
+    fn phase_list(&self) -> anyhow::Result<Vec<Phase>> {
+        self.phases
+            .iter()
+            .map(|id| {
+                Phase::ALL
+                    .into_iter()
+                    .find(|p| p.id() == id)
+                    .with_context(|| format!("unknown phase {id:?}"))
+            })
+            .collect()
     }
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let duration = Duration::from_secs(args.seconds);
-    let memory = args.memory_mib << 20;
-    let phases: Vec<Phase> = args
-        .phases
-        .iter()
-        .map(|id| {
-            Phase::ALL
-                .into_iter()
-                .find(|p| p.id() == id)
-                .with_context(|| format!("unknown phase {id:?}"))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let json = match &args.json {
+    args.phase_list()?;
+    anyhow::ensure!(args.repeat >= 1, "--repeat must be at least 1");
+    let mut json = match &args.json {
         Some(path) => Some(
             std::fs::OpenOptions::new()
                 .create(true)
@@ -487,116 +659,39 @@ fn main() -> anyhow::Result<()> {
         Some(mib) => (mib << 20) / (value_bytes as u64 + 32),
         None => args.entries,
     };
-    let data_mib =
-        |value_bytes: usize| (entries_for(value_bytes) * (value_bytes as u64 + 32)) >> 20;
-    let mut out = Output {
-        json,
-        label: args.label.clone(),
-        data_mib: 0,
-    };
     println!(
-        "engine-compare ({}): 32-byte uniform keys, {} s per phase, {} MiB memory per engine. \
-         This machine's memory manager evicts page-cache data idle for about a minute even \
-         when RAM is free: reads of data not touched in the last minute come from disk.",
-        args.label, args.seconds, args.memory_mib
+        "engine-compare ({}): 32-byte uniform keys, {} s per phase, {} MiB memory per engine, \
+         {} run(s) of every sequence. This machine's memory manager evicts page-cache data idle \
+         for about a minute even when RAM is free: reads of data not touched in the last minute \
+         come from disk.",
+        args.label, args.seconds, args.memory_mib, args.repeat
     );
-    println!(
-        "| engine | value | threads | phase | ops/s | p50 | p99 | p99.9 | disk bytes written / user byte | disk bytes read / op | disk used | CPU cores |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let max_threads = args.threads.iter().copied().max().unwrap_or(1);
     for &value_bytes in &args.value_bytes {
         let entries = entries_for(value_bytes);
-        out.data_mib = data_mib(value_bytes);
-        // The limit of a copy into a mapped log, at each thread count.
-        let limits = if args.skip_limits {
-            &[][..]
-        } else {
-            &args.threads[..]
-        };
-        for (&threads, files) in limits.iter().flat_map(|t| {
-            [
-                (t, LimitFiles::Kept),
-                (t, LimitFiles::Released),
-                (t, LimitFiles::Recycled),
-            ]
-        }) {
-            let (copies, elapsed) = memcpy_limit(
-                &args.dir.join("memcpy"),
-                value_bytes + 32,
-                threads,
-                duration,
-                files,
-            )?;
-            out.row(&Row {
-                engine: files.engine_name(),
-                settings: &format!(
-                    "sequential memcpy of key+value into fresh fallocated mapped 256 MiB files, {}",
-                    files.describe()
-                ),
-                value_bytes,
-                threads,
-                entries: 0,
-                phase: "put",
-                phase_name: Phase::Puts.name(),
-                rate: copies as f64 / elapsed.as_secs_f64(),
-                latency: (Duration::ZERO, Duration::ZERO, Duration::ZERO),
-                amplification: None,
-                read_per_op: 0.0,
-                disk: 0,
-                cores: 0.0,
-                detail: String::new(),
-            })?;
-        }
-        // Random bytes: no engine gains from compression.
-        let mut value = vec![0u8; value_bytes];
-        SmallRng::seed_from_u64(value_bytes as u64).fill(&mut value[..]);
-        for name in &args.engines {
-            let dir = args.dir.join(name);
-            let (engine, settings) = open(name, &dir, memory, value_bytes)?;
-            eprintln!("{name}: {settings}");
-            let took = fill(engine.as_ref(), entries, &value);
-            eprintln!(
-                "{name}: filled {entries} entries of {value_bytes} B ({} MiB) in {}",
-                out.data_mib,
-                human(took)
-            );
-            let keys = Keys {
-                filled: AtomicU64::new(entries),
-                deleted: AtomicU64::new(0),
-            };
-            for &threads in &args.threads {
-                for &phase in &phases {
-                    if phase.destructive() && threads != max_threads {
-                        continue;
-                    }
-                    let mut m = run_phase(engine.as_ref(), phase, threads, &value, &keys, duration);
-                    let elapsed = m.elapsed.as_secs_f64();
-                    out.row(&Row {
-                        engine: name,
-                        settings: &settings,
-                        value_bytes,
-                        threads,
-                        entries: keys.filled.load(Ordering::Relaxed),
-                        phase: phase.id(),
-                        phase_name: phase.name(),
-                        rate: m.ops as f64 / elapsed,
-                        latency: (
-                            m.latencies.quantile(0.5),
-                            m.latencies.quantile(0.99),
-                            m.latencies.quantile(0.999),
-                        ),
-                        amplification: (m.user_bytes > 0)
-                            .then(|| m.disk_written as f64 / m.user_bytes as f64),
-                        read_per_op: m.disk_read as f64 / m.ops.max(1) as f64,
-                        disk: dir_bytes(&dir),
-                        cores: m.cpu / elapsed,
-                        detail: engine.detail(),
-                    })?;
-                }
+        let data_mib = (entries * (value_bytes as u64 + 32)) >> 20;
+        let mut runs = Vec::new();
+        for run in 1..=args.repeat {
+            if args.repeat > 1 {
+                println!("\nRun {run} of {} ({value_bytes} B values):\n", args.repeat);
             }
-            drop(engine);
-            let _ = std::fs::remove_dir_all(&dir);
+            println!("{TABLE_HEADER}");
+            runs.push(run_once(&args, value_bytes, entries, data_mib)?);
+        }
+        let medians = medians(&runs);
+        if args.repeat > 1 {
+            println!(
+                "\nMedian of {} runs by ops/s ({value_bytes} B values; each row is the median run's):\n",
+                args.repeat
+            );
+            println!("{TABLE_HEADER}");
+            for (row, _) in &medians {
+                row.print();
+            }
+        }
+        if let Some(file) = json.as_mut() {
+            for (row, all) in &medians {
+                writeln!(file, "{}", row.json(&args.label, data_mib, all))?;
+            }
         }
     }
     Ok(())
