@@ -404,7 +404,14 @@ mod tests {
             .collect();
         keys.sort();
         keys.dedup();
-        let mut bytes = vec![0u8; keys.len() * layout.size()];
+        let bytes = encode_sorted(&layout, &keys);
+        (layout, keys, bytes)
+    }
+
+    /// The entries of sorted `keys`, entry `i` with version and location `i`.
+    fn encode_sorted(layout: &EntryLayout, keys: &[Key]) -> Vec<u8> {
+        let size = layout.size();
+        let mut bytes = vec![0u8; keys.len() * size];
         for (i, key) in keys.iter().enumerate() {
             let entry = Entry {
                 version: i as u64,
@@ -413,13 +420,9 @@ mod tests {
                 epoch: Epoch(0),
                 tag: Tag(0),
             };
-            layout.encode(
-                key,
-                &entry,
-                &mut bytes[i * layout.size()..(i + 1) * layout.size()],
-            );
+            layout.encode(key, &entry, &mut bytes[i * size..(i + 1) * size]);
         }
-        (layout, keys, bytes)
+        bytes
     }
 
     fn rank(key: &Key) -> u64 {
@@ -635,17 +638,7 @@ mod tests {
         keys.sort();
         keys.dedup();
         let size = layout.size();
-        let mut bytes = vec![0u8; keys.len() * size];
-        for (i, key) in keys.iter().enumerate() {
-            let entry = Entry {
-                version: i as u64,
-                location: 0,
-                len: 1,
-                epoch: Epoch(0),
-                tag: Tag(0),
-            };
-            layout.encode(key, &entry, &mut bytes[i * size..(i + 1) * size]);
-        }
+        let bytes = encode_sorted(&layout, &keys);
         let read = |first: usize, n: usize| -> Result<Cow<'_, [u8]>, ()> {
             Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
         };

@@ -498,8 +498,7 @@ fn medians(runs: &[Vec<Row>]) -> Vec<(&Row, Vec<&Row>)> {
     for row in runs.iter().flatten() {
         let same = |g: &&mut Vec<&Row>| {
             let first = g[0];
-            (first.engine.as_str(), first.threads, first.phase.id())
-                == (row.engine.as_str(), row.threads, row.phase.id())
+            (&first.engine, first.threads, first.phase) == (&row.engine, row.threads, row.phase)
         };
         match groups.iter_mut().find(same) {
             Some(group) => group.push(row),
@@ -520,13 +519,13 @@ fn medians(runs: &[Vec<Row>]) -> Vec<(&Row, Vec<&Row>)> {
 /// one value size; prints each row as it is measured.
 fn run_once(
     args: &Args,
+    phases: &[Phase],
     value_bytes: usize,
     entries: u64,
     data_mib: u64,
 ) -> anyhow::Result<Vec<Row>> {
     let duration = Duration::from_secs(args.seconds);
     let memory = args.memory_mib << 20;
-    let phases = args.phase_list()?;
     let max_threads = args.threads.iter().copied().max().unwrap_or(1);
     let mut rows = Vec::new();
     // The limit of a copy into a mapped log, at each thread count.
@@ -588,7 +587,7 @@ fn run_once(
             deleted: AtomicU64::new(0),
         };
         for &threads in &args.threads {
-            for &phase in &phases {
+            for &phase in phases {
                 if phase.destructive() && threads != max_threads {
                     continue;
                 }
@@ -644,7 +643,7 @@ impl Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    args.phase_list()?;
+    let phases = args.phase_list()?;
     anyhow::ensure!(args.repeat >= 1, "--repeat must be at least 1");
     let mut json = match &args.json {
         Some(path) => Some(
@@ -675,7 +674,7 @@ fn main() -> anyhow::Result<()> {
                 println!("\nRun {run} of {} ({value_bytes} B values):\n", args.repeat);
             }
             println!("{TABLE_HEADER}");
-            runs.push(run_once(&args, value_bytes, entries, data_mib)?);
+            runs.push(run_once(&args, &phases, value_bytes, entries, data_mib)?);
         }
         let medians = medians(&runs);
         if args.repeat > 1 {
