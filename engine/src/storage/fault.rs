@@ -466,6 +466,9 @@ struct MappedBuffer {
     mapped: Arc<AtomicBool>,
 }
 
+impl super::mapping::MappedMemory for MappedBuffer {}
+impl super::mapping::MappedMemory for Arc<Buffer> {}
+
 impl Drop for MappedBuffer {
     fn drop(&mut self) {
         self.mapped.store(false, Ordering::SeqCst);

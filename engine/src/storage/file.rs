@@ -165,7 +165,9 @@ impl StorageFile for DiskFile {
         // space is reserved by `fallocate`, so writes cannot fault on a full
         // disk. `populate` faults the pages in now, on the thread that maps
         // (the allocator, ahead of need), so writers do not pay for the
-        // kernel zero-filling each fresh page.
+        // kernel zero-filling each fresh page. The pages stay read-only
+        // until written (or `fault_in_writable`): the log takes those write
+        // faults a chunk ahead of its writers.
         let mut map = unsafe {
             memmap2::MmapOptions::new()
                 .len(len)
@@ -209,5 +211,65 @@ impl StorageFile for DiskFile {
 
     fn evict_cache(&self) -> io::Result<()> {
         rustix::fs::fadvise(&self.file, 0, None, Advice::DontNeed).map_err(io::Error::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dirty bytes of the mappings of `path`, from `/proc/self/smaps` (the
+    /// kernel counts the pages whose entries it marked dirty).
+    fn dirty_bytes(path: &Path) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let path = path.to_str().expect("a UTF-8 path");
+        let mut in_mapping = false;
+        let mut dirty = 0;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if !first.ends_with(':') {
+                // A mapping's header: "start-end perms offset dev inode path".
+                in_mapping = line.ends_with(path);
+            } else if in_mapping && (first == "Shared_Dirty:" || first == "Private_Dirty:") {
+                let kib: u64 = line
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|n| n.parse().ok())
+                    .expect("a number of kB");
+                dirty += kib << 10;
+            }
+        }
+        dirty
+    }
+
+    #[test]
+    fn faulting_in_makes_pages_writable_ahead_and_changes_no_byte() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let storage = FileStorage::new();
+        let len = 1 << 20;
+        let path = dir.path().join("segment");
+        let file = storage.create(&path, len).expect("create");
+        let mapping = file.map().expect("map");
+        let mut head = mapping.claim(4096).expect("claim");
+        head.fill(7);
+        drop(head);
+        let before = dirty_bytes(&path);
+        assert!(before < 256 << 10, "{before} dirty bytes before");
+
+        mapping.fault_in_writable(256 << 10, 256 << 10);
+        // Clipped at the end, and a range past the end: no effect, no panic.
+        mapping.fault_in_writable(len - 4096, 1 << 20);
+        mapping.fault_in_writable(len + 4096, 4096);
+        let after = dirty_bytes(&path);
+        assert!(
+            after >= before + (256 << 10),
+            "{before} dirty bytes before, {after} after"
+        );
+
+        drop(mapping);
+        let mut bytes = vec![0u8; len as usize];
+        file.read_at(&mut bytes, 0).expect("read");
+        assert!(bytes[..4096].iter().all(|&b| b == 7));
+        assert!(bytes[4096..].iter().all(|&b| b == 0));
     }
 }

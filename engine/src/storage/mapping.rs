@@ -25,8 +25,22 @@ pub enum ClaimError {
 }
 
 /// Keeps the mapped memory alive (an `MmapMut`, or a fault-storage buffer).
-pub(crate) trait MappedMemory: Send + Sync {}
-impl<T: Send + Sync> MappedMemory for T {}
+pub(crate) trait MappedMemory: Send + Sync {
+    /// Takes the write faults of the pages of `[offset, offset + len)` now,
+    /// where the memory has any (a shared file mapping: the kernel's
+    /// page-mkwrite work, which marks the pages dirty). A hint: doing nothing
+    /// is correct, only slower.
+    fn fault_in_writable(&self, _offset: usize, _len: usize) {}
+}
+impl MappedMemory for memmap2::MmapMut {
+    fn fault_in_writable(&self, offset: usize, len: usize) {
+        // Fails on kernels before 5.14 (no MADV_POPULATE_WRITE); the
+        // writers then take the faults themselves, as they would anyway.
+        let _ = self.advise_range(memmap2::Advice::PopulateWrite, offset, len);
+    }
+}
+impl MappedMemory for memmap2::Mmap {}
+impl MappedMemory for Box<[u8]> {}
 
 /// Cursor on its own cache line, so it does not share one with the fields
 /// every reader touches.
@@ -128,6 +142,19 @@ impl Mapping {
                 Ok(_) => return Ok(self.region(start, len)),
                 Err(actual) => start = actual,
             }
+        }
+    }
+
+    /// Takes the write faults of `[offset, offset + len)` (clipped to the
+    /// mapping) now, on the calling thread, so that writers of that range
+    /// later find its pages writable. Bytes are not changed. Pages made
+    /// writable ahead of the data are written back as they are (zeros past
+    /// the data) if a sync comes first, as any partly written page is.
+    pub fn fault_in_writable(&self, offset: u64, len: u64) {
+        let end = offset.saturating_add(len).min(self.len);
+        if offset < end {
+            self._owner
+                .fault_in_writable(offset as usize, (end - offset) as usize);
         }
     }
 

@@ -25,7 +25,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::health::Health;
-use crate::storage::{ClaimError, Storage};
+use crate::storage::{ClaimError, Mapping, Storage};
 use crate::types::{Epoch, SegmentId, WalPosition};
 use segment::{Active, HEADER_RECORD_BYTES, LogKind, SegmentFile, SegmentHeader, Spare};
 use tracker::Tracker;
@@ -400,7 +400,8 @@ impl Shared {
             };
             match active.mapping.claim(len as u64) {
                 Ok(mut region) => {
-                    let start = active.base + region.offset();
+                    let offset = region.offset();
+                    let start = active.base + offset;
                     let mut claimed = Claimed {
                         shared: self,
                         start,
@@ -409,6 +410,8 @@ impl Shared {
                     };
                     let result = write(&mut region, WalPosition(start));
                     claimed.finished = true;
+                    drop(claimed);
+                    fault_in_ahead(&active.mapping, offset, len as u64);
                     return Ok((WalPosition(start), result));
                 }
                 Err(ClaimError::Full { .. }) => {
@@ -569,10 +572,43 @@ impl Shared {
     }
 }
 
+/// Writers take a segment's write faults a chunk of this many bytes at a
+/// time, one chunk ahead of the data (see [`fault_in_ahead`]).
+pub(crate) const FAULT_AHEAD_BYTES: u64 = 256 << 10;
+
+/// After a write of `[offset, offset + len)` into `mapping`: if the range
+/// holds the first byte of a chunk (of [`FAULT_AHEAD_BYTES`]), takes the
+/// write faults of the next chunk now.
+///
+/// Each page of a fresh segment faults on its first write (the kernel's
+/// page-mkwrite: block reservation, dirty marking), under the lock of the
+/// page's folio — with large folios, up to 2 MiB shared by every writer.
+/// Taken inline, concurrent writers queue on that lock and sleep while
+/// holding their claims, and the other writers wait on the processed
+/// watermark behind them. Exactly one write holds each chunk's first byte,
+/// so each chunk is faulted in once, by one thread, in one call, while the
+/// writers are still a chunk behind it. The first two chunks of a segment
+/// are faulted in when it becomes active.
+fn fault_in_ahead(mapping: &Mapping, offset: u64, len: u64) {
+    if let Some(chunk) = chunk_to_fault_in(offset, len) {
+        mapping.fault_in_writable(chunk, FAULT_AHEAD_BYTES);
+    }
+}
+
+/// The start of the chunk a write of `[offset, offset + len)` faults in,
+/// if the write holds the first byte of a chunk: the chunk after the last
+/// such chunk (a write longer than a chunk faults in the chunks it spans
+/// itself).
+fn chunk_to_fault_in(offset: u64, len: u64) -> Option<u64> {
+    let last = (offset + len).checked_sub(1)? / FAULT_AHEAD_BYTES * FAULT_AHEAD_BYTES;
+    (last >= offset).then_some(last + FAULT_AHEAD_BYTES)
+}
+
 /// Writes the segment header into a spare and wraps it as the active
 /// segment. The header's range still has to be reported to the tracker.
 fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
     let base = spare.id.0 * opts.segment_size;
+    spare.mapping.fault_in_writable(0, 2 * FAULT_AHEAD_BYTES);
     {
         let mut region = spare
             .mapping
