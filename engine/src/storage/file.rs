@@ -250,9 +250,7 @@ mod tests {
         let path = dir.path().join("segment");
         let file = storage.create(&path, len).expect("create");
         let mapping = file.map().expect("map");
-        let mut head = mapping.claim(4096).expect("claim");
-        head.fill(7);
-        drop(head);
+        mapping.claim(4096).expect("claim").fill(7);
         let before = dirty_bytes(&path);
         assert!(before < 256 << 10, "{before} dirty bytes before");
 
