@@ -158,7 +158,7 @@ pub fn memcpy_limit(
                         }
                         let path = dir.join(format!("memcpy-{t}-{file_number}"));
                         let file = storage.create(&path, 256 << 20)?;
-                        let mapping = file.map()?;
+                        let mapping = file.map(false)?;
                         while let Ok(mut region) = mapping.claim(chunk as u64) {
                             region.copy_from_slice(&source);
                             mine += 1;

@@ -525,7 +525,7 @@ impl StorageFile for FaultFile {
         self.volatile.write(data, offset)
     }
 
-    fn map(&self) -> io::Result<Mapping> {
+    fn map(&self, _page_folios: bool) -> io::Result<Mapping> {
         if self.mapped.swap(true, Ordering::SeqCst) {
             return Err(io::Error::other("fault-storage file mapped twice"));
         }
@@ -642,7 +642,7 @@ mod tests {
         let path = dir().join("m");
         let f = s.create(&path, 4096).unwrap();
         s.sync_dir(&dir()).unwrap();
-        let map = f.map().unwrap();
+        let map = f.map(true).unwrap();
         map.claim(4).unwrap().copy_from_slice(b"abcd");
         map.claim(4).unwrap().copy_from_slice(b"efgh");
         f.sync_range(0, 4).unwrap();

@@ -157,23 +157,27 @@ impl StorageFile for DiskFile {
         self.file.write_all_at(data, offset)
     }
 
-    fn map(&self) -> io::Result<Mapping> {
+    fn map(&self, page_folios: bool) -> io::Result<Mapping> {
         let len = self.mappable_len()?;
         // SAFETY: the engine owns its data directory; no other process is
         // expected to truncate or write these files while they are mapped
         // (if one did, accesses could fault — the usual mmap caveat). The
         // space is reserved by `fallocate`, so writes cannot fault on a full
-        // disk. `populate` faults the pages in now, on the thread that maps
-        // (the allocator, ahead of need), so writers do not pay for the
-        // kernel zero-filling each fresh page. The pages stay read-only
-        // until written (or `fault_in_writable`): the log takes those write
-        // faults a chunk ahead of its writers.
-        let mut map = unsafe {
-            memmap2::MmapOptions::new()
-                .len(len)
-                .populate()
-                .map_mut(&self.file)?
-        };
+        // disk.
+        let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&self.file)? };
+        // Page-sized folios: faults of a mapping advised random read no
+        // readahead window, so each page gets a folio of its own. Without
+        // it, readahead gives large folios (up to 2 MiB on ext4).
+        if page_folios {
+            map.advise(memmap2::Advice::Random)?;
+        }
+        // Fault the pages in now, on the thread that maps (the allocator,
+        // ahead of need), so writers do not pay for the kernel zero-filling
+        // each fresh page. They stay read-only until written (or
+        // `fault_in_writable`): the log takes those write faults a chunk
+        // ahead of its writers. Kernels before 5.14 lack the advice; the
+        // writers then fault the pages in themselves.
+        let _ = map.advise(memmap2::Advice::PopulateRead);
         let base = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
         // SAFETY: `base` points to the `len` bytes of `map`, which the mapping
@@ -249,7 +253,7 @@ mod tests {
         let len = 1 << 20;
         let path = dir.path().join("segment");
         let file = storage.create(&path, len).expect("create");
-        let mapping = file.map().expect("map");
+        let mapping = file.map(false).expect("map");
         mapping.claim(4096).expect("claim").fill(7);
         let before = dirty_bytes(&path);
         assert!(before < 256 << 10, "{before} dirty bytes before");

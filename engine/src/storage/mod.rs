@@ -110,8 +110,13 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     /// Writes all of `data` at `offset` (for small files; logs are appended
     /// through [`StorageFile::map`]). The file must be long enough.
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
-    /// A writable mapping of the whole file. At most one per file.
-    fn map(&self) -> io::Result<Mapping>;
+    /// A writable mapping of the whole file, its pages faulted in (read-only
+    /// until written) where the storage can. At most one per file.
+    /// `page_folios` asks for page-sized page-cache folios (see
+    /// `docs/design/wal-format.md`): a sync then writes back only the pages
+    /// written since the last one, where a large folio is written back
+    /// whole each time it was written into.
+    fn map(&self, page_folios: bool) -> io::Result<Mapping>;
     /// A read-only mapping of the whole file, advised for random access (a
     /// read of a page not in memory fetches that page, not a readahead
     /// window). Any number per file, also while it is mapped writable.

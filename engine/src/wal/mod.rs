@@ -89,6 +89,8 @@ pub(crate) struct Shared {
     released_below: Mutex<u64>,
     /// Bytes of segments whose pages were dropped.
     released_bytes: AtomicU64,
+    /// Syncs that made new bytes durable.
+    syncs: AtomicU64,
     shutdown: AtomicBool,
 }
 
@@ -155,7 +157,7 @@ impl Log {
     ) -> Result<Log> {
         replay::remove_segments_from(&*storage, &opts, next)?;
         let base = next.0 * opts.segment_size;
-        let first = workers::create_spare(&*storage, &opts, next)?;
+        let first = workers::create_spare(&*storage, &opts, next, true)?;
         let mut files = existing;
         let active = activate(&opts, first, epoch);
         files.insert(next, active.segment.clone());
@@ -174,6 +176,7 @@ impl Log {
             last_mark_end: AtomicU64::new(0),
             released_below: Mutex::new(0),
             released_bytes: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
         });
         shared.tracker.done(base, base + HEADER_RECORD_BYTES);
@@ -411,7 +414,11 @@ impl Shared {
                     let result = write(&mut region, WalPosition(start));
                     claimed.finished = true;
                     drop(claimed);
-                    fault_in_ahead(&active.mapping, offset, len as u64);
+                    if start + len as u64 - self.synced.load(Ordering::Relaxed)
+                        >= FAULT_AHEAD_MIN_UNSYNCED
+                    {
+                        fault_in_ahead(&active.mapping, offset, len as u64);
+                    }
                     return Ok((WalPosition(start), result));
                 }
                 Err(ClaimError::Full { .. }) => {
@@ -568,13 +575,22 @@ impl Shared {
                 .map_err(|e| self.health.poison_with(Error::io(&segment.path, e)))?;
         }
         self.synced.fetch_max(target, Ordering::AcqRel);
+        self.syncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }
 
 /// Writers take a segment's write faults a chunk of this many bytes at a
 /// time, one chunk ahead of the data (see [`fault_in_ahead`]).
-pub(crate) const FAULT_AHEAD_BYTES: u64 = 256 << 10;
+pub(crate) const FAULT_AHEAD_BYTES: u64 = 64 << 10;
+
+/// Writes fault in ahead only while at least this many bytes wait for a
+/// sync: a sync writes back the pages faulted in ahead (zeros) along with
+/// the data, and they are written again once filled, so this bounds that
+/// extra to about `1.5 * FAULT_AHEAD_BYTES` per sync of at least this many
+/// bytes (under 0.6%). Logs synced often (durable writes, Raft) never
+/// fault in ahead; they write too little between syncs to need it.
+pub(crate) const FAULT_AHEAD_MIN_UNSYNCED: u64 = 16 << 20;
 
 /// After a write of `[offset, offset + len)` into `mapping`: if the range
 /// holds the first byte of a chunk (of [`FAULT_AHEAD_BYTES`]), takes the
@@ -587,8 +603,7 @@ pub(crate) const FAULT_AHEAD_BYTES: u64 = 256 << 10;
 /// holding their claims, and the other writers wait on the processed
 /// watermark behind them. Exactly one write holds each chunk's first byte,
 /// so each chunk is faulted in once, by one thread, in one call, while the
-/// writers are still a chunk behind it. The first two chunks of a segment
-/// are faulted in when it becomes active.
+/// writers are still a chunk behind it.
 fn fault_in_ahead(mapping: &Mapping, offset: u64, len: u64) {
     if let Some(chunk) = chunk_to_fault_in(offset, len) {
         mapping.fault_in_writable(chunk, FAULT_AHEAD_BYTES);
@@ -608,7 +623,6 @@ fn chunk_to_fault_in(offset: u64, len: u64) -> Option<u64> {
 /// segment. The header's range still has to be reported to the tracker.
 fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
     let base = spare.id.0 * opts.segment_size;
-    spare.mapping.fault_in_writable(0, 2 * FAULT_AHEAD_BYTES);
     {
         let mut region = spare
             .mapping

@@ -370,8 +370,8 @@ fn each_chunk_is_faulted_in_once_ahead_of_the_writes() {
     let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(seed);
     let segment = 64 * FAULT_AHEAD_BYTES;
     // Writes shorter than a chunk: every chunk from the third on (the first
-    // two are the activation's) is faulted in by exactly one write, a whole
-    // chunk before any write reaches it.
+    // two fault inline) is faulted in by exactly one write, a whole chunk
+    // before any write reaches it.
     let small = chunks_faulted_in(segment, || {
         rand::Rng::random_range(&mut rng, 1..=FAULT_AHEAD_BYTES / 8)
     });
@@ -386,4 +386,23 @@ fn each_chunk_is_faulted_in_once_ahead_of_the_writes() {
     });
     assert!(mixed.values().all(|&n| n == 1), "{mixed:?}");
     assert!(!mixed.is_empty());
+}
+
+#[test]
+fn spares_get_large_folios_only_after_16_mib_per_sync() {
+    use workers::page_folios;
+    let mib = 1 << 20;
+    // A new log, or one that wrote nothing: page folios.
+    assert!(page_folios(0, 0));
+    // Synced per write or per batch: page folios.
+    assert!(page_folios(256 * mib, 10_000));
+    // The background syncer every 100 ms under 100 MB/s: page folios.
+    assert!(page_folios(256 * mib, 27));
+    // A bulk load at 300 MB/s synced every 100 ms: 30 MB per sync.
+    assert!(!page_folios(256 * mib, 9));
+    // Exactly 16 MiB per sync, and no sync at all over a large write.
+    assert!(!page_folios(64 * mib, 4));
+    assert!(page_folios(64 * mib - 1, 4));
+    assert!(!page_folios(16 * mib, 0));
+    assert!(page_folios(16 * mib - 1, 0));
 }

@@ -1,0 +1,87 @@
+//! The kernel's count of bytes this process dirtied (`/proc/self/io`
+//! `write_bytes`, which sees writes through memory mappings) stays close to
+//! what the engine appended: a value reaches the disk once. Checked for
+//! synced writes (a sync per put, as a Raft log syncs per batch: pages the
+//! log made writable ahead of its data would be written back as zeros at
+//! every sync, then again once filled) and for a burst of buffered writes
+//! (where the log makes pages writable ahead and may use large folios,
+//! each bounded per sync).
+//! Skipped where the directory is not on a block device.
+
+mod support;
+
+use support::{key, value};
+use tidepool_engine::{Config, Durability, Engine};
+
+/// Engine bytes appended (value log and index log).
+fn engine_bytes(engine: &Engine) -> u64 {
+    let counters = engine.metrics().counters;
+    counters.wal_bytes_written + counters.index_bytes_written
+}
+
+/// Writes `total` bytes of `value_bytes` values with `durability`, then
+/// closes the engine; returns (engine bytes, bytes the kernel counted).
+fn write(total: u64, value_bytes: usize, durability: Durability) -> Option<(u64, u64)> {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    if !tidepool_testkit::on_block_device(root.path()) {
+        println!(
+            "{} is not on a block device: skipped",
+            root.path().display()
+        );
+        return None;
+    }
+    let mut config = Config::new(root.path().join("db"));
+    config.wal_segment_bytes = 64 << 20;
+    config.index_segment_bytes = 4 << 20;
+    config.relocation_enabled = false;
+    let engine = Engine::open(config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let io_before = tidepool_testkit::process_write_bytes();
+    let before = engine_bytes(&engine);
+    for i in 0..total / value_bytes as u64 {
+        engine
+            .put(ks, &key(i), &value(i, 1, value_bytes), durability)
+            .unwrap();
+    }
+    engine.flush().unwrap();
+    let appended = engine_bytes(&engine) - before;
+    drop(engine);
+    let dirtied = tidepool_testkit::process_write_bytes() - io_before;
+    println!(
+        "{durability:?}: {total} bytes of values, engine appended {appended}, kernel counted {dirtied} ({:.3}x the values)",
+        dirtied as f64 / total as f64
+    );
+    Some((appended, dirtied))
+}
+
+#[test]
+fn synced_writes_are_dirtied_once() {
+    // 12 MiB of 16 KiB values, each put synced: 768 syncs.
+    let total = 12 << 20;
+    if let Some((appended, dirtied)) = write(total, 16 << 10, Durability::Synced) {
+        assert!(appended >= total);
+        // Control files, sync marks, and the log's tail page dirtied again
+        // by each sync (up to 4 KiB each).
+        let overhead = (2 << 20) + 768 * 4096;
+        assert!(
+            dirtied <= appended + overhead,
+            "the kernel counted {dirtied} bytes for {appended} appended"
+        );
+    }
+}
+
+#[test]
+fn a_burst_of_buffered_writes_is_dirtied_about_once() {
+    // 192 MiB of 4 KiB values, buffered: the syncer runs every 100 ms.
+    let total = 192 << 20;
+    if let Some((appended, dirtied)) = write(total, 4 << 10, Durability::Buffered) {
+        assert!(appended >= total);
+        // Page folios: at most 1.5 chunks made writable ahead per sync of
+        // at least 16 MiB. Large folios (a log writing 16 MiB or more per
+        // sync gets them): at most one folio (2 MiB) more per such sync.
+        assert!(
+            dirtied <= appended + appended / 7 + (2 << 20),
+            "the kernel counted {dirtied} bytes for {appended} appended"
+        );
+    }
+}
