@@ -46,10 +46,13 @@ fn no_lost_update_and_no_stale_read_under_concurrency() {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
         });
-        for w in writers {
-            w.join().unwrap();
-        }
+        // Stop the readers and the janitor before reporting a writer's
+        // panic, or the scope would wait for them forever.
+        let written: Vec<_> = writers.into_iter().map(|w| w.join()).collect();
         stop.store(true, Ordering::SeqCst);
+        for result in written {
+            result.unwrap();
+        }
         janitor.join().unwrap();
         readers.into_iter().map(|r| r.join().unwrap()).sum::<u64>()
     });

@@ -414,9 +414,10 @@ impl Shared {
                     let result = write(&mut region, WalPosition(start));
                     claimed.finished = true;
                     drop(claimed);
-                    if start + len as u64 - self.synced.load(Ordering::Relaxed)
-                        >= FAULT_AHEAD_MIN_UNSYNCED
-                    {
+                    // The syncer may already have passed this range.
+                    let unsynced =
+                        (start + len as u64).saturating_sub(self.synced.load(Ordering::Relaxed));
+                    if unsynced >= FAULT_AHEAD_MIN_UNSYNCED {
                         fault_in_ahead(&active.mapping, offset, len as u64);
                     }
                     return Ok((WalPosition(start), result));
