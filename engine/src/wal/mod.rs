@@ -414,12 +414,7 @@ impl Shared {
                     let result = write(&mut region, WalPosition(start));
                     claimed.finished = true;
                     drop(claimed);
-                    // The syncer may already have passed this range.
-                    let unsynced =
-                        (start + len as u64).saturating_sub(self.synced.load(Ordering::Relaxed));
-                    if unsynced >= FAULT_AHEAD_MIN_UNSYNCED {
-                        fault_in_ahead(&active.mapping, offset, len as u64);
-                    }
+                    self.fault_in_ahead(&active.mapping, offset, start, len as u64);
                     return Ok((WalPosition(start), result));
                 }
                 Err(ClaimError::Full { .. }) => {
@@ -579,10 +574,34 @@ impl Shared {
         self.syncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    /// After a write of `[offset, offset + len)` into `mapping` (at log
+    /// position `start`): if the range holds the first byte of a chunk (of
+    /// [`FAULT_AHEAD_BYTES`]) and at least [`FAULT_AHEAD_MIN_UNSYNCED`] bytes
+    /// wait for a sync, takes the write faults of the next chunk now.
+    ///
+    /// Each page of a fresh segment faults on its first write (the kernel's
+    /// page-mkwrite: block reservation, dirty marking), under the lock of the
+    /// page's folio — with large folios, up to 2 MiB shared by every writer.
+    /// Taken inline, concurrent writers queue on that lock and sleep while
+    /// holding their claims, and the other writers wait on the processed
+    /// watermark behind them. Exactly one write holds each chunk's first byte,
+    /// so each chunk is faulted in once, by one thread, in one call, while the
+    /// writers are still a chunk behind it.
+    fn fault_in_ahead(&self, mapping: &Mapping, offset: u64, start: u64, len: u64) {
+        let Some(chunk) = chunk_to_fault_in(offset, len) else {
+            return;
+        };
+        // The syncer may already have passed this range.
+        let unsynced = (start + len).saturating_sub(self.synced.load(Ordering::Relaxed));
+        if unsynced >= FAULT_AHEAD_MIN_UNSYNCED {
+            mapping.fault_in_writable(chunk, FAULT_AHEAD_BYTES);
+        }
+    }
 }
 
 /// Writers take a segment's write faults a chunk of this many bytes at a
-/// time, one chunk ahead of the data (see [`fault_in_ahead`]).
+/// time, one chunk ahead of the data (see [`Shared::fault_in_ahead`]).
 pub(crate) const FAULT_AHEAD_BYTES: u64 = 64 << 10;
 
 /// Writes fault in ahead only while at least this many bytes wait for a
@@ -592,24 +611,6 @@ pub(crate) const FAULT_AHEAD_BYTES: u64 = 64 << 10;
 /// bytes (under 0.6%). Logs synced often (durable writes, Raft) never
 /// fault in ahead; they write too little between syncs to need it.
 pub(crate) const FAULT_AHEAD_MIN_UNSYNCED: u64 = 16 << 20;
-
-/// After a write of `[offset, offset + len)` into `mapping`: if the range
-/// holds the first byte of a chunk (of [`FAULT_AHEAD_BYTES`]), takes the
-/// write faults of the next chunk now.
-///
-/// Each page of a fresh segment faults on its first write (the kernel's
-/// page-mkwrite: block reservation, dirty marking), under the lock of the
-/// page's folio — with large folios, up to 2 MiB shared by every writer.
-/// Taken inline, concurrent writers queue on that lock and sleep while
-/// holding their claims, and the other writers wait on the processed
-/// watermark behind them. Exactly one write holds each chunk's first byte,
-/// so each chunk is faulted in once, by one thread, in one call, while the
-/// writers are still a chunk behind it.
-fn fault_in_ahead(mapping: &Mapping, offset: u64, len: u64) {
-    if let Some(chunk) = chunk_to_fault_in(offset, len) {
-        mapping.fault_in_writable(chunk, FAULT_AHEAD_BYTES);
-    }
-}
 
 /// The start of the chunk a write of `[offset, offset + len)` faults in,
 /// if the write holds the first byte of a chunk: the chunk after the last
