@@ -36,6 +36,10 @@ use crate::wal::format::{self, FLAG_APPLIED, ITEM_HEADER_BYTES, ItemSpec, Op};
 /// collected under it.
 const LOOKUP_ATTEMPTS: usize = 8;
 
+/// A write prefetches the index cells of at most this many of its items
+/// (one cell's lock and fields per item; a large batch would only evict).
+const PREFETCHED_ITEMS: usize = 4;
+
 /// Everything the foreground paths and background threads share.
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -416,6 +420,11 @@ impl Inner {
             });
         }
         let start = Instant::now();
+        for item in items.iter().take(PREFETCHED_ITEMS) {
+            if let Some(space) = self.table.spaces.get(usize::from(item.key_space)) {
+                space.prefetch(&key_array(item.key));
+            }
+        }
         let len = format::record_len(format::entry_body_len(0, items));
         let (position, ()) = self.values.append(len, |buf, position| {
             let locations = format::write_entry(buf, position, FLAG_APPLIED, &[], items);
