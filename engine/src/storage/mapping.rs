@@ -272,6 +272,21 @@ impl ReadMapping {
     }
 }
 
+/// Asks the CPU to load the cache line holding `at` into its caches: a
+/// hint, not a read (no fault, whatever the address; nothing on other
+/// architectures).
+#[inline]
+pub fn prefetch_line(at: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never dereferences its address or faults, and SSE
+    // is part of every x86-64 CPU.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,19 +329,4 @@ mod tests {
         });
         assert_eq!(m.claimed(), 80_000);
     }
-}
-
-/// Asks the CPU to load the cache line holding `at` into its caches: a
-/// hint, not a read (no fault, whatever the address; nothing on other
-/// architectures).
-#[inline]
-pub fn prefetch_line(at: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never dereferences its address or faults, and SSE
-    // is part of every x86-64 CPU.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = at;
 }
