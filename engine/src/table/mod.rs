@@ -68,6 +68,16 @@ fn cell_low(i: u32, n: u32) -> u64 {
     ((u128::from(i) << 64).div_ceil(u128::from(n))) as u64
 }
 
+/// The uniform cell of `count` that holds `key`.
+fn uniform_cell(key: &Key, count: u32) -> u32 {
+    ((u128::from(rank_at(key, 0)) * u128::from(count)) >> 64) as u32
+}
+
+/// The row of uniform cell `i` and its place in the row.
+fn row_and_slot(i: u32) -> (usize, usize) {
+    ((i / CELLS_PER_ROW) as usize, (i % CELLS_PER_ROW) as usize)
+}
+
 /// The 8 bytes of `key` starting at `from`, big-endian, zero-padded.
 pub(crate) fn rank_at(key: &Key, from: usize) -> u64 {
     let mut bytes = [0u8; 8];
@@ -111,9 +121,7 @@ impl SpaceTable {
     /// The cell that holds `key`.
     pub fn cell_of(&self, key: &Key) -> CellId {
         match &self.cells {
-            Cells::Uniform { count, .. } => {
-                CellId::Uniform(((u128::from(rank_at(key, 0)) * u128::from(*count)) >> 64) as u32)
-            }
+            Cells::Uniform { count, .. } => CellId::Uniform(uniform_cell(key, *count)),
             Cells::Prefixed { prefix_bytes, .. } => {
                 CellId::Prefixed(key_array(&key[..*prefix_bytes]))
             }
@@ -127,19 +135,16 @@ impl SpaceTable {
     /// wait on its claim. Uniform key spaces only (a prefixed cell is found
     /// through a map).
     pub fn prefetch(&self, key: &Key) {
-        if let (Cells::Uniform { rows, .. }, CellId::Uniform(i)) = (&self.cells, self.cell_of(key))
-        {
-            let row = &rows[(i / CELLS_PER_ROW) as usize];
-            // Address arithmetic only: nothing is read through the pointer.
-            let cell = row
-                .data_ptr()
-                .cast::<Cell>()
-                .wrapping_add((i % CELLS_PER_ROW) as usize)
-                .cast::<u8>();
-            prefetch_line(std::ptr::from_ref(row).cast());
-            prefetch_line(cell);
-            prefetch_line(cell.wrapping_add(64));
-        }
+        let Cells::Uniform { rows, count } = &self.cells else {
+            return;
+        };
+        let (row, at) = row_and_slot(uniform_cell(key, *count));
+        let row = &rows[row];
+        // Address arithmetic only: nothing is read through the pointer.
+        let cell = row.data_ptr().cast::<Cell>().wrapping_add(at).cast::<u8>();
+        prefetch_line(std::ptr::from_ref(row).cast());
+        prefetch_line(cell);
+        prefetch_line(cell.wrapping_add(64));
     }
 
     /// The rank range `[low, high]` of keys in `cell`, and the byte offset
@@ -171,8 +176,8 @@ impl SpaceTable {
     pub fn with_cell<R>(&self, id: &CellId, f: impl FnOnce(&mut Cell) -> R) -> Option<R> {
         match (&self.cells, id) {
             (Cells::Uniform { rows, .. }, CellId::Uniform(i)) => {
-                let mut row = rows[(i / CELLS_PER_ROW) as usize].lock();
-                Some(f(&mut row[(i % CELLS_PER_ROW) as usize]))
+                let (row, at) = row_and_slot(*i);
+                Some(f(&mut rows[row].lock()[at]))
             }
             (Cells::Prefixed { map, .. }, CellId::Prefixed(prefix)) => {
                 let cell = map.read().get(prefix).cloned()?;
