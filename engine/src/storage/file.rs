@@ -222,38 +222,28 @@ impl StorageFile for DiskFile {
 mod tests {
     use super::*;
 
-    /// Dirty bytes of the mappings of `path`, from `/proc/self/smaps` (the
-    /// kernel counts the pages whose entries it marked dirty).
     fn dirty_bytes(path: &Path) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
-        let path = path.to_str().expect("a UTF-8 path");
-        let mut in_mapping = false;
-        let mut dirty = 0;
-        for line in smaps.lines() {
-            let first = line.split_whitespace().next().unwrap_or("");
-            if !first.ends_with(':') {
-                // A mapping's header: "start-end perms offset dev inode path".
-                in_mapping = line.ends_with(path);
-            } else if in_mapping && (first == "Shared_Dirty:" || first == "Private_Dirty:") {
-                let kib: u64 = line
-                    .split_whitespace()
-                    .nth(1)
-                    .and_then(|n| n.parse().ok())
-                    .expect("a number of kB");
-                dirty += kib << 10;
-            }
-        }
-        dirty
+        crate::storage::mapped_bytes(path, &["Shared_Dirty:", "Private_Dirty:"])
+    }
+
+    /// A new 1 MiB file, mapped writable (large folios).
+    fn mapped_segment() -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        Arc<dyn StorageFile>,
+        Mapping,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("segment");
+        let file = FileStorage::new().create(&path, 1 << 20).expect("create");
+        let mapping = file.map(false).expect("map");
+        (dir, path, file, mapping)
     }
 
     #[test]
     fn faulting_in_makes_pages_writable_ahead_and_changes_no_byte() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let storage = FileStorage::new();
-        let len = 1 << 20;
-        let path = dir.path().join("segment");
-        let file = storage.create(&path, len).expect("create");
-        let mapping = file.map(false).expect("map");
+        let (_dir, path, file, mapping) = mapped_segment();
+        let len = file.len();
         mapping.claim(4096).expect("claim").fill(7);
         let before = dirty_bytes(&path);
         assert!(before < 256 << 10, "{before} dirty bytes before");
@@ -273,5 +263,47 @@ mod tests {
         file.read_at(&mut bytes, 0).expect("read");
         assert!(bytes[..4096].iter().all(|&b| b == 7));
         assert!(bytes[4096..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn releasing_unmaps_whole_written_pages_and_keeps_their_bytes() {
+        let (_dir, path, file, mapping) = mapped_segment();
+        let len = file.len();
+        let written = (512 << 10) + 100;
+        mapping.claim(written).expect("claim").fill(9);
+        let before = dirty_bytes(&path);
+        assert!(before >= written, "{before} dirty bytes mapped");
+
+        mapping.release_below(written);
+        let after = dirty_bytes(&path);
+        // The 128 whole pages left the page tables; the partly written
+        // last page is still mapped (and dirty).
+        assert!(
+            after + (512 << 10) <= before && after >= 4096,
+            "{before} dirty bytes mapped before, {after} after"
+        );
+        // Released already, or below: nothing changes.
+        mapping.release_below(written);
+        mapping.release_below(4096);
+        assert_eq!(dirty_bytes(&path), after);
+
+        // Writing on still works, and every byte is the file's: in the page
+        // cache, and on the disk after a sync (the dirty bits were kept).
+        mapping.claim(4000).expect("claim").fill(5);
+        let check = |what: &str| {
+            let mut bytes = vec![0u8; len as usize];
+            file.read_at(&mut bytes, 0).expect("read");
+            let end = written as usize + 4000;
+            assert!(bytes[..written as usize].iter().all(|&b| b == 9), "{what}");
+            assert!(
+                bytes[written as usize..end].iter().all(|&b| b == 5),
+                "{what}"
+            );
+            assert!(bytes[end..].iter().all(|&b| b == 0), "{what}");
+        };
+        check("from the page cache");
+        file.sync_all().expect("sync");
+        file.evict_cache().expect("evict");
+        check("after a sync and eviction");
     }
 }

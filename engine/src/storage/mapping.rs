@@ -31,6 +31,11 @@ pub(crate) trait MappedMemory: Send + Sync {
     /// page-mkwrite work, which marks the pages dirty). A hint: doing nothing
     /// is correct, only slower.
     fn fault_in_writable(&self, _offset: usize, _len: usize) {}
+    /// Unmaps the pages of `[offset, offset + len)` (page-aligned) from this
+    /// process, where the memory is a shared file mapping: the page cache
+    /// keeps them, dirty ones stay dirty, and a later access maps them again.
+    /// A hint: doing nothing is correct, only slower.
+    fn release(&self, _offset: usize, _len: usize) {}
 }
 impl MappedMemory for memmap2::MmapMut {
     fn fault_in_writable(&self, offset: usize, len: usize) {
@@ -38,9 +43,23 @@ impl MappedMemory for memmap2::MmapMut {
         // writers then take the faults themselves, as they would anyway.
         let _ = self.advise_range(memmap2::Advice::PopulateWrite, offset, len);
     }
+    fn release(&self, offset: usize, len: usize) {
+        // SAFETY: the mapping is a shared mapping of a file (`map_mut`), so
+        // MADV_DONTNEED only removes this process's page-table entries: the
+        // pages stay in the page cache (the kernel moves a dirty entry's
+        // dirty bit to its page first), and the next access maps the same
+        // bytes again. Nothing is zeroed or lost, whatever else points into
+        // the range. A failure changes nothing, so it is ignored.
+        let _ =
+            unsafe { self.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+    }
 }
 impl MappedMemory for memmap2::Mmap {}
 impl MappedMemory for Box<[u8]> {}
+
+/// The page size [`Mapping::release_below`] aligns to. A larger real page size
+/// only makes the advice fail, which changes nothing.
+const PAGE_BYTES: u64 = 4096;
 
 /// Cursor on its own cache line, so it does not share one with the fields
 /// every reader touches.
@@ -52,6 +71,8 @@ pub struct Mapping {
     base: NonNull<u8>,
     len: u64,
     cursor: Cursor,
+    /// Bytes below this (a page multiple) were released.
+    released: Cursor,
     _owner: Box<dyn MappedMemory>,
 }
 
@@ -92,6 +113,7 @@ impl Mapping {
             base,
             len,
             cursor: Cursor(AtomicU64::new(0)),
+            released: Cursor(AtomicU64::new(0)),
             _owner: owner,
         }
     }
@@ -155,6 +177,21 @@ impl Mapping {
         if offset < end {
             self._owner
                 .fault_in_writable(offset as usize, (end - offset) as usize);
+        }
+    }
+
+    /// Unmaps from this process the whole pages below `offset` not unmapped
+    /// yet (the bytes stay in the file's page cache, dirty or not). For the
+    /// part of a log no writer touches again: writing back a page still
+    /// mapped writable costs a TLB shootdown per page (the kernel
+    /// write-protects each page-table entry on its own, interrupting every
+    /// CPU that runs this process), unmapping a range costs one. A later
+    /// write below `offset` still works; it maps its page again.
+    pub fn release_below(&self, offset: u64) {
+        let end = offset.min(self.len) / PAGE_BYTES * PAGE_BYTES;
+        let start = self.released.0.fetch_max(end, Ordering::AcqRel);
+        if start < end {
+            self._owner.release(start as usize, (end - start) as usize);
         }
     }
 

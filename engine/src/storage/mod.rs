@@ -129,3 +129,29 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     /// disk (used by cold-read tests and benchmarks).
     fn evict_cache(&self) -> io::Result<()>;
 }
+
+/// Bytes of this process's mappings of `path` that `/proc/self/smaps` counts
+/// under the given fields (for example `"Rss:"`: pages mapped now;
+/// `"Shared_Dirty:"`: mapped pages the kernel marked dirty). For tests.
+#[cfg(test)]
+pub(crate) fn mapped_bytes(path: &Path, fields: &[&str]) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+    let path = path.to_str().expect("a UTF-8 path");
+    let mut in_mapping = false;
+    let mut bytes = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if !first.ends_with(':') {
+            // A mapping's header: "start-end perms offset dev inode path".
+            in_mapping = line.ends_with(path);
+        } else if in_mapping && fields.contains(&first) {
+            let kib: u64 = line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|n| n.parse().ok())
+                .expect("a number of kB");
+            bytes += kib << 10;
+        }
+    }
+    bytes
+}

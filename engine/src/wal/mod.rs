@@ -553,6 +553,14 @@ impl Shared {
         if target <= from {
             return Ok(());
         }
+        // Nothing writes below `target` again: unmapping those pages first
+        // spares the write-back a TLB shootdown per page (see
+        // `Mapping::release_below`). Sealed segments are unmapped whole.
+        if let Some(active) = self.current.load().as_ref() {
+            active
+                .mapping
+                .release_below(target.saturating_sub(active.base));
+        }
         let size = self.opts.segment_size;
         let segments: Vec<Arc<SegmentFile>> = {
             let files = self.files.read();
