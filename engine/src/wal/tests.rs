@@ -71,6 +71,29 @@ fn put(log: &Log, key: &[u8], value: &[u8]) -> WalPosition {
     .0
 }
 
+/// Bytes of the record [`put`] writes for a 4-byte key and `value`.
+fn put_record_len(value: &[u8]) -> usize {
+    format::record_len(format::entry_body_len(
+        0,
+        &[ItemSpec {
+            op: Op::Put,
+            key_space: 0,
+            key: &[0; 4],
+            value,
+            epoch: Epoch(1),
+            tag: Tag(0),
+            version: 0,
+        }],
+    ))
+}
+
+/// Checks that `bytes`, read at `at`, are a whole verified record whose
+/// first item holds `value`.
+fn assert_put_record(at: WalPosition, bytes: &[u8], value: &[u8]) {
+    let view = format::RecordView::verify(at, bytes).unwrap();
+    assert_eq!(view.items().next().unwrap().1.value, value);
+}
+
 /// Every entry value from `from` on, in log order.
 fn replay_values(storage: &FaultStorage, from: WalPosition) -> (Vec<Vec<u8>>, replay::ReplayEnd) {
     let segments = replay::open_segments(storage, &options()).unwrap();
@@ -98,21 +121,8 @@ fn appends_across_segments_read_back_and_replay_in_order() {
         "values must span several segments"
     );
     for (position, value) in &positions {
-        let len = format::record_len(format::entry_body_len(
-            0,
-            &[ItemSpec {
-                op: Op::Put,
-                key_space: 0,
-                key: &[0; 4],
-                value,
-                epoch: Epoch(1),
-                tag: Tag(0),
-                version: 0,
-            }],
-        ));
-        let bytes = log.read(*position, len).unwrap();
-        let view = format::RecordView::verify(*position, &bytes).unwrap();
-        assert_eq!(view.items().next().unwrap().1.value, &value[..]);
+        let bytes = log.read(*position, put_record_len(value)).unwrap();
+        assert_put_record(*position, &bytes, value);
     }
     log.sync_now().unwrap();
     drop(log);
@@ -202,23 +212,10 @@ fn a_sync_unmaps_the_whole_pages_it_makes_durable() {
     );
     // Every record still reads back whole and verified: from the page cache,
     // and from the disk once the log is closed and the cache dropped.
-    let len = format::record_len(format::entry_body_len(
-        0,
-        &[ItemSpec {
-            op: Op::Put,
-            key_space: 0,
-            key: &[0; 4],
-            value: &value,
-            epoch: Epoch(1),
-            tag: Tag(0),
-            version: 0,
-        }],
-    ));
+    let len = put_record_len(&value);
     let check = |read: &dyn Fn(WalPosition) -> Vec<u8>| {
         for &at in &positions {
-            let bytes = read(at);
-            let view = format::RecordView::verify(at, &bytes).unwrap();
-            assert_eq!(view.items().next().unwrap().1.value, &value[..]);
+            assert_put_record(at, &read(at), &value);
         }
     };
     check(&|at| log.read(at, len).unwrap());

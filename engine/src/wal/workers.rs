@@ -115,11 +115,11 @@ pub(crate) const LARGE_FOLIO_MIN_BYTES_PER_SYNC: u64 = 16 << 20;
 /// the disk took 118 MB for 12.7 MB of them. Page folios bound that to a
 /// page per sync, but cost a log written fast without syncs a third of its
 /// puts (the kernel's per-folio work at every step, 512 times as often;
-/// measured in `docs/design/wal-format.md`). So a log that writes at least 16 MiB per sync
-/// (a bulk load of buffered writes: the extra is at most one folio per
-/// sync, under 12.5%; 0.4–1.6% measured) gets large folios, and everything else
-/// — a log synced per write or per Raft batch, a slow one synced by the
-/// background syncer, a new one — gets page folios.
+/// measured in `docs/design/wal-format.md`). So a log that writes at least
+/// 16 MiB per sync (a bulk load of buffered writes: the extra is at most
+/// one folio per sync, under 12.5%; 0.4–1.6% measured) gets large folios,
+/// and everything else — a log synced per write or per Raft batch, a slow
+/// one synced by the background syncer, a new one — gets page folios.
 pub(crate) fn page_folios(written: u64, syncs: u64) -> bool {
     written < LARGE_FOLIO_MIN_BYTES_PER_SYNC.saturating_mul(syncs.max(1))
 }
