@@ -88,9 +88,16 @@ pub struct Config {
     pub max_replay_bytes: u64,
     /// Most delta blobs over a cell's base blob: a flush writes the cell's
     /// changes alone as a delta, unless the cell already has this many
-    /// deltas or its deltas would hold as many entries as its base — then
-    /// it merges everything into a new base. 0 merges on every flush.
+    /// deltas or its deltas would hold `index_merge_ratio` times as many
+    /// entries as its base — then it merges everything into a new base.
+    /// 0 merges on every flush. A lookup of a cell not in memory checks up
+    /// to this many bloom filters before the base's.
     pub index_max_deltas: u32,
+    /// A flush merges once the deltas and the changes would hold this many
+    /// times the base's entries (at least 1). Each delta entry is written
+    /// about `2 + 1/ratio` times over its life while the delta limit does
+    /// not bind (docs/design/index-flush.md).
+    pub index_merge_ratio: u32,
     /// Memory for the in-memory index (loaded cells, unflushed changes,
     /// bloom filters), bytes. Beyond it cells are unloaded and looked up on
     /// disk.
@@ -150,7 +157,8 @@ impl Default for Config {
             flusher_threads: 1,
             flush_dirty_entries: 4_096,
             max_replay_bytes: 1 << 30,
-            index_max_deltas: 8,
+            index_max_deltas: 32,
+            index_merge_ratio: 2,
             index_memory_bytes: 1 << 30,
             value_cache_bytes: 256 << 20,
             wal_cached_bytes: u64::MAX,
@@ -197,6 +205,7 @@ impl Config {
             flush_dirty_entries: 16,
             max_replay_bytes: 256 << 10,
             index_max_deltas: 3,
+            index_merge_ratio: 1,
             index_memory_bytes: 256 << 10,
             value_cache_bytes: 64 << 10,
             wal_cached_bytes: 128 << 10,
@@ -265,8 +274,9 @@ impl Config {
         if self.lookup_window_entries < 2
             || self.flush_dirty_entries == 0
             || self.bloom_bits_per_key == 0
+            || self.index_merge_ratio == 0
         {
-            return fail("lookup_window_entries must be at least 2; flush_dirty_entries and bloom_bits_per_key at least 1".into());
+            return fail("lookup_window_entries must be at least 2; flush_dirty_entries, bloom_bits_per_key and index_merge_ratio at least 1".into());
         }
         if self.index_max_deltas > MAX_INDEX_DELTAS {
             return fail(format!(
@@ -353,6 +363,14 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("index_max_deltas")
+        );
+        let mut c = Config::for_tests("/x");
+        c.index_merge_ratio = 0;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("index_merge_ratio")
         );
     }
 

@@ -66,6 +66,7 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
         &job.layers,
         job.flushable.len(),
         inner.config.index_max_deltas,
+        inner.config.index_merge_ratio,
     );
     let (layers, merged, written) = match write_flush(inner, space, &job, kind) {
         Ok(result) => result,

@@ -177,3 +177,56 @@ fn a_delete_in_a_delta_hides_the_base_entry_on_disk() {
     assert!(counters.disk_lookups >= 2);
     engine.close().unwrap();
 }
+
+#[test]
+fn deltas_grow_to_the_merge_ratio_times_the_base_before_a_merge() {
+    // 25 base entries per cell, then rounds of 10 new entries per cell
+    // (the test keys spread evenly over the cells): with ratio 1 the third
+    // round's deltas (30) pass the base and merge; with ratio 3 the deltas
+    // grow to 70 and the eighth round (80 ≥ 75) merges (nearly every cell:
+    // the keys spread evenly only to a key or two per cell).
+    for (ratio, merging_round) in [(1u32, 3u64), (3, 8)] {
+        let (storage, mut config) = config();
+        config.index_max_deltas = 16;
+        config.index_merge_ratio = ratio;
+        let engine = open(&storage, &config).unwrap();
+        let ks = engine.key_space("default").unwrap();
+        let mut model = BTreeMap::new();
+        let mut put = |engine: &Engine, range: std::ops::Range<u64>| {
+            for i in range {
+                let v = value(i, 1, 40);
+                engine.put(ks, &key(i), &v, Durability::Buffered).unwrap();
+                model.insert(key(i), v);
+            }
+        };
+        put(&engine, 0..CELLS * 25);
+        engine.flush().unwrap();
+        for round in 1..=merging_round {
+            let start = CELLS * (25 + 10 * (round - 1));
+            put(&engine, start..start + CELLS * 10);
+            let before = engine.metrics().counters;
+            engine.flush().unwrap();
+            let after = engine.metrics().counters;
+            let flushes = after.flushes - before.flushes;
+            let deltas = after.delta_flushes - before.delta_flushes;
+            assert_eq!(flushes, CELLS, "ratio {ratio}, round {round}");
+            if round < merging_round {
+                assert_eq!(deltas, CELLS, "ratio {ratio}, round {round}: all deltas");
+            } else {
+                // A cell's share of the keys is even only to a few keys.
+                assert!(
+                    deltas <= CELLS / 8,
+                    "ratio {ratio}, round {round}: {deltas} deltas, the rest merges"
+                );
+            }
+        }
+        check(&engine, ks, &model, &format!("ratio {ratio}, loaded"));
+        engine.release_memory();
+        check(&engine, ks, &model, &format!("ratio {ratio}, on disk"));
+        engine.close().unwrap();
+        drop(engine);
+        let engine = open(&storage, &config).unwrap();
+        check(&engine, ks, &model, &format!("ratio {ratio}, reopened"));
+        engine.close().unwrap();
+    }
+}

@@ -108,16 +108,27 @@ pub(crate) enum FlushKind {
 
 /// Whether a flush of `changes` changes over `layers` writes a delta or
 /// merges: it merges when there is no base yet, when `max_deltas` deltas
-/// are already there, or when the deltas would hold as many entries as
-/// the base. Every entry of a delta is written about three times over its
-/// life (the delta, then the merge that writes it into a base of about the
-/// deltas' size), however large the cell — instead of once per flush.
-pub(crate) fn flush_kind(layers: &[Layer], changes: usize, max_deltas: u32) -> FlushKind {
+/// are already there, or when the deltas would hold `ratio` times as many
+/// entries as the base. Merges then rewrite the base once per `ratio`
+/// times its size in new entries, so every delta entry is written about
+/// `2 + 1/ratio` times over its life (the delta, the merge that folds it
+/// into a base, and its share of the base rewrites), however large the
+/// cell — instead of once per flush. Where `max_deltas` binds first (a
+/// base many flushes large), the base is rewritten every `max_deltas`
+/// flushes instead.
+pub(crate) fn flush_kind(
+    layers: &[Layer],
+    changes: usize,
+    max_deltas: u32,
+    ratio: u32,
+) -> FlushKind {
     let Some((base, deltas)) = layers.split_first() else {
         return FlushKind::Merge;
     };
     let in_deltas: usize = deltas.iter().map(|d| d.disk.count as usize).sum::<usize>() + changes;
-    if deltas.len() >= max_deltas as usize || in_deltas >= base.disk.count as usize {
+    if deltas.len() >= max_deltas as usize
+        || in_deltas >= (base.disk.count as usize).saturating_mul(ratio as usize)
+    {
         FlushKind::Merge
     } else {
         FlushKind::Delta
@@ -254,15 +265,20 @@ mod tests {
 
     #[test]
     fn flushes_merge_without_a_base_at_the_delta_limit_or_past_the_base_size() {
-        assert_eq!(flush_kind(&[], 5, 8), FlushKind::Merge);
+        assert_eq!(flush_kind(&[], 5, 8, 1), FlushKind::Merge);
         let base = disk_at(0, 100);
-        assert_eq!(flush_kind(&layers(&[base]), 10, 8), FlushKind::Delta);
-        assert_eq!(flush_kind(&layers(&[base]), 100, 8), FlushKind::Merge);
+        assert_eq!(flush_kind(&layers(&[base]), 10, 8, 1), FlushKind::Delta);
+        assert_eq!(flush_kind(&layers(&[base]), 100, 8, 1), FlushKind::Merge);
         let three = layers(&[base, disk_at(1, 30), disk_at(2, 30)]);
-        assert_eq!(flush_kind(&three, 39, 8), FlushKind::Delta);
-        assert_eq!(flush_kind(&three, 40, 8), FlushKind::Merge);
-        assert_eq!(flush_kind(&three, 1, 2), FlushKind::Merge);
-        assert_eq!(flush_kind(&layers(&[base]), 1, 0), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 39, 8, 1), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 40, 8, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 1, 2, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&layers(&[base]), 1, 0, 1), FlushKind::Merge);
+        // A ratio of 3 lets the deltas grow to three times the base.
+        assert_eq!(flush_kind(&three, 40, 8, 3), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 239, 8, 3), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 240, 8, 3), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 1, 2, 3), FlushKind::Merge);
     }
 
     #[test]
