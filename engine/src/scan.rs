@@ -15,6 +15,7 @@ use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
 use crate::index::entry::{Entry, Key, key_array};
 use crate::index::layers::{merge, overlay};
+use crate::index::lookup::Below;
 use crate::table::{CellId, SpaceTable};
 use crate::types::KeySpace;
 
@@ -85,9 +86,10 @@ impl Inner {
 
     /// The largest live entry of one cell below `bound` (`None`: the
     /// cell's largest). A cell not in memory answers from one window of
-    /// its base blob plus its deltas (small, read whole) and changes,
-    /// instead of loading it whole; if the deltas and changes delete every
-    /// entry of that window, the whole cell is read after all.
+    /// each of its blobs (base and deltas) plus its changes, instead of
+    /// loading it whole; if the answer could lie before a window (newer
+    /// layers delete everything a window shows), the whole cell is read
+    /// after all.
     pub(crate) fn last_in_cell(
         &self,
         space: &SpaceTable,
@@ -106,40 +108,56 @@ impl Inner {
                 let end = base.partition_point(|(k, _)| below(k));
                 return Ok(merge(&base[..end], &changes).pop());
             }
-            let Some(disk) = layers.first().map(|l| l.disk) else {
+            if layers.is_empty() {
                 return Ok(merge(&[], &changes).pop());
-            };
-            let (window, newer) = {
+            }
+            let windows = {
                 let _reading = self.index_gc.read();
-                let guess = bound.map_or(0, |b| space.rank_guess(id, b, disk.count as usize));
-                let read = self
-                    .index
-                    .entries_below(&space.layout, &disk, bound, guess)
-                    .and_then(|window| {
-                        let deltas = self.index.load_deltas(&space.layout, &layers)?;
-                        Ok((window, deltas))
-                    });
+                let read: Result<Vec<Below>> = layers
+                    .iter()
+                    .map(|layer| {
+                        let count = layer.disk.count as usize;
+                        let guess = bound.map_or(0, |b| space.rank_guess(id, b, count));
+                        self.index
+                            .entries_below(&space.layout, &layer.disk, bound, guess)
+                    })
+                    .collect();
                 match read {
                     Ok(read) => read,
                     Err(Error::NoRecord(_)) => continue,
                     Err(error) => return Err(error),
                 }
             };
-            let end = newer.partition_point(|(k, _)| below(k));
-            let newer = overlay(&newer[..end], &changes);
-            let first = window.entries.first().map(|(k, _)| *k);
-            let last = merge(&window.entries, &newer).pop();
-            // Entries before the window are unseen: the answer stands only
-            // if it is inside the window, or nothing precedes the window.
-            return match (last, first) {
-                (last, _) if window.from_start => Ok(last),
-                (Some(last), Some(first)) if last.0 >= first => Ok(Some(last)),
-                _ => Ok(self
-                    .cell_entries(space, id)?
-                    .into_iter()
-                    .rev()
-                    .find(|(k, _)| below(k))),
-            };
+            // Oldest first: each delta's window over the older ones, then
+            // the changes; tombstones kept until merged over the base's.
+            let mut newer: Vec<(Key, Entry)> = Vec::new();
+            for window in &windows[1..] {
+                newer = overlay(&newer, &window.entries);
+            }
+            let newer = overlay(&newer, &changes);
+            let last = merge(&windows[0].entries, &newer).pop();
+            // Entries before a window are unseen. The answer stands if no
+            // window is cut short of its blob's start, or if it lies at or
+            // above the highest start of a cut window: then every layer's
+            // entries from the answer up to the bound were seen.
+            let mut seen_from: Option<Key> = None;
+            let mut complete = true;
+            for window in windows.iter().filter(|w| !w.from_start) {
+                match window.entries.first() {
+                    Some((first, _)) => seen_from = seen_from.max(Some(*first)),
+                    None => complete = false,
+                }
+            }
+            let stands = complete
+                && seen_from.is_none_or(|from| last.as_ref().is_some_and(|(key, _)| *key >= from));
+            if stands {
+                return Ok(last);
+            }
+            return Ok(self
+                .cell_entries(space, id)?
+                .into_iter()
+                .rev()
+                .find(|(k, _)| below(k)));
         }
         Err(blobs_kept_changing())
     }

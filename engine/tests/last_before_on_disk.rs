@@ -3,7 +3,9 @@
 //! unflushed changes — including deletes that hide whole runs of the
 //! window, which send the search to the whole cell — and must equal a
 //! `BTreeMap`'s answer, before the deletes are flushed and after (most
-//! cells then have them in a delta blob, some merged a new base).
+//! cells then have them in a delta blob, some merged a new base), and
+//! again after two more rounds of deletes and puts go out as further
+//! deltas, each searched through its own window.
 
 mod support;
 
@@ -24,6 +26,8 @@ fn last_before_on_disk_cells_with_unflushed_deletes_matches_a_model() {
     config.flush_dirty_entries = 1 << 20; // the deletes stay unflushed changes
     config.max_replay_bytes = 1 << 40;
     config.relocation_enabled = false;
+    config.index_max_deltas = 8;
+    config.index_merge_ratio = 4; // deltas pile up over the base
     let engine = open(&storage, &config).unwrap();
     let ks = engine.key_space("default").unwrap();
     let mut model = BTreeMap::new();
@@ -39,26 +43,30 @@ fn last_before_on_disk_cells_with_unflushed_deletes_matches_a_model() {
     // Reopened: every cell's index is on disk, none in memory.
     let engine = open(&storage, &config).unwrap();
     let sorted: Vec<[u8; 32]> = model.keys().copied().collect();
-    for _ in 0..60 {
-        let start = rng.random_range(0..sorted.len());
-        let run = rng.random_range(1..40);
-        for key in sorted.iter().skip(start).take(run) {
-            engine.delete(ks, key, Durability::Buffered).unwrap();
-            model.remove(key);
+    let mut delete_runs_and_put = |round: u64, model: &mut BTreeMap<[u8; 32], Vec<u8>>| {
+        let live: Vec<[u8; 32]> = model.keys().copied().collect();
+        for _ in 0..60 {
+            let start = rng.random_range(0..live.len());
+            let run = rng.random_range(1..40);
+            for key in live.iter().skip(start).take(run) {
+                engine.delete(ks, key, Durability::Buffered).unwrap();
+                model.remove(key);
+            }
         }
-    }
-    for i in 0..200u64 {
-        let key: [u8; 32] = rng.random();
-        engine
-            .put(ks, &key, &value(10_000 + i, 1, 20), Durability::Buffered)
-            .unwrap();
-        model.insert(key, value(10_000 + i, 1, 20));
-    }
-    let mut probes: Vec<[u8; 32]> = (0..2_000).map(|_| rng.random()).collect();
+        for i in 0..200u64 {
+            let key: [u8; 32] = rng.random();
+            let v = value(10_000 * round + i, 1, 20);
+            engine.put(ks, &key, &v, Durability::Buffered).unwrap();
+            model.insert(key, v);
+        }
+    };
+    delete_runs_and_put(1, &mut model);
+    let mut probe_rng = SmallRng::seed_from_u64(seed.wrapping_add(1));
+    let mut probes: Vec<[u8; 32]> = (0..2_000).map(|_| probe_rng.random()).collect();
     probes.extend(sorted.iter().step_by(3).copied());
     probes.push([0u8; 32]);
     probes.push([0xFF; 32]);
-    let check = |when: &str| {
+    let check = |when: &str, model: &BTreeMap<[u8; 32], Vec<u8>>| {
         for probe in &probes {
             let expected = model
                 .range(..*probe)
@@ -74,13 +82,18 @@ fn last_before_on_disk_cells_with_unflushed_deletes_matches_a_model() {
             );
         }
     };
-    check("deletes unflushed");
+    check("deletes unflushed", &model);
     engine.flush().unwrap();
     assert!(
         engine.metrics().counters.delta_flushes > 0,
         "seed {seed}: some deletes went out as deltas"
     );
-    check("deletes in deltas");
+    check("deletes in deltas", &model);
+    for round in 2..4 {
+        delete_runs_and_put(round, &mut model);
+        engine.flush().unwrap();
+        check(&format!("round {round} in deltas"), &model);
+    }
     let metrics = engine.metrics().counters;
     println!(
         "seed {seed}: {} probes over {} keys, {} cell loads",

@@ -210,17 +210,6 @@ impl IndexStore {
         merged.retain(|(_, e)| !e.tombstone());
         Ok((merged, loaded))
     }
-
-    /// Reads the deltas of `layers` whole and lays them over each other,
-    /// tombstones kept (what lies over the base).
-    pub fn load_deltas(&self, layout: &EntryLayout, layers: &[Layer]) -> Result<Vec<(Key, Entry)>> {
-        let mut deltas: Vec<(Key, Entry)> = Vec::new();
-        for layer in layers.iter().skip(1) {
-            let (entries, _) = self.load(layout, &layer.disk, BlobKind::Delta)?;
-            deltas = overlay(&deltas, &entries);
-        }
-        Ok(deltas)
-    }
 }
 
 /// Entries and layers for unit tests of the index and the cells.
