@@ -94,7 +94,8 @@ pub struct Config {
     /// to this many bloom filters before the base's.
     pub index_max_deltas: u32,
     /// A flush merges once the deltas and the changes would hold this many
-    /// times the base's entries (at least 1). Each delta entry is written
+    /// times the base's entries (at least 1), each delete among the changes
+    /// counting this many times. Each delta entry is written
     /// about `2 + 1/ratio` times over its life while the delta limit does
     /// not bind (docs/design/index-flush.md).
     pub index_merge_ratio: u32,

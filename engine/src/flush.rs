@@ -62,9 +62,15 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
     // Held until the new blob is installed: index garbage collection must
     // not delete the segment of a blob that no cell references *yet*.
     let _reading = inner.index_gc.read();
+    let deletes = job
+        .flushable
+        .iter()
+        .filter(|(_, change)| change.entry.tombstone())
+        .count();
     let kind = flush_kind(
         &job.layers,
         job.flushable.len(),
+        deletes,
         inner.config.index_max_deltas,
         inner.config.index_merge_ratio,
     );

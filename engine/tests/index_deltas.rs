@@ -230,3 +230,50 @@ fn deltas_grow_to_the_merge_ratio_times_the_base_before_a_merge() {
         engine.close().unwrap();
     }
 }
+
+#[test]
+fn a_flush_that_deletes_the_base_merges_whatever_the_ratio() {
+    let (storage, mut config) = config();
+    config.index_max_deltas = 16;
+    config.index_merge_ratio = 3;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut model = BTreeMap::new();
+    let n = CELLS * 25;
+    for i in 0..n {
+        let v = value(i, 1, 40);
+        engine.put(ks, &key(i), &v, Durability::Buffered).unwrap();
+        model.insert(key(i), v);
+    }
+    engine.flush().unwrap();
+    // A fifth of the keys deleted: a delta of tombstones over each base
+    // (5 deletes weigh 15, under 3 x 25).
+    for i in (0..n).step_by(5) {
+        engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+        model.remove(&key(i));
+    }
+    let before = engine.metrics().counters;
+    engine.flush().unwrap();
+    let after = engine.metrics().counters;
+    assert_eq!(after.delta_flushes - before.delta_flushes, CELLS);
+    // Every key deleted in one flush (again for the fifth already gone):
+    // 25 tombstones per cell weigh 75, with the earlier delta's 5 past
+    // 3 x 25, so every cell merges and its dead index leaves no blob.
+    for i in 0..n {
+        engine.delete(ks, &key(i), Durability::Buffered).unwrap();
+        model.remove(&key(i));
+    }
+    let before = engine.metrics().counters;
+    engine.flush().unwrap();
+    let after = engine.metrics().counters;
+    assert_eq!(after.flushes - before.flushes, CELLS);
+    assert_eq!(
+        after.delta_flushes, before.delta_flushes,
+        "every cell merged"
+    );
+    assert!(model.is_empty());
+    check(&engine, ks, &model, "all deleted");
+    engine.release_memory();
+    check(&engine, ks, &model, "all deleted, on disk");
+    engine.close().unwrap();
+}

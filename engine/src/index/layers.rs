@@ -106,28 +106,35 @@ pub(crate) enum FlushKind {
     Delta,
 }
 
-/// Whether a flush of `changes` changes over `layers` writes a delta or
-/// merges: it merges when there is no base yet, when `max_deltas` deltas
-/// are already there, or when the deltas would hold `ratio` times as many
-/// entries as the base. Merges then rewrite the base once per `ratio`
-/// times its size in new entries, so every delta entry is written about
-/// `2 + 1/ratio` times over its life (the delta, the merge that folds it
-/// into a base, and its share of the base rewrites), however large the
-/// cell — instead of once per flush. Where `max_deltas` binds first (a
-/// base many flushes large), the base is rewritten every `max_deltas`
-/// flushes instead.
+/// Whether a flush of `changes` changes, `deletes` of them tombstones,
+/// over `layers` writes a delta or merges: it merges when there is no base
+/// yet, when `max_deltas` deltas are already there, or when the deltas
+/// would hold `ratio` times as many entries as the base — a delete of
+/// this flush counting `ratio` times, since a merge drops it together
+/// with the entry it shadows (a flush deleting the whole base merges, as
+/// at ratio 1, instead of keeping the dead base and its tombstones on
+/// disk). Merges then rewrite the base once per `ratio` times its size in
+/// new entries, so every delta entry is written about `2 + 1/ratio` times
+/// over its life (the delta, the merge that folds it into a base, and its
+/// share of the base rewrites), however large the cell — instead of once
+/// per flush. Where `max_deltas` binds first (a base many flushes large),
+/// the base is rewritten every `max_deltas` flushes instead.
 pub(crate) fn flush_kind(
     layers: &[Layer],
     changes: usize,
+    deletes: usize,
     max_deltas: u32,
     ratio: u32,
 ) -> FlushKind {
     let Some((base, deltas)) = layers.split_first() else {
         return FlushKind::Merge;
     };
-    let in_deltas: usize = deltas.iter().map(|d| d.disk.count as usize).sum::<usize>() + changes;
+    let ratio = ratio as usize;
+    let in_deltas: usize = deltas.iter().map(|d| d.disk.count as usize).sum::<usize>()
+        + changes
+        + deletes.saturating_mul(ratio.saturating_sub(1));
     if deltas.len() >= max_deltas as usize
-        || in_deltas >= (base.disk.count as usize).saturating_mul(ratio as usize)
+        || in_deltas >= (base.disk.count as usize).saturating_mul(ratio)
     {
         FlushKind::Merge
     } else {
@@ -254,20 +261,34 @@ mod tests {
 
     #[test]
     fn flushes_merge_without_a_base_at_the_delta_limit_or_past_the_base_size() {
-        assert_eq!(flush_kind(&[], 5, 8, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&[], 5, 0, 8, 1), FlushKind::Merge);
         let base = disk_at(0, 100);
-        assert_eq!(flush_kind(&layers(&[base]), 10, 8, 1), FlushKind::Delta);
-        assert_eq!(flush_kind(&layers(&[base]), 100, 8, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&layers(&[base]), 10, 0, 8, 1), FlushKind::Delta);
+        assert_eq!(flush_kind(&layers(&[base]), 100, 0, 8, 1), FlushKind::Merge);
         let three = layers(&[base, disk_at(1, 30), disk_at(2, 30)]);
-        assert_eq!(flush_kind(&three, 39, 8, 1), FlushKind::Delta);
-        assert_eq!(flush_kind(&three, 40, 8, 1), FlushKind::Merge);
-        assert_eq!(flush_kind(&three, 1, 2, 1), FlushKind::Merge);
-        assert_eq!(flush_kind(&layers(&[base]), 1, 0, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 39, 0, 8, 1), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 40, 0, 8, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 1, 0, 2, 1), FlushKind::Merge);
+        assert_eq!(flush_kind(&layers(&[base]), 1, 0, 0, 1), FlushKind::Merge);
+        // At ratio 1 a delete counts once.
+        assert_eq!(flush_kind(&three, 39, 39, 8, 1), FlushKind::Delta);
         // A ratio of 3 lets the deltas grow to three times the base.
-        assert_eq!(flush_kind(&three, 40, 8, 3), FlushKind::Delta);
-        assert_eq!(flush_kind(&three, 239, 8, 3), FlushKind::Delta);
-        assert_eq!(flush_kind(&three, 240, 8, 3), FlushKind::Merge);
-        assert_eq!(flush_kind(&three, 1, 2, 3), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 40, 0, 8, 3), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 239, 0, 8, 3), FlushKind::Delta);
+        assert_eq!(flush_kind(&three, 240, 0, 8, 3), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 1, 0, 2, 3), FlushKind::Merge);
+        // ... but a delete counts three times: deleting as many keys as the
+        // base holds merges.
+        assert_eq!(
+            flush_kind(&layers(&[base]), 100, 100, 8, 3),
+            FlushKind::Merge
+        );
+        assert_eq!(
+            flush_kind(&layers(&[base]), 100, 99, 8, 3),
+            FlushKind::Delta
+        );
+        assert_eq!(flush_kind(&three, 80, 80, 8, 3), FlushKind::Merge);
+        assert_eq!(flush_kind(&three, 80, 79, 8, 3), FlushKind::Delta);
     }
 
     #[test]
