@@ -357,22 +357,19 @@ mod tests {
         let mut c = Config::for_tests("/x");
         c.key_spaces[0].key_bytes = 33;
         assert!(c.validate().unwrap_err().to_string().contains("key_bytes"));
-        let mut c = Config::for_tests("/x");
-        c.index_max_deltas = MAX_INDEX_DELTAS + 1;
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("index_max_deltas")
+        let rejects = |change: fn(&mut Config), field: &str| {
+            let mut c = Config::for_tests("/x");
+            change(&mut c);
+            assert!(
+                c.validate().unwrap_err().to_string().contains(field),
+                "{field}"
+            );
+        };
+        rejects(
+            |c| c.index_max_deltas = MAX_INDEX_DELTAS + 1,
+            "index_max_deltas",
         );
-        let mut c = Config::for_tests("/x");
-        c.index_merge_ratio = 0;
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("index_merge_ratio")
-        );
+        rejects(|c| c.index_merge_ratio = 0, "index_merge_ratio");
     }
 
     #[test]

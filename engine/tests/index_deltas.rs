@@ -55,6 +55,18 @@ fn check(engine: &Engine, ks: KeySpace, model: &BTreeMap<[u8; 32], Vec<u8>>, wha
     }
 }
 
+/// Flushes, and returns how many cells it flushed and how many of those
+/// flushes wrote deltas.
+fn flush_counting(engine: &Engine) -> (u64, u64) {
+    let before = engine.metrics().counters;
+    engine.flush().unwrap();
+    let after = engine.metrics().counters;
+    (
+        after.flushes - before.flushes,
+        after.delta_flushes - before.delta_flushes,
+    )
+}
+
 #[test]
 fn small_flushes_over_a_base_write_deltas_and_every_reader_sees_one_index() {
     let (storage, config) = config();
@@ -204,11 +216,7 @@ fn deltas_grow_to_the_merge_ratio_times_the_base_before_a_merge() {
         for round in 1..=merging_round {
             let start = CELLS * (25 + 10 * (round - 1));
             put(&engine, start..start + CELLS * 10);
-            let before = engine.metrics().counters;
-            engine.flush().unwrap();
-            let after = engine.metrics().counters;
-            let flushes = after.flushes - before.flushes;
-            let deltas = after.delta_flushes - before.delta_flushes;
+            let (flushes, deltas) = flush_counting(&engine);
             assert_eq!(flushes, CELLS, "ratio {ratio}, round {round}");
             if round < merging_round {
                 assert_eq!(deltas, CELLS, "ratio {ratio}, round {round}: all deltas");
@@ -252,10 +260,7 @@ fn a_flush_that_deletes_the_base_merges_whatever_the_ratio() {
         engine.delete(ks, &key(i), Durability::Buffered).unwrap();
         model.remove(&key(i));
     }
-    let before = engine.metrics().counters;
-    engine.flush().unwrap();
-    let after = engine.metrics().counters;
-    assert_eq!(after.delta_flushes - before.delta_flushes, CELLS);
+    assert_eq!(flush_counting(&engine), (CELLS, CELLS));
     // Every key deleted in one flush (again for the fifth already gone):
     // 25 tombstones per cell weigh 75, with the earlier delta's 5 past
     // 3 x 25, so every cell merges and its dead index leaves no blob.
@@ -263,14 +268,7 @@ fn a_flush_that_deletes_the_base_merges_whatever_the_ratio() {
         engine.delete(ks, &key(i), Durability::Buffered).unwrap();
         model.remove(&key(i));
     }
-    let before = engine.metrics().counters;
-    engine.flush().unwrap();
-    let after = engine.metrics().counters;
-    assert_eq!(after.flushes - before.flushes, CELLS);
-    assert_eq!(
-        after.delta_flushes, before.delta_flushes,
-        "every cell merged"
-    );
+    assert_eq!(flush_counting(&engine), (CELLS, 0), "every cell merged");
     assert!(model.is_empty());
     check(&engine, ks, &model, "all deleted");
     engine.release_memory();
