@@ -30,7 +30,7 @@ use crate::table::cell::{BASE_ENTRY_BYTES, CellState, Probe};
 use crate::table::{CellId, LargeTable, SpaceTable};
 use crate::types::{Durability, Epoch, KeySpace, Tag, WalPosition};
 use crate::wal::Log;
-use crate::wal::format::{self, FLAG_APPLIED, ITEM_HEADER_BYTES, ItemSpec, Op};
+use crate::wal::format::{self, FLAG_APPLIED, ItemSpec, Op};
 
 /// Times a lookup retries when the index blob it read was replaced and
 /// collected under it.
@@ -425,7 +425,7 @@ impl Inner {
                 space.prefetch(&key_array(item.key));
             }
         }
-        let len = format::record_len(format::entry_body_len(0, items));
+        let len = format::entry_record_len(0, items);
         let (position, ()) = self.values.append(len, |buf, position| {
             let locations = format::write_entry(buf, position, FLAG_APPLIED, &[], items);
             for (item, location) in items.iter().zip(&locations) {
@@ -606,12 +606,13 @@ impl Inner {
             detail,
         };
         let bytes = self.values.read(position, entry.len as usize)?;
-        let (item, _) = format::decode_item(&bytes).map_err(|m| corrupt(m.0))?;
+        let item = format::decode_item(position, &bytes).map_err(|m| corrupt(m.0))?;
         if item.key != &key[..space.key_len()] || item.op != Op::Put {
             return Err(corrupt("the index points at another item".into()));
         }
-        let value_start = ITEM_HEADER_BYTES + space.key_len();
-        let value_end = value_start + item.value.len();
+        // The value is the end of the item.
+        let value_end = item.len;
+        let value_start = value_end - item.value.len();
         let value = Bytes::from(bytes).slice(value_start..value_end);
         self.cache.insert(entry.location, value.clone());
         Ok(value)

@@ -134,7 +134,7 @@ impl Engine {
                 tag: Tag(0),
                 version: current.version,
             };
-            let len = format::record_len(format::entry_body_len(0, &[item]));
+            let len = format::entry_record_len(0, &[item]);
             // The index changes before the record counts as processed, as
             // for every applied write.
             let (position, touched) = inner.values.append(len, |buf, position| {

@@ -26,7 +26,7 @@ use crate::storage::{Storage, read_whole_file, write_file_atomically};
 use crate::table::cell::Cell;
 use crate::table::{CellId, LargeTable};
 use crate::types::{Epoch, SegmentId, WalPosition};
-use crate::wal::format::{FLAG_APPLIED, FLAG_RELOCATED, ITEM_HEADER_BYTES, Kind, Op, RecordView};
+use crate::wal::format::{FLAG_APPLIED, FLAG_RELOCATED, Kind, Op, RecordView};
 use crate::wal::replay::{self, Stop};
 use crate::wal::segment::LogKind;
 use crate::wal::{Log, LogOptions};
@@ -419,7 +419,7 @@ fn replay_record(
         }
         let len = match item.op {
             Op::Delete | Op::Touch => 0,
-            Op::Put => (ITEM_HEADER_BYTES + item.key.len() + item.value.len()) as u32,
+            Op::Put => item.len as u32,
         };
         let entry = Entry {
             version: if item.version == 0 {

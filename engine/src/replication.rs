@@ -148,7 +148,7 @@ impl Engine {
                 max: u64::from(u16::MAX),
             });
         }
-        let len = format::record_len(format::entry_body_len(meta.len(), &specs));
+        let len = format::entry_record_len(meta.len(), &specs);
         let (position, locations) = inner.values.append(len, |buf, position| {
             format::write_entry(buf, position, 0, meta, &specs)
         })?;
@@ -311,7 +311,6 @@ fn appended_from_view(position: WalPosition, view: &RecordView<'_>) -> Appended 
         .items()
         .map(|(offset, item)| {
             let location = position.0 + offset as u64;
-            let len = format::ITEM_HEADER_BYTES + item.key.len() + item.value.len();
             AppendedItem {
                 space: item.key_space,
                 key: key_array(item.key),
@@ -322,7 +321,11 @@ fn appended_from_view(position: WalPosition, view: &RecordView<'_>) -> Appended 
                         item.version
                     },
                     location,
-                    len: if item.op == Op::Put { len as u32 } else { 0 },
+                    len: if item.op == Op::Put {
+                        item.len as u32
+                    } else {
+                        0
+                    },
                     epoch: item.epoch,
                     tag: item.tag,
                 },

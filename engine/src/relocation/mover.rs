@@ -125,7 +125,7 @@ impl<'a> Mover<'a> {
                 version: p.current.version,
             })
             .collect();
-        let len = format::record_len(format::entry_body_len(0, &specs));
+        let len = format::entry_record_len(0, &specs);
         let (position, locations) = self.inner.values.append(len, |buf, position| {
             format::write_entry(buf, position, FLAG_RELOCATED, &[], &specs)
         })?;

@@ -7,7 +7,7 @@
 //! record header (16 bytes)
 //!   0  u32  body_len       bytes of body after the header
 //!   4  u8   kind           1 pad, 2 segment header, 3 entry, 4 index blob,
-//!                          5 sync mark
+//!                          5 sync mark, 6 single entry (below)
 //!   5  u8   flags          entries: APPLIED, RELOCATED
 //!   6  u16  item_count     entries: number of items
 //!   8  u32  crc            see `record_crc`
@@ -27,6 +27,21 @@
 //!                          the write it is a copy of (relocation)
 //!  24  u32  crc            CRC32 of the header (crc field zeroed), key, value
 //!  28  u32  reserved (0)
+//! single entry (24-byte header, meta, key, value, padded to 8): an entry of
+//! one new put or delete (version 0) with at most 64 KiB of metadata
+//!   0  u32  body_len       bytes after byte 16, padding included (so a
+//!                          multiple of 8: its first byte is never an item op)
+//!   4  u8   kind           6
+//!   5  u8   flags
+//!   6  u8   op             1 put, 2 delete
+//!   7  u8   key_space
+//!   8  u32  crc            CRC32 of the position, bytes 0..8 and 12..end of
+//!                          the value
+//!  12  u8   key_len
+//!  13  u8   pad            zero bytes after the value (0..=7)
+//!  14  u16  meta_len
+//!  16  u32  epoch
+//!  20  u32  tag
 //! ```
 //!
 //! The record CRC covers the record's position, its header (without the crc
@@ -34,7 +49,10 @@
 //! the item CRCs, so the record CRC transitively covers every byte while the
 //! values are hashed only once. Any other record's CRC covers its whole body.
 //! A value can therefore be read and verified alone (one small read), and a
-//! torn or misplaced record is always detected.
+//! torn or misplaced record is always detected. A single entry is its own
+//! item: its one CRC covers position, header, metadata, key and value, and
+//! its item location is the record's position. It spends 24 bytes of
+//! headers on a value instead of 48.
 
 use crate::types::{Epoch, MAX_KEY_BYTES, Tag, WalPosition};
 
@@ -42,6 +60,10 @@ use crate::types::{Epoch, MAX_KEY_BYTES, Tag, WalPosition};
 pub(crate) const RECORD_HEADER_BYTES: usize = 16;
 /// Bytes of an item header.
 pub(crate) const ITEM_HEADER_BYTES: usize = 32;
+/// Bytes of a single entry's header.
+pub(crate) const SINGLE_HEADER_BYTES: usize = 24;
+/// The kind byte of a single entry (decoded as [`Kind::Entry`]).
+const SINGLE_KIND: u8 = 6;
 
 /// Record kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +73,8 @@ pub(crate) enum Kind {
     Pad = 1,
     /// First record of every segment.
     SegmentHeader = 2,
-    /// Metadata and items (puts, deletes).
+    /// Metadata and items (puts, deletes); a single entry (kind byte 6)
+    /// decodes as one too.
     Entry = 3,
     /// A flushed cell index (index log only).
     IndexBlob = 4,
@@ -124,9 +147,27 @@ pub(crate) fn record_len(body_len: usize) -> usize {
     align8(RECORD_HEADER_BYTES + body_len)
 }
 
-/// Body length of an entry with this metadata and these items.
-pub(crate) fn entry_body_len(meta_len: usize, items: &[ItemSpec<'_>]) -> usize {
+/// Body length of a multi-item entry with this metadata and these items.
+fn entry_body_len(meta_len: usize, items: &[ItemSpec<'_>]) -> usize {
     align8(meta_len) + items.iter().map(|i| align8(i.len())).sum::<usize>()
+}
+
+/// Whether an entry of this metadata and these items is written as a
+/// single entry: one new put or delete, at most 64 KiB of metadata.
+fn is_single(meta_len: usize, items: &[ItemSpec<'_>]) -> bool {
+    matches!(items, [item] if item.version == 0 && item.op != Op::Touch)
+        && meta_len <= usize::from(u16::MAX)
+}
+
+/// Bytes an entry record with this metadata and these items occupies,
+/// padding included.
+pub(crate) fn entry_record_len(meta_len: usize, items: &[ItemSpec<'_>]) -> usize {
+    match items {
+        [item] if is_single(meta_len, items) => {
+            align8(SINGLE_HEADER_BYTES + meta_len + item.key.len() + item.value.len())
+        }
+        _ => record_len(entry_body_len(meta_len, items)),
+    }
 }
 
 fn put_u32(buf: &mut [u8], at: usize, v: u32) {
@@ -154,6 +195,8 @@ pub(crate) struct RecordHeader {
     pub item_count: u16,
     pub crc: u32,
     pub meta_len: u32,
+    /// A single entry (kind byte 6): one item, its own header layout.
+    pub single: bool,
 }
 
 /// What a header's bytes say.
@@ -173,6 +216,23 @@ impl RecordHeader {
         if bytes.iter().all(|&b| b == 0) {
             return HeaderRead::Unwritten;
         }
+        if bytes[4] == SINGLE_KIND {
+            let body_len = get_u32(bytes, 0);
+            if !body_len.is_multiple_of(8)
+                || (body_len as usize) < SINGLE_HEADER_BYTES - RECORD_HEADER_BYTES
+            {
+                return HeaderRead::Invalid;
+            }
+            return HeaderRead::Header(RecordHeader {
+                body_len,
+                kind: Kind::Entry,
+                flags: bytes[5],
+                item_count: 1,
+                crc: get_u32(bytes, 8),
+                meta_len: u32::from(u16::from_le_bytes([bytes[14], bytes[15]])),
+                single: true,
+            });
+        }
         let Some(kind) = Kind::from_u8(bytes[4]) else {
             return HeaderRead::Invalid;
         };
@@ -183,6 +243,7 @@ impl RecordHeader {
             item_count: u16::from_le_bytes([bytes[6], bytes[7]]),
             crc: get_u32(bytes, 8),
             meta_len: get_u32(bytes, 12),
+            single: false,
         })
     }
 
@@ -221,6 +282,7 @@ pub(crate) fn write_plain(buf: &mut [u8], position: WalPosition, kind: Kind, bod
         item_count: 0,
         crc: 0,
         meta_len: 0,
+        single: false,
     };
     let (head, rest) = buf.split_at_mut(RECORD_HEADER_BYTES);
     rest[..body.len()].copy_from_slice(body);
@@ -244,7 +306,7 @@ pub(crate) struct ItemLocation {
     pub len: u32,
 }
 
-/// Writes an entry record into `buf` (exactly its record length) at
+/// Writes an entry record into `buf` (exactly `entry_record_len` bytes) at
 /// `position`; returns where each item landed.
 pub(crate) fn write_entry(
     buf: &mut [u8],
@@ -253,8 +315,13 @@ pub(crate) fn write_entry(
     meta: &[u8],
     items: &[ItemSpec<'_>],
 ) -> Vec<ItemLocation> {
+    debug_assert_eq!(buf.len(), entry_record_len(meta.len(), items));
+    if let [item] = items
+        && is_single(meta.len(), items)
+    {
+        return vec![write_single(buf, position, flags, meta, item)];
+    }
     let body_len = entry_body_len(meta.len(), items);
-    debug_assert_eq!(buf.len(), record_len(body_len));
     let header = RecordHeader {
         body_len: body_len as u32,
         kind: Kind::Entry,
@@ -262,6 +329,7 @@ pub(crate) fn write_entry(
         item_count: items.len() as u16,
         crc: 0,
         meta_len: meta.len() as u32,
+        single: false,
     };
     let (head, body) = buf.split_at_mut(RECORD_HEADER_BYTES);
     header.encode_without_crc(head);
@@ -286,6 +354,49 @@ pub(crate) fn write_entry(
     }
     put_u32(head, 8, record_crc.finalize());
     locations
+}
+
+/// Writes a single entry: its header, `meta`, the item's key and value,
+/// zero padding.
+fn write_single(
+    buf: &mut [u8],
+    position: WalPosition,
+    flags: u8,
+    meta: &[u8],
+    item: &ItemSpec<'_>,
+) -> ItemLocation {
+    let key_at = SINGLE_HEADER_BYTES + meta.len();
+    let value_at = key_at + item.key.len();
+    let end = value_at + item.value.len();
+    put_u32(buf, 0, (buf.len() - RECORD_HEADER_BYTES) as u32);
+    buf[4] = SINGLE_KIND;
+    buf[5] = flags;
+    buf[6] = item.op as u8;
+    buf[7] = item.key_space;
+    buf[12] = item.key.len() as u8;
+    buf[13] = (buf.len() - end) as u8;
+    buf[14..16].copy_from_slice(&(meta.len() as u16).to_le_bytes());
+    put_u32(buf, 16, item.epoch.0);
+    put_u32(buf, 20, item.tag.0);
+    buf[SINGLE_HEADER_BYTES..key_at].copy_from_slice(meta);
+    buf[key_at..value_at].copy_from_slice(item.key);
+    buf[value_at..end].copy_from_slice(item.value);
+    buf[end..].fill(0);
+    put_u32(buf, 8, single_crc(position, &buf[..end]));
+    ItemLocation {
+        position,
+        len: end as u32,
+    }
+}
+
+/// The CRC of a single entry at `position` whose bytes up to the end of
+/// its value are `bytes`.
+fn single_crc(position: WalPosition, bytes: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&position.0.to_le_bytes());
+    hasher.update(&bytes[..8]);
+    hasher.update(&bytes[12..]);
+    hasher.finalize()
 }
 
 /// Writes one item (header, key, value, zero padding) into `slot`.
@@ -319,15 +430,83 @@ pub(crate) struct Item<'a> {
     pub epoch: Epoch,
     pub tag: Tag,
     pub version: u64,
+    /// Bytes from the item's location to the end of its value: what a read
+    /// of the item alone fetches.
+    pub len: usize,
 }
 
 /// Why bytes are not a valid item or record.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Malformed(pub String);
 
-/// Decodes and verifies one item from `bytes` (which may extend past it).
-/// Returns the item and its unpadded length.
-pub(crate) fn decode_item(bytes: &[u8]) -> Result<(Item<'_>, usize), Malformed> {
+/// Decodes and verifies the item at `position` from `bytes` (which may
+/// extend past it): an item of a multi-item entry, or a single entry (an
+/// item's first byte is its op, 1 to 3; a single entry's is a multiple of
+/// 8).
+pub(crate) fn decode_item(position: WalPosition, bytes: &[u8]) -> Result<Item<'_>, Malformed> {
+    match bytes.first() {
+        Some(1..=3) => decode_listed_item(bytes),
+        _ => {
+            let item = parse_single(bytes)?;
+            if single_crc(position, &bytes[..item.len]) != get_u32(bytes, 8) {
+                return Err(Malformed("single entry checksum mismatch".into()));
+            }
+            Ok(item)
+        }
+    }
+}
+
+/// Decodes a single entry's item from `bytes` (the record from its
+/// header, possibly without its padding), checking the lengths but not the
+/// CRC.
+fn parse_single(bytes: &[u8]) -> Result<Item<'_>, Malformed> {
+    if bytes.len() < SINGLE_HEADER_BYTES || bytes[4] != SINGLE_KIND {
+        return Err(Malformed("neither an item nor a single entry".into()));
+    }
+    let op = match bytes[6] {
+        1 => Op::Put,
+        2 => Op::Delete,
+        other => return Err(Malformed(format!("single entry op {other}"))),
+    };
+    let body_len = get_u32(bytes, 0) as usize;
+    let key_len = usize::from(bytes[12]);
+    let pad = usize::from(bytes[13]);
+    let meta_len = usize::from(u16::from_le_bytes([bytes[14], bytes[15]]));
+    let key_at = SINGLE_HEADER_BYTES + meta_len;
+    let value_at = key_at + key_len;
+    let end = (RECORD_HEADER_BYTES + body_len).checked_sub(pad);
+    let Some(end) = end.filter(|&end| {
+        body_len.is_multiple_of(8)
+            && pad < 8
+            && key_len > 0
+            && key_len <= MAX_KEY_BYTES
+            && end >= value_at
+    }) else {
+        return Err(Malformed(format!(
+            "single entry of body {body_len}, pad {pad}, key {key_len}, meta {meta_len}"
+        )));
+    };
+    if bytes.len() < end {
+        return Err(Malformed(format!(
+            "single entry of {end} bytes, {} left",
+            bytes.len()
+        )));
+    }
+    Ok(Item {
+        op,
+        key_space: bytes[7],
+        key: &bytes[key_at..value_at],
+        value: &bytes[value_at..end],
+        epoch: Epoch(get_u32(bytes, 16)),
+        tag: Tag(get_u32(bytes, 20)),
+        version: 0,
+        len: end,
+    })
+}
+
+/// Decodes and verifies one item of a multi-item entry from `bytes` (which
+/// may extend past it).
+fn decode_listed_item(bytes: &[u8]) -> Result<Item<'_>, Malformed> {
     if bytes.len() < ITEM_HEADER_BYTES {
         return Err(Malformed(format!(
             "item header needs 32 bytes, {} left",
@@ -369,8 +548,9 @@ pub(crate) fn decode_item(bytes: &[u8]) -> Result<(Item<'_>, usize), Malformed> 
         epoch: Epoch(get_u32(bytes, 8)),
         tag: Tag(get_u32(bytes, 12)),
         version: get_u64(bytes, 16),
+        len: end,
     };
-    Ok((item, end))
+    Ok(item)
 }
 
 /// A verified record read back from a log.
@@ -378,6 +558,8 @@ pub(crate) fn decode_item(bytes: &[u8]) -> Result<(Item<'_>, usize), Malformed> 
 pub(crate) struct RecordView<'a> {
     pub header: RecordHeader,
     pub body: &'a [u8],
+    /// The record's bytes from its header to the end of its body.
+    record: &'a [u8],
 }
 
 impl<'a> RecordView<'a> {
@@ -400,6 +582,17 @@ impl<'a> RecordView<'a> {
         } else {
             &bytes[RECORD_HEADER_BYTES..body_end]
         };
+        if header.single {
+            let item = parse_single(bytes)?;
+            if single_crc(position, &bytes[..item.len]) != header.crc {
+                return Err(Malformed("record checksum mismatch".into()));
+            }
+            return Ok(RecordView {
+                header,
+                body,
+                record: &bytes[..body_end],
+            });
+        }
         let mut hasher = crc_start(position, bytes);
         if header.kind == Kind::Entry {
             Self::hash_entry(&header, body, &mut hasher)?;
@@ -409,7 +602,11 @@ impl<'a> RecordView<'a> {
         if hasher.finalize() != header.crc {
             return Err(Malformed("record checksum mismatch".into()));
         }
-        Ok(RecordView { header, body })
+        Ok(RecordView {
+            header,
+            body,
+            record: &bytes[..body_end.min(bytes.len())],
+        })
     }
 
     fn hash_entry(
@@ -426,9 +623,9 @@ impl<'a> RecordView<'a> {
         hasher.update(&body[..meta_len]);
         let mut at = align8(meta_len);
         for _ in 0..header.item_count {
-            let (_, len) = decode_item(&body[at..])?;
+            let item = decode_listed_item(&body[at..])?;
             hasher.update(&body[at..at + ITEM_HEADER_BYTES]);
-            at += align8(len);
+            at += align8(item.len);
         }
         if at != body.len() {
             return Err(Malformed("entry body has trailing bytes".into()));
@@ -438,25 +635,36 @@ impl<'a> RecordView<'a> {
 
     /// An entry's opaque metadata.
     pub fn meta(&self) -> &'a [u8] {
-        &self.body[..self.header.meta_len as usize]
+        let at = if self.header.single {
+            SINGLE_HEADER_BYTES - RECORD_HEADER_BYTES
+        } else {
+            0
+        };
+        &self.body[at..at + self.header.meta_len as usize]
     }
 
-    /// An entry's items with their offsets from the record start. The record
-    /// was verified, so decoding cannot fail.
+    /// An entry's items with their offsets from the record start (0 for a
+    /// single entry: it is its own item). The record was verified, so
+    /// decoding cannot fail.
     pub fn items(&self) -> impl Iterator<Item = (usize, Item<'a>)> + 'a {
         let body = self.body;
+        let single = self
+            .header
+            .single
+            .then(|| (0, parse_single(self.record).expect("verified record")));
         let mut at = align8(self.header.meta_len as usize);
-        let count = if self.header.kind == Kind::Entry {
+        let count = if self.header.kind == Kind::Entry && !self.header.single {
             self.header.item_count
         } else {
             0
         };
-        (0..count).map(move |_| {
-            let (item, len) = decode_item(&body[at..]).expect("verified record");
+        let listed = (0..count).map(move |_| {
+            let item = decode_listed_item(&body[at..]).expect("verified record");
             let offset = RECORD_HEADER_BYTES + at;
-            at += align8(len);
+            at += align8(item.len);
             (offset, item)
-        })
+        });
+        single.into_iter().chain(listed)
     }
 }
 
@@ -477,43 +685,121 @@ mod tests {
     }
 
     fn entry(position: u64, meta: &[u8], items: &[ItemSpec<'_>]) -> Vec<u8> {
-        let mut buf = vec![0u8; record_len(entry_body_len(meta.len(), items))];
+        let mut buf = vec![0u8; entry_record_len(meta.len(), items)];
         write_entry(&mut buf, WalPosition(position), FLAG_APPLIED, meta, items);
         buf
+    }
+
+    /// Writes an entry at `at` and checks what reading it back gives:
+    /// the record, its metadata, and every item read alone at its location.
+    fn round_trip(at: u64, meta: &[u8], items: &[ItemSpec<'_>]) -> RecordHeader {
+        let mut buf = vec![0u8; entry_record_len(meta.len(), items)];
+        let locs = write_entry(&mut buf, WalPosition(at), FLAG_APPLIED, meta, items);
+        let view = RecordView::verify(WalPosition(at), &buf).expect("valid");
+        assert_eq!(view.header.record_len(), buf.len());
+        assert_eq!(view.header.kind, Kind::Entry);
+        assert_eq!(view.meta(), meta);
+        let decoded: Vec<_> = view.items().collect();
+        assert_eq!(decoded.len(), items.len());
+        for (((offset, item), loc), spec) in decoded.iter().zip(&locs).zip(items) {
+            assert_eq!((item.key, item.value), (spec.key, spec.value));
+            assert_eq!(
+                (item.op, item.epoch, item.tag),
+                (spec.op, spec.epoch, spec.tag)
+            );
+            assert_eq!(item.version, spec.version);
+            assert_eq!(loc.position.0, at + *offset as u64);
+            assert_eq!(loc.len as usize, item.len);
+            // An item can be read and verified alone, at its location.
+            let alone = &buf[*offset..*offset + item.len];
+            assert_eq!(decode_item(loc.position, alone).expect("valid item"), *item);
+            assert!(
+                decode_item(loc.position.plus(8), alone).is_ok() != view.header.single,
+                "a single entry's item checks its position"
+            );
+        }
+        view.header
     }
 
     #[test]
     fn entry_round_trips_and_reports_item_locations() {
         let items = [spec(b"k1", b"value-one"), spec(b"key2", b"")];
-        let mut buf = vec![0u8; record_len(entry_body_len(3, &items))];
-        let locs = write_entry(&mut buf, WalPosition(800), FLAG_APPLIED, b"abc", &items);
-        let view = RecordView::verify(WalPosition(800), &buf).expect("valid");
-        assert_eq!(view.meta(), b"abc");
-        let decoded: Vec<_> = view.items().collect();
-        assert_eq!(decoded.len(), 2);
-        assert_eq!(decoded[0].1.value, b"value-one");
-        assert_eq!(decoded[1].1.key, b"key2");
-        for ((offset, item), loc) in decoded.iter().zip(&locs) {
-            assert_eq!(loc.position.0, 800 + *offset as u64);
-            // An item can be read and verified alone.
-            let alone = &buf[*offset..*offset + loc.len as usize];
-            assert_eq!(decode_item(alone).expect("valid item").0, *item);
+        assert!(!round_trip(800, b"abc", &items).single);
+    }
+
+    #[test]
+    fn one_new_put_or_delete_is_a_single_entry_24_bytes_smaller() {
+        let key = [7u8; 32];
+        let value = vec![0x5Au8; 1024];
+        for meta in [&b""[..], b"raft", &[1u8; 300]] {
+            for op in [Op::Put, Op::Delete] {
+                let value = if op == Op::Put { &value[..] } else { &[][..] };
+                let item = ItemSpec {
+                    op,
+                    ..spec(&key, value)
+                };
+                let header = round_trip(4096, meta, &[item]);
+                assert!(header.single);
+                let listed = record_len(entry_body_len(meta.len(), &[item]));
+                assert_eq!(entry_record_len(meta.len(), &[item]), listed - 24);
+            }
+        }
+        // A value whose length leaves every padding from 0 to 7 bytes.
+        for len in 0..8 {
+            let value = vec![1u8; len];
+            assert!(round_trip(64, b"m", &[spec(b"key", &value)]).single);
         }
     }
 
     #[test]
+    fn touches_copies_batches_and_huge_metadata_stay_listed() {
+        let touch = ItemSpec {
+            op: Op::Touch,
+            version: 64,
+            ..spec(b"key", b"")
+        };
+        let copy = ItemSpec {
+            version: 640,
+            ..spec(b"key", b"value")
+        };
+        let put = spec(b"key", b"value");
+        assert!(!round_trip(8, b"", &[touch]).single);
+        assert!(!round_trip(8, b"", &[copy]).single);
+        assert!(!round_trip(8, b"", &[put, put]).single);
+        assert!(!round_trip(8, &vec![3u8; 70_000], &[put]).single);
+        assert!(round_trip(8, &vec![3u8; 65_535], &[put]).single);
+    }
+
+    #[test]
     fn any_flipped_bit_is_detected() {
-        let buf = entry(64, b"m", &[spec(b"key", b"some value bytes")]);
+        // A single entry, then a listed one.
+        for buf in [
+            entry(64, b"m", &[spec(b"key", b"some value bytes")]),
+            entry(64, b"m", &[spec(b"key", b"some value"), spec(b"k2", b"v")]),
+        ] {
+            flips_are_detected(&buf);
+        }
+    }
+
+    /// Flips every bit of the entry `buf` written at 64: the record and
+    /// each item read alone either fail to verify or read as before (a
+    /// flip in the zero padding).
+    fn flips_are_detected(buf: &[u8]) {
+        let good = RecordView::verify(WalPosition(64), buf).unwrap();
+        let items: Vec<_> = good.items().collect();
         for byte in 0..buf.len() {
             for bit in 0..8 {
-                let mut bad = buf.clone();
+                let mut bad = buf.to_vec();
                 bad[byte] ^= 1 << bit;
                 if let Ok(view) = RecordView::verify(WalPosition(64), &bad) {
-                    // Only flips in the zero padding may go unnoticed, and
-                    // then nothing read from the record changes.
-                    let good = RecordView::verify(WalPosition(64), &buf).unwrap();
                     assert_eq!(view.meta(), good.meta(), "byte {byte} bit {bit}");
                     assert!(view.items().eq(good.items()), "byte {byte} bit {bit}");
+                }
+                for (offset, item) in &items {
+                    let alone = &bad[*offset..*offset + item.len];
+                    if let Ok(read) = decode_item(WalPosition(64 + *offset as u64), alone) {
+                        assert_eq!(read, *item, "byte {byte} bit {bit}");
+                    }
                 }
             }
         }

@@ -10,8 +10,14 @@ use crate::wal::format::{self, Kind, RECORD_HEADER_BYTES};
 
 /// Magic bytes at the start of every segment header body.
 const MAGIC: &[u8; 8] = b"TIDEPOOL";
-/// Version of the log format described in `format.rs`.
-pub(crate) const FORMAT_VERSION: u32 = 1;
+/// Version of the log format described in `format.rs` that this build
+/// writes: 2 added single entries (record kind 6).
+pub(crate) const FORMAT_VERSION: u32 = 2;
+/// The oldest version this build reads. One segment never holds two
+/// versions: recovery resumes writing in a fresh segment. (Going back to a
+/// build that reads only version 1 is not supported; such a build also
+/// refuses the control file's version 2.)
+const OLDEST_FORMAT_VERSION: u32 = 1;
 /// Bytes of a segment header body.
 const HEADER_BODY_BYTES: usize = 56;
 /// Bytes a segment header record occupies.
@@ -81,9 +87,9 @@ impl SegmentHeader {
             return Err("not a Tidepool segment header".into());
         }
         let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
-        if version != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(format!(
-                "log format version {version}, this build reads {FORMAT_VERSION}"
+                "log format version {version}, this build reads {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}"
             ));
         }
         let header = SegmentHeader {
@@ -183,4 +189,30 @@ pub(crate) struct Spare {
     pub path: PathBuf,
     pub file: Arc<dyn StorageFile>,
     pub mapping: Mapping,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_1_segments_still_read_and_unknown_versions_do_not() {
+        let header = SegmentHeader {
+            kind: LogKind::Values,
+            log_id: [7; 16],
+            id: SegmentId(3),
+            segment_size: 1 << 20,
+            epoch: Epoch(2),
+        };
+        let mut body = header.encode();
+        assert_eq!(SegmentHeader::decode(&body, &header), Ok(header));
+        for (version, reads) in [(0u32, false), (1, true), (2, true), (3, false)] {
+            body[8..12].copy_from_slice(&version.to_le_bytes());
+            assert_eq!(
+                SegmentHeader::decode(&body, &header).is_ok(),
+                reads,
+                "version {version}"
+            );
+        }
+    }
 }

@@ -63,7 +63,7 @@ fn put(log: &Log, key: &[u8], value: &[u8]) -> WalPosition {
         tag: Tag(0),
         version: 0,
     };
-    let len = format::record_len(format::entry_body_len(0, &[item]));
+    let len = format::entry_record_len(0, &[item]);
     log.append(len, |buf, pos| {
         format::write_entry(buf, pos, FLAG_APPLIED, &[], &[item])
     })
@@ -73,7 +73,7 @@ fn put(log: &Log, key: &[u8], value: &[u8]) -> WalPosition {
 
 /// Bytes of the record [`put`] writes for a 4-byte key and `value`.
 fn put_record_len(value: &[u8]) -> usize {
-    format::record_len(format::entry_body_len(
+    format::entry_record_len(
         0,
         &[ItemSpec {
             op: Op::Put,
@@ -84,7 +84,7 @@ fn put_record_len(value: &[u8]) -> usize {
             tag: Tag(0),
             version: 0,
         }],
-    ))
+    )
 }
 
 /// Checks that `bytes`, read at `at`, are a whole verified record whose
@@ -340,7 +340,7 @@ fn full_disk_fails_the_write_without_damage() {
             tag: Tag(0),
             version: 0,
         };
-        let len = format::record_len(format::entry_body_len(0, &[item]));
+        let len = format::entry_record_len(0, &[item]);
         if let Err(e) = log.append(len, |buf, pos| {
             format::write_entry(buf, pos, FLAG_APPLIED, &[], &[item])
         }) {
