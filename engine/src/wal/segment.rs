@@ -10,7 +10,7 @@ use crate::wal::format::{self, Kind, RECORD_HEADER_BYTES};
 
 /// Magic bytes at the start of every segment header body.
 const MAGIC: &[u8; 8] = b"TIDEPOOL";
-/// Version of the log format described in `format.rs` that this build
+/// Version of the log format described in `format/` that this build
 /// writes: 2 added single entries (record kind 6).
 pub(crate) const FORMAT_VERSION: u32 = 2;
 /// The oldest version this build reads. One segment never holds two

@@ -54,16 +54,17 @@
 //! its item location is the record's position. It spends 24 bytes of
 //! headers on a value instead of 48.
 
+mod single;
+
 use crate::types::{Epoch, MAX_KEY_BYTES, Tag, WalPosition};
+
+pub(crate) use single::SINGLE_HEADER_BYTES;
+use single::SINGLE_KIND;
 
 /// Bytes of a record header.
 pub(crate) const RECORD_HEADER_BYTES: usize = 16;
 /// Bytes of an item header.
 pub(crate) const ITEM_HEADER_BYTES: usize = 32;
-/// Bytes of a single entry's header.
-pub(crate) const SINGLE_HEADER_BYTES: usize = 24;
-/// The kind byte of a single entry (decoded as [`Kind::Entry`]).
-const SINGLE_KIND: u8 = 6;
 
 /// Record kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,21 +153,12 @@ fn entry_body_len(meta_len: usize, items: &[ItemSpec<'_>]) -> usize {
     align8(meta_len) + items.iter().map(|i| align8(i.len())).sum::<usize>()
 }
 
-/// Whether an entry of this metadata and these items is written as a
-/// single entry: one new put or delete, at most 64 KiB of metadata.
-fn is_single(meta_len: usize, items: &[ItemSpec<'_>]) -> bool {
-    matches!(items, [item] if item.version == 0 && item.op != Op::Touch)
-        && meta_len <= usize::from(u16::MAX)
-}
-
 /// Bytes an entry record with this metadata and these items occupies,
 /// padding included.
 pub(crate) fn entry_record_len(meta_len: usize, items: &[ItemSpec<'_>]) -> usize {
-    match items {
-        [item] if is_single(meta_len, items) => {
-            align8(SINGLE_HEADER_BYTES + meta_len + item.key.len() + item.value.len())
-        }
-        _ => record_len(entry_body_len(meta_len, items)),
+    match single::as_single(meta_len, items) {
+        Some(item) => single::record_len(meta_len, item),
+        None => record_len(entry_body_len(meta_len, items)),
     }
 }
 
@@ -316,10 +308,8 @@ pub(crate) fn write_entry(
     items: &[ItemSpec<'_>],
 ) -> Vec<ItemLocation> {
     debug_assert_eq!(buf.len(), entry_record_len(meta.len(), items));
-    if let [item] = items
-        && is_single(meta.len(), items)
-    {
-        return vec![write_single(buf, position, flags, meta, item)];
+    if let Some(item) = single::as_single(meta.len(), items) {
+        return vec![single::write(buf, position, flags, meta, item)];
     }
     let body_len = entry_body_len(meta.len(), items);
     let header = RecordHeader {
@@ -354,49 +344,6 @@ pub(crate) fn write_entry(
     }
     put_u32(head, 8, record_crc.finalize());
     locations
-}
-
-/// Writes a single entry: its header, `meta`, the item's key and value,
-/// zero padding.
-fn write_single(
-    buf: &mut [u8],
-    position: WalPosition,
-    flags: u8,
-    meta: &[u8],
-    item: &ItemSpec<'_>,
-) -> ItemLocation {
-    let key_at = SINGLE_HEADER_BYTES + meta.len();
-    let value_at = key_at + item.key.len();
-    let end = value_at + item.value.len();
-    put_u32(buf, 0, (buf.len() - RECORD_HEADER_BYTES) as u32);
-    buf[4] = SINGLE_KIND;
-    buf[5] = flags;
-    buf[6] = item.op as u8;
-    buf[7] = item.key_space;
-    buf[12] = item.key.len() as u8;
-    buf[13] = (buf.len() - end) as u8;
-    buf[14..16].copy_from_slice(&(meta.len() as u16).to_le_bytes());
-    put_u32(buf, 16, item.epoch.0);
-    put_u32(buf, 20, item.tag.0);
-    buf[SINGLE_HEADER_BYTES..key_at].copy_from_slice(meta);
-    buf[key_at..value_at].copy_from_slice(item.key);
-    buf[value_at..end].copy_from_slice(item.value);
-    buf[end..].fill(0);
-    put_u32(buf, 8, single_crc(position, &buf[..end]));
-    ItemLocation {
-        position,
-        len: end as u32,
-    }
-}
-
-/// The CRC of a single entry at `position` whose bytes up to the end of
-/// its value are `bytes`.
-fn single_crc(position: WalPosition, bytes: &[u8]) -> u32 {
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(&position.0.to_le_bytes());
-    hasher.update(&bytes[..8]);
-    hasher.update(&bytes[12..]);
-    hasher.finalize()
 }
 
 /// Writes one item (header, key, value, zero padding) into `slot`.
@@ -446,62 +393,8 @@ pub(crate) struct Malformed(pub String);
 pub(crate) fn decode_item(position: WalPosition, bytes: &[u8]) -> Result<Item<'_>, Malformed> {
     match bytes.first() {
         Some(1..=3) => decode_listed_item(bytes),
-        _ => {
-            let item = parse_single(bytes)?;
-            if single_crc(position, &bytes[..item.len]) != get_u32(bytes, 8) {
-                return Err(Malformed("single entry checksum mismatch".into()));
-            }
-            Ok(item)
-        }
+        _ => single::decode(position, bytes),
     }
-}
-
-/// Decodes a single entry's item from `bytes` (the record from its
-/// header, possibly without its padding), checking the lengths but not the
-/// CRC.
-fn parse_single(bytes: &[u8]) -> Result<Item<'_>, Malformed> {
-    if bytes.len() < SINGLE_HEADER_BYTES || bytes[4] != SINGLE_KIND {
-        return Err(Malformed("neither an item nor a single entry".into()));
-    }
-    let op = match bytes[6] {
-        1 => Op::Put,
-        2 => Op::Delete,
-        other => return Err(Malformed(format!("single entry op {other}"))),
-    };
-    let body_len = get_u32(bytes, 0) as usize;
-    let key_len = usize::from(bytes[12]);
-    let pad = usize::from(bytes[13]);
-    let meta_len = usize::from(u16::from_le_bytes([bytes[14], bytes[15]]));
-    let key_at = SINGLE_HEADER_BYTES + meta_len;
-    let value_at = key_at + key_len;
-    let end = (RECORD_HEADER_BYTES + body_len).checked_sub(pad);
-    let Some(end) = end.filter(|&end| {
-        body_len.is_multiple_of(8)
-            && pad < 8
-            && key_len > 0
-            && key_len <= MAX_KEY_BYTES
-            && end >= value_at
-    }) else {
-        return Err(Malformed(format!(
-            "single entry of body {body_len}, pad {pad}, key {key_len}, meta {meta_len}"
-        )));
-    };
-    if bytes.len() < end {
-        return Err(Malformed(format!(
-            "single entry of {end} bytes, {} left",
-            bytes.len()
-        )));
-    }
-    Ok(Item {
-        op,
-        key_space: bytes[7],
-        key: &bytes[key_at..value_at],
-        value: &bytes[value_at..end],
-        epoch: Epoch(get_u32(bytes, 16)),
-        tag: Tag(get_u32(bytes, 20)),
-        version: 0,
-        len: end,
-    })
 }
 
 /// Decodes and verifies one item of a multi-item entry from `bytes` (which
@@ -583,10 +476,7 @@ impl<'a> RecordView<'a> {
             &bytes[RECORD_HEADER_BYTES..body_end]
         };
         if header.single {
-            let item = parse_single(bytes)?;
-            if single_crc(position, &bytes[..item.len]) != header.crc {
-                return Err(Malformed("record checksum mismatch".into()));
-            }
+            single::decode(position, bytes)?;
             return Ok(RecordView {
                 header,
                 body,
@@ -651,7 +541,7 @@ impl<'a> RecordView<'a> {
         let single = self
             .header
             .single
-            .then(|| (0, parse_single(self.record).expect("verified record")));
+            .then(|| (0, single::parse(self.record).expect("verified record")));
         let mut at = align8(self.header.meta_len as usize);
         let count = if self.header.kind == Kind::Entry && !self.header.single {
             self.header.item_count
@@ -669,172 +559,4 @@ impl<'a> RecordView<'a> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec<'a>(key: &'a [u8], value: &'a [u8]) -> ItemSpec<'a> {
-        ItemSpec {
-            op: Op::Put,
-            key_space: 0,
-            key,
-            value,
-            epoch: Epoch(3),
-            tag: Tag(9),
-            version: 0,
-        }
-    }
-
-    fn entry(position: u64, meta: &[u8], items: &[ItemSpec<'_>]) -> Vec<u8> {
-        let mut buf = vec![0u8; entry_record_len(meta.len(), items)];
-        write_entry(&mut buf, WalPosition(position), FLAG_APPLIED, meta, items);
-        buf
-    }
-
-    /// Writes an entry at `at` and checks what reading it back gives:
-    /// the record, its metadata, and every item read alone at its location.
-    fn round_trip(at: u64, meta: &[u8], items: &[ItemSpec<'_>]) -> RecordHeader {
-        let mut buf = vec![0u8; entry_record_len(meta.len(), items)];
-        let locs = write_entry(&mut buf, WalPosition(at), FLAG_APPLIED, meta, items);
-        let view = RecordView::verify(WalPosition(at), &buf).expect("valid");
-        assert_eq!(view.header.record_len(), buf.len());
-        assert_eq!(view.header.kind, Kind::Entry);
-        assert_eq!(view.meta(), meta);
-        let decoded: Vec<_> = view.items().collect();
-        assert_eq!(decoded.len(), items.len());
-        for (((offset, item), loc), spec) in decoded.iter().zip(&locs).zip(items) {
-            assert_eq!((item.key, item.value), (spec.key, spec.value));
-            assert_eq!(
-                (item.op, item.epoch, item.tag),
-                (spec.op, spec.epoch, spec.tag)
-            );
-            assert_eq!(item.version, spec.version);
-            assert_eq!(loc.position.0, at + *offset as u64);
-            assert_eq!(loc.len as usize, item.len);
-            // An item can be read and verified alone, at its location.
-            let alone = &buf[*offset..*offset + item.len];
-            assert_eq!(decode_item(loc.position, alone).expect("valid item"), *item);
-            assert!(
-                decode_item(loc.position.plus(8), alone).is_ok() != view.header.single,
-                "a single entry's item checks its position"
-            );
-        }
-        view.header
-    }
-
-    #[test]
-    fn entry_round_trips_and_reports_item_locations() {
-        let items = [spec(b"k1", b"value-one"), spec(b"key2", b"")];
-        assert!(!round_trip(800, b"abc", &items).single);
-    }
-
-    #[test]
-    fn one_new_put_or_delete_is_a_single_entry_24_bytes_smaller() {
-        let key = [7u8; 32];
-        let value = vec![0x5Au8; 1024];
-        for meta in [&b""[..], b"raft", &[1u8; 300]] {
-            for op in [Op::Put, Op::Delete] {
-                let value = if op == Op::Put { &value[..] } else { &[][..] };
-                let item = ItemSpec {
-                    op,
-                    ..spec(&key, value)
-                };
-                let header = round_trip(4096, meta, &[item]);
-                assert!(header.single);
-                let listed = record_len(entry_body_len(meta.len(), &[item]));
-                assert_eq!(entry_record_len(meta.len(), &[item]), listed - 24);
-            }
-        }
-        // A value whose length leaves every padding from 0 to 7 bytes.
-        for len in 0..8 {
-            let value = vec![1u8; len];
-            assert!(round_trip(64, b"m", &[spec(b"key", &value)]).single);
-        }
-    }
-
-    #[test]
-    fn touches_copies_batches_and_huge_metadata_stay_listed() {
-        let touch = ItemSpec {
-            op: Op::Touch,
-            version: 64,
-            ..spec(b"key", b"")
-        };
-        let copy = ItemSpec {
-            version: 640,
-            ..spec(b"key", b"value")
-        };
-        let put = spec(b"key", b"value");
-        assert!(!round_trip(8, b"", &[touch]).single);
-        assert!(!round_trip(8, b"", &[copy]).single);
-        assert!(!round_trip(8, b"", &[put, put]).single);
-        assert!(!round_trip(8, &vec![3u8; 70_000], &[put]).single);
-        assert!(round_trip(8, &vec![3u8; 65_535], &[put]).single);
-    }
-
-    #[test]
-    fn any_flipped_bit_is_detected() {
-        // A single entry, then a listed one.
-        for buf in [
-            entry(64, b"m", &[spec(b"key", b"some value bytes")]),
-            entry(64, b"m", &[spec(b"key", b"some value"), spec(b"k2", b"v")]),
-        ] {
-            flips_are_detected(&buf);
-        }
-    }
-
-    /// Flips every bit of the entry `buf` written at 64: the record and
-    /// each item read alone either fail to verify or read as before (a
-    /// flip in the zero padding).
-    fn flips_are_detected(buf: &[u8]) {
-        let good = RecordView::verify(WalPosition(64), buf).unwrap();
-        let items: Vec<_> = good.items().collect();
-        for byte in 0..buf.len() {
-            for bit in 0..8 {
-                let mut bad = buf.to_vec();
-                bad[byte] ^= 1 << bit;
-                if let Ok(view) = RecordView::verify(WalPosition(64), &bad) {
-                    assert_eq!(view.meta(), good.meta(), "byte {byte} bit {bit}");
-                    assert!(view.items().eq(good.items()), "byte {byte} bit {bit}");
-                }
-                for (offset, item) in &items {
-                    let alone = &bad[*offset..*offset + item.len];
-                    if let Ok(read) = decode_item(WalPosition(64 + *offset as u64), alone) {
-                        assert_eq!(read, *item, "byte {byte} bit {bit}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_record_moved_to_another_position_is_rejected() {
-        let buf = entry(64, b"", &[spec(b"key", b"v")]);
-        assert!(RecordView::verify(WalPosition(72), &buf).is_err());
-    }
-
-    #[test]
-    fn zeroes_are_unwritten_and_truncation_is_caught() {
-        assert_eq!(RecordHeader::decode(&[0u8; 16]), HeaderRead::Unwritten);
-        let buf = entry(0, b"", &[spec(b"key", b"a longer value")]);
-        assert!(RecordView::verify(WalPosition(0), &buf[..buf.len() - 8]).is_err());
-    }
-
-    #[test]
-    fn plain_records_and_pads_verify() {
-        let mut buf = vec![0u8; record_len(5)];
-        write_plain(&mut buf, WalPosition(16), Kind::IndexBlob, b"hello");
-        let view = RecordView::verify(WalPosition(16), &buf).unwrap();
-        assert_eq!(
-            (view.header.kind, view.body),
-            (Kind::IndexBlob, &b"hello"[..])
-        );
-        let mut pad = vec![0xAAu8; 40];
-        write_pad(&mut pad, WalPosition(24));
-        assert_eq!(
-            RecordView::verify(WalPosition(24), &pad)
-                .unwrap()
-                .header
-                .kind,
-            Kind::Pad
-        );
-    }
-}
+mod tests;
