@@ -18,6 +18,10 @@
 //! RocksDB: a full compaction, with blob garbage collection of every blob
 //! file for BlobDB; disk used afterwards is the "with relocation" figure).
 //!
+//! Before each phase the suite waits for the dirty pages left by the work
+//! before it to reach the disk (`sync`; `--no-settle` skips it), so a
+//! phase does not measure the write-back of the one before it.
+//!
 //! Every phase reports ops/s, p50/p99/p99.9 latency, disk bytes written
 //! per user byte (`/proc/self/io` write_bytes; user bytes = key + value of
 //! each put), disk bytes read per operation, disk usage and CPU cores used;
@@ -91,6 +95,11 @@ struct Args {
     /// JSON lists every run's ops/s and write amplification.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Start each phase at once, without first waiting for the kernel to
+    /// write back the dirty pages the phases before it left (when
+    /// profiling one phase).
+    #[arg(long)]
+    no_settle: bool,
 }
 
 /// The key of entry `i` (uniformly distributed, reproducible).
@@ -118,6 +127,33 @@ fn dir_bytes(dir: &Path) -> u64 {
 
 /// CPU seconds this process has used (`/proc/self/stat` utime + stime,
 /// in 100 Hz clock ticks).
+/// The kernel's dirty and under-write-back page-cache bytes
+/// (`/proc/meminfo`), all processes.
+fn dirty_bytes() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .filter(|l| l.starts_with("Dirty:") || l.starts_with("Writeback:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum::<u64>()
+        * 1024
+}
+
+/// Waits until the dirty pages left by the work before a phase are on disk
+/// (`sync`), so that each phase measures itself and not the write-back of
+/// the one before it (a fill leaves up to the kernel's dirty limit, several
+/// GiB, behind it). Returns the dirty bytes found and the time it took.
+/// Engines' own background work (flushes, compactions) goes on meanwhile.
+fn settle() -> (u64, Duration) {
+    let dirty = dirty_bytes();
+    let start = Instant::now();
+    match std::process::Command::new("sync").status() {
+        Ok(status) if status.success() => {}
+        other => eprintln!("settle: sync failed: {other:?}"),
+    }
+    (dirty, start.elapsed())
+}
+
 fn cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
     let after = stat.rsplit(')').next().unwrap_or("");
@@ -418,6 +454,9 @@ struct Row {
     read_per_op: f64,
     disk: u64,
     cores: f64,
+    /// Dirty page-cache bytes found before the phase and the time taken to
+    /// write them back (see `settle`).
+    settled: (u64, Duration),
     detail: String,
 }
 
@@ -449,6 +488,16 @@ impl Row {
         if !self.detail.is_empty() {
             eprintln!("  {} {}: {}", self.engine, self.phase.id(), self.detail);
         }
+        let (dirty, took) = self.settled;
+        if !took.is_zero() {
+            eprintln!(
+                "  {} {}: settled {} MiB of dirty pages first, in {}",
+                self.engine,
+                self.phase.id(),
+                dirty >> 20,
+                human(took)
+            );
+        }
     }
 
     /// The JSON line of this row, which stands for `runs` (this row among
@@ -479,6 +528,8 @@ impl Row {
             "disk_read_bytes_per_op": round(self.read_per_op, 1),
             "disk_bytes": self.disk,
             "cpu_cores": round(self.cores, 3),
+            "settle_dirty_mib": self.settled.0 >> 20,
+            "settle_seconds": round(self.settled.1.as_secs_f64(), 2),
             "runs": runs.len(),
             "ops_per_s_runs": runs.iter().map(|r| round(r.rate, 1)).collect::<Vec<_>>(),
             "write_amplification_runs": runs
@@ -565,6 +616,7 @@ fn run_once(
             read_per_op: 0.0,
             disk: 0,
             cores: 0.0,
+            settled: (0, Duration::ZERO),
             detail: String::new(),
         };
         row.print();
@@ -591,6 +643,11 @@ fn run_once(
                 if phase.destructive() && threads != max_threads {
                     continue;
                 }
+                let settled = if args.no_settle {
+                    (0, Duration::ZERO)
+                } else {
+                    settle()
+                };
                 let mut m = run_phase(engine.as_ref(), phase, threads, &value, &keys, duration);
                 let elapsed = m.elapsed.as_secs_f64();
                 let per_user_byte = |n: u64| n as f64 / m.user_bytes as f64;
@@ -615,6 +672,7 @@ fn run_once(
                     read_per_op: m.disk_read as f64 / m.ops.max(1) as f64,
                     disk: dir_bytes(&dir),
                     cores: m.cpu / elapsed,
+                    settled,
                     detail: engine.detail(),
                 };
                 row.print();
