@@ -417,21 +417,7 @@ fn replay_record(
             });
             continue;
         }
-        let len = match item.op {
-            Op::Delete | Op::Touch => 0,
-            Op::Put => item.len as u32,
-        };
-        let entry = Entry {
-            version: if item.version == 0 {
-                location
-            } else {
-                item.version
-            },
-            location,
-            len,
-            epoch: item.epoch,
-            tag: item.tag,
-        };
+        let entry = Entry::of_item(location, &item);
         space.with_cell_or_create(&id, |cell| {
             recovered.memory_bytes += cell.apply(key, entry, position.0).unwrap_or(0);
         });

@@ -314,21 +314,7 @@ fn appended_from_view(position: WalPosition, view: &RecordView<'_>) -> Appended 
             AppendedItem {
                 space: item.key_space,
                 key: key_array(item.key),
-                entry: Entry {
-                    version: if item.version == 0 {
-                        location
-                    } else {
-                        item.version
-                    },
-                    location,
-                    len: if item.op == Op::Put {
-                        item.len as u32
-                    } else {
-                        0
-                    },
-                    epoch: item.epoch,
-                    tag: item.tag,
-                },
+                entry: Entry::of_item(location, &item),
                 record: position.0,
             }
         })

@@ -66,6 +66,28 @@ impl Entry {
         }
     }
 
+    /// The entry of a log item found at `location` (replay, replication):
+    /// an item written with version 0 is a fresh write, its location its
+    /// version; a relocated or replicated copy carries its version. Only a
+    /// put has a value (`len`); a delete or touch is 0.
+    pub fn of_item(location: u64, item: &crate::wal::format::Item<'_>) -> Entry {
+        Entry {
+            version: if item.version == 0 {
+                location
+            } else {
+                item.version
+            },
+            location,
+            len: if item.op == crate::wal::format::Op::Put {
+                item.len as u32
+            } else {
+                0
+            },
+            epoch: item.epoch,
+            tag: item.tag,
+        }
+    }
+
     /// Location of a drop marker: an entry removed by an epoch drop or a
     /// relocation filter, superseding every copy of its write.
     pub const DROPPED: u64 = u64::MAX;

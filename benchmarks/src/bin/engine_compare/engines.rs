@@ -2,7 +2,7 @@
 //! engine, and RocksDB (leveled) or BlobDB through the `rocksdb` crate,
 //! each opened with its settings described for the results.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use tidepool_engine::{CellLayout, Config, Durability, Engine, KeySpace, KeySpaceConfig, Strategy};
@@ -35,6 +35,7 @@ pub trait KvEngine: Send + Sync {
 struct Tidepool {
     engine: Engine,
     space: KeySpace,
+    dir: PathBuf,
 }
 
 impl KvEngine for Tidepool {
@@ -81,11 +82,13 @@ impl KvEngine for Tidepool {
     fn detail(&self) -> String {
         let c = self.engine.metrics().counters;
         format!(
-            "wal {} MiB, index {} MiB ({} flushes, {} deltas), cache hits {} misses {}, disk lookups {} ({} blobs, {} reads), bloom negatives {}, cell loads {} unloads {}",
+            "written: wal {} MiB, index {} MiB ({} flushes, {} deltas); files: wal {} MiB, index {} MiB; cache hits {} misses {}, disk lookups {} ({} blobs, {} reads), bloom negatives {}, cell loads {} unloads {}",
             c.wal_bytes_written >> 20,
             c.index_bytes_written >> 20,
             c.flushes,
             c.delta_flushes,
+            crate::dir_bytes(&self.dir.join("wal")) >> 20,
+            crate::dir_bytes(&self.dir.join("index")) >> 20,
             c.cache_hits,
             c.cache_misses,
             c.disk_lookups,
@@ -185,7 +188,14 @@ pub fn open(
             );
             let engine = Engine::open(config).context("open tidepool")?;
             let space = engine.key_space("default")?;
-            Ok((Box::new(Tidepool { engine, space }), settings))
+            Ok((
+                Box::new(Tidepool {
+                    engine,
+                    space,
+                    dir: dir.to_path_buf(),
+                }),
+                settings,
+            ))
         }
         "rocksdb" | "blobdb" => {
             let mut options = rocksdb::Options::default();

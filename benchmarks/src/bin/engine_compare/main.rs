@@ -283,6 +283,15 @@ struct Keys {
     deleted: AtomicU64,
 }
 
+impl Keys {
+    /// Entries present: filled and not deleted (a delete phase's threads
+    /// may each take one position past the end before they stop).
+    fn live(&self) -> u64 {
+        let filled = self.filled.load(Ordering::Relaxed);
+        filled - self.deleted.load(Ordering::Relaxed).min(filled)
+    }
+}
+
 fn run_phase(
     engine: &dyn KvEngine,
     phase: Phase,
@@ -444,6 +453,8 @@ struct Row {
     value_bytes: usize,
     threads: usize,
     entries: u64,
+    /// Entries present after the phase (filled and not deleted).
+    live: u64,
     phase: Phase,
     rate: f64,
     latency: (Duration, Duration, Duration),
@@ -516,6 +527,7 @@ impl Row {
             "value_bytes": self.value_bytes,
             "threads": self.threads,
             "entries": self.entries,
+            "live_entries": self.live,
             "phase": self.phase.id(),
             "phase_name": self.phase.name(),
             "ops_per_s": round(self.rate, 1),
@@ -608,6 +620,7 @@ fn run_once(
             value_bytes,
             threads,
             entries: 0,
+            live: 0,
             phase: Phase::Puts,
             rate: copies as f64 / elapsed.as_secs_f64(),
             latency: (Duration::ZERO, Duration::ZERO, Duration::ZERO),
@@ -657,6 +670,7 @@ fn run_once(
                     value_bytes,
                     threads,
                     entries: keys.filled.load(Ordering::Relaxed),
+                    live: keys.live(),
                     phase,
                     rate: m.ops as f64 / elapsed,
                     latency: (
