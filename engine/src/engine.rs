@@ -239,11 +239,13 @@ impl Engine {
         self.inner.values.wait_synced(position)
     }
 
-    /// Flushes every unflushed index change and writes a control-region
-    /// snapshot: after it, recovery replays nothing written before the call.
+    /// Flushes every unflushed index change, runs an index log cleaning
+    /// pass, and writes a control-region snapshot: after it, recovery
+    /// replays nothing written before the call.
     pub fn flush(&self) -> Result<()> {
         self.inner.health.check()?;
         crate::flush::flush_all(&self.inner)?;
+        crate::index_cleaning::clean(&self.inner)?;
         crate::snapshot::write_snapshot(&self.inner)
     }
 
@@ -263,6 +265,9 @@ impl Engine {
             .filter(|s| s.sealed)
             .map(|s| s.size_bytes.saturating_sub(s.live_bytes))
             .sum();
+        let index = crate::index_cleaning::usage(inner);
+        snapshot.index_live_bytes = index.live_bytes;
+        snapshot.index_garbage_bytes = index.sealed_bytes.saturating_sub(index.sealed_live_bytes);
         inner.table.for_each_cell(|_, _, cell| {
             let slot = match cell.state() {
                 CellState::Empty => 0,

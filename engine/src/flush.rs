@@ -62,10 +62,12 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
     // Held until the new blob is installed: index garbage collection must
     // not delete the segment of a blob that no cell references *yet*.
     let _reading = inner.index_gc.read();
+    // Entries that add no key: deletes, and relocation's moves (each
+    // replaces an entry of the same key with its copy's).
     let deletes = job
         .flushable
         .iter()
-        .filter(|(_, change)| change.entry.tombstone())
+        .filter(|(_, change)| change.entry.tombstone() || change.record == Change::NO_RECORD)
         .count();
     let kind = flush_kind(
         &job.layers,
@@ -189,7 +191,7 @@ pub(crate) fn run_flusher(inner: Arc<Inner>) {
 
 /// The maintenance thread: every snapshot interval (or when woken), flushes
 /// cells that hold up replay or exceed the change threshold, unloads cells
-/// under memory pressure, and writes a snapshot.
+/// under memory pressure, cleans the index log, and writes a snapshot.
 pub(crate) fn run_maintenance(inner: Arc<Inner>) {
     let interval = Duration::from_millis(inner.config.snapshot_interval_ms);
     loop {
@@ -206,7 +208,8 @@ pub(crate) fn run_maintenance(inner: Arc<Inner>) {
         }
         let result = schedule_flushes(&inner)
             .map(|()| unload_under_pressure(&inner))
-            .and_then(|()| crate::snapshot::write_snapshot(&inner));
+            .and_then(|()| crate::index_cleaning::clean(&inner))
+            .and_then(|_| crate::snapshot::write_snapshot(&inner));
         match result {
             // Nothing was written; try again next round.
             Ok(()) | Err(Error::DiskFull(_)) => {}

@@ -76,6 +76,7 @@ mod error;
 mod flush;
 mod health;
 mod index;
+mod index_cleaning;
 mod metrics;
 mod recovery;
 mod relocation;

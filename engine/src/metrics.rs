@@ -161,6 +161,9 @@ counters! {
     cell_unloads,
     /// Index log segments deleted as garbage.
     index_segments_deleted,
+    /// Index blobs copied out of mostly-garbage index segments by index
+    /// log cleaning (their bytes count in `index_bytes_written`).
+    index_blobs_moved,
     /// Entries copied forward by relocation and epoch drops.
     entries_relocated,
     /// Bytes of records written by relocation.
@@ -229,6 +232,11 @@ pub struct MetricsSnapshot {
     /// Relocation lag: garbage bytes in sealed segments as of the last
     /// census — space relocation has yet to give back.
     pub relocation_lag_bytes: u64,
+    /// Bytes of index blob records the cells reference.
+    pub index_live_bytes: u64,
+    /// Bytes of sealed index log segments no cell references: space index
+    /// garbage collection and cleaning give back.
+    pub index_garbage_bytes: u64,
 }
 
 impl Metrics {

@@ -149,3 +149,41 @@ fn retained_log_is_never_reclaimed() {
         .unwrap();
     assert!(report.segments_deleted > 0);
 }
+
+/// A pass that moves every entry leaves one index entry per key: the flush
+/// after it merges each cell (a move adds no key, so it counts like a
+/// delete in the merge rule) instead of writing a delta beside the old base
+/// that it shadows entry for entry.
+#[test]
+fn relocating_everything_leaves_one_index_entry_per_key() {
+    let (storage, _) = fault_storage();
+    let mut config = config();
+    config.index_merge_ratio = 2; // the default: deltas up to twice the base
+    config.index_max_deltas = 8;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for k in 0..KEYS {
+        engine
+            .put(ks, &key(k), &value(k, 0, 200), Durability::Buffered)
+            .unwrap();
+    }
+    engine.flush().unwrap();
+    let before = engine.metrics().index_live_bytes;
+    let report = engine
+        .relocate(Strategy::Index {
+            below: engine.processed_position(),
+        })
+        .unwrap();
+    assert_eq!(report.entries_relocated, KEYS);
+    let after = engine.metrics().index_live_bytes;
+    println!("index blobs referenced: {before} B before relocation, {after} B after");
+    assert!(
+        after <= before + before / 10,
+        "{after} B of index after relocating everything, {before} B before"
+    );
+    check(&engine, |k| Some(value(k, 0, 200)));
+    engine.close().unwrap();
+    check(&open(&storage, &config).unwrap(), |k| {
+        Some(value(k, 0, 200))
+    });
+}

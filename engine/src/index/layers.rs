@@ -106,14 +106,14 @@ pub(crate) enum FlushKind {
     Delta,
 }
 
-/// Whether a flush of `changes` changes, `deletes` of them tombstones,
-/// over `layers` writes a delta or merges: it merges when there is no base
-/// yet, when `max_deltas` deltas are already there, or when the deltas
-/// would hold `ratio` times as many entries as the base — a delete of
-/// this flush counting `ratio` times, since a merge drops it together
-/// with the entry it shadows (a flush deleting the whole base merges, as
-/// at ratio 1, instead of keeping the dead base and its tombstones on
-/// disk). Merges then rewrite the base once per `ratio` times its size in
+/// Whether a flush of `changes` changes, `deletes` of them tombstones or
+/// relocation moves, over `layers` writes a delta or merges: it merges when
+/// there is no base yet, when `max_deltas` deltas are already there, or
+/// when the deltas would hold `ratio` times as many entries as the base —
+/// a delete or a move of this flush counting `ratio` times, since it adds
+/// no key and a merge keeps one entry where a delta keeps two (a flush
+/// deleting or relocating the whole base merges, as at ratio 1, instead of
+/// keeping the dead base beside its tombstones or copies' entries). Merges then rewrite the base once per `ratio` times its size in
 /// new entries, so every delta entry is written about `2 + 1/ratio` times
 /// over its life (the delta, the merge that folds it into a base, and its
 /// share of the base rewrites), however large the cell — instead of once

@@ -70,6 +70,23 @@ impl IndexStore {
         blob::decode(layout, view.body, disk, kind).map_err(|m| self.corrupt(disk.position, m.0))
     }
 
+    /// Copies the blob `disk` to the end of the index log: the same body
+    /// (entries and bloom filter), verified, under a new record header.
+    /// Returns where the copy is.
+    pub fn copy(&self, layout: &EntryLayout, disk: &DiskRef) -> Result<DiskRef> {
+        let bytes = self.log.read(disk.position, disk.record_len(layout))?;
+        let view = RecordView::verify(disk.position, &bytes)
+            .map_err(|m| self.corrupt(disk.position, m.0))?;
+        if view.header.kind != Kind::IndexBlob {
+            return Err(self.corrupt(disk.position, "not an index blob record"));
+        }
+        let len = format::record_len(view.body.len());
+        let (position, ()) = self.log.append(len, |buf, position| {
+            format::write_plain(buf, position, Kind::IndexBlob, view.body)
+        })?;
+        Ok(DiskRef { position, ..*disk })
+    }
+
     /// Reads and verifies a blob's bloom filter.
     pub fn load_bloom(&self, disk: &DiskRef) -> Result<Bloom> {
         let bytes = self

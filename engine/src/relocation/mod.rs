@@ -342,6 +342,7 @@ impl Inner {
         report: &mut RelocationReport,
     ) -> Result<()> {
         crate::flush::flush_all(self)?;
+        crate::index_cleaning::clean(self)?;
         crate::snapshot::write_snapshot(self)?;
         if segments.is_empty() || self.has_unflushed_moves() {
             return Ok(());

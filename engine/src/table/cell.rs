@@ -289,6 +289,24 @@ impl Cell {
         self.change_entries_below(None)
     }
 
+    /// Finishes a move of some of the cell's blobs (index log cleaning):
+    /// `moved[i]` holds what `self.layers[i]` holds, maybe at a new
+    /// position. Bloom filters installed meanwhile are kept. Returns the
+    /// change in memory, bytes.
+    pub fn finish_move(&mut self, mut moved: Vec<Layer>) -> isize {
+        let before = self.memory_bytes() as isize;
+        debug_assert_eq!(moved.len(), self.layers.len(), "only a move ran");
+        for (new, old) in moved.iter_mut().zip(self.layers.iter()) {
+            debug_assert_eq!(new.disk.count, old.disk.count, "the same blob");
+            if new.bloom.is_none() {
+                new.bloom = old.bloom.clone();
+            }
+        }
+        self.layers = moved.into();
+        self.flushing = false;
+        self.memory_bytes() as isize - before
+    }
+
     /// Finishes a flush that wrote `flushed` as the new on-disk index
     /// `layers`: drops each flushed change that was not superseded
     /// meanwhile ("unmerge"), and, if the cell is loaded, installs `merged`

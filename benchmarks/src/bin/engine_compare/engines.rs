@@ -82,11 +82,12 @@ impl KvEngine for Tidepool {
     fn detail(&self) -> String {
         let c = self.engine.metrics().counters;
         format!(
-            "written: wal {} MiB, index {} MiB ({} flushes, {} deltas); files: wal {} MiB, index {} MiB; cache hits {} misses {}, disk lookups {} ({} blobs, {} reads), bloom negatives {}, cell loads {} unloads {}",
+            "written: wal {} MiB, index {} MiB ({} flushes, {} deltas, {} blobs moved by cleaning); files: wal {} MiB, index {} MiB; cache hits {} misses {}, disk lookups {} ({} blobs, {} reads), bloom negatives {}, cell loads {} unloads {}",
             c.wal_bytes_written >> 20,
             c.index_bytes_written >> 20,
             c.flushes,
             c.delta_flushes,
+            c.index_blobs_moved,
             crate::dir_bytes(&self.dir.join("wal")) >> 20,
             crate::dir_bytes(&self.dir.join("index")) >> 20,
             c.cache_hits,
