@@ -266,6 +266,10 @@ async fn a_single_node_from_flags_with_metrics() {
         .unwrap_or_else(|| panic!("no put counter in\n{text}"));
     assert!(puts >= 1, "{text}");
     assert!(text.contains("tidepool_shard_is_leader"), "{text}");
+    assert!(
+        text.contains("tidepool_engine_index_garbage_bytes{node_id=\"1\",shard_id="),
+        "{text}"
+    );
     assert!(http_get(metrics, "/healthz").starts_with("HTTP/1.1 200"));
     // Log lines carry the node, the shard and the term.
     let log = node.log();

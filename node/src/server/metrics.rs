@@ -191,8 +191,21 @@ pub fn render(node: &Node) -> String {
         ] {
             let _ = writeln!(out, "{name}{{{labels}}} {value}");
         }
-        let counters = shard.engine().metrics().counters;
+        let metrics = shard.engine().metrics();
+        let counters = metrics.counters;
         for (name, value) in [
+            // Gauges: index log bytes the cells reference, and sealed
+            // index log bytes they do not (what garbage collection and
+            // index log cleaning give back).
+            ("tidepool_engine_index_live_bytes", metrics.index_live_bytes),
+            (
+                "tidepool_engine_index_garbage_bytes",
+                metrics.index_garbage_bytes,
+            ),
+            (
+                "tidepool_engine_index_blobs_moved_total",
+                counters.index_blobs_moved,
+            ),
             (
                 "tidepool_engine_wal_bytes_written_total",
                 counters.wal_bytes_written,
