@@ -265,10 +265,9 @@ impl Engine {
             .filter(|s| s.sealed)
             .map(|s| s.size_bytes.saturating_sub(s.live_bytes))
             .sum();
-        let index = crate::index_cleaning::usage(inner);
-        snapshot.index_live_bytes = index.live_bytes;
-        snapshot.index_garbage_bytes = index.sealed_bytes.saturating_sub(index.sealed_live_bytes);
-        inner.table.for_each_cell(|_, _, cell| {
+        let mut index = crate::index_cleaning::Census::new(inner);
+        inner.table.for_each_cell(|space, _, cell| {
+            index.add(&inner.table.spaces[space].layout, cell);
             let slot = match cell.state() {
                 CellState::Empty => 0,
                 CellState::Loaded => 1,
@@ -278,6 +277,11 @@ impl Engine {
             };
             snapshot.cell_states[slot] += 1;
         });
+        snapshot.index_live_bytes = index.usage.live_bytes;
+        snapshot.index_garbage_bytes = index
+            .usage
+            .sealed_bytes
+            .saturating_sub(index.usage.sealed_live_bytes);
         snapshot
     }
 

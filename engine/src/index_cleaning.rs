@@ -26,9 +26,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::engine::Inner;
 use crate::error::Result;
+use crate::index::entry::EntryLayout;
 use crate::index::layers::Layer;
 use crate::metrics::Metrics;
 use crate::table::CellId;
+use crate::table::cell::Cell;
 use crate::types::SegmentId;
 
 /// Sealed index segments a cleaning pass empties at most.
@@ -49,39 +51,60 @@ pub(crate) struct IndexLogUsage {
     pub sealed_live_bytes: u64,
 }
 
-/// Live blob bytes per sealed index segment, and the log's usage.
-fn census(inner: &Inner) -> (BTreeMap<SegmentId, u64>, IndexLogUsage) {
-    let size = inner.config.index_segment_bytes;
-    let active = inner.index.log.active_segment();
-    let mut per_segment: BTreeMap<SegmentId, u64> = inner
-        .index
-        .log
-        .segments()
-        .iter()
-        .filter(|s| s.id < active)
-        .map(|s| (s.id, 0))
-        .collect();
-    let mut usage = IndexLogUsage {
-        sealed_bytes: per_segment.len() as u64 * size,
-        ..IndexLogUsage::default()
-    };
-    inner.table.for_each_cell(|space, _, cell| {
-        let layout = &inner.table.spaces[space].layout;
-        for layer in cell.layers.iter() {
-            let bytes = layer.disk.record_len(layout) as u64;
-            usage.live_bytes += bytes;
-            if let Some(live) = per_segment.get_mut(&SegmentId(layer.disk.position.0 / size)) {
-                *live += bytes;
-                usage.sealed_live_bytes += bytes;
-            }
-        }
-    });
-    (per_segment, usage)
+/// A tally of the index log's usage from the blobs cells reference:
+/// live bytes per sealed segment, and the totals.
+pub(crate) struct Census {
+    segment_bytes: u64,
+    per_segment: BTreeMap<SegmentId, u64>,
+    pub usage: IndexLogUsage,
 }
 
-/// The index log's live and total bytes (for metrics).
-pub(crate) fn usage(inner: &Inner) -> IndexLogUsage {
-    census(inner).1
+impl Census {
+    /// An empty tally over the index log's sealed segments.
+    pub fn new(inner: &Inner) -> Self {
+        let segment_bytes = inner.config.index_segment_bytes;
+        let active = inner.index.log.active_segment();
+        let per_segment: BTreeMap<SegmentId, u64> = inner
+            .index
+            .log
+            .segments()
+            .iter()
+            .filter(|s| s.id < active)
+            .map(|s| (s.id, 0))
+            .collect();
+        let usage = IndexLogUsage {
+            sealed_bytes: per_segment.len() as u64 * segment_bytes,
+            ..IndexLogUsage::default()
+        };
+        Self {
+            segment_bytes,
+            per_segment,
+            usage,
+        }
+    }
+
+    /// Counts the blobs `cell` (of a key space laid out as `layout`)
+    /// references.
+    pub fn add(&mut self, layout: &EntryLayout, cell: &Cell) {
+        for layer in cell.layers.iter() {
+            let bytes = layer.disk.record_len(layout) as u64;
+            self.usage.live_bytes += bytes;
+            let segment = SegmentId(layer.disk.position.0 / self.segment_bytes);
+            if let Some(live) = self.per_segment.get_mut(&segment) {
+                *live += bytes;
+                self.usage.sealed_live_bytes += bytes;
+            }
+        }
+    }
+}
+
+/// The census of every cell.
+fn census(inner: &Inner) -> Census {
+    let mut census = Census::new(inner);
+    inner.table.for_each_cell(|space, _, cell| {
+        census.add(&inner.table.spaces[space].layout, cell);
+    });
+    census
 }
 
 /// The sealed segments a cleaning pass should empty: none while at most
@@ -114,8 +137,8 @@ pub(crate) fn victims(
 /// One cleaning pass (see the module docs). Returns the blobs moved.
 pub(crate) fn clean(inner: &Inner) -> Result<u64> {
     let size = inner.config.index_segment_bytes;
-    let (per_segment, usage) = census(inner);
-    let victims = victims(&per_segment, &usage, size);
+    let census = census(inner);
+    let victims = victims(&census.per_segment, &census.usage, size);
     if victims.is_empty() {
         return Ok(0);
     }
