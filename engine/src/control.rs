@@ -2,7 +2,7 @@
 //! every cell's on-disk index is and where recovery must start replaying.
 //!
 //! ```text
-//! magic "TPCONTRL", version u32 (2; version 1 is read too)
+//! magic "TPCONTRL", version u32 (3; versions 1 and 2 are read too)
 //! log id [16], wal segment bytes u64, index segment bytes u64
 //! epoch u32, replay_from u64, synced u64
 //! app state: len u32 + bytes
@@ -12,7 +12,9 @@
 //!   cells: count u32 + per cell:
 //!     id (uniform: u32; prefixed: the prefix bytes), blob count u8
 //!     (version 1: has_disk u8, 0 or 1), per blob (the base, then its
-//!     deltas, oldest first) [position u64, count u32, bloom_len u32],
+//!     deltas, oldest first) [position u64, count u32, bloom_len u32,
+//!     entry format flags u8 (version 3; 0 before), the shared epoch u32
+//!     if flagged `SHARED_EPOCH`, the shared tag u32 if `SHARED_TAG`],
 //!     replay_from u64
 //! crc32 of everything above, u32
 //! ```
@@ -20,12 +22,12 @@
 
 use crate::config::{CellLayout, KeySpaceConfig};
 use crate::index::blob::DiskRef;
-use crate::index::entry::key_array;
+use crate::index::entry::{EntryFormat, key_array};
 use crate::table::CellId;
-use crate::types::{Epoch, WalPosition};
+use crate::types::{Epoch, Tag, WalPosition};
 
 const MAGIC: &[u8; 8] = b"TPCONTRL";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 /// The oldest version this build reads: version 1 had at most one blob per
 /// cell (a base, no deltas), with the same bytes as a count of 0 or 1.
 const OLDEST_VERSION: u32 = 1;
@@ -239,6 +241,14 @@ fn encode_space(w: &mut Writer, space: &SpaceControl) {
             w.u64(disk.position.0);
             w.u32(disk.count);
             w.u32(disk.bloom_len);
+            let format = &disk.format;
+            w.u8(format.flags);
+            if format.flags & EntryFormat::SHARED_EPOCH != 0 {
+                w.u32(format.epoch.0);
+            }
+            if format.flags & EntryFormat::SHARED_TAG != 0 {
+                w.u32(format.tag.0);
+            }
         }
         w.u64(cell.replay_from);
     }
@@ -280,10 +290,19 @@ fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String
         }
         let mut layers = Vec::with_capacity(usize::from(blobs));
         for _ in 0..blobs {
+            let position = WalPosition(r.u64()?);
+            let count = r.u32()?;
+            let bloom_len = r.u32()?;
+            let format = if version >= 3 {
+                decode_format(r)?
+            } else {
+                EntryFormat::default()
+            };
             layers.push(DiskRef {
-                position: WalPosition(r.u64()?),
-                count: r.u32()?,
-                bloom_len: r.u32()?,
+                position,
+                count,
+                bloom_len,
+                format,
             });
         }
         let replay_from = r.u64()?;
@@ -301,6 +320,25 @@ fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String
     Ok(SpaceControl { config, cells })
 }
 
+/// A blob's entry format (control file version 3).
+fn decode_format(r: &mut Reader<'_>) -> Result<EntryFormat, String> {
+    let flags = r.u8()?;
+    if flags & !EntryFormat::KNOWN != 0 {
+        return Err(format!("unknown index entry format flags {flags:#x}"));
+    }
+    let epoch = if flags & EntryFormat::SHARED_EPOCH != 0 {
+        Epoch(r.u32()?)
+    } else {
+        Epoch(0)
+    };
+    let tag = if flags & EntryFormat::SHARED_TAG != 0 {
+        Tag(r.u32()?)
+    } else {
+        Tag(0)
+    };
+    Ok(EntryFormat::from_parts(flags, epoch, tag))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,6 +348,7 @@ mod tests {
             position: WalPosition(4096),
             count: 12,
             bloom_len: 28,
+            format: EntryFormat::default(),
         };
         ControlData {
             log_id: [3; 16],
@@ -367,8 +406,30 @@ mod tests {
             position: WalPosition(9000),
             count: 3,
             bloom_len: 12,
+            format: EntryFormat::from_parts(
+                EntryFormat::NO_VERSION | EntryFormat::SHARED_EPOCH | EntryFormat::SHARED_TAG,
+                Epoch(6),
+                Tag(9),
+            ),
+        });
+        data.spaces[1].cells[0].layers.push(DiskRef {
+            position: WalPosition(9100),
+            count: 2,
+            bloom_len: 12,
+            format: EntryFormat::from_parts(EntryFormat::LEN_16, Epoch(0), Tag(0)),
         });
         assert_eq!(ControlData::decode(&data.encode()), Ok(data));
+    }
+
+    #[test]
+    fn version_2_files_still_open() {
+        // Version 2 wrote version 1's bytes for a cell of at most one blob.
+        let mut bytes = unhex(SAMPLE_VERSION_1);
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let body = bytes.len() - 4;
+        let crc = crc32fast::hash(&bytes[..body]);
+        bytes[body..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(ControlData::decode(&bytes), Ok(sample()));
     }
 
     #[test]

@@ -267,7 +267,7 @@ impl Engine {
             .sum();
         let mut index = crate::index_cleaning::Census::new(inner);
         inner.table.for_each_cell(|space, _, cell| {
-            index.add(&inner.table.spaces[space].layout, cell);
+            index.add(inner.table.spaces[space].key_len(), cell);
             let slot = match cell.state() {
                 CellState::Empty => 0,
                 CellState::Loaded => 1,
@@ -526,7 +526,7 @@ impl Inner {
         if self.table.memory_bytes() + loaded_bytes > self.config.index_memory_bytes {
             return self.lookup_layers(space, id, key, layers);
         }
-        let (entries, loaded) = self.index.load_layers(&space.layout, layers)?;
+        let (entries, loaded) = self.index.load_layers(space.key_len(), layers)?;
         let found = entries
             .binary_search_by(|(k, _)| k.cmp(key))
             .ok()
@@ -553,7 +553,7 @@ impl Inner {
     ) -> Result<Option<Entry>> {
         let found = self
             .index
-            .lookup_layers(&space.layout, layers, key, |count| {
+            .lookup_layers(space.key_len(), layers, key, |count| {
                 space.rank_guess(id, key, count)
             })?;
         if !found.blooms.is_empty() {

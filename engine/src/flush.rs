@@ -110,15 +110,15 @@ fn write_flush(
     kind: FlushKind,
 ) -> Result<(Layers, Option<BaseEntries>, usize)> {
     let changes: Vec<(Key, Entry)> = job.flushable.iter().map(|(k, c)| (*k, c.entry)).collect();
-    let layout = &space.layout;
+    let key_len = space.key_len();
     let record_len = |written: &Option<(crate::index::blob::DiskRef, _)>| {
         written
             .as_ref()
-            .map_or(0, |(disk, _)| disk.record_len(layout))
+            .map_or(0, |(disk, _)| disk.record_len(key_len))
     };
     match kind {
         FlushKind::Delta => {
-            let written = inner.index.write(layout, &changes, BlobKind::Delta)?;
+            let written = inner.index.write(key_len, &changes, BlobKind::Delta)?;
             let bytes = record_len(&written);
             let (disk, bloom) = written.expect("a delta of at least one change");
             let mut layers = job.layers.to_vec();
@@ -135,10 +135,10 @@ fn write_flush(
         FlushKind::Merge => {
             let current = match &job.base {
                 Some(base) => base.clone(),
-                None => Arc::new(inner.index.load_layers(layout, &job.layers)?.0),
+                None => Arc::new(inner.index.load_layers(key_len, &job.layers)?.0),
             };
             let merged = merge(&current, &changes);
-            let written = inner.index.write(layout, &merged, BlobKind::Base)?;
+            let written = inner.index.write(key_len, &merged, BlobKind::Base)?;
             let bytes = record_len(&written);
             let layers = written.map_or_else(Vec::new, |(disk, bloom)| {
                 vec![Layer {

@@ -26,7 +26,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::engine::Inner;
 use crate::error::Result;
-use crate::index::entry::EntryLayout;
 use crate::index::layers::Layer;
 use crate::metrics::Metrics;
 use crate::table::CellId;
@@ -83,11 +82,11 @@ impl Census {
         }
     }
 
-    /// Counts the blobs `cell` (of a key space laid out as `layout`)
+    /// Counts the blobs `cell` (of a key space with keys of `key_len` bytes)
     /// references.
-    pub fn add(&mut self, layout: &EntryLayout, cell: &Cell) {
+    pub fn add(&mut self, key_len: usize, cell: &Cell) {
         for layer in cell.layers.iter() {
-            let bytes = layer.disk.record_len(layout) as u64;
+            let bytes = layer.disk.record_len(key_len) as u64;
             self.usage.live_bytes += bytes;
             let segment = SegmentId(layer.disk.position.0 / self.segment_bytes);
             if let Some(live) = self.per_segment.get_mut(&segment) {
@@ -102,7 +101,7 @@ impl Census {
 fn census(inner: &Inner) -> Census {
     let mut census = Census::new(inner);
     inner.table.for_each_cell(|space, _, cell| {
-        census.add(&inner.table.spaces[space].layout, cell);
+        census.add(inner.table.spaces[space].key_len(), cell);
     });
     census
 }
@@ -187,8 +186,8 @@ fn move_blobs(
             if !selected(layer) {
                 return Ok(layer.clone());
             }
-            let disk = inner.index.copy(&space.layout, &layer.disk)?;
-            written += disk.record_len(&space.layout) as u64;
+            let disk = inner.index.copy(space.key_len(), &layer.disk)?;
+            written += disk.record_len(space.key_len()) as u64;
             count += 1;
             Ok(Layer {
                 disk,

@@ -72,7 +72,7 @@ impl Inner {
                 None if layers.is_empty() => Arc::new(Vec::new()),
                 None => {
                     let _reading = self.index_gc.read();
-                    match self.index.load_layers(&space.layout, &layers) {
+                    match self.index.load_layers(space.key_len(), &layers) {
                         Ok((entries, _)) => Arc::new(entries),
                         Err(Error::NoRecord(_)) => continue,
                         Err(error) => return Err(error),
@@ -119,7 +119,7 @@ impl Inner {
                         let count = layer.disk.count as usize;
                         let guess = bound.map_or(0, |b| space.rank_guess(id, b, count));
                         self.index
-                            .entries_below(&space.layout, &layer.disk, bound, guess)
+                            .entries_below(space.key_len(), &layer.disk, bound, guess)
                     })
                     .collect();
                 match read {

@@ -153,7 +153,9 @@ fn retained_log_is_never_reclaimed() {
 /// A pass that moves every entry leaves one index entry per key: the flush
 /// after it merges each cell (a move adds no key, so it counts like a
 /// delete in the merge rule) instead of writing a delta beside the old base
-/// that it shadows entry for entry.
+/// that it shadows entry for entry (twice the bytes). The moved entries
+/// are a little larger: a relocated copy's version is no longer its
+/// location, so the blob stores it (8 bytes more per entry).
 #[test]
 fn relocating_everything_leaves_one_index_entry_per_key() {
     let (storage, _) = fault_storage();
@@ -178,7 +180,7 @@ fn relocating_everything_leaves_one_index_entry_per_key() {
     let after = engine.metrics().index_live_bytes;
     println!("index blobs referenced: {before} B before relocation, {after} B after");
     assert!(
-        after <= before + before / 10,
+        after <= before + before / 4,
         "{after} B of index after relocating everything, {before} B before"
     );
     check(&engine, |k| Some(value(k, 0, 200)));

@@ -13,19 +13,37 @@
 //! 12  u32      bloom bytes
 //! 16  u32      CRC32 of the bloom bytes (a lookup may read the bloom
 //!              alone, without the record's checksum)
-//! 20  u32      kind: 0 base, 1 delta (version 1 of the format had only
+//! 20  u8       kind: 0 base, 1 delta (version 1 of the format had only
 //!              bases, with 0 here)
-//! 24  bloom    (padded to 8)
-//! ..  entries  sorted by key
+//! 21  u8       entry format flags (`EntryFormat`; 0: full entries)
+//! 22  u16      0
+//! -- only when the format flags are not 0 (older blobs have none):
+//! 24  u32      the entries' shared epoch (`SHARED_EPOCH`), else 0
+//! 28  u32      the entries' shared tag (`SHARED_TAG`), else 0
+//! --
+//! ..  bloom    (padded to 8)
+//! ..  entries  sorted by key, `EntryLayout` of the key length and format
 //! ```
 
 use crate::index::bloom::Bloom;
-use crate::index::entry::{Entry, EntryLayout, Key};
-use crate::types::WalPosition;
+use crate::index::entry::{Entry, EntryFormat, EntryLayout, Key};
+use crate::types::{Epoch, Tag, WalPosition};
 use crate::wal::format::{Malformed, RECORD_HEADER_BYTES, align8, record_len};
 
 const MAGIC: &[u8; 4] = b"TPIX";
+/// Header bytes of a blob of full entries (format flags 0).
 const BLOB_HEADER_BYTES: usize = 24;
+/// Header bytes of a blob of any other format: the shared epoch and tag
+/// follow.
+const FORMAT_HEADER_BYTES: usize = 32;
+
+fn header_bytes(format: &EntryFormat) -> usize {
+    if format.flags == 0 {
+        BLOB_HEADER_BYTES
+    } else {
+        FORMAT_HEADER_BYTES
+    }
+}
 
 /// What a blob holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,9 +64,19 @@ pub(crate) struct DiskRef {
     pub count: u32,
     /// Bytes of the encoded bloom filter.
     pub bloom_len: u32,
+    /// How the blob stores its entries.
+    pub format: EntryFormat,
 }
 
 impl DiskRef {
+    /// The layout of the blob's entries, for keys of `key_len` bytes.
+    pub fn layout(&self, key_len: usize) -> EntryLayout {
+        EntryLayout {
+            key_len,
+            format: self.format,
+        }
+    }
+
     /// Log position of the blob header (the bloom filter follows it).
     pub fn header_position(&self) -> WalPosition {
         self.position.plus(RECORD_HEADER_BYTES as u64)
@@ -56,38 +84,66 @@ impl DiskRef {
 
     /// Bytes of the blob header and bloom filter.
     pub fn header_and_bloom_len(&self) -> usize {
-        BLOB_HEADER_BYTES + self.bloom_len as usize
+        header_bytes(&self.format) + self.bloom_len as usize
     }
 
-    /// Log position of entry `i`.
-    pub fn entry_position(&self, layout: &EntryLayout, i: usize) -> WalPosition {
-        let first = RECORD_HEADER_BYTES + BLOB_HEADER_BYTES + align8(self.bloom_len as usize);
-        self.position.plus((first + i * layout.size()) as u64)
+    /// Log position of entry `i` (keys of `key_len` bytes).
+    pub fn entry_position(&self, key_len: usize, i: usize) -> WalPosition {
+        let first =
+            RECORD_HEADER_BYTES + header_bytes(&self.format) + align8(self.bloom_len as usize);
+        self.position
+            .plus((first + i * self.layout(key_len).size()) as u64)
     }
 
-    /// Bytes of the whole record.
-    pub fn record_len(&self, layout: &EntryLayout) -> usize {
+    /// Bytes of the whole record (keys of `key_len` bytes).
+    pub fn record_len(&self, key_len: usize) -> usize {
         record_len(body_len(
             self.bloom_len as usize,
             self.count as usize,
-            layout,
+            &self.layout(key_len),
         ))
     }
 }
 
 fn body_len(bloom_len: usize, count: usize, layout: &EntryLayout) -> usize {
-    BLOB_HEADER_BYTES + align8(bloom_len) + count * layout.size()
+    header_bytes(&layout.format) + align8(bloom_len) + count * layout.size()
 }
 
-/// Encodes sorted, distinct `entries` (live ones only for a base) as a
-/// blob body, with a bloom filter of `bits_per_key`. Returns the body, the
-/// filter and the bloom length to record in the [`DiskRef`].
+/// A blob body ready to append, with what its [`DiskRef`] records.
+pub(crate) struct Encoded {
+    pub body: Vec<u8>,
+    pub bloom: Bloom,
+    pub bloom_len: u32,
+    pub format: EntryFormat,
+}
+
+/// Encodes sorted, distinct `entries` (live ones only for a base), keys
+/// of `key_len` bytes, as a blob body in the smallest format that holds
+/// them, with a bloom filter of `bits_per_key`.
 pub(crate) fn encode(
+    key_len: usize,
+    entries: &[(Key, Entry)],
+    bits_per_key: u32,
+    kind: BlobKind,
+) -> Encoded {
+    encode_as(
+        &EntryLayout {
+            key_len,
+            format: EntryFormat::of(entries),
+        },
+        entries,
+        bits_per_key,
+        kind,
+    )
+}
+
+/// [`encode`] in the given layout (which must hold every entry).
+pub(crate) fn encode_as(
     layout: &EntryLayout,
     entries: &[(Key, Entry)],
     bits_per_key: u32,
     kind: BlobKind,
-) -> (Vec<u8>, Bloom, u32) {
+) -> Encoded {
     debug_assert!(
         kind == BlobKind::Delta || entries.iter().all(|(_, e)| !e.tombstone()),
         "a base blob holds live entries only"
@@ -97,6 +153,7 @@ pub(crate) fn encode(
         bloom.insert(&key[..layout.key_len]);
     }
     let bloom_len = bloom.encoded_len();
+    let format = layout.format;
     let mut body = Vec::with_capacity(body_len(bloom_len, entries.len(), layout));
     body.extend_from_slice(MAGIC);
     body.extend_from_slice(&(entries.len() as u32).to_le_bytes());
@@ -106,38 +163,73 @@ pub(crate) fn encode(
     let mut encoded_bloom = Vec::with_capacity(bloom_len);
     bloom.encode(&mut encoded_bloom);
     body.extend_from_slice(&crc32fast::hash(&encoded_bloom).to_le_bytes());
-    body.extend_from_slice(&(kind as u32).to_le_bytes());
-    body.extend_from_slice(&encoded_bloom);
-    body.resize(BLOB_HEADER_BYTES + align8(bloom_len), 0);
-    let start = body.len();
-    body.resize(start + entries.len() * layout.size(), 0);
-    for (i, (key, entry)) in entries.iter().enumerate() {
-        let at = start + i * layout.size();
-        layout.encode(key, entry, &mut body[at..at + layout.size()]);
+    body.extend_from_slice(&[kind as u8, format.flags, 0, 0]);
+    if header_bytes(&format) == FORMAT_HEADER_BYTES {
+        body.extend_from_slice(&format.epoch.0.to_le_bytes());
+        body.extend_from_slice(&format.tag.0.to_le_bytes());
     }
-    (body, bloom, bloom_len as u32)
+    body.extend_from_slice(&encoded_bloom);
+    body.resize(header_bytes(&format) + align8(bloom_len), 0);
+    let start = body.len();
+    let size = layout.size();
+    body.resize(start + entries.len() * size, 0);
+    for (i, (key, entry)) in entries.iter().enumerate() {
+        let at = start + i * size;
+        layout.encode(key, entry, &mut body[at..at + size]);
+    }
+    Encoded {
+        body,
+        bloom,
+        bloom_len: bloom_len as u32,
+        format,
+    }
+}
+
+/// The entry format a blob header states, with its header length; `None`
+/// if the header is too short or names flags this build does not know.
+fn header_format(bytes: &[u8]) -> Option<(EntryFormat, usize)> {
+    let flags = *bytes.get(21)?;
+    if flags & !EntryFormat::KNOWN != 0 || bytes[22..24] != [0, 0] {
+        return None;
+    }
+    if flags == 0 {
+        return Some((EntryFormat::default(), BLOB_HEADER_BYTES));
+    }
+    let u32_at = |at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+    };
+    let format = EntryFormat::from_parts(flags, Epoch(u32_at(24)?), Tag(u32_at(28)?));
+    Some((format, FORMAT_HEADER_BYTES))
 }
 
 /// Decodes the bloom filter from the blob header and bloom bytes (read
-/// alone by lookups), verifying its checksum.
+/// alone by lookups), verifying its checksum and that the header states
+/// the format `expected` records.
 pub(crate) fn decode_bloom(bytes: &[u8], expected: &DiskRef) -> Result<Bloom, Malformed> {
     if bytes.len() != expected.header_and_bloom_len() || &bytes[..4] != MAGIC {
         return Err(Malformed("not an index blob header".into()));
     }
+    if header_format(bytes).map(|(format, _)| format) != Some(expected.format) {
+        return Err(Malformed(
+            "index blob header does not state its reference's entry format".into(),
+        ));
+    }
     let stored_len = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
     let stored_crc = u32::from_le_bytes(bytes[16..20].try_into().expect("4 bytes"));
-    let encoded = &bytes[BLOB_HEADER_BYTES..];
+    let encoded = &bytes[header_bytes(&expected.format)..];
     if stored_len != expected.bloom_len || crc32fast::hash(encoded) != stored_crc {
         return Err(Malformed("bloom filter checksum mismatch".into()));
     }
     Bloom::decode(encoded).ok_or_else(|| Malformed("bad bloom filter".into()))
 }
 
-/// Decodes a whole blob body (from a verified record) of the `kind` its
-/// place among the cell's layers says it is, checking every entry's
-/// checksum and the sort order.
+/// Decodes a whole blob body (from a verified record, keys of `key_len`
+/// bytes) of the `kind` its place among the cell's layers says it is,
+/// checking every entry's checksum and the sort order.
 pub(crate) fn decode(
-    layout: &EntryLayout,
+    key_len: usize,
     body: &[u8],
     expected: &DiskRef,
     kind: BlobKind,
@@ -147,24 +239,32 @@ pub(crate) fn decode(
     }
     let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4 bytes"));
     let count = u32_at(4);
-    let key_len = usize::from(u16::from_le_bytes([body[8], body[9]]));
+    let stored_key_len = usize::from(u16::from_le_bytes([body[8], body[9]]));
     let bloom_len = u32_at(12);
-    if u32_at(20) != kind as u32 {
+    if body[20] != kind as u8 {
         return Err(Malformed(format!(
             "index blob kind {} where a {kind:?} blob belongs",
-            u32_at(20)
+            body[20]
         )));
     }
-    if count != expected.count || bloom_len != expected.bloom_len || key_len != layout.key_len {
+    let Some((format, header_len)) = header_format(body) else {
+        return Err(Malformed("index blob of an unknown entry format".into()));
+    };
+    if count != expected.count
+        || bloom_len != expected.bloom_len
+        || stored_key_len != key_len
+        || format != expected.format
+    {
         return Err(Malformed(
             "index blob header does not match its reference".into(),
         ));
     }
-    if body.len() != body_len(bloom_len as usize, count as usize, layout) {
+    let layout = expected.layout(key_len);
+    if body.len() != body_len(bloom_len as usize, count as usize, &layout) {
         return Err(Malformed("index blob has the wrong length".into()));
     }
-    let bloom = decode_bloom(&body[..BLOB_HEADER_BYTES + bloom_len as usize], expected)?;
-    let start = BLOB_HEADER_BYTES + align8(bloom_len as usize);
+    let bloom = decode_bloom(&body[..header_len + bloom_len as usize], expected)?;
+    let start = header_len + align8(bloom_len as usize);
     let mut entries: Vec<(Key, Entry)> = Vec::with_capacity(count as usize);
     for chunk in body[start..].chunks_exact(layout.size()) {
         let decoded = layout
@@ -185,12 +285,9 @@ pub(crate) fn decode(
 mod tests {
     use super::*;
     use crate::index::entry::key_array;
-    use crate::types::{Epoch, Tag};
 
-    #[test]
-    fn blob_round_trips() {
-        let layout = EntryLayout { key_len: 32 };
-        let entries: Vec<(Key, Entry)> = (0..100u64)
+    fn sample_entries(epoch_of: impl Fn(u64) -> u32) -> Vec<(Key, Entry)> {
+        (0..100u64)
             .map(|i| {
                 let mut key = [0u8; 32];
                 key[..8].copy_from_slice(&(i * 1000).to_be_bytes());
@@ -198,35 +295,46 @@ mod tests {
                     version: i,
                     location: i,
                     len: 40,
-                    epoch: Epoch(1),
+                    epoch: Epoch(epoch_of(i)),
                     tag: Tag(0),
                 };
                 (key_array(&key), entry)
             })
-            .collect();
-        let (body, bloom, bloom_len) = encode(&layout, &entries, 10, BlobKind::Base);
-        let disk = DiskRef {
+            .collect()
+    }
+
+    fn disk_of(encoded: &Encoded, count: u32) -> DiskRef {
+        DiskRef {
             position: WalPosition(0),
-            count: 100,
-            bloom_len,
-        };
-        let (decoded, decoded_bloom) = decode(&layout, &body, &disk, BlobKind::Base).unwrap();
+            count,
+            bloom_len: encoded.bloom_len,
+            format: encoded.format,
+        }
+    }
+
+    /// Encodes, decodes whole and by parts: the header and bloom filter
+    /// alone, the first entry alone.
+    fn round_trip(encoded: &Encoded, entries: &[(Key, Entry)]) {
+        let disk = disk_of(encoded, entries.len() as u32);
+        let body = &encoded.body;
+        let (decoded, decoded_bloom) = decode(32, body, &disk, BlobKind::Base).unwrap();
         assert!(
-            decode(&layout, &body, &disk, BlobKind::Delta).is_err(),
+            decode(32, body, &disk, BlobKind::Delta).is_err(),
             "a base is not read as a delta"
         );
         assert_eq!(decoded, entries);
-        assert_eq!(decoded_bloom, bloom);
-        assert_eq!(record_len(body.len()), disk.record_len(&layout));
+        assert_eq!(decoded_bloom, encoded.bloom);
+        assert_eq!(record_len(body.len()), disk.record_len(32));
         let header = &body[..disk.header_and_bloom_len()];
-        assert_eq!(decode_bloom(header, &disk).unwrap(), bloom);
+        assert_eq!(decode_bloom(header, &disk).unwrap(), encoded.bloom);
         let mut damaged = header.to_vec();
         damaged[40] ^= 4;
         assert!(
             decode_bloom(&damaged, &disk).is_err(),
             "a damaged bloom filter is detected"
         );
-        let first = disk.entry_position(&layout, 0).0 as usize - RECORD_HEADER_BYTES;
+        let first = disk.entry_position(32, 0).0 as usize - RECORD_HEADER_BYTES;
+        let layout = disk.layout(32);
         assert_eq!(
             layout.decode(&body[first..first + layout.size()]),
             Some(entries[0])
@@ -234,8 +342,74 @@ mod tests {
     }
 
     #[test]
+    fn full_entries_round_trip_with_the_first_format() {
+        let entries = sample_entries(|_| 1);
+        let encoded = encode_as(&EntryLayout::full(32), &entries, 10, BlobKind::Base);
+        assert_eq!(encoded.format, EntryFormat::default());
+        assert_eq!(
+            &encoded.body[20..24],
+            &[0, 0, 0, 0],
+            "kind word as before formats"
+        );
+        assert_eq!(
+            encoded.body.len(),
+            24 + align8(encoded.bloom_len as usize) + 100 * 64
+        );
+        round_trip(&encoded, &entries);
+    }
+
+    #[test]
+    fn blobs_take_the_smallest_format_of_their_entries() {
+        let shared = sample_entries(|_| 1);
+        let encoded = encode(32, &shared, 10, BlobKind::Base);
+        assert_eq!(encoded.format.flags, EntryFormat::KNOWN);
+        assert_eq!(encoded.format.epoch, Epoch(1));
+        assert_eq!(
+            encoded.body.len(),
+            32 + align8(encoded.bloom_len as usize) + 100 * 44
+        );
+        round_trip(&encoded, &shared);
+        let mixed = sample_entries(|i| (i % 3) as u32);
+        let encoded = encode(32, &mixed, 10, BlobKind::Base);
+        assert_eq!(
+            encoded.format.flags,
+            EntryFormat::KNOWN & !EntryFormat::SHARED_EPOCH
+        );
+        assert_eq!(encoded.format.epoch, Epoch(0));
+        round_trip(&encoded, &mixed);
+    }
+
+    #[test]
+    fn a_reference_of_another_format_or_a_damaged_header_is_refused() {
+        let entries = sample_entries(|_| 1);
+        let encoded = encode(32, &entries, 10, BlobKind::Base);
+        let disk = disk_of(&encoded, 100);
+        let header = &encoded.body[..disk.header_and_bloom_len()];
+        let other_epoch = DiskRef {
+            format: EntryFormat {
+                epoch: Epoch(2),
+                ..disk.format
+            },
+            ..disk
+        };
+        assert!(decode(32, &encoded.body, &other_epoch, BlobKind::Base).is_err());
+        assert!(decode_bloom(header, &other_epoch).is_err());
+        for at in [21, 22, 24, 28] {
+            let mut bad = encoded.body.clone();
+            bad[at] ^= 0x40;
+            assert!(
+                decode(32, &bad, &disk, BlobKind::Base).is_err(),
+                "flip at {at}"
+            );
+            assert!(
+                decode_bloom(&bad[..header.len()], &disk).is_err(),
+                "flip at {at}, header alone"
+            );
+        }
+    }
+
+    #[test]
     fn deltas_carry_tombstones_and_bases_refuse_them() {
-        let layout = EntryLayout { key_len: 32 };
         let mut key = [0u8; 32];
         key[0] = 7;
         let tombstone = Entry {
@@ -246,16 +420,12 @@ mod tests {
             tag: Tag(5),
         };
         let entries = vec![(key_array(&key), tombstone)];
-        let (body, _, bloom_len) = encode(&layout, &entries, 10, BlobKind::Delta);
-        let disk = DiskRef {
-            position: WalPosition(0),
-            count: 1,
-            bloom_len,
-        };
-        let (decoded, _) = decode(&layout, &body, &disk, BlobKind::Delta).unwrap();
+        let encoded = encode(32, &entries, 10, BlobKind::Delta);
+        let disk = disk_of(&encoded, 1);
+        let (decoded, _) = decode(32, &encoded.body, &disk, BlobKind::Delta).unwrap();
         assert_eq!(decoded, entries);
-        let mut as_base = body.clone();
+        let mut as_base = encoded.body.clone();
         as_base[20] = 0;
-        assert!(decode(&layout, &as_base, &disk, BlobKind::Base).is_err());
+        assert!(decode(32, &as_base, &disk, BlobKind::Base).is_err());
     }
 }

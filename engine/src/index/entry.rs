@@ -102,34 +102,185 @@ impl Entry {
     }
 }
 
-/// Byte layout of an on-disk entry for keys of `key_len` bytes:
-/// key, version u64, location u64, len u32, epoch u32, tag u32, crc u32 —
-/// all little-endian; the CRC covers the preceding bytes of the entry.
+/// Which of an entry's fields a blob stores, and how wide: chosen per blob
+/// from its entries when it is written, so that a field every entry
+/// shares, or whose values all fit fewer bytes, costs less. The empty
+/// format (no flags) is the full entry; blobs written before formats
+/// existed all have it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct EntryFormat {
+    /// `NO_VERSION | LOCATION_48 | LEN_16 | SHARED_EPOCH | SHARED_TAG`.
+    pub flags: u8,
+    /// Every entry's epoch under `SHARED_EPOCH`, else 0.
+    pub epoch: Epoch,
+    /// Every entry's tag under `SHARED_TAG`, else 0.
+    pub tag: Tag,
+}
+
+impl EntryFormat {
+    /// No version field: every entry's version is its location (no
+    /// relocated copies, touches or drop markers).
+    pub const NO_VERSION: u8 = 1;
+    /// Locations in 6 bytes (all ones: a drop marker).
+    pub const LOCATION_48: u8 = 2;
+    /// Lengths in 2 bytes.
+    pub const LEN_16: u8 = 4;
+    /// No epoch field: the format's `epoch` is every entry's.
+    pub const SHARED_EPOCH: u8 = 8;
+    /// No tag field: the format's `tag` is every entry's.
+    pub const SHARED_TAG: u8 = 16;
+    /// Every flag this build knows.
+    pub const KNOWN: u8 = 31;
+    /// A drop marker's location in 6 bytes; no other location reaches it.
+    const DROPPED_48: u64 = (1 << 48) - 1;
+
+    /// The smallest format that holds every one of `entries`.
+    pub fn of(entries: &[(Key, Entry)]) -> EntryFormat {
+        let Some((_, first)) = entries.first() else {
+            return EntryFormat::default();
+        };
+        let mut flags = Self::KNOWN;
+        for (_, e) in entries {
+            if e.version != e.location {
+                flags &= !Self::NO_VERSION;
+            }
+            if e.location != Entry::DROPPED && e.location >= Self::DROPPED_48 {
+                flags &= !Self::LOCATION_48;
+            }
+            if e.len > u32::from(u16::MAX) {
+                flags &= !Self::LEN_16;
+            }
+            if e.epoch != first.epoch {
+                flags &= !Self::SHARED_EPOCH;
+            }
+            if e.tag != first.tag {
+                flags &= !Self::SHARED_TAG;
+            }
+        }
+        EntryFormat::from_parts(flags, first.epoch, first.tag)
+    }
+
+    /// The format of `flags` with the shared values (ignored, and kept as
+    /// 0, for fields the flags do not share).
+    pub fn from_parts(flags: u8, epoch: Epoch, tag: Tag) -> EntryFormat {
+        EntryFormat {
+            flags,
+            epoch: if flags & Self::SHARED_EPOCH != 0 {
+                epoch
+            } else {
+                Epoch(0)
+            },
+            tag: if flags & Self::SHARED_TAG != 0 {
+                tag
+            } else {
+                Tag(0)
+            },
+        }
+    }
+
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
+    /// Whether `entry` can be stored in this format.
+    fn holds(&self, entry: &Entry) -> bool {
+        (!self.has(Self::NO_VERSION) || entry.version == entry.location)
+            && (!self.has(Self::LOCATION_48)
+                || entry.location == Entry::DROPPED
+                || entry.location < Self::DROPPED_48)
+            && (!self.has(Self::LEN_16) || entry.len <= u32::from(u16::MAX))
+            && (!self.has(Self::SHARED_EPOCH) || entry.epoch == self.epoch)
+            && (!self.has(Self::SHARED_TAG) || entry.tag == self.tag)
+    }
+
+    fn location_bytes(&self) -> usize {
+        if self.has(Self::LOCATION_48) { 6 } else { 8 }
+    }
+
+    fn len_bytes(&self) -> usize {
+        if self.has(Self::LEN_16) { 2 } else { 4 }
+    }
+
+    /// Bytes after the key: the stored fields and the CRC.
+    fn tail_bytes(&self) -> usize {
+        let unless = |flag: u8, bytes: usize| if self.has(flag) { 0 } else { bytes };
+        unless(Self::NO_VERSION, 8)
+            + self.location_bytes()
+            + self.len_bytes()
+            + unless(Self::SHARED_EPOCH, 4)
+            + unless(Self::SHARED_TAG, 4)
+            + 4
+    }
+}
+
+/// Byte layout of an on-disk entry for keys of `key_len` bytes in a blob
+/// of `format`: key, version u64 (unless `NO_VERSION`), location (u64, or
+/// u48 under `LOCATION_48`), len (u32, or u16 under `LEN_16`), epoch u32
+/// (unless `SHARED_EPOCH`), tag u32 (unless `SHARED_TAG`), crc u32 (CRC32
+/// of the entry's preceding bytes) — all little-endian. The full format is
+/// 32 bytes after the key; the smallest 12.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct EntryLayout {
     pub key_len: usize,
+    pub format: EntryFormat,
 }
 
-/// Bytes after the key in an on-disk entry.
-const ENTRY_TAIL_BYTES: usize = 32;
+fn put(out: &mut [u8], at: &mut usize, bytes: &[u8]) {
+    out[*at..*at + bytes.len()].copy_from_slice(bytes);
+    *at += bytes.len();
+}
+
+fn take(bytes: &[u8], at: &mut usize, width: usize) -> u64 {
+    let mut wide = [0u8; 8];
+    wide[..width].copy_from_slice(&bytes[*at..*at + width]);
+    *at += width;
+    u64::from_le_bytes(wide)
+}
 
 impl EntryLayout {
+    /// The full layout (every field at full width) for keys of `key_len`.
+    #[cfg(test)]
+    pub fn full(key_len: usize) -> EntryLayout {
+        EntryLayout {
+            key_len,
+            format: EntryFormat::default(),
+        }
+    }
+
     /// Bytes per entry.
     pub fn size(&self) -> usize {
-        self.key_len + ENTRY_TAIL_BYTES
+        self.key_len + self.format.tail_bytes()
     }
 
     /// Writes `entry` for `key` into `out` (exactly `size()` bytes).
+    ///
+    /// # Panics
+    /// If the layout's format cannot hold `entry` (a blob's format is
+    /// chosen from its own entries, so this is a bug, never a bad input).
     pub fn encode(&self, key: &Key, entry: &Entry, out: &mut [u8]) {
-        let k = self.key_len;
-        out[..k].copy_from_slice(&key[..k]);
-        out[k..k + 8].copy_from_slice(&entry.version.to_le_bytes());
-        out[k + 8..k + 16].copy_from_slice(&entry.location.to_le_bytes());
-        out[k + 16..k + 20].copy_from_slice(&entry.len.to_le_bytes());
-        out[k + 20..k + 24].copy_from_slice(&entry.epoch.0.to_le_bytes());
-        out[k + 24..k + 28].copy_from_slice(&entry.tag.0.to_le_bytes());
-        let crc = crc32fast::hash(&out[..k + 28]);
-        out[k + 28..k + 32].copy_from_slice(&crc.to_le_bytes());
+        let f = &self.format;
+        assert!(f.holds(entry), "entry {entry:?} does not fit {f:?}");
+        let mut at = 0;
+        put(out, &mut at, &key[..self.key_len]);
+        if !f.has(EntryFormat::NO_VERSION) {
+            put(out, &mut at, &entry.version.to_le_bytes());
+        }
+        let location = if f.has(EntryFormat::LOCATION_48) && entry.location == Entry::DROPPED {
+            EntryFormat::DROPPED_48
+        } else {
+            entry.location
+        };
+        put(out, &mut at, &location.to_le_bytes()[..f.location_bytes()]);
+        put(out, &mut at, &entry.len.to_le_bytes()[..f.len_bytes()]);
+        if !f.has(EntryFormat::SHARED_EPOCH) {
+            put(out, &mut at, &entry.epoch.0.to_le_bytes());
+        }
+        if !f.has(EntryFormat::SHARED_TAG) {
+            put(out, &mut at, &entry.tag.0.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&out[..at]);
+        put(out, &mut at, &crc.to_le_bytes());
+        debug_assert_eq!(at, self.size());
     }
 
     /// The key bytes of an encoded entry (unverified).
@@ -139,20 +290,37 @@ impl EntryLayout {
 
     /// Decodes and verifies one encoded entry.
     pub fn decode(&self, bytes: &[u8]) -> Option<(Key, Entry)> {
-        let k = self.key_len;
-        let field = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
-        let wide = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-        if crc32fast::hash(&bytes[..k + 28]) != field(k + 28) {
+        let f = &self.format;
+        let body = self.size() - 4;
+        let stored = u32::from_le_bytes(bytes[body..body + 4].try_into().expect("4 bytes"));
+        if crc32fast::hash(&bytes[..body]) != stored {
             return None;
         }
-        let entry = Entry {
-            version: wide(k),
-            location: wide(k + 8),
-            len: field(k + 16),
-            epoch: Epoch(field(k + 20)),
-            tag: Tag(field(k + 24)),
+        let mut at = self.key_len;
+        let version = (!f.has(EntryFormat::NO_VERSION)).then(|| take(bytes, &mut at, 8));
+        let mut location = take(bytes, &mut at, f.location_bytes());
+        if f.has(EntryFormat::LOCATION_48) && location == EntryFormat::DROPPED_48 {
+            location = Entry::DROPPED;
+        }
+        let len = take(bytes, &mut at, f.len_bytes()) as u32;
+        let epoch = if f.has(EntryFormat::SHARED_EPOCH) {
+            f.epoch
+        } else {
+            Epoch(take(bytes, &mut at, 4) as u32)
         };
-        Some((key_array(&bytes[..k]), entry))
+        let tag = if f.has(EntryFormat::SHARED_TAG) {
+            f.tag
+        } else {
+            Tag(take(bytes, &mut at, 4) as u32)
+        };
+        let entry = Entry {
+            version: version.unwrap_or(location),
+            location,
+            len,
+            epoch,
+            tag,
+        };
+        Some((key_array(&bytes[..self.key_len]), entry))
     }
 
     /// Compares `key` with an encoded entry's key.
@@ -166,24 +334,111 @@ mod tests {
     use super::*;
 
     #[test]
-    fn encode_decode_and_detect_damage() {
-        let layout = EntryLayout { key_len: 20 };
+    fn encode_decode_and_detect_damage_in_every_format() {
         let key = key_array(&[5u8; 20]);
         let entry = Entry {
             version: 10,
-            location: 99,
+            location: 10,
             len: 300,
             epoch: Epoch(4),
             tag: Tag(2),
         };
-        let mut buf = vec![0u8; layout.size()];
-        layout.encode(&key, &entry, &mut buf);
-        assert_eq!(layout.decode(&buf), Some((key, entry)));
-        for i in 0..buf.len() {
-            let mut bad = buf.clone();
-            bad[i] ^= 0x10;
-            assert_eq!(layout.decode(&bad), None, "flip at byte {i} went unnoticed");
+        let mut sizes = std::collections::BTreeSet::new();
+        for flags in 0..=EntryFormat::KNOWN {
+            let layout = EntryLayout {
+                key_len: 20,
+                format: EntryFormat::from_parts(flags, entry.epoch, entry.tag),
+            };
+            let mut buf = vec![0u8; layout.size()];
+            layout.encode(&key, &entry, &mut buf);
+            assert_eq!(layout.decode(&buf), Some((key, entry)), "flags {flags:#x}");
+            for i in 0..buf.len() {
+                let mut bad = buf.clone();
+                bad[i] ^= 0x10;
+                assert_eq!(
+                    layout.decode(&bad),
+                    None,
+                    "flags {flags:#x}: flip at byte {i}"
+                );
+            }
+            sizes.insert(layout.size());
         }
+        assert_eq!(
+            sizes.first(),
+            Some(&32),
+            "20-byte key, 6-byte location, 2-byte len, CRC"
+        );
+        assert_eq!(
+            sizes.last(),
+            Some(&52),
+            "the full entry: 32 bytes after the key"
+        );
+    }
+
+    #[test]
+    fn the_format_of_entries_is_the_smallest_that_holds_them_all() {
+        let key = key_array(&[1u8; 32]);
+        let fresh = |position: u64| Entry::written(position, 1080, false, Epoch(3), Tag(0));
+        let format = |entries: &[Entry]| {
+            EntryFormat::of(&entries.iter().map(|e| (key, *e)).collect::<Vec<_>>())
+        };
+        let smallest = format(&[fresh(100), fresh(200)]);
+        assert_eq!(smallest.flags, EntryFormat::KNOWN);
+        assert_eq!((smallest.epoch, smallest.tag), (Epoch(3), Tag(0)));
+        assert_eq!(
+            EntryLayout {
+                key_len: 32,
+                format: smallest
+            }
+            .size(),
+            44
+        );
+        let moved = Entry {
+            location: 900,
+            ..fresh(100)
+        };
+        let dropped = Entry::dropped(&fresh(300));
+        let big = Entry::written(400, 70_000, false, Epoch(3), Tag(0));
+        let far = fresh(1 << 50);
+        let other_epoch = Entry::written(500, 1080, false, Epoch(4), Tag(0));
+        let other_tag = Entry::written(600, 1080, false, Epoch(3), Tag(7));
+        for (entry, lost) in [
+            (moved, EntryFormat::NO_VERSION),
+            (dropped, EntryFormat::NO_VERSION),
+            (big, EntryFormat::LEN_16),
+            (far, EntryFormat::LOCATION_48),
+            (other_epoch, EntryFormat::SHARED_EPOCH),
+            (other_tag, EntryFormat::SHARED_TAG),
+        ] {
+            let f = format(&[fresh(100), entry]);
+            assert_eq!(f.flags, EntryFormat::KNOWN & !lost, "{entry:?}");
+            let layout = EntryLayout {
+                key_len: 32,
+                format: f,
+            };
+            let mut buf = vec![0u8; layout.size()];
+            for e in [fresh(100), entry] {
+                layout.encode(&key, &e, &mut buf);
+                assert_eq!(layout.decode(&buf), Some((key, e)));
+            }
+        }
+        // A drop marker's location fits 6 bytes (all ones stand for it).
+        let f = format(&[dropped]);
+        assert_ne!(f.flags & EntryFormat::LOCATION_48, 0);
+        let at_limit = fresh(EntryFormat::DROPPED_48);
+        assert_eq!(format(&[at_limit]).flags & EntryFormat::LOCATION_48, 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "does not fit")]
+    fn an_entry_outside_the_format_is_refused() {
+        let layout = EntryLayout {
+            key_len: 32,
+            format: EntryFormat::from_parts(EntryFormat::LEN_16, Epoch(0), Tag(0)),
+        };
+        let mut buf = vec![0u8; layout.size()];
+        let entry = Entry::written(7, 70_000, false, Epoch(0), Tag(0));
+        layout.encode(&key_array(&[0u8; 32]), &entry, &mut buf);
     }
 
     #[test]

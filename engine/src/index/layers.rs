@@ -13,7 +13,7 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::index::blob::{BlobKind, DiskRef};
 use crate::index::bloom::{Bloom, KeyHash};
-use crate::index::entry::{Entry, EntryLayout, Key, SortedEntries};
+use crate::index::entry::{Entry, Key, SortedEntries};
 use crate::index::store::IndexStore;
 
 /// One blob of a cell's on-disk index, with its bloom filter once read.
@@ -162,12 +162,12 @@ impl IndexStore {
     /// estimates the key's rank among a blob's `count` entries.
     pub fn lookup_layers(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         layers: &[Layer],
         key: &Key,
         guess: impl Fn(usize) -> usize,
     ) -> Result<LayeredFound> {
-        let hash = KeyHash::of(&key[..layout.key_len]);
+        let hash = KeyHash::of(&key[..key_len]);
         let mut found = LayeredFound::default();
         for layer in layers.iter().rev() {
             let bloom = match &layer.bloom {
@@ -182,7 +182,7 @@ impl IndexStore {
                 continue;
             }
             let count = layer.disk.count as usize;
-            let hit = self.lookup(layout, &layer.disk, key, guess(count))?;
+            let hit = self.lookup(key_len, &layer.disk, key, guess(count))?;
             found.searched += 1;
             found.reads += hit.reads;
             if hit.entry.is_some() {
@@ -197,13 +197,13 @@ impl IndexStore {
     /// only) and the layers with their bloom filters.
     pub fn load_layers(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         layers: &[Layer],
     ) -> Result<(SortedEntries, Vec<Layer>)> {
         let mut merged: Vec<(Key, Entry)> = Vec::new();
         let mut loaded = Vec::with_capacity(layers.len());
         for (i, layer) in layers.iter().enumerate() {
-            let (entries, bloom) = self.load(layout, &layer.disk, kind_at(i))?;
+            let (entries, bloom) = self.load(key_len, &layer.disk, kind_at(i))?;
             merged = if i == 0 {
                 entries
             } else {
@@ -242,6 +242,7 @@ pub(crate) mod test_support {
             position: WalPosition(position),
             count,
             bloom_len: 12,
+            format: Default::default(),
         }
     }
 

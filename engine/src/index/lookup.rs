@@ -394,33 +394,48 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::index::entry::key_array;
+    use crate::index::entry::{EntryFormat, key_array};
     use crate::types::{Epoch, Tag};
 
+    /// Sorted random keys and their entries in the format a blob of them
+    /// takes (the smallest that holds them: 44 bytes each).
     fn build(count: usize, rng: &mut SmallRng) -> (EntryLayout, Vec<Key>, Vec<u8>) {
-        let layout = EntryLayout { key_len: 32 };
         let mut keys: Vec<Key> = (0..count)
             .map(|_| key_array(&rng.random::<[u8; 32]>()))
             .collect();
         keys.sort();
         keys.dedup();
-        let bytes = encode_sorted(&layout, &keys);
+        let entries = entries_of(&keys);
+        let layout = EntryLayout {
+            key_len: 32,
+            format: EntryFormat::of(&entries),
+        };
+        let bytes = encode_sorted(&layout, &entries);
         (layout, keys, bytes)
     }
 
     /// The entries of sorted `keys`, entry `i` with version and location `i`.
-    fn encode_sorted(layout: &EntryLayout, keys: &[Key]) -> Vec<u8> {
+    fn entries_of(keys: &[Key]) -> Vec<(Key, Entry)> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let entry = Entry {
+                    version: i as u64,
+                    location: i as u64,
+                    len: 1,
+                    epoch: Epoch(0),
+                    tag: Tag(0),
+                };
+                (*key, entry)
+            })
+            .collect()
+    }
+
+    fn encode_sorted(layout: &EntryLayout, entries: &[(Key, Entry)]) -> Vec<u8> {
         let size = layout.size();
-        let mut bytes = vec![0u8; keys.len() * size];
-        for (i, key) in keys.iter().enumerate() {
-            let entry = Entry {
-                version: i as u64,
-                location: i as u64,
-                len: 1,
-                epoch: Epoch(0),
-                tag: Tag(0),
-            };
-            layout.encode(key, &entry, &mut bytes[i * size..(i + 1) * size]);
+        let mut bytes = vec![0u8; entries.len() * size];
+        for (i, (key, entry)) in entries.iter().enumerate() {
+            layout.encode(key, entry, &mut bytes[i * size..(i + 1) * size]);
         }
         bytes
     }
@@ -639,7 +654,7 @@ mod tests {
     fn interpolation_lands_on_skewed_keys_too() {
         // Keys crowded into a few clusters: the bisection steps bound the
         // probes; every key is still found and absent keys are absent.
-        let layout = EntryLayout { key_len: 32 };
+        let layout = EntryLayout::full(32);
         let mut rng = SmallRng::seed_from_u64(3);
         let mut keys: Vec<Key> = (0..3_000)
             .map(|i| {
@@ -652,7 +667,7 @@ mod tests {
         keys.sort();
         keys.dedup();
         let size = layout.size();
-        let bytes = encode_sorted(&layout, &keys);
+        let bytes = encode_sorted(&layout, &entries_of(&keys));
         let read = |first: usize, n: usize| -> Result<Cow<'_, [u8]>, ()> {
             Ok(Cow::Borrowed(&bytes[first * size..(first + n) * size]))
         };

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use crate::error::{Error, Result};
 use crate::index::blob::{self, BlobKind, DiskRef};
 use crate::index::bloom::Bloom;
-use crate::index::entry::{Entry, EntryLayout, Key};
+use crate::index::entry::{Entry, Key};
 use crate::index::lookup::{self, Found, LookupError};
 use crate::types::WalPosition;
 use crate::wal::Log;
@@ -30,18 +30,24 @@ impl IndexStore {
         }
     }
 
-    /// Appends the sorted `entries` (live ones only for a base) as one
-    /// blob of `kind`; `None` for no entries.
+    /// Appends the sorted `entries` (live ones only for a base), keys of
+    /// `key_len` bytes, as one blob of `kind` in the smallest entry format
+    /// that holds them; `None` for no entries.
     pub fn write(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         entries: &[(Key, Entry)],
         kind: BlobKind,
     ) -> Result<Option<(DiskRef, Bloom)>> {
         if entries.is_empty() {
             return Ok(None);
         }
-        let (body, bloom, bloom_len) = blob::encode(layout, entries, self.bits_per_key, kind);
+        let blob::Encoded {
+            body,
+            bloom,
+            bloom_len,
+            format: entry_format,
+        } = blob::encode(key_len, entries, self.bits_per_key, kind);
         let len = format::record_len(body.len());
         let (position, ()) = self.log.append(len, |buf, position| {
             format::write_plain(buf, position, Kind::IndexBlob, &body)
@@ -50,6 +56,7 @@ impl IndexStore {
             position,
             count: entries.len() as u32,
             bloom_len,
+            format: entry_format,
         };
         Ok(Some((disk, bloom)))
     }
@@ -57,24 +64,24 @@ impl IndexStore {
     /// Reads and verifies a whole blob of `kind`.
     pub fn load(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         disk: &DiskRef,
         kind: BlobKind,
     ) -> Result<(Vec<(Key, Entry)>, Bloom)> {
-        let bytes = self.log.read(disk.position, disk.record_len(layout))?;
+        let bytes = self.log.read(disk.position, disk.record_len(key_len))?;
         let view = RecordView::verify(disk.position, &bytes)
             .map_err(|m| self.corrupt(disk.position, m.0))?;
         if view.header.kind != Kind::IndexBlob {
             return Err(self.corrupt(disk.position, "not an index blob record"));
         }
-        blob::decode(layout, view.body, disk, kind).map_err(|m| self.corrupt(disk.position, m.0))
+        blob::decode(key_len, view.body, disk, kind).map_err(|m| self.corrupt(disk.position, m.0))
     }
 
     /// Copies the blob `disk` to the end of the index log: the same body
     /// (entries and bloom filter), verified, under a new record header.
     /// Returns where the copy is.
-    pub fn copy(&self, layout: &EntryLayout, disk: &DiskRef) -> Result<DiskRef> {
-        let bytes = self.log.read(disk.position, disk.record_len(layout))?;
+    pub fn copy(&self, key_len: usize, disk: &DiskRef) -> Result<DiskRef> {
+        let bytes = self.log.read(disk.position, disk.record_len(key_len))?;
         let view = RecordView::verify(disk.position, &bytes)
             .map_err(|m| self.corrupt(disk.position, m.0))?;
         if view.header.kind != Kind::IndexBlob {
@@ -99,15 +106,16 @@ impl IndexStore {
     /// ending at the largest, from one window read (usually).
     pub fn entries_below(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         disk: &DiskRef,
         bound: Option<&Key>,
         guess: usize,
     ) -> Result<lookup::Below> {
-        self.with_entries(layout, disk, |_, read| {
+        let layout = &disk.layout(key_len);
+        self.with_entries(key_len, disk, |_, read| {
             lookup::entries_below(layout, disk.count as usize, bound, guess, self.window, read)
         })?
-        .map_err(|e| self.lookup_error(layout, disk, e))
+        .map_err(|e| self.lookup_error(key_len, disk, e))
     }
 
     /// Runs `search` with a blob's entries: all of them in place when the
@@ -116,32 +124,32 @@ impl IndexStore {
     /// read with `pread`.
     fn with_entries<R>(
         &self,
-        layout: &EntryLayout,
+        key_len: usize,
         disk: &DiskRef,
         search: impl for<'r> FnOnce(
             Option<&'r [u8]>,
             &mut dyn FnMut(usize, usize) -> Result<Cow<'r, [u8]>>,
         ) -> R,
     ) -> Result<R> {
-        let size = layout.size();
-        let first = disk.entry_position(layout, 0);
+        let size = disk.layout(key_len).size();
+        let first = disk.entry_position(key_len, 0);
         match self.log.mapped(first, disk.count as usize * size)? {
             Some(all) => Ok(search(Some(&all), &mut |from, n| {
                 Ok(Cow::Borrowed(&all[from * size..(from + n) * size]))
             })),
             None => Ok(search(None, &mut |from, n| {
                 self.log
-                    .read(disk.entry_position(layout, from), n * size)
+                    .read(disk.entry_position(key_len, from), n * size)
                     .map(Cow::Owned)
             })),
         }
     }
 
-    fn lookup_error(&self, layout: &EntryLayout, disk: &DiskRef, e: LookupError<Error>) -> Error {
+    fn lookup_error(&self, key_len: usize, disk: &DiskRef, e: LookupError<Error>) -> Error {
         match e {
             LookupError::Read(error) => error,
             LookupError::Corrupt { entry } => self.corrupt(
-                disk.entry_position(layout, entry),
+                disk.entry_position(key_len, entry),
                 "index entry checksum mismatch",
             ),
         }
@@ -149,18 +157,13 @@ impl IndexStore {
 
     /// Looks `key` up in a blob: in place when the index log's segment is
     /// mapped, else with the optimistic window lookup (`pread`).
-    pub fn lookup(
-        &self,
-        layout: &EntryLayout,
-        disk: &DiskRef,
-        key: &Key,
-        guess: usize,
-    ) -> Result<Found> {
-        self.with_entries(layout, disk, |all, read| match all {
+    pub fn lookup(&self, key_len: usize, disk: &DiskRef, key: &Key, guess: usize) -> Result<Found> {
+        let layout = &disk.layout(key_len);
+        self.with_entries(key_len, disk, |all, read| match all {
             Some(all) => lookup::lookup_in_place(layout, all, key, guess)
                 .map(|entry| Found { entry, reads: 1 }),
             None => lookup::lookup(layout, disk.count as usize, key, guess, self.window, read),
         })?
-        .map_err(|e| self.lookup_error(layout, disk, e))
+        .map_err(|e| self.lookup_error(key_len, disk, e))
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{CellLayout, KeySpaceConfig};
-use crate::index::entry::{EntryLayout, Key, key_array};
+use crate::index::entry::{Key, key_array};
 use crate::storage::prefetch_line;
 use crate::striped::StripedCounter;
 use cell::Cell;
@@ -51,7 +51,7 @@ enum Cells {
 #[derive(Debug)]
 pub(crate) struct SpaceTable {
     pub config: KeySpaceConfig,
-    pub layout: EntryLayout,
+    key_len: usize,
     cells: Cells,
 }
 
@@ -103,19 +103,17 @@ impl SpaceTable {
                 map: RwLock::new(BTreeMap::new()),
             },
         };
-        let layout = EntryLayout {
-            key_len: config.key_bytes as usize,
-        };
+        let key_len = config.key_bytes as usize;
         Self {
             config,
-            layout,
+            key_len,
             cells,
         }
     }
 
     /// Key length of this key space.
     pub fn key_len(&self) -> usize {
-        self.layout.key_len
+        self.key_len
     }
 
     /// The cell that holds `key`.
