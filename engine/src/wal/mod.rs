@@ -521,7 +521,6 @@ impl Shared {
         self.tracker.done(base, base + HEADER_RECORD_BYTES);
     }
 
-    /// Makes every processed byte durable.
     /// Drops the page-cache pages of sealed segments that are synced and
     /// lie more than `keep_cached_bytes` behind the synced watermark, each
     /// once. The advice cannot lose data (the pages are clean; the kernel
@@ -547,6 +546,7 @@ impl Shared {
         }
     }
 
+    /// Makes every processed byte durable.
     fn sync_to_processed(&self) -> Result<()> {
         let target = self.tracker.processed();
         let from = self.synced.load(Ordering::Acquire);
