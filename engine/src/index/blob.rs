@@ -164,7 +164,7 @@ pub(crate) fn encode_as(
     bloom.encode(&mut encoded_bloom);
     body.extend_from_slice(&crc32fast::hash(&encoded_bloom).to_le_bytes());
     body.extend_from_slice(&[kind as u8, format.flags, 0, 0]);
-    if header_bytes(&format) == FORMAT_HEADER_BYTES {
+    if format.flags != 0 {
         body.extend_from_slice(&format.epoch.0.to_le_bytes());
         body.extend_from_slice(&format.tag.0.to_le_bytes());
     }
@@ -185,23 +185,26 @@ pub(crate) fn encode_as(
     }
 }
 
-/// The entry format a blob header states, with its header length; `None`
-/// if the header is too short or names flags this build does not know.
-fn header_format(bytes: &[u8]) -> Option<(EntryFormat, usize)> {
+/// The entry format a blob header states; `None` if the header is too
+/// short or names flags this build does not know.
+fn header_format(bytes: &[u8]) -> Option<EntryFormat> {
     let flags = *bytes.get(21)?;
-    if flags & !EntryFormat::KNOWN != 0 || bytes[22..24] != [0, 0] {
+    if flags & !EntryFormat::KNOWN != 0 || bytes.get(22..24)? != [0, 0] {
         return None;
     }
     if flags == 0 {
-        return Some((EntryFormat::default(), BLOB_HEADER_BYTES));
+        return Some(EntryFormat::default());
     }
     let u32_at = |at: usize| {
         bytes
             .get(at..at + 4)
             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
     };
-    let format = EntryFormat::from_parts(flags, Epoch(u32_at(24)?), Tag(u32_at(28)?));
-    Some((format, FORMAT_HEADER_BYTES))
+    Some(EntryFormat::from_parts(
+        flags,
+        Epoch(u32_at(24)?),
+        Tag(u32_at(28)?),
+    ))
 }
 
 /// Decodes the bloom filter from the blob header and bloom bytes (read
@@ -211,7 +214,7 @@ pub(crate) fn decode_bloom(bytes: &[u8], expected: &DiskRef) -> Result<Bloom, Ma
     if bytes.len() != expected.header_and_bloom_len() || &bytes[..4] != MAGIC {
         return Err(Malformed("not an index blob header".into()));
     }
-    if header_format(bytes).map(|(format, _)| format) != Some(expected.format) {
+    if header_format(bytes) != Some(expected.format) {
         return Err(Malformed(
             "index blob header does not state its reference's entry format".into(),
         ));
@@ -247,7 +250,7 @@ pub(crate) fn decode(
             body[20]
         )));
     }
-    let Some((format, header_len)) = header_format(body) else {
+    let Some(format) = header_format(body) else {
         return Err(Malformed("index blob of an unknown entry format".into()));
     };
     if count != expected.count
@@ -263,6 +266,7 @@ pub(crate) fn decode(
     if body.len() != body_len(bloom_len as usize, count as usize, &layout) {
         return Err(Malformed("index blob has the wrong length".into()));
     }
+    let header_len = header_bytes(&format);
     let bloom = decode_bloom(&body[..header_len + bloom_len as usize], expected)?;
     let start = header_len + align8(bloom_len as usize);
     let mut entries: Vec<(Key, Entry)> = Vec::with_capacity(count as usize);

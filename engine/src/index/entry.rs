@@ -139,25 +139,24 @@ impl EntryFormat {
         let Some((_, first)) = entries.first() else {
             return EntryFormat::default();
         };
-        let mut flags = Self::KNOWN;
-        for (_, e) in entries {
-            if e.version != e.location {
-                flags &= !Self::NO_VERSION;
-            }
-            if e.location != Entry::DROPPED && e.location >= Self::DROPPED_48 {
-                flags &= !Self::LOCATION_48;
-            }
-            if e.len > u32::from(u16::MAX) {
-                flags &= !Self::LEN_16;
-            }
-            if e.epoch != first.epoch {
-                flags &= !Self::SHARED_EPOCH;
-            }
-            if e.tag != first.tag {
-                flags &= !Self::SHARED_TAG;
-            }
-        }
+        let flags = entries.iter().fold(Self::KNOWN, |flags, (_, e)| {
+            flags & Self::allowed(e, first.epoch, first.tag)
+        });
         EntryFormat::from_parts(flags, first.epoch, first.tag)
+    }
+
+    /// The flags under which `entry` can be stored, with `epoch` and `tag`
+    /// as the shared ones.
+    fn allowed(entry: &Entry, epoch: Epoch, tag: Tag) -> u8 {
+        let flag = |holds: bool, flag: u8| if holds { flag } else { 0 };
+        flag(entry.version == entry.location, Self::NO_VERSION)
+            | flag(
+                entry.location == Entry::DROPPED || entry.location < Self::DROPPED_48,
+                Self::LOCATION_48,
+            )
+            | flag(entry.len <= u32::from(u16::MAX), Self::LEN_16)
+            | flag(entry.epoch == epoch, Self::SHARED_EPOCH)
+            | flag(entry.tag == tag, Self::SHARED_TAG)
     }
 
     /// The format of `flags` with the shared values (ignored, and kept as
@@ -184,13 +183,7 @@ impl EntryFormat {
 
     /// Whether `entry` can be stored in this format.
     fn holds(&self, entry: &Entry) -> bool {
-        (!self.has(Self::NO_VERSION) || entry.version == entry.location)
-            && (!self.has(Self::LOCATION_48)
-                || entry.location == Entry::DROPPED
-                || entry.location < Self::DROPPED_48)
-            && (!self.has(Self::LEN_16) || entry.len <= u32::from(u16::MAX))
-            && (!self.has(Self::SHARED_EPOCH) || entry.epoch == self.epoch)
-            && (!self.has(Self::SHARED_TAG) || entry.tag == self.tag)
+        self.flags & !Self::allowed(entry, self.epoch, self.tag) == 0
     }
 
     fn location_bytes(&self) -> usize {

@@ -51,7 +51,6 @@ enum Cells {
 #[derive(Debug)]
 pub(crate) struct SpaceTable {
     pub config: KeySpaceConfig,
-    key_len: usize,
     cells: Cells,
 }
 
@@ -103,17 +102,12 @@ impl SpaceTable {
                 map: RwLock::new(BTreeMap::new()),
             },
         };
-        let key_len = config.key_bytes as usize;
-        Self {
-            config,
-            key_len,
-            cells,
-        }
+        Self { config, cells }
     }
 
     /// Key length of this key space.
     pub fn key_len(&self) -> usize {
-        self.key_len
+        self.config.key_bytes as usize
     }
 
     /// The cell that holds `key`.
