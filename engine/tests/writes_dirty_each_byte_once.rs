@@ -19,9 +19,10 @@ fn engine_bytes(engine: &Engine) -> u64 {
     counters.wal_bytes_written + counters.index_bytes_written
 }
 
-/// Writes `total` bytes of `value_bytes` values with `durability`, then
-/// closes the engine; returns (engine bytes, bytes the kernel counted).
-fn write(total: u64, value_bytes: usize, durability: Durability) -> Option<(u64, u64)> {
+/// A new engine in a temporary directory on a block device (`None`
+/// elsewhere), with 64 MiB value log segments and the background syncer
+/// every `sync_interval_ms`.
+fn open(sync_interval_ms: u64) -> Option<(tempfile::TempDir, Engine)> {
     let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     if !tidepool_testkit::on_block_device(root.path()) {
         println!(
@@ -34,7 +35,15 @@ fn write(total: u64, value_bytes: usize, durability: Durability) -> Option<(u64,
     config.wal_segment_bytes = 64 << 20;
     config.index_segment_bytes = 4 << 20;
     config.relocation_enabled = false;
+    config.sync_interval_ms = sync_interval_ms;
     let engine = Engine::open(config).unwrap();
+    Some((root, engine))
+}
+
+/// Writes `total` bytes of `value_bytes` values with `durability`, then
+/// closes the engine; returns (engine bytes, bytes the kernel counted).
+fn write(total: u64, value_bytes: usize, durability: Durability) -> Option<(u64, u64)> {
+    let (_root, engine) = open(100)?;
     let ks = engine.key_space("default").unwrap();
     let io_before = tidepool_testkit::process_write_bytes();
     let before = engine_bytes(&engine);
@@ -60,6 +69,7 @@ fn write(total: u64, value_bytes: usize, durability: Durability) -> Option<(u64,
 fn synced_and_buffered_writes_are_dirtied_about_once() {
     synced_writes_are_dirtied_once();
     a_burst_of_buffered_writes_is_dirtied_about_once();
+    synced_writes_after_a_burst_are_dirtied_once();
 }
 
 fn synced_writes_are_dirtied_once() {
@@ -90,4 +100,55 @@ fn a_burst_of_buffered_writes_is_dirtied_about_once() {
             "the kernel counted {dirtied} bytes for {appended} appended"
         );
     }
+}
+
+/// A burst of buffered writes gets large folios for the segments mapped
+/// while it lasts; synced writes after it would write the 2 MiB folio
+/// holding the log's tail back at every sync, until those segments are
+/// full. The log notices that it slowed down and gives the rest of its
+/// active segment page folios.
+fn synced_writes_after_a_burst_are_dirtied_once() {
+    // A sync every 2 s: the burst writes far more than 16 MiB per sync.
+    let Some((_root, engine)) = open(2000) else {
+        return;
+    };
+    let ks = engine.key_space("default").unwrap();
+    // 232 MiB of 64 KiB values: the active segment is the fourth (the
+    // first three were mapped when the log was new, with page folios), and
+    // its tail 40 MiB in, where readahead's folios have grown to 2 MiB.
+    let burst = 3712;
+    for i in 0..burst {
+        engine
+            .put(ks, &key(i), &value(i, 1, 64 << 10), Durability::Buffered)
+            .unwrap();
+    }
+    // The log is judged every 8 syncs, by a thread that looks every 100 ms.
+    for i in burst..burst + 40 {
+        engine
+            .put(ks, &key(i), &value(i, 1, 4 << 10), Durability::Synced)
+            .unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+
+    let io_before = tidepool_testkit::process_write_bytes();
+    let before = engine_bytes(&engine);
+    let puts = 256;
+    for i in burst + 40..burst + 40 + puts {
+        engine
+            .put(ks, &key(i), &value(i, 1, 4 << 10), Durability::Synced)
+            .unwrap();
+    }
+    let appended = engine_bytes(&engine) - before;
+    let dirtied = tidepool_testkit::process_write_bytes() - io_before;
+    println!(
+        "{puts} synced 4 KiB puts after a burst: engine appended {appended}, kernel counted {dirtied}"
+    );
+    // Each put's pages and its sync mark's (the tail page again: up to
+    // 12 KiB a put), plus control files; with a large tail folio it was
+    // 2 MiB a put.
+    let overhead = (2 << 20) + puts * (12 << 10);
+    assert!(
+        dirtied <= appended + overhead,
+        "the kernel counted {dirtied} bytes for {appended} appended"
+    );
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use rustix::fs::{Advice, FallocateFlags, FlockOperation};
 
+use super::mapping::MappedMemory;
 use super::{DirLock, LOCK_FILE, Mapping, ReadMapping, Storage, StorageFile};
 
 /// The production storage: files in a real directory tree.
@@ -180,10 +181,14 @@ impl StorageFile for DiskFile {
         let _ = map.advise(memmap2::Advice::PopulateRead);
         let base = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
+        let owner = FileMap {
+            map,
+            file: self.file.try_clone()?,
+        };
         // SAFETY: `base` points to the `len` bytes of `map`, which the mapping
         // owns and which stay mapped until it is dropped; only the mapping
         // writes them (file reads go through `pread`, which is fine).
-        Ok(unsafe { Mapping::from_raw(base, len as u64, Box::new(map)) })
+        Ok(unsafe { Mapping::from_raw(base, len as u64, Box::new(owner)) })
     }
 
     fn map_read(&self) -> io::Result<ReadMapping> {
@@ -215,6 +220,46 @@ impl StorageFile for DiskFile {
 
     fn evict_cache(&self) -> io::Result<()> {
         rustix::fs::fadvise(&self.file, 0, None, Advice::DontNeed).map_err(io::Error::from)
+    }
+}
+
+/// A writable shared mapping of a file, with a descriptor of the file for
+/// the advice that works on the file's page cache rather than the mapping.
+struct FileMap {
+    map: memmap2::MmapMut,
+    file: File,
+}
+
+impl MappedMemory for FileMap {
+    fn fault_in_writable(&self, offset: usize, len: usize) {
+        self.map.fault_in_writable(offset, len);
+    }
+
+    fn release(&self, offset: usize, len: usize) {
+        self.map.release(offset, len);
+    }
+
+    fn use_page_folios(&self, offset: usize, len: usize) {
+        // 1. Unmap the range (its pages stay in the page cache, see
+        //    `release`), since the kernel drops no page still mapped.
+        self.map.release(offset, len);
+        // 2. Drop the range's clean page-cache pages: zeros read from the
+        //    file's unwritten (fallocated) blocks. A page dirtied meanwhile
+        //    is kept, and a folio reaching outside the range is kept whole.
+        let _ = rustix::fs::fadvise(
+            &self.file,
+            offset as u64,
+            std::num::NonZeroU64::new(len as u64),
+            Advice::DontNeed,
+        );
+        // 3. Faults of a range advised random read no readahead window, so
+        //    each page is faulted in with a folio of its own, as in
+        //    `DiskFile::map` with `page_folios`; fault them in now, on the
+        //    calling thread, not on the writers'.
+        let _ = self.map.advise_range(memmap2::Advice::Random, offset, len);
+        let _ = self
+            .map
+            .advise_range(memmap2::Advice::PopulateRead, offset, len);
     }
 }
 

@@ -36,6 +36,11 @@ pub(crate) trait MappedMemory: Send + Sync {
     /// keeps them, dirty ones stay dirty, and a later access maps them again.
     /// A hint: doing nothing is correct, only slower.
     fn release(&self, _offset: usize, _len: usize) {}
+    /// Makes the pages of `[offset, offset + len)` (page-aligned, not yet
+    /// written by anyone) page-sized page-cache folios from now on, where
+    /// the memory is a shared file mapping whose clean pages sit in larger
+    /// folios. A hint: doing nothing is correct, only costlier at syncs.
+    fn use_page_folios(&self, _offset: usize, _len: usize) {}
 }
 impl MappedMemory for memmap2::MmapMut {
     fn fault_in_writable(&self, offset: usize, len: usize) {
@@ -60,6 +65,11 @@ impl MappedMemory for Box<[u8]> {}
 /// The page size [`Mapping::release_below`] aligns to. A larger real page size
 /// only makes the advice fail, which changes nothing.
 const PAGE_BYTES: u64 = 4096;
+
+/// The largest page-cache folio (2 MiB on x86-64 with 4 KiB pages):
+/// [`Mapping::use_page_folios_from`] starts on such a boundary, so that no
+/// folio it meets lies partly before its range.
+pub(crate) const LARGEST_FOLIO_BYTES: u64 = 2 << 20;
 
 /// Cursor on its own cache line, so it does not share one with the fields
 /// every reader touches.
@@ -192,6 +202,22 @@ impl Mapping {
         let start = self.released.0.fetch_max(end, Ordering::AcqRel);
         if start < end {
             self._owner.release(start as usize, (end - start) as usize);
+        }
+    }
+
+    /// Gives the bytes from `offset` (rounded up to a
+    /// [`LARGEST_FOLIO_BYTES`] boundary) to the end page-sized page-cache
+    /// folios, for a log that was mapped with large folios and now syncs
+    /// too little at a time for them (each sync writes the whole folio
+    /// holding the log's tail back again). Only for bytes no writer has
+    /// claimed: it drops their clean pages and faults them in again. Bytes
+    /// are not changed, whatever runs at the same time: a page written or
+    /// dirtied meanwhile is kept as it is.
+    pub fn use_page_folios_from(&self, offset: u64) {
+        let start = offset.div_ceil(LARGEST_FOLIO_BYTES) * LARGEST_FOLIO_BYTES;
+        if start < self.len {
+            self._owner
+                .use_page_folios(start as usize, (self.len - start) as usize);
         }
     }
 

@@ -32,6 +32,7 @@ use std::sync::Arc;
 pub use atomic_file::{read_whole_file, write_file_atomically};
 pub use fault::{FaultConfig, FaultStorage};
 pub use file::FileStorage;
+pub(crate) use mapping::LARGEST_FOLIO_BYTES;
 pub use mapping::{ClaimError, Mapping, ReadMapping, RegionMut, prefetch_line};
 
 /// A directory tree of files, as the engine needs it.

@@ -25,7 +25,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::health::Health;
-use crate::storage::{ClaimError, Mapping, Storage};
+use crate::storage::{ClaimError, LARGEST_FOLIO_BYTES, Mapping, Storage};
 use crate::types::{Epoch, SegmentId, WalPosition};
 use segment::{Active, HEADER_RECORD_BYTES, LogKind, SegmentFile, SegmentHeader, Spare};
 use tracker::Tracker;
@@ -583,6 +583,71 @@ impl Shared {
         Ok(())
     }
 
+    /// Gives the active segment's unwritten rest page-sized folios if it
+    /// has large ones, for a log that now writes too little per sync for
+    /// them. A spare is mapped with the folios the log's rate called for
+    /// when it was made, so after a burst the active segment and the spares
+    /// keep large folios, and every sync would write the (up to 2 MiB)
+    /// folio holding the log's tail back whole until they are full.
+    ///
+    /// The bytes from the first [`LARGEST_FOLIO_BYTES`] boundary a margin
+    /// past the claim cursor are switched (writes claimed meanwhile and
+    /// the chunk made writable ahead of them keep their pages; no byte
+    /// changes either way), and a filler record moves the log's tail to
+    /// that boundary, so the large folios before it are written back once,
+    /// not at every sync until the log's slow writes have filled them
+    /// (up to 512 syncs of 4 KiB writes per 2 MiB folio). The filler is a
+    /// sync mark whose body (the synced watermark) is followed by zeros:
+    /// replay skips it, and the sync-mark scan, which reads marks of 8
+    /// bytes, ignores it. It costs the log under `LARGEST_FOLIO_BYTES` plus
+    /// the margin, once per slow-down.
+    fn use_page_folios_ahead(&self) {
+        let guard = self.current.load();
+        let Some(active) = guard.as_ref() else {
+            return;
+        };
+        if active.page_folios.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mapping = &active.mapping;
+        let claimed = mapping.claimed();
+        let boundary =
+            (claimed + 4 * FAULT_AHEAD_BYTES).div_ceil(LARGEST_FOLIO_BYTES) * LARGEST_FOLIO_BYTES;
+        if boundary >= mapping.len() {
+            // The segment is nearly full; the next one is judged afresh.
+            return;
+        }
+        mapping.use_page_folios_from(boundary);
+        let gap = boundary - claimed;
+        if gap < format::record_len(8) as u64 {
+            return;
+        }
+        // Claimed in this segment only: if another writer took its end
+        // meanwhile, or its tail moved on, the filler lands a little past
+        // the boundary (still one record, written once).
+        let Ok(mut region) = mapping.claim(gap) else {
+            return;
+        };
+        let start = active.base + region.offset();
+        let mut claimed = Claimed {
+            shared: self,
+            start,
+            end: start + gap,
+            finished: false,
+        };
+        let mut body = vec![0u8; gap as usize - format::RECORD_HEADER_BYTES];
+        body[..8].copy_from_slice(&self.synced.load(Ordering::Acquire).to_le_bytes());
+        format::write_plain(
+            &mut region,
+            WalPosition(start),
+            format::Kind::SyncMark,
+            &body,
+        );
+        claimed.finished = true;
+        drop(claimed);
+        self.last_mark_end.fetch_max(start + gap, Ordering::AcqRel);
+    }
+
     /// After a write of `[offset, offset + len)` into `mapping` (at log
     /// position `start`): if the range holds the first byte of a chunk (of
     /// [`FAULT_AHEAD_BYTES`]) and at least [`FAULT_AHEAD_MIN_UNSYNCED`] bytes
@@ -645,6 +710,7 @@ fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
         segment,
         mapping: spare.mapping,
         base,
+        page_folios: AtomicBool::new(spare.page_folios),
     }
 }
 

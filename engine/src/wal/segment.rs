@@ -2,6 +2,7 @@
 //! in-memory handles of sealed and active segments.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 
 use crate::storage::{Mapping, ReadMapping, StorageFile};
@@ -180,6 +181,9 @@ pub(crate) struct Active {
     pub mapping: Mapping,
     /// Log position of the segment's first byte.
     pub base: u64,
+    /// Whether the unwritten rest of the segment is in page-sized folios
+    /// (mapped so, or changed to them by the allocator since).
+    pub page_folios: AtomicBool,
 }
 
 /// A pre-created, mapped segment file waiting to become active.
@@ -189,6 +193,8 @@ pub(crate) struct Spare {
     pub path: PathBuf,
     pub file: Arc<dyn StorageFile>,
     pub mapping: Mapping,
+    /// Whether it was mapped with page-sized folios.
+    pub page_folios: bool,
 }
 
 #[cfg(test)]

@@ -467,3 +467,55 @@ fn spares_get_large_folios_only_after_16_mib_per_sync() {
     assert!(!page_folios(16 * mib, 0));
     assert!(page_folios(16 * mib - 1, 0));
 }
+
+#[test]
+fn a_log_that_slows_down_skips_to_a_folio_boundary_with_a_filler_replay_passes_over() {
+    let storage = FaultStorage::default();
+    let mut opts = options();
+    opts.segment_size = 8 << 20;
+    let log = start_with(opts.clone(), Arc::new(storage.clone()), 0, BTreeMap::new());
+    let before = put(&log, b"key1", b"before");
+    // A new log's segments have page folios: nothing to do.
+    log.shared.use_page_folios_ahead();
+    let still = put(&log, b"key2", b"still");
+    assert!(still.0 < 64 << 10, "no filler before {still}");
+    // As if the active segment had been mapped while the log was fast.
+    log.shared
+        .current
+        .load()
+        .as_ref()
+        .unwrap()
+        .page_folios
+        .store(false, Ordering::SeqCst);
+    log.shared.use_page_folios_ahead();
+    log.shared.use_page_folios_ahead();
+    let after = put(&log, b"key3", b"after");
+    // (A sync mark of the background syncer may come first.)
+    assert!(
+        (LARGEST_FOLIO_BYTES..LARGEST_FOLIO_BYTES + 64).contains(&after.0),
+        "the next write starts a folio, not at {after}"
+    );
+    log.sync_now().unwrap();
+    assert_put_record(
+        after,
+        &log.read(after, put_record_len(b"after")).unwrap(),
+        b"after",
+    );
+    log.shutdown();
+
+    let segments = replay::open_segments(&storage, &opts).unwrap();
+    let mut values = Vec::new();
+    let end = replay::replay(&opts, &segments.valid, WalPosition(0), |_, view| {
+        assert_eq!(view.header.kind, Kind::Entry);
+        values.extend(view.items().map(|(_, item)| item.value.to_vec()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(values, [&b"before"[..], b"still", b"after"]);
+    assert_eq!(end.stop, Stop::End);
+    assert!(end.end.0 > after.0);
+    // The sync-mark scan reads 8-byte marks and passes over the filler
+    // (which marks the watermark of its time, never a later one).
+    let synced = replay::scan_sync_marks(&opts, &segments.valid, before).unwrap();
+    assert!(synced <= end.end.0, "{synced}");
+}

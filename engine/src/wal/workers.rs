@@ -124,6 +124,13 @@ pub(crate) fn page_folios(written: u64, syncs: u64) -> bool {
     written < LARGE_FOLIO_MIN_BYTES_PER_SYNC.saturating_mul(syncs.max(1))
 }
 
+/// The last this many syncs decide whether a log writes too little per
+/// sync for large folios (see [`run_allocator`]): more than one, so that
+/// one short pause does not decide; few, because until the verdict a log
+/// that slowed down after a burst writes its tail folio back whole at
+/// every sync.
+pub(crate) const FOLIO_JUDGE_SYNCS: u64 = 4;
+
 /// The allocator thread's loop. After a failure (for example a full disk) it
 /// reports the failure to writers, backs off, and tries again.
 pub(crate) fn run_allocator(shared: Arc<Shared>) {
@@ -137,6 +144,9 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
         )
     };
     let mut since = progress();
+    // The log's progress at each idle look, oldest first: enough to judge
+    // it over its last `FOLIO_JUDGE_SYNCS` syncs.
+    let mut looks: VecDeque<(u64, u64)> = VecDeque::new();
     loop {
         let id = {
             let mut state = queue.state.lock();
@@ -152,12 +162,39 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
                     continue;
                 }
                 if state.ready.len() < shared.opts.spare_segments {
-                    break SegmentId(state.next_id);
+                    break Some(SegmentId(state.next_id));
                 }
-                queue
+                if queue
                     .wanted
-                    .wait_for(&mut state, Duration::from_millis(100));
+                    .wait_for(&mut state, Duration::from_millis(100))
+                    .timed_out()
+                {
+                    break None;
+                }
             }
+        };
+        let Some(id) = id else {
+            // Idle: judge the log over its last `FOLIO_JUDGE_SYNCS` syncs,
+            // and if it is slow give the active segment's unwritten rest
+            // page folios where it has large ones (a segment mapped while
+            // the log was fast, see `Shared::use_page_folios_ahead`).
+            let now = progress();
+            // One look per sync count (the latest), so an idle log keeps
+            // one, and a busy one a few.
+            match looks.back_mut() {
+                Some(last) if last.1 == now.1 => *last = now,
+                _ => looks.push_back(now),
+            }
+            while looks.len() > 1 && now.1 - looks[1].1 >= FOLIO_JUDGE_SYNCS {
+                looks.pop_front();
+            }
+            let oldest = looks[0];
+            if now.1 - oldest.1 >= FOLIO_JUDGE_SYNCS
+                && page_folios(now.0 - oldest.0, now.1 - oldest.1)
+            {
+                shared.use_page_folios_ahead();
+            }
+            continue;
         };
         let now = progress();
         let small = page_folios(now.0 - since.0, now.1 - since.1);
@@ -210,6 +247,7 @@ pub(crate) fn create_spare(
         path,
         file,
         mapping,
+        page_folios,
     })
 }
 
