@@ -206,7 +206,7 @@ impl Mapping {
     }
 
     /// Gives the bytes from `offset` (rounded up to a
-    /// [`LARGEST_FOLIO_BYTES`] boundary) to the end page-sized page-cache
+    /// `LARGEST_FOLIO_BYTES` (2 MiB) boundary) to the end page-sized page-cache
     /// folios, for a log that was mapped with large folios and now syncs
     /// too little at a time for them (each sync writes the whole folio
     /// holding the log's tail back again). Only for bytes no writer has
