@@ -25,7 +25,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::health::Health;
-use crate::storage::{ClaimError, LARGEST_FOLIO_BYTES, Mapping, Storage};
+use crate::storage::{ClaimError, LARGEST_FOLIO_BYTES, Mapping, RegionMut, Storage};
 use crate::types::{Epoch, SegmentId, WalPosition};
 use segment::{Active, HEADER_RECORD_BYTES, LogKind, SegmentFile, SegmentHeader, Spare};
 use tracker::Tracker;
@@ -402,20 +402,11 @@ impl Shared {
                 return Err(Error::Closed);
             };
             match active.mapping.claim(len as u64) {
-                Ok(mut region) => {
+                Ok(region) => {
                     let offset = region.offset();
-                    let start = active.base + offset;
-                    let mut claimed = Claimed {
-                        shared: self,
-                        start,
-                        end: start + len as u64,
-                        finished: false,
-                    };
-                    let result = write(&mut region, WalPosition(start));
-                    claimed.finished = true;
-                    drop(claimed);
-                    self.fault_in_ahead(&active.mapping, offset, start, len as u64);
-                    return Ok((WalPosition(start), result));
+                    let (position, result) = self.fill(active, region, write);
+                    self.fault_in_ahead(&active.mapping, offset, position.0, len as u64);
+                    return Ok((position, result));
                 }
                 Err(ClaimError::Full { .. }) => {
                     let full = active.segment.id;
@@ -424,6 +415,26 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Writes a region claimed in `active` and reports it processed (the log
+    /// is poisoned if `write` panics, see [`Claimed`]).
+    fn fill<R>(
+        &self,
+        active: &Active,
+        mut region: RegionMut<'_>,
+        write: impl FnOnce(&mut [u8], WalPosition) -> R,
+    ) -> (WalPosition, R) {
+        let start = active.base + region.offset();
+        let mut claimed = Claimed {
+            shared: self,
+            start,
+            end: start + region.len() as u64,
+            finished: false,
+        };
+        let result = write(&mut region, WalPosition(start));
+        claimed.finished = true;
+        (WalPosition(start), result)
     }
 
     /// After a sync that made new data durable, records the synced
@@ -625,27 +636,16 @@ impl Shared {
         // Claimed in this segment only: if another writer took its end
         // meanwhile, or its tail moved on, the filler lands a little past
         // the boundary (still one record, written once).
-        let Ok(mut region) = mapping.claim(gap) else {
+        let Ok(region) = mapping.claim(gap) else {
             return;
-        };
-        let start = active.base + region.offset();
-        let mut claimed = Claimed {
-            shared: self,
-            start,
-            end: start + gap,
-            finished: false,
         };
         let mut body = vec![0u8; gap as usize - format::RECORD_HEADER_BYTES];
         body[..8].copy_from_slice(&self.synced.load(Ordering::Acquire).to_le_bytes());
-        format::write_plain(
-            &mut region,
-            WalPosition(start),
-            format::Kind::SyncMark,
-            &body,
-        );
-        claimed.finished = true;
-        drop(claimed);
-        self.last_mark_end.fetch_max(start + gap, Ordering::AcqRel);
+        let (start, ()) = self.fill(active, region, |buf, position| {
+            format::write_plain(buf, position, format::Kind::SyncMark, &body);
+        });
+        self.last_mark_end
+            .fetch_max(start.0 + gap, Ordering::AcqRel);
     }
 
     /// After a write of `[offset, offset + len)` into `mapping` (at log
