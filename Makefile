@@ -73,6 +73,8 @@ bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/o
 # and what draws its charts.
 BENCH_PACKAGES := libclang-dev python3-matplotlib
 ENGINE_COMPARE_JSON ?= benchmarks/results/engine-compare.jsonl
+# Every run's rows, appended as each run finishes (kept if a sweep is stopped).
+ENGINE_COMPARE_RUNS ?= target/engine-compare-runs.jsonl
 DATA_GIB ?= 32
 # Runs of each sequence; results are the median run (REPEAT=3 for the numbers in RESULTS.md).
 REPEAT ?= 1
@@ -92,8 +94,8 @@ ENGINE_COMPARE_OUT ?= benchmarks/results
 bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB sweep (QUICK=1: ~5 min smoke; LARGE=1 [DATA_GIB=32]: beyond memory; REPEAT=3: median of three runs); JSON, tables and charts in benchmarks/results/.
 	@$(MAKE) --no-print-directory deps DEBIAN_PACKAGES="$(BENCH_PACKAGES)"
 	$(CARGO) build --release -p tidepool-benchmarks --features peers --bin engine-compare
-	mkdir -p $(dir $(ENGINE_COMPARE_JSON)) $(ENGINE_COMPARE_OUT)
-	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --repeat $(REPEAT) --json $(ENGINE_COMPARE_JSON)
+	mkdir -p $(dir $(ENGINE_COMPARE_JSON)) $(dir $(ENGINE_COMPARE_RUNS)) $(ENGINE_COMPARE_OUT)
+	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --repeat $(REPEAT) --json $(ENGINE_COMPARE_JSON) --runs-json $(ENGINE_COMPARE_RUNS)
 	/usr/bin/python3 benchmarks/plot.py $(ENGINE_COMPARE_JSON) $(ENGINE_COMPARE_OUT)
 
 bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.

@@ -79,9 +79,15 @@ struct Args {
     /// Scratch directory (emptied first).
     #[arg(long, default_value = "target/bench-compare")]
     dir: PathBuf,
-    /// Append one JSON line per phase here.
+    /// Append one JSON line per phase here (the median run's, once every
+    /// run of a value size is done).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Append each run's JSON lines here as soon as that run is done (with
+    /// "run" and "of"), so a long sweep that is stopped keeps the runs it
+    /// finished.
+    #[arg(long)]
+    runs_json: Option<PathBuf>,
     /// A label for this run's data size in the JSON ("in-memory",
     /// "beyond-memory").
     #[arg(long, default_value = "in-memory")]
@@ -717,15 +723,19 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let phases = args.phase_list()?;
     anyhow::ensure!(args.repeat >= 1, "--repeat must be at least 1");
-    let mut json = match &args.json {
-        Some(path) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?,
-        ),
-        None => None,
+    let append = |path: &Option<PathBuf>| -> anyhow::Result<Option<std::fs::File>> {
+        let Some(path) = path else {
+            return Ok(None);
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Some(file))
     };
+    let mut json = append(&args.json)?;
+    let mut runs_json = append(&args.runs_json)?;
     let entries_for = |value_bytes: usize| match args.data_mib {
         Some(mib) => (mib << 20) / (value_bytes as u64 + 32),
         None => args.entries,
@@ -746,7 +756,17 @@ fn main() -> anyhow::Result<()> {
                 println!("\nRun {run} of {} ({value_bytes} B values):\n", args.repeat);
             }
             println!("{TABLE_HEADER}");
-            runs.push(run_once(&args, &phases, value_bytes, entries, data_mib)?);
+            let rows = run_once(&args, &phases, value_bytes, entries, data_mib)?;
+            if let Some(file) = runs_json.as_mut() {
+                for row in &rows {
+                    let mut line = row.json(&args.label, data_mib, &[row]);
+                    line["run"] = run.into();
+                    line["of"] = args.repeat.into();
+                    writeln!(file, "{line}")?;
+                }
+                file.flush()?;
+            }
+            runs.push(rows);
         }
         let medians = medians(&runs);
         if args.repeat > 1 {
