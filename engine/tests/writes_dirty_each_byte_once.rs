@@ -122,7 +122,8 @@ fn synced_writes_after_a_burst_are_dirtied_once() {
             .put(ks, &key(i), &value(i, 1, 64 << 10), Durability::Buffered)
             .unwrap();
     }
-    // The log is judged every 8 syncs, by a thread that looks every 100 ms.
+    // The log is judged over its last 4 syncs, by a thread that looks
+    // every 100 ms: 40 synced puts give it enough to judge.
     for i in burst..burst + 40 {
         engine
             .put(ks, &key(i), &value(i, 1, 4 << 10), Durability::Synced)
