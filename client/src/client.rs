@@ -11,13 +11,14 @@ use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
     BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, ErrorCode,
     GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency, TouchRequest,
-    get_response, put_request,
+    WriteSession, get_response, put_request,
 };
 use tonic::Status;
 use tonic::transport::Channel;
 
 use crate::cluster::{Cluster, MAX_MESSAGE};
 use crate::error::{Disposition, Error, Result, classify};
+use crate::session::SessionPool;
 
 /// Settings of a [`Client`].
 #[derive(Clone, Debug)]
@@ -26,6 +27,11 @@ pub struct ClientConfig {
     pub seeds: Vec<String>,
     /// Deadline of one SDK call, retries included.
     pub timeout: Duration,
+    /// Deadline of one attempt of a call: a node that has not answered by
+    /// then is given up and the call retried (on the next replica, and for
+    /// writes with the same session number, so it still applies once).
+    /// `None`: an attempt may take the whole call deadline.
+    pub attempt_timeout: Option<Duration>,
     /// Deadline of connecting to one server.
     pub connect_timeout: Duration,
     /// Keep the map current with a watch on a coordinator. Without it (a
@@ -40,6 +46,7 @@ impl ClientConfig {
         Self {
             seeds: seeds.iter().map(|s| s.as_ref().to_string()).collect(),
             timeout: Duration::from_secs(30),
+            attempt_timeout: None,
             connect_timeout: Duration::from_secs(3),
             watch: true,
         }
@@ -78,6 +85,9 @@ pub struct BlobMeta {
 pub struct Client {
     pub(crate) cluster: Arc<Cluster>,
     pub(crate) timeout: Duration,
+    pub(crate) attempt_timeout: Option<Duration>,
+    /// Write sessions (exactly-once writes), shared by clones.
+    pub(crate) sessions: Arc<SessionPool>,
 }
 
 impl std::fmt::Debug for Client {
@@ -163,15 +173,27 @@ impl Client {
         Ok(Client {
             cluster,
             timeout: config.timeout,
+            attempt_timeout: config.attempt_timeout,
+            sessions: Arc::default(),
         })
     }
 
-    /// The same client (shared map and connections) with another deadline
-    /// for each call: `client.with_timeout(Duration::from_secs(2)).get(..)`.
+    /// The same client (shared map, connections and sessions) with another
+    /// deadline for each call:
+    /// `client.with_timeout(Duration::from_secs(2)).get(..)`.
     pub fn with_timeout(&self, timeout: Duration) -> Client {
         Client {
-            cluster: self.cluster.clone(),
             timeout,
+            ..self.clone()
+        }
+    }
+
+    /// The same client with another deadline for each attempt of a call
+    /// (see [`ClientConfig::attempt_timeout`]).
+    pub fn with_attempt_timeout(&self, attempt_timeout: Option<Duration>) -> Client {
+        Client {
+            attempt_timeout,
+            ..self.clone()
         }
     }
 
@@ -188,7 +210,8 @@ impl Client {
     /// Runs `op` on the leader of the shard owning `(namespace, key)`,
     /// following `NOT_LEADER` hints, refreshing a stale map and backing off
     /// on transient failures until it succeeds, fails for good, or the
-    /// deadline passes. `op` gets a channel and the map version routed by.
+    /// deadline passes. `op` gets a channel, the map version routed by and
+    /// the shard.
     pub(crate) async fn on_shard<T, F, Fut>(
         &self,
         namespace: &str,
@@ -196,7 +219,7 @@ impl Client {
         mut op: F,
     ) -> Result<T>
     where
-        F: FnMut(Channel, u64) -> Fut,
+        F: FnMut(Channel, u64, u32) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
         let deadline = Instant::now() + self.timeout;
@@ -240,17 +263,25 @@ impl Client {
                 Some(address) => {
                     let channel = self.cluster.channel(&address)?;
                     let remaining = deadline.saturating_duration_since(Instant::now());
-                    let status =
-                        match tokio::time::timeout(remaining, op(channel, map.version)).await {
-                            Ok(Ok(value)) => return Ok(value),
-                            Ok(Err(status)) => status,
-                            Err(_) => {
-                                return Err(Error::new(
-                                    ErrorCode::Timeout,
-                                    format!("no answer from {address} within the deadline"),
-                                ));
-                            }
-                        };
+                    let limit = self.attempt_timeout.map_or(remaining, |a| a.min(remaining));
+                    let attempt_future = op(channel, map.version, route.shard.shard_id);
+                    let status = match tokio::time::timeout(limit, attempt_future).await {
+                        Ok(Ok(value)) => return Ok(value),
+                        Ok(Err(status)) => status,
+                        Err(_) if limit < remaining => {
+                            // This attempt is given up; the next replica
+                            // is tried (the leader may be frozen).
+                            Status::deadline_exceeded(format!(
+                                "no answer from {address} within {limit:?}"
+                            ))
+                        }
+                        Err(_) => {
+                            return Err(Error::new(
+                                ErrorCode::Timeout,
+                                format!("no answer from {address} within the deadline"),
+                            ));
+                        }
+                    };
                     match classify(&status) {
                         Disposition::Fail(error) => return Err(error),
                         Disposition::Redirect(error, hinted, id) => {
@@ -289,6 +320,49 @@ impl Client {
         }
     }
 
+    /// Runs a write through [`Client::on_shard`] in a write session, so
+    /// that however often it is retried it applies once: every attempt
+    /// carries the same session number. `op` gets a channel, the map
+    /// version and the session to send.
+    pub(crate) async fn write_once<T, F, Fut>(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        mut op: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, u64, WriteSession) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        let mut write = self.sessions.begin();
+        let mut reopened = false;
+        loop {
+            let mut shard = 0u32;
+            let result = self
+                .on_shard(namespace, key, |channel, map_version, shard_id| {
+                    shard = shard_id;
+                    op(channel, map_version, write.tag(shard_id))
+                })
+                .await;
+            match result {
+                Ok(value) => {
+                    write.opened(shard);
+                    return Ok(value);
+                }
+                // The shard forgot the session: no attempt of this write
+                // applied (see `session.rs`); open it anew, once.
+                Err(error)
+                    if error.code() == ErrorCode::SessionExpired
+                        && !reopened
+                        && write.reopen(shard) =>
+                {
+                    reopened = true;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
     /// Stores one blob of at most the cluster's `max_value_bytes`.
     pub(crate) async fn put_one(
         &self,
@@ -299,7 +373,7 @@ impl Client {
     ) -> Result<PutOutcome> {
         let digest = sha256(content);
         let response = self
-            .on_shard(namespace, key, |channel, map_version| {
+            .write_once(namespace, key, |channel, map_version, session| {
                 let mut messages = vec![PutRequest {
                     msg: Some(put_request::Msg::Header(PutHeader {
                         blob: blob_ref(namespace, key),
@@ -307,6 +381,7 @@ impl Client {
                         expected_sha256: digest.to_vec(),
                         kind: kind as i32,
                         map_version,
+                        session: Some(session),
                         ..PutHeader::default()
                     })),
                 }];
@@ -339,7 +414,7 @@ impl Client {
         consistency: ReadConsistency,
     ) -> Result<(BlobInfo, Vec<u8>)> {
         let (info, content) = self
-            .on_shard(namespace, key, |channel, map_version| {
+            .on_shard(namespace, key, |channel, map_version, _| {
                 read_blob(
                     channel,
                     GetRequest {
@@ -414,7 +489,7 @@ impl Client {
 
     /// The stored blob's own info (a manifest's, for a chunked blob).
     pub(crate) async fn head_info(&self, namespace: &str, key: &[u8]) -> Result<BlobInfo> {
-        self.on_shard(namespace, key, |channel, map_version| async move {
+        self.on_shard(namespace, key, |channel, map_version, _| async move {
             BlobServiceClient::new(channel)
                 .head(HeadRequest {
                     blob: blob_ref(namespace, key),
@@ -477,7 +552,7 @@ impl Client {
             for indexes in groups.values() {
                 let group: Vec<Vec<u8>> = indexes.iter().map(|i| keys[*i].clone()).collect();
                 let presence = self
-                    .on_shard(namespace, &group[0], |channel, map_version| {
+                    .on_shard(namespace, &group[0], |channel, map_version, _| {
                         let request = BatchExistsRequest {
                             namespace: namespace.to_string(),
                             keys: group.clone(),
@@ -531,11 +606,12 @@ impl Client {
     }
 
     pub(crate) async fn delete_one(&self, namespace: &str, key: &[u8]) -> Result<bool> {
-        self.on_shard(namespace, key, |channel, map_version| async move {
+        self.write_once(namespace, key, |channel, map_version, session| async move {
             BlobServiceClient::new(channel)
                 .delete(DeleteRequest {
                     blob: blob_ref(namespace, key),
                     map_version,
+                    session: Some(session),
                     ..DeleteRequest::default()
                 })
                 .await
@@ -557,11 +633,12 @@ impl Client {
     }
 
     async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
-        self.on_shard(namespace, key, |channel, map_version| async move {
+        self.write_once(namespace, key, |channel, map_version, session| async move {
             BlobServiceClient::new(channel)
                 .touch(TouchRequest {
                     blob: blob_ref(namespace, key),
                     map_version,
+                    session: Some(session),
                 })
                 .await
                 .map(|r| r.into_inner().epoch)

@@ -45,6 +45,7 @@ mod admin;
 mod client;
 mod cluster;
 mod error;
+mod session;
 mod stream;
 
 pub use admin::RetentionPolicy;

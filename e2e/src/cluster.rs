@@ -316,6 +316,17 @@ impl Cluster {
         }
     }
 
+    /// Cuts node `id`'s peer traffic one way or both: what it sends to its
+    /// peers (`outbound`), what they send it (`inbound`). Its traffic with
+    /// the coordinator and clients still flows.
+    pub fn cut_peer_traffic(&self, id: u64, outbound: bool, inbound: bool) {
+        for ((from, to), proxy) in &self.proxies {
+            if (outbound && *from == id) || (inbound && *to == id) {
+                proxy.block();
+            }
+        }
+    }
+
     /// Heals every path.
     pub fn heal(&self) {
         for proxy in self.proxies.values() {

@@ -17,6 +17,11 @@
 //! A write that failed or timed out is *indeterminate*: it may or may not
 //! have taken effect, at any time after its invocation. It can explain a
 //! read, but never proves one stale.
+//!
+//! These conditions are fast and name what is wrong, but they are not
+//! linearizability: they let one delete explain two absences, so a write
+//! that takes effect twice passes them. [`check_all`] adds the strict
+//! search of `linearizable.rs` (a single point per operation).
 
 use std::collections::BTreeMap;
 
@@ -28,8 +33,9 @@ pub type Nanos = u64;
 pub enum Op {
     /// Stored value `id`.
     Put(u64),
-    /// Removed the key.
-    Delete,
+    /// Removed the key; for an acknowledged delete, whether it found a
+    /// value (`None` when unknown).
+    Delete(Option<bool>),
     /// Read: `Some(id)` seen, or `None` (absent).
     Read(Option<u64>),
     /// Asked whether the key exists (or touched it).
@@ -97,7 +103,18 @@ struct Write<'a> {
     acked: bool,
 }
 
-/// Checks a whole history; returns every violation found.
+/// Both checkers: the per-key conditions, then (if they pass) the strict
+/// linearizability search.
+pub fn check_all(history: &[Event]) -> Vec<Violation> {
+    let violations = check(history);
+    if !violations.is_empty() {
+        return violations;
+    }
+    crate::linearizable::check(history)
+}
+
+/// Checks a whole history against the per-key conditions; returns every
+/// violation found.
 pub fn check(history: &[Event]) -> Vec<Violation> {
     let mut by_key: BTreeMap<u32, Vec<&Event>> = BTreeMap::new();
     for e in history {
@@ -110,7 +127,7 @@ pub fn check(history: &[Event]) -> Vec<Violation> {
             .filter_map(|e| {
                 let value = match e.op {
                     Op::Put(v) => Some(v),
-                    Op::Delete => None,
+                    Op::Delete(_) => None,
                     _ => return None,
                 };
                 Some(Write {
@@ -244,7 +261,7 @@ mod tests {
             ev(0, Op::Put(2), 20, 30, true),
             ev(1, Op::Read(Some(1)), 25, 28, true), // put 2 not yet visible
             ev(1, Op::Read(Some(2)), 31, 35, true),
-            ev(0, Op::Delete, 40, 50, true),
+            ev(0, Op::Delete(Some(true)), 40, 50, true),
             ev(1, Op::Read(None), 45, 55, true),
             ev(1, Op::Exists(false), 60, 61, true),
             ev(0, Op::Put(3), 70, 80, false), // indeterminate
@@ -278,7 +295,7 @@ mod tests {
     fn a_resurrected_key_is_caught() {
         let h = vec![
             ev(0, Op::Put(1), 0, 10, true),
-            ev(0, Op::Delete, 20, 30, true),
+            ev(0, Op::Delete(Some(true)), 20, 30, true),
             ev(1, Op::Read(Some(1)), 40, 50, true),
             ev(1, Op::Exists(true), 60, 70, true),
         ];

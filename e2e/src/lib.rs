@@ -1,18 +1,22 @@
 //! End-to-end tests of Tidepool: real `tidepool` processes (coordinators
 //! and nodes) on a real etcd, faults injected from outside — kill -9,
 //! SIGSTOP, cut network paths, a full disk — under a concurrent workload
-//! whose history is checked (`history::check`).
+//! whose history is checked (`history::check_all`: per-key conditions and
+//! a strict linearizability search).
 //!
 //! - [`cluster`]: the harness (processes, proxies, tmpfs disks, logs);
 //! - [`proxy`]: the TCP proxy on every node-to-peer path;
 //! - [`workload`]: the clients and their recorded history;
-//! - [`history`]: the history and its checker;
+//! - [`history`]: the history and its fast per-key checks;
+//! - [`linearizable`]: the strict checker (one linearization point per
+//!   operation, Wing–Gong search with memoisation);
 //! - [`scenario`]: run a workload through a fault and report.
 //!
 //! The scenarios are `e2e/tests/scenarios.rs`; figures in `e2e/RESULTS.md`.
 
 pub mod cluster;
 pub mod history;
+pub mod linearizable;
 pub mod proxy;
 pub mod scenario;
 pub mod workload;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::cluster::Cluster;
-use crate::history::{Nanos, Violation, check};
+use crate::history::{Nanos, Violation, check_all};
 use crate::workload::{Recorder, Workload, run};
 
 /// A workload in progress.
@@ -164,7 +164,7 @@ impl Run {
             errors: self.recorder.errors(),
             write_gap_s: self.recorder.longest_write_gap(from, end),
             duration_s: end as f64 / 1e9,
-            violations: check(&history),
+            violations: check_all(&history),
             history,
         }
     }

@@ -23,6 +23,9 @@ pub struct Workload {
     pub keys: u32,
     /// Deadline of each operation (retries included).
     pub op_timeout: Duration,
+    /// Deadline of each attempt of an operation (the SDK then retries on
+    /// another replica); `None`: the whole operation deadline.
+    pub attempt_timeout: Option<Duration>,
     /// Seed of every client's choices.
     pub seed: u64,
 }
@@ -33,6 +36,7 @@ impl Default for Workload {
             clients: 6,
             keys: 24,
             op_timeout: Duration::from_secs(5),
+            attempt_timeout: None,
             seed: 1,
         }
     }
@@ -85,7 +89,7 @@ impl Recorder {
             .events
             .lock()
             .iter()
-            .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete) && e.status == Status::Ok)
+            .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete(_)) && e.status == Status::Ok)
             .map(|e| e.completed)
             .filter(|t| *t >= from && *t <= to)
             .collect();
@@ -133,7 +137,8 @@ fn decode(bytes: &[u8]) -> u64 {
     }
 }
 
-fn key_name(key: u32) -> Vec<u8> {
+/// The name the workload stores key number `key` under.
+pub fn key_name(key: u32) -> Vec<u8> {
     format!("e2e-key-{key}").into_bytes()
 }
 
@@ -148,7 +153,9 @@ pub async fn run(
     recorder: Arc<Recorder>,
     stop: watch::Receiver<bool>,
 ) {
-    let client = client.with_timeout(workload.op_timeout);
+    let client = client
+        .with_timeout(workload.op_timeout)
+        .with_attempt_timeout(workload.attempt_timeout);
     let mut tasks = Vec::new();
     for c in 0..workload.clients {
         let client = client.clone();
@@ -205,8 +212,8 @@ pub async fn run(
                     continue;
                 } else if roll < 95 {
                     match client.delete("default", &name).await {
-                        Ok(_) => (Op::Delete, Status::Ok),
-                        Err(e) => (Op::Delete, failed(&e)),
+                        Ok(existed) => (Op::Delete(Some(existed)), Status::Ok),
+                        Err(e) => (Op::Delete(None), failed(&e)),
                     }
                 } else {
                     match client.touch("default", &name).await {

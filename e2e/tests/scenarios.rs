@@ -9,7 +9,7 @@ use std::time::Duration;
 use tidepool_e2e::cluster::{Cluster, Options};
 use tidepool_e2e::history::{Op, Status};
 use tidepool_e2e::scenario::{Report, start};
-use tidepool_e2e::workload::Workload;
+use tidepool_e2e::workload::{Workload, key_name};
 
 /// One scenario at a time: each runs a cluster of processes.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -31,6 +31,25 @@ async fn busiest_leader(cluster: &Cluster) -> usize {
         }
     }
     (0..led.len()).max_by_key(|i| led[*i]).expect("nodes")
+}
+
+/// The node id leading the shard that holds workload key `key` (in the
+/// namespace `default`).
+async fn leader_of_key(cluster: &Cluster, key: u32) -> u64 {
+    use tidepool_client::proto::{hash_position, storage_key};
+    let map = cluster.status().await.expect("status").map.expect("map");
+    let namespace = map
+        .namespaces
+        .iter()
+        .find(|n| n.name == "default")
+        .expect("namespace default");
+    let position = hash_position(&storage_key(namespace.id, &key_name(key)));
+    let shard = map
+        .shards
+        .iter()
+        .find(|s| s.hash_start <= position && position <= s.hash_end)
+        .expect("a shard for every position");
+    shard.leader_hint
 }
 
 /// The node (index) leading the fewest shards.
@@ -131,9 +150,56 @@ fn report_history_writes_inside(report: &Report, from: u64, to: u64) -> usize {
     report
         .history
         .iter()
-        .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete))
+        .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete(_)))
         .filter(|e| e.status == Status::Ok && e.invoked > from && e.completed < to)
         .count()
+}
+
+/// Retried writes apply once. One node's peer traffic is cut — both ways,
+/// only what it sends, then 12 times only what it receives — while 8
+/// clients write and delete 2 shared keys with 250 ms attempts: attempts
+/// time out while their entry is in flight and are retried across leader
+/// changes. Cutting only what a leader receives is the sharpest case: its
+/// followers append its entries (and every retry the clients send it) but
+/// it never learns they committed; it steps down, a follower commits them
+/// all as the new leader, and the retries go on arriving. Without write
+/// sessions a retried copy applied again and erased writes acknowledged in
+/// between (issue 39); the strict checker catches that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retried_writes_apply_once_across_one_node_peer_partitions() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let load = Workload {
+        clients: 8,
+        keys: 2,
+        op_timeout: Duration::from_secs(10),
+        attempt_timeout: Some(Duration::from_millis(250)),
+        ..workload()
+    };
+    let mut run = start(&cluster, load).await;
+    run.run_for(Duration::from_secs(2)).await;
+    run.fault_begins();
+    // Each cut lasts long enough for the leader to step down (check quorum
+    // after one election timeout, 1 s) and a follower to take over.
+    let mut cuts = vec![(true, true), (true, false)];
+    cuts.extend([(false, true); 12]);
+    for (round, (outbound, inbound)) in cuts.into_iter().enumerate() {
+        // The leader of one of the two keys, so that its clients retry.
+        let victim = match leader_of_key(&cluster, round as u32 % 2).await {
+            0 => busiest_leader(&cluster).await as u64 + 1,
+            id => id,
+        };
+        cluster.cut_peer_traffic(victim, outbound, inbound);
+        run.run_for(Duration::from_millis(1500)).await;
+        cluster.heal();
+        cluster.wait_settled(Duration::from_secs(60)).await;
+        run.run_for(Duration::from_millis(500)).await;
+    }
+    run.fault_ends();
+    let report = run
+        .finish("one node's peer traffic cut (both, out, 12 x in); 250 ms attempts")
+        .await;
+    finish_checks(&cluster, &report, &[]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -371,7 +437,12 @@ async fn soak() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
     let mut cluster = Cluster::start(Options::default()).await;
-    let load = workload();
+    // Short attempts: writes are retried across every fault.
+    let load = Workload {
+        op_timeout: Duration::from_secs(10),
+        attempt_timeout: Some(Duration::from_millis(500)),
+        ..workload()
+    };
     let mut rng = rand::rngs::SmallRng::seed_from_u64(load.seed);
     let mut run = start(&cluster, load).await;
     run.fault_begins();
@@ -379,7 +450,7 @@ async fn soak() {
     let mut faults = Vec::new();
     while std::time::Instant::now() < end {
         let node = rng.random_range(0..3usize);
-        match rng.random_range(0..3) {
+        match rng.random_range(0..4) {
             0 => {
                 faults.push(format!("kill -9 node {}", node + 1));
                 cluster.kill_node(node);
@@ -392,6 +463,21 @@ async fn soak() {
                 let rest: Vec<u64> = (1..=3).filter(|n| *n != id).collect();
                 faults.push(format!("isolate node {id}"));
                 cluster.partition(&[&[id], &rest]);
+                run.run_for(Duration::from_secs(rng.random_range(2..6)))
+                    .await;
+                cluster.heal();
+            }
+            2 => {
+                let id = node as u64 + 1;
+                let (outbound, inbound) = match rng.random_range(0..3) {
+                    0 => (true, true),
+                    1 => (true, false),
+                    _ => (false, true),
+                };
+                faults.push(format!(
+                    "cut node {id}'s peer traffic (out {outbound}, in {inbound})"
+                ));
+                cluster.cut_peer_traffic(id, outbound, inbound);
                 run.run_for(Duration::from_secs(rng.random_range(2..6)))
                     .await;
                 cluster.heal();

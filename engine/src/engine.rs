@@ -54,7 +54,7 @@ pub(crate) struct Inner {
     pub metrics: Metrics,
     /// Opaque state of the application (the Raft layer), persisted with
     /// each snapshot.
-    pub app_state: Mutex<Vec<u8>>,
+    pub app_state: Mutex<crate::replication::AppState>,
     /// Serializes snapshots; holds the last control data written.
     pub last_snapshot: Mutex<Option<ControlData>>,
     /// Readers of index blobs hold it shared; index garbage collection holds

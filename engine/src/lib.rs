@@ -98,7 +98,9 @@ pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
 pub use relocation::{
     Decision, EntryInfo, KeepAll, RelocationFilter, RelocationReport, SegmentUsage, Strategy,
 };
-pub use replication::{Appended, AppendedItem, ItemData, ItemInput, ItemOp, RecordData};
+pub use replication::{
+    AppStateSource, Appended, AppendedItem, ItemData, ItemInput, ItemOp, RecordData,
+};
 pub use scan::{Direction, Scan};
 pub use table::cell::CellState;
 pub use types::{Durability, Epoch, KeySpace, MAX_KEY_BYTES, SegmentId, Tag, WalPosition};

@@ -121,7 +121,9 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         table,
         cache,
         metrics: Metrics::default(),
-        app_state: Mutex::new(control.app_state.clone()),
+        app_state: Mutex::new(crate::replication::AppState::Bytes(
+            control.app_state.clone(),
+        )),
         last_snapshot: Mutex::new(Some(control)),
         index_gc: Default::default(),
         flush_tx,

@@ -14,18 +14,57 @@
 //! 4. [`Engine::read_record`] reads a record back by position (to send it
 //!    to a lagging follower, or to re-apply it after a restart).
 //! 5. [`Engine::set_app_state`] stores a small opaque state (Raft hard state,
-//!    applied index) persisted with every snapshot;
+//!    applied index) persisted with every snapshot — or
+//!    [`Engine::set_app_state_source`] names an [`AppStateSource`] that
+//!    produces it when a snapshot is written, for a state too large to copy
+//!    at every change;
 //!    [`Engine::recovered_replay_from`] tells where the index's durable
 //!    state ends: committed records at or after it must be applied again
 //!    after a restart.
 
-use crate::engine::Engine;
+use std::sync::Arc;
+
+use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
 use crate::index::entry::{Entry, Key, key_array};
 use crate::types::{Epoch, KeySpace, Tag, WalPosition};
 use crate::wal::format::{
     self, HeaderRead, ItemSpec, Kind, Op, RECORD_HEADER_BYTES, RecordHeader, RecordView,
 };
+
+/// Produces the application state a snapshot persists (see
+/// [`Engine::set_app_state_source`]). Called from the engine's snapshot
+/// thread, or from the caller of [`Engine::flush`] or
+/// [`Engine::checkpoint`]; it must not call back into the engine.
+pub trait AppStateSource: Send + Sync {
+    /// The state as of now.
+    fn app_state(&self) -> Vec<u8>;
+}
+
+/// The application state: bytes, or a source asked at each snapshot.
+pub(crate) enum AppState {
+    Bytes(Vec<u8>),
+    Source(Arc<dyn AppStateSource>),
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AppState::Bytes(bytes) => write!(f, "AppState({} bytes)", bytes.len()),
+            AppState::Source(_) => f.write_str("AppState(source)"),
+        }
+    }
+}
+
+/// The application state now. The source is asked outside the engine's
+/// lock, so whatever it locks never orders against engine locks.
+pub(crate) fn current_app_state(inner: &Inner) -> Vec<u8> {
+    let source = match &*inner.app_state.lock() {
+        AppState::Bytes(bytes) => return bytes.clone(),
+        AppState::Source(source) => source.clone(),
+    };
+    source.app_state()
+}
 
 /// What an item of a replicated record does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,6 +227,16 @@ impl Engine {
         Ok(())
     }
 
+    /// Points the index at one item of an appended record (for an
+    /// application that applies only some of a record's items). Applying
+    /// it again is harmless.
+    pub fn apply_item(&self, item: &AppendedItem) -> Result<()> {
+        self.inner.health.check()?;
+        self.inner
+            .apply(item.space, item.key, item.entry, item.record);
+        Ok(())
+    }
+
     /// Reads the record at `position` back, verifying it.
     pub fn read_record(&self, position: WalPosition) -> Result<RecordData> {
         let inner = &*self.inner;
@@ -261,14 +310,25 @@ impl Engine {
         Ok(())
     }
 
-    /// Replaces the application state persisted with the next snapshot.
+    /// Replaces the application state persisted with the next snapshot
+    /// (and forgets a source set before).
     pub fn set_app_state(&self, state: &[u8]) {
-        *self.inner.app_state.lock() = state.to_vec();
+        *self.inner.app_state.lock() = AppState::Bytes(state.to_vec());
     }
 
-    /// The application state (as last set, or as recovered).
+    /// From now on every snapshot persists what `source` produces when the
+    /// snapshot is written. The source is asked before the snapshot reads
+    /// the index state, so every record the application applied before
+    /// producing the state is either in the snapshot's index or at or after
+    /// its replay position ([`Engine::recovered_replay_from`]).
+    pub fn set_app_state_source(&self, source: Arc<dyn AppStateSource>) {
+        *self.inner.app_state.lock() = AppState::Source(source);
+    }
+
+    /// The application state (as last set, produced by the source, or as
+    /// recovered).
     pub fn app_state(&self) -> Vec<u8> {
-        self.inner.app_state.lock().clone()
+        current_app_state(&self.inner)
     }
 
     /// The replay position of the snapshot the engine was opened from (or of

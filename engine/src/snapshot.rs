@@ -42,7 +42,7 @@ pub(crate) fn write_snapshot_then<T>(
     let mut last = inner.last_snapshot.lock();
     inner.health.check()?;
     let p0 = inner.values.processed().0;
-    let app_state = inner.app_state.lock().clone();
+    let app_state = crate::replication::current_app_state(inner);
     let mut replay_from = p0;
     let mut spaces = Vec::new();
     for space in &inner.table.spaces {

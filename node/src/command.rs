@@ -1,21 +1,28 @@
 //! Commands: what a normal Raft entry's data means.
 //!
 //! ```text
-//! version u8 (1), kind u8, body
+//! version u8 (2), kind u8, body
 //! kind 1 Write:   count u32, then per op: op u8 (1 put, 2 delete),
-//!                 namespace u32, epoch u32, key [32], value_len u32, value
-//! kind 2 Touch:   namespace u32, epoch u32, key [32]
+//!                 namespace u32, epoch u32, key [32], session, value_len u32,
+//!                 value
+//! kind 2 Touch:   namespace u32, epoch u32, key [32], session
 //! kind 3 Advance: epoch u32
 //! kind 4 Drop:    namespace u32, below u32
 //! kind 5 Noop
+//! session:        u8 0 (none) | u8 1, id [16], sequence u64, opens u8,
+//!                 time_ms u64 (see `session.rs`)
 //! ```
-//! Little-endian. A Write's ops become the items of the entry's WAL record,
-//! so values are written to disk once; see `docs/design/replication.md`.
+//! Little-endian. Version 1 (still read) had no session fields. A Write's
+//! ops become the items of the entry's WAL record, so values are written to
+//! disk once; see `docs/design/replication.md`.
 
 use crate::error::{NodeError, Result};
+use crate::session::{SessionTag, TAG_BYTES};
 
-/// Version of the command encoding.
-const VERSION: u8 = 1;
+/// Version of the command encoding written.
+const VERSION: u8 = 2;
+/// The version before write sessions.
+const VERSION_WITHOUT_SESSIONS: u8 = 1;
 /// Bytes of a storage key.
 pub const KEY_BYTES: usize = 32;
 
@@ -30,6 +37,8 @@ pub struct WriteOp {
     pub epoch: u32,
     /// Storage key.
     pub key: [u8; KEY_BYTES],
+    /// The client's write session, for exactly-once application.
+    pub session: Option<SessionTag>,
 }
 
 /// What a normal entry asks the replicas to do.
@@ -45,6 +54,8 @@ pub enum Command {
         epoch: u32,
         /// Storage key.
         key: [u8; KEY_BYTES],
+        /// The client's write session, for exactly-once application.
+        session: Option<SessionTag>,
     },
     /// Start a new epoch.
     AdvanceEpoch(u32),
@@ -90,7 +101,28 @@ impl Kind {
 
 /// Bytes one op occupies in a Write.
 pub fn op_len(op: &WriteOp) -> usize {
-    1 + 4 + 4 + KEY_BYTES + 4 + op.value.as_ref().map_or(0, Vec::len)
+    1 + 4
+        + 4
+        + KEY_BYTES
+        + session_len(op.session.as_ref())
+        + 4
+        + op.value.as_ref().map_or(0, Vec::len)
+}
+
+/// Bytes of an encoded optional session.
+pub(crate) fn session_len(session: Option<&SessionTag>) -> usize {
+    1 + session.map_or(0, |_| TAG_BYTES)
+}
+
+/// Appends an optional session.
+pub(crate) fn encode_session(session: Option<&SessionTag>, out: &mut Vec<u8>) {
+    match session {
+        None => out.push(0),
+        Some(tag) => {
+            out.push(1);
+            tag.encode(out);
+        }
+    }
 }
 
 impl Command {
@@ -117,6 +149,7 @@ impl Command {
                     out.extend_from_slice(&op.namespace.to_le_bytes());
                     out.extend_from_slice(&op.epoch.to_le_bytes());
                     out.extend_from_slice(&op.key);
+                    encode_session(op.session.as_ref(), &mut out);
                     let value = op.value.as_deref().unwrap_or(&[]);
                     out.extend_from_slice(&(value.len() as u32).to_le_bytes());
                     out.extend_from_slice(value);
@@ -126,10 +159,12 @@ impl Command {
                 namespace,
                 epoch,
                 key,
+                session,
             } => {
                 out.extend_from_slice(&namespace.to_le_bytes());
                 out.extend_from_slice(&epoch.to_le_bytes());
                 out.extend_from_slice(key);
+                encode_session(session.as_ref(), &mut out);
             }
             Command::AdvanceEpoch(epoch) => out.extend_from_slice(&epoch.to_le_bytes()),
             Command::DropEpochs { namespace, below } => {
@@ -149,9 +184,10 @@ impl Command {
         }
         let mut r = Reader { bytes, at: 0 };
         let version = r.u8()?;
-        if version != VERSION {
+        if version != VERSION && version != VERSION_WITHOUT_SESSIONS {
             return Err(NodeError::Malformed(format!("command version {version}")));
         }
+        let sessions = version == VERSION;
         let kind = Kind::from_u8(r.u8()?)
             .ok_or_else(|| NodeError::Malformed("unknown command kind".into()))?;
         let command = match kind {
@@ -159,7 +195,7 @@ impl Command {
                 let count = r.u32()? as usize;
                 let mut ops = Vec::with_capacity(count.min(bytes.len() / 45));
                 for _ in 0..count {
-                    ops.push(r.op()?);
+                    ops.push(r.op(sessions)?);
                 }
                 Command::Write(ops)
             }
@@ -167,6 +203,7 @@ impl Command {
                 namespace: r.u32()?,
                 epoch: r.u32()?,
                 key: r.key()?,
+                session: if sessions { r.session()? } else { None },
             },
             Kind::AdvanceEpoch => Command::AdvanceEpoch(r.u32()?),
             Kind::DropEpochs => Command::DropEpochs {
@@ -223,11 +260,20 @@ impl<'a> Reader<'a> {
     pub fn key(&mut self) -> Result<[u8; KEY_BYTES]> {
         Ok(self.take(KEY_BYTES)?.try_into().expect("32 bytes"))
     }
-    fn op(&mut self) -> Result<WriteOp> {
+    /// An optional session (see [`encode_session`]).
+    pub fn session(&mut self) -> Result<Option<SessionTag>> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(SessionTag::decode(self)?)),
+            other => Err(NodeError::Malformed(format!("session marker {other}"))),
+        }
+    }
+    fn op(&mut self, sessions: bool) -> Result<WriteOp> {
         let op = self.u8()?;
         let namespace = self.u32()?;
         let epoch = self.u32()?;
         let key = self.key()?;
+        let session = if sessions { self.session()? } else { None };
         let len = self.u32()? as usize;
         let value = self.take(len)?;
         let value = match op {
@@ -240,6 +286,7 @@ impl<'a> Reader<'a> {
             namespace,
             epoch,
             key,
+            session,
         })
     }
 }
@@ -256,24 +303,44 @@ mod tests {
                     namespace: 3,
                     epoch: 7,
                     key: [1; 32],
+                    session: Some(SessionTag {
+                        id: u128::MAX - 3,
+                        seq: 9,
+                        opens: true,
+                        time_ms: 1_764_000_000_000,
+                    }),
                 },
                 WriteOp {
                     value: None,
                     namespace: 3,
                     epoch: 7,
                     key: [2; 32],
+                    session: None,
                 },
                 WriteOp {
                     value: Some(Vec::new()),
                     namespace: 4,
                     epoch: 8,
                     key: [3; 32],
+                    session: None,
                 },
             ]),
             Command::Touch {
                 namespace: 9,
                 epoch: 3,
                 key: [4; 32],
+                session: Some(SessionTag {
+                    id: 1,
+                    seq: 2,
+                    opens: false,
+                    time_ms: 3,
+                }),
+            },
+            Command::Touch {
+                namespace: 9,
+                epoch: 3,
+                key: [4; 32],
+                session: None,
             },
             Command::AdvanceEpoch(12),
             Command::DropEpochs {
@@ -290,6 +357,35 @@ mod tests {
             assert_eq!(Command::decode(&command.encode()).unwrap(), command);
         }
         assert_eq!(Command::decode(&[]).unwrap(), Command::Noop);
+    }
+
+    #[test]
+    fn version_1_commands_without_sessions_still_decode() {
+        // A Write of one delete and a Touch, as version 1 wrote them.
+        let mut write = vec![1, 1, 1, 0, 0, 0, 2];
+        write.extend_from_slice(&3u32.to_le_bytes());
+        write.extend_from_slice(&7u32.to_le_bytes());
+        write.extend_from_slice(&[2; 32]);
+        write.extend_from_slice(&0u32.to_le_bytes());
+        let op = WriteOp {
+            value: None,
+            namespace: 3,
+            epoch: 7,
+            key: [2; 32],
+            session: None,
+        };
+        assert_eq!(Command::decode(&write).unwrap(), Command::Write(vec![op]));
+        let mut touch = vec![1, 2];
+        touch.extend_from_slice(&9u32.to_le_bytes());
+        touch.extend_from_slice(&3u32.to_le_bytes());
+        touch.extend_from_slice(&[4; 32]);
+        let expected = Command::Touch {
+            namespace: 9,
+            epoch: 3,
+            key: [4; 32],
+            session: None,
+        };
+        assert_eq!(Command::decode(&touch).unwrap(), expected);
     }
 
     #[test]
@@ -310,7 +406,7 @@ mod tests {
             assert!(Command::decode(&extra).is_err());
         }
         assert!(Command::decode(&[1, 99]).is_err());
-        assert!(Command::decode(&[2, 1]).is_err());
+        assert!(Command::decode(&[3, 1]).is_err());
         // A count far larger than the bytes fails cleanly.
         assert!(Command::decode(&[1, 1, 255, 255, 255, 255]).is_err());
     }

@@ -9,6 +9,7 @@
 //! The map, bottom up: [`raftlog`] (the Raft log on the engine WAL),
 //! [`replica`] (one raft-rs `RawNode` and the Ready checklist), [`snapshot`]
 //! and [`store`] (snapshots as files, the replica's two engine slots),
+//! [`session`] (client write sessions: exactly-once application),
 //! [`shard`] (the owner thread: group commit, ReadIndex batching),
 //! [`server`] (the node: gRPC services, transport, metrics), [`sim`] (a
 //! simulated network for tests). See `docs/design/replication.md`.
@@ -29,6 +30,7 @@ mod error;
 pub mod raftlog;
 pub mod replica;
 pub mod server;
+pub mod session;
 pub mod shard;
 pub mod sim;
 pub mod snapshot;

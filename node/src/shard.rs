@@ -73,7 +73,7 @@ pub enum Event {
     /// install it now.
     SnapshotReceived(Box<Message>),
     /// A put or delete, group-committed with others.
-    Write(WriteOp, Completion),
+    Write(Box<WriteOp>, Completion),
     /// Any other command, proposed alone.
     Propose(Command, Completion),
     /// A linearizable read point, batched with others.
@@ -208,7 +208,7 @@ impl ShardHandle {
 
     /// Queues a put or delete; its completion gets `Failed` if refused.
     pub fn write(&self, op: WriteOp, done: Completion) {
-        if let Err(Event::Write(_, done)) = self.send(Event::Write(op, done)) {
+        if let Err(Event::Write(_, done)) = self.send(Event::Write(Box::new(op), done)) {
             done(Outcome::Overloaded);
         }
     }
@@ -360,7 +360,7 @@ impl Owner {
                     self.flush_writes();
                 }
                 self.write_bytes += bytes;
-                self.writes.push((op, done));
+                self.writes.push((*op, done));
                 if self.writes.len() >= self.driver.max_batch_ops {
                     self.flush_writes();
                 }
@@ -433,9 +433,10 @@ impl Owner {
         let batch = std::mem::take(&mut self.writes);
         self.write_bytes = 0;
         let (ops, completions): (Vec<WriteOp>, Vec<Completion>) = batch.into_iter().unzip();
+        // Each op's caller learns its own op's result.
         let done: Completion = Box::new(move |outcome: Outcome| {
-            for done in completions {
-                done(outcome.clone());
+            for (ordinal, done) in completions.into_iter().enumerate() {
+                done(outcome.for_op(ordinal));
             }
         });
         match self.replica.as_mut() {

@@ -85,6 +85,8 @@ pub struct SimCluster {
     in_flight: Vec<InFlight>,
     /// Pairs of nodes that cannot talk.
     cut: BTreeSet<(u64, u64)>,
+    /// Directed cuts: (from, to).
+    cut_from: BTreeSet<(u64, u64)>,
     /// The network's faults.
     pub faults: NetworkFaults,
     /// Settings every replica opens with (its ids filled in).
@@ -161,6 +163,7 @@ impl SimCluster {
             nodes: BTreeMap::new(),
             in_flight: Vec::new(),
             cut: BTreeSet::new(),
+            cut_from: BTreeSet::new(),
             faults: NetworkFaults::default(),
             template: options.replica,
             engine: options.engine,
@@ -251,6 +254,11 @@ impl SimCluster {
         self.cut.insert((a.min(b), a.max(b)));
     }
 
+    /// Cuts messages from `from` to `to` only (the other way still flows).
+    pub fn cut_one_way(&mut self, from: u64, to: u64) {
+        self.cut_from.insert((from, to));
+    }
+
     /// Isolates `side` from every other node.
     pub fn partition(&mut self, side: &[u64]) {
         for a in side {
@@ -265,10 +273,12 @@ impl SimCluster {
     /// Restores every link.
     pub fn heal(&mut self) {
         self.cut.clear();
+        self.cut_from.clear();
     }
 
+    /// Whether a message from `a` reaches `b`.
     fn can_talk(&self, a: u64, b: u64) -> bool {
-        !self.cut.contains(&(a.min(b), a.max(b)))
+        !self.cut.contains(&(a.min(b), a.max(b))) && !self.cut_from.contains(&(a, b))
     }
 
     /// Kills a node's process: the page cache survives, so on restart it has
@@ -375,6 +385,7 @@ impl SimCluster {
             namespace: 1,
             epoch: 1,
             key,
+            session: None,
         };
         self.propose(id, &Command::Write(vec![op]))
     }

@@ -46,6 +46,7 @@ fn put(handle: &ShardHandle, i: u64) -> Outcome {
         namespace: 1,
         epoch: 1,
         key: key(i),
+        session: None,
     };
     handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
     rx.recv_timeout(Duration::from_secs(20))
@@ -249,6 +250,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
             namespace: 1,
             epoch: 1,
             key: key(i),
+            session: None,
         };
         leader_handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
         rx.recv_timeout(Duration::from_secs(20)).unwrap()

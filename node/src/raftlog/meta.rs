@@ -5,7 +5,9 @@
 //!   "RE", version u8 (1), entry type u8, index u64, term u64,
 //!   context len u32 + context,
 //!   data kind u8 (0: raw — data follows; 1: Write — data is rebuilt from
-//!   the record's items), [data len u32 + data]
+//!   the record's items; 2: Write with sessions — as 1, followed by count
+//!   u32 and each op's session (u8 0, or u8 1 + tag, as in `command.rs`)),
+//!   [data len u32 + data]
 //! state record metadata:
 //!   "RS", version u8 (1), term u64, vote u64, commit u64,
 //!   voters, learners, voters_outgoing, learners_next (count u32 + u64s),
@@ -17,14 +19,17 @@
 use raft::eraftpb::{ConfState, Entry, EntryType, HardState};
 use tidepool_engine::{Epoch, ItemData, ItemInput, ItemOp, KeySpace, Tag};
 
-use crate::command::{Command, KEY_BYTES, Reader, WriteOp};
+use crate::command::{Command, KEY_BYTES, Reader, WriteOp, encode_session};
 use crate::error::{NodeError, Result};
+use crate::session::SessionTag;
 
 const ENTRY_MAGIC: &[u8; 2] = b"RE";
 const STATE_MAGIC: &[u8; 2] = b"RS";
 const VERSION: u8 = 1;
 const DATA_RAW: u8 = 0;
+/// A Write written before sessions (still read).
 const DATA_WRITE: u8 = 1;
+const DATA_WRITE_SESSIONS: u8 = 2;
 
 /// A Raft entry split for the WAL: metadata, and the Write ops whose values
 /// become the record's items.
@@ -52,6 +57,8 @@ pub(crate) struct EntryHead {
     pub context: Vec<u8>,
     /// `None` for a Write (rebuilt from items), else the raw data.
     pub raw_data: Option<Vec<u8>>,
+    /// A Write's sessions, one per op (empty: written before sessions).
+    pub sessions: Vec<Option<SessionTag>>,
 }
 
 /// Splits an entry: a normal entry carrying a Write keeps only its
@@ -70,7 +77,11 @@ pub(crate) fn split_entry(entry: &Entry) -> Result<SplitEntry> {
         .transpose()?;
     match write {
         Some(Command::Write(ops)) => {
-            meta.push(DATA_WRITE);
+            meta.push(DATA_WRITE_SESSIONS);
+            meta.extend_from_slice(&(ops.len() as u32).to_le_bytes());
+            for op in &ops {
+                encode_session(op.session.as_ref(), &mut meta);
+            }
             Ok(SplitEntry { meta, ops })
         }
         _ => {
@@ -135,8 +146,17 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
     let term = r.u64()?;
     let context_len = r.u32()? as usize;
     let context = r.take(context_len)?.to_vec();
+    let mut sessions = Vec::new();
     let raw_data = match r.u8()? {
         DATA_WRITE => None,
+        DATA_WRITE_SESSIONS => {
+            let count = r.u32()? as usize;
+            sessions.reserve(count.min(r.bytes.len()));
+            for _ in 0..count {
+                sessions.push(r.session()?);
+            }
+            None
+        }
         DATA_RAW => {
             let len = r.u32()? as usize;
             Some(r.take(len)?.to_vec())
@@ -149,6 +169,7 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
         term,
         context,
         raw_data,
+        sessions,
     })
 }
 
@@ -157,9 +178,18 @@ pub(crate) fn rebuild_entry(head: EntryHead, items: Vec<ItemData>) -> Result<Ent
     let data = match head.raw_data {
         Some(data) => data,
         None => {
+            if !head.sessions.is_empty() && head.sessions.len() != items.len() {
+                return Err(NodeError::Malformed(format!(
+                    "entry {} names {} sessions for {} items",
+                    head.index,
+                    head.sessions.len(),
+                    items.len()
+                )));
+            }
             let ops = items
                 .into_iter()
-                .map(|item| {
+                .enumerate()
+                .map(|(i, item)| {
                     let key: [u8; KEY_BYTES] = item.key.try_into().map_err(|_| {
                         NodeError::Malformed("entry item key is not 32 bytes".into())
                     })?;
@@ -168,6 +198,7 @@ pub(crate) fn rebuild_entry(head: EntryHead, items: Vec<ItemData>) -> Result<Ent
                         namespace: item.tag.0,
                         epoch: item.epoch.0,
                         key,
+                        session: head.sessions.get(i).copied().flatten(),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -274,18 +305,25 @@ mod tests {
                 namespace: 2,
                 epoch: 4,
                 key: [7; 32],
+                session: Some(SessionTag {
+                    id: 11,
+                    seq: 12,
+                    opens: true,
+                    time_ms: 13,
+                }),
             },
             WriteOp {
                 value: None,
                 namespace: 2,
                 epoch: 4,
                 key: [8; 32],
+                session: None,
             },
         ]);
         let original = entry(write.encode(), EntryType::EntryNormal);
         let split = split_entry(&original).unwrap();
         assert_eq!(split.ops.len(), 2);
-        assert!(split.meta.len() < 60, "values stay out of the metadata");
+        assert!(split.meta.len() < 100, "values stay out of the metadata");
         let LogRecord::Entry(head) = parse(&split.meta).unwrap() else {
             panic!("entry")
         };
@@ -293,6 +331,31 @@ mod tests {
             rebuild_entry(head, item_data(&split.ops)).unwrap(),
             original
         );
+    }
+
+    #[test]
+    fn a_write_record_from_before_sessions_is_rebuilt_without_them() {
+        let op = WriteOp {
+            value: Some(vec![1; 10]),
+            namespace: 2,
+            epoch: 4,
+            key: [7; 32],
+            session: None,
+        };
+        let original = entry(
+            Command::Write(vec![op.clone()]).encode(),
+            EntryType::EntryNormal,
+        );
+        let mut meta = split_entry(&original).unwrap().meta;
+        // Version-1 metadata: data kind 1 and nothing after it.
+        let kind_at = meta.len() - 4 - 1 - 1;
+        assert_eq!(meta[kind_at], DATA_WRITE_SESSIONS);
+        meta.truncate(kind_at);
+        meta.push(DATA_WRITE);
+        let LogRecord::Entry(head) = parse(&meta).unwrap() else {
+            panic!("entry")
+        };
+        assert_eq!(rebuild_entry(head, item_data(&[op])).unwrap(), original);
     }
 
     #[test]

@@ -11,14 +11,15 @@ mod meta;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
-use tidepool_engine::{Appended, Durability, Engine, KeySpace, WalPosition};
+use tidepool_engine::{AppStateSource, Appended, Durability, Engine, KeySpace, WalPosition};
 use tidepool_proto::v1::NodeAddress;
 
 use crate::command::Reader;
 use crate::error::{NodeError, Result};
+use crate::session::Sessions;
 use crate::snapshot::{Outbox, Prepared};
 use meta::LogRecord;
 
@@ -53,8 +54,35 @@ impl SnapshotSender {
 
 /// Magic of the replica's application state in the engine.
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
-/// Version 2 added the epoch drops applied per namespace.
-const APP_STATE_VERSION: u8 = 2;
+/// Version 2 added the epoch drops applied per namespace; version 3 the
+/// length of the raft state record and the write sessions after it.
+const APP_STATE_VERSION: u8 = 3;
+/// The version before write sessions (still read).
+const APP_STATE_VERSION_2: u8 = 2;
+
+/// The replica's application state as the engine persists it: the log's
+/// own small state, encoded at every change, and the write sessions,
+/// encoded only when a snapshot is written (they may be large). One lock
+/// covers both, so a snapshot never sees sessions from one moment and an
+/// applied index from another.
+#[derive(Default)]
+pub(crate) struct AppStateCell(Mutex<CellState>);
+
+#[derive(Default)]
+struct CellState {
+    /// Everything up to and including the raft state record.
+    base: Vec<u8>,
+    sessions: Sessions,
+}
+
+impl AppStateSource for AppStateCell {
+    fn app_state(&self) -> Vec<u8> {
+        let cell = self.0.lock();
+        let mut bytes = cell.base.clone();
+        cell.sessions.encode(&mut bytes);
+        bytes
+    }
+}
 
 /// Where an entry's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +111,8 @@ pub struct RaftLog {
     scan_from: WalPosition,
     /// Snapshot preparation (none: this log cannot send snapshots).
     snapshots: Option<SnapshotSender>,
+    /// What the engine persists at each snapshot (shared with it).
+    app_state: Arc<AppStateCell>,
 }
 
 impl std::fmt::Debug for RaftLog {
@@ -120,6 +150,7 @@ impl RaftLog {
             conf_index: 0,
             applied: 0,
             snapshots: None,
+            app_state: Arc::default(),
         };
         // The application state is durable only at engine snapshots: after
         // an early crash it may be missing although the WAL holds a log.
@@ -127,6 +158,7 @@ impl RaftLog {
         if !stored.is_empty() {
             log.restore_app_state(&stored)?;
         }
+        log.engine.set_app_state_source(log.app_state.clone());
         let found_state = log.scan()?;
         if stored.is_empty() && !found_state {
             if initial_voters.is_empty() {
@@ -159,6 +191,7 @@ impl RaftLog {
         self.applied = FOUNDING_INDEX;
         self.hard_state.term = FOUNDING_TERM;
         self.hard_state.commit = FOUNDING_INDEX;
+        self.app_state.0.lock().sessions = Sessions::starting_at(FOUNDING_INDEX);
         self.save_app_state();
         self.engine.flush()?;
         Ok(())
@@ -275,7 +308,20 @@ impl RaftLog {
     ) -> Result<RaftLog> {
         let mut hard_state = hard_state.clone();
         hard_state.commit = hard_state.commit.max(meta.index);
-        let drops = drops_in(&engine.app_state())?;
+        let (drops, sessions) = match engine.app_state() {
+            bytes if bytes.is_empty() => (BTreeMap::new(), None),
+            bytes => {
+                let saved = AppState::decode(&bytes)?;
+                (saved.drops, saved.sessions)
+            }
+        };
+        // The sender's sessions as of its applied index, the snapshot's (a
+        // sender from before sessions had none).
+        let mut sessions = sessions.unwrap_or_default();
+        sessions.finish_entry(meta.index, Vec::new());
+        let app_state = Arc::new(AppStateCell::default());
+        app_state.0.lock().sessions = sessions;
+        engine.set_app_state_source(app_state.clone());
         let mut log = RaftLog {
             scan_from: engine.processed_position(),
             engine,
@@ -291,6 +337,7 @@ impl RaftLog {
             conf_index: meta.index,
             applied: meta.index,
             snapshots: None,
+            app_state,
         };
         log.persist_state()?;
         log.save_app_state();
@@ -325,6 +372,7 @@ impl RaftLog {
             Some(first) => first.position,
             None => self.engine.processed_position(),
         };
+        self.app_state.0.lock().sessions.forget_before(to + 1);
         self.save_app_state();
         // Everything applied through `to` reaches the on-disk index, and the
         // new first index and scan start become durable, before relocation
@@ -564,12 +612,10 @@ impl RaftLog {
             bytes.extend_from_slice(&namespace.to_le_bytes());
             bytes.extend_from_slice(&below.to_le_bytes());
         }
-        bytes.extend_from_slice(&meta::encode_state(
-            &self.hard_state,
-            &self.conf_state,
-            self.conf_index,
-        ));
-        self.engine.set_app_state(&bytes);
+        let state = meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index);
+        bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&state);
+        self.app_state.0.lock().base = bytes;
     }
 
     fn restore_app_state(&mut self, bytes: &[u8]) -> Result<()> {
@@ -581,7 +627,19 @@ impl RaftLog {
         self.hard_state = saved.hard_state;
         self.conf_state = saved.conf_state;
         self.conf_index = saved.conf_index;
+        // Saved before sessions existed: every applied entry applied all
+        // its ops.
+        self.app_state.0.lock().sessions = saved
+            .sessions
+            .unwrap_or_else(|| Sessions::starting_at(saved.applied));
         Ok(())
+    }
+
+    /// The replica's write sessions, locked: the applier decides and
+    /// records each entry's sessioned ops while holding them (see
+    /// `session.rs`). Never held across a call that snapshots the engine.
+    pub(crate) fn sessions(&self) -> MappedMutexGuard<'_, Sessions> {
+        MutexGuard::map(self.app_state.0.lock(), |cell| &mut cell.sessions)
     }
 }
 
@@ -594,15 +652,23 @@ struct AppState {
     hard_state: HardState,
     conf_state: ConfState,
     conf_index: u64,
+    /// `None` in a state saved before sessions.
+    sessions: Option<Sessions>,
 }
 
 impl AppState {
     fn decode(bytes: &[u8]) -> Result<AppState> {
         let mut r = Reader { bytes, at: 0 };
-        if r.take(4)? != APP_STATE_MAGIC || r.u8()? != APP_STATE_VERSION {
+        if r.take(4)? != APP_STATE_MAGIC {
             return Err(NodeError::Malformed(
-                "not a replica's application state (of this version)".into(),
+                "not a replica's application state".into(),
             ));
+        }
+        let version = r.u8()?;
+        if version != APP_STATE_VERSION && version != APP_STATE_VERSION_2 {
+            return Err(NodeError::Malformed(format!(
+                "replica application state of unknown version {version}"
+            )));
         }
         let applied = r.u64()?;
         let truncated = (r.u64()?, r.u64()?);
@@ -611,11 +677,27 @@ impl AppState {
         let drops = (0..count)
             .map(|_| Ok((r.u32()?, r.u32()?)))
             .collect::<Result<_>>()?;
-        let LogRecord::State(hard_state, conf_state, conf_index) = meta::parse(&bytes[r.at..])?
-        else {
+        let state = if version == APP_STATE_VERSION_2 {
+            &bytes[r.at..]
+        } else {
+            let len = r.u32()? as usize;
+            r.take(len)?
+        };
+        let LogRecord::State(hard_state, conf_state, conf_index) = meta::parse(state)? else {
             return Err(NodeError::Malformed(
                 "application state lacks the raft state".into(),
             ));
+        };
+        let sessions = if version == APP_STATE_VERSION_2 {
+            None
+        } else {
+            let sessions = Sessions::decode(&mut r)?;
+            if r.at != bytes.len() {
+                return Err(NodeError::Malformed(
+                    "trailing bytes after the sessions".into(),
+                ));
+            }
+            Some(sessions)
         };
         Ok(AppState {
             applied,
@@ -625,16 +707,9 @@ impl AppState {
             hard_state,
             conf_state,
             conf_index,
+            sessions,
         })
     }
-}
-
-/// The epoch drops recorded in an application state (none if it is empty).
-fn drops_in(bytes: &[u8]) -> Result<BTreeMap<u32, u32>> {
-    if bytes.is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    Ok(AppState::decode(bytes)?.drops)
 }
 
 fn storage_error(error: NodeError) -> raft::Error {

@@ -1,15 +1,24 @@
 //! Applying committed entries to the engine. A Write only points the index
-//! at the values already in the WAL (`Engine::apply`); touches, epoch
+//! at the values already in the WAL (`Engine::apply_item`); touches, epoch
 //! advances and epoch drops act at the entry's index on every replica, with
 //! everything they depend on carried in the entry, so replicas agree.
+//!
+//! Sessioned ops (puts, deletes, touches a client retries) go through the
+//! replica's [`Sessions`]: a duplicate or refused op is not applied, and an
+//! entry decided before (applied again after a restart) applies exactly the
+//! ops it applied the first time (see `session.rs`). A delete's `existed` is
+//! decided here, in log order.
 
 use prost011::Message as _;
 use raft::eraftpb::{ConfChangeV2, Entry, EntryType};
-use tidepool_engine::{Decision, Durability, EntryInfo, Epoch, RelocationFilter, Tag};
+use tidepool_engine::{
+    AppendedItem, Decision, Durability, Engine, EntryInfo, Epoch, KeySpace, RelocationFilter, Tag,
+};
 
 use super::Replica;
-use crate::command::Command;
+use crate::command::{Command, KEY_BYTES, WriteOp};
 use crate::error::{NodeError, Result};
+use crate::session::{Admission, OpResult, SessionTag, Sessions};
 
 /// Drops one namespace's entries, keeps the rest.
 struct Namespace(u32);
@@ -29,33 +38,65 @@ impl Replica {
     pub(crate) fn apply_entries(&mut self, entries: Vec<Entry>) -> Result<()> {
         for entry in entries {
             let index = entry.index;
+            let mut results = Vec::new();
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {
                 let change = ConfChangeV2::decode(&entry.data[..])
                     .map_err(|e| NodeError::Malformed(format!("conf change at {index}: {e}")))?;
                 let conf_state = self.raw.apply_conf_change(&change)?;
                 self.log().set_state(None, Some((&conf_state, index)))?;
             } else if entry.entry_type == EntryType::EntryNormal as i32 {
-                self.apply_command(&entry)?;
+                results = self.apply_command(&entry)?;
             }
+            // Decisions first, then the applied index (a snapshot between
+            // the two sees sessions ahead of the index, never behind).
+            self.log().sessions().finish_entry(index, Vec::new());
             self.log().set_applied(index);
-            self.proposals.applied(index, entry.term);
+            self.proposals.applied(index, entry.term, results);
         }
         Ok(())
     }
 
-    fn apply_command(&mut self, entry: &Entry) -> Result<()> {
+    /// Applies one normal entry; returns what each of its write ops did.
+    fn apply_command(&mut self, entry: &Entry) -> Result<Vec<OpResult>> {
         if entry.data.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let engine = self.engine().clone();
         let space = self.space;
         match Command::decode(&entry.data)? {
-            Command::Write(_) => {
+            Command::Write(ops) => {
                 let appended = self.log().appended(entry.index)?;
-                engine.apply(&appended)?;
+                if appended.items.len() != ops.len() {
+                    return Err(NodeError::Malformed(format!(
+                        "entry {} has {} ops and {} items",
+                        entry.index,
+                        ops.len(),
+                        appended.items.len()
+                    )));
+                }
+                let target = Target {
+                    engine: &engine,
+                    space,
+                };
+                let mut sessions = self.log().sessions();
+                return apply_write(&target, &mut sessions, entry.index, &ops, &appended.items);
             }
-            Command::Touch { key, epoch, .. } => {
-                engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
+            Command::Touch {
+                key,
+                epoch,
+                session,
+                ..
+            } => {
+                let mut sessions = self.log().sessions();
+                let first_time = !sessions.decided(entry.index);
+                let decided = decide_op(&mut sessions, entry.index, 0, session.as_ref(), |_| {
+                    engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
+                    Ok(false)
+                })?;
+                if first_time && !decided.applied {
+                    sessions.finish_entry(entry.index, vec![0]);
+                }
+                return Ok(vec![decided.result]);
             }
             Command::AdvanceEpoch(epoch) => {
                 if Epoch(epoch) > engine.epoch() {
@@ -72,7 +113,7 @@ impl Replica {
             }
             Command::Noop => {}
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
     /// After a restart, re-applies the applied entries whose index effects
@@ -92,4 +133,101 @@ impl Replica {
         }
         Ok(())
     }
+}
+
+/// Where a Write's items go.
+struct Target<'a> {
+    engine: &'a Engine,
+    space: KeySpace,
+}
+
+/// One op's fate: what it answered, and whether it was applied.
+struct Decided {
+    result: OpResult,
+    applied: bool,
+}
+
+/// Applies a Write's ops in order through the sessions; records which were
+/// not applied. An entry decided before applies what it applied then.
+fn apply_write(
+    target: &Target<'_>,
+    sessions: &mut Sessions,
+    index: u64,
+    ops: &[WriteOp],
+    items: &[AppendedItem],
+) -> Result<Vec<OpResult>> {
+    let first_time = !sessions.decided(index);
+    let mut results = Vec::with_capacity(ops.len());
+    let mut skipped = Vec::new();
+    for (ordinal, (op, item)) in ops.iter().zip(items).enumerate() {
+        let decided = decide_op(sessions, index, ordinal, op.session.as_ref(), |engine_op| {
+            let existed = match engine_op {
+                // Whether a delete finds the key, decided in log order.
+                true if op.value.is_none() => exists(target, &op.key)?,
+                _ => false,
+            };
+            target.engine.apply_item(item)?;
+            Ok(existed)
+        })?;
+        if !decided.applied {
+            skipped.push(ordinal as u32);
+        }
+        results.push(decided.result);
+    }
+    if first_time && !skipped.is_empty() {
+        sessions.finish_entry(index, skipped);
+    }
+    Ok(results)
+}
+
+fn exists(target: &Target<'_>, key: &[u8; KEY_BYTES]) -> Result<bool> {
+    Ok(target.engine.exists(target.space, key)?)
+}
+
+/// Decides one op and applies it with `apply` (given whether this is its
+/// first application, so outcomes are computed; it returns whether a
+/// delete found the key).
+fn decide_op(
+    sessions: &mut Sessions,
+    index: u64,
+    ordinal: usize,
+    session: Option<&SessionTag>,
+    apply: impl FnOnce(bool) -> Result<bool>,
+) -> Result<Decided> {
+    if sessions.decided(index) {
+        // Applied again after a restart: exactly as the first time; nobody
+        // waits for the answer.
+        let applied = sessions.was_applied(index, ordinal);
+        if applied {
+            apply(false)?;
+        }
+        return Ok(Decided {
+            result: OpResult::DONE,
+            applied,
+        });
+    }
+    let admission = match session {
+        Some(tag) => sessions.admit(tag),
+        None => Admission::Apply,
+    };
+    Ok(match admission {
+        Admission::Apply => {
+            let existed = apply(true)?;
+            if let Some(tag) = session {
+                sessions.record(tag, existed);
+            }
+            Decided {
+                result: OpResult::Done { existed },
+                applied: true,
+            }
+        }
+        Admission::Duplicate(result) => Decided {
+            result,
+            applied: false,
+        },
+        Admission::Refused(why) => Decided {
+            result: OpResult::Refused(why),
+            applied: false,
+        },
+    })
 }

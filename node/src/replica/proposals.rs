@@ -1,6 +1,9 @@
 //! Proposals waiting to be applied, and how each one ends.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::session::OpResult;
 
 /// How a proposal ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -9,6 +12,8 @@ pub enum Outcome {
     Applied {
         /// Raft index of the entry.
         index: u64,
+        /// What each write op of the entry did (empty for other entries).
+        results: Arc<[OpResult]>,
     },
     /// This replica does not lead; `leader` does (0: unknown). Nothing was
     /// proposed.
@@ -29,6 +34,30 @@ pub enum Outcome {
     Failed(String),
 }
 
+impl Outcome {
+    /// The outcome as seen by op `ordinal` of the entry: only its result.
+    pub fn for_op(&self, ordinal: usize) -> Outcome {
+        match self {
+            Outcome::Applied { index, results } => Outcome::Applied {
+                index: *index,
+                results: results.get(ordinal).copied().into_iter().collect(),
+            },
+            other => other.clone(),
+        }
+    }
+
+    /// An applied single op's result (applied, nothing to report, for an
+    /// entry without write ops).
+    pub fn op_result(&self) -> Option<OpResult> {
+        match self {
+            Outcome::Applied { results, .. } => {
+                Some(results.first().copied().unwrap_or(OpResult::DONE))
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Called once with a proposal's outcome.
 pub type Completion = Box<dyn FnOnce(Outcome) + Send>;
 
@@ -46,13 +75,16 @@ impl Proposals {
         }
     }
 
-    /// Entry `index` of `term` was applied: its proposal (if ours and of
-    /// that term) succeeded; a proposal for the same index from another term
-    /// was dropped.
-    pub fn applied(&mut self, index: u64, term: u64) {
+    /// Entry `index` of `term` was applied, its write ops with `results`:
+    /// its proposal (if ours and of that term) succeeded; a proposal for the
+    /// same index from another term was dropped.
+    pub fn applied(&mut self, index: u64, term: u64, results: Vec<OpResult>) {
         if let Some((proposed_term, done)) = self.pending.remove(&index) {
             done(if proposed_term == term {
-                Outcome::Applied { index }
+                Outcome::Applied {
+                    index,
+                    results: results.into(),
+                }
             } else {
                 Outcome::Dropped
             });

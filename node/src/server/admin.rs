@@ -61,7 +61,7 @@ impl AdminApi {
 
     async fn await_outcome(&self, shard_id: u32, rx: oneshot::Receiver<Outcome>) -> ApiResult<u64> {
         match tokio::time::timeout(ADMIN_TIMEOUT, rx).await {
-            Ok(Ok(Outcome::Applied { index })) => Ok(index),
+            Ok(Ok(Outcome::Applied { index, .. })) => Ok(index),
             Ok(Ok(other)) => Err(self.node.outcome_error(shard_id, other)),
             Ok(Err(_)) => Err(self
                 .node

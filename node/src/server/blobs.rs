@@ -6,7 +6,9 @@
 //! default: the leader confirms its leadership (ReadIndex) and reads its
 //! applied state; `ANY_REPLICA` reads the local applied state of any
 //! replica. Content-addressed puts of a blob already present write no
-//! value bytes: they only touch it into the current epoch.
+//! value bytes: they only touch it into the current epoch. A write that
+//! carries a `WriteSession` applies at most once however often it is
+//! retried (`crate::session`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +19,7 @@ use tidepool_proto::v1::{
     BatchExistsRequest, BatchExistsResponse, BlobKind, BlobRef, DeleteRequest, DeleteResponse,
     Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse, Namespace, Presence,
     PutHeader, PutRequest, PutResponse, ReadConsistency, ShardInfo, TouchRequest, TouchResponse,
-    get_response, put_request,
+    WriteSession, get_response, put_request,
 };
 use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
 use tokio::sync::{mpsc, oneshot};
@@ -30,6 +32,7 @@ use super::Node;
 use crate::blob;
 use crate::command::{Command, WriteOp};
 use crate::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome};
+use crate::session::{OpResult, Refusal, SessionTag};
 use crate::shard::ShardHandle;
 
 /// Largest piece of content per stream message.
@@ -169,17 +172,80 @@ impl BlobApi {
     }
 
     /// Proposes `command` (or queues `op` for group commit) and waits.
-    async fn commit(&self, target: &Target, proposal: Proposal) -> ApiResult<u64> {
+    async fn commit(&self, target: &Target, proposal: Proposal) -> ApiResult<OpResult> {
         let rx = submit(target, proposal);
         self.committed(target, rx).await
     }
 
-    /// Waits for a submitted proposal.
-    async fn committed(&self, target: &Target, rx: oneshot::Receiver<Outcome>) -> ApiResult<u64> {
-        match self.wait(target, rx).await? {
-            Outcome::Applied { index } => Ok(index),
-            other => Err(self.node.outcome_error(target.info.shard_id, other)),
+    /// Waits for a submitted proposal; what its op did (a write op the
+    /// sessions refused is an error).
+    async fn committed(
+        &self,
+        target: &Target,
+        rx: oneshot::Receiver<Outcome>,
+    ) -> ApiResult<OpResult> {
+        let outcome = self.wait(target, rx).await?;
+        match outcome.op_result() {
+            Some(OpResult::Refused(why)) => Err(self.refused(target, why)),
+            Some(result) => Ok(result),
+            None => Err(self.node.outcome_error(target.info.shard_id, outcome)),
         }
+    }
+
+    /// The error for a sessioned op the shard did not apply.
+    fn refused(&self, target: &Target, why: Refusal) -> ErrorInfo {
+        let shard = target.info.shard_id;
+        let mut info = match why {
+            Refusal::Expired => self.node.error(
+                ErrorCode::SessionExpired,
+                format!(
+                    "shard {shard} does not know this write session (it expired); the write was not applied now, and whether an earlier attempt applied is unknown"
+                ),
+            ),
+            Refusal::Stale => self.node.error(
+                ErrorCode::SessionExpired,
+                format!(
+                    "shard {shard} already applied a later write of this session; this attempt was not applied"
+                ),
+            ),
+            Refusal::Full => {
+                let mut info = self.node.error(
+                    ErrorCode::Overloaded,
+                    format!(
+                        "shard {shard} holds too many write sessions to start another; nothing was applied"
+                    ),
+                );
+                info.detail.retry_after_ms = 1000;
+                info
+            }
+        };
+        info.detail.shard_id = Some(shard);
+        info
+    }
+
+    /// A request's session: checked, and stamped with this node's clock.
+    fn session(&self, session: Option<&WriteSession>) -> ApiResult<Option<SessionTag>> {
+        let Some(session) = session else {
+            return Ok(None);
+        };
+        let id: [u8; 16] = session.id.as_slice().try_into().map_err(|_| {
+            invalid(
+                &self.node,
+                format!("session.id must be 16 bytes, not {}", session.id.len()),
+            )
+        })?;
+        if session.sequence == 0 {
+            return Err(invalid(&self.node, "session.sequence starts at 1"));
+        }
+        let time_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Ok(Some(SessionTag {
+            id: u128::from_le_bytes(id),
+            seq: session.sequence,
+            opens: session.opens,
+            time_ms,
+        }))
     }
 
     /// Refuses writes when the shard's volume is nearly full (reads go on).
@@ -243,6 +309,7 @@ impl BlobApi {
         }
         let kind = BlobKind::try_from(header.kind)
             .map_err(|_| invalid(&self.node, format!("unknown blob kind {}", header.kind)))?;
+        let session = self.session(header.session.as_ref())?;
         self.require_leader(&target)?;
         let content = self.receive(&mut stream, header.size).await?;
         let digest = blob::sha256(&content);
@@ -264,6 +331,7 @@ impl BlobApi {
                         namespace: target.namespace.id,
                         epoch,
                         key: target.key,
+                        session,
                     };
                     self.commit(&target, Proposal::Command(touch)).await?;
                 }
@@ -287,6 +355,7 @@ impl BlobApi {
             namespace: target.namespace.id,
             epoch,
             key: target.key,
+            session,
         };
         drop(content);
         self.commit(&target, Proposal::Write(op)).await?;
@@ -530,10 +599,13 @@ impl BlobApi {
                     .zip(epochs)
                     .filter(|(_, epoch)| epoch.is_some_and(|e| e.0 < current))
                     .map(|(i, _)| {
+                        // Server-made and harmless twice (a touch only moves
+                        // a blob forward): no session.
                         let touch = Command::Touch {
                             namespace: namespace.id,
                             epoch: current,
                             key: storage_key(namespace.id, &request.keys[*i]),
+                            session: None,
                         };
                         submit(&target, Proposal::Command(touch))
                     })
@@ -551,26 +623,22 @@ impl BlobApi {
 
     async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
+        let session = self.session(request.session.as_ref())?;
         self.require_leader(&target)?;
-        // A confirmed read point first: a new leader may not have applied
-        // everything committed yet, and `existed` must not miss a put
-        // acknowledged before this delete began.
-        self.read_point(&target, ReadConsistency::Linearizable as i32)
-            .await?;
-        let key = target.key;
-        let existed = self
-            .engine_read(&target, move |engine, space| engine.exists(space, &key))
-            .await?;
-        // Proposed even when absent: a put racing with this delete may
-        // commit between the check and the proposal, and the delete must
-        // still order after it.
+        // Always proposed; whether the key existed is decided when the
+        // delete applies, in log order (so it is exact, and a retried
+        // delete of a session answers what its first copy found).
         let op = WriteOp {
             value: None,
             namespace: target.namespace.id,
             epoch: target.shard.engine().epoch().0,
             key: target.key,
+            session,
         };
-        self.commit(&target, Proposal::Write(op)).await?;
+        let existed = match self.commit(&target, Proposal::Write(op)).await? {
+            OpResult::Done { existed } => existed,
+            OpResult::Refused(why) => return Err(self.refused(&target, why)),
+        };
         let engine = target.shard.engine();
         self.extra_durability(&target, request.durability, &engine)
             .await?;
@@ -579,6 +647,7 @@ impl BlobApi {
 
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
+        let session = self.session(request.session.as_ref())?;
         self.require_leader(&target)?;
         // As for delete: no NOT_FOUND for a blob whose put this leader has
         // not applied yet.
@@ -595,6 +664,7 @@ impl BlobApi {
                 namespace: target.namespace.id,
                 epoch,
                 key: target.key,
+                session,
             };
             self.commit(&target, Proposal::Command(touch)).await?;
         }
