@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::{
     BatchExistsRequest, BlobKind, DeleteRequest, ErrorCode, GetRequest, HeadRequest, Presence,
-    PutHeader, PutRequest, ReadConsistency, TouchRequest, get_response, put_request,
+    PutHeader, PutRequest, ReadConsistency, TouchRequest, WriteSession, get_response, put_request,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -263,5 +263,114 @@ async fn every_operation_and_every_client_error() {
         .unwrap_err();
     assert_eq!(code(&status), ErrorCode::NotFound);
 
+    cluster.shutdown().await;
+}
+
+/// A put on node `id` in write session `session` (sequence `seq`).
+async fn session_put(
+    cluster: &TestCluster,
+    id: u64,
+    key: &[u8],
+    content: &[u8],
+    session: WriteSession,
+) -> Result<(), tonic::Status> {
+    let header = PutHeader {
+        blob: blob("default", key),
+        size: content.len() as u64,
+        session: Some(session),
+        ..PutHeader::default()
+    };
+    let messages = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(header)),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(content.to_vec())),
+        },
+    ];
+    cluster
+        .client(id)
+        .await
+        .put(tokio_stream::iter(messages))
+        .await
+        .map(|_| ())
+}
+
+fn session(id: u8, sequence: u64, opens: bool) -> WriteSession {
+    WriteSession {
+        id: vec![id; 16],
+        sequence,
+        opens,
+    }
+}
+
+/// Writes in a session over the wire: a retried copy answers the first
+/// copy's outcome and changes nothing; stale and unknown sessions are
+/// refused with `SESSION_EXPIRED`; malformed sessions are
+/// `INVALID_ARGUMENT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_session_write_applies_once_however_often_it_is_sent() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let key = b"once";
+    put(&cluster, "default", key, b"first").await.unwrap();
+    let mut leader = 0;
+    for id in 1..=3 {
+        if get_on(&cluster, id, "default", key, ReadConsistency::Linearizable)
+            .await
+            .is_ok()
+        {
+            leader = id;
+        }
+    }
+    assert_ne!(leader, 0);
+    let delete = |s: WriteSession| DeleteRequest {
+        blob: blob("default", key),
+        session: Some(s),
+        ..DeleteRequest::default()
+    };
+    let client = cluster.client(leader).await;
+
+    // Write 1 of session 7: a delete that finds the key.
+    let first = client.clone().delete(delete(session(7, 1, true))).await;
+    assert!(first.unwrap().into_inner().existed);
+    // Another client writes the key again.
+    put(&cluster, "default", key, b"second").await.unwrap();
+    // The retry of write 1: the first copy's answer, and nothing deleted.
+    let retry = client.clone().delete(delete(session(7, 1, true))).await;
+    assert!(retry.unwrap().into_inner().existed);
+    assert_eq!(get(&cluster, "default", key).await.unwrap(), b"second");
+
+    // Write 2 (a put), twice: the second copy writes nothing.
+    session_put(&cluster, leader, key, b"third", session(7, 2, false))
+        .await
+        .unwrap();
+    put(&cluster, "default", key, b"fourth").await.unwrap();
+    session_put(&cluster, leader, key, b"third", session(7, 2, false))
+        .await
+        .unwrap();
+    assert_eq!(get(&cluster, "default", key).await.unwrap(), b"fourth");
+
+    // A copy of write 1 after write 2 applied: refused, nothing deleted.
+    let stale = client.clone().delete(delete(session(7, 1, false))).await;
+    assert_eq!(code(&stale.unwrap_err()), ErrorCode::SessionExpired);
+    // A session this shard does not know, not opening: refused.
+    let unknown = client.clone().delete(delete(session(8, 5, false))).await;
+    let status = unknown.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::SessionExpired);
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(get(&cluster, "default", key).await.unwrap(), b"fourth");
+
+    // Malformed sessions.
+    for bad in [
+        WriteSession {
+            id: vec![1; 3],
+            sequence: 1,
+            opens: true,
+        },
+        session(9, 0, true),
+    ] {
+        let status = client.clone().delete(delete(bad)).await.unwrap_err();
+        assert_eq!(code(&status), ErrorCode::InvalidArgument, "{status:?}");
+    }
     cluster.shutdown().await;
 }
