@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -88,6 +89,8 @@ pub struct Client {
     pub(crate) attempt_timeout: Option<Duration>,
     /// Write sessions (exactly-once writes), shared by clones.
     pub(crate) sessions: Arc<SessionPool>,
+    /// Counts the attempts this client (or clone) makes, if set.
+    pub(crate) attempts: Option<Arc<AtomicU64>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -175,6 +178,7 @@ impl Client {
             timeout: config.timeout,
             attempt_timeout: config.attempt_timeout,
             sessions: Arc::default(),
+            attempts: None,
         })
     }
 
@@ -184,6 +188,16 @@ impl Client {
     pub fn with_timeout(&self, timeout: Duration) -> Client {
         Client {
             timeout,
+            ..self.clone()
+        }
+    }
+
+    /// The same client, adding one to `counter` for every attempt a call
+    /// makes (a call that succeeds at once adds 1; each retry adds 1): how
+    /// much retrying an application's calls need.
+    pub fn counting_attempts(&self, counter: Arc<AtomicU64>) -> Client {
+        Client {
+            attempts: Some(counter),
             ..self.clone()
         }
     }
@@ -261,6 +275,9 @@ impl Client {
                     ),
                 ),
                 Some(address) => {
+                    if let Some(counter) = &self.attempts {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    }
                     let channel = self.cluster.channel(&address)?;
                     let remaining = deadline.saturating_duration_since(Instant::now());
                     let limit = self.attempt_timeout.map_or(remaining, |a| a.min(remaining));

@@ -49,6 +49,15 @@ pub struct CoordinatorConfig {
     /// Advance the cluster epoch this often, seconds; 0 advances only on
     /// request (`AdvanceEpoch`).
     pub epoch_interval_s: u64,
+    /// A leadership transfer the balancer asked for that has not completed
+    /// after this long counts as failed, milliseconds.
+    pub transfer_timeout_ms: u64,
+    /// After a failed or refused transfer, the balancer does not ask again
+    /// for that shard and target for this long, milliseconds.
+    pub transfer_backoff_ms: u64,
+    /// A node that comes back (restarted, resumed, reachable again) is no
+    /// target of leader balancing for this long, milliseconds.
+    pub balance_settle_ms: u64,
 }
 
 /// The shape of a new cluster.
@@ -92,6 +101,9 @@ impl Default for CoordinatorConfig {
             max_concurrent_moves: 2,
             catch_up_slack: 64,
             epoch_interval_s: 0,
+            transfer_timeout_ms: 3_000,
+            transfer_backoff_ms: 30_000,
+            balance_settle_ms: 10_000,
         }
     }
 }
@@ -143,6 +155,15 @@ impl CoordinatorConfig {
 
     pub(crate) fn down_grace(&self) -> Duration {
         Duration::from_millis(self.down_grace_ms)
+    }
+
+    /// The leader balancer's rules (`transfers.rs`).
+    pub(crate) fn transfers(&self) -> crate::transfers::Transfers {
+        crate::transfers::Transfers::new(
+            Duration::from_millis(self.transfer_timeout_ms),
+            Duration::from_millis(self.transfer_backoff_ms),
+            Duration::from_millis(self.balance_settle_ms),
+        )
     }
 
     pub(crate) fn reconcile_interval(&self) -> Duration {

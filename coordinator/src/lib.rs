@@ -25,6 +25,7 @@ pub mod plan;
 mod reconcile;
 pub mod schema;
 mod service;
+mod transfers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

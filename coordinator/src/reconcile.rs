@@ -31,6 +31,7 @@ use crate::epochs::drop_target;
 use crate::nodes::NodeClients;
 use crate::placement::{NodeView, Placement, place};
 use crate::plan::{ShardView, Step, Wait, next_step, shard_views};
+use crate::transfers::Transfers;
 
 /// Deadline of a status poll.
 const POLL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -149,6 +150,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         nodes: NodeClients::default(),
         down_since: HashMap::new(),
         targets: Placement::new(),
+        transfers: shared.config.transfers(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -162,6 +164,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             // A new term: the down clock starts again.
             reconciler.down_since.clear();
             reconciler.targets.clear();
+            reconciler.transfers.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -184,6 +187,8 @@ struct Reconciler {
     /// pick which to keep by id, possibly undoing the move just made, so
     /// placement starts from these targets instead.
     targets: Placement,
+    /// Leadership transfers asked, and what the balancer leaves alone.
+    transfers: Transfers,
 }
 
 impl Reconciler {
@@ -205,6 +210,15 @@ impl Reconciler {
         let reports = self.poll(&map, &alive).await;
         let live: BTreeSet<u64> = reports.keys().copied().collect();
         let views = shard_views(&map, &reports);
+        let leaders = views.iter().map(|v| (v.shard_id, v.leader));
+        for (shard_id, to) in self.transfers.observe(now, &live, leaders) {
+            tracing::info!(
+                shard_id,
+                to,
+                backoff_ms = shared.config.transfer_backoff_ms,
+                "leadership transfer did not complete; not asking again for a while"
+            );
+        }
         let map = self.sync_map(&views, &alive).await?;
         let grace = shared.config.down_grace();
         let node_views = node_views(&map, &reports, |id| {
@@ -618,8 +632,15 @@ impl Reconciler {
 
     /// Moves one leadership from the node leading the most shards to a
     /// live voter on the node leading the fewest, when they differ by two
-    /// or more.
-    async fn balance_leaders(&self, map: &ClusterMap, views: &[ShardView], live: &BTreeSet<u64>) {
+    /// or more — never to a node settling after its return, nor again to
+    /// a target whose last transfer failed or was refused (`transfers.rs`).
+    async fn balance_leaders(
+        &mut self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        live: &BTreeSet<u64>,
+    ) {
+        let now = Instant::now();
         let mut led: BTreeMap<u64, usize> = live.iter().map(|n| (*n, 0)).collect();
         for view in views {
             if let Some(leader) = view.leader {
@@ -638,13 +659,20 @@ impl Reconciler {
                 .voters
                 .iter()
                 .filter(|v| live.contains(v))
+                .filter(|v| self.transfers.may_ask(now, view.shard_id, **v))
                 .min_by_key(|v| (led.get(v).copied().unwrap_or(usize::MAX), **v))
                 .copied();
             if let Some(to) = best
                 && led.get(&to).is_some_and(|c| c + 2 <= most)
             {
-                if let Err(error) = self.transfer(map, view, to).await {
-                    tracing::warn!(shard_id = view.shard_id, %error, "leader balance failed");
+                match self.transfer(map, view, to).await {
+                    Ok(()) => self.transfers.asked(now, view.shard_id, to),
+                    Err(error) => {
+                        // The leader does not see `to` reachable and caught
+                        // up (or could not be asked): not this pair for now.
+                        tracing::info!(shard_id = view.shard_id, to, %error, "leader balance refused");
+                        self.transfers.refused(now, view.shard_id, to);
+                    }
                 }
                 return;
             }

@@ -345,6 +345,28 @@ impl Cluster {
         assert!(status.success(), "remount of {}", dir.display());
     }
 
+    /// The shard of each workload key `0..keys` (namespace `default`).
+    pub async fn shards_of_keys(&self, keys: u32) -> Vec<u32> {
+        use tidepool_client::proto::{hash_position, storage_key};
+        let map = self.status().await.expect("status").map.expect("map");
+        let namespace = map
+            .namespaces
+            .iter()
+            .find(|n| n.name == "default")
+            .expect("namespace default");
+        (0..keys)
+            .map(|key| {
+                let name = crate::workload::key_name(key);
+                let position = hash_position(&storage_key(namespace.id, &name));
+                map.shards
+                    .iter()
+                    .find(|s| s.hash_start <= position && position <= s.hash_end)
+                    .expect("a shard for every position")
+                    .shard_id
+            })
+            .collect()
+    }
+
     /// A client of the cluster (every coordinator as a seed).
     pub async fn client(&self) -> Client {
         self.try_client().await.expect("a client connects")

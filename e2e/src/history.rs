@@ -66,6 +66,8 @@ pub struct Event {
     pub completed: Nanos,
     /// Its outcome.
     pub status: Status,
+    /// Attempts the SDK made (1: answered at once).
+    pub attempts: u32,
 }
 
 /// A violation, with the events of its key that explain it.
@@ -250,6 +252,7 @@ mod tests {
             } else {
                 Status::Failed("TIMEOUT".into())
             },
+            attempts: 1,
         }
     }
 

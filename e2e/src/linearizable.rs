@@ -288,6 +288,7 @@ mod tests {
             } else {
                 Status::Failed("TIMEOUT".into())
             },
+            attempts: 1,
         }
     }
 

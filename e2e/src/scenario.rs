@@ -103,6 +103,115 @@ impl Report {
     }
 }
 
+/// Writes to one shard in a window, as clients saw them.
+#[derive(Clone, Debug)]
+pub struct ShardWrites {
+    /// The shard.
+    pub shard: u32,
+    /// Writes invoked in the window.
+    pub writes: usize,
+    /// Of those, acknowledged.
+    pub acknowledged: usize,
+    /// Seconds from the window's start to the first acknowledged write
+    /// invoked in it (a shard whose leader was cut off needs an election).
+    pub first_s: Option<f64>,
+    /// The longest stretch with no acknowledged write completing, from the
+    /// moment every shard had its first write (after the elections the
+    /// fault caused: before, clients blocked on a shard electing a leader
+    /// starve the others) to the window's end, seconds.
+    pub longest_gap_s: f64,
+    /// SDK attempts per write: mean and most.
+    pub mean_attempts: f64,
+    /// Most attempts one write needed.
+    pub max_attempts: u32,
+}
+
+impl ShardWrites {
+    /// The figures as one Markdown table row.
+    pub fn row(&self, phase: &str) -> String {
+        format!(
+            "| {phase} | {} | {} | {} | {} | {:.2} | {:.2} | {} |",
+            self.shard,
+            self.writes,
+            self.acknowledged,
+            self.first_s.map_or("never".into(), |s| format!("{s:.2}")),
+            self.longest_gap_s,
+            self.mean_attempts,
+            self.max_attempts
+        )
+    }
+}
+
+/// Per shard, the writes invoked in `[from, to]` (`shard_of` maps a
+/// workload key to its shard), gaps counted once every shard wrote again.
+pub fn shard_writes(
+    history: &[crate::history::Event],
+    shard_of: &dyn Fn(u32) -> u32,
+    from: Nanos,
+    to: Nanos,
+) -> Vec<ShardWrites> {
+    use crate::history::{Op, Status};
+    let mut by_shard: BTreeMap<u32, Vec<&crate::history::Event>> = BTreeMap::new();
+    for e in history {
+        if matches!(e.op, Op::Put(_) | Op::Delete(_)) && e.invoked >= from && e.invoked <= to {
+            by_shard.entry(shard_of(e.key)).or_default().push(e);
+        }
+    }
+    let acked = |writes: &[&crate::history::Event]| -> Vec<Nanos> {
+        let mut done: Vec<Nanos> = writes
+            .iter()
+            .filter(|e| e.status == Status::Ok)
+            .map(|e| e.completed)
+            .collect();
+        done.sort_unstable();
+        done
+    };
+    // Every shard wrote again by then (or never did: the whole window).
+    let all_back = by_shard
+        .values()
+        .map(|w| acked(w).first().copied().unwrap_or(to))
+        .max()
+        .unwrap_or(from);
+    by_shard
+        .into_iter()
+        .map(|(shard, writes)| {
+            let done = acked(&writes);
+            let mut last = all_back;
+            let mut gap = 0;
+            for t in done.iter().copied().filter(|t| *t > all_back && *t <= to) {
+                gap = gap.max(t - last);
+                last = t;
+            }
+            gap = gap.max(to.saturating_sub(last));
+            let attempts: Vec<u32> = writes.iter().map(|e| e.attempts).collect();
+            ShardWrites {
+                shard,
+                writes: writes.len(),
+                acknowledged: done.len(),
+                first_s: done.first().map(|t| t.saturating_sub(from) as f64 / 1e9),
+                longest_gap_s: gap as f64 / 1e9,
+                mean_attempts: attempts.iter().map(|a| f64::from(*a)).sum::<f64>()
+                    / attempts.len().max(1) as f64,
+                max_attempts: attempts.iter().copied().max().unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+/// Appends lines to `$E2E_REPORT`, if set.
+pub fn report_lines(lines: &[String]) {
+    if let Ok(path) = std::env::var("E2E_REPORT")
+        && let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+    {
+        for line in lines {
+            let _ = writeln!(file, "{line}");
+        }
+    }
+}
+
 /// Starts the workload against `cluster`.
 pub async fn start(cluster: &Cluster, workload: Workload) -> Run {
     let recorder = Recorder::new();
@@ -137,6 +246,16 @@ impl Run {
             self.fault_from.unwrap_or(0),
             self.fault_to.unwrap_or(u64::MAX),
         )
+    }
+
+    /// Nanoseconds since the run started.
+    pub fn now(&self) -> Nanos {
+        self.recorder.now()
+    }
+
+    /// The history so far.
+    pub fn history(&self) -> Vec<crate::history::Event> {
+        self.recorder.history()
     }
 
     /// Acknowledged operations so far.

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -158,7 +159,9 @@ pub async fn run(
         .with_attempt_timeout(workload.attempt_timeout);
     let mut tasks = Vec::new();
     for c in 0..workload.clients {
-        let client = client.clone();
+        // Each client counts its own attempts.
+        let counter = Arc::new(AtomicU64::new(0));
+        let client = client.counting_attempts(counter.clone());
         let recorder = recorder.clone();
         let stop = stop.clone();
         let workload = workload.clone();
@@ -170,6 +173,8 @@ pub async fn run(
                 let key = rng.random_range(0..workload.keys);
                 let name = key_name(key);
                 let invoked = recorder.now();
+                let attempts_before = counter.load(Ordering::Relaxed);
+                let attempts = || (counter.load(Ordering::Relaxed) - attempts_before) as u32;
                 let roll = rng.random_range(0..100);
                 let (op, status) = if roll < 40 {
                     seq += 1;
@@ -207,6 +212,7 @@ pub async fn run(
                             invoked,
                             completed,
                             status,
+                            attempts: attempts(),
                         });
                     }
                     continue;
@@ -232,6 +238,7 @@ pub async fn run(
                     invoked,
                     completed,
                     status,
+                    attempts: attempts(),
                 });
             }
         }));

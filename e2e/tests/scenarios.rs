@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tidepool_e2e::cluster::{Cluster, Options};
 use tidepool_e2e::history::{Op, Status};
-use tidepool_e2e::scenario::{Report, start};
+use tidepool_e2e::scenario::{Report, report_lines, shard_writes, start};
 use tidepool_e2e::workload::{Workload, key_name};
 
 /// One scenario at a time: each runs a cluster of processes.
@@ -200,6 +200,65 @@ async fn retried_writes_apply_once_across_one_node_peer_partitions() {
         .finish("one node's peer traffic cut (both, out, 12 x in); 250 ms attempts")
         .await;
     finish_checks(&cluster, &report, &[]);
+}
+
+/// Availability: a node is cut off from its peers — both ways, then only
+/// what it sends — while it still reaches the coordinator and the clients,
+/// for 8 s each (40 reconcile rounds). Every shard keeps a working
+/// majority, so after at most one election its writes must go on: once
+/// every shard had an acknowledged write after the cut, no shard goes more
+/// than 1.5 s without one. (Issue 30: the leader balancer asked
+/// the majority's leader every round to hand leadership to the cut-off
+/// node, and the leader refused writes while each transfer was pending.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_its_peers_leaves_every_shard_writable() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let load = Workload {
+        op_timeout: Duration::from_secs(10),
+        attempt_timeout: Some(Duration::from_millis(500)),
+        ..workload()
+    };
+    let shard_of_key = cluster.shards_of_keys(load.keys).await;
+    let mut run = start(&cluster, load).await;
+    run.run_for(Duration::from_secs(3)).await;
+    run.fault_begins();
+    let mut rows = vec![
+        "| cut | shard | writes | acknowledged | first write after (s) | longest gap once all wrote (s) | attempts per write | most attempts |".to_string(),
+        "|---|---|---|---|---|---|---|---|".to_string(),
+    ];
+    let mut gaps = Vec::new();
+    for (phase, outbound, inbound) in [("both ways", true, true), ("outbound only", true, false)] {
+        let victim = busiest_leader(&cluster).await as u64 + 1;
+        let from = run.now();
+        cluster.cut_peer_traffic(victim, outbound, inbound);
+        run.run_for(Duration::from_secs(8)).await;
+        let to = run.now();
+        cluster.heal();
+        let shard_of = |k: u32| shard_of_key[k as usize];
+        for shard in shard_writes(&run.history(), &shard_of, from, to) {
+            rows.push(shard.row(&format!("node {victim}, {phase}")));
+            gaps.push((victim, phase, shard));
+        }
+        cluster.wait_settled(Duration::from_secs(60)).await;
+        run.run_for(Duration::from_secs(2)).await;
+    }
+    run.fault_ends();
+    let report = run
+        .finish("one node cut off from its peers (both ways, outbound only), 8 s each")
+        .await;
+    eprintln!("{}", rows.join("\n"));
+    report_lines(&rows);
+    finish_checks(&cluster, &report, &[]);
+    for (victim, phase, shard) in &gaps {
+        assert!(
+            shard.longest_gap_s <= 1.5,
+            "node {victim} cut {phase}: shard {} went {:.2} s without a write:\n{}",
+            shard.shard,
+            shard.longest_gap_s,
+            rows.join("\n")
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

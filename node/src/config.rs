@@ -389,6 +389,7 @@ impl NodeConfig {
         config.durability = self.durability()?;
         config.max_command_bytes = self.max_record_bytes() as usize;
         config.compact_log_entries = self.raft.compact_log_entries;
+        config.early_campaign = true;
         Ok(config)
     }
 

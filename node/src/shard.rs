@@ -80,11 +80,15 @@ pub enum Event {
     Read(ReadCompletion),
     /// A membership change.
     ConfChange(ConfChangeV2, Completion),
-    /// Hand leadership to this voter.
-    TransferLeader(u64),
+    /// Hand leadership to this voter; answered with the refusal's reason
+    /// if the leader does not see it reachable and caught up.
+    TransferLeader(u64, TransferReply),
     /// Stop the owner (closing the replica).
     Stop,
 }
+
+/// Answers a leadership transfer request.
+pub type TransferReply = Box<dyn FnOnce(std::result::Result<(), String>) + Send>;
 
 /// What the owner last published about its replica.
 #[derive(Clone, Debug, Default)]
@@ -382,6 +386,7 @@ impl Owner {
                     done(Outcome::Failed(failure))
                 }
                 Event::SnapshotReceived(_) => self.handle.abort_snapshot(),
+                Event::TransferLeader(_, reply) => reply(Err(failure)),
                 _ => {}
             }
             return;
@@ -402,8 +407,8 @@ impl Owner {
             }
             Event::Propose(command, done) => replica.propose(&command, done),
             Event::ConfChange(change, done) => replica.propose_conf_change(change, done),
-            Event::TransferLeader(to) => {
-                replica.transfer_leader(to);
+            Event::TransferLeader(to, reply) => {
+                reply(replica.transfer_leader(to));
                 Ok(())
             }
             Event::Write(..) | Event::Read(_) | Event::Stop => Ok(()),

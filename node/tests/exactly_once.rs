@@ -220,9 +220,17 @@ fn sessions_travel_with_snapshots() {
         "seed {seed}: node 4 joined without a snapshot: {:?}",
         cluster.snapshots
     );
-    let leader = elect(&mut cluster);
-    cluster.replica(leader).unwrap().transfer_leader(4);
-    let moved = cluster.run_until(500, |c| c.leader() == Some(4)).unwrap();
+    // Asked until the leader sees node 4 caught up and answering.
+    let moved = cluster
+        .run_until(500, |c| {
+            if let Some(leader) = c.leader()
+                && leader != 4
+            {
+                let _ = c.replica(leader).unwrap().transfer_leader(4);
+            }
+            c.leader() == Some(4)
+        })
+        .unwrap();
     assert!(moved, "seed {seed}: leadership did not move to node 4");
     let slot = cluster.propose(4, &delete(k, 1, false, 2_000));
     assert_eq!(

@@ -13,6 +13,7 @@ mod apply;
 mod proposals;
 mod read;
 mod ready;
+mod transfer;
 
 use std::sync::Arc;
 
@@ -33,6 +34,8 @@ use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 use read::Reads;
 pub use read::{ReadCompletion, ReadOutcome};
+use transfer::TransferState;
+pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
 
 /// Settings of a replica.
 #[derive(Clone, Debug)]
@@ -64,6 +67,11 @@ pub struct ReplicaConfig {
     /// Hash snapshots on the Raft thread (deterministic tests only: it
     /// blocks the shard while the whole snapshot is read).
     pub hash_snapshots_inline: bool,
+    /// After opening, campaign within a few ticks if no leader is heard of,
+    /// instead of a whole election timeout: after a whole-cluster restart
+    /// the shard has a leader sooner. Harmless when a leader exists: with
+    /// pre-vote and check-quorum, voters that hear from a leader reject it.
+    pub early_campaign: bool,
 }
 
 impl ReplicaConfig {
@@ -82,6 +90,7 @@ impl ReplicaConfig {
             compact_log_bytes: 512 << 20,
             snapshot_idle_ticks: 50,
             hash_snapshots_inline: false,
+            early_campaign: false,
         }
     }
 }
@@ -98,6 +107,8 @@ pub struct Replica {
     raw: RawNode<RaftLog>,
     proposals: Proposals,
     reads: Reads,
+    /// Proposals held during a leadership transfer; when peers answered.
+    transfer: TransferState,
     /// Followers being sent a snapshot: chunks pulled when last looked at,
     /// and ticks since that changed.
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
@@ -186,9 +197,24 @@ impl Replica {
             raw,
             proposals: Proposals::default(),
             reads: Reads::default(),
+            transfer: TransferState::default(),
             snapshot_watch: Default::default(),
         };
         replica.reapply_after_restart()?;
+        if replica.config.early_campaign
+            && replica
+                .raw
+                .raft
+                .prs()
+                .conf()
+                .voters()
+                .contains(replica.config.node_id)
+        {
+            // Between 2 ticks and half an election timeout, spread so
+            // replicas of one shard rarely campaign together.
+            let latest = (replica.config.election_ticks as u64 / 2).max(3);
+            replica.transfer.campaign_at = Some(rand::random_range(2..latest));
+        }
         Ok(replica)
     }
 
@@ -221,6 +247,7 @@ impl Replica {
     }
 
     fn fail(&mut self, reason: String) -> NodeError {
+        self.fail_held(&reason);
         self.proposals.fail_all(&reason);
         self.reads.fail_all(&ReadOutcome::Failed(reason.clone()));
         self.failed = Some(reason.clone());
@@ -231,9 +258,12 @@ impl Replica {
     pub fn tick(&mut self) -> Result<()> {
         self.guarded(|r| {
             r.raw.tick();
+            r.transfer_tick();
+            r.maybe_campaign_early()?;
             r.expire_reads();
             r.watch_snapshots();
-            Ok(())
+            // An aborted transfer ends in a tick.
+            r.release_held()
         })
     }
 
@@ -271,10 +301,16 @@ impl Replica {
 
     /// Takes in a message from a peer.
     pub fn step(&mut self, message: Message) -> Result<()> {
-        self.guarded(|r| match r.raw.step(message) {
-            // Messages from peers outside the configuration are dropped.
-            Err(raft::Error::StepPeerNotFound) => Ok(()),
-            other => Ok(other?),
+        self.guarded(|r| {
+            r.note_heard(&message);
+            match r.raw.step(message) {
+                // Messages from peers outside the configuration are dropped.
+                Err(raft::Error::StepPeerNotFound) => {}
+                other => other?,
+            }
+            // A completed transfer ends when a message makes this replica
+            // a follower.
+            r.release_held()
         })
     }
 
@@ -309,6 +345,14 @@ impl Replica {
             });
             return Ok(());
         }
+        match self.hold_if_transferring(data, done) {
+            Some((data, done)) => self.propose_encoded(data, done),
+            None => Ok(()),
+        }
+    }
+
+    /// Proposes an encoded command on this leader.
+    fn propose_encoded(&mut self, data: Vec<u8>, done: Completion) -> Result<()> {
         let before = self.raw.raft.raft_log.last_index();
         match self.raw.propose(Vec::new(), data) {
             Ok(()) => {
@@ -352,11 +396,6 @@ impl Replica {
     /// Starts an election now (tests and leader transfers).
     pub fn campaign(&mut self) -> Result<()> {
         self.guarded(|r| Ok(r.raw.campaign()?))
-    }
-
-    /// Asks the leader to hand leadership to `to`.
-    pub fn transfer_leader(&mut self, to: u64) {
-        self.raw.transfer_leader(to);
     }
 
     /// Whether the replica failed and must be reopened.
@@ -417,6 +456,7 @@ impl Replica {
 impl Drop for Replica {
     fn drop(&mut self) {
         // A proposal never answered would leave its client waiting.
+        self.fail_held("the replica closed");
         self.proposals.fail_all("the replica closed");
         self.reads
             .fail_all(&ReadOutcome::Failed("the replica closed".into()));

@@ -59,6 +59,55 @@ impl AdminApi {
         }
     }
 
+    /// Asks the shard's leader to hand leadership over; refused (`CONFLICT`,
+    /// with the reason) unless the leader sees the target reachable and
+    /// caught up.
+    async fn transfer_leader_inner(
+        &self,
+        request: TransferLeaderRequest,
+    ) -> ApiResult<TransferLeaderResponse> {
+        let shard_id = request.shard_id;
+        let shard = self.shard(shard_id)?;
+        let status = self.leader_status(shard_id, &shard)?;
+        if !status.voters.contains(&request.to_node) {
+            return Err(self.node.error(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "node {} is not a voter of shard {shard_id}",
+                    request.to_node
+                ),
+            ));
+        }
+        let (tx, rx) = oneshot::channel();
+        let reply = Box::new(move |result| {
+            let _ = tx.send(result);
+        });
+        shard
+            .send(Event::TransferLeader(request.to_node, reply))
+            .map_err(|_| {
+                self.node
+                    .error(ErrorCode::Overloaded, "the shard's queue is full")
+            })?;
+        match tokio::time::timeout(ADMIN_TIMEOUT, rx).await {
+            Ok(Ok(Ok(()))) => Ok(TransferLeaderResponse {}),
+            Ok(Ok(Err(reason))) => {
+                let mut info = self.node.error(
+                    ErrorCode::Conflict,
+                    format!("shard {shard_id}: no leadership transfer: {reason}"),
+                );
+                info.detail.shard_id = Some(shard_id);
+                Err(info)
+            }
+            Ok(Err(_)) => Err(self
+                .node
+                .outcome_error(shard_id, Outcome::Failed("the replica stopped".into()))),
+            Err(_) => Err(self.node.error(
+                ErrorCode::Timeout,
+                format!("shard {shard_id} did not answer within {ADMIN_TIMEOUT:?}"),
+            )),
+        }
+    }
+
     async fn await_outcome(&self, shard_id: u32, rx: oneshot::Receiver<Outcome>) -> ApiResult<u64> {
         match tokio::time::timeout(ADMIN_TIMEOUT, rx).await {
             Ok(Ok(Outcome::Applied { index, .. })) => Ok(index),
@@ -380,27 +429,7 @@ impl NodeAdmin for AdminApi {
         &self,
         request: Request<TransferLeaderRequest>,
     ) -> Result<Response<TransferLeaderResponse>, Status> {
-        let request = request.into_inner();
-        let result = self.shard(request.shard_id).and_then(|shard| {
-            let status = self.leader_status(request.shard_id, &shard)?;
-            if !status.voters.contains(&request.to_node) {
-                return Err(self.node.error(
-                    ErrorCode::InvalidArgument,
-                    format!(
-                        "node {} is not a voter of shard {}",
-                        request.to_node, request.shard_id
-                    ),
-                ));
-            }
-            shard
-                .send(Event::TransferLeader(request.to_node))
-                .map_err(|_| {
-                    self.node
-                        .error(ErrorCode::Overloaded, "the shard's queue is full")
-                })?;
-            Ok(TransferLeaderResponse {})
-        });
-        respond(result)
+        respond(self.transfer_leader_inner(request.into_inner()).await)
     }
 
     async fn close_replica(

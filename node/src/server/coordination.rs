@@ -5,12 +5,17 @@
 //! leader registers nodes (the others answer `NOT_COORDINATOR_LEADER` with
 //! a hint, which the node follows). A node that cannot reach any
 //! coordinator keeps serving with the map it has: the data path never waits
-//! for the control plane.
+//! for the control plane. That holds at start-up too: a node that has run
+//! before (its data directory records its id and the last map it had)
+//! reopens its replicas and serves at once, and registers in the
+//! background — after a whole-cluster restart the shards elect leaders
+//! while the coordinators are still electing theirs.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prost::Message as _;
 use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomically};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
@@ -25,6 +30,8 @@ use crate::error::{NodeError, Result};
 
 /// File in the data directory holding the id the cluster assigned.
 const NODE_ID_FILE: &str = "NODE_ID";
+/// File in the data directory holding the last cluster map received.
+const MAP_FILE: &str = "CLUSTER_MAP";
 /// Longest pause between attempts to reach a coordinator.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Connect timeout for a coordinator.
@@ -89,28 +96,57 @@ fn recorded_id(data_dir: &Path) -> Result<Option<u64>> {
         .map_err(|_| NodeError::Malformed(format!("{}: not a node id", path.display())))
 }
 
+/// The id this data directory belongs to, if it records one (checked
+/// against a configured id); sets `config.node_id` to it.
+pub(crate) fn adopt_recorded_id(config: &mut NodeConfig) -> Result<bool> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+        NodeError::Config(format!("cannot create {}: {e}", config.data_dir.display()))
+    })?;
+    match (recorded_id(&config.data_dir)?, config.node_id) {
+        (Some(on_disk), configured) if configured != 0 && configured != on_disk => {
+            Err(NodeError::Config(format!(
+                "node_id is {configured} but {} belongs to node {on_disk}",
+                config.data_dir.display()
+            )))
+        }
+        (Some(on_disk), _) => {
+            config.node_id = on_disk;
+            Ok(true)
+        }
+        (None, _) => Ok(false),
+    }
+}
+
+/// The last cluster map this node saved, if any.
+pub(crate) fn saved_map(data_dir: &Path) -> Result<Option<ClusterMap>> {
+    let path = data_dir.join(MAP_FILE);
+    let bytes = read_whole_file(&FileStorage::new(), &path)
+        .map_err(|e| NodeError::Config(format!("{}: {e}", path.display())))?;
+    bytes
+        .map(|b| ClusterMap::decode(&b[..]))
+        .transpose()
+        .map_err(|e| NodeError::Malformed(format!("{}: {e}", path.display())))
+}
+
+/// Saves `map` as the last one received (read again at the next start).
+pub(crate) fn save_map(data_dir: &Path, map: &ClusterMap) {
+    let path = data_dir.join(MAP_FILE);
+    if let Err(error) = write_file_atomically(&FileStorage::new(), &path, &map.encode_to_vec()) {
+        // Only start-up before registering reads it; the map is not lost.
+        tracing::warn!(%error, path = %path.display(), "cannot save the cluster map");
+    }
+}
+
 /// Registers with the coordinators (retrying until a leader answers) and
-/// records the assigned id in the data
-/// directory. Sets `config.node_id`; returns the map the coordinator sent.
+/// records the assigned id in the data directory. Sets `config.node_id`;
+/// returns the map the coordinator sent.
 pub(crate) async fn register(config: &mut NodeConfig) -> Result<(ClusterMap, Duration)> {
     let link = config
         .coordinator
         .clone()
         .ok_or_else(|| NodeError::Config("no coordinator configured".into()))?;
-    std::fs::create_dir_all(&config.data_dir).map_err(|e| {
-        NodeError::Config(format!("cannot create {}: {e}", config.data_dir.display()))
-    })?;
-    let recorded = recorded_id(&config.data_dir)?;
-    let node_id = match (recorded, config.node_id) {
-        (Some(on_disk), configured) if configured != 0 && configured != on_disk => {
-            return Err(NodeError::Config(format!(
-                "node_id is {configured} but {} belongs to node {on_disk}",
-                config.data_dir.display()
-            )));
-        }
-        (Some(on_disk), _) => on_disk,
-        (None, configured) => configured,
-    };
+    adopt_recorded_id(config)?;
+    let node_id = config.node_id;
     let capacity_bytes = if link.capacity_bytes != 0 {
         link.capacity_bytes
     } else {
@@ -168,6 +204,27 @@ pub(crate) async fn register(config: &mut NodeConfig) -> Result<(ClusterMap, Dur
     );
     let lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms.max(300)));
     Ok((response.map.unwrap_or_default(), lease_ttl))
+}
+
+/// Registers in the background (a restarted node already serving), then
+/// starts the heartbeats and the map watch.
+pub(crate) fn spawn_registration(node: Arc<Node>) {
+    tokio::spawn(async move {
+        let mut config = node.config.clone();
+        let registered = tokio::select! {
+            _ = node.stopped() => return,
+            registered = register(&mut config) => registered,
+        };
+        match registered {
+            Ok((map, lease_ttl)) => {
+                node.set_map(map);
+                spawn(node, lease_ttl);
+            }
+            // Only a coordinator that names another id ends here: the node
+            // goes on serving its replicas with the map it has.
+            Err(error) => tracing::error!(%error, "registration refused"),
+        }
+    });
 }
 
 /// Heartbeats and the map watch, until the node stops.

@@ -10,12 +10,19 @@ use crate::error::NodeError;
 use crate::replica::{Outcome, ReadOutcome};
 
 impl Node {
-    /// `NOT_LEADER` for `shard_id`, naming `leader` when known.
+    /// `NOT_LEADER` for `shard_id`, naming `leader` when known. Never names
+    /// this node (a leader whose role is changing says so, with a
+    /// retry-after instead of a hint).
     pub(crate) fn not_leader(&self, shard_id: u32, leader: u64) -> ErrorInfo {
+        let leader = if leader == self.config.node_id {
+            0
+        } else {
+            leader
+        };
         let mut info = self.error(
             ErrorCode::NotLeader,
             match leader {
-                0 => format!("shard {shard_id} has no known leader"),
+                0 => format!("shard {shard_id} has no known leader (it may be changing)"),
                 id => format!(
                     "node {} does not lead shard {shard_id}; node {id} does",
                     self.config.node_id

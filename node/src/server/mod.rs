@@ -103,10 +103,13 @@ impl Node {
         });
         node.transport.set_node(Arc::downgrade(&node));
         node.set_map(map.clone());
-        for (shard_id, info) in node.shards_on_disk()? {
-            node.open_replica(info, &[])
-                .map_err(|e| NodeError::Config(format!("shard {shard_id}: {e}")))?;
+        if node.config.coordinator.is_some()
+            && let Some(saved) = coordination::saved_map(&node.config.data_dir)?
+        {
+            // Peers' addresses and ranges until a coordinator sends newer.
+            node.set_map(saved);
         }
+        node.open_replicas_on_disk()?;
         let me = node.config.node_id;
         for info in &map.shards {
             if info.replicas.iter().any(|r| r.node_id == me) {
@@ -115,6 +118,37 @@ impl Node {
             }
         }
         Ok(node)
+    }
+
+    /// Reopens every replica in the data directory, several at a time
+    /// (each replays its log; a node restarts as fast as its slowest
+    /// replica, not their sum).
+    fn open_replicas_on_disk(&self) -> Result<()> {
+        const AT_ONCE: usize = 4;
+        let on_disk = self.shards_on_disk()?;
+        for group in on_disk.chunks(AT_ONCE) {
+            let opened: Vec<(u32, Result<Hosted>)> = std::thread::scope(|scope| {
+                let running: Vec<_> = group
+                    .iter()
+                    .map(|(id, info)| (*id, scope.spawn(|| self.start_replica(info.clone(), &[]))))
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|(id, thread)| {
+                        let result = thread.join().unwrap_or_else(|_| {
+                            Err(NodeError::Failed("opening the replica panicked".into()))
+                        });
+                        (id, result)
+                    })
+                    .collect()
+            });
+            for (shard_id, hosted) in opened {
+                let hosted =
+                    hosted.map_err(|e| NodeError::Config(format!("shard {shard_id}: {e}")))?;
+                self.shards.write().insert(shard_id, hosted);
+            }
+        }
+        Ok(())
     }
 
     fn shard_dir(&self, shard_id: u32) -> PathBuf {
@@ -173,6 +207,9 @@ impl Node {
             }
         }
         drop(shards);
+        if self.config.coordinator.is_some() && map.version != 0 {
+            coordination::save_map(&self.config.data_dir, &map);
+        }
         self.map.store(Arc::new(map));
     }
 
@@ -185,6 +222,15 @@ impl Node {
         if shards.contains_key(&shard_id) {
             return Ok(true);
         }
+        let hosted = self.start_replica(info, voters)?;
+        shards.insert(shard_id, hosted);
+        Ok(false)
+    }
+
+    /// Opens the replica of `info.shard_id` and records it in its
+    /// directory (see [`Node::open_replica`]).
+    fn start_replica(&self, info: ShardInfo, voters: &[u64]) -> Result<Hosted> {
+        let shard_id = info.shard_id;
         let dir = self.shard_dir(shard_id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
@@ -201,8 +247,7 @@ impl Node {
         let path = dir.join(SHARD_FILE);
         write_file_atomically(&FileStorage::new(), &path, &info.encode_to_vec())
             .map_err(|e| NodeError::Engine(tidepool_engine::Error::io(&path, e)))?;
-        shards.insert(shard_id, Hosted { handle, info });
-        Ok(false)
+        Ok(Hosted { handle, info })
     }
 
     /// Stops and forgets the replica of `shard_id`; with `delete`, removes
@@ -403,14 +448,19 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         config.advertise = Some(format!("http://{address}"));
     }
     config.validate()?;
+    // A node that ran before serves at once and registers meanwhile; a new
+    // one needs its id first.
+    let restarting = config.coordinator.is_some() && coordination::adopt_recorded_id(&mut config)?;
     let registered = match config.coordinator {
-        Some(_) => Some(coordination::register(&mut config).await?),
-        None => None,
+        Some(_) if !restarting => Some(coordination::register(&mut config).await?),
+        _ => None,
     };
     let node = tokio::task::block_in_place(|| Node::open(config))?;
     if let Some((map, lease_ttl)) = registered {
         node.set_map(map);
         coordination::spawn(node.clone(), lease_ttl);
+    } else if restarting {
+        coordination::spawn_registration(node.clone());
     }
     if let Some(listener) = metrics_listener {
         tokio::spawn(metrics::serve(node.clone(), listener));
