@@ -100,3 +100,62 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         _ => Disposition::Fail(error),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_proto::v1::{ErrorDetail, NodeAddress};
+    use tidepool_proto::{legacy_status_with_detail, status_with_detail};
+
+    fn not_leader() -> ErrorDetail {
+        ErrorDetail {
+            code: ErrorCode::NotLeader as i32,
+            message: "node 1 does not lead shard 2; node 3 does".into(),
+            map_version: 7,
+            leader_hint: Some(NodeAddress {
+                node_id: 3,
+                address: "http://10.0.0.3:7400".into(),
+            }),
+            ..ErrorDetail::default()
+        }
+    }
+
+    /// A rolling upgrade: the SDK follows the hint of a node that sends
+    /// the current form and of one that sends the form before it.
+    #[test]
+    fn a_not_leader_hint_is_followed_in_both_wire_forms() {
+        for status in [
+            status_with_detail(not_leader()),
+            legacy_status_with_detail(not_leader()),
+        ] {
+            match classify(&status) {
+                Disposition::Redirect(error, address, id) => {
+                    assert_eq!(error.code(), ErrorCode::NotLeader);
+                    assert_eq!(address.as_deref(), Some("http://10.0.0.3:7400"));
+                    assert_eq!(id, Some(3));
+                }
+                _ => panic!("not a redirect: {status:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_final_error_keeps_its_stable_code_in_both_wire_forms() {
+        let detail = ErrorDetail {
+            code: ErrorCode::NamespaceNotFound as i32,
+            message: "no namespace \"x\"".into(),
+            ..ErrorDetail::default()
+        };
+        for status in [
+            status_with_detail(detail.clone()),
+            legacy_status_with_detail(detail.clone()),
+        ] {
+            match classify(&status) {
+                Disposition::Fail(error) => {
+                    assert_eq!(error.code(), ErrorCode::NamespaceNotFound)
+                }
+                _ => panic!("not final: {status:?}"),
+            }
+        }
+    }
+}

@@ -3,11 +3,25 @@
 //! Servers build their `tonic::Status` with [`status_with_detail`]; clients
 //! read the stable code back with [`error_detail`]. The gRPC code that goes
 //! with each [`ErrorCode`] is fixed here, in one place.
+//!
+//! On the wire (the gRPC richer error model, so any gRPC client reads it):
+//! the status code and message, and in the `grpc-status-details-bin`
+//! trailer a `google.rpc.Status` with the same code and message whose
+//! `details` hold one `google.protobuf.Any` packing the
+//! `tidepool.v1.ErrorDetail` (type URL [`ERROR_DETAIL_TYPE_URL`]). Nodes
+//! before this form put the bare `ErrorDetail` bytes in that trailer, which
+//! gRPC libraries that check the trailer (grpc-go, grpc-java) reject as a
+//! mismatch; [`error_detail`] still reads that form, for a rolling
+//! upgrade.
 
 use prost::Message;
 use tonic::{Code, Status};
+use tonic_types::pb::Status as RpcStatus;
 
 use crate::v1::{ErrorCode, ErrorDetail};
+
+/// Type URL of a packed `tidepool.v1.ErrorDetail`.
+pub const ERROR_DETAIL_TYPE_URL: &str = "type.googleapis.com/tidepool.v1.ErrorDetail";
 
 /// An error detail together with the gRPC status code it travels under.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -73,23 +87,56 @@ fn grpc_code(code: ErrorCode) -> Code {
     }
 }
 
-/// Builds a `tonic::Status` carrying `detail` in its binary details, with the
-/// gRPC code that belongs to `detail.code`.
+/// Builds a `tonic::Status` with the gRPC code that belongs to
+/// `detail.code`, whose details are a `google.rpc.Status` (same code and
+/// message) carrying `detail` packed as `google.protobuf.Any`.
 pub fn status_with_detail(detail: ErrorDetail) -> Status {
+    let code = grpc_code(detail.code());
+    let message = format!("{}: {}", detail.code().as_str_name(), detail.message);
+    let rpc = RpcStatus {
+        code: code as i32,
+        message: message.clone(),
+        details: vec![prost_types::Any {
+            type_url: ERROR_DETAIL_TYPE_URL.to_string(),
+            value: detail.encode_to_vec(),
+        }],
+    };
+    Status::with_details(code, message, rpc.encode_to_vec().into())
+}
+
+/// The form nodes used before [`status_with_detail`]: the bare
+/// `ErrorDetail` bytes as the details. Kept to test that clients still
+/// read it (a rolling upgrade); never sent.
+#[doc(hidden)]
+pub fn legacy_status_with_detail(detail: ErrorDetail) -> Status {
     let code = grpc_code(detail.code());
     let message = format!("{}: {}", detail.code().as_str_name(), detail.message);
     Status::with_details(code, message, detail.encode_to_vec().into())
 }
 
-/// Reads the Tidepool error detail from a status. `None` when the status
-/// carries none (for example a transport failure produced by the client's
-/// own gRPC stack) or it does not decode.
+/// Reads the Tidepool error detail from a status: from the
+/// `google.rpc.Status` in its details, or — from a node of an older
+/// version — the bare `ErrorDetail`. `None` when the status carries none
+/// (for example a transport failure produced by the client's own gRPC
+/// stack) or it does not decode.
 pub fn error_detail(status: &Status) -> Option<ErrorDetail> {
     let bytes = status.details();
     if bytes.is_empty() {
         return None;
     }
-    ErrorDetail::decode(bytes).ok()
+    if let Ok(rpc) = RpcStatus::decode(bytes)
+        && let Some(any) = rpc
+            .details
+            .iter()
+            .find(|any| any.type_url == ERROR_DETAIL_TYPE_URL)
+    {
+        return ErrorDetail::decode(&any.value[..]).ok();
+    }
+    // The older form. (A google.rpc.Status carrying no ErrorDetail does
+    // not decode as one with a code: its field 3 is not a varint.)
+    ErrorDetail::decode(bytes)
+        .ok()
+        .filter(|d| d.code != ErrorCode::Unspecified as i32)
 }
 
 #[cfg(test)]
@@ -105,6 +152,61 @@ mod tests {
         assert_eq!(status.code(), Code::Unavailable);
         assert!(status.message().starts_with("NOT_LEADER: "));
         assert_eq!(error_detail(&status), Some(info.detail));
+    }
+
+    #[test]
+    fn the_details_are_a_google_rpc_status_with_the_detail_packed_as_any() {
+        let mut info = ErrorInfo::new(ErrorCode::NotFound, "no such blob");
+        info.detail.map_version = 3;
+        let status: Status = info.clone().into();
+        let rpc = RpcStatus::decode(status.details()).expect("a google.rpc.Status");
+        // What grpc-go and grpc-java check: the same code and message.
+        assert_eq!(rpc.code, status.code() as i32);
+        assert_eq!(rpc.message, status.message());
+        assert_eq!(rpc.details.len(), 1);
+        assert_eq!(rpc.details[0].type_url, ERROR_DETAIL_TYPE_URL);
+        assert_eq!(
+            ErrorDetail::decode(&rpc.details[0].value[..]).unwrap(),
+            info.detail
+        );
+    }
+
+    #[test]
+    fn the_form_of_older_nodes_is_still_read() {
+        for code in [
+            ErrorCode::NotLeader,
+            ErrorCode::NotFound,
+            ErrorCode::Internal,
+        ] {
+            let mut info = ErrorInfo::new(code, "from an older node");
+            info.detail.map_version = 9;
+            info.detail.shard_id = Some(2);
+            info.detail.leader_hint = Some(crate::v1::NodeAddress {
+                node_id: 3,
+                address: "http://10.0.0.3:7400".into(),
+            });
+            let status = legacy_status_with_detail(info.detail.clone());
+            assert_eq!(error_detail(&status), Some(info.detail));
+            // A bare detail with no map version or hint too.
+            let bare = ErrorInfo::new(code, "x").detail;
+            let status = legacy_status_with_detail(bare.clone());
+            assert_eq!(error_detail(&status), Some(bare));
+        }
+    }
+
+    #[test]
+    fn a_rich_status_without_our_detail_has_none() {
+        let rpc = RpcStatus {
+            code: Code::NotFound as i32,
+            message: "someone else's".into(),
+            details: vec![prost_types::Any {
+                type_url: "type.googleapis.com/google.rpc.DebugInfo".into(),
+                value: vec![10, 1, b'x'],
+            }],
+        };
+        let status =
+            Status::with_details(Code::NotFound, "someone else's", rpc.encode_to_vec().into());
+        assert_eq!(error_detail(&status), None);
     }
 
     #[test]

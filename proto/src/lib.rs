@@ -37,7 +37,9 @@ pub mod v1 {
     tonic::include_proto!("tidepool.v1");
 }
 
-pub use error::{ErrorInfo, error_detail, status_with_detail};
+pub use error::{
+    ERROR_DETAIL_TYPE_URL, ErrorInfo, error_detail, legacy_status_with_detail, status_with_detail,
+};
 pub use keys::{
     KEY_MAX_BYTES, NAMESPACE_NAME_MAX_BYTES, STORAGE_KEY_BYTES, StorageKey, even_shard_ranges,
     hash_position, storage_key, validate_namespace_name,
