@@ -10,8 +10,11 @@ export CARGO_TERM_COLOR ?= never
 # Debian packages the build and the tests need (libprotobuf-dev: the
 # well-known .proto files etcd-client's build imports — a Recommends of
 # protobuf-compiler, which --no-install-recommends leaves out; procps:
-# `kill`, which the process tests use to send SIGTERM, SIGSTOP and SIGCONT).
-DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps
+# `kill`, which the process tests use to send SIGTERM, SIGSTOP and SIGCONT;
+# python3-grpcio, python3-protobuf and protobuf-compiler-grpc's
+# grpc_python_plugin: the Python client of the wire-contract test).
+DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
+	python3-grpcio python3-protobuf protobuf-compiler-grpc
 
 .PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image
 
