@@ -120,10 +120,14 @@ fn digest_of(bytes: &[u8]) -> Result<[u8; 32]> {
     })
 }
 
-/// One `Get` call, whole: the info message and the bytes.
+/// One `Get` call, whole: the info message and the bytes. A node is not
+/// trusted with the memory it makes this client allocate: a blob announced
+/// larger than `limit` (the cluster's largest value), or bytes beyond what
+/// was announced, end the call with `CORRUPT`.
 pub(crate) async fn read_blob(
     channel: Channel,
     request: GetRequest,
+    limit: usize,
 ) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
     let mut stream = BlobServiceClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE)
@@ -135,14 +139,38 @@ pub(crate) async fn read_blob(
     while let Some(message) = stream.message().await? {
         match message.msg {
             Some(get_response::Msg::Info(i)) => {
+                if i.size > limit as u64 {
+                    return Err(untrusted(format!(
+                        "a node announced a blob of {} bytes; the cluster stores at most {limit}",
+                        i.size
+                    )));
+                }
                 content.reserve(i.size as usize);
                 info = i;
             }
-            Some(get_response::Msg::Data(data)) => content.extend_from_slice(&data),
+            Some(get_response::Msg::Data(data)) => {
+                if (content.len() + data.len()) as u64 > info.size {
+                    return Err(untrusted(format!(
+                        "a node sent more than the {} bytes it announced",
+                        info.size
+                    )));
+                }
+                content.extend_from_slice(&data)
+            }
             None => {}
         }
     }
     Ok((info, content))
+}
+
+/// A reply no honest node sends: `CORRUPT`, so it is not retried (and a
+/// content-addressed read asks the other replicas).
+fn untrusted(message: String) -> Status {
+    tidepool_proto::status_with_detail(tidepool_proto::v1::ErrorDetail {
+        code: ErrorCode::Corrupt as i32,
+        message,
+        ..Default::default()
+    })
 }
 
 pub(crate) fn blob_ref(namespace: &str, key: &[u8]) -> Option<BlobRef> {
@@ -440,6 +468,7 @@ impl Client {
                         map_version,
                         ..GetRequest::default()
                     },
+                    self.chunk_size(),
                 )
             })
             .await?;
@@ -612,12 +641,14 @@ impl Client {
     /// whether it existed.
     pub async fn delete(&self, namespace: &str, key: &[u8]) -> Result<bool> {
         let chunks = match self.manifest_if_chunked(namespace, key).await? {
-            Some(manifest) if !self.content_addressed(namespace).await? => manifest.chunks,
+            Some(manifest) if !self.content_addressed(namespace).await? => {
+                crate::stream::own_chunks(key, &manifest)
+            }
             _ => Vec::new(),
         };
         let existed = self.delete_one(namespace, key).await?;
         for chunk in chunks {
-            self.delete_one(namespace, &chunk.key).await?;
+            self.delete_one(namespace, &chunk).await?;
         }
         Ok(existed)
     }
@@ -676,5 +707,141 @@ impl Client {
     pub(crate) fn chunk_size(&self) -> usize {
         let limit = self.cluster.map().max_value_bytes;
         if limit == 0 { 4 << 20 } else { limit as usize }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_proto::v1::blob_service_server::{BlobService, BlobServiceServer};
+    use tidepool_proto::v1::{
+        BatchExistsResponse, DeleteRequest as Del, DeleteResponse, GetResponse, HeadResponse,
+        PutResponse, TouchResponse,
+    };
+    use tonic::{Request, Response, Streaming};
+
+    /// A node that lies about sizes: it announces `announced` bytes and
+    /// sends `sent`.
+    struct Liar {
+        announced: u64,
+        sent: usize,
+    }
+
+    type GetStream =
+        tokio_stream::Iter<std::vec::IntoIter<std::result::Result<GetResponse, Status>>>;
+
+    #[tonic::async_trait]
+    impl BlobService for Liar {
+        async fn put(
+            &self,
+            _: Request<Streaming<PutRequest>>,
+        ) -> std::result::Result<Response<PutResponse>, Status> {
+            Err(Status::unimplemented("put"))
+        }
+        type GetStream = GetStream;
+        async fn get(
+            &self,
+            _: Request<GetRequest>,
+        ) -> std::result::Result<Response<GetStream>, Status> {
+            let info = GetResponse {
+                msg: Some(get_response::Msg::Info(BlobInfo {
+                    size: self.announced,
+                    ..BlobInfo::default()
+                })),
+            };
+            let data = GetResponse {
+                msg: Some(get_response::Msg::Data(vec![7; self.sent])),
+            };
+            Ok(Response::new(tokio_stream::iter(vec![Ok(info), Ok(data)])))
+        }
+        async fn head(
+            &self,
+            _: Request<HeadRequest>,
+        ) -> std::result::Result<Response<HeadResponse>, Status> {
+            Err(Status::unimplemented("head"))
+        }
+        async fn batch_exists(
+            &self,
+            _: Request<BatchExistsRequest>,
+        ) -> std::result::Result<Response<BatchExistsResponse>, Status> {
+            Err(Status::unimplemented("batch_exists"))
+        }
+        async fn delete(
+            &self,
+            _: Request<Del>,
+        ) -> std::result::Result<Response<DeleteResponse>, Status> {
+            Err(Status::unimplemented("delete"))
+        }
+        async fn touch(
+            &self,
+            _: Request<TouchRequest>,
+        ) -> std::result::Result<Response<TouchResponse>, Status> {
+            Err(Status::unimplemented("touch"))
+        }
+    }
+
+    /// Reads from a `Liar` on a real socket.
+    async fn read_from(
+        liar: Liar,
+        limit: usize,
+    ) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(BlobServiceServer::new(liar))
+                .serve_with_incoming(incoming),
+        );
+        let channel = Channel::from_shared(format!("http://{address}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        read_blob(channel, GetRequest::default(), limit).await
+    }
+
+    fn code_of(status: &Status) -> ErrorCode {
+        tidepool_proto::error_detail(status)
+            .map(|d| d.code())
+            .unwrap_or(ErrorCode::Unspecified)
+    }
+
+    #[tokio::test]
+    async fn a_node_cannot_make_the_sdk_allocate_what_it_announces() {
+        // 2^62 bytes announced: refused before any allocation (reserving it
+        // would abort the process).
+        let status = read_from(
+            Liar {
+                announced: 1 << 62,
+                sent: 10,
+            },
+            4 << 20,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(code_of(&status), ErrorCode::Corrupt, "{status:?}");
+        // More bytes than announced: refused.
+        let status = read_from(
+            Liar {
+                announced: 10,
+                sent: 11,
+            },
+            4 << 20,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(code_of(&status), ErrorCode::Corrupt, "{status:?}");
+        // And an honest reply reads.
+        let (info, bytes) = read_from(
+            Liar {
+                announced: 10,
+                sent: 10,
+            },
+            4 << 20,
+        )
+        .await
+        .unwrap();
+        assert_eq!((info.size, bytes.len()), (10, 10));
     }
 }

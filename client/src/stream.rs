@@ -86,7 +86,10 @@ impl Client {
         };
         let nonce: u64 = rand::random();
         let mut whole = Sha256::new();
-        let mut manifest = ChunkManifest::default();
+        let mut manifest = ChunkManifest {
+            nonce: if cas { 0 } else { nonce },
+            ..ChunkManifest::default()
+        };
         for index in 0.. {
             let digest = sha256(&current);
             let chunk_key = if cas {
@@ -129,8 +132,8 @@ impl Client {
         outcome.size = manifest.size;
         outcome.sha256 = digest;
         if let Some(old) = replaced {
-            for chunk in old.chunks {
-                self.delete_chunk(namespace, &chunk.key).await?;
+            for chunk in own_chunks(key, &old) {
+                self.delete_chunk(namespace, &chunk).await?;
             }
         }
         Ok(outcome)
@@ -254,7 +257,7 @@ impl Client {
             consistency: ReadConsistency::AnyReplica as i32,
             ..GetRequest::default()
         };
-        read_blob(channel, request)
+        read_blob(channel, request, self.chunk_size())
             .await
             .map_err(|s| Error::new(ErrorCode::Internal, s.message().to_string()))
     }
@@ -288,7 +291,69 @@ impl Client {
     }
 }
 
+/// The keys of `manifest`'s chunks that belong to the blob under `key`:
+/// those derived from its key and the manifest's nonce. A manifest is data
+/// a node returned; deleting whatever keys it lists would let a forged one
+/// delete any blob of the namespace, so any other key is left alone (and
+/// so are the chunks of manifests written before the nonce was recorded).
+pub(crate) fn own_chunks(key: &[u8], manifest: &ChunkManifest) -> Vec<[u8; 32]> {
+    manifest
+        .chunks
+        .iter()
+        .enumerate()
+        .map(|(index, _)| chunk_key(key, manifest.nonce, index as u64))
+        .zip(&manifest.chunks)
+        .filter(|(derived, chunk)| derived[..] == chunk.key[..])
+        .map(|(derived, _)| derived)
+        .collect()
+}
+
 /// Lower-case hex of `bytes` (keys in messages).
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(key: &[u8]) -> ChunkRef {
+        ChunkRef {
+            key: key.to_vec(),
+            size: 1,
+            sha256: vec![0; 32],
+        }
+    }
+
+    #[test]
+    fn only_chunks_derived_from_the_blob_are_its_own() {
+        let nonce = 42;
+        let own: Vec<[u8; 32]> = (0..3).map(|i| chunk_key(b"blob", nonce, i)).collect();
+        let genuine = ChunkManifest {
+            chunks: own.iter().map(|k| chunk(k)).collect(),
+            nonce,
+            ..ChunkManifest::default()
+        };
+        assert_eq!(own_chunks(b"blob", &genuine), own);
+        // Forged: another blob's key, a chunk of another blob, a chunk out
+        // of place; only the genuine first chunk survives the filter.
+        let forged = ChunkManifest {
+            chunks: vec![
+                chunk(&own[0]),
+                chunk(b"someone else's blob"),
+                chunk(&chunk_key(b"other", nonce, 2)),
+                chunk(&own[1]),
+            ],
+            nonce,
+            ..ChunkManifest::default()
+        };
+        assert_eq!(own_chunks(b"blob", &forged), vec![own[0]]);
+        // Another key's manifest, or one without its nonce: nothing.
+        assert!(own_chunks(b"other", &genuine).is_empty());
+        let old = ChunkManifest {
+            nonce: 0,
+            ..genuine
+        };
+        assert!(own_chunks(b"blob", &old).is_empty());
+    }
 }

@@ -304,3 +304,92 @@ async fn corrupted_replica_bytes_are_never_returned() {
     }
     cluster.stop().await;
 }
+
+/// A manifest is data a node hands back: one forged to list another blob
+/// as its chunk (written over the raw API by anyone who may put) must not
+/// make `delete` remove that blob. Only chunks whose key derives from the
+/// blob's key and the manifest's nonce are deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_manifest_cannot_make_delete_remove_other_blobs() {
+    use prost::Message as _;
+    use tidepool_client::proto::v1::{
+        BlobKind, BlobRef, ChunkManifest, ChunkRef, PutHeader, PutRequest, put_request,
+    };
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .put("default", b"victim", b"must survive")
+        .await
+        .unwrap();
+    // A genuine chunked blob, to check its own chunks still go.
+    let limit = client.map().max_value_bytes as usize;
+    let genuine: Vec<u8> = (0..limit * 2 + 10).map(|i| (i % 251) as u8).collect();
+    client.put("default", b"genuine", &genuine).await.unwrap();
+
+    let forged = ChunkManifest {
+        size: 12,
+        sha256: sha256(b"must survive").to_vec(),
+        chunks: vec![ChunkRef {
+            key: b"victim".to_vec(),
+            size: 12,
+            sha256: sha256(b"must survive").to_vec(),
+        }],
+        nonce: 7,
+    }
+    .encode_to_vec();
+    let nodes: std::collections::BTreeMap<u64, String> = client
+        .map()
+        .nodes
+        .iter()
+        .map(|n| (n.node_id, n.address.clone()))
+        .collect();
+    tidepool_testkit::grpc::routed(&nodes, |url| {
+        let forged = forged.clone();
+        async move {
+            let header = PutHeader {
+                blob: Some(BlobRef {
+                    namespace: "default".into(),
+                    key: b"evil".to_vec(),
+                }),
+                size: forged.len() as u64,
+                kind: BlobKind::Manifest as i32,
+                ..PutHeader::default()
+            };
+            let messages = vec![
+                PutRequest {
+                    msg: Some(put_request::Msg::Header(header)),
+                },
+                PutRequest {
+                    msg: Some(put_request::Msg::Data(forged)),
+                },
+            ];
+            tidepool_testkit::grpc::client(&url)
+                .await
+                .put(tokio_stream::iter(messages))
+                .await
+                .map(|r| r.into_inner())
+        }
+    })
+    .await
+    .unwrap();
+
+    assert!(client.delete("default", b"evil").await.unwrap());
+    assert_eq!(
+        client.get("default", b"victim").await.unwrap(),
+        b"must survive",
+        "the forged manifest's 'chunk' was another blob"
+    );
+    // The genuine blob's chunks are its own: deleted with it.
+    let manifest_chunks = {
+        let bytes = tidepool_testkit::grpc::get(&nodes, "default", b"genuine")
+            .await
+            .unwrap();
+        ChunkManifest::decode(&bytes[..]).unwrap().chunks
+    };
+    assert_eq!(manifest_chunks.len(), 3);
+    assert!(client.delete("default", b"genuine").await.unwrap());
+    for chunk in manifest_chunks {
+        assert!(!client.exists("default", &chunk.key).await.unwrap());
+    }
+    cluster.stop().await;
+}

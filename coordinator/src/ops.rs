@@ -160,6 +160,13 @@ impl Shared {
                 if ns.retention.as_ref() == Some(&retention) {
                     return Ok(None);
                 }
+                // Durable is a one-way door: whoever holds the admin
+                // credential cannot make a backup store's blobs expire.
+                if is_durable(ns.retention.as_ref()) && !is_durable(Some(&retention)) {
+                    return Err(CoordinatorError::InvalidArgument(format!(
+                        "namespace {name:?} is durable: its retention cannot be changed to one that expires blobs"
+                    )));
+                }
                 ns.retention = Some(retention);
                 Ok(Some(Vec::new()))
             })
@@ -227,4 +234,12 @@ impl Shared {
         tracing::info!(node_id, replicas = hosted, "draining node");
         Ok(hosted as u32)
     }
+}
+
+/// Whether a retention keeps blobs forever (unset is durable).
+fn is_durable(retention: Option<&Retention>) -> bool {
+    !matches!(
+        retention.and_then(|r| r.policy.as_ref()),
+        Some(tidepool_proto::v1::retention::Policy::Retain(_))
+    )
 }

@@ -141,6 +141,17 @@ async fn changes_go_to_the_leader_and_reads_to_anyone() {
         .unwrap()
         .into_inner();
     assert_eq!(changed.retention, retain(1));
+    // Durable is a one-way door: an expiring namespace may become durable,
+    // never the other way (no admin call makes a backup store expire).
+    let e = leader
+        .set_retention(SetRetentionRequest {
+            name: "default".into(),
+            retention: retain(1),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::InvalidArgument, "{}", e.message());
+    assert!(e.message().contains("durable"), "{}", e.message());
     until("the follower to see the namespace", || {
         second.shared.map().namespaces.len() == 2
     })
@@ -185,6 +196,30 @@ async fn changes_go_to_the_leader_and_reads_to_anyone() {
     );
     assert_eq!(status.namespaces[0].drop_below, 2);
     assert_eq!(status.namespaces[0].shards_done, 0, "no node runs a shard");
+
+    // An expiring namespace may become durable, and then never expire.
+    let durable = || {
+        Some(Retention {
+            policy: Some(Policy::Durable(tidepool_proto::v1::retention::Durable {})),
+        })
+    };
+    let made_durable = leader
+        .set_retention(SetRetentionRequest {
+            name: "cache".into(),
+            retention: durable(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(made_durable.retention, durable());
+    let e = leader
+        .set_retention(SetRetentionRequest {
+            name: "cache".into(),
+            retention: retain(3),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::InvalidArgument);
 
     // Nodes: registration assigns ids, validates the address; drains and
     // heartbeats of unknown nodes are refused.

@@ -72,6 +72,9 @@ pub struct NodeConfig {
     /// Engine settings, per shard replica.
     #[serde(default)]
     pub engine: EngineSettings,
+    /// Limits on what one client may hold of the node.
+    #[serde(default)]
+    pub limits: LimitSettings,
     /// A fixed cluster (no coordinator).
     #[serde(default)]
     pub cluster: Option<StaticCluster>,
@@ -141,6 +144,35 @@ impl Default for RaftSettings {
             compact_log_entries: 10_000,
             max_batch_ops: 256,
             max_batch_bytes: 4 << 20,
+        }
+    }
+}
+
+/// Limits that keep one client (or many) from exhausting a node.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitSettings {
+    /// A put stream that sends nothing for this long is dropped (its
+    /// buffered bytes freed), milliseconds.
+    pub put_idle_timeout_ms: u64,
+    /// Most requests (HTTP/2 streams) in flight on one connection.
+    pub max_streams_per_connection: u32,
+    /// Largest client request message, bytes: a put chunk is 1 MiB; a
+    /// batch-exists must fit (100,000 keys of up to 80 bytes do).
+    pub max_request_bytes: usize,
+    /// HTTP/2 keepalive: a ping after this long without traffic, and the
+    /// connection is closed if the ping is not answered within as long
+    /// again, milliseconds.
+    pub keepalive_ms: u64,
+}
+
+impl Default for LimitSettings {
+    fn default() -> Self {
+        Self {
+            put_idle_timeout_ms: 30_000,
+            max_streams_per_connection: 1024,
+            max_request_bytes: 8 << 20,
+            keepalive_ms: 30_000,
         }
     }
 }
@@ -216,6 +248,10 @@ pub struct NamespaceSpec {
     /// Keys are SHA-256 digests of the content.
     #[serde(default)]
     pub content_addressed: bool,
+    /// Blobs live this many epochs after their last write or touch; unset:
+    /// durable (never dropped by epochs).
+    #[serde(default)]
+    pub retain_epochs: Option<u32>,
 }
 
 fn default_namespaces() -> Vec<NamespaceSpec> {
@@ -223,6 +259,7 @@ fn default_namespaces() -> Vec<NamespaceSpec> {
         name: "default".into(),
         id: 1,
         content_addressed: false,
+        retain_epochs: None,
     }]
 }
 
@@ -451,7 +488,12 @@ impl NodeConfig {
                     id: ns.id,
                     content_addressed: ns.content_addressed,
                     retention: Some(Retention {
-                        policy: Some(retention::Policy::Durable(retention::Durable {})),
+                        policy: Some(match ns.retain_epochs {
+                            None => retention::Policy::Durable(retention::Durable {}),
+                            Some(epochs) => {
+                                retention::Policy::Retain(retention::RetainEpochs { epochs })
+                            }
+                        }),
                     }),
                     created_epoch: 1,
                 })
@@ -463,6 +505,29 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The annotated node configuration in the README parses and passes
+    /// validation (docs are code).
+    #[test]
+    fn the_readme_example_configuration_is_valid() {
+        let readme = include_str!("../../README.md");
+        let block = readme
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("a toml block in the README");
+        let config: NodeConfig = toml::from_str(block).expect("the README's TOML parses");
+        config
+            .validate()
+            .expect("the README's configuration is valid");
+        assert_eq!(config.limits.put_idle_timeout_ms, 30_000);
+        let map = config.static_map().expect("a fixed cluster");
+        assert!(map.namespaces.iter().any(|n| n.name == "ci"
+            && matches!(
+                n.retention.as_ref().and_then(|r| r.policy.as_ref()),
+                Some(retention::Policy::Retain(r)) if r.epochs == 2
+            )));
+    }
 
     #[test]
     fn a_file_with_a_static_cluster_parses_and_maps_the_whole_hash_space() {

@@ -374,3 +374,79 @@ async fn a_session_write_applies_once_however_often_it_is_sent() {
     }
     cluster.shutdown().await;
 }
+
+/// Limits against hostile clients: a put that stops sending is dropped
+/// after the idle timeout (not held forever); a request larger than the
+/// largest legal one is refused before it is decoded; the node serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_put_and_an_oversized_request_are_refused() {
+    let cluster = TestCluster::start(3, 1, |c| {
+        c.limits.put_idle_timeout_ms = 300;
+        c.limits.max_request_bytes = 1 << 20 | 4096;
+    })
+    .await;
+    put(&cluster, "default", b"before", b"v").await.unwrap();
+    let mut leader = 0;
+    for id in 1..=3 {
+        if get_on(
+            &cluster,
+            id,
+            "default",
+            b"before",
+            ReadConsistency::Linearizable,
+        )
+        .await
+        .is_ok()
+        {
+            leader = id;
+        }
+    }
+    // A header announcing 100 bytes, then silence (the sender stays open).
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(PutRequest {
+        msg: Some(put_request::Msg::Header(PutHeader {
+            blob: blob("default", b"stalled"),
+            size: 100,
+            ..PutHeader::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let status = cluster
+        .client(leader)
+        .await
+        .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Timeout, "{status:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    drop(tx);
+    // 2 MiB of keys: over the limit, refused whole.
+    let keys: Vec<Vec<u8>> = (0..70_000)
+        .map(|i| format!("{i:>30}").into_bytes())
+        .collect();
+    let status = cluster
+        .client(leader)
+        .await
+        .batch_exists(BatchExistsRequest {
+            namespace: "default".into(),
+            keys,
+            ..BatchExistsRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::ResourceExhausted | tonic::Code::OutOfRange
+        ),
+        "{status:?}"
+    );
+    // The node serves on; nothing of the stalled put was stored.
+    put(&cluster, "default", b"after", b"w").await.unwrap();
+    assert_eq!(get(&cluster, "default", b"after").await.unwrap(), b"w");
+    let status = get(&cluster, "default", b"stalled").await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
+    cluster.shutdown().await;
+}

@@ -40,11 +40,20 @@ async fn write_keys(
 
 /// Every key reads back on node `id` from its local state.
 async fn assert_replica_holds(cluster: &TestCluster, id: u64, keys: &[(String, Vec<u8>)]) {
+    assert_replica_holds_in(cluster, id, "default", keys).await
+}
+
+async fn assert_replica_holds_in(
+    cluster: &TestCluster,
+    id: u64,
+    namespace: &str,
+    keys: &[(String, Vec<u8>)],
+) {
     for (key, content) in keys {
         let got = get_on(
             cluster,
             id,
-            "default",
+            namespace,
             key.as_bytes(),
             ReadConsistency::AnyReplica,
         )
@@ -140,7 +149,7 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     let away = leader % 3 + 1;
     cluster.stop(away).await;
     // An epoch drop it misses must come with the snapshot.
-    drop_epochs(&cluster, leader, 2, 2).await;
+    drop_epochs(&cluster, leader, 2, 3).await;
     let written = write_keys(&cluster, "k", 150, 0, 8_000).await;
     // The log no longer reaches back to where the stopped replica was.
     let leader = wait_leader(&cluster, 1).await;
@@ -163,7 +172,7 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     let status = replica_status(&cluster, away, 1).await.unwrap();
     assert_eq!(
         (status.epoch, drop_bounds(&status)),
-        (2, vec![(2, 2)]),
+        (2, vec![(3, 2)]),
         "{status:?}"
     );
     // And it keeps following the log afterwards.
@@ -310,13 +319,13 @@ async fn admin_entries_act_on_every_replica() {
         AdvanceEpochOp, DropEpochsOp, ProposeAdminRequest, TouchRequest, propose_admin_request,
     };
     let cluster = TestCluster::start(3, 1, |_| {}).await;
-    put(&cluster, "default", b"old", b"written in epoch 1")
+    put(&cluster, "ci", b"old", b"written in epoch 1")
         .await
         .unwrap();
-    put(&cluster, "default", b"kept", b"touched in epoch 2")
+    put(&cluster, "ci", b"kept", b"touched in epoch 2")
         .await
         .unwrap();
-    put(&cluster, "default", b"batch", b"touched by batch-exists")
+    put(&cluster, "ci", b"batch", b"touched by batch-exists")
         .await
         .unwrap();
     let leader = wait_leader(&cluster, 1).await;
@@ -346,12 +355,33 @@ async fn admin_entries_act_on_every_replica() {
         .await
         .unwrap_err();
     assert_eq!(code(&status), ErrorCode::InvalidArgument);
+    // A durable namespace's blobs are never dropped; an unknown one is not
+    // found.
+    for (namespace_id, expected) in [
+        (1, ErrorCode::InvalidArgument),
+        (99, ErrorCode::NamespaceNotFound),
+    ] {
+        let status = cluster
+            .admin(leader)
+            .await
+            .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
+                namespace_id,
+                below: 1,
+            })))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            code(&status),
+            expected,
+            "namespace {namespace_id}: {status:?}"
+        );
+    }
     // Dropping the current epoch's data is refused.
     let status = cluster
         .admin(leader)
         .await
         .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
-            namespace_id: 1,
+            namespace_id: 3,
             below: 2,
         })))
         .await
@@ -372,7 +402,7 @@ async fn admin_entries_act_on_every_replica() {
         .client(leader)
         .await
         .touch(TouchRequest {
-            blob: grpc_support::blob("default", b"kept"),
+            blob: grpc_support::blob("ci", b"kept"),
             ..TouchRequest::default()
         })
         .await
@@ -383,7 +413,7 @@ async fn admin_entries_act_on_every_replica() {
         .client(leader)
         .await
         .batch_exists(tidepool_proto::v1::BatchExistsRequest {
-            namespace: "default".into(),
+            namespace: "ci".into(),
             keys: vec![b"batch".to_vec(), b"missing".to_vec()],
             touch: true,
             ..Default::default()
@@ -397,14 +427,14 @@ async fn admin_entries_act_on_every_replica() {
         presence,
         vec![Presence::Present as i32, Presence::Absent as i32]
     );
-    put(&cluster, "default", b"new", b"written in epoch 2")
+    put(&cluster, "ci", b"new", b"written in epoch 2")
         .await
         .unwrap();
     cluster
         .admin(leader)
         .await
         .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
-            namespace_id: 1,
+            namespace_id: 3,
             below: 2,
         })))
         .await
@@ -415,10 +445,10 @@ async fn admin_entries_act_on_every_replica() {
         let status = replica_status(&cluster, id, 1).await.unwrap();
         assert_eq!(
             (status.epoch, drop_bounds(&status)),
-            (2, vec![(1, 2)]),
+            (2, vec![(3, 2)]),
             "node {id}"
         );
-        let status = get_on(&cluster, id, "default", b"old", ReadConsistency::AnyReplica)
+        let status = get_on(&cluster, id, "ci", b"old", ReadConsistency::AnyReplica)
             .await
             .unwrap_err();
         assert_eq!(
@@ -426,9 +456,10 @@ async fn admin_entries_act_on_every_replica() {
             ErrorCode::NotFound,
             "node {id} kept an expired blob"
         );
-        assert_replica_holds(
+        assert_replica_holds_in(
             &cluster,
             id,
+            "ci",
             &[
                 ("kept".into(), b"touched in epoch 2".to_vec()),
                 ("new".into(), b"written in epoch 2".to_vec()),

@@ -66,9 +66,11 @@ struct NodeArgs {
     /// peer).
     #[arg(long, value_delimiter = ',')]
     replicas: Vec<u64>,
-    /// A fixed cluster's namespace, `NAME=ID` or `NAME=ID:cas` for a
-    /// content-addressed one (default: `default=1`).
-    #[arg(long = "namespace", value_name = "NAME=ID[:cas]")]
+    /// A fixed cluster's namespace, `NAME=ID`; `:cas` makes it
+    /// content-addressed, `:retain=EPOCHS` expires its blobs that many
+    /// epochs after their last write (default: durable). Default:
+    /// `default=1`.
+    #[arg(long = "namespace", value_name = "NAME=ID[:cas][:retain=EPOCHS]")]
     namespaces: Vec<String>,
     /// A coordinator to register with, `http://host:port` (repeat for
     /// several); instead of a fixed cluster. The node id is then optional:
@@ -236,6 +238,7 @@ impl NodeArgs {
                     name: "default".into(),
                     id: 1,
                     content_addressed: false,
+                    retain_epochs: None,
                 }]
             } else {
                 self.namespaces
@@ -243,19 +246,30 @@ impl NodeArgs {
                     .map(|n| {
                         let (name, rest) = n
                             .split_once('=')
-                            .context("--namespace takes NAME=ID[:cas]")?;
-                        let (id, cas) = match rest.split_once(':') {
-                            Some((id, "cas")) => (id, true),
-                            Some(_) => bail!("--namespace {n}: the only flag is :cas"),
-                            None => (rest, false),
-                        };
-                        Ok(NamespaceSpec {
+                            .context("--namespace takes NAME=ID[:cas][:retain=EPOCHS]")?;
+                        let mut parts = rest.split(':');
+                        let id = parts.next().unwrap_or_default();
+                        let mut spec = NamespaceSpec {
                             name: name.into(),
                             id: id
                                 .parse()
                                 .with_context(|| format!("--namespace {n}: bad id"))?,
-                            content_addressed: cas,
-                        })
+                            content_addressed: false,
+                            retain_epochs: None,
+                        };
+                        for flag in parts {
+                            match flag.split_once('=') {
+                                None if flag == "cas" => spec.content_addressed = true,
+                                Some(("retain", epochs)) => {
+                                    spec.retain_epochs =
+                                        Some(epochs.parse().with_context(|| {
+                                            format!("--namespace {n}: bad retain epochs")
+                                        })?)
+                                }
+                                _ => bail!("--namespace {n}: flags are :cas and :retain=EPOCHS"),
+                            }
+                        }
+                        Ok(spec)
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?
             };

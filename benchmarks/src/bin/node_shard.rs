@@ -98,6 +98,7 @@ fn node_config(id: u64, dir: &Path, ports: &[u16]) -> NodeConfig {
             name: "bench".into(),
             id: 1,
             content_addressed: false,
+            retain_epochs: None,
         }],
     });
     config

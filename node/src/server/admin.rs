@@ -13,7 +13,7 @@ use tidepool_proto::v1::{
     EpochDropApplied, ErrorCode, MembershipChange, NodeStatus, NodeStatusRequest,
     OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
     ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo, TransferLeaderRequest,
-    TransferLeaderResponse, propose_admin_request,
+    TransferLeaderResponse, propose_admin_request, retention,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -57,6 +57,32 @@ impl AdminApi {
                 .node
                 .outcome_error(shard_id, Outcome::Failed("replica down".into()))),
         }
+    }
+
+    /// Epoch drops may only reach namespaces that expire: a durable
+    /// namespace's blobs are never dropped, whoever asks.
+    fn check_droppable(&self, namespace_id: u32) -> ApiResult<()> {
+        let map = self.node.map();
+        let Some(namespace) = map.namespaces.iter().find(|n| n.id == namespace_id) else {
+            return Err(self.node.error(
+                ErrorCode::NamespaceNotFound,
+                format!("no namespace with id {namespace_id} in this node's map"),
+            ));
+        };
+        let expires = matches!(
+            namespace.retention.as_ref().and_then(|r| r.policy.as_ref()),
+            Some(retention::Policy::Retain(_))
+        );
+        if !expires {
+            return Err(self.node.error(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "namespace {:?} is durable: its blobs are never dropped by epochs",
+                    namespace.name
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Asks the shard's leader to hand leadership over; refused (`CONFLICT`,
@@ -234,6 +260,7 @@ impl AdminApi {
                 Command::AdvanceEpoch(epoch(op.epoch, "epoch")?)
             }
             Some(propose_admin_request::Op::DropEpochs(op)) => {
+                self.check_droppable(op.namespace_id)?;
                 let below = epoch(op.below, "below")?;
                 let current = shard.engine().epoch().0;
                 if below > current {

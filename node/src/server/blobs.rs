@@ -402,9 +402,22 @@ impl BlobApi {
         Ok(())
     }
 
+    /// The content of a put stream: exactly `size` bytes, in chunks of at
+    /// most 1 MiB, none more than the idle timeout after the last.
     async fn receive(&self, stream: &mut Streaming<PutRequest>, size: u64) -> ApiResult<Vec<u8>> {
         let mut content = Vec::with_capacity(size as usize);
-        while let Some(message) = stream.next().await {
+        let idle = Duration::from_millis(self.node.config.limits.put_idle_timeout_ms);
+        loop {
+            let Ok(next) = tokio::time::timeout(idle, stream.next()).await else {
+                return Err(self.node.error(
+                    ErrorCode::Timeout,
+                    format!(
+                        "the put stream sent nothing for {idle:?} ({} of {size} bytes received); nothing was stored",
+                        content.len()
+                    ),
+                ));
+            };
+            let Some(message) = next else { break };
             let message = message.map_err(|s| invalid(&self.node, s.message()))?;
             match message.msg {
                 Some(put_request::Msg::Data(data)) => {

@@ -466,8 +466,11 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         tokio::spawn(metrics::serve(node.clone(), listener));
     }
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let limits = node.config.limits.clone();
+    // Client messages: at most the largest legal one (a put chunk, a
+    // batch-exists), so a hostile one is refused before it is buffered.
     let blob = BlobServiceServer::new(blobs::BlobApi::new(node.clone()))
-        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
     let raft = RaftTransportServer::new(raft_service::RaftApi::new(node.clone()))
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
@@ -479,7 +482,11 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(30)));
     let server = tokio::spawn(async move {
+        let keepalive = Duration::from_millis(limits.keepalive_ms);
         tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(limits.max_streams_per_connection))
+            .http2_keepalive_interval(Some(keepalive))
+            .http2_keepalive_timeout(Some(keepalive))
             .add_service(blob)
             .add_service(raft)
             .add_service(admin)

@@ -66,11 +66,19 @@ impl TestCluster {
                         name: "default".into(),
                         id: 1,
                         content_addressed: false,
+                        retain_epochs: None,
                     },
                     NamespaceSpec {
                         name: "cas".into(),
                         id: 2,
                         content_addressed: true,
+                        retain_epochs: None,
+                    },
+                    NamespaceSpec {
+                        name: "ci".into(),
+                        id: 3,
+                        content_addressed: false,
+                        retain_epochs: Some(1),
                     },
                 ],
             });
