@@ -16,7 +16,7 @@ export CARGO_TERM_COLOR ?= never
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image fuzz
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -115,6 +115,11 @@ e2e: ## End-to-end scenarios on real processes, real etcd, injected faults; repo
 e2e-soak: ## A long randomized fault run (DURATION=seconds, default 300).
 	$(CARGO) build -p tidepool --bin tidepool
 	E2E_REPORT=$(E2E_REPORT) E2E_SOAK_SECONDS=$(DURATION) $(CARGO) test -p tidepool-e2e --test scenarios soak -- --ignored --nocapture
+
+FUZZ_CASES ?= 200000
+
+fuzz: ## Every decoder of bytes from disk or network, FUZZ_CASES mutants each (make ci runs 3,000; FUZZ_SEED=<seed> replays).
+	FUZZ_CASES=$(FUZZ_CASES) $(CARGO) test -p tidepool-engine -p tidepool-node -p tidepool-coordinator -p tidepool-client --test decoders_survive_hostile_bytes -- --nocapture
 
 image: ## Build the Docker image.
 	@echo "image: not yet — the Docker image arrives with the deployment work"; exit 1

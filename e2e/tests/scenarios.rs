@@ -9,7 +9,7 @@ use std::time::Duration;
 use tidepool_e2e::cluster::{Cluster, Options};
 use tidepool_e2e::history::{Op, Status};
 use tidepool_e2e::scenario::{Report, report_lines, shard_writes, start};
-use tidepool_e2e::workload::{Workload, key_name};
+use tidepool_e2e::workload::Workload;
 
 /// One scenario at a time: each runs a cluster of processes.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -34,22 +34,14 @@ async fn busiest_leader(cluster: &Cluster) -> usize {
 }
 
 /// The node id leading the shard that holds workload key `key` (in the
-/// namespace `default`).
+/// namespace `default`); 0 when the map names none.
 async fn leader_of_key(cluster: &Cluster, key: u32) -> u64 {
-    use tidepool_client::proto::{hash_position, storage_key};
+    let shard = cluster.shards_of_keys(key + 1).await[key as usize];
     let map = cluster.status().await.expect("status").map.expect("map");
-    let namespace = map
-        .namespaces
+    map.shards
         .iter()
-        .find(|n| n.name == "default")
-        .expect("namespace default");
-    let position = hash_position(&storage_key(namespace.id, &key_name(key)));
-    let shard = map
-        .shards
-        .iter()
-        .find(|s| s.hash_start <= position && position <= s.hash_end)
-        .expect("a shard for every position");
-    shard.leader_hint
+        .find(|s| s.shard_id == shard)
+        .map_or(0, |s| s.leader_hint)
 }
 
 /// The node (index) leading the fewest shards.

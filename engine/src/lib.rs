@@ -74,6 +74,8 @@ mod entry_update;
 mod epochs;
 mod error;
 mod flush;
+#[doc(hidden)]
+pub mod fuzzing;
 mod health;
 mod index;
 mod index_cleaning;

@@ -164,6 +164,11 @@ pub struct LimitSettings {
     /// connection is closed if the ping is not answered within as long
     /// again, milliseconds.
     pub keepalive_ms: u64,
+    /// Bytes of blob content all requests of the node may hold at once
+    /// (puts being received, gets being sent), MiB; a request that would
+    /// exceed it is refused `OVERLOADED` instead of growing the node's
+    /// memory.
+    pub in_flight_mib: u64,
 }
 
 impl Default for LimitSettings {
@@ -173,6 +178,7 @@ impl Default for LimitSettings {
             max_streams_per_connection: 1024,
             max_request_bytes: 8 << 20,
             keepalive_ms: 30_000,
+            in_flight_mib: 1024,
         }
     }
 }

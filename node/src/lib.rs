@@ -27,6 +27,8 @@ pub mod blob;
 pub mod command;
 pub mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod raftlog;
 pub mod replica;
 pub mod server;

@@ -450,3 +450,61 @@ async fn a_stalled_put_and_an_oversized_request_are_refused() {
     assert_eq!(code(&status), ErrorCode::NotFound);
     cluster.shutdown().await;
 }
+
+/// The in-flight budget: a node holding its whole budget (here a stalled
+/// put that announced most of it) refuses more with `OVERLOADED` and a
+/// retry-after instead of growing its memory, and serves again once the
+/// held bytes are released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
+    let cluster = TestCluster::start(3, 1, |c| {
+        c.limits.in_flight_mib = 1;
+        c.limits.put_idle_timeout_ms = 1_000;
+    })
+    .await;
+    put(&cluster, "default", b"k", b"v").await.unwrap();
+    let mut leader = 0;
+    for id in 1..=3 {
+        if get_on(&cluster, id, "default", b"k", ReadConsistency::Linearizable)
+            .await
+            .is_ok()
+        {
+            leader = id;
+        }
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(PutRequest {
+        msg: Some(put_request::Msg::Header(PutHeader {
+            blob: blob("default", b"held"),
+            size: 900 * 1024,
+            ..PutHeader::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let mut client = cluster.client(leader).await;
+    let stalled = tokio::spawn(async move {
+        client
+            .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let refused = put_on(&cluster, leader, "default", b"more", &[1; 200 * 1024])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Overloaded, "{refused:?}");
+    assert!(
+        tidepool_proto::error_detail(&refused)
+            .unwrap()
+            .retry_after_ms
+            > 0
+    );
+    // The stalled put times out; its bytes are released.
+    let status = stalled.await.unwrap().unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Timeout);
+    drop(tx);
+    put_on(&cluster, leader, "default", b"more", &[1; 200 * 1024])
+        .await
+        .unwrap();
+    cluster.shutdown().await;
+}

@@ -13,6 +13,7 @@
 pub mod cluster;
 pub mod depcheck;
 mod etcd;
+pub mod fuzz;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 mod io;

@@ -594,27 +594,19 @@ impl RaftLog {
         self.save_app_state();
     }
 
-    /// The application state persisted with every engine snapshot.
+    /// The application state persisted with every engine snapshot (the
+    /// sessions are added when the engine asks: `AppStateCell`).
     fn save_app_state(&self) {
-        let mut bytes = Vec::with_capacity(128);
-        bytes.extend_from_slice(APP_STATE_MAGIC);
-        bytes.push(APP_STATE_VERSION);
-        for v in [
-            self.applied,
-            self.truncated.0,
-            self.truncated.1,
-            self.scan_from.0,
-        ] {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        bytes.extend_from_slice(&(self.drops.len() as u32).to_le_bytes());
-        for (namespace, below) in &self.drops {
-            bytes.extend_from_slice(&namespace.to_le_bytes());
-            bytes.extend_from_slice(&below.to_le_bytes());
-        }
-        let state = meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index);
-        bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(&state);
+        let bytes = encode_base(
+            [
+                self.applied,
+                self.truncated.0,
+                self.truncated.1,
+                self.scan_from.0,
+            ],
+            &self.drops,
+            &meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index),
+        );
         self.app_state.0.lock().base = bytes;
     }
 
@@ -640,6 +632,77 @@ impl RaftLog {
     /// `session.rs`). Never held across a call that snapshots the engine.
     pub(crate) fn sessions(&self) -> MappedMutexGuard<'_, Sessions> {
         MutexGuard::map(self.app_state.0.lock(), |cell| &mut cell.sessions)
+    }
+}
+
+/// The application state without its sessions: magic, version, applied,
+/// truncated index and term, scan start, drops, the raft state record.
+fn encode_base(fields: [u64; 4], drops: &BTreeMap<u32, u32>, state: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(128);
+    bytes.extend_from_slice(APP_STATE_MAGIC);
+    bytes.push(APP_STATE_VERSION);
+    for v in fields {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    bytes.extend_from_slice(&(drops.len() as u32).to_le_bytes());
+    for (namespace, below) in drops {
+        bytes.extend_from_slice(&namespace.to_le_bytes());
+        bytes.extend_from_slice(&below.to_le_bytes());
+    }
+    bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(state);
+    bytes
+}
+
+/// For the decoder fuzzing (`node/src/fuzzing.rs`): a saved application
+/// state (with sessions).
+pub(crate) fn fuzz_app_state(sessions: &Sessions) -> Vec<u8> {
+    let cs = ConfState {
+        voters: vec![1, 2, 3],
+        ..ConfState::default()
+    };
+    let hs = HardState {
+        term: 4,
+        vote: 2,
+        commit: 90,
+    };
+    let drops = BTreeMap::from([(3, 2), (5, 7)]);
+    let mut bytes = encode_base([90, 40, 3, 4096], &drops, &meta::encode_state(&hs, &cs, 12));
+    sessions.encode(&mut bytes);
+    bytes
+}
+
+/// Whether bytes decode as a saved application state.
+pub(crate) fn fuzz_decode_app_state(bytes: &[u8]) -> bool {
+    AppState::decode(bytes).is_ok()
+}
+
+/// For the decoder fuzzing: raft records' metadata as the log writes them
+/// (a Write entry with sessions, a raw entry, a state record), and a
+/// decoder that parses one and rebuilds its entry.
+pub(crate) fn fuzz_record_meta(write: &Entry, raw: &Entry) -> Result<Vec<Vec<u8>>> {
+    let cs = ConfState {
+        voters: vec![1, 2],
+        learners: vec![3],
+        ..ConfState::default()
+    };
+    Ok(vec![
+        meta::split_entry(write)?.meta,
+        meta::split_entry(raw)?.meta,
+        meta::encode_state(&HardState::default(), &cs, 7),
+    ])
+}
+
+/// Parses record metadata and, for an entry, rebuilds it (with no items:
+/// a Write's sessions then do not match, a typed error too).
+pub(crate) fn fuzz_parse_meta(bytes: &[u8]) -> bool {
+    match meta::parse(bytes) {
+        Ok(LogRecord::Entry(head)) => {
+            let _ = meta::rebuild_entry(head, Vec::new());
+            true
+        }
+        Ok(LogRecord::State(..)) => true,
+        Err(_) => false,
     }
 }
 

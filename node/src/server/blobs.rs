@@ -311,6 +311,8 @@ impl BlobApi {
             .map_err(|_| invalid(&self.node, format!("unknown blob kind {}", header.kind)))?;
         let session = self.session(header.session.as_ref())?;
         self.require_leader(&target)?;
+        // Held until the put is answered: its bytes are in memory till then.
+        let _budget = self.node.reserve(header.size)?;
         let content = self.receive(&mut stream, header.size).await?;
         let digest = blob::sha256(&content);
         self.check_digest(&target, &header, &digest)?;
@@ -492,6 +494,8 @@ impl BlobApi {
             .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+        // Held until the stream is sent (or abandoned).
+        let budget = self.node.reserve(stored.value.len() as u64)?;
         let info = header.info(stored.epoch.0);
         let size = header.size;
         let start = request.offset.min(size);
@@ -502,6 +506,7 @@ impl BlobApi {
         self.node.metrics.get_bytes.add(end - start);
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
+            let _budget = budget;
             let first = GetResponse {
                 msg: Some(get_response::Msg::Info(info)),
             };

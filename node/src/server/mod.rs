@@ -68,6 +68,8 @@ pub struct Node {
     transport: Arc<Transport>,
     /// Request counters and latencies.
     pub metrics: NodeMetrics,
+    /// The in-flight budget (`limits.in_flight_mib`), in KiB permits.
+    in_flight: Arc<tokio::sync::Semaphore>,
     /// Becomes true when the node begins to stop; long-lived streams
     /// (peers' Raft traffic) end on it.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -92,6 +94,7 @@ impl Node {
             NodeError::Config(format!("cannot create {}: {e}", shards_dir.display()))
         })?;
         let map = config.static_map().unwrap_or_default();
+        let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
         let node = Arc::new(Node {
             transport: Transport::new(config.node_id),
             config,
@@ -99,6 +102,9 @@ impl Node {
             shards: RwLock::new(BTreeMap::new()),
             outbox: Arc::new(Outbox::default()),
             metrics: NodeMetrics::default(),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(
+                in_flight_kib.min(u64::from(u32::MAX)) as usize,
+            )),
             stopping: tokio::sync::watch::Sender::new(false),
         });
         node.transport.set_node(Arc::downgrade(&node));
@@ -178,6 +184,30 @@ impl Node {
             found.push((shard_id, info));
         }
         Ok(found)
+    }
+
+    /// Takes `bytes` of the in-flight budget for as long as the permit
+    /// lives; `OVERLOADED` (with a retry-after) if the node holds too much
+    /// already.
+    pub(crate) fn reserve(
+        &self,
+        bytes: u64,
+    ) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, ErrorInfo> {
+        let kib = u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+        self.in_flight
+            .clone()
+            .try_acquire_many_owned(kib)
+            .map_err(|_| {
+                let mut info = self.error(
+                    ErrorCode::Overloaded,
+                    format!(
+                        "node {} holds its whole in-flight budget ({} MiB); retry",
+                        self.config.node_id, self.config.limits.in_flight_mib
+                    ),
+                );
+                info.detail.retry_after_ms = 100;
+                info
+            })
     }
 
     /// The cluster map the node routes by.

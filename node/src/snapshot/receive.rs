@@ -56,10 +56,43 @@ fn checked_path(path: &str) -> Result<PathBuf> {
     }
 }
 
+/// Most files one snapshot may name (a shard's WAL and index segments,
+/// control data: far fewer).
+pub const MAX_SNAPSHOT_FILES: usize = 100_000;
+
+/// What a manifest may ask this node to create: a bounded number of files
+/// whose total length fits the volume's free space. A manifest is data from
+/// the network; without this, one naming huge files made a node fill its
+/// disk before the first chunk arrived.
+fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) -> Result<()> {
+    if manifest.files.len() > MAX_SNAPSHOT_FILES {
+        return Err(malformed(format!(
+            "a snapshot of {} files (at most {MAX_SNAPSHOT_FILES})",
+            manifest.files.len()
+        )));
+    }
+    let total = manifest
+        .files
+        .iter()
+        .try_fold(0u64, |sum, f| sum.checked_add(f.file_size))
+        .ok_or_else(|| malformed("snapshot file sizes overflow".into()))?;
+    let free = store
+        .storage()
+        .available_bytes(store.dir())
+        .map_err(|e| NodeError::Malformed(format!("cannot read the free space: {e}")))?;
+    if total > free {
+        return Err(malformed(format!(
+            "a snapshot of {total} bytes does not fit the {free} bytes free"
+        )));
+    }
+    Ok(())
+}
+
 impl Receiver {
     /// Starts receiving `manifest` into `store`'s spare slot, emptying it
     /// first.
     pub fn start(manifest: SnapshotManifest, store: &ReplicaStore) -> Result<Receiver> {
+        check_bounds(&manifest, store)?;
         for file in &manifest.files {
             checked_path(&file.path)?;
             if file.file_size < file.size || file.sha256.len() != 32 {

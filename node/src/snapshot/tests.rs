@@ -71,7 +71,8 @@ fn a_broken_stream_resumes_where_it_stopped() {
 fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     let prepared = prepared();
     let manifest = manifest(&prepared);
-    let store = replica_store(&FaultStorage::default());
+    let disk = FaultStorage::default();
+    let store = replica_store(&disk);
 
     // A chunk whose bytes changed in flight.
     let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
@@ -115,5 +116,22 @@ fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     }
     let mut bad = manifest.clone();
     bad.files[0].file_size = bad.files[0].size - 1;
+    assert!(Receiver::start(bad, &store).is_err());
+    // A manifest asking for more than the disk holds, or sizes that wrap,
+    // or too many files: refused before anything is created.
+    disk.set_capacity_bytes(Some(1 << 40));
+    for file_size in [u64::MAX / 2 + 1, 1 << 40] {
+        let mut bad = manifest.clone();
+        bad.files[0].file_size = file_size;
+        bad.files[1].file_size = file_size;
+        let error = Receiver::start(bad, &store).unwrap_err().to_string();
+        assert!(
+            error.contains("fit") || error.contains("overflow"),
+            "{error}"
+        );
+    }
+    let mut bad = manifest.clone();
+    let one = bad.files[0].clone();
+    bad.files = vec![one; receive::MAX_SNAPSHOT_FILES + 1];
     assert!(Receiver::start(bad, &store).is_err());
 }

@@ -204,7 +204,11 @@ pub(crate) enum HeaderRead {
 
 impl RecordHeader {
     pub fn decode(bytes: &[u8]) -> HeaderRead {
-        let bytes = &bytes[..RECORD_HEADER_BYTES];
+        // Callers read whole headers; fewer bytes are no header (found by
+        // the decoder fuzzing).
+        let Some(bytes) = bytes.get(..RECORD_HEADER_BYTES) else {
+            return HeaderRead::Invalid;
+        };
         if bytes.iter().all(|&b| b == 0) {
             return HeaderRead::Unwritten;
         }
