@@ -6,12 +6,10 @@
 //! `NOT_LEADER` whose leader hint the client follows to complete the
 //! write — each error a `google.rpc.Status` packing the `ErrorDetail`.
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Duration;
+mod support;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
+use std::path::Path;
+use std::process::Command;
 /// Debian's interpreter, which `make deps` gives `python3-grpcio`.
 const PYTHON: &str = "/usr/bin/python3";
 const GRPC_PYTHON_PLUGIN: &str = "/usr/bin/grpc_python_plugin";
@@ -49,29 +47,7 @@ fn a_python_grpc_client_reads_every_error_of_the_contract() {
     std::fs::create_dir_all(&stubs).unwrap();
     generate_stubs(&stubs);
 
-    let mut cluster = Command::new(BIN)
-        .args(["dev", "--port", "0", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = cluster.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let banner = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("dev mode prints its banner");
-    let url = banner
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .trim_end_matches(',')
-        .to_string();
+    let (mut cluster, url) = support::start_dev(&dir.path().join("data"));
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/wire_contract.py");
     let output = Command::new(PYTHON)
