@@ -5,14 +5,16 @@
 use std::future::Future;
 use std::time::Instant;
 
+use tidepool_proto::v1::CreateTokenRequest;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::retention::{Durable, Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
-    GetClusterStatusRequest, ListNamespacesRequest, Namespace, Retention,
+    GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace, Retention,
+    RevokeTokenRequest, TokenGrant, TokenRecord,
 };
+use tidepool_security::Channel;
 use tonic::Status;
-use tonic::transport::Channel;
 
 use crate::client::Client;
 use crate::error::{Disposition, Error, Result, classify};
@@ -132,6 +134,53 @@ impl Client {
             })
             .await
             .map(|r| r.into_inner().epoch)
+        })
+        .await
+    }
+
+    /// Creates a token (admin): its secret, shown once, and its record.
+    pub async fn create_token(
+        &self,
+        name: &str,
+        admin: bool,
+        grants: Vec<TokenGrant>,
+    ) -> Result<(String, TokenRecord)> {
+        let grants = &grants;
+        self.on_coordinator(|mut c| async move {
+            c.create_token(CreateTokenRequest {
+                name: name.to_string(),
+                admin,
+                grants: grants.clone(),
+            })
+            .await
+            .map(|r| {
+                let r = r.into_inner();
+                (r.secret, r.record.unwrap_or_default())
+            })
+        })
+        .await
+    }
+
+    /// Every token (admin), without secrets or hashes.
+    pub async fn list_tokens(&self) -> Result<Vec<TokenRecord>> {
+        self.on_coordinator(|mut c| async move {
+            c.list_tokens(ListTokensRequest {})
+                .await
+                .map(|r| r.into_inner().tokens)
+        })
+        .await
+    }
+
+    /// Revokes a token (admin); whether it existed. Every node refuses it
+    /// once its map watch delivers the change (normally well within a
+    /// second).
+    pub async fn revoke_token(&self, name: &str) -> Result<bool> {
+        self.on_coordinator(|mut c| async move {
+            c.revoke_token(RevokeTokenRequest {
+                name: name.to_string(),
+            })
+            .await
+            .map(|r| r.into_inner().existed)
         })
         .await
     }

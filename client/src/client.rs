@@ -14,8 +14,8 @@ use tidepool_proto::v1::{
     GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency, TouchRequest,
     WriteSession, get_response, put_request,
 };
+use tidepool_security::Channel;
 use tonic::Status;
-use tonic::transport::Channel;
 
 use crate::cluster::{Cluster, MAX_MESSAGE};
 use crate::error::{Disposition, Error, Result, classify};
@@ -39,6 +39,13 @@ pub struct ClientConfig {
     /// short-lived program), the map is refreshed only when a call finds
     /// it stale.
     pub watch: bool,
+    /// Mutual TLS: this client's certificate and key, and the cluster's CA
+    /// (PEM files, re-read when they change). Required by clusters that
+    /// run with TLS; `None` speaks plaintext.
+    pub tls: Option<tidepool_security::TlsFiles>,
+    /// Bearer token sent with every call (what it may do is the token's
+    /// roles).
+    pub token: Option<String>,
 }
 
 impl ClientConfig {
@@ -50,7 +57,21 @@ impl ClientConfig {
             attempt_timeout: None,
             connect_timeout: Duration::from_secs(3),
             watch: true,
+            tls: None,
+            token: None,
         }
+    }
+
+    /// With TLS material.
+    pub fn with_tls(mut self, tls: tidepool_security::TlsFiles) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// With a bearer token.
+    pub fn with_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
     }
 }
 
@@ -196,7 +217,17 @@ impl Client {
                 "give at least one coordinator address",
             ));
         }
-        let cluster = Cluster::new(config.seeds, config.connect_timeout);
+        let tls = match config.tls {
+            Some(files) => Some(tidepool_security::Tls::load(files).map_err(|e| {
+                Error::new(ErrorCode::InvalidArgument, format!("TLS material: {e}"))
+            })?),
+            None => None,
+        };
+        let security = tidepool_security::Security {
+            tls,
+            token: config.token,
+        };
+        let cluster = Cluster::new(config.seeds, config.connect_timeout, security);
         cluster.refresh().await?;
         if config.watch {
             cluster.spawn_watch();
@@ -793,11 +824,9 @@ mod tests {
                 .add_service(BlobServiceServer::new(liar))
                 .serve_with_incoming(incoming),
         );
-        let channel = Channel::from_shared(format!("http://{address}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+        let security = tidepool_security::Security::insecure();
+        let endpoint = security.endpoint(&format!("http://{address}")).unwrap();
+        let channel = security.connect(&endpoint).await.unwrap();
         read_blob(channel, GetRequest::default(), limit).await
     }
 

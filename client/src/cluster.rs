@@ -11,8 +11,8 @@ use tidepool_proto::v1::{
     ClusterMap, ErrorCode, GetClusterMapRequest, Namespace, ShardInfo, WatchClusterMapRequest,
 };
 use tidepool_proto::{hash_position, storage_key};
+use tidepool_security::{Channel, Security};
 use tokio::sync::watch;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
 
@@ -26,6 +26,7 @@ pub(crate) struct Cluster {
     pub connect_timeout: Duration,
     map: watch::Sender<Arc<ClusterMap>>,
     channels: Mutex<HashMap<String, Channel>>,
+    security: Security,
 }
 
 /// Where a key goes.
@@ -34,8 +35,9 @@ pub(crate) struct Route {
 }
 
 impl Cluster {
-    pub fn new(seeds: Vec<String>, connect_timeout: Duration) -> Arc<Self> {
+    pub fn new(seeds: Vec<String>, connect_timeout: Duration, security: Security) -> Arc<Self> {
         Arc::new(Self {
+            security,
             seeds,
             connect_timeout,
             map: watch::Sender::new(Arc::new(ClusterMap::default())),
@@ -65,7 +67,9 @@ impl Cluster {
         if let Some(channel) = channels.get(address) {
             return Ok(channel.clone());
         }
-        let channel = Endpoint::from_shared(address.to_string())
+        let endpoint = self
+            .security
+            .endpoint(address)
             .map_err(|e| {
                 Error::new(
                     ErrorCode::InvalidArgument,
@@ -73,8 +77,8 @@ impl Cluster {
                 )
             })?
             .connect_timeout(self.connect_timeout)
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        let channel = self.security.connect_lazy(&endpoint);
         channels.insert(address.to_string(), channel.clone());
         Ok(channel)
     }
@@ -100,7 +104,19 @@ impl Cluster {
                     self.install(map.into_inner());
                     return Ok(self.map());
                 }
-                Ok(Err(status)) => last = Some(status.message().to_string()),
+                Ok(Err(status)) => {
+                    // A refused credential is the answer, not a reason to
+                    // try other seeds until the deadline.
+                    if let crate::error::Disposition::Fail(error) = crate::error::classify(&status)
+                        && matches!(
+                            error.code(),
+                            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied
+                        )
+                    {
+                        return Err(error);
+                    }
+                    last = Some(status.message().to_string());
+                }
                 Err(_) => last = Some(format!("no answer within {:?}", self.connect_timeout)),
             }
         }

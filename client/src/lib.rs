@@ -31,6 +31,15 @@
 //! fetch it back) and `client/examples/dedup_chunker.rs` (content-defined
 //! chunking that uploads only the chunks the cluster lacks).
 //!
+//! # Security
+//!
+//! A cluster running with TLS (every production one) needs the client's
+//! certificate, key and the cluster's CA ([`ClientConfig::with_tls`]) and
+//! a bearer token ([`ClientConfig::with_token`]) whose roles allow the
+//! calls: refusals are `UNAUTHENTICATED` (no or unknown token) and
+//! `PERMISSION_DENIED` (a role missing in the namespace); a put with an
+//! `append-only` token of a key that holds a blob is `ALREADY_EXISTS`.
+//!
 //! # Errors
 //!
 //! Every failure is an [`Error`] with a stable [`ErrorCode`] (the wire
@@ -54,3 +63,5 @@ pub use error::{Error, Result};
 pub use stream::hex;
 pub use tidepool_proto as proto;
 pub use tidepool_proto::v1::ErrorCode;
+pub use tidepool_security::TlsFiles;
+pub use tidepool_security::token::read_file as read_token_file;

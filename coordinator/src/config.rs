@@ -58,6 +58,25 @@ pub struct CoordinatorConfig {
     /// A node that comes back (restarted, resumed, reachable again) is no
     /// target of leader balancing for this long, milliseconds.
     pub balance_settle_ms: u64,
+    /// Mutual TLS for the coordinator's gRPC listener and its calls to
+    /// nodes (`[tls]`: `cert`, `key`, `ca`; re-read when they change).
+    /// Without it the coordinator speaks plaintext and admits every caller
+    /// (`tidepool coordinator` refuses that unless given `--insecure`).
+    pub tls: Option<tidepool_security::TlsFiles>,
+    /// TLS to etcd (`[etcd_tls]`: the client certificate and key etcd
+    /// accepts, and the CA etcd's server certificate chains to); the etcd
+    /// URLs are then `https://`.
+    pub etcd_tls: Option<tidepool_security::TlsFiles>,
+    /// A file holding the bootstrap admin token: while the cluster has no
+    /// token at all, its hash is stored as the admin token `bootstrap`.
+    pub bootstrap_token_file: Option<PathBuf>,
+    /// The bootstrap token itself (from `TIDEPOOL_BOOTSTRAP_TOKEN`; never
+    /// read from a file's TOML).
+    #[serde(skip)]
+    pub bootstrap_token: Option<String>,
+    /// Run without `[tls]` on purpose (what `--insecure` says); the
+    /// `tidepool coordinator` binary refuses to start with neither.
+    pub insecure: bool,
 }
 
 /// The shape of a new cluster.
@@ -104,6 +123,11 @@ impl Default for CoordinatorConfig {
             transfer_timeout_ms: 3_000,
             transfer_backoff_ms: 30_000,
             balance_settle_ms: 10_000,
+            tls: None,
+            etcd_tls: None,
+            bootstrap_token_file: None,
+            bootstrap_token: None,
+            insecure: false,
         }
     }
 }

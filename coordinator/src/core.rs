@@ -53,6 +53,24 @@ pub struct Shared {
     /// What the reconciler last saw and did.
     pub progress: Mutex<Progress>,
     stop: watch::Sender<bool>,
+    /// How it dials nodes (TLS material).
+    pub security: tidepool_security::Security,
+    /// The token table of the cached map, with the map version it is of.
+    tokens: Mutex<(u64, Arc<tidepool_security::guard::TokenTable>)>,
+}
+
+impl tidepool_security::Authority for Shared {
+    fn token(&self, hash: &[u8; 32]) -> Option<Arc<tidepool_security::guard::Grant>> {
+        let map = self.map();
+        let mut cached = self.tokens.lock();
+        if cached.0 != map.version {
+            *cached = (
+                map.version,
+                Arc::new(tidepool_security::guard::TokenTable::of(&map.tokens)),
+            );
+        }
+        cached.1.get(hash)
+    }
 }
 
 impl std::fmt::Debug for Shared {
@@ -68,6 +86,7 @@ impl Shared {
         id: String,
         address: String,
         store: Arc<dyn MetaStore>,
+        security: tidepool_security::Security,
     ) -> Arc<Self> {
         Arc::new(Self {
             keys: Keys::new(&config.key_prefix),
@@ -80,6 +99,8 @@ impl Shared {
             node_leases: Mutex::new(Default::default()),
             progress: Mutex::new(Progress::default()),
             stop: watch::Sender::new(false),
+            security,
+            tokens: Mutex::default(),
         })
     }
 
@@ -179,6 +200,38 @@ impl Shared {
             if !self.still_leader(leadership).await? {
                 self.step_down(leadership, "the leader key changed");
                 return Err(CoordinatorError::NotLeader);
+            }
+        }
+    }
+
+    /// Applies `change` to the stored map under a compare-and-swap of its
+    /// revision alone, without leadership: for idempotent adoptions at
+    /// start-up (a leader's concurrent write makes one of the two retry).
+    /// Returns whether `change` changed anything.
+    pub(crate) async fn change_map_unled<F>(&self, mut change: F) -> Result<bool, CoordinatorError>
+    where
+        F: FnMut(&mut ClusterMap) -> bool,
+    {
+        loop {
+            let Some((current, revision)) = self.read_map().await? else {
+                return Err(CoordinatorError::Corrupt(
+                    "the cluster map is missing".into(),
+                ));
+            };
+            let mut next = current.clone();
+            if !change(&mut next) {
+                return Ok(false);
+            }
+            next.version = current.version + 1;
+            let ops = vec![Op::Put {
+                key: self.keys.map(),
+                value: encode_map(&next),
+                lease: None,
+            }];
+            let compares = vec![Compare::ModRevision(self.keys.map(), revision)];
+            if self.store.txn(compares, ops).await?.succeeded {
+                self.publish(next);
+                return Ok(true);
             }
         }
     }

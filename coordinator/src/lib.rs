@@ -25,6 +25,7 @@ pub mod plan;
 mod reconcile;
 pub mod schema;
 mod service;
+mod tokens;
 mod transfers;
 
 use std::net::SocketAddr;
@@ -89,6 +90,13 @@ pub enum CoordinatorError {
     /// Binding or serving failed.
     #[error("i/o: {0}")]
     Io(String),
+    /// The caller may not do this (a certificate speaking for another
+    /// node).
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    /// No token has that name.
+    #[error("no token {0:?}")]
+    TokenNotFound(String),
 }
 
 /// A coordinator serving on its socket.
@@ -144,7 +152,7 @@ pub async fn open_store(
     config: &CoordinatorConfig,
 ) -> Result<Arc<dyn MetaStore>, CoordinatorError> {
     Ok(if !config.etcd.is_empty() {
-        Arc::new(EtcdStore::connect(&config.etcd).await?)
+        Arc::new(EtcdStore::connect(&config.etcd, config.etcd_tls.as_ref()).await?)
     } else if let Some(path) = &config.embedded_path {
         Arc::new(EmbeddedStore::open(path)?)
     } else {
@@ -188,16 +196,28 @@ pub async fn start_with_store(
         None => None,
     };
     let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
-    let advertise = config
-        .advertise
-        .clone()
-        .unwrap_or_else(|| format!("http://{address}"));
+    let tls = match &config.tls {
+        Some(files) => Some(
+            tidepool_security::Tls::load(files.clone())
+                .map_err(|e| CoordinatorError::Config(format!("tls: {e}")))?,
+        ),
+        None => None,
+    };
+    let advertise = config.advertise.clone().unwrap_or_else(|| {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{address}")
+    });
     let id = config
         .id
         .clone()
         .unwrap_or_else(|| format!("coordinator@{advertise}"));
-    let shared = Shared::new(config, id, advertise, store);
+    let security = tidepool_security::Security {
+        tls: tls.clone(),
+        token: None,
+    };
+    let shared = Shared::new(config, id, advertise, store, security);
     shared.ensure_cluster().await?;
+    shared.adopt_bootstrap_token().await?;
     shared.load_map().await?;
     let stop_rx = shared.stopping();
     let mut tasks = vec![
@@ -213,16 +233,40 @@ pub async fn start_with_store(
         )));
     }
     let api = CoordinatorServiceServer::new(service::CoordinatorApi::new(shared.clone()));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let guard = match &tls {
+        Some(_) => tidepool_security::GuardLayer::secured(shared.clone()),
+        None => {
+            tracing::warn!(
+                coordinator = %shared.id,
+                "INSECURE: no TLS; every caller may call every method, including admin ones"
+            );
+            tidepool_security::GuardLayer::open()
+        }
+    };
     let mut server_stop = stop_rx;
     let server = tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(api)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = server_stop.wait_for(|s| *s).await;
-            })
-            .await
-            .map_err(|e| CoordinatorError::Io(format!("gRPC server: {e}")))
+        let router = tonic::transport::Server::builder()
+            .layer(guard)
+            .add_service(api);
+        let stopped = async move {
+            let _ = server_stop.wait_for(|s| *s).await;
+        };
+        let served = match tls {
+            Some(tls) => {
+                router
+                    .serve_with_incoming_shutdown(
+                        tidepool_security::tls::incoming(listener, tls),
+                        stopped,
+                    )
+                    .await
+            }
+            None => {
+                let incoming =
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                router.serve_with_incoming_shutdown(incoming, stopped).await
+            }
+        };
+        served.map_err(|e| CoordinatorError::Io(format!("gRPC server: {e}")))
     });
     tracing::info!(coordinator = %shared.id, %address, "coordinator serving");
     Ok(RunningCoordinator {

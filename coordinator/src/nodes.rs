@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tidepool_proto::v1::node_admin_client::NodeAdminClient;
-use tonic::transport::{Channel, Endpoint};
+use tidepool_security::{Channel, Security};
 
 use crate::CoordinatorError;
 
@@ -15,20 +15,31 @@ use crate::CoordinatorError;
 #[derive(Debug, Default)]
 pub struct NodeClients {
     channels: Mutex<HashMap<String, Channel>>,
+    security: Security,
 }
 
 impl NodeClients {
+    /// Clients that dial with `security`.
+    pub fn new(security: Security) -> Self {
+        Self {
+            channels: Mutex::default(),
+            security,
+        }
+    }
+
     /// A client for the node at `address`.
     pub fn admin(&self, address: &str) -> Result<NodeAdminClient<Channel>, CoordinatorError> {
         let mut channels = self.channels.lock();
         if let Some(channel) = channels.get(address) {
             return Ok(NodeAdminClient::new(channel.clone()));
         }
-        let channel = Endpoint::from_shared(address.to_string())
+        let endpoint = self
+            .security
+            .endpoint(address)
             .map_err(|e| CoordinatorError::Node(format!("bad node address {address:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        let channel = self.security.connect_lazy(&endpoint);
         channels.insert(address.to_string(), channel.clone());
         Ok(NodeAdminClient::new(channel))
     }

@@ -15,6 +15,11 @@ use crate::core::{Shared, unix_ms};
 use crate::meta::Op;
 use crate::schema::durable;
 
+/// Longest node address stored in the map.
+const MAX_ADDRESS: usize = 256;
+/// Longest zone label.
+const MAX_ZONE: usize = 64;
+
 fn check_retention(retention: Option<Retention>) -> Result<Retention, CoordinatorError> {
     let retention = retention.unwrap_or_else(durable);
     match &retention.policy {
@@ -30,14 +35,25 @@ impl Shared {
     /// Adds a node to the map (a new id when `node_id` is 0) or updates
     /// the address, zone and capacity of a known one. Returns its id and
     /// the map after.
+    ///
+    /// `identity` is the name in the caller's node certificate (`None` on
+    /// an insecure coordinator): a new node is bound to it, an unbound one
+    /// (registered before TLS) is bound now, and a node bound to another
+    /// name is refused — a certificate speaks only for its own node.
     pub async fn register_node(
         &self,
         request: RegisterNodeRequest,
+        identity: Option<&str>,
     ) -> Result<(u64, Arc<ClusterMap>), CoordinatorError> {
         let address = request.address.trim().to_string();
         if !(address.starts_with("http://") || address.starts_with("https://")) {
             return Err(CoordinatorError::InvalidArgument(format!(
                 "address must be an http:// or https:// URL, not {address:?}"
+            )));
+        }
+        if address.len() > MAX_ADDRESS || request.zone.len() > MAX_ZONE {
+            return Err(CoordinatorError::InvalidArgument(format!(
+                "address is at most {MAX_ADDRESS} bytes and zone at most {MAX_ZONE}"
             )));
         }
         let mut assigned = 0;
@@ -46,7 +62,10 @@ impl Shared {
                 let id = if request.node_id != 0 {
                     request.node_id
                 } else {
-                    map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0) + 1
+                    let last = map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0);
+                    last.checked_add(1).ok_or_else(|| {
+                        CoordinatorError::Conflict("node ids are exhausted".into())
+                    })?
                 };
                 assigned = id;
                 let info = NodeInfo {
@@ -55,11 +74,28 @@ impl Shared {
                     zone: request.zone.clone(),
                     capacity_bytes: request.capacity_bytes,
                     state: NodeState::Up as i32,
+                    identity: identity.unwrap_or_default().to_string(),
                 };
                 match map.nodes.iter_mut().find(|n| n.node_id == id) {
                     Some(known) => {
+                        let bound = match identity {
+                            None => known.identity.clone(),
+                            Some(name) if known.identity.is_empty() || known.identity == name => {
+                                name.to_string()
+                            }
+                            Some(name) => {
+                                return Err(CoordinatorError::PermissionDenied(format!(
+                                    "node {id} is bound to certificate {:?}, not {name:?}",
+                                    known.identity
+                                )));
+                            }
+                        };
                         let state = known.state;
-                        let updated = NodeInfo { state, ..info };
+                        let updated = NodeInfo {
+                            state,
+                            identity: bound,
+                            ..info
+                        };
                         if *known == updated {
                             return Ok(None);
                         }
@@ -81,16 +117,32 @@ impl Shared {
             address,
             ..NodeStatus::default()
         };
-        self.heartbeat(first).await?;
+        self.heartbeat(first, identity).await?;
         Ok((assigned, map))
     }
 
     /// Records a node's status under its liveness lease (granting a new
     /// lease when this replica has none for it or it expired).
-    pub async fn heartbeat(&self, status: NodeStatus) -> Result<(), CoordinatorError> {
+    ///
+    /// `identity`: the caller's node certificate name (`None` on an
+    /// insecure coordinator); it must be the one the node is bound to.
+    pub async fn heartbeat(
+        &self,
+        status: NodeStatus,
+        identity: Option<&str>,
+    ) -> Result<(), CoordinatorError> {
         let id = status.node_id;
-        if !self.map().nodes.iter().any(|n| n.node_id == id) {
+        let map = self.map();
+        let Some(node) = map.nodes.iter().find(|n| n.node_id == id) else {
             return Err(CoordinatorError::UnknownNode(id));
+        };
+        if let Some(name) = identity
+            && node.identity != name
+        {
+            return Err(CoordinatorError::PermissionDenied(format!(
+                "node {id} is bound to certificate {:?}, not {name:?}",
+                node.identity
+            )));
         }
         let known = self.node_leases.lock().get(&id).copied();
         let lease = match known {
@@ -127,7 +179,16 @@ impl Shared {
             }
             let namespace = Namespace {
                 name: name.to_string(),
-                id: map.namespaces.iter().map(|ns| ns.id).max().unwrap_or(0) + 1,
+                id: map
+                    .namespaces
+                    .iter()
+                    .map(|ns| ns.id)
+                    .max()
+                    .unwrap_or(0)
+                    .checked_add(1)
+                    .ok_or_else(|| {
+                        CoordinatorError::Conflict("namespace ids are exhausted".into())
+                    })?,
                 content_addressed,
                 retention: Some(retention),
                 created_epoch: map.epoch,

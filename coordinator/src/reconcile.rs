@@ -22,8 +22,8 @@ use tidepool_proto::v1::{
     ProposeAdminRequest, ReplicaInfo, ReplicaMove, ReplicaRole, ShardInfo, TransferLeaderRequest,
     propose_admin_request::Op as AdminOp,
 };
+use tidepool_security::Channel;
 use tokio::sync::watch;
-use tonic::transport::Channel;
 
 use crate::CoordinatorError;
 use crate::core::Shared;
@@ -147,7 +147,7 @@ pub(crate) fn moves_of(
 pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let mut reconciler = Reconciler {
         shared: shared.clone(),
-        nodes: NodeClients::default(),
+        nodes: NodeClients::new(shared.security.clone()),
         down_since: HashMap::new(),
         targets: Placement::new(),
         transfers: shared.config.transfers(),

@@ -126,6 +126,7 @@ pub fn new_map(shards: u32, replication_factor: u32, max_value_bytes: u64) -> Cl
             retention: Some(durable()),
             created_epoch: 1,
         }],
+        tokens: Vec::new(),
     }
 }
 

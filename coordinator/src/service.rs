@@ -9,12 +9,14 @@ use std::sync::Arc;
 use tidepool_proto::v1::coordinator_service_server::CoordinatorService;
 use tidepool_proto::v1::{
     AdvanceEpochRequest, AdvanceEpochResponse, ClusterMap, ClusterStatus, CreateNamespaceRequest,
-    DrainNodeRequest, DrainNodeResponse, EpochStatus, GetClusterMapRequest,
-    GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest, HeartbeatResponse,
-    ListNamespacesRequest, ListNamespacesResponse, Namespace, NodeAddress, RegisterNodeRequest,
-    RegisterNodeResponse, SetRetentionRequest, WatchClusterMapRequest,
+    CreateTokenRequest, CreateTokenResponse, DrainNodeRequest, DrainNodeResponse, EpochStatus,
+    GetClusterMapRequest, GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest,
+    HeartbeatResponse, ListNamespacesRequest, ListNamespacesResponse, ListTokensRequest,
+    ListTokensResponse, Namespace, NodeAddress, RegisterNodeRequest, RegisterNodeResponse,
+    RevokeTokenRequest, RevokeTokenResponse, SetRetentionRequest, WatchClusterMapRequest,
 };
 use tidepool_proto::{ErrorInfo, v1::ErrorCode};
+use tidepool_security::{Caller, Identity};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -24,6 +26,7 @@ use crate::core::Shared;
 use crate::epochs::epoch_status;
 use crate::plan::shard_views;
 use crate::reconcile::{alive, current_placement, desired_placement, moves_of, node_views};
+use crate::tokens::for_clients;
 
 /// The service.
 pub(crate) struct CoordinatorApi {
@@ -99,9 +102,16 @@ type MapStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<ClusterMap, Stat
 impl CoordinatorService for CoordinatorApi {
     async fn get_cluster_map(
         &self,
-        _: Request<GetClusterMapRequest>,
+        request: Request<GetClusterMapRequest>,
     ) -> Result<Response<ClusterMap>, Status> {
-        let result = self.map_or_unavailable().map(|m| (*m).clone());
+        let member = is_member(&request);
+        let result = self.map_or_unavailable().map(|m| {
+            if member {
+                (*m).clone()
+            } else {
+                for_clients(&m)
+            }
+        });
         self.respond(result).await
     }
 
@@ -111,6 +121,7 @@ impl CoordinatorService for CoordinatorApi {
         &self,
         request: Request<WatchClusterMapRequest>,
     ) -> Result<Response<MapStream>, Status> {
+        let member = is_member(&request);
         let mut after = request.into_inner().after_version;
         let mut maps = self.shared.subscribe_map();
         let mut stopping = self.shared.stopping();
@@ -120,7 +131,12 @@ impl CoordinatorService for CoordinatorApi {
                 let map = maps.borrow_and_update().clone();
                 if map.version > after {
                     after = map.version;
-                    if tx.send(Ok((*map).clone())).await.is_err() {
+                    let map = if member {
+                        (*map).clone()
+                    } else {
+                        for_clients(&map)
+                    };
+                    if tx.send(Ok(map)).await.is_err() {
                         return;
                     }
                 }
@@ -138,9 +154,10 @@ impl CoordinatorService for CoordinatorApi {
         &self,
         request: Request<RegisterNodeRequest>,
     ) -> Result<Response<RegisterNodeResponse>, Status> {
+        let caller = Caller::of(&request);
         let result = self
             .shared
-            .register_node(request.into_inner())
+            .register_node(request.into_inner(), caller.node_name())
             .await
             .map(|(node_id, map)| RegisterNodeResponse {
                 node_id,
@@ -154,8 +171,9 @@ impl CoordinatorService for CoordinatorApi {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        let caller = Caller::of(&request);
         let result = match request.into_inner().status {
-            Some(status) => self.shared.heartbeat(status).await,
+            Some(status) => self.shared.heartbeat(status, caller.node_name()).await,
             None => Err(CoordinatorError::InvalidArgument(
                 "status is required".into(),
             )),
@@ -238,11 +256,67 @@ impl CoordinatorService for CoordinatorApi {
 
     async fn get_cluster_status(
         &self,
-        _: Request<GetClusterStatusRequest>,
+        request: Request<GetClusterStatusRequest>,
     ) -> Result<Response<ClusterStatus>, Status> {
-        let result = self.assess().await;
+        let member = is_member(&request);
+        let result = self.assess().await.map(|mut status| {
+            if !member {
+                status.map = status.map.as_ref().map(for_clients);
+            }
+            status
+        });
         self.respond(result).await
     }
+
+    async fn create_token(
+        &self,
+        request: Request<CreateTokenRequest>,
+    ) -> Result<Response<CreateTokenResponse>, Status> {
+        let r = request.into_inner();
+        let result = self
+            .shared
+            .create_token(&r.name, r.admin, r.grants)
+            .await
+            .map(|(secret, mut record)| {
+                record.sha256.clear();
+                CreateTokenResponse {
+                    secret,
+                    record: Some(record),
+                }
+            });
+        self.respond(result).await
+    }
+
+    async fn list_tokens(
+        &self,
+        _: Request<ListTokensRequest>,
+    ) -> Result<Response<ListTokensResponse>, Status> {
+        let tokens = self.shared.list_tokens();
+        Ok(Response::new(ListTokensResponse { tokens }))
+    }
+
+    async fn revoke_token(
+        &self,
+        request: Request<RevokeTokenRequest>,
+    ) -> Result<Response<RevokeTokenResponse>, Status> {
+        let result = self
+            .shared
+            .revoke_token(&request.into_inner().name)
+            .await
+            .map(|existed| RevokeTokenResponse { existed });
+        self.respond(result).await
+    }
+}
+
+/// Whether the caller is a node or coordinator (or the coordinator is
+/// insecure): it gets the map with its token hashes.
+fn is_member<T>(request: &Request<T>) -> bool {
+    let caller = Caller::of(request);
+    caller.open
+        || matches!(
+            caller.identity,
+            Some(Identity::Node(_) | Identity::Coordinator(_))
+        )
 }
 
 impl From<&CoordinatorError> for ErrorInfo {
@@ -254,6 +328,8 @@ impl From<&CoordinatorError> for ErrorInfo {
             E::NamespaceExists(_) => ErrorCode::NamespaceExists,
             E::NamespaceNotFound(_) => ErrorCode::NamespaceNotFound,
             E::Conflict(_) => ErrorCode::Conflict,
+            E::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            E::TokenNotFound(_) => ErrorCode::NotFound,
             E::InvalidArgument(_) | E::Config(_) => ErrorCode::InvalidArgument,
             E::Meta(_) | E::NoLeader(_) | E::NoCluster => ErrorCode::NoQuorum,
             E::Corrupt(_) | E::Node(_) | E::NodeCall { .. } | E::Io(_) => ErrorCode::Internal,

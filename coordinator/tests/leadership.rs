@@ -41,8 +41,20 @@ async fn bump(shared: &Shared) -> Result<u64, CoordinatorError> {
 async fn fencing(store: Arc<dyn MetaStore>) {
     // a renews (and rechecks its key) only every 10 s: it will not notice
     // being deposed during the test, so only the fence can stop it.
-    let a = Shared::new(config(60_000), "a".into(), "http://a".into(), store.clone());
-    let b = Shared::new(config(1_000), "b".into(), "http://b".into(), store.clone());
+    let a = Shared::new(
+        config(60_000),
+        "a".into(),
+        "http://a".into(),
+        store.clone(),
+        Default::default(),
+    );
+    let b = Shared::new(
+        config(1_000),
+        "b".into(),
+        "http://b".into(),
+        store.clone(),
+        Default::default(),
+    );
     a.ensure_cluster().await.unwrap();
     b.ensure_cluster().await.unwrap();
     let (stop_a, stop_a_rx) = watch::channel(false);
@@ -75,7 +87,13 @@ async fn fencing(store: Arc<dyn MetaStore>) {
 
     // A leader that stops resigns: c takes over well before b's lease
     // would have expired.
-    let c = Shared::new(config(1_000), "c".into(), "http://c".into(), store.clone());
+    let c = Shared::new(
+        config(1_000),
+        "c".into(),
+        "http://c".into(),
+        store.clone(),
+        Default::default(),
+    );
     let (stop_c, stop_c_rx) = watch::channel(false);
     tokio::spawn(c.clone().campaign(stop_c_rx));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -101,7 +119,7 @@ async fn fencing_on_the_embedded_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_on_etcd() {
     let etcd = EtcdServer::start();
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url))
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), None)
         .await
         .unwrap();
     fencing(Arc::new(store)).await;

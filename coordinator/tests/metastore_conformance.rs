@@ -252,7 +252,7 @@ async fn embedded_store_conforms() {
 #[tokio::test]
 async fn etcd_store_conforms() {
     let etcd = EtcdServer::start();
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url))
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), None)
         .await
         .unwrap();
     suite(Arc::new(store)).await;

@@ -139,6 +139,7 @@ impl Cluster {
         for (i, url) in coordinator_urls.iter().enumerate() {
             let args: Vec<String> = vec![
                 "coordinator".into(),
+                "--insecure".into(),
                 "--id".into(),
                 format!("c{i}"),
                 "--listen".into(),
@@ -193,6 +194,7 @@ impl Cluster {
             };
             let mut args: Vec<String> = vec![
                 "node".into(),
+                "--insecure".into(),
                 "--config".into(),
                 config.display().to_string(),
                 "--node-id".into(),

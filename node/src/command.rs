@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! version u8 (2), kind u8, body
-//! kind 1 Write:   count u32, then per op: op u8 (1 put, 2 delete),
+//! kind 1 Write:   count u32, then per op: op u8 (1 put, 2 delete, 3 put
+//!                 only if the key holds no blob),
 //!                 namespace u32, epoch u32, key [32], session, value_len u32,
 //!                 value
 //! kind 2 Touch:   namespace u32, epoch u32, key [32], session
@@ -39,6 +40,20 @@ pub struct WriteOp {
     pub key: [u8; KEY_BYTES],
     /// The client's write session, for exactly-once application.
     pub session: Option<SessionTag>,
+    /// A put applied only if the key holds no blob (decided at apply, in
+    /// log order; refused with `Refusal::Exists` otherwise).
+    pub if_absent: bool,
+}
+
+impl WriteOp {
+    /// The op's code on the wire.
+    fn code(&self) -> u8 {
+        match (&self.value, self.if_absent) {
+            (Some(_), false) => 1,
+            (None, _) => 2,
+            (Some(_), true) => 3,
+        }
+    }
 }
 
 /// What a normal entry asks the replicas to do.
@@ -145,7 +160,7 @@ impl Command {
                 out.reserve(4 + ops.iter().map(op_len).sum::<usize>());
                 out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
                 for op in ops {
-                    out.push(if op.value.is_some() { 1 } else { 2 });
+                    out.push(op.code());
                     out.extend_from_slice(&op.namespace.to_le_bytes());
                     out.extend_from_slice(&op.epoch.to_le_bytes());
                     out.extend_from_slice(&op.key);
@@ -277,7 +292,7 @@ impl<'a> Reader<'a> {
         let len = self.u32()? as usize;
         let value = self.take(len)?;
         let value = match op {
-            1 => Some(value.to_vec()),
+            1 | 3 => Some(value.to_vec()),
             2 if value.is_empty() => None,
             _ => return Err(NodeError::Malformed(format!("bad write op {op}"))),
         };
@@ -287,6 +302,7 @@ impl<'a> Reader<'a> {
             epoch,
             key,
             session,
+            if_absent: op == 3,
         })
     }
 }
@@ -309,6 +325,7 @@ mod tests {
                         opens: true,
                         time_ms: 1_764_000_000_000,
                     }),
+                    if_absent: false,
                 },
                 WriteOp {
                     value: None,
@@ -316,6 +333,7 @@ mod tests {
                     epoch: 7,
                     key: [2; 32],
                     session: None,
+                    if_absent: false,
                 },
                 WriteOp {
                     value: Some(Vec::new()),
@@ -323,6 +341,7 @@ mod tests {
                     epoch: 8,
                     key: [3; 32],
                     session: None,
+                    if_absent: false,
                 },
             ]),
             Command::Touch {
@@ -373,6 +392,7 @@ mod tests {
             epoch: 7,
             key: [2; 32],
             session: None,
+            if_absent: false,
         };
         assert_eq!(Command::decode(&write).unwrap(), Command::Write(vec![op]));
         let mut touch = vec![1, 2];

@@ -87,6 +87,17 @@ pub struct NodeConfig {
     /// map's addresses.
     #[serde(default)]
     pub peer_addresses: Vec<Peer>,
+    /// Mutual TLS for every connection, in and out (`[tls]`: `cert`,
+    /// `key`, `ca`, PEM files re-read when they change). Without it the
+    /// node speaks plaintext and admits every caller: only for development
+    /// and tests (`tidepool node` refuses to start so unless given
+    /// `--insecure`).
+    #[serde(default)]
+    pub tls: Option<tidepool_security::TlsFiles>,
+    /// Run without `[tls]` on purpose (what `--insecure` says); the
+    /// `tidepool node` binary refuses to start with neither.
+    #[serde(default)]
+    pub insecure: bool,
 }
 
 /// How a node joins a coordinated cluster.
@@ -387,9 +398,10 @@ impl NodeConfig {
 
     /// The URL peers and clients use for this node.
     pub fn advertise(&self) -> String {
-        self.advertise
-            .clone()
-            .unwrap_or_else(|| format!("http://{}", self.listen))
+        self.advertise.clone().unwrap_or_else(|| {
+            let scheme = if self.tls.is_some() { "https" } else { "http" };
+            format!("{scheme}://{}", self.listen)
+        })
     }
 
     /// Largest engine record: a batch of values plus headers.
@@ -483,6 +495,8 @@ impl NodeConfig {
                     zone: String::new(),
                     capacity_bytes: 0,
                     state: NodeState::Up as i32,
+                    // A fixed cluster's node certificates are named by id.
+                    identity: format!("node-{}", p.id),
                 })
                 .collect(),
             shards: shard_infos,
@@ -504,6 +518,7 @@ impl NodeConfig {
                     created_epoch: 1,
                 })
                 .collect(),
+            tokens: Vec::new(),
         })
     }
 }

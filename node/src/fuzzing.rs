@@ -36,6 +36,7 @@ fn commands() -> Vec<Command> {
                 epoch: 2,
                 key: [3; 32],
                 session: tag(1),
+                if_absent: true,
             },
             WriteOp {
                 value: None,
@@ -43,6 +44,7 @@ fn commands() -> Vec<Command> {
                 epoch: 2,
                 key: [4; 32],
                 session: None,
+                if_absent: false,
             },
         ]),
         Command::Touch {

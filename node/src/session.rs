@@ -106,6 +106,9 @@ pub enum Refusal {
     Stale,
     /// The shard holds too many sessions to start another.
     Full,
+    /// A put only-if-absent found the key holding a blob (not a session
+    /// decision: the session records nothing, a retry is decided again).
+    Exists,
 }
 
 /// What applying one write op did.

@@ -386,6 +386,7 @@ impl SimCluster {
             epoch: 1,
             key,
             session: None,
+            if_absent: false,
         };
         self.propose(id, &Command::Write(vec![op]))
     }

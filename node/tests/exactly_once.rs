@@ -25,6 +25,7 @@ fn put(k: [u8; 32], value: &[u8]) -> Command {
         epoch: 1,
         key: k,
         session: None,
+        if_absent: false,
     }])
 }
 
@@ -40,6 +41,7 @@ fn delete(k: [u8; 32], seq: u64, opens: bool, time_ms: u64) -> Command {
             opens,
             time_ms,
         }),
+        if_absent: false,
     }])
 }
 

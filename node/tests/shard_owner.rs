@@ -47,6 +47,7 @@ fn put(handle: &ShardHandle, i: u64) -> Outcome {
         epoch: 1,
         key: key(i),
         session: None,
+        if_absent: false,
     };
     handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
     rx.recv_timeout(Duration::from_secs(20))
@@ -251,6 +252,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
             epoch: 1,
             key: key(i),
             session: None,
+            if_absent: false,
         };
         leader_handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
         rx.recv_timeout(Duration::from_secs(20)).unwrap()

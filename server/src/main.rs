@@ -32,6 +32,96 @@ enum Command {
     Coordinator(Box<CoordinatorArgs>),
     /// Run a coordinator and three nodes in one process (local development).
     Dev(DevArgs),
+    /// Make a cluster's CA and certificates.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+/// `tidepool certs`: the material `--tls-*` takes, made with rcgen. Every
+/// certificate names its holder as `tidepool://<kind>/<name>`; nodes and
+/// coordinators also serve under the `--host` names.
+#[derive(Debug, Subcommand)]
+enum CertsCommand {
+    /// Make a CA: `<dir>/ca.pem` and `<dir>/ca-key.pem` (keep the key
+    /// secret; only `ca.pem` is distributed).
+    Ca {
+        /// Where to write.
+        #[arg(long)]
+        dir: PathBuf,
+        /// The cluster's name, in the CA's subject.
+        #[arg(long, default_value = "tidepool")]
+        name: String,
+    },
+    /// Issue a certificate signed by `<dir>/ca.pem`: `<dir>/<out>.pem` and
+    /// `<dir>/<out>-key.pem`.
+    Issue {
+        /// Directory of the CA, where the certificate is written too.
+        #[arg(long)]
+        dir: PathBuf,
+        /// `node`, `coordinator` or `client`.
+        kind: String,
+        /// The holder's name (a node's is bound to its id at first
+        /// registration).
+        name: String,
+        /// DNS name or IP address it serves under (repeat).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+        /// File base name (default `<kind>-<name>`).
+        #[arg(long)]
+        out: Option<String>,
+        /// Validity in days.
+        #[arg(long, default_value_t = 365)]
+        days: u64,
+    },
+}
+
+/// TLS material flags shared by `node` and `coordinator`.
+#[derive(Debug, Args)]
+struct TlsArgs {
+    /// PEM certificate chain of this process (re-read when it changes).
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key.
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// PEM bundle of the cluster's CA.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// Run without TLS: plaintext, and every caller may call every method
+    /// (development and tests only).
+    #[arg(long, conflicts_with = "tls_cert")]
+    insecure: bool,
+}
+
+impl TlsArgs {
+    fn files(&self) -> Option<tidepool_security::TlsFiles> {
+        Some(tidepool_security::TlsFiles {
+            cert: self.tls_cert.clone()?,
+            key: self.tls_key.clone()?,
+            ca: self.tls_ca.clone()?,
+        })
+    }
+
+    /// The TLS files to run with, or an error if there are none and
+    /// `--insecure` was not given.
+    fn require(
+        &self,
+        configured: Option<tidepool_security::TlsFiles>,
+        insecure_configured: bool,
+    ) -> anyhow::Result<Option<tidepool_security::TlsFiles>> {
+        match self.files().or(configured) {
+            Some(files) => Ok(Some(files)),
+            None if self.insecure || insecure_configured => {
+                tracing::warn!(
+                    "running INSECURE (--insecure): no TLS, no authentication; never expose this process to an untrusted network"
+                );
+                Ok(None)
+            }
+            None => bail!(
+                "no TLS material: give --tls-cert, --tls-key and --tls-ca (or [tls] in the config file; `tidepool certs` makes them), or --insecure to run without TLS"
+            ),
+        }
+    }
 }
 
 /// Settings of `tidepool node`; each flag overrides the config file.
@@ -87,6 +177,8 @@ struct NodeArgs {
     /// (repeat per peer).
     #[arg(long = "peer-address", value_name = "ID=URL")]
     peer_addresses: Vec<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Settings of `tidepool dev`.
@@ -101,6 +193,9 @@ struct DevArgs {
     /// Shards of the cluster (when it is created).
     #[arg(long, default_value_t = 4)]
     shards: u32,
+    /// Without TLS and tokens (plaintext; every caller may do anything).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Settings of `tidepool coordinator`; each flag overrides the config file.
@@ -156,6 +251,21 @@ struct CoordinatorArgs {
     /// Advance the epoch this often, seconds (0: only on request).
     #[arg(long)]
     epoch_interval_s: Option<u64>,
+    #[command(flatten)]
+    tls: TlsArgs,
+    /// Client certificate for etcd (with --etcd-key and --etcd-ca).
+    #[arg(long, requires_all = ["etcd_key", "etcd_ca"])]
+    etcd_cert: Option<PathBuf>,
+    /// Its key.
+    #[arg(long, requires_all = ["etcd_cert", "etcd_ca"])]
+    etcd_key: Option<PathBuf>,
+    /// The CA etcd's server certificate chains to.
+    #[arg(long, requires_all = ["etcd_cert", "etcd_key"])]
+    etcd_ca: Option<PathBuf>,
+    /// File with the bootstrap admin token (adopted while the cluster has
+    /// no token); or set TIDEPOOL_BOOTSTRAP_TOKEN.
+    #[arg(long)]
+    bootstrap_token_file: Option<PathBuf>,
 }
 
 impl CoordinatorArgs {
@@ -188,6 +298,16 @@ impl CoordinatorArgs {
         set!(max_concurrent_moves = self.max_concurrent_moves);
         set!(reconcile_interval_ms = self.reconcile_interval_ms);
         set!(epoch_interval_s = self.epoch_interval_s);
+        c.tls = self.tls.require(c.tls.take(), c.insecure)?;
+        if let (Some(cert), Some(key), Some(ca)) = (self.etcd_cert, self.etcd_key, self.etcd_ca) {
+            c.etcd_tls = Some(tidepool_security::TlsFiles { cert, key, ca });
+        }
+        c.bootstrap_token_file = self.bootstrap_token_file.or(c.bootstrap_token_file);
+        if let Ok(token) = std::env::var("TIDEPOOL_BOOTSTRAP_TOKEN")
+            && !token.trim().is_empty()
+        {
+            c.bootstrap_token = Some(token.trim().to_string());
+        }
         c.validate()?;
         Ok(c)
     }
@@ -296,6 +416,7 @@ impl NodeArgs {
                 capacity_bytes: 0,
             });
         }
+        config.tls = self.tls.require(config.tls.take(), config.insecure)?;
         if let Some(link) = &mut config.coordinator {
             if let Some(zone) = self.zone {
                 link.zone = zone;
@@ -347,6 +468,26 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create {}", args.data_dir.display()))?;
     let data_dir = std::fs::canonicalize(&args.data_dir)?;
+    // TLS and an admin token of its own, kept across restarts, unless told
+    // otherwise.
+    let tls_dir = data_dir.join("tls");
+    let token_file = data_dir.join("admin.token");
+    if !args.insecure {
+        tidepool_security::certs::ensure_dev(&tls_dir, u32::from(DEV_NODES))?;
+        if !token_file.exists() {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&token_file)
+                .with_context(|| format!("cannot create {}", token_file.display()))?;
+            writeln!(file, "{}", tidepool_security::token::generate())?;
+        }
+    }
+    let files =
+        |base: &str| (!args.insecure).then(|| tidepool_security::certs::files(&tls_dir, base));
     runtime("tidepool-dev")?.block_on(async {
         let store: Arc<dyn MetaStore> =
             Arc::new(EmbeddedStore::open(&data_dir.join("metadata.json"))?);
@@ -357,8 +498,13 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         };
         config.cluster.shards = args.shards;
         config.cluster.replication_factor = u32::from(DEV_NODES);
+        config.tls = files("coordinator");
+        if !args.insecure {
+            config.bootstrap_token_file = Some(token_file.clone());
+        }
         let coordinator = tidepool_coordinator::start_with_store(config, store).await?;
-        let coordinator_url = format!("http://{}", coordinator.address);
+        let scheme = if args.insecure { "http" } else { "https" };
+        let coordinator_url = format!("{scheme}://{}", coordinator.address);
         let mut nodes = Vec::new();
         for i in 1..=DEV_NODES {
             let mut node = NodeConfig::new(0);
@@ -368,6 +514,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             node.engine.wal_segment_mib = 16;
             node.engine.index_memory_mib = 32;
             node.engine.value_cache_mib = 16;
+            node.tls = files(&format!("node-{i}"));
             node.coordinator = Some(CoordinatorLink {
                 addresses: vec![coordinator_url.clone()],
                 zone: String::new(),
@@ -391,8 +538,19 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         };
         let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
         if !interrupted {
+            let security = if args.insecure {
+                "INSECURE: no TLS, no tokens".to_string()
+            } else {
+                format!(
+                    "TLS material in {}, admin token in {} (tidectl finds both when run from the directory holding {})",
+                    tls_dir.display(),
+                    token_file.display(),
+                    args.data_dir.display()
+                )
+            };
             println!(
                 "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
+             {security}.\n\
              Try, in another shell:\n  \
                target/release/tidectl put default hello README.md\n  \
                target/release/tidectl get default hello\n  \
@@ -431,6 +589,50 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     })
 }
 
+fn run_certs(command: CertsCommand) -> anyhow::Result<()> {
+    use tidepool_security::certs;
+    match command {
+        CertsCommand::Ca { dir, name } => {
+            if dir.join("ca.pem").exists() {
+                bail!(
+                    "{} exists; not overwriting a CA",
+                    dir.join("ca.pem").display()
+                );
+            }
+            let ca = certs::new_ca(&name, certs::CA_VALIDITY)?;
+            let (cert, key) = certs::write(&dir, "ca", &ca)?;
+            println!("{}\n{}", cert.display(), key.display());
+        }
+        CertsCommand::Issue {
+            dir,
+            kind,
+            name,
+            hosts,
+            out,
+            days,
+        } => {
+            let identity = tidepool_security::Identity::parse(&format!("tidepool://{kind}/{name}"))
+                .with_context(|| {
+                    format!("kind is node, coordinator or client, and the name 1-64 of [A-Za-z0-9._-]; not {kind} {name:?}")
+                })?;
+            let ca = certs::read(&dir, "ca")?;
+            let issued = certs::issue(
+                &ca,
+                &certs::Request {
+                    identity,
+                    hosts,
+                    valid_for: std::time::Duration::from_secs(days.saturating_mul(86_400)),
+                    expired: false,
+                },
+            )?;
+            let base = out.unwrap_or_else(|| format!("{kind}-{name}"));
+            let (cert, key) = certs::write(&dir, &base, &issued)?;
+            println!("{}\n{}", cert.display(), key.display());
+        }
+    }
+    Ok(())
+}
+
 async fn shutdown_signal() {
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler");
@@ -454,6 +656,7 @@ fn main() -> ExitCode {
         Command::Node(args) => run_node(*args),
         Command::Coordinator(args) => run_coordinator(*args),
         Command::Dev(args) => run_dev(args),
+        Command::Certs(command) => run_certs(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -75,6 +75,7 @@ impl Cluster {
         let url = self.coordinators[i].0.clone();
         let mut args: Vec<String> = vec![
             "coordinator".into(),
+            "--insecure".into(),
             "--id".into(),
             format!("c{i}"),
             "--listen".into(),
@@ -119,6 +120,7 @@ impl Cluster {
         let data: PathBuf = self.dir.path().join(format!("node-{i}"));
         let mut args: Vec<String> = vec![
             "node".into(),
+            "--insecure".into(),
             "--listen".into(),
             format!("127.0.0.1:{port}"),
             "--data-dir".into(),

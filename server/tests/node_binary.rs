@@ -25,7 +25,7 @@ impl NodeProcess {
     fn spawn(args: &[&str], log: PathBuf) -> NodeProcess {
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(BIN)
-            .arg("node")
+            .args(["node", "--insecure"])
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -304,7 +304,11 @@ fn http_get(port: u16, path: &str) -> String {
 fn bad_configurations_are_refused_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
     let run = |args: &[&str]| {
-        let output = Command::new(BIN).arg("node").args(args).output().unwrap();
+        let output = Command::new(BIN)
+            .args(["node", "--insecure"])
+            .args(args)
+            .output()
+            .unwrap();
         (
             output.status,
             String::from_utf8_lossy(&output.stderr).into_owned(),
@@ -381,7 +385,7 @@ fn bad_configurations_are_refused_with_a_clear_message() {
 fn the_coordinator_refuses_bad_settings() {
     let run = |args: &[&str]| {
         let output = Command::new(BIN)
-            .arg("coordinator")
+            .args(["coordinator", "--insecure"])
             .args(args)
             .output()
             .unwrap();

@@ -47,7 +47,7 @@ fn a_python_grpc_client_reads_every_error_of_the_contract() {
     std::fs::create_dir_all(&stubs).unwrap();
     generate_stubs(&stubs);
 
-    let (mut cluster, url) = support::start_dev(&dir.path().join("data"));
+    let (mut cluster, url) = support::start_dev(&dir.path().join("data"), &["--insecure"]);
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/wire_contract.py");
     let output = Command::new(PYTHON)

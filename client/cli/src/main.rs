@@ -3,7 +3,8 @@
 //! Exit codes scripts can rely on: 0 success; 1 the cluster refused or
 //! failed the operation; 2 bad usage or input (missing file, bad digest,
 //! unknown command); 3 not found (key, namespace, node), or for `exists`,
-//! some keys missing; 4 the cluster could not be reached in time.
+//! some keys missing; 4 the cluster could not be reached in time; 5 the
+//! credential was refused (`UNAUTHENTICATED`, `PERMISSION_DENIED`).
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -12,8 +13,12 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use tidepool_client::proto::v1::{ClusterStatus, MoveStep, Namespace, NodeState, retention};
-use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, hex};
+use tidepool_client::proto::v1::{
+    ClusterStatus, MoveStep, Namespace, NodeState, Role, TokenGrant, retention,
+};
+use tidepool_client::{
+    Client, ClientConfig, ErrorCode, RetentionPolicy, TlsFiles, hex, read_token_file,
+};
 
 /// Command-line interface to a Tidepool cluster.
 #[derive(Debug, Parser)]
@@ -34,6 +39,30 @@ struct Cli {
     /// Deadline of each operation, seconds.
     #[arg(long, default_value_t = 60, global = true)]
     timeout: u64,
+    /// Directory with `ca.pem`, `client.pem` and `client-key.pem` (what
+    /// `tidepool certs` and dev mode make). Default: `<dev dir>/tls` when
+    /// it exists.
+    #[arg(long, env = "TIDEPOOL_TLS_DIR", global = true)]
+    tls_dir: Option<PathBuf>,
+    /// Bearer token.
+    #[arg(long, env = "TIDEPOOL_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the bearer token. Default: `<dev dir>/admin.token` when
+    /// it exists.
+    #[arg(long, env = "TIDEPOOL_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
+    /// Plaintext, no TLS material looked for.
+    #[arg(long, global = true)]
+    insecure: bool,
+    /// The dev cluster's data directory, searched for TLS material and the
+    /// admin token when none is given.
+    #[arg(
+        long,
+        env = "TIDEPOOL_DEV_DIR",
+        default_value = "tidepool-dev",
+        global = true
+    )]
+    dev_dir: PathBuf,
     #[command(subcommand)]
     command: Command,
 }
@@ -104,6 +133,34 @@ enum Command {
         #[command(subcommand)]
         command: NodeCommand,
     },
+    /// Client tokens (admin).
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TokenCommand {
+    /// Create a token; prints its secret (shown once).
+    Create {
+        /// Unique name.
+        name: String,
+        /// Cluster admin.
+        #[arg(long)]
+        admin: bool,
+        /// `NAMESPACE=ROLE[,ROLE...]` with roles read, write, append-only,
+        /// delete; namespace `*` for all (repeat).
+        #[arg(long = "grant", value_name = "NAMESPACE=ROLES")]
+        grants: Vec<String>,
+    },
+    /// Every token's name and roles.
+    List,
+    /// Revoke a token: every node refuses it within seconds.
+    Revoke {
+        /// Name.
+        name: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -164,6 +221,7 @@ impl From<tidepool_client::Error> for Failure {
             | ErrorCode::ValueTooLarge
             | ErrorCode::NamespaceExists => 2,
             ErrorCode::Timeout | ErrorCode::NoQuorum => 4,
+            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => 5,
             _ => 1,
         };
         Failure {
@@ -471,12 +529,143 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
     })
 }
 
+/// TLS material and token: from the flags, else from the dev directory
+/// when it holds them.
+fn credentials(cli: &Cli, config: &mut ClientConfig) -> Outcome {
+    if !cli.insecure {
+        let dir = cli.tls_dir.clone().or_else(|| {
+            let dev = cli.dev_dir.join("tls");
+            dev.join("ca.pem").exists().then_some(dev)
+        });
+        if let Some(dir) = dir {
+            config.tls = Some(TlsFiles {
+                cert: dir.join("client.pem"),
+                key: dir.join("client-key.pem"),
+                ca: dir.join("ca.pem"),
+            });
+        }
+    }
+    let token_file = cli.token_file.clone().or_else(|| {
+        let dev = cli.dev_dir.join("admin.token");
+        (!cli.insecure && dev.exists()).then_some(dev)
+    });
+    config.token = match (&cli.token, token_file) {
+        (Some(token), _) => Some(token.clone()),
+        (None, Some(path)) => Some(read_token_file(&path).map_err(|e| Failure {
+            code: 2,
+            message: format!("token file: {e}"),
+        })?),
+        (None, None) => None,
+    };
+    Ok(())
+}
+
+fn parse_grant(text: &str) -> Result<TokenGrant, Failure> {
+    let usage = || Failure {
+        code: 2,
+        message: format!(
+            "--grant {text:?}: give NAMESPACE=ROLE[,ROLE...] with roles read, write, append-only, delete"
+        ),
+    };
+    let (namespace, roles) = text.split_once('=').ok_or_else(usage)?;
+    let roles = roles
+        .split(',')
+        .map(|r| {
+            Ok(match r.trim() {
+                "read" => Role::Read,
+                "write" => Role::Write,
+                "append-only" => Role::AppendOnly,
+                "delete" => Role::Delete,
+                _ => return Err(usage()),
+            } as i32)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(TokenGrant {
+        namespace: namespace.to_string(),
+        roles,
+    })
+}
+
+fn role_names(grant: &TokenGrant) -> String {
+    grant
+        .roles()
+        .map(|r| match r {
+            Role::Read => "read",
+            Role::Write => "write",
+            Role::AppendOnly => "append-only",
+            Role::Delete => "delete",
+            Role::Unspecified => "?",
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+async fn token_command(cli: &Cli, client: &Client, command: &TokenCommand) -> Outcome {
+    match command {
+        TokenCommand::Create {
+            name,
+            admin,
+            grants,
+        } => {
+            let grants = grants
+                .iter()
+                .map(|g| parse_grant(g))
+                .collect::<Result<Vec<_>, _>>()?;
+            let (secret, _) = client.create_token(name, *admin, grants).await?;
+            print(
+                cli.json,
+                json!({"name": name, "secret": secret}),
+                secret.clone(),
+            );
+        }
+        TokenCommand::List => {
+            let tokens = client.list_tokens().await?;
+            let rows: Vec<String> = tokens
+                .iter()
+                .map(|t| {
+                    let grants: Vec<String> = t
+                        .grants
+                        .iter()
+                        .map(|g| format!("{}={}", g.namespace, role_names(g)))
+                        .collect();
+                    format!(
+                        "{}{} {}",
+                        t.name,
+                        if t.admin { " admin" } else { "" },
+                        grants.join(" ")
+                    )
+                })
+                .collect();
+            let value = json!(tokens.iter().map(|t| json!({
+                "name": t.name, "admin": t.admin, "created_ms": t.created_ms,
+                "grants": t.grants.iter().map(|g| json!({"namespace": g.namespace, "roles": role_names(g)})).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>());
+            print(cli.json, value, rows.join("\n"));
+        }
+        TokenCommand::Revoke { name } => {
+            if !client.revoke_token(name).await? {
+                return Err(Failure {
+                    code: 3,
+                    message: format!("no token {name:?}"),
+                });
+            }
+            print(cli.json, json!({"revoked": name}), String::new());
+        }
+    }
+    Ok(())
+}
+
 async fn run(cli: &Cli) -> Outcome {
     let mut config = ClientConfig::new(&cli.coordinator);
     config.timeout = Duration::from_secs(cli.timeout);
     config.watch = false;
+    credentials(cli, &mut config)?;
     let client = Client::with_config(config).await.map_err(|e| Failure {
-        code: 4,
+        // A refused credential keeps its own exit code.
+        code: match e.code() {
+            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => 5,
+            _ => 4,
+        },
         message: format!(
             "cannot reach the cluster at {}: {e}",
             cli.coordinator.join(", ")
@@ -634,6 +823,7 @@ async fn run(cli: &Cli) -> Outcome {
             print(cli.json, json!({"epoch": epoch}), format!("epoch {epoch}"));
             Ok(())
         }
+        Command::Token { command } => token_command(cli, &client, command).await,
         Command::Node {
             command: NodeCommand::Drain { id },
         } => {

@@ -60,10 +60,27 @@ fn convert(kv: &etcd_client::KeyValue) -> KeyValue {
 
 impl EtcdStore {
     /// Connects to etcd at `endpoints` (for example `http://127.0.0.1:2379`).
-    pub async fn connect(endpoints: &[String]) -> MetaResult<Self> {
-        let options = etcd_client::ConnectOptions::new()
+    pub async fn connect(
+        endpoints: &[String],
+        tls: Option<&tidepool_security::TlsFiles>,
+    ) -> MetaResult<Self> {
+        let mut options = etcd_client::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(10));
+        if let Some(files) = tls {
+            let read = |path: &std::path::Path| {
+                std::fs::read(path).map_err(|e| {
+                    MetaError::Unavailable(format!("etcd tls: {}: {e}", path.display()))
+                })
+            };
+            let identity = etcd_client::Identity::from_pem(read(&files.cert)?, read(&files.key)?);
+            let ca = etcd_client::Certificate::from_pem(read(&files.ca)?);
+            options = options.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(ca)
+                    .identity(identity),
+            );
+        }
         let client = Client::connect(endpoints, Some(options))
             .await
             .map_err(unavailable)?;

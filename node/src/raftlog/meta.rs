@@ -6,7 +6,9 @@
 //!   context len u32 + context,
 //!   data kind u8 (0: raw — data follows; 1: Write — data is rebuilt from
 //!   the record's items; 2: Write with sessions — as 1, followed by count
-//!   u32 and each op's session (u8 0, or u8 1 + tag, as in `command.rs`)),
+//!   u32 and each op's session (u8 0, or u8 1 + tag, as in `command.rs`);
+//!   3: as 2, then each op's flags u8 (bit 0: put only if absent) —
+//!   written only when an op has a flag),
 //!   [data len u32 + data]
 //! state record metadata:
 //!   "RS", version u8 (1), term u64, vote u64, commit u64,
@@ -30,6 +32,9 @@ const DATA_RAW: u8 = 0;
 /// A Write written before sessions (still read).
 const DATA_WRITE: u8 = 1;
 const DATA_WRITE_SESSIONS: u8 = 2;
+const DATA_WRITE_FLAGS: u8 = 3;
+/// Op flag: a put only if the key holds no blob.
+const FLAG_IF_ABSENT: u8 = 1;
 
 /// A Raft entry split for the WAL: metadata, and the Write ops whose values
 /// become the record's items.
@@ -59,6 +64,8 @@ pub(crate) struct EntryHead {
     pub raw_data: Option<Vec<u8>>,
     /// A Write's sessions, one per op (empty: written before sessions).
     pub sessions: Vec<Option<SessionTag>>,
+    /// A Write's ops that put only if absent (empty: none does).
+    pub if_absent: Vec<bool>,
 }
 
 /// Splits an entry: a normal entry carrying a Write keeps only its
@@ -77,10 +84,21 @@ pub(crate) fn split_entry(entry: &Entry) -> Result<SplitEntry> {
         .transpose()?;
     match write {
         Some(Command::Write(ops)) => {
-            meta.push(DATA_WRITE_SESSIONS);
+            let flags = ops.iter().any(|op| op.if_absent);
+            meta.push(if flags {
+                DATA_WRITE_FLAGS
+            } else {
+                DATA_WRITE_SESSIONS
+            });
             meta.extend_from_slice(&(ops.len() as u32).to_le_bytes());
             for op in &ops {
                 encode_session(op.session.as_ref(), &mut meta);
+            }
+            if flags {
+                meta.extend(
+                    ops.iter()
+                        .map(|op| if op.if_absent { FLAG_IF_ABSENT } else { 0 }),
+                );
             }
             Ok(SplitEntry { meta, ops })
         }
@@ -147,13 +165,22 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
     let context_len = r.u32()? as usize;
     let context = r.take(context_len)?.to_vec();
     let mut sessions = Vec::new();
+    let mut if_absent = Vec::new();
     let raw_data = match r.u8()? {
         DATA_WRITE => None,
-        DATA_WRITE_SESSIONS => {
+        kind @ (DATA_WRITE_SESSIONS | DATA_WRITE_FLAGS) => {
             let count = r.u32()? as usize;
             sessions.reserve(count.min(r.bytes.len()));
             for _ in 0..count {
                 sessions.push(r.session()?);
+            }
+            if kind == DATA_WRITE_FLAGS {
+                for flags in r.take(count)? {
+                    if flags & !FLAG_IF_ABSENT != 0 {
+                        return Err(NodeError::Malformed(format!("unknown op flags {flags:#x}")));
+                    }
+                    if_absent.push(flags & FLAG_IF_ABSENT != 0);
+                }
             }
             None
         }
@@ -170,6 +197,7 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
         context,
         raw_data,
         sessions,
+        if_absent,
     })
 }
 
@@ -199,6 +227,7 @@ pub(crate) fn rebuild_entry(head: EntryHead, items: Vec<ItemData>) -> Result<Ent
                         epoch: item.epoch.0,
                         key,
                         session: head.sessions.get(i).copied().flatten(),
+                        if_absent: head.if_absent.get(i).copied().unwrap_or(false),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -311,6 +340,7 @@ mod tests {
                     opens: true,
                     time_ms: 13,
                 }),
+                if_absent: true,
             },
             WriteOp {
                 value: None,
@@ -318,6 +348,7 @@ mod tests {
                 epoch: 4,
                 key: [8; 32],
                 session: None,
+                if_absent: false,
             },
         ]);
         let original = entry(write.encode(), EntryType::EntryNormal);
@@ -341,6 +372,7 @@ mod tests {
             epoch: 4,
             key: [7; 32],
             session: None,
+            if_absent: false,
         };
         let original = entry(
             Command::Write(vec![op.clone()]).encode(),

@@ -7,7 +7,9 @@
 //! replica's [`Sessions`]: a duplicate or refused op is not applied, and an
 //! entry decided before (applied again after a restart) applies exactly the
 //! ops it applied the first time (see `session.rs`). A delete's `existed` is
-//! decided here, in log order.
+//! decided here, in log order, and so is whether a put only-if-absent finds
+//! its key free (if not, it is not applied, and a restart re-applying the
+//! entry skips it as the first application did).
 
 use prost011::Message as _;
 use raft::eraftpb::{ConfChangeV2, Entry, EntryType};
@@ -18,7 +20,7 @@ use tidepool_engine::{
 use super::Replica;
 use crate::command::{Command, KEY_BYTES, WriteOp};
 use crate::error::{NodeError, Result};
-use crate::session::{Admission, OpResult, SessionTag, Sessions};
+use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
 
 /// Drops one namespace's entries, keeps the rest.
 struct Namespace(u32);
@@ -91,7 +93,7 @@ impl Replica {
                 let first_time = !sessions.decided(entry.index);
                 let decided = decide_op(&mut sessions, entry.index, 0, session.as_ref(), |_| {
                     engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
-                    Ok(false)
+                    Ok(Some(false))
                 })?;
                 if first_time && !decided.applied {
                     sessions.finish_entry(entry.index, vec![0]);
@@ -160,14 +162,15 @@ fn apply_write(
     let mut results = Vec::with_capacity(ops.len());
     let mut skipped = Vec::new();
     for (ordinal, (op, item)) in ops.iter().zip(items).enumerate() {
-        let decided = decide_op(sessions, index, ordinal, op.session.as_ref(), |engine_op| {
-            let existed = match engine_op {
-                // Whether a delete finds the key, decided in log order.
-                true if op.value.is_none() => exists(target, &op.key)?,
-                _ => false,
-            };
+        let decided = decide_op(sessions, index, ordinal, op.session.as_ref(), |first| {
+            // Whether a delete finds the key, and whether a put only if
+            // absent may apply, decided in log order the first time.
+            let existed = first && (op.value.is_none() || op.if_absent) && exists(target, &op.key)?;
+            if existed && op.if_absent {
+                return Ok(None);
+            }
             target.engine.apply_item(item)?;
-            Ok(existed)
+            Ok(Some(existed))
         })?;
         if !decided.applied {
             skipped.push(ordinal as u32);
@@ -186,13 +189,14 @@ fn exists(target: &Target<'_>, key: &[u8; KEY_BYTES]) -> Result<bool> {
 
 /// Decides one op and applies it with `apply` (given whether this is its
 /// first application, so outcomes are computed; it returns whether a
-/// delete found the key).
+/// delete found the key, or `None` if a put only-if-absent did and was not
+/// applied).
 fn decide_op(
     sessions: &mut Sessions,
     index: u64,
     ordinal: usize,
     session: Option<&SessionTag>,
-    apply: impl FnOnce(bool) -> Result<bool>,
+    apply: impl FnOnce(bool) -> Result<Option<bool>>,
 ) -> Result<Decided> {
     if sessions.decided(index) {
         // Applied again after a restart: exactly as the first time; nobody
@@ -211,16 +215,21 @@ fn decide_op(
         None => Admission::Apply,
     };
     Ok(match admission {
-        Admission::Apply => {
-            let existed = apply(true)?;
-            if let Some(tag) = session {
-                sessions.record(tag, existed);
+        Admission::Apply => match apply(true)? {
+            Some(existed) => {
+                if let Some(tag) = session {
+                    sessions.record(tag, existed);
+                }
+                Decided {
+                    result: OpResult::Done { existed },
+                    applied: true,
+                }
             }
-            Decided {
-                result: OpResult::Done { existed },
-                applied: true,
-            }
-        }
+            None => Decided {
+                result: OpResult::Refused(Refusal::Exists),
+                applied: false,
+            },
+        },
         Admission::Duplicate(result) => Decided {
             result,
             applied: false,

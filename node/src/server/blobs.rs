@@ -18,10 +18,11 @@ use tidepool_proto::v1::blob_service_server::BlobService;
 use tidepool_proto::v1::{
     BatchExistsRequest, BatchExistsResponse, BlobKind, BlobRef, DeleteRequest, DeleteResponse,
     Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse, Namespace, Presence,
-    PutHeader, PutRequest, PutResponse, ReadConsistency, ShardInfo, TouchRequest, TouchResponse,
-    WriteSession, get_response, put_request,
+    PutHeader, PutRequest, PutResponse, ReadConsistency, Role, ShardInfo, TouchRequest,
+    TouchResponse, WriteSession, get_response, put_request,
 };
 use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
+use tidepool_security::Caller;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -218,6 +219,10 @@ impl BlobApi {
                 info.detail.retry_after_ms = 1000;
                 info
             }
+            Refusal::Exists => self.node.error(
+                ErrorCode::AlreadyExists,
+                "the key already holds a blob and this put may only create new keys; nothing was written",
+            ),
         };
         info.detail.shard_id = Some(shard);
         info
@@ -281,7 +286,21 @@ impl BlobApi {
         }
     }
 
-    async fn put_inner(&self, mut stream: Streaming<PutRequest>) -> ApiResult<PutResponse> {
+    /// `PERMISSION_DENIED` unless the caller holds `role` in `namespace`.
+    fn allow(&self, caller: &Caller, namespace: Option<&str>, role: Role) -> ApiResult<()> {
+        caller
+            .require(namespace.unwrap_or_default(), role)
+            .map_err(|mut info| {
+                info.detail.map_version = self.node.map().version;
+                info
+            })
+    }
+
+    async fn put_inner(
+        &self,
+        caller: Caller,
+        mut stream: Streaming<PutRequest>,
+    ) -> ApiResult<PutResponse> {
         let first = stream
             .next()
             .await
@@ -292,6 +311,16 @@ impl BlobApi {
                 &self.node,
                 "the first put message must be the header",
             ));
+        };
+        // A `write` role may overwrite; an `append-only` one only creates.
+        let namespace = header.blob.as_ref().map(|b| b.namespace.as_str());
+        let if_absent = match self.allow(&caller, namespace, Role::Write) {
+            Ok(()) => header.if_absent,
+            Err(denied) => {
+                self.allow(&caller, namespace, Role::AppendOnly)
+                    .map_err(|_| denied)?;
+                true
+            }
         };
         let target = self.target(header.blob.as_ref())?;
         let max = self.node.config.raft.max_value_bytes;
@@ -358,6 +387,7 @@ impl BlobApi {
             epoch,
             key: target.key,
             session,
+            if_absent,
         };
         drop(content);
         self.commit(&target, Proposal::Write(op)).await?;
@@ -652,6 +682,7 @@ impl BlobApi {
             epoch: target.shard.engine().epoch().0,
             key: target.key,
             session,
+            if_absent: false,
         };
         let existed = match self.commit(&target, Proposal::Write(op)).await? {
             OpResult::Done { existed } => existed,
@@ -737,38 +768,85 @@ impl BlobService for BlobApi {
         &self,
         request: Request<Streaming<PutRequest>>,
     ) -> Result<Response<PutResponse>, Status> {
-        self.serve(0, self.put_inner(request.into_inner())).await
+        let caller = Caller::of(&request);
+        self.serve(0, self.put_inner(caller, request.into_inner()))
+            .await
     }
 
     type GetStream = ReceiverStream<std::result::Result<GetResponse, Status>>;
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
-        self.serve(1, self.get_inner(request.into_inner())).await
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(1, async {
+            self.allow(
+                &caller,
+                request.blob.as_ref().map(|b| b.namespace.as_str()),
+                Role::Read,
+            )?;
+            self.get_inner(request).await
+        })
+        .await
     }
 
     async fn head(&self, request: Request<HeadRequest>) -> Result<Response<HeadResponse>, Status> {
-        self.serve(2, self.head_inner(request.into_inner())).await
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(2, async {
+            self.allow(
+                &caller,
+                request.blob.as_ref().map(|b| b.namespace.as_str()),
+                Role::Read,
+            )?;
+            self.head_inner(request).await
+        })
+        .await
     }
 
     async fn batch_exists(
         &self,
         request: Request<BatchExistsRequest>,
     ) -> Result<Response<BatchExistsResponse>, Status> {
-        self.serve(3, self.batch_exists_inner(request.into_inner()))
-            .await
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(3, async {
+            self.allow(&caller, Some(&request.namespace), Role::Read)?;
+            self.batch_exists_inner(request).await
+        })
+        .await
     }
 
     async fn delete(
         &self,
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
-        self.serve(4, self.delete_inner(request.into_inner())).await
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(4, async {
+            self.allow(
+                &caller,
+                request.blob.as_ref().map(|b| b.namespace.as_str()),
+                Role::Delete,
+            )?;
+            self.delete_inner(request).await
+        })
+        .await
     }
 
     async fn touch(
         &self,
         request: Request<TouchRequest>,
     ) -> Result<Response<TouchResponse>, Status> {
-        self.serve(5, self.touch_inner(request.into_inner())).await
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(5, async {
+            self.allow(
+                &caller,
+                request.blob.as_ref().map(|b| b.namespace.as_str()),
+                Role::Write,
+            )?;
+            self.touch_inner(request).await
+        })
+        .await
     }
 }

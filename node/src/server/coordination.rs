@@ -22,7 +22,7 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::{
     ClusterMap, ErrorCode, HeartbeatRequest, RegisterNodeRequest, WatchClusterMapRequest,
 };
-use tonic::transport::Channel;
+use tidepool_security::{Channel, Security};
 
 use super::Node;
 use crate::config::NodeConfig;
@@ -41,22 +41,30 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 struct Coordinators {
     addresses: Vec<String>,
     next: usize,
+    security: Security,
 }
 
 impl Coordinators {
-    fn new(addresses: Vec<String>) -> Self {
-        Self { addresses, next: 0 }
+    fn new(addresses: Vec<String>, security: Security) -> Self {
+        Self {
+            addresses,
+            next: 0,
+            security,
+        }
     }
 
     /// A client for the current address.
     async fn client(&self) -> Result<CoordinatorServiceClient<Channel>> {
         let address = &self.addresses[self.next % self.addresses.len()];
-        let endpoint = Channel::from_shared(address.clone())
+        let endpoint = self
+            .security
+            .endpoint(address)
             .map_err(|e| NodeError::Config(format!("coordinator address {address:?}: {e}")))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
+        let channel = self
+            .security
+            .connect(&endpoint)
             .await
             .map_err(|e| NodeError::Network(format!("coordinator {address}: {e}")))?;
         Ok(CoordinatorServiceClient::new(channel))
@@ -140,7 +148,10 @@ pub(crate) fn save_map(data_dir: &Path, map: &ClusterMap) {
 /// Registers with the coordinators (retrying until a leader answers) and
 /// records the assigned id in the data directory. Sets `config.node_id`;
 /// returns the map the coordinator sent.
-pub(crate) async fn register(config: &mut NodeConfig) -> Result<(ClusterMap, Duration)> {
+pub(crate) async fn register(
+    config: &mut NodeConfig,
+    security: &Security,
+) -> Result<(ClusterMap, Duration)> {
     let link = config
         .coordinator
         .clone()
@@ -158,7 +169,7 @@ pub(crate) async fn register(config: &mut NodeConfig) -> Result<(ClusterMap, Dur
         zone: link.zone.clone(),
         capacity_bytes,
     };
-    let mut coordinators = Coordinators::new(link.addresses.clone());
+    let mut coordinators = Coordinators::new(link.addresses.clone(), security.clone());
     let mut backoff = Duration::from_millis(100);
     let response = loop {
         let attempt = async {
@@ -213,7 +224,7 @@ pub(crate) fn spawn_registration(node: Arc<Node>) {
         let mut config = node.config.clone();
         let registered = tokio::select! {
             _ = node.stopped() => return,
-            registered = register(&mut config) => registered,
+            registered = register(&mut config, &node.security) => registered,
         };
         match registered {
             Ok((map, lease_ttl)) => {
@@ -237,7 +248,7 @@ pub(crate) fn spawn(node: Arc<Node>, lease_ttl: Duration) {
 }
 
 async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Duration) {
-    let mut coordinators = Coordinators::new(addresses);
+    let mut coordinators = Coordinators::new(addresses, node.security.clone());
     let stopped = node.stopped();
     tokio::pin!(stopped);
     let mut first = true;
@@ -277,7 +288,7 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
 }
 
 async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
-    let mut coordinators = Coordinators::new(addresses);
+    let mut coordinators = Coordinators::new(addresses, node.security.clone());
     let stopped = node.stopped();
     tokio::pin!(stopped);
     let mut delay = Duration::from_millis(100);

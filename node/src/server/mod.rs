@@ -33,6 +33,8 @@ use tidepool_proto::v1::node_admin_server::NodeAdminServer;
 use tidepool_proto::v1::raft_transport_server::RaftTransportServer;
 use tidepool_proto::v1::{ClusterMap, ErrorCode, Namespace, NodeAddress, ShardInfo};
 use tidepool_proto::{ErrorInfo, StorageKey, hash_position};
+use tidepool_security::guard::{Grant, TokenTable};
+use tidepool_security::{Authority, GuardLayer, Security, Tls};
 use tokio::sync::oneshot;
 
 use crate::config::NodeConfig;
@@ -73,6 +75,31 @@ pub struct Node {
     /// Becomes true when the node begins to stop; long-lived streams
     /// (peers' Raft traffic) end on it.
     stopping: tokio::sync::watch::Sender<bool>,
+    /// How it dials peers and coordinators (TLS material, no token).
+    pub(crate) security: Security,
+    /// The client tokens of the current map.
+    tokens: Arc<Tokens>,
+}
+
+/// The tokens a node accepts: those of its current map.
+#[derive(Default)]
+struct Tokens(ArcSwap<TokenTable>);
+
+impl Authority for Tokens {
+    fn token(&self, hash: &[u8; 32]) -> Option<Arc<Grant>> {
+        self.0.load().get(hash)
+    }
+}
+
+/// Loads the TLS material a configuration names (none: insecure).
+pub fn security_of(config: &NodeConfig) -> Result<Security> {
+    let tls = match &config.tls {
+        Some(files) => {
+            Some(Tls::load(files.clone()).map_err(|e| NodeError::Config(format!("tls: {e}")))?)
+        }
+        None => None,
+    };
+    Ok(Security { tls, token: None })
 }
 
 impl std::fmt::Debug for Node {
@@ -88,6 +115,12 @@ impl Node {
     /// in the data directory and, for a fixed cluster, founds or reopens
     /// every shard it is a replica of. Must run inside a tokio runtime.
     pub fn open(config: NodeConfig) -> Result<Arc<Node>> {
+        let security = security_of(&config)?;
+        Self::open_with(config, security)
+    }
+
+    /// [`Node::open`] with TLS material already loaded.
+    pub fn open_with(config: NodeConfig, security: Security) -> Result<Arc<Node>> {
         config.validate()?;
         let shards_dir = config.data_dir.join("shards");
         std::fs::create_dir_all(&shards_dir).map_err(|e| {
@@ -96,7 +129,9 @@ impl Node {
         let map = config.static_map().unwrap_or_default();
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
         let node = Arc::new(Node {
-            transport: Transport::new(config.node_id),
+            transport: Transport::new(config.node_id, security.clone()),
+            security,
+            tokens: Arc::default(),
             config,
             map: ArcSwap::from_pointee(ClusterMap::default()),
             shards: RwLock::new(BTreeMap::new()),
@@ -237,6 +272,7 @@ impl Node {
             }
         }
         drop(shards);
+        self.tokens.0.store(Arc::new(TokenTable::of(&map.tokens)));
         if self.config.coordinator.is_some() && map.version != 0 {
             coordination::save_map(&self.config.data_dir, &map);
         }
@@ -475,17 +511,23 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     };
     let metrics_address = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
     if config.advertise.is_none() {
-        config.advertise = Some(format!("http://{address}"));
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        config.advertise = Some(format!("{scheme}://{address}"));
     }
     config.validate()?;
+    let security = security_of(&config)?;
     // A node that ran before serves at once and registers meanwhile; a new
     // one needs its id first.
     let restarting = config.coordinator.is_some() && coordination::adopt_recorded_id(&mut config)?;
     let registered = match config.coordinator {
-        Some(_) if !restarting => Some(coordination::register(&mut config).await?),
+        Some(_) if !restarting => Some(coordination::register(&mut config, &security).await?),
         _ => None,
     };
-    let node = tokio::task::block_in_place(|| Node::open(config))?;
+    let node = tokio::task::block_in_place(|| Node::open_with(config, security))?;
     if let Some((map, lease_ttl)) = registered {
         node.set_map(map);
         coordination::spawn(node.clone(), lease_ttl);
@@ -506,25 +548,49 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
     let admin = NodeAdminServer::new(admin::AdminApi::new(node.clone()));
-    // Small Raft and client messages must not wait for Nagle's algorithm
-    // (40 ms with delayed ACKs).
-    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(30)));
+    let tls = node.security.tls.clone();
+    let guard = match &tls {
+        Some(_) => GuardLayer::secured(node.tokens.clone()),
+        None => {
+            tracing::warn!(
+                node_id = node.config.node_id,
+                "INSECURE: no TLS; every caller may call every method, including admin and peer ones"
+            );
+            GuardLayer::open()
+        }
+    };
     let server = tokio::spawn(async move {
         let keepalive = Duration::from_millis(limits.keepalive_ms);
-        tonic::transport::Server::builder()
+        let router = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(limits.max_streams_per_connection))
             .http2_keepalive_interval(Some(keepalive))
             .http2_keepalive_timeout(Some(keepalive))
+            .layer(guard)
             .add_service(blob)
             .add_service(raft)
-            .add_service(admin)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stop_rx.await;
-            })
-            .await
-            .map_err(|e| NodeError::Network(format!("gRPC server: {e}")))
+            .add_service(admin);
+        let stopped = async {
+            let _ = stop_rx.await;
+        };
+        let served = match tls {
+            Some(tls) => {
+                router
+                    .serve_with_incoming_shutdown(
+                        tidepool_security::tls::incoming(listener, tls),
+                        stopped,
+                    )
+                    .await
+            }
+            None => {
+                // Small Raft and client messages must not wait for Nagle's
+                // algorithm (40 ms with delayed ACKs).
+                let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                    .with_nodelay(Some(true))
+                    .with_keepalive(Some(Duration::from_secs(30)));
+                router.serve_with_incoming_shutdown(incoming, stopped).await
+            }
+        };
+        served.map_err(|e| NodeError::Network(format!("gRPC server: {e}")))
     });
     tracing::info!(node_id = node.config.node_id, %address, "node serving");
     Ok(RunningNode {

@@ -16,6 +16,8 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use tidepool_security::Caller;
+
 use super::{MAX_GRPC_MESSAGE, Node};
 use crate::error::{NodeError, Result};
 use crate::shard::{Event, ShardHandle};
@@ -41,6 +43,7 @@ impl RaftTransport for RaftApi {
         &self,
         request: Request<Streaming<RaftBatch>>,
     ) -> std::result::Result<Response<RaftSendSummary>, Status> {
+        let mut sender = Sender::new(Caller::of(&request));
         let mut stream = request.into_inner();
         let mut summary = RaftSendSummary::default();
         let me = self.node.config.node_id;
@@ -61,6 +64,7 @@ impl RaftTransport for RaftApi {
             for envelope in batch.messages {
                 let delivered = Message::decode(&envelope.message[..])
                     .ok()
+                    .filter(|message| sender.speaks_for(&self.node, message.from))
                     .zip(self.node.shard(envelope.shard_id))
                     .is_some_and(|(message, shard)| deliver(&self.node, &shard, message));
                 if delivered {
@@ -80,7 +84,20 @@ impl RaftTransport for RaftApi {
         &self,
         request: Request<FetchSnapshotRequest>,
     ) -> std::result::Result<Response<Self::FetchSnapshotStream>, Status> {
+        let caller = Caller::of(&request);
         let request = request.into_inner();
+        if !Sender::new(caller).speaks_for(&self.node, request.to_node) {
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "the caller's certificate does not speak for node {}",
+                        request.to_node
+                    ),
+                )
+                .into());
+        }
         let Some(prepared) = self.node.outbox.get(request.shard_id, request.snapshot_id) else {
             return Err(self
                 .node
@@ -110,6 +127,54 @@ impl RaftTransport for RaftApi {
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The authenticated peer of a Raft stream: which node ids its certificate
+/// may speak for (those the map binds to its name), cached per map version.
+struct Sender {
+    caller: Caller,
+    map_version: u64,
+    verified: std::collections::HashMap<u64, bool>,
+}
+
+impl Sender {
+    fn new(caller: Caller) -> Self {
+        Self {
+            caller,
+            map_version: 0,
+            verified: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Whether the peer may send as node `from` (always, on an insecure
+    /// node). A message from anyone else is dropped (and counted).
+    fn speaks_for(&mut self, node: &Node, from: u64) -> bool {
+        if self.caller.open {
+            return true;
+        }
+        let Some(name) = self.caller.node_name() else {
+            return false;
+        };
+        let map = node.map();
+        if map.version != self.map_version {
+            self.map_version = map.version;
+            self.verified.clear();
+        }
+        *self.verified.entry(from).or_insert_with(|| {
+            let bound = map
+                .nodes
+                .iter()
+                .any(|n| n.node_id == from && n.identity == name);
+            if !bound {
+                tracing::warn!(
+                    from,
+                    peer = name,
+                    "refusing Raft traffic: the peer's certificate does not speak for that node"
+                );
+            }
+            bound
+        })
     }
 }
 
@@ -217,11 +282,14 @@ async fn pull(
     receiver: &mut Receiver,
     node: &Node,
 ) -> std::result::Result<(), PullError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(address.to_string())
+    let endpoint = node
+        .security
+        .endpoint(address)
         .map_err(|e| PullError::Bad(NodeError::Network(format!("bad address {address}: {e}"))))?
         .connect_timeout(Duration::from_secs(2));
-    let channel = endpoint
-        .connect()
+    let channel = node
+        .security
+        .connect(&endpoint)
         .await
         .map_err(|e| PullError::Broken(e.to_string()))?;
     let mut client = RaftTransportClient::new(channel)

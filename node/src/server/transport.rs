@@ -33,13 +33,16 @@ pub(crate) struct Transport {
     addresses: RwLock<HashMap<u64, String>>,
     peers: Mutex<HashMap<u64, (String, mpsc::Sender<RaftEnvelope>)>>,
     node: RwLock<Weak<Node>>,
+    security: tidepool_security::Security,
 }
 
 impl Transport {
-    /// A transport for node `node_id`; must be created in a tokio runtime.
-    pub fn new(node_id: u64) -> Arc<Transport> {
+    /// A transport for node `node_id` dialling with `security`; must be
+    /// created in a tokio runtime.
+    pub fn new(node_id: u64, security: tidepool_security::Security) -> Arc<Transport> {
         Arc::new(Transport {
             node_id,
+            security,
             runtime: tokio::runtime::Handle::current(),
             addresses: RwLock::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
@@ -73,8 +76,13 @@ impl Transport {
         }
         // New peer, or its address changed: a new sender task.
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
-        self.runtime
-            .spawn(run_peer(self.node_id, to, address.clone(), rx));
+        self.runtime.spawn(run_peer(
+            self.node_id,
+            to,
+            address.clone(),
+            self.security.clone(),
+            rx,
+        ));
         peers.insert(to, (address, tx.clone()));
         Some(tx)
     }
@@ -103,10 +111,16 @@ impl Outgoing for Transport {
 }
 
 /// Sends everything queued for peer `to`, reconnecting as needed.
-async fn run_peer(from: u64, to: u64, address: String, mut queue: mpsc::Receiver<RaftEnvelope>) {
+async fn run_peer(
+    from: u64,
+    to: u64,
+    address: String,
+    security: tidepool_security::Security,
+    mut queue: mpsc::Receiver<RaftEnvelope>,
+) {
     let mut backoff = Duration::from_millis(50);
     loop {
-        let endpoint = match tonic::transport::Endpoint::from_shared(address.clone()) {
+        let endpoint = match security.endpoint(&address) {
             Ok(endpoint) => endpoint
                 .connect_timeout(Duration::from_secs(1))
                 .tcp_nodelay(true)
@@ -118,7 +132,7 @@ async fn run_peer(from: u64, to: u64, address: String, mut queue: mpsc::Receiver
                 return;
             }
         };
-        let channel = match endpoint.connect().await {
+        let channel = match security.connect(&endpoint).await {
             Ok(channel) => channel,
             Err(error) => {
                 tracing::debug!(to, %address, %error, "peer unreachable");

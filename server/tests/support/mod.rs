@@ -11,10 +11,11 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
 
 /// Starts dev mode with its data in `dir`, on free ports; returns the
 /// process and the coordinator URL from its ready banner.
-pub fn start_dev(dir: &std::path::Path) -> (Child, String) {
+pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
         .arg(dir)
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -32,7 +33,7 @@ pub fn start_dev(dir: &std::path::Path) -> (Child, String) {
     assert!(line.contains("ready"), "{line}");
     let url = line
         .split_whitespace()
-        .find(|w| w.starts_with("http://"))
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
         .unwrap()
         .trim_end_matches(',')
         .to_string();

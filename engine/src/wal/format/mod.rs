@@ -517,8 +517,12 @@ impl<'a> RecordView<'a> {
         hasher.update(&body[..meta_len]);
         let mut at = align8(meta_len);
         for _ in 0..header.item_count {
-            let item = decode_listed_item(&body[at..])?;
-            hasher.update(&body[at..at + ITEM_HEADER_BYTES]);
+            // The previous item's padding may end past the body.
+            let rest = body
+                .get(at..)
+                .ok_or_else(|| Malformed("entry items overrun the body".into()))?;
+            let item = decode_listed_item(rest)?;
+            hasher.update(&rest[..ITEM_HEADER_BYTES]);
             at += align8(item.len);
         }
         if at != body.len() {

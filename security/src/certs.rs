@@ -1,0 +1,254 @@
+//! A cluster's certificates: a CA, and certificates it issues to nodes,
+//! coordinators and clients (`tidepool certs`, and dev mode's own).
+//!
+//! Every issued certificate carries its [`Identity`] as a SAN URI, the DNS
+//! names and IP addresses it serves under (nodes and coordinators), and
+//! both server and client authentication usages (nodes dial each other).
+//! Keys are ECDSA P-256, written with mode 0600.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use time::OffsetDateTime;
+
+use crate::identity::Identity;
+use crate::{Error, Result};
+
+/// A certificate and its private key, PEM.
+#[derive(Clone, Debug)]
+pub struct Issued {
+    /// The certificate.
+    pub cert_pem: String,
+    /// Its private key (PKCS#8).
+    pub key_pem: String,
+}
+
+fn invalid(what: &str, e: rcgen::Error) -> Error {
+    Error::Invalid(format!("{what}: {e}"))
+}
+
+fn validity(params: &mut CertificateParams, valid_for: Duration) {
+    let now = OffsetDateTime::now_utc();
+    // An hour of slack for clocks behind ours.
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now + time::Duration::seconds(valid_for.as_secs() as i64);
+}
+
+/// A new self-signed CA named `name`.
+pub fn new_ca(name: &str, valid_for: Duration) -> Result<Issued> {
+    let key = KeyPair::generate().map_err(|e| invalid("key generation", e))?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("{name} Tidepool CA"));
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    validity(&mut params, valid_for);
+    let cert = params
+        .self_signed(&key)
+        .map_err(|e| invalid("CA certificate", e))?;
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// What a certificate is for.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Who holds it.
+    pub identity: Identity,
+    /// DNS names and IP addresses it serves under (may be empty for
+    /// clients).
+    pub hosts: Vec<String>,
+    /// How long from now it is valid.
+    pub valid_for: Duration,
+    /// Issue it already expired (for tests of expiry handling).
+    pub expired: bool,
+}
+
+/// A certificate for `request`, signed by `ca`.
+pub fn issue(ca: &Issued, request: &Request) -> Result<Issued> {
+    let ca_key = KeyPair::from_pem(&ca.key_pem).map_err(|e| invalid("CA key", e))?;
+    let issuer =
+        Issuer::from_ca_cert_pem(&ca.cert_pem, ca_key).map_err(|e| invalid("CA certificate", e))?;
+    let key = KeyPair::generate().map_err(|e| invalid("key generation", e))?;
+    let mut params =
+        CertificateParams::new(request.hosts.clone()).map_err(|e| invalid("host names", e))?;
+    let uri = request.identity.uri();
+    params.subject_alt_names.push(SanType::URI(
+        uri.clone().try_into().map_err(|e| invalid("identity", e))?,
+    ));
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, uri);
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = match request.identity {
+        Identity::Client(_) => vec![ExtendedKeyUsagePurpose::ClientAuth],
+        _ => vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+    };
+    params.use_authority_key_identifier_extension = true;
+    validity(&mut params, request.valid_for);
+    if request.expired {
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::days(30);
+        params.not_after = now - time::Duration::days(1);
+    }
+    let cert = params
+        .signed_by(&key, &issuer)
+        .map_err(|e| invalid("certificate", e))?;
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// Writes `issued` as `<dir>/<base>.pem` and `<dir>/<base>-key.pem` (mode
+/// 0600), each replaced atomically (a reader never sees half a file);
+/// returns the paths.
+pub fn write(dir: &Path, base: &str, issued: &Issued) -> Result<(PathBuf, PathBuf)> {
+    std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
+    let cert = dir.join(format!("{base}.pem"));
+    let key = dir.join(format!("{base}-key.pem"));
+    write_atomically(&key, issued.key_pem.as_bytes(), 0o600)?;
+    write_atomically(&cert, issued.cert_pem.as_bytes(), 0o644)?;
+    Ok((cert, key))
+}
+
+/// Reads `<dir>/<base>.pem` and `<dir>/<base>-key.pem`.
+pub fn read(dir: &Path, base: &str) -> Result<Issued> {
+    let read = |path: PathBuf| std::fs::read_to_string(&path).map_err(|e| file_error(&path, e));
+    Ok(Issued {
+        cert_pem: read(dir.join(format!("{base}.pem")))?,
+        key_pem: read(dir.join(format!("{base}-key.pem")))?,
+    })
+}
+
+fn file_error(path: &Path, e: std::io::Error) -> Error {
+    Error::File {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let tmp = path.with_extension("pem.tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(|e| file_error(&tmp, e))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| file_error(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| file_error(path, e))
+}
+
+/// Ten years: a CA's default validity.
+pub const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 86_400);
+/// One year: an issued certificate's default validity.
+pub const CERT_VALIDITY: Duration = Duration::from_secs(365 * 86_400);
+
+/// The file names of a process's material in a directory made by
+/// [`ensure_dev`]: `ca.pem`, `<base>.pem`, `<base>-key.pem`.
+pub fn files(dir: &Path, base: &str) -> crate::TlsFiles {
+    crate::TlsFiles {
+        cert: dir.join(format!("{base}.pem")),
+        key: dir.join(format!("{base}-key.pem")),
+        ca: dir.join("ca.pem"),
+    }
+}
+
+/// Makes (once) a CA and certificates in `dir` for a cluster on this host:
+/// `ca`, `coordinator`, `node-1` .. `node-<nodes>` (served as `localhost`
+/// and 127.0.0.1) and `client` (for `tidectl` and the SDK). Existing files
+/// are kept, so restarts keep their identities.
+pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<()> {
+    let ca = match read(dir, "ca") {
+        Ok(ca) => ca,
+        Err(_) => {
+            let ca = new_ca("dev", CA_VALIDITY)?;
+            write(dir, "ca", &ca)?;
+            // Only the CA certificate under the name peers trust.
+            ca
+        }
+    };
+    let local = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+    let mut wanted = vec![
+        (
+            "coordinator".to_string(),
+            Identity::Coordinator("dev".into()),
+            local.clone(),
+        ),
+        (
+            "client".to_string(),
+            Identity::Client("dev".into()),
+            Vec::new(),
+        ),
+    ];
+    for i in 1..=nodes {
+        wanted.push((
+            format!("node-{i}"),
+            Identity::Node(format!("node-{i}")),
+            local.clone(),
+        ));
+    }
+    for (base, identity, hosts) in wanted {
+        if dir.join(format!("{base}.pem")).exists() {
+            continue;
+        }
+        let issued = issue(
+            &ca,
+            &Request {
+                identity,
+                hosts,
+                valid_for: CERT_VALIDITY,
+                expired: false,
+            },
+        )?;
+        write(dir, &base, &issued)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issued_certificates_carry_their_identity() {
+        let ca = new_ca("test", CA_VALIDITY).unwrap();
+        let issued = issue(
+            &ca,
+            &Request {
+                identity: Identity::Node("n7".into()),
+                hosts: vec!["localhost".into(), "10.0.0.7".into()],
+                valid_for: CERT_VALIDITY,
+                expired: false,
+            },
+        )
+        .unwrap();
+        let der = crate::tls::certificates(issued.cert_pem.as_bytes()).unwrap();
+        assert_eq!(
+            Identity::of_certificate(&der[0]).unwrap(),
+            Identity::Node("n7".into())
+        );
+        let ca_der = crate::tls::certificates(ca.cert_pem.as_bytes()).unwrap();
+        assert!(
+            Identity::of_certificate(&ca_der[0]).is_err(),
+            "a CA names no one"
+        );
+    }
+}

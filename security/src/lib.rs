@@ -1,0 +1,60 @@
+//! Tidepool's transport security, shared by nodes, coordinators and the SDK.
+//!
+//! - [`tls`]: mutual TLS from PEM files (certificate, key, CA bundle) that
+//!   are re-read when they change, so certificates rotate without a
+//!   restart; a listener that completes handshakes off the accept loop; a
+//!   connector that dials with the current files.
+//! - [`identity`]: who a certificate names (`tidepool://node/<name>`,
+//!   `tidepool://coordinator/<name>`, `tidepool://client/<name>`).
+//! - [`certs`]: a CA and certificates for a cluster (`tidepool certs`,
+//!   dev mode), with rcgen.
+//! - [`planes`]: which plane every gRPC method belongs to.
+//! - [`guard`]: the tower layer in front of every server that admits a
+//!   call only if the caller's certificate or bearer token may reach its
+//!   plane, and hands the handlers a [`guard::Caller`] for per-namespace
+//!   checks.
+//! - [`token`]: bearer tokens, hashed.
+//! - [`channel`]: a gRPC channel that dials through the connector and sends
+//!   the caller's token with every request.
+//!
+//! Why one listener with per-method authorization rather than a listener
+//! per plane: see `docs/design/security.md`.
+
+pub mod certs;
+pub mod channel;
+pub mod guard;
+pub mod identity;
+pub mod planes;
+pub mod tls;
+pub mod token;
+
+pub use channel::{Channel, Security};
+pub use guard::{Authority, Caller, GuardLayer};
+pub use identity::Identity;
+pub use planes::Plane;
+pub use tls::{Tls, TlsFiles};
+
+/// Errors of loading or generating security material.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    File {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The material is unusable (no certificate in a PEM, a key that does
+    /// not parse, a certificate without a Tidepool identity, ...).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Results of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The one crypto provider of every Tidepool binary (ring).
+pub fn provider() -> std::sync::Arc<rustls::crypto::CryptoProvider> {
+    std::sync::Arc::new(rustls::crypto::ring::default_provider())
+}

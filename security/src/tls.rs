@@ -1,0 +1,307 @@
+//! Mutual TLS from PEM files that are re-read when they change.
+//!
+//! A process names three files — its certificate chain, its private key,
+//! and the CA bundle it trusts — the shape a Kubernetes Secret or
+//! cert-manager gives. [`Tls`] builds the rustls server and client
+//! configurations from them and, at most once a second when a connection
+//! is accepted or dialled, checks whether any file changed (modification
+//! time, length, inode: a Secret update swaps a symlink); if so it loads
+//! the new files and every later handshake uses them. Connections already
+//! open keep the certificates they were made with. A reload that fails
+//! (a half-written file) keeps the previous material and is retried at the
+//! next check.
+//!
+//! Both sides verify each other against the CA bundle: a server requires a
+//! client certificate, and the [`Identity`](crate::Identity) in it is what
+//! the [`guard`](crate::guard) authorizes.
+
+use std::io;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::{Error, Result};
+
+/// How often at most the files are checked for changes.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// A handshake not done by then is dropped (a client that connects and
+/// says nothing holds no more than a socket for this long).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a process's TLS material is.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// PEM certificate chain (leaf first).
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// PEM bundle of the CA certificates trusted for peers.
+    pub ca: PathBuf,
+}
+
+/// What a file looked like when loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    modified: i64,
+    modified_ns: i64,
+    len: u64,
+    inode: u64,
+}
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        modified: meta.mtime(),
+        modified_ns: meta.mtime_nsec(),
+        len: meta.len(),
+        inode: meta.ino(),
+    })
+}
+
+/// The parsed material.
+struct Material {
+    server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+}
+
+struct Watch {
+    stamps: [Option<Stamp>; 3],
+    checked: Instant,
+}
+
+/// A process's TLS configuration, reloaded when its files change.
+pub struct Tls {
+    files: TlsFiles,
+    material: ArcSwap<Material>,
+    watch: Mutex<Watch>,
+    reloads: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls").field("files", &self.files).finish()
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::File {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// The certificates in a PEM text.
+pub fn certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Invalid(format!("bad PEM certificate: {e}")))?;
+    if certs.is_empty() {
+        return Err(Error::Invalid("no certificate in the PEM text".into()));
+    }
+    Ok(certs)
+}
+
+fn load(files: &TlsFiles) -> Result<Material> {
+    let with_path = |path: &Path, e: Error| Error::Invalid(format!("{}: {e}", path.display()));
+    let chain = certificates(&read(&files.cert)?).map_err(|e| with_path(&files.cert, e))?;
+    let key = PrivateKeyDer::from_pem_slice(&read(&files.key)?)
+        .map_err(|e| Error::Invalid(format!("{}: bad private key: {e}", files.key.display())))?;
+    let mut roots = RootCertStore::empty();
+    for ca in certificates(&read(&files.ca)?).map_err(|e| with_path(&files.ca, e))? {
+        roots
+            .add(ca)
+            .map_err(|e| Error::Invalid(format!("{}: {e}", files.ca.display())))?;
+    }
+    let roots = Arc::new(roots);
+    let provider = crate::provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .build()
+        .map_err(|e| Error::Invalid(format!("client verifier: {e}")))?;
+    let mut server = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Invalid(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(|e| Error::Invalid(format!("{}: {e}", files.cert.display())))?;
+    server.alpn_protocols = vec![b"h2".to_vec()];
+    let mut client = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Invalid(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| Error::Invalid(format!("{}: {e}", files.cert.display())))?;
+    client.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Material {
+        server: Arc::new(server),
+        client: Arc::new(client),
+    })
+}
+
+impl Tls {
+    /// Loads the files (an error if any is missing or unusable).
+    pub fn load(files: TlsFiles) -> Result<Arc<Tls>> {
+        let stamps = Self::stamps(&files);
+        let material = load(&files)?;
+        Ok(Arc::new(Tls {
+            files,
+            material: ArcSwap::from_pointee(material),
+            watch: Mutex::new(Watch {
+                stamps,
+                checked: Instant::now(),
+            }),
+            reloads: 0.into(),
+        }))
+    }
+
+    fn stamps(files: &TlsFiles) -> [Option<Stamp>; 3] {
+        [stamp(&files.cert), stamp(&files.key), stamp(&files.ca)]
+    }
+
+    /// The files it loads.
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+
+    /// How many times changed files were loaded since start.
+    pub fn reloads(&self) -> u64 {
+        self.reloads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Reloads the files if they changed since the last check (checks at
+    /// most once a second).
+    pub fn refresh(&self) {
+        let mut watch = self.watch.lock();
+        if watch.checked.elapsed() < CHECK_EVERY {
+            return;
+        }
+        watch.checked = Instant::now();
+        let now = Self::stamps(&self.files);
+        if now == watch.stamps {
+            return;
+        }
+        match load(&self.files) {
+            Ok(material) => {
+                self.material.store(Arc::new(material));
+                watch.stamps = now;
+                self.reloads
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(cert = %self.files.cert.display(), "TLS files changed: reloaded");
+            }
+            // Kept until the files are whole again; checked again in a
+            // second.
+            Err(e) => tracing::warn!("TLS files changed but do not load (keeping the old): {e}"),
+        }
+    }
+
+    /// The server configuration for the next handshake.
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        self.refresh();
+        self.material.load().server.clone()
+    }
+
+    /// The client configuration for the next connection.
+    pub fn client_config(&self) -> Arc<ClientConfig> {
+        self.refresh();
+        self.material.load().client.clone()
+    }
+}
+
+/// A TLS connection accepted by [`incoming`].
+pub type ServerStream = tokio_rustls::server::TlsStream<TcpStream>;
+
+/// Accepts connections on `listener` and completes their TLS handshakes
+/// concurrently (a slow or silent client never delays others); yields the
+/// connections whose handshake succeeded. The accept loop ends when the
+/// stream is dropped.
+pub fn incoming(listener: TcpListener, tls: Arc<Tls>) -> ReceiverStream<io::Result<ServerStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => return,
+            };
+            let (socket, peer) = match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: do not spin.
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = socket.set_nodelay(true);
+            let acceptor = TlsAcceptor::from(tls.server_config());
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake refused: {e}"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// Dials TLS connections for a tonic endpoint, with the files current at
+/// each connection; the server is verified against the URI's host.
+#[derive(Clone, Debug)]
+pub struct Connector {
+    tls: Arc<Tls>,
+}
+
+impl Connector {
+    /// A connector with `tls`.
+    pub fn new(tls: Arc<Tls>) -> Self {
+        Self { tls }
+    }
+}
+
+impl tower::Service<http::Uri> for Connector {
+    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Error = io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = io::Result<Self::Response>> + Send + 'static>,
+    >;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let config = self.tls.client_config();
+        Box::pin(async move {
+            let host = uri
+                .host()
+                .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "URI without a host"))?
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            let port = uri.port_u16().unwrap_or(443);
+            let socket = TcpStream::connect((host.as_str(), port)).await?;
+            socket.set_nodelay(true)?;
+            let name = ServerName::try_from(host)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let stream = TlsConnector::from(config).connect(name, socket).await?;
+            Ok(TokioIo::new(stream))
+        })
+    }
+}
