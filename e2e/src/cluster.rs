@@ -5,6 +5,10 @@
 //! a process, freeze and thaw it (SIGSTOP/SIGCONT), cut and heal paths,
 //! put a node's data on a small filesystem (tmpfs with a size limit) and
 //! grow it again, and scan every log for panics and errors.
+//!
+//! Every cluster runs as production does: mutual TLS on every connection
+//! (etcd included) with certificates from its own CA, and clients with an
+//! admin bearer token (`Credentials`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -36,6 +40,87 @@ pub fn binary() -> PathBuf {
     let target =
         std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), PathBuf::from);
     target.join("debug").join("tidepool")
+}
+
+/// A cluster's TLS material (in `<dir>/tls`) and its admin token.
+pub struct Credentials {
+    /// Where the PEM files are.
+    pub dir: PathBuf,
+    /// The bootstrap admin token.
+    pub token: String,
+    /// The file holding it.
+    pub token_file: PathBuf,
+}
+
+impl Credentials {
+    /// A CA; certificates `coordinator-<i>` (identity `c<i>`), `node-<id>`,
+    /// `etcd`, `client`, all for 127.0.0.1; an admin token.
+    pub fn make(dir: &Path, coordinators: usize, nodes: usize) -> Credentials {
+        use tidepool_security::Identity;
+        use tidepool_security::certs::{self, CERT_VALIDITY, Request};
+        let dir = dir.join("tls");
+        let ca = certs::new_ca("e2e", certs::CA_VALIDITY).expect("CA");
+        certs::write(&dir, "ca", &ca).expect("write CA");
+        let mut wanted = vec![
+            ("etcd".to_string(), Identity::Node("etcd".into())),
+            ("client".to_string(), Identity::Client("e2e".into())),
+        ];
+        for i in 0..coordinators {
+            wanted.push((
+                format!("coordinator-{i}"),
+                Identity::Coordinator(format!("c{i}")),
+            ));
+        }
+        for id in 1..=nodes {
+            wanted.push((format!("node-{id}"), Identity::Node(format!("node-{id}"))));
+        }
+        for (base, identity) in wanted {
+            let issued = certs::issue(
+                &ca,
+                &Request {
+                    identity,
+                    hosts: vec!["127.0.0.1".into(), "localhost".into()],
+                    valid_for: CERT_VALIDITY,
+                    expired: false,
+                },
+            )
+            .expect("certificate");
+            certs::write(&dir, &base, &issued).expect("write certificate");
+        }
+        let token = tidepool_security::token::generate();
+        let token_file = dir.join("admin.token");
+        std::fs::write(&token_file, format!("{token}\n")).expect("token file");
+        Credentials {
+            dir,
+            token,
+            token_file,
+        }
+    }
+
+    /// The files of certificate `base`.
+    pub fn files(&self, base: &str) -> tidepool_security::TlsFiles {
+        tidepool_security::certs::files(&self.dir, base)
+    }
+
+    /// `--tls-cert`, `--tls-key`, `--tls-ca` for certificate `base`.
+    pub fn flags(&self, base: &str) -> Vec<String> {
+        let files = self.files(base);
+        vec![
+            "--tls-cert".into(),
+            files.cert.display().to_string(),
+            "--tls-key".into(),
+            files.key.display().to_string(),
+            "--tls-ca".into(),
+            files.ca.display().to_string(),
+        ]
+    }
+
+    /// A client configuration with the client certificate and admin token.
+    pub fn client_config(&self, seeds: &[String]) -> ClientConfig {
+        ClientConfig::new(seeds)
+            .with_tls(self.files("client"))
+            .with_token(self.token.clone())
+    }
 }
 
 /// A storage node process.
@@ -102,6 +187,8 @@ pub struct Cluster {
     pub nodes: Vec<NodeProcess>,
     proxies: BTreeMap<(u64, u64), Proxy>,
     restarts: usize,
+    /// TLS material and the admin token.
+    pub credentials: Credentials,
 }
 
 const NODE_CONFIG: &str =
@@ -122,7 +209,9 @@ impl Cluster {
             dir.disable_cleanup(true);
             eprintln!("E2E_KEEP: keeping {}", dir.path().display());
         }
-        let etcd = EtcdServer::start();
+        let credentials = Credentials::make(dir.path(), options.coordinators, options.nodes);
+        let etcd_files = credentials.files("etcd");
+        let etcd = EtcdServer::start_tls(&etcd_files.cert, &etcd_files.key, &etcd_files.ca);
         let config = dir.path().join("node.toml");
         std::fs::write(&config, NODE_CONFIG).expect("node config");
         let mut cluster = Cluster {
@@ -132,18 +221,27 @@ impl Cluster {
             nodes: Vec::new(),
             proxies: BTreeMap::new(),
             restarts: 0,
+            credentials,
         };
         let coordinator_urls: Vec<String> = (0..options.coordinators)
-            .map(|_| format!("http://127.0.0.1:{}", free_port()))
+            .map(|_| format!("https://127.0.0.1:{}", free_port()))
             .collect();
         for (i, url) in coordinator_urls.iter().enumerate() {
-            let args: Vec<String> = vec![
+            let etcd_files = cluster.credentials.files(&format!("coordinator-{i}"));
+            let mut args: Vec<String> = vec![
                 "coordinator".into(),
-                "--insecure".into(),
                 "--id".into(),
                 format!("c{i}"),
                 "--listen".into(),
-                url.trim_start_matches("http://").into(),
+                url.trim_start_matches("https://").into(),
+                "--etcd-cert".into(),
+                etcd_files.cert.display().to_string(),
+                "--etcd-key".into(),
+                etcd_files.key.display().to_string(),
+                "--etcd-ca".into(),
+                etcd_files.ca.display().to_string(),
+                "--bootstrap-token-file".into(),
+                cluster.credentials.token_file.display().to_string(),
                 "--etcd".into(),
                 cluster.etcd.url.clone(),
                 "--key-prefix".into(),
@@ -161,6 +259,7 @@ impl Cluster {
                 "--reconcile-interval-ms".into(),
                 "200".into(),
             ];
+            args.extend(cluster.credentials.flags(&format!("coordinator-{i}")));
             cluster.coordinators.push(CoordinatorProcess {
                 url: url.clone(),
                 process: None,
@@ -194,7 +293,6 @@ impl Cluster {
             };
             let mut args: Vec<String> = vec![
                 "node".into(),
-                "--insecure".into(),
                 "--config".into(),
                 config.display().to_string(),
                 "--node-id".into(),
@@ -208,10 +306,11 @@ impl Cluster {
                 args.push("--coordinator".into());
                 args.push(url.clone());
             }
+            args.extend(cluster.credentials.flags(&format!("node-{id}")));
             for ((from, to), proxy) in &cluster.proxies {
                 if *from == id {
                     args.push("--peer-address".into());
-                    args.push(format!("{to}=http://{}", proxy.address));
+                    args.push(format!("{to}=https://{}", proxy.address));
                 }
             }
             cluster.nodes.push(NodeProcess {
@@ -376,7 +475,7 @@ impl Cluster {
 
     async fn try_client(&self) -> Option<Client> {
         let seeds: Vec<String> = self.coordinators.iter().map(|c| c.url.clone()).collect();
-        client_of(&seeds, Duration::from_secs(20)).await
+        self.client_of(&seeds, Duration::from_secs(20)).await
     }
 
     /// The leader's status (or any coordinator's).
@@ -396,7 +495,7 @@ impl Cluster {
         for (i, coordinator) in self.coordinators.iter().enumerate() {
             let ask = async {
                 let seed = std::slice::from_ref(&coordinator.url);
-                let client = client_of(seed, Duration::from_secs(2)).await?;
+                let client = self.client_of(seed, Duration::from_secs(2)).await?;
                 client.cluster_status().await.ok()
             };
             if let Ok(Some(status)) = tokio::time::timeout(Duration::from_secs(3), ask).await
@@ -514,10 +613,13 @@ pub fn settled(status: &ClusterStatus) -> bool {
         })
 }
 
-/// A client with these seeds and per-call timeout, not watching the map.
-async fn client_of(seeds: &[String], timeout: Duration) -> Option<Client> {
-    let mut config = ClientConfig::new(seeds);
-    config.timeout = timeout;
-    config.watch = false;
-    Client::with_config(config).await.ok()
+impl Cluster {
+    /// A client with these seeds and per-call timeout, not watching the
+    /// map, with the client certificate and admin token.
+    async fn client_of(&self, seeds: &[String], timeout: Duration) -> Option<Client> {
+        let mut config = self.credentials.client_config(seeds);
+        config.timeout = timeout;
+        config.watch = false;
+        Client::with_config(config).await.ok()
+    }
 }

@@ -305,3 +305,25 @@ impl tower::Service<http::Uri> for Connector {
         })
     }
 }
+
+/// The leaf certificate a server presents now (a new TLS handshake with
+/// `tls`'s client material): what operators and tests use to see that a
+/// rotated certificate is served.
+pub async fn server_certificate(
+    tls: &Tls,
+    host: &str,
+    port: u16,
+) -> io::Result<CertificateDer<'static>> {
+    let socket = TcpStream::connect((host, port)).await?;
+    let name = ServerName::try_from(host.to_string())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let stream = TlsConnector::from(tls.client_config())
+        .connect(name, socket)
+        .await?;
+    let (_, session) = stream.get_ref();
+    session
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|leaf| leaf.clone().into_owned())
+        .ok_or_else(|| io::Error::other("the server presented no certificate"))
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug)]
 pub struct EtcdServer {
     child: Child,
-    /// Client URL, `http://127.0.0.1:<port>`.
+    /// Client URL, `http://127.0.0.1:<port>` (`https://` with TLS).
     pub url: String,
     _dir: tempfile::TempDir,
 }
@@ -18,12 +18,35 @@ impl EtcdServer {
     /// Starts `etcd` and waits (up to 20 s) until it accepts clients.
     /// Panics with the reason (and install hint) if it cannot start.
     pub fn start() -> EtcdServer {
+        Self::start_with(None)
+    }
+
+    /// Starts `etcd` serving clients over mutual TLS: its certificate and
+    /// key, and the CA client certificates must chain to (`https://`
+    /// URL).
+    pub fn start_tls(cert: &Path, key: &Path, ca: &Path) -> EtcdServer {
+        Self::start_with(Some((cert, key, ca)))
+    }
+
+    fn start_with(tls: Option<(&Path, &Path, &Path)>) -> EtcdServer {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let (client, peer) = (crate::free_port(), crate::free_port());
-        let url = format!("http://127.0.0.1:{client}");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
         let log = std::fs::File::create(dir.path().join("etcd.log")).expect("etcd log");
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some((cert, key, ca)) = tls {
+            command
+                .arg("--cert-file")
+                .arg(cert)
+                .arg("--key-file")
+                .arg(key)
+                .arg("--trusted-ca-file")
+                .arg(ca)
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .args(["--name", "test"])
             .arg("--data-dir")
             .arg(dir.path().join("data"))
