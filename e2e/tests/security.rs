@@ -422,6 +422,101 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
         assert!(!answered, "a client certificate of {what} was accepted");
     }
 
+    // 8. A forged manifest in a content-addressed namespace, under the
+    //    digest of content it does not describe: refused by the node (it
+    //    reads the chunks and hashes them), so the real content stays
+    //    storable and readable.
+    admin
+        .create_namespace("cas", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let real: Vec<u8> = (0..9_000_000u32).map(|i| (i % 251) as u8).collect();
+    let real_key = tidepool_client::sha256(&real);
+    let decoy = b"some other chunk".to_vec();
+    let decoy_key = admin.put_content("cas", &decoy).await.unwrap();
+    let forge = |chunk_key: [u8; 32], chunk_sha: [u8; 32], size: u64| pb::ChunkManifest {
+        size,
+        sha256: real_key.to_vec(),
+        chunks: vec![pb::ChunkRef {
+            key: chunk_key.to_vec(),
+            size,
+            sha256: chunk_sha.to_vec(),
+        }],
+        nonce: 0,
+    };
+    let manifest_put = |manifest: pb::ChunkManifest| {
+        let bytes = prost::Message::encode_to_vec(&manifest);
+        let header = pb::PutRequest {
+            msg: Some(pb::put_request::Msg::Header(pb::PutHeader {
+                blob: Some(BlobRef {
+                    namespace: "cas".into(),
+                    key: real_key.to_vec(),
+                }),
+                size: bytes.len() as u64,
+                kind: pb::BlobKind::Manifest as i32,
+                ..pb::PutHeader::default()
+            })),
+        };
+        let data = pb::PutRequest {
+            msg: Some(pb::put_request::Msg::Data(bytes)),
+        };
+        tokio_stream::iter(vec![header, data])
+    };
+    let writer_token = {
+        let (token, _) = admin
+            .create_token(
+                "cas-writer",
+                false,
+                vec![TokenGrant {
+                    namespace: "cas".into(),
+                    roles: vec![Role::Read as i32, Role::Write as i32],
+                }],
+            )
+            .await
+            .unwrap();
+        token
+    };
+    // Sent to every node: the leader of the key's shard answers with the
+    // verdict, the others with NOT_LEADER / WRONG_SHARD.
+    let mut verdicts = Vec::new();
+    for (what, manifest) in [
+        // Chunks that exist but are not the content.
+        (
+            "other content",
+            forge(decoy_key, decoy_key, decoy.len() as u64),
+        ),
+        // Chunks that do not exist.
+        ("missing chunks", {
+            let absent = tidepool_client::sha256(b"never stored");
+            forge(absent, absent, 12)
+        }),
+    ] {
+        let mut verdict = None;
+        for i in 0..cluster.nodes.len() {
+            let url = node_url(&cluster, i);
+            let mut forger = BlobServiceClient::new(
+                as_cert(&cluster, "client", Some(&writer_token), &url).await,
+            );
+            match forger.put(manifest_put(manifest.clone())).await {
+                Ok(stored) => panic!("a forged manifest ({what}) was stored: {stored:?}"),
+                Err(status)
+                    if matches!(code(&status), ErrorCode::NotLeader | ErrorCode::WrongShard) => {}
+                Err(status) => verdict = Some(code(&status)),
+            }
+        }
+        verdicts.push((what, verdict));
+    }
+    assert_eq!(
+        verdicts,
+        vec![
+            ("other content", Some(ErrorCode::DigestMismatch)),
+            ("missing chunks", Some(ErrorCode::NotFound)),
+        ]
+    );
+    // The real content, chunked by the SDK, passes the same check.
+    assert_eq!(admin.put_content("cas", &real).await.unwrap(), real_key);
+    assert_eq!(admin.get("cas", &real_key).await.unwrap(), real);
+
     // Afterwards: everything acknowledged is there, and the cluster serves.
     let admin = cluster.client().await;
     for (key, value) in &acknowledged {

@@ -379,6 +379,10 @@ impl BlobApi {
                 });
             }
         }
+        if target.namespace.content_addressed && kind == BlobKind::Manifest {
+            let key = &header.blob.as_ref().expect("checked").key;
+            super::manifests::verify(&self.node, &target.namespace, key, &content).await?;
+        }
         self.check_space(&target)?;
         let size = content.len() as u64;
         let op = WriteOp {

@@ -14,6 +14,7 @@ mod admin;
 mod blobs;
 mod coordination;
 mod errors;
+mod manifests;
 mod metrics;
 mod raft_service;
 mod transport;
@@ -79,6 +80,9 @@ pub struct Node {
     pub(crate) security: Security,
     /// The client tokens of the current map.
     tokens: Arc<Tokens>,
+    /// Channels to peers for reads (manifest verification), by address.
+    peer_channels:
+        parking_lot::Mutex<std::collections::HashMap<String, tidepool_security::Channel>>,
 }
 
 /// The tokens a node accepts: those of its current map.
@@ -132,6 +136,7 @@ impl Node {
             transport: Transport::new(config.node_id, security.clone()),
             security,
             tokens: Arc::default(),
+            peer_channels: Default::default(),
             config,
             map: ArcSwap::from_pointee(ClusterMap::default()),
             shards: RwLock::new(BTreeMap::new()),
@@ -243,6 +248,26 @@ impl Node {
                 info.detail.retry_after_ms = 100;
                 info
             })
+    }
+
+    /// A lazily connected channel to the node at `address` (cached).
+    pub(crate) fn peer_channel(
+        &self,
+        address: &str,
+    ) -> std::result::Result<tidepool_security::Channel, tonic::Status> {
+        let mut channels = self.peer_channels.lock();
+        if let Some(channel) = channels.get(address) {
+            return Ok(channel.clone());
+        }
+        let endpoint = self
+            .security
+            .endpoint(address)
+            .map_err(|e| tonic::Status::unavailable(format!("{address}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let channel = self.security.connect_lazy(&endpoint);
+        channels.insert(address.to_string(), channel.clone());
+        Ok(channel)
     }
 
     /// The cluster map the node routes by.

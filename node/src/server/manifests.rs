@@ -1,0 +1,210 @@
+//! Verifying a chunk manifest put into a content-addressed namespace.
+//!
+//! There a key is the SHA-256 of the blob's content. A data put is checked
+//! against it directly; a manifest (the SDK's record of a blob split into
+//! chunks) is not its own content, so a client could otherwise store a
+//! manifest under the digest of content it does not describe, and every
+//! later read of that content would fail. Before a manifest is written the
+//! node that accepts it checks that it is well formed (its `sha256` is the
+//! key, the chunk sizes add up, each chunk is content-addressed), then
+//! reads every chunk from the shard that holds it — through the cluster,
+//! as a peer reading with its own certificate — and hashes them in order:
+//! the manifest is stored only if every chunk exists and the whole
+//! digest is the key. One chunk is held at a time.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message as _;
+use sha2::{Digest, Sha256};
+use tidepool_proto::v1::blob_service_client::BlobServiceClient;
+use tidepool_proto::v1::{
+    BlobRef, ChunkManifest, ErrorCode, GetRequest, Namespace, ReadConsistency, get_response,
+};
+use tidepool_proto::{ErrorInfo, error_detail, hash_position, storage_key};
+use tokio_stream::StreamExt;
+
+use super::{MAX_GRPC_MESSAGE, Node};
+
+/// Attempts per chunk (a leader change in between is followed).
+const ATTEMPTS: usize = 4;
+/// Deadline of reading one chunk.
+const CHUNK_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
+    node.error(ErrorCode::InvalidArgument, message)
+}
+
+/// Checks a manifest for `key` in content-addressed `namespace` (see the
+/// module docs): `DIGEST_MISMATCH` if the chunks are not the content the
+/// key names, `NOT_FOUND` if one is missing, `INVALID_ARGUMENT` if it is
+/// malformed.
+pub(crate) async fn verify(
+    node: &Arc<Node>,
+    namespace: &Namespace,
+    key: &[u8],
+    content: &[u8],
+) -> Result<(), ErrorInfo> {
+    let manifest = ChunkManifest::decode(content)
+        .map_err(|e| invalid(node, format!("the manifest does not decode: {e}")))?;
+    if manifest.sha256[..] != key[..] {
+        return Err(node.error(
+            ErrorCode::DigestMismatch,
+            "the manifest's sha256 is not the key; nothing was stored",
+        ));
+    }
+    let max = node.config.raft.max_value_bytes;
+    let mut total = 0u64;
+    for chunk in &manifest.chunks {
+        if chunk.key.len() != 32 || chunk.key != chunk.sha256 {
+            return Err(invalid(
+                node,
+                "in a content-addressed namespace a chunk's key is its SHA-256",
+            ));
+        }
+        if chunk.size == 0 || chunk.size > max {
+            return Err(invalid(
+                node,
+                format!("a chunk of {} bytes (1 to {max})", chunk.size),
+            ));
+        }
+        total = total.saturating_add(chunk.size);
+    }
+    if total != manifest.size {
+        return Err(invalid(
+            node,
+            format!(
+                "the chunks add up to {total} bytes, the manifest says {}",
+                manifest.size
+            ),
+        ));
+    }
+    let mut whole = Sha256::new();
+    for chunk in &manifest.chunks {
+        let bytes = read_chunk(node, namespace, &chunk.key, chunk.size).await?;
+        if Sha256::digest(&bytes)[..] != chunk.sha256[..] {
+            return Err(node.error(
+                ErrorCode::DigestMismatch,
+                "a chunk's content is not its digest; nothing was stored",
+            ));
+        }
+        whole.update(&bytes);
+    }
+    if whole.finalize()[..] != key[..] {
+        return Err(node.error(
+            ErrorCode::DigestMismatch,
+            "the chunks' content is not the key's; nothing was stored",
+        ));
+    }
+    Ok(())
+}
+
+/// Reads one chunk (at most `size` bytes) from its shard's leader,
+/// following leader hints.
+async fn read_chunk(
+    node: &Arc<Node>,
+    namespace: &Namespace,
+    key: &[u8],
+    size: u64,
+) -> Result<Vec<u8>, ErrorInfo> {
+    let position = hash_position(&storage_key(namespace.id, key));
+    let map = node.map();
+    let shard = map
+        .shards
+        .iter()
+        .find(|s| s.hash_start <= position && position <= s.hash_end)
+        .ok_or_else(|| node.error(ErrorCode::WrongShard, "no shard holds a chunk"))?;
+    let mut target = Some(shard.leader_hint).filter(|l| *l != 0);
+    let mut last = node.error(ErrorCode::NoQuorum, "no replica answered for a chunk");
+    for attempt in 0..ATTEMPTS {
+        let candidates: Vec<u64> = match target.take() {
+            Some(leader) => vec![leader],
+            None => shard.replicas.iter().map(|r| r.node_id).collect(),
+        };
+        for id in candidates {
+            let Some(address) = node.address_of(id) else {
+                continue;
+            };
+            match tokio::time::timeout(
+                CHUNK_TIMEOUT,
+                get(node, &address.address, namespace, key, size),
+            )
+            .await
+            {
+                Ok(Ok(bytes)) => return Ok(bytes),
+                Ok(Err(status)) => {
+                    let detail = error_detail(&status);
+                    match detail.as_ref().map(|d| d.code()) {
+                        Some(ErrorCode::NotFound) => {
+                            return Err(node.error(
+                                ErrorCode::NotFound,
+                                "a chunk the manifest lists is not stored; nothing was stored",
+                            ));
+                        }
+                        Some(ErrorCode::NotLeader) => {
+                            target = detail
+                                .and_then(|d| d.leader_hint)
+                                .map(|h| h.node_id)
+                                .filter(|l| *l != 0);
+                        }
+                        _ => {}
+                    }
+                    last = node.error(
+                        ErrorCode::NoQuorum,
+                        format!("reading a chunk: {}", status.message()),
+                    );
+                    if target.is_some() {
+                        break;
+                    }
+                }
+                Err(_) => {
+                    last = node.error(ErrorCode::Timeout, "reading a chunk timed out");
+                }
+            }
+        }
+        if target.is_none() {
+            tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+        }
+    }
+    Err(last)
+}
+
+async fn get(
+    node: &Arc<Node>,
+    address: &str,
+    namespace: &Namespace,
+    key: &[u8],
+    size: u64,
+) -> Result<Vec<u8>, tonic::Status> {
+    let channel = node.peer_channel(address)?;
+    let mut client = BlobServiceClient::new(channel).max_decoding_message_size(MAX_GRPC_MESSAGE);
+    let mut stream = client
+        .get(GetRequest {
+            blob: Some(BlobRef {
+                namespace: namespace.name.clone(),
+                key: key.to_vec(),
+            }),
+            consistency: ReadConsistency::Linearizable as i32,
+            ..GetRequest::default()
+        })
+        .await?
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(message) = stream.next().await {
+        match message?.msg {
+            Some(get_response::Msg::Info(info)) if info.size != size => {
+                return Err(tonic::Status::data_loss(
+                    "the chunk's size is not the manifest's",
+                ));
+            }
+            Some(get_response::Msg::Data(data)) => {
+                if bytes.len() as u64 + data.len() as u64 > size {
+                    return Err(tonic::Status::data_loss("more chunk bytes than announced"));
+                }
+                bytes.extend_from_slice(&data);
+            }
+            _ => {}
+        }
+    }
+    Ok(bytes)
+}
