@@ -10,7 +10,7 @@
 //! cargo run -p tidepool-client --example dedup_chunker -- some-large-file
 //! ```
 
-use tidepool_client::{Client, ErrorCode, RetentionPolicy, hex, sha256};
+use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, hex, sha256};
 
 /// Chunk sizes: at least 16 KiB, about 64 KiB on average, at most 256 KiB.
 const MIN: usize = 16 << 10;
@@ -63,7 +63,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let coordinator = args
         .next()
         .unwrap_or_else(|| "http://127.0.0.1:7400".to_string());
-    let client = Client::connect(&[coordinator]).await?;
+    // A dev cluster's TLS material and admin token (what `make run` makes).
+    let config = ClientConfig::new(&[coordinator])
+        .with_dev_credentials(std::path::Path::new("tidepool-dev"));
+    let client = Client::with_config(config).await?;
     match client
         .create_namespace("chunks", true, RetentionPolicy::Durable)
         .await

@@ -5,7 +5,7 @@
 //! cargo run -p tidepool-client --example store_file -- README.md
 //! ```
 
-use tidepool_client::{Client, hex};
+use tidepool_client::{Client, ClientConfig, hex};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,7 +14,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let coordinator = args
         .next()
         .unwrap_or_else(|| "http://127.0.0.1:7400".to_string());
-    let client = Client::connect(&[coordinator]).await?;
+    // A dev cluster's TLS material and admin token (what `make run` makes).
+    let config = ClientConfig::new(&[coordinator])
+        .with_dev_credentials(std::path::Path::new("tidepool-dev"));
+    let client = Client::with_config(config).await?;
 
     // Any size: the SDK streams it in chunks below the node's entry limit.
     let key = format!("files/{path}");

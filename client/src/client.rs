@@ -73,6 +73,28 @@ impl ClientConfig {
         self.token = Some(token.into());
         self
     }
+
+    /// With the material `tidepool dev` makes in its data directory `dir`
+    /// (`tls/client.pem`, `tls/client-key.pem`, `tls/ca.pem`,
+    /// `admin.token`), each only if it exists — so the same program runs
+    /// against a dev cluster started with `--insecure`. `TIDEPOOL_TOKEN`,
+    /// when set, is the token instead.
+    pub fn with_dev_credentials(mut self, dir: &std::path::Path) -> Self {
+        let tls = dir.join("tls");
+        if tls.join("ca.pem").exists() {
+            self.tls = Some(tidepool_security::TlsFiles {
+                cert: tls.join("client.pem"),
+                key: tls.join("client-key.pem"),
+                ca: tls.join("ca.pem"),
+            });
+        }
+        self.token = std::env::var("TIDEPOOL_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| tidepool_security::token::read_file(&dir.join("admin.token")).ok())
+            .or(self.token);
+        self
+    }
 }
 
 /// What a put stored.

@@ -242,6 +242,71 @@ pub struct StaticCluster {
     /// Namespaces.
     #[serde(default = "default_namespaces")]
     pub namespaces: Vec<NamespaceSpec>,
+    /// Client tokens (with TLS, the only way a client gets in; clusters
+    /// with a coordinator manage theirs with `tidectl token`).
+    #[serde(default)]
+    pub tokens: Vec<StaticToken>,
+}
+
+/// A client token of a fixed cluster, as its hash.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticToken {
+    /// Its name.
+    pub name: String,
+    /// SHA-256 of the secret, 64 hex digits.
+    pub sha256: String,
+    /// Every method of the client plane in every namespace.
+    #[serde(default)]
+    pub admin: bool,
+    /// `NAMESPACE=ROLE[,ROLE...]` (roles `read`, `write`, `append-only`,
+    /// `delete`; namespace `*` for all).
+    #[serde(default)]
+    pub grants: Vec<String>,
+}
+
+impl StaticToken {
+    /// The record the map holds, or what is wrong with the entry.
+    pub fn record(&self) -> std::result::Result<tidepool_proto::v1::TokenRecord, String> {
+        let hex = self.sha256.trim();
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "token {:?}: sha256 must be 64 hex digits",
+                self.name
+            ));
+        }
+        let sha256 = (0..32)
+            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex checked"))
+            .collect();
+        let mut grants = Vec::new();
+        for grant in &self.grants {
+            let (namespace, roles) = grant.split_once('=').ok_or_else(|| {
+                format!(
+                    "token {:?}: grant {grant:?} is not NAMESPACE=ROLES",
+                    self.name
+                )
+            })?;
+            let roles = roles
+                .split(',')
+                .map(|r| {
+                    tidepool_security::guard::role_of(r.trim())
+                        .map(|r| r as i32)
+                        .ok_or_else(|| format!("token {:?}: unknown role {r:?}", self.name))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            grants.push(tidepool_proto::v1::TokenGrant {
+                namespace: namespace.to_string(),
+                roles,
+            });
+        }
+        Ok(tidepool_proto::v1::TokenRecord {
+            name: self.name.clone(),
+            sha256,
+            admin: self.admin,
+            grants,
+            created_ms: 0,
+        })
+    }
 }
 
 /// A node and its address.
@@ -337,6 +402,11 @@ impl NodeConfig {
             }
             if cluster.replicas.is_empty() {
                 return bad("cluster.replicas must name at least one node".into());
+            }
+            for token in &cluster.tokens {
+                token
+                    .record()
+                    .map_err(|m| NodeError::Config(format!("cluster.tokens: {m}")))?;
             }
             if !cluster.peers.iter().any(|p| p.id == self.node_id) {
                 return bad(format!(
@@ -518,7 +588,11 @@ impl NodeConfig {
                     created_epoch: 1,
                 })
                 .collect(),
-            tokens: Vec::new(),
+            tokens: cluster
+                .tokens
+                .iter()
+                .filter_map(|t| t.record().ok())
+                .collect(),
         })
     }
 }
@@ -548,6 +622,43 @@ mod tests {
                 n.retention.as_ref().and_then(|r| r.policy.as_ref()),
                 Some(retention::Policy::Retain(r)) if r.epochs == 2
             )));
+        // Its token reaches the map as a hash with its roles.
+        let token = &map.tokens[0];
+        assert_eq!(token.name, "app");
+        assert_eq!(token.sha256.len(), 32);
+        assert_eq!(token.grants[1].namespace, "chunks");
+        assert_eq!(
+            token.grants[1].roles().collect::<Vec<_>>(),
+            [
+                tidepool_proto::v1::Role::Read,
+                tidepool_proto::v1::Role::AppendOnly
+            ]
+        );
+        assert!(config.tls.is_some());
+    }
+
+    #[test]
+    fn bad_static_tokens_are_refused_with_their_reason() {
+        for (token, reason) in [
+            (r#"{ name = "t", sha256 = "abc" }"#, "64 hex digits"),
+            (
+                r#"{ name = "t", sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", grants = ["default"] }"#,
+                "NAMESPACE=ROLES",
+            ),
+            (
+                r#"{ name = "t", sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", grants = ["default=owner"] }"#,
+                "unknown role",
+            ),
+        ] {
+            let text = format!(
+                "node_id = 1\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{{ id = 1, address = \"http://a\" }}]\ntokens = [{token}]\n"
+            );
+            let error = NodeConfig::from_toml(&text)
+                .and_then(|c| c.validate())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(reason), "{error}");
+        }
     }
 
     #[test]

@@ -69,6 +69,17 @@ pub fn role_name(role: Role) -> &'static str {
     }
 }
 
+/// The role an operator's word names.
+pub fn role_of(name: &str) -> Option<Role> {
+    Some(match name {
+        "read" => Role::Read,
+        "write" => Role::Write,
+        "append-only" => Role::AppendOnly,
+        "delete" => Role::Delete,
+        _ => return None,
+    })
+}
+
 /// The tokens a server accepts, by hash.
 #[derive(Debug, Default)]
 pub struct TokenTable {

@@ -398,6 +398,7 @@ impl NodeArgs {
                 replicas,
                 peers,
                 namespaces,
+                tokens: Vec::new(),
             });
         }
         for p in &self.peer_addresses {

@@ -4,6 +4,11 @@
 //! (the same engine configuration, no Raft, no network) driven the same way
 //! in the same run.
 //!
+//! The shard runs twice per value size, in the same run: plaintext with no
+//! credentials (`--insecure`), and as production runs — mutual TLS between
+//! the nodes and to the clients, and a bearer token checked on every
+//! request — and the ratio of the two is printed.
+//!
 //! Phases per value size, `--seconds` each: puts of new keys, then
 //! linearizable gets of keys written in the put phase (just written, so in
 //! the page cache: this measures the serving path, not the disk).
@@ -26,7 +31,7 @@ use clap::Parser;
 use rand::{Rng, SeedableRng as _};
 use tidepool_benchmarks::{Latencies, human};
 use tidepool_engine::{Durability, Engine};
-use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster};
+use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster, StaticToken};
 use tidepool_node::server::{RunningNode, start};
 use tidepool_proto::storage_key;
 use tidepool_proto::v1::blob_service_client::BlobServiceClient;
@@ -35,8 +40,8 @@ use tidepool_proto::v1::{
     BlobKind, BlobRef, GetRequest, NodeStatusRequest, PutHeader, PutRequest, ReadConsistency,
     get_response, put_request,
 };
+use tidepool_security::{Channel, Security, Tls, certs, token};
 use tidepool_testkit::free_port;
-use tonic::transport::Channel;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -79,6 +84,48 @@ impl Run {
     }
 }
 
+/// TLS material and a token for a secured shard (`None`: plaintext).
+struct Secured {
+    tls_dir: PathBuf,
+    token: String,
+}
+
+impl Secured {
+    fn make(dir: &Path) -> anyhow::Result<Secured> {
+        let tls_dir = dir.join("tls");
+        certs::ensure_dev(&tls_dir, 3)?;
+        Ok(Secured {
+            tls_dir,
+            token: token::generate(),
+        })
+    }
+
+    fn security(&self, base: &str, token: bool) -> anyhow::Result<Security> {
+        Ok(Security {
+            tls: Some(Tls::load(certs::files(&self.tls_dir, base))?),
+            token: token.then(|| self.token.clone()),
+        })
+    }
+}
+
+fn secure(config: &mut NodeConfig, secured: &Secured) {
+    config.tls = Some(certs::files(
+        &secured.tls_dir,
+        &format!("node-{}", config.node_id),
+    ));
+    if let Some(cluster) = &mut config.cluster {
+        cluster.tokens = vec![StaticToken {
+            name: "bench".into(),
+            sha256: token::hash(&secured.token)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
+            admin: false,
+            grants: vec!["bench=read,write".into()],
+        }];
+    }
+}
+
 fn node_config(id: u64, dir: &Path, ports: &[u16]) -> NodeConfig {
     let mut config = NodeConfig::new(id);
     config.listen = format!("127.0.0.1:{}", ports[id as usize - 1])
@@ -100,6 +147,7 @@ fn node_config(id: u64, dir: &Path, ports: &[u16]) -> NodeConfig {
             content_addressed: false,
             retain_epochs: None,
         }],
+        tokens: Vec::new(),
     });
     config
 }
@@ -255,12 +303,12 @@ async fn get_once(
     Ok(len)
 }
 
-/// The shard's leader, once there is one.
-async fn leader(urls: &BTreeMap<u64, String>) -> anyhow::Result<u64> {
+/// The shard's leader, once there is one (asked as a coordinator would).
+async fn leader(urls: &BTreeMap<u64, String>, admin: &Security) -> anyhow::Result<u64> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
         for (id, url) in urls {
-            let mut admin = NodeAdminClient::connect(url.clone()).await?;
+            let mut admin = NodeAdminClient::new(admin.connect(&admin.endpoint(url)?).await?);
             let status = admin.status(NodeStatusRequest {}).await?.into_inner();
             if status.replicas.iter().any(|r| r.is_leader) {
                 return Ok(*id);
@@ -271,27 +319,41 @@ async fn leader(urls: &BTreeMap<u64, String>) -> anyhow::Result<u64> {
     bail!("no leader within 30 s")
 }
 
-/// The 3-replica shard: `clients` tasks on the leader, putting then getting.
-async fn shard_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>> {
+/// The 3-replica shard: `clients` tasks on the leader, putting then
+/// getting; with `tls`, every connection is mutual TLS and every request
+/// carries a token the nodes check.
+async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Result<Vec<Run>> {
     let dir = args.dir.join("shard");
     let _ = std::fs::remove_dir_all(&dir);
+    let secured = if tls {
+        Some(Secured::make(&dir)?)
+    } else {
+        None
+    };
     let ports = [free_port(), free_port(), free_port()];
     let mut nodes: Vec<RunningNode> = Vec::new();
     for id in 1..=3 {
-        nodes.push(start(node_config(id, &dir, &ports)).await?);
+        let mut config = node_config(id, &dir, &ports);
+        if let Some(secured) = &secured {
+            secure(&mut config, secured);
+        }
+        nodes.push(start(config).await?);
     }
     let urls: BTreeMap<u64, String> = (1..=3)
         .map(|id| (id, format!("http://127.0.0.1:{}", ports[id as usize - 1])))
         .collect();
-    let leader = leader(&urls).await?;
+    let (admin, client) = match &secured {
+        Some(s) => (
+            s.security("coordinator", false)?,
+            s.security("client", true)?,
+        ),
+        None => (Security::insecure(), Security::insecure()),
+    };
+    let leader = leader(&urls, &admin).await?;
     // A few HTTP/2 connections shared by the clients, as an SDK would pool.
     let mut channels = Vec::new();
     for _ in 0..4 {
-        channels.push(
-            Channel::from_shared(urls[&leader].clone())?
-                .connect()
-                .await?,
-        );
+        channels.push(client.connect(&client.endpoint(&urls[&leader])?).await?);
     }
     let duration = Duration::from_secs(args.seconds);
     let mut runs = Vec::new();
@@ -335,7 +397,11 @@ async fn shard_runs(args: &Args, value_bytes: usize) -> anyhow::Result<Vec<Run>>
         tokio::time::sleep(duration).await;
         stop.store(true, Ordering::Relaxed);
         let mut run = Run {
-            system: "3-replica shard",
+            system: if tls {
+                "3-replica shard, TLS + token"
+            } else {
+                "3-replica shard, plaintext"
+            },
             op,
             value_bytes,
             ops: 0,
@@ -374,13 +440,32 @@ fn main() -> anyhow::Result<()> {
     );
     println!("| system | op | value | clients | ops/s | MiB/s | p50 | p99 |");
     println!("|---|---|---|---|---|---|---|---|");
+    let mut ratios = Vec::new();
     for &value_bytes in &args.value_bytes {
         for mut run in engine_runs(&args, value_bytes)? {
             println!("{}", run.row(args.clients));
         }
-        for mut run in runtime.block_on(shard_runs(&args, value_bytes))? {
-            println!("{}", run.row(args.clients));
+        let mut rates = Vec::new();
+        for tls in [false, true] {
+            for mut run in runtime.block_on(shard_runs(&args, value_bytes, tls))? {
+                println!("{}", run.row(args.clients));
+                rates.push(run.ops as f64 / run.elapsed.as_secs_f64());
+            }
         }
+        // rates: plaintext put, get; TLS put, get.
+        ratios.push(format!(
+            "| {value_bytes} B | {:.2} | {:.2} |",
+            rates[2] / rates[0],
+            rates[3] / rates[1]
+        ));
+    }
+    println!();
+    println!("TLS + token / plaintext, same run:");
+    println!();
+    println!("| value | put | get |");
+    println!("|---|---|---|");
+    for row in ratios {
+        println!("{row}");
     }
     Ok(())
 }

@@ -81,6 +81,7 @@ impl TestCluster {
                         retain_epochs: Some(1),
                     },
                 ],
+                tokens: Vec::new(),
             });
             adjust(&mut config);
             configs.insert(id, config);
