@@ -106,25 +106,31 @@ pub(crate) async fn serve(
             accepted = listener.accept() => accepted,
         };
         let Ok((mut socket, _)) = accepted else {
+            // Out of file descriptors and the like: do not spin.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
         let shared = shared.clone();
-        tokio::spawn(async move {
-            let mut request = vec![0u8; 4096];
-            let Ok(n) = socket.read(&mut request).await else {
-                return;
-            };
-            let head = String::from_utf8_lossy(&request[..n]);
-            let (status, body) = match head.split_whitespace().nth(1).unwrap_or("/") {
-                "/metrics" => ("200 OK", render(&shared)),
-                "/healthz" => ("200 OK", "ok\n".to_string()),
-                _ => ("404 Not Found", "not found\n".to_string()),
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = socket.write_all(response.as_bytes()).await;
-        });
+        // A client that connects and sends nothing holds a socket 10 s.
+        tokio::spawn(tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            async move {
+                let mut request = vec![0u8; 4096];
+                let Ok(n) = socket.read(&mut request).await else {
+                    return;
+                };
+                let head = String::from_utf8_lossy(&request[..n]);
+                let (status, body) = match head.split_whitespace().nth(1).unwrap_or("/") {
+                    "/metrics" => ("200 OK", render(&shared)),
+                    "/healthz" => ("200 OK", "ok\n".to_string()),
+                    _ => ("404 Not Found", "not found\n".to_string()),
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            },
+        ));
     }
 }

@@ -508,3 +508,41 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
         .unwrap();
     cluster.shutdown().await;
 }
+
+/// A client that connects to the metrics port and sends nothing is cut
+/// off after the connection timeout (10 s), not held forever; the port
+/// keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_metrics_connection_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = tidepool_testkit::free_port();
+    let cluster = TestCluster::start(1, 1, |c| {
+        c.metrics_listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    })
+    .await;
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut buffer = [0u8; 16];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(20), silent.read(&mut buffer))
+        .await
+        .expect("the node closes a silent connection");
+    assert_eq!(read.unwrap_or(0), 0, "closed without an answer");
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut asking = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    asking
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    asking.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    cluster.shutdown().await;
+}

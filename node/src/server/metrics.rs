@@ -231,33 +231,43 @@ pub fn render(node: &Node) -> String {
     out
 }
 
+/// How long one metrics connection may take, reading and writing: a
+/// client that connects and sends nothing holds a socket no longer.
+pub(crate) const METRICS_CONNECTION_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_secs(10);
+
 /// Serves `/metrics` and `/healthz` until the runtime stops.
 pub async fn serve(node: Arc<Node>, listener: TcpListener) {
     loop {
         let Ok((mut socket, _)) = listener.accept().await else {
+            // Out of file descriptors and the like: do not spin.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
         let node = node.clone();
-        tokio::spawn(async move {
-            let mut request = vec![0u8; 4096];
-            let Ok(n) = socket.read(&mut request).await else {
-                return;
-            };
-            let head = String::from_utf8_lossy(&request[..n]);
-            let path = head.split_whitespace().nth(1).unwrap_or("/");
-            let (status, body) = match path {
-                "/metrics" => ("200 OK", tokio::task::block_in_place(|| render(&node))),
-                "/healthz" if node.is_stopping() => {
-                    ("503 Service Unavailable", "stopping\n".into())
-                }
-                "/healthz" => ("200 OK", "ok\n".into()),
-                _ => ("404 Not Found", "not found\n".into()),
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = socket.write_all(response.as_bytes()).await;
-        });
+        tokio::spawn(tokio::time::timeout(
+            METRICS_CONNECTION_TIMEOUT,
+            async move {
+                let mut request = vec![0u8; 4096];
+                let Ok(n) = socket.read(&mut request).await else {
+                    return;
+                };
+                let head = String::from_utf8_lossy(&request[..n]);
+                let path = head.split_whitespace().nth(1).unwrap_or("/");
+                let (status, body) = match path {
+                    "/metrics" => ("200 OK", tokio::task::block_in_place(|| render(&node))),
+                    "/healthz" if node.is_stopping() => {
+                        ("503 Service Unavailable", "stopping\n".into())
+                    }
+                    "/healthz" => ("200 OK", "ok\n".into()),
+                    _ => ("404 Not Found", "not found\n".into()),
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            },
+        ));
     }
 }
