@@ -546,3 +546,40 @@ async fn a_silent_metrics_connection_is_closed() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     cluster.shutdown().await;
 }
+
+/// A Raft batch larger than any a peer sends (16 MiB of messages plus
+/// one message) is refused before it is buffered; the node serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_raft_batch_is_refused() {
+    use tidepool_proto::v1::raft_transport_client::RaftTransportClient;
+    use tidepool_proto::v1::{RaftBatch, RaftEnvelope};
+    let cluster = TestCluster::start(1, 1, |_| {}).await;
+    put(&cluster, "default", b"before", b"v").await.unwrap();
+    let channel = tonic::transport::Channel::from_shared(cluster.url(1))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut raft = RaftTransportClient::new(channel).max_encoding_message_size(usize::MAX);
+    let batch = RaftBatch {
+        from_node: 2,
+        to_node: 1,
+        messages: vec![RaftEnvelope {
+            shard_id: 1,
+            message: vec![0; 40 << 20],
+        }],
+    };
+    let refused = raft
+        .send(tokio_stream::iter(vec![batch]))
+        .await
+        .expect_err("a 40 MiB batch is refused");
+    assert!(
+        matches!(
+            refused.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{refused:?}"
+    );
+    put(&cluster, "default", b"after", b"v").await.unwrap();
+    cluster.shutdown().await;
+}

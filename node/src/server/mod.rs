@@ -517,6 +517,16 @@ impl RunningNode {
     }
 }
 
+/// The largest Raft batch a peer sends: up to `transport::BATCH_BYTES` of
+/// messages, plus the message that crosses it — at most a message's
+/// entry budget (`max_message_bytes`) plus one entry of the largest
+/// record — and framing.
+fn raft_batch_limit(config: &NodeConfig) -> usize {
+    let message_budget = crate::replica::ReplicaConfig::new(0, 0).max_message_bytes as usize;
+    let largest_entry = (config.raft.max_value_bytes as usize).max(config.raft.max_batch_bytes);
+    transport::BATCH_BYTES + message_budget + largest_entry + (2 << 20)
+}
+
 /// Opens the node and serves it until `stop` is called. Binds before
 /// returning (so `address` is usable at once).
 pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
@@ -569,8 +579,10 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     let blob = BlobServiceServer::new(blobs::BlobApi::new(node.clone()))
         .max_decoding_message_size(limits.max_request_bytes)
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    // Peer batches: at most the largest a peer sends (see
+    // `raft_batch_limit`), not 256 MiB.
     let raft = RaftTransportServer::new(raft_service::RaftApi::new(node.clone()))
-        .max_decoding_message_size(MAX_GRPC_MESSAGE)
+        .max_decoding_message_size(raft_batch_limit(&node.config))
         .max_encoding_message_size(MAX_GRPC_MESSAGE);
     let admin = NodeAdminServer::new(admin::AdminApi::new(node.clone()));
     let tls = node.security.tls.clone();

@@ -25,6 +25,9 @@ use crate::shard::Outgoing;
 const PEER_QUEUE: usize = 4_096;
 /// Most messages per batch on the wire.
 const BATCH_MESSAGES: usize = 512;
+/// A batch takes no more messages once it holds this many bytes (so the
+/// receiver can bound what it decodes: see `raft_batch_limit`).
+pub(crate) const BATCH_BYTES: usize = 16 << 20;
 
 /// Outgoing Raft traffic of a node.
 pub(crate) struct Transport {
@@ -163,10 +166,14 @@ async fn run_peer(
                 }
                 first = queue.recv() => {
                     let Some(first) = first else { return };
+                    let mut bytes = first.message.len();
                     let mut messages = vec![first];
-                    while messages.len() < BATCH_MESSAGES {
+                    while messages.len() < BATCH_MESSAGES && bytes < BATCH_BYTES {
                         match queue.try_recv() {
-                            Ok(more) => messages.push(more),
+                            Ok(more) => {
+                                bytes += more.message.len();
+                                messages.push(more);
+                            }
                             Err(_) => break,
                         }
                     }
