@@ -24,7 +24,7 @@ use tidepool_proto::v1::{
 use tidepool_proto::{ErrorInfo, error_detail, hash_position, storage_key};
 use tokio_stream::StreamExt;
 
-use super::{MAX_GRPC_MESSAGE, Node};
+use super::Node;
 
 /// Attempts per chunk (a leader change in between is followed).
 const ATTEMPTS: usize = 4;
@@ -177,7 +177,8 @@ async fn get(
     size: u64,
 ) -> Result<Vec<u8>, tonic::Status> {
     let channel = node.peer_channel(address)?;
-    let mut client = BlobServiceClient::new(channel).max_decoding_message_size(MAX_GRPC_MESSAGE);
+    // Get answers carry at most 1 MiB of data per message.
+    let mut client = BlobServiceClient::new(channel).max_decoding_message_size(2 << 20);
     let mut stream = client
         .get(GetRequest {
             blob: Some(BlobRef {

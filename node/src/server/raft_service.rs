@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use tidepool_security::Caller;
 
-use super::{MAX_GRPC_MESSAGE, Node};
+use super::Node;
 use crate::error::{NodeError, Result};
 use crate::shard::{Event, ShardHandle};
 use crate::snapshot::{Receiver, manifest_of};
@@ -292,9 +292,9 @@ async fn pull(
         .connect(&endpoint)
         .await
         .map_err(|e| PullError::Broken(e.to_string()))?;
+    // Snapshot chunks carry at most `CHUNK_BYTES` of data.
     let mut client = RaftTransportClient::new(channel)
-        .max_decoding_message_size(MAX_GRPC_MESSAGE)
-        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+        .max_decoding_message_size(crate::snapshot::CHUNK_BYTES + (64 << 10));
     let mut stream = match client.fetch_snapshot(request).await {
         Ok(response) => response.into_inner(),
         Err(status) if status.code() == tonic::Code::NotFound => {

@@ -150,9 +150,8 @@ async fn run_peer(
             }
         };
         backoff = Duration::from_millis(50);
-        let mut client = RaftTransportClient::new(channel)
-            .max_encoding_message_size(MAX_GRPC_MESSAGE)
-            .max_decoding_message_size(MAX_GRPC_MESSAGE);
+        let mut client =
+            RaftTransportClient::new(channel).max_encoding_message_size(MAX_GRPC_MESSAGE);
         let (stream_tx, stream_rx) = mpsc::channel::<RaftBatch>(8);
         let call = client.send(tokio_stream::wrappers::ReceiverStream::new(stream_rx));
         tokio::pin!(call);
