@@ -64,4 +64,5 @@ pub use stream::hex;
 pub use tidepool_proto as proto;
 pub use tidepool_proto::v1::ErrorCode;
 pub use tidepool_security::TlsFiles;
+pub use tidepool_security::guard::{role_name, role_of};
 pub use tidepool_security::token::read_file as read_token_file;

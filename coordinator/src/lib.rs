@@ -251,22 +251,9 @@ pub async fn start_with_store(
         let stopped = async move {
             let _ = server_stop.wait_for(|s| *s).await;
         };
-        let served = match tls {
-            Some(tls) => {
-                router
-                    .serve_with_incoming_shutdown(
-                        tidepool_security::tls::incoming(listener, tls),
-                        stopped,
-                    )
-                    .await
-            }
-            None => {
-                let incoming =
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-                router.serve_with_incoming_shutdown(incoming, stopped).await
-            }
-        };
-        served.map_err(|e| CoordinatorError::Io(format!("gRPC server: {e}")))
+        tidepool_security::tls::serve(router, listener, tls, stopped)
+            .await
+            .map_err(|e| CoordinatorError::Io(format!("gRPC server: {e}")))
     });
     tracing::info!(coordinator = %shared.id, %address, "coordinator serving");
     Ok(RunningCoordinator {

@@ -327,3 +327,40 @@ pub async fn server_certificate(
         .map(|leaf| leaf.clone().into_owned())
         .ok_or_else(|| io::Error::other("the server presented no certificate"))
 }
+
+/// Serves `router` on `listener` until `stopped` resolves: through TLS
+/// handshakes ([`incoming`]) when `tls` is given, else plaintext TCP. Small
+/// Raft and client messages must not wait for Nagle's algorithm (40 ms
+/// with delayed ACKs): every accepted socket has `TCP_NODELAY`.
+pub async fn serve<L>(
+    router: tonic::transport::server::Router<L>,
+    listener: TcpListener,
+    tls: Option<Arc<Tls>>,
+    stopped: impl std::future::Future<Output = ()>,
+) -> std::result::Result<(), tonic::transport::Error>
+where
+    L: tower::Layer<tonic::service::Routes>,
+    L::Service: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+        > + Clone
+        + Send
+        + 'static,
+    <L::Service as tower::Service<http::Request<tonic::body::Body>>>::Future: Send,
+    <L::Service as tower::Service<http::Request<tonic::body::Body>>>::Error:
+        Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+{
+    match tls {
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(incoming(listener, tls), stopped)
+                .await
+        }
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(Duration::from_secs(30)));
+            router.serve_with_incoming_shutdown(incoming, stopped).await
+        }
+    }
+}

@@ -14,10 +14,11 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidepool_client::proto::v1::{
-    ClusterStatus, MoveStep, Namespace, NodeState, Role, TokenGrant, retention,
+    ClusterStatus, MoveStep, Namespace, NodeState, TokenGrant, retention,
 };
 use tidepool_client::{
-    Client, ClientConfig, ErrorCode, RetentionPolicy, TlsFiles, hex, read_token_file,
+    Client, ClientConfig, ErrorCode, RetentionPolicy, TlsFiles, hex, read_token_file, role_name,
+    role_of,
 };
 
 /// Command-line interface to a Tidepool cluster.
@@ -570,15 +571,7 @@ fn parse_grant(text: &str) -> Result<TokenGrant, Failure> {
     let (namespace, roles) = text.split_once('=').ok_or_else(usage)?;
     let roles = roles
         .split(',')
-        .map(|r| {
-            Ok(match r.trim() {
-                "read" => Role::Read,
-                "write" => Role::Write,
-                "append-only" => Role::AppendOnly,
-                "delete" => Role::Delete,
-                _ => return Err(usage()),
-            } as i32)
-        })
+        .map(|r| role_of(r.trim()).map(|r| r as i32).ok_or_else(usage))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(TokenGrant {
         namespace: namespace.to_string(),
@@ -587,17 +580,7 @@ fn parse_grant(text: &str) -> Result<TokenGrant, Failure> {
 }
 
 fn role_names(grant: &TokenGrant) -> String {
-    grant
-        .roles()
-        .map(|r| match r {
-            Role::Read => "read",
-            Role::Write => "write",
-            Role::AppendOnly => "append-only",
-            Role::Delete => "delete",
-            Role::Unspecified => "?",
-        })
-        .collect::<Vec<_>>()
-        .join(",")
+    grant.roles().map(role_name).collect::<Vec<_>>().join(",")
 }
 
 async fn token_command(cli: &Cli, client: &Client, command: &TokenCommand) -> Outcome {

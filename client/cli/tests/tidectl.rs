@@ -182,6 +182,58 @@ async fn every_command_and_its_errors() {
         expect(&out, 0);
         let drained: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(drained["replicas_to_move"], 2);
+
+        // Tokens: create (the secret once), list (roles, never secrets),
+        // revoke; bad grants and unknown names with their exit codes.
+        let out = run(
+            &url,
+            &[
+                "token",
+                "create",
+                "ci",
+                "--grant",
+                "default=read,append-only",
+            ],
+            b"",
+        );
+        expect(&out, 0);
+        let secret = text(&out.stdout).trim().to_string();
+        assert!(secret.starts_with("tp_") && secret.len() == 67, "{secret}");
+        let out = run(&url, &["--json", "token", "list"], b"");
+        expect(&out, 0);
+        let tokens: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(tokens[0]["name"], "ci");
+        assert_eq!(tokens[0]["grants"][0]["roles"], "read,append-only");
+        assert!(
+            !text(&out.stdout).contains(&secret[3..]),
+            "a secret was listed"
+        );
+        expect(
+            &run(
+                &url,
+                &["token", "create", "ci", "--grant", "default=read"],
+                b"",
+            ),
+            1,
+        );
+        expect(
+            &run(
+                &url,
+                &["token", "create", "x", "--grant", "default=owner"],
+                b"",
+            ),
+            2,
+        );
+        expect(
+            &run(
+                &url,
+                &["token", "create", "y", "--grant", "nowhere=read"],
+                b"",
+            ),
+            3,
+        );
+        expect(&run(&url, &["token", "revoke", "ci"], b""), 0);
+        expect(&run(&url, &["token", "revoke", "ci"], b""), 3);
     })
     .await
     .unwrap();

@@ -609,25 +609,9 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         let stopped = async {
             let _ = stop_rx.await;
         };
-        let served = match tls {
-            Some(tls) => {
-                router
-                    .serve_with_incoming_shutdown(
-                        tidepool_security::tls::incoming(listener, tls),
-                        stopped,
-                    )
-                    .await
-            }
-            None => {
-                // Small Raft and client messages must not wait for Nagle's
-                // algorithm (40 ms with delayed ACKs).
-                let incoming = tonic::transport::server::TcpIncoming::from(listener)
-                    .with_nodelay(Some(true))
-                    .with_keepalive(Some(Duration::from_secs(30)));
-                router.serve_with_incoming_shutdown(incoming, stopped).await
-            }
-        };
-        served.map_err(|e| NodeError::Network(format!("gRPC server: {e}")))
+        tidepool_security::tls::serve(router, listener, tls, stopped)
+            .await
+            .map_err(|e| NodeError::Network(format!("gRPC server: {e}")))
     });
     tracing::info!(node_id = node.config.node_id, %address, "node serving");
     Ok(RunningNode {
