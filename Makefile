@@ -121,5 +121,20 @@ FUZZ_CASES ?= 200000
 fuzz: ## Every decoder of bytes from disk or network, FUZZ_CASES mutants each (make ci runs 3,000; FUZZ_SEED=<seed> replays).
 	FUZZ_CASES=$(FUZZ_CASES) $(CARGO) test -p tidepool-engine -p tidepool-node -p tidepool-coordinator -p tidepool-client --test decoders_survive_hostile_bytes -- --nocapture
 
-image: ## Build the Docker image.
-	@echo "image: not yet — the Docker image arrives with the deployment work"; exit 1
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+KUBE_LOCAL ?= $(CURDIR)/../shared/kube-local/kube-local
+IMAGE ?= localhost/tidepool:$(VERSION)
+ETCD_IMAGE ?= localhost/tidepool-etcd:$(VERSION)
+
+image: ## Images $(IMAGE) (tidepool, tidectl) and $(ETCD_IMAGE) (Debian's etcd) on a locally made debian:bookworm-slim; nothing is pulled.
+	$(CARGO) build --release -p tidepool -p tidectl
+	$(KUBE_LOCAL) base-image
+	rm -rf target/image && mkdir -p target/image/tidepool target/image/etcd
+	cp target/release/tidepool target/release/tidectl target/image/tidepool/
+	cp /usr/bin/etcd target/image/etcd/
+	docker build -q -f deploy/tidepool.Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE) target/image/tidepool
+	docker build -q -f deploy/etcd.Dockerfile --build-arg VERSION=$(VERSION) -t $(ETCD_IMAGE) target/image/etcd
+	@echo "built $(IMAGE) and $(ETCD_IMAGE)"
+
+image-test: image ## Smoke test of the image: non-root, read-only root filesystem, dev mode with TLS and tokens, tidectl put/get inside it.
+	deploy/image-smoke.sh $(IMAGE)
