@@ -16,7 +16,7 @@ export CARGO_TERM_COLOR ?= never
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image fuzz
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image image-test fuzz
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
