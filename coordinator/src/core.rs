@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::CoordinatorError;
 use crate::config::CoordinatorConfig;
+use crate::kubernetes::Orchestrator;
 use crate::meta::{Compare, LeaseId, MetaStore, Op, WatchEvent};
 use crate::reconcile::Progress;
 use crate::schema::{Keys, LeaderRecord, decode_map, encode_map, new_map};
@@ -57,6 +58,8 @@ pub struct Shared {
     pub security: tidepool_security::Security,
     /// The token table of the cached map, with the map version it is of.
     tokens: Mutex<(u64, Arc<tidepool_security::guard::TokenTable>)>,
+    /// Kubernetes, when the coordinator runs under the chart.
+    orchestrator: std::sync::OnceLock<Arc<dyn Orchestrator>>,
 }
 
 impl tidepool_security::Authority for Shared {
@@ -101,7 +104,19 @@ impl Shared {
             stop: watch::Sender::new(false),
             security,
             tokens: Mutex::default(),
+            orchestrator: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Answers what only Kubernetes knows from now on (zones, scale-downs).
+    /// Set once, before serving.
+    pub fn set_orchestrator(&self, orchestrator: Arc<dyn Orchestrator>) {
+        let _ = self.orchestrator.set(orchestrator);
+    }
+
+    /// Kubernetes, if the coordinator runs under it.
+    pub(crate) fn orchestrator(&self) -> Option<&Arc<dyn Orchestrator>> {
+        self.orchestrator.get()
     }
 
     /// Fires when the coordinator begins to stop.

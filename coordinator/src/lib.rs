@@ -16,6 +16,7 @@
 pub mod config;
 mod core;
 pub mod epochs;
+pub mod kubernetes;
 pub mod meta;
 mod metrics;
 mod nodes;
@@ -97,6 +98,9 @@ pub enum CoordinatorError {
     /// No token has that name.
     #[error("no token {0:?}")]
     TokenNotFound(String),
+    /// The Kubernetes API failed or refused.
+    #[error("{0}")]
+    Kubernetes(String),
 }
 
 /// A coordinator serving on its socket.
@@ -215,7 +219,14 @@ pub async fn start_with_store(
         tls: tls.clone(),
         token: None,
     };
+    let kubernetes = config.kubernetes.clone();
     let shared = Shared::new(config, id, advertise, store, security);
+    if let Some(settings) = kubernetes {
+        let k8s = kubernetes::Kubernetes::connect(settings)
+            .await
+            .map_err(CoordinatorError::Config)?;
+        shared.set_orchestrator(Arc::new(k8s));
+    }
     shared.ensure_cluster().await?;
     shared.adopt_bootstrap_token().await?;
     shared.load_map().await?;

@@ -94,7 +94,8 @@ pub(crate) fn render(shared: &Shared) -> String {
     out
 }
 
-/// Serves `/metrics` and `/healthz`, one request per connection.
+/// Serves `/metrics`, `/healthz` (alive) and `/readyz` (the map is
+/// loaded), one request per connection.
 pub(crate) async fn serve(
     shared: Arc<Shared>,
     listener: TcpListener,
@@ -123,6 +124,12 @@ pub(crate) async fn serve(
                 let (status, body) = match head.split_whitespace().nth(1).unwrap_or("/") {
                     "/metrics" => ("200 OK", render(&shared)),
                     "/healthz" => ("200 OK", "ok\n".to_string()),
+                    // Serving: the map is loaded (the store answered).
+                    "/readyz" if shared.map().version > 0 => ("200 OK", "ready\n".to_string()),
+                    "/readyz" => (
+                        "503 Service Unavailable",
+                        "no cluster map loaded\n".to_string(),
+                    ),
                     _ => ("404 Not Found", "not found\n".to_string()),
                 };
                 let response = format!(

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use prost::Message as _;
 use tidepool_proto::v1::{
-    ClusterMap, Namespace, NodeInfo, NodeState, NodeStatus, RegisterNodeRequest, Retention,
-    retention::Policy,
+    ClusterMap, Namespace, NodeInfo, NodeState, NodeStatus, PrepareNodeStopResponse,
+    RegisterNodeRequest, Retention, retention::Policy,
 };
 
 use crate::CoordinatorError;
@@ -56,6 +56,7 @@ impl Shared {
                 "address is at most {MAX_ADDRESS} bytes and zone at most {MAX_ZONE}"
             )));
         }
+        let (zone, rejoining) = self.kubernetes_view(&request.zone, identity).await;
         let mut assigned = 0;
         let map = self
             .update_map(|map| {
@@ -71,10 +72,11 @@ impl Shared {
                 let info = NodeInfo {
                     node_id: id,
                     address: address.clone(),
-                    zone: request.zone.clone(),
+                    zone: zone.clone(),
                     capacity_bytes: request.capacity_bytes,
                     state: NodeState::Up as i32,
                     identity: identity.unwrap_or_default().to_string(),
+                    scale_down: false,
                 };
                 match map.nodes.iter_mut().find(|n| n.node_id == id) {
                     Some(known) => {
@@ -90,10 +92,18 @@ impl Shared {
                                 )));
                             }
                         };
-                        let state = known.state;
+                        // A pod scaled away and back: in the cluster again.
+                        let undrain = rejoining && known.scale_down;
+                        if undrain {
+                            tracing::info!(
+                                node_id = id,
+                                "StatefulSet grew back over the node; undrained"
+                            );
+                        }
                         let updated = NodeInfo {
-                            state,
+                            state: if undrain { info.state } else { known.state },
                             identity: bound,
+                            scale_down: known.scale_down && !undrain,
                             ..info
                         };
                         if *known == updated {
@@ -109,7 +119,7 @@ impl Shared {
                 Ok(Some(Vec::new()))
             })
             .await?;
-        tracing::info!(node_id = assigned, %address, zone = %request.zone, "node registered");
+        tracing::info!(node_id = assigned, %address, %zone, "node registered");
         // Live from now: the first heartbeat follows within a third of the
         // lease.
         let first = NodeStatus {
@@ -136,14 +146,7 @@ impl Shared {
         let Some(node) = map.nodes.iter().find(|n| n.node_id == id) else {
             return Err(CoordinatorError::UnknownNode(id));
         };
-        if let Some(name) = identity
-            && node.identity != name
-        {
-            return Err(CoordinatorError::PermissionDenied(format!(
-                "node {id} is bound to certificate {:?}, not {name:?}",
-                node.identity
-            )));
-        }
+        check_bound(node, identity)?;
         let known = self.node_leases.lock().get(&id).copied();
         let lease = match known {
             Some(lease) if self.store.keep_alive(lease).await? => lease,
@@ -268,6 +271,133 @@ impl Shared {
         Ok(map.epoch)
     }
 
+    /// Under Kubernetes, what it says of the pod registering as node
+    /// certificate `identity`: its zone (else `reported`), and whether the
+    /// node StatefulSet wants the pod (it grew back over a scaled-away
+    /// node). Failures of the API are logged and change nothing.
+    async fn kubernetes_view(&self, reported: &str, identity: Option<&str>) -> (String, bool) {
+        let (Some(k8s), Some(pod)) = (self.orchestrator(), identity) else {
+            return (reported.to_string(), false);
+        };
+        let zone = match k8s.zone_of_pod(pod).await {
+            Ok(Some(zone)) if zone.len() <= MAX_ZONE => zone,
+            Ok(_) => reported.to_string(),
+            Err(error) => {
+                tracing::warn!(%error, pod, "zone unknown; keeping the node's own");
+                reported.to_string()
+            }
+        };
+        let wanted = match crate::kubernetes::ordinal(k8s.statefulset(), pod) {
+            None => false,
+            Some(ordinal) => match k8s.desired_nodes().await {
+                Ok(desired) => desired.is_some_and(|d| ordinal < d),
+                Err(error) => {
+                    tracing::warn!(%error, pod, "StatefulSet unknown");
+                    false
+                }
+            },
+        };
+        (zone, wanted)
+    }
+
+    /// A node about to stop asks whether it leaves for good. Under
+    /// Kubernetes, a pod at or above its StatefulSet's `spec.replicas` was
+    /// scaled away: it is drained (and flagged `scale_down`, so growing the
+    /// StatefulSet back undoes it), and must keep serving until it hosts
+    /// nothing. Anything else — a restart, an upgrade, the StatefulSet
+    /// deleted, no Kubernetes at all — stops at once and keeps its data.
+    pub async fn prepare_node_stop(
+        &self,
+        node_id: u64,
+        identity: Option<&str>,
+    ) -> Result<PrepareNodeStopResponse, CoordinatorError> {
+        let map = self.map();
+        let node = map
+            .nodes
+            .iter()
+            .find(|n| n.node_id == node_id)
+            .ok_or(CoordinatorError::UnknownNode(node_id))?;
+        check_bound(node, identity)?;
+        let hosted = |map: &ClusterMap| {
+            map.shards
+                .iter()
+                .filter(|s| s.replicas.iter().any(|r| r.node_id == node_id))
+                .count() as u32
+        };
+        let answer = |leaving, map: &ClusterMap, reason: &str| PrepareNodeStopResponse {
+            leaving,
+            replicas: hosted(map),
+            reason: reason.to_string(),
+        };
+        let Some(k8s) = self.orchestrator() else {
+            return Ok(answer(false, &map, "not under Kubernetes: a restart"));
+        };
+        let Some(ordinal) = crate::kubernetes::ordinal(k8s.statefulset(), &node.identity) else {
+            return Ok(answer(
+                false,
+                &map,
+                "not a pod of the node StatefulSet: a restart",
+            ));
+        };
+        let leaving = match k8s
+            .desired_nodes()
+            .await
+            .map_err(CoordinatorError::Kubernetes)?
+        {
+            None => {
+                return Ok(answer(
+                    false,
+                    &map,
+                    "the StatefulSet is being deleted: the node stops and keeps its volume",
+                ));
+            }
+            Some(desired) => ordinal >= desired,
+        };
+        let mut changed = false;
+        let map = self
+            .update_map(|map| {
+                changed = false;
+                let node = map
+                    .nodes
+                    .iter_mut()
+                    .find(|n| n.node_id == node_id)
+                    .ok_or(CoordinatorError::UnknownNode(node_id))?;
+                let draining = node.state == NodeState::Draining as i32
+                    || node.state == NodeState::Drained as i32;
+                if leaving && !draining {
+                    node.state = NodeState::Draining as i32;
+                    node.scale_down = true;
+                } else if !leaving && draining && node.scale_down {
+                    node.state = NodeState::Up as i32;
+                    node.scale_down = false;
+                } else {
+                    return Ok(None);
+                }
+                changed = true;
+                Ok(Some(Vec::new()))
+            })
+            .await?;
+        let response = if leaving {
+            answer(true, &map, "scaled down: draining before the pod goes")
+        } else {
+            answer(
+                false,
+                &map,
+                "a restart: the StatefulSet still wants the pod",
+            )
+        };
+        if changed && leaving {
+            tracing::info!(
+                node_id,
+                replicas = response.replicas,
+                "node pod scaled away; draining it"
+            );
+        } else if changed {
+            tracing::info!(node_id, "StatefulSet grew back over the node; undrained");
+        }
+        Ok(response)
+    }
+
     /// Marks a node draining: placement stops using it and the reconciler
     /// moves its replicas away. Returns how many replicas it holds.
     pub async fn drain_node(&self, node_id: u64) -> Result<u32, CoordinatorError> {
@@ -294,6 +424,18 @@ impl Shared {
             .count();
         tracing::info!(node_id, replicas = hosted, "draining node");
         Ok(hosted as u32)
+    }
+}
+
+/// Refuses a certificate speaking for a node bound to another one
+/// (`identity` is `None` on an insecure coordinator).
+fn check_bound(node: &NodeInfo, identity: Option<&str>) -> Result<(), CoordinatorError> {
+    match identity {
+        Some(name) if node.identity != name => Err(CoordinatorError::PermissionDenied(format!(
+            "node {} is bound to certificate {:?}, not {name:?}",
+            node.node_id, node.identity
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -12,8 +12,9 @@ use tidepool_proto::v1::{
     CreateTokenRequest, CreateTokenResponse, DrainNodeRequest, DrainNodeResponse, EpochStatus,
     GetClusterMapRequest, GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest,
     HeartbeatResponse, ListNamespacesRequest, ListNamespacesResponse, ListTokensRequest,
-    ListTokensResponse, Namespace, NodeAddress, RegisterNodeRequest, RegisterNodeResponse,
-    RevokeTokenRequest, RevokeTokenResponse, SetRetentionRequest, WatchClusterMapRequest,
+    ListTokensResponse, Namespace, NodeAddress, PrepareNodeStopRequest, PrepareNodeStopResponse,
+    RegisterNodeRequest, RegisterNodeResponse, RevokeTokenRequest, RevokeTokenResponse,
+    SetRetentionRequest, WatchClusterMapRequest,
 };
 use tidepool_proto::{ErrorInfo, v1::ErrorCode};
 use tidepool_security::{Caller, Identity};
@@ -185,6 +186,18 @@ impl CoordinatorService for CoordinatorApi {
         self.respond(result).await
     }
 
+    async fn prepare_node_stop(
+        &self,
+        request: Request<PrepareNodeStopRequest>,
+    ) -> Result<Response<PrepareNodeStopResponse>, Status> {
+        let caller = Caller::of(&request);
+        let result = self
+            .shared
+            .prepare_node_stop(request.into_inner().node_id, caller.node_name())
+            .await;
+        self.respond(result).await
+    }
+
     async fn create_namespace(
         &self,
         request: Request<CreateNamespaceRequest>,
@@ -332,7 +345,9 @@ impl From<&CoordinatorError> for ErrorInfo {
             E::TokenNotFound(_) => ErrorCode::NotFound,
             E::InvalidArgument(_) | E::Config(_) => ErrorCode::InvalidArgument,
             E::Meta(_) | E::NoLeader(_) | E::NoCluster => ErrorCode::NoQuorum,
-            E::Corrupt(_) | E::Node(_) | E::NodeCall { .. } | E::Io(_) => ErrorCode::Internal,
+            E::Corrupt(_) | E::Node(_) | E::NodeCall { .. } | E::Io(_) | E::Kubernetes(_) => {
+                ErrorCode::Internal
+            }
         };
         ErrorInfo::new(code, error.to_string())
     }

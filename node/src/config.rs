@@ -567,6 +567,7 @@ impl NodeConfig {
                     state: NodeState::Up as i32,
                     // A fixed cluster's node certificates are named by id.
                     identity: format!("node-{}", p.id),
+                    scale_down: false,
                 })
                 .collect(),
             shards: shard_infos,

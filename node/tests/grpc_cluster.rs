@@ -470,3 +470,35 @@ async fn admin_entries_act_on_every_replica() {
     }
     cluster.shutdown().await;
 }
+
+/// A leader stopped on purpose hands its leadership over first: with an
+/// election timeout of 5 s no election can be held in the test's bound, yet
+/// another node leads as soon as the stop returns, and holds every write
+/// the old leader acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_leader_hands_leadership_over() {
+    let mut cluster = TestCluster::start(3, 1, |c| c.raft.election_ticks = 250).await;
+    let mut written = write_keys(&cluster, "before", 20, 0, 1_000).await;
+    let old = wait_leader(&cluster, 1).await;
+    for id in 1..=3 {
+        wait_caught_up(&cluster, id, 1).await;
+    }
+    cluster.stop(old).await;
+    let stopped = tokio::time::Instant::now();
+    let mut new = None;
+    while stopped.elapsed() < std::time::Duration::from_millis(2_500) && new.is_none() {
+        for id in (1..=3).filter(|id| *id != old) {
+            if replica_status(&cluster, id, 1)
+                .await
+                .is_some_and(|r| r.is_leader)
+            {
+                new = Some(id);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let new = new.expect("no leader within 2.5 s of the stop: leadership was not handed over");
+    written.extend(write_keys(&cluster, "after", 20, 100, 1_000).await);
+    assert_replica_holds(&cluster, new, &written).await;
+    cluster.shutdown().await;
+}

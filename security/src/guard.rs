@@ -420,6 +420,20 @@ mod tests {
             code(admit(Plane::ClusterAdmin, Some(&client), Some(&admin))),
             None
         );
+        // A server certificate (the chart's etcd) reaches no plane that a
+        // certificate opens.
+        let server = Identity::Server("etcd-0".into());
+        for plane in [
+            Plane::Peer,
+            Plane::Registration,
+            Plane::NodeAdmin,
+            Plane::ClusterRead,
+        ] {
+            assert!(
+                code(admit(plane, Some(&server), None)).is_some(),
+                "{plane:?}"
+            );
+        }
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub enum Identity {
     Coordinator(String),
     /// A client: nothing by itself; its bearer token says what it may do.
     Client(String),
+    /// A server outside Tidepool that the cluster's CA certifies (the
+    /// chart's etcd members): no plane of a Tidepool process admits it.
+    Server(String),
 }
 
 impl Identity {
@@ -35,13 +38,17 @@ impl Identity {
             Identity::Node(_) => "node",
             Identity::Coordinator(_) => "coordinator",
             Identity::Client(_) => "client",
+            Identity::Server(_) => "server",
         }
     }
 
     /// The name.
     pub fn name(&self) -> &str {
         match self {
-            Identity::Node(n) | Identity::Coordinator(n) | Identity::Client(n) => n,
+            Identity::Node(n)
+            | Identity::Coordinator(n)
+            | Identity::Client(n)
+            | Identity::Server(n) => n,
         }
     }
 
@@ -62,6 +69,7 @@ impl Identity {
             "node" => Identity::Node(name),
             "coordinator" => Identity::Coordinator(name),
             "client" => Identity::Client(name),
+            "server" => Identity::Server(name),
             _ => return None,
         })
     }
@@ -119,6 +127,7 @@ mod tests {
             Identity::Node("node-1".into()),
             Identity::Coordinator("c".into()),
             Identity::Client("ci.bazel_7".into()),
+            Identity::Server("etcd-0".into()),
         ] {
             assert_eq!(Identity::parse(&id.uri()), Some(id));
         }

@@ -72,6 +72,10 @@ pub const METHODS: &[(&str, Plane)] = &[
         Plane::Registration,
     ),
     (
+        "/tidepool.v1.CoordinatorService/PrepareNodeStop",
+        Plane::Registration,
+    ),
+    (
         "/tidepool.v1.CoordinatorService/CreateNamespace",
         Plane::ClusterAdmin,
     ),

@@ -13,6 +13,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+
+mod kubernetes;
 use tidepool_coordinator::CoordinatorConfig;
 use tidepool_node::config::{CoordinatorLink, NamespaceSpec, NodeConfig, Peer, StaticCluster};
 
@@ -35,6 +37,62 @@ enum Command {
     /// Make a cluster's CA and certificates.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Before a node process stops (a Kubernetes pre-stop hook): if the
+    /// node leaves the cluster for good, wait until it is drained.
+    PreStop(PreStopArgs),
+    /// What the Helm chart runs inside Kubernetes.
+    #[command(subcommand)]
+    Kubernetes(KubernetesCommand),
+}
+
+/// Settings of `tidepool pre-stop`.
+#[derive(Debug, Args)]
+struct PreStopArgs {
+    /// The node's data directory (where its id is recorded).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// A coordinator, `https://host:port` (repeat for several).
+    #[arg(long = "coordinator", value_name = "URL", required = true)]
+    coordinators: Vec<String>,
+    /// Stop anyway when no coordinator answered for this long, seconds
+    /// (once a drain has begun it is waited for without bound).
+    #[arg(long, default_value_t = 20)]
+    undecided_s: u64,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// `tidepool kubernetes`.
+#[derive(Debug, Subcommand)]
+enum KubernetesCommand {
+    /// Make the Secrets a cluster needs when they are absent: the CA, the
+    /// bootstrap admin token, client certificates (the chart's setup Job).
+    Setup {
+        /// Namespace of the Secrets.
+        #[arg(long)]
+        namespace: String,
+        /// The CA Secret.
+        #[arg(long)]
+        ca_secret: String,
+        /// Key of the CA certificate in it.
+        #[arg(long, default_value = "ca.pem")]
+        ca_cert_key: String,
+        /// Key of the CA private key in it (PKCS#8 PEM).
+        #[arg(long, default_value = "ca-key.pem")]
+        ca_key_key: String,
+        /// Use the CA Secret as it is; fail when it is absent.
+        #[arg(long)]
+        existing_ca: bool,
+        /// Secret of the bootstrap admin token (key `token`).
+        #[arg(long)]
+        token_secret: Option<String>,
+        /// A client certificate Secret, `NAME=SECRET` (repeat).
+        #[arg(long = "client", value_name = "NAME=SECRET")]
+        clients: Vec<String>,
+        /// Label of the Secrets made, `KEY=VALUE` (repeat).
+        #[arg(long = "label", value_name = "KEY=VALUE")]
+        labels: Vec<String>,
+    },
 }
 
 /// `tidepool certs`: the material `--tls-*` takes, made with rcgen. Every
@@ -52,13 +110,18 @@ enum CertsCommand {
         #[arg(long, default_value = "tidepool")]
         name: String,
     },
-    /// Issue a certificate signed by `<dir>/ca.pem`: `<dir>/<out>.pem` and
-    /// `<dir>/<out>-key.pem`.
+    /// Issue a certificate signed by `<ca-dir>/ca.pem`: `<dir>/<out>.pem`
+    /// and `<dir>/<out>-key.pem`.
     Issue {
-        /// Directory of the CA, where the certificate is written too.
+        /// Where the certificate is written (and the CA read from, unless
+        /// `--ca-dir` says otherwise).
         #[arg(long)]
         dir: PathBuf,
-        /// `node`, `coordinator` or `client`.
+        /// Directory holding `ca.pem` and `ca-key.pem` (default: `--dir`).
+        #[arg(long)]
+        ca_dir: Option<PathBuf>,
+        /// `node`, `coordinator`, `client`, or `server` (a TLS server
+        /// outside Tidepool, such as etcd: no rights in Tidepool).
         kind: String,
         /// The holder's name (a node's is bound to its id at first
         /// registration).
@@ -266,6 +329,17 @@ struct CoordinatorArgs {
     /// no token); or set TIDEPOOL_BOOTSTRAP_TOKEN.
     #[arg(long)]
     bootstrap_token_file: Option<PathBuf>,
+    /// Under Kubernetes: the node StatefulSet's namespace (with
+    /// --kubernetes-statefulset): zones from the Kubernetes nodes, drains
+    /// of pods scaled away.
+    #[arg(long, requires = "kubernetes_statefulset")]
+    kubernetes_namespace: Option<String>,
+    /// Under Kubernetes: the node StatefulSet's name.
+    #[arg(long, requires = "kubernetes_namespace")]
+    kubernetes_statefulset: Option<String>,
+    /// Under Kubernetes: do not read zones (no permission on nodes).
+    #[arg(long)]
+    kubernetes_no_zones: bool,
 }
 
 impl CoordinatorArgs {
@@ -303,6 +377,15 @@ impl CoordinatorArgs {
             c.etcd_tls = Some(tidepool_security::TlsFiles { cert, key, ca });
         }
         c.bootstrap_token_file = self.bootstrap_token_file.or(c.bootstrap_token_file);
+        if let (Some(namespace), Some(statefulset)) =
+            (self.kubernetes_namespace, self.kubernetes_statefulset)
+        {
+            c.kubernetes = Some(tidepool_coordinator::kubernetes::KubernetesConfig {
+                namespace,
+                statefulset,
+                zones: !self.kubernetes_no_zones,
+            });
+        }
         if let Ok(token) = std::env::var("TIDEPOOL_BOOTSTRAP_TOKEN")
             && !token.trim().is_empty()
         {
@@ -442,7 +525,21 @@ fn runtime(name: &str) -> anyhow::Result<tokio::runtime::Runtime> {
 fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
     runtime("tidepool-coordinator")?.block_on(async {
-        let mut running = tidepool_coordinator::start(config).await?;
+        // etcd may still be starting (under Kubernetes both start
+        // together): retry an unreachable store for a while instead of
+        // exiting into a crash-loop back-off.
+        let mut waited = std::time::Duration::ZERO;
+        let mut running = loop {
+            match tidepool_coordinator::start(config.clone()).await {
+                Ok(running) => break running,
+                Err(tidepool_coordinator::CoordinatorError::Meta(e)) if waited < STORE_WAIT => {
+                    tracing::warn!(error = %e, "metadata store unavailable; retrying");
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                    waited += std::time::Duration::from_secs(2);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         eprintln!(
             "tidepool coordinator {} serving on {}",
             running.shared.id, running.address
@@ -457,6 +554,9 @@ fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+/// How long a coordinator waits for its metadata store at start-up.
+const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Nodes in dev mode.
 const DEV_NODES: u16 = 3;
@@ -606,6 +706,7 @@ fn run_certs(command: CertsCommand) -> anyhow::Result<()> {
         }
         CertsCommand::Issue {
             dir,
+            ca_dir,
             kind,
             name,
             hosts,
@@ -614,9 +715,9 @@ fn run_certs(command: CertsCommand) -> anyhow::Result<()> {
         } => {
             let identity = tidepool_security::Identity::parse(&format!("tidepool://{kind}/{name}"))
                 .with_context(|| {
-                    format!("kind is node, coordinator or client, and the name 1-64 of [A-Za-z0-9._-]; not {kind} {name:?}")
+                    format!("kind is node, coordinator, client or server, and the name 1-64 of [A-Za-z0-9._-]; not {kind} {name:?}")
                 })?;
-            let ca = certs::read(&dir, "ca")?;
+            let ca = certs::read(ca_dir.as_deref().unwrap_or(&dir), "ca")?;
             let issued = certs::issue(
                 &ca,
                 &certs::Request {
@@ -632,6 +733,60 @@ fn run_certs(command: CertsCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn run_pre_stop(args: PreStopArgs) -> anyhow::Result<()> {
+    let tls = match args.tls.require(None, false)? {
+        Some(files) => Some(tidepool_security::Tls::load(files)?),
+        None => None,
+    };
+    let security = tidepool_security::Security { tls, token: None };
+    runtime("tidepool-pre-stop")?.block_on(async {
+        let outcome = tidepool_node::server::prepare_stop(
+            &args.data_dir,
+            args.coordinators,
+            security,
+            std::time::Duration::from_secs(args.undecided_s),
+        )
+        .await?;
+        eprintln!("tidepool pre-stop: {outcome}");
+        Ok(())
+    })
+}
+
+fn run_kubernetes(command: KubernetesCommand) -> anyhow::Result<()> {
+    let KubernetesCommand::Setup {
+        namespace,
+        ca_secret,
+        ca_cert_key,
+        ca_key_key,
+        existing_ca,
+        token_secret,
+        clients,
+        labels,
+    } = command;
+    let pair = |what: &str, text: &str| -> anyhow::Result<(String, String)> {
+        text.split_once('=')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .with_context(|| format!("{what} is KEY=VALUE, not {text:?}"))
+    };
+    let setup = kubernetes::Setup {
+        namespace,
+        ca_secret,
+        ca_cert_key,
+        ca_key_key,
+        create_ca: !existing_ca,
+        token_secret,
+        clients: clients
+            .iter()
+            .map(|c| pair("--client", c))
+            .collect::<anyhow::Result<_>>()?,
+        labels: labels
+            .iter()
+            .map(|l| pair("--label", l))
+            .collect::<anyhow::Result<_>>()?,
+    };
+    runtime("tidepool-kubernetes")?.block_on(kubernetes::setup(setup))
 }
 
 async fn shutdown_signal() {
@@ -658,6 +813,8 @@ fn main() -> ExitCode {
         Command::Coordinator(args) => run_coordinator(*args),
         Command::Dev(args) => run_dev(args),
         Command::Certs(command) => run_certs(command),
+        Command::PreStop(args) => run_pre_stop(args),
+        Command::Kubernetes(command) => run_kubernetes(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,6 +6,8 @@
 //! some keys missing; 4 the cluster could not be reached in time; 5 the
 //! credential was refused (`UNAUTHENTICATED`, `PERMISSION_DENIED`).
 
+mod load;
+
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -70,6 +72,40 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Write blobs continuously, as a load while the cluster restarts,
+    /// scales or upgrades: each acknowledged key is appended to
+    /// `--record`; prints the failures and the longest gap between
+    /// acknowledgements (exit 1 if any put failed).
+    Load {
+        /// Namespace.
+        namespace: String,
+        /// Stop after this many seconds (0: only at `--stop-file`).
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Bytes per blob.
+        #[arg(long, default_value_t = 4096)]
+        size: usize,
+        /// Writers at once.
+        #[arg(long, default_value_t = 4)]
+        writers: usize,
+        /// Key prefix (default: `load-<unix seconds>`).
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Append each acknowledged key (and size) to this file.
+        #[arg(long)]
+        record: Option<PathBuf>,
+        /// Stop when this file exists.
+        #[arg(long)]
+        stop_file: Option<PathBuf>,
+    },
+    /// Read back every blob of a `load --record` file and check its
+    /// content (exit 1 if any is missing or wrong).
+    Verify {
+        /// Namespace.
+        namespace: String,
+        /// The record file.
+        record: PathBuf,
+    },
     /// Store a file (or stdin with `-`) under a key. In a content-addressed
     /// namespace give `--content` instead of a key: the key is the SHA-256.
     Put {
@@ -655,6 +691,35 @@ async fn run(cli: &Cli) -> Outcome {
         ),
     })?;
     match &cli.command {
+        Command::Load {
+            namespace,
+            seconds,
+            size,
+            writers,
+            prefix,
+            record,
+            stop_file,
+        } => {
+            let prefix = prefix.clone().unwrap_or_else(|| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                format!("load-{}", now.as_secs())
+            });
+            let settings = load::Load {
+                namespace: namespace.clone(),
+                seconds: *seconds,
+                size: *size,
+                writers: *writers,
+                prefix,
+                record: record.clone(),
+                stop_file: stop_file.clone(),
+            };
+            load::load(cli.json, &client, settings).await
+        }
+        Command::Verify { namespace, record } => {
+            load::verify(cli.json, &client, namespace, record).await
+        }
         Command::Put {
             namespace,
             key,

@@ -295,6 +295,31 @@ impl AdminApi {
 }
 
 impl Node {
+    /// Whether the node serves (`GET /readyz`, a Kubernetes readiness
+    /// probe): it is not stopping, has a cluster map, and every replica it
+    /// hosts knows its shard's leader. A node whose shards lost quorum is
+    /// not ready, so a rolling restart waits for it instead of taking the
+    /// next member of those shards down.
+    pub fn readiness(&self) -> std::result::Result<(), String> {
+        if self.is_stopping() {
+            return Err("stopping".into());
+        }
+        if self.map().version == 0 {
+            return Err("no cluster map yet".into());
+        }
+        let leaderless: Vec<u32> = self
+            .hosted()
+            .into_iter()
+            .filter(|(_, shard)| shard.state().status.is_none_or(|s| s.leader == 0))
+            .map(|(info, _)| info.shard_id)
+            .collect();
+        if leaderless.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("shards without a known leader: {leaderless:?}"))
+        }
+    }
+
     /// What the node reports about itself (`NodeAdmin.Status`, heartbeats).
     pub fn status(&self) -> NodeStatus {
         let me = self.config.node_id;

@@ -20,7 +20,8 @@ use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomical
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::{
-    ClusterMap, ErrorCode, HeartbeatRequest, RegisterNodeRequest, WatchClusterMapRequest,
+    ClusterMap, ErrorCode, HeartbeatRequest, PrepareNodeStopRequest, RegisterNodeRequest,
+    WatchClusterMapRequest,
 };
 use tidepool_security::{Channel, Security};
 
@@ -88,6 +89,84 @@ impl Coordinators {
             return;
         }
         self.next = (self.next + 1) % self.addresses.len();
+    }
+}
+
+/// Before a node process stops (a Kubernetes pre-stop hook): asks the
+/// coordinators whether the node leaves for good and, if it does, waits
+/// until the map places no replica on it — the caller's process keeps
+/// serving meanwhile, so no shard loses a member before its replacement
+/// has caught up. Returns what happened, in words.
+///
+/// `undecided` bounds how long coordinators may fail to answer before the
+/// node stops anyway (a restart must not hang on a lost control plane);
+/// once a drain has begun it is waited for without bound — the pod's
+/// termination grace period is the bound.
+pub async fn prepare_stop(
+    data_dir: &Path,
+    addresses: Vec<String>,
+    security: Security,
+    undecided: Duration,
+) -> Result<String> {
+    let Some(node_id) = recorded_id(data_dir)? else {
+        return Ok("no node id recorded: nothing to drain".into());
+    };
+    if addresses.is_empty() {
+        return Err(NodeError::Config("no coordinator given".into()));
+    }
+    let mut coordinators = Coordinators::new(addresses, security);
+    let started = tokio::time::Instant::now();
+    let mut draining = false;
+    let mut last_report = None::<(tokio::time::Instant, u32)>;
+    loop {
+        let attempt = async {
+            let mut client = coordinators.client().await.map_err(|e| (e, None))?;
+            client
+                .prepare_node_stop(PrepareNodeStopRequest { node_id })
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|status| {
+                    (
+                        NodeError::Network(format!("prepare stop: {}", status.message())),
+                        Some(status),
+                    )
+                })
+        };
+        match attempt.await {
+            Ok(answer) if !answer.leaving => {
+                return Ok(format!("node {node_id} stops: {}", answer.reason));
+            }
+            Ok(answer) if answer.replicas == 0 => {
+                return Ok(format!(
+                    "node {node_id} drained: it hosts no replica; stopping"
+                ));
+            }
+            Ok(answer) => {
+                draining = true;
+                let now = tokio::time::Instant::now();
+                let due = last_report.is_none_or(|(at, replicas)| {
+                    replicas != answer.replicas || now - at >= Duration::from_secs(10)
+                });
+                if due {
+                    tracing::info!(
+                        node_id,
+                        replicas = answer.replicas,
+                        "leaving the cluster: waiting for the drain"
+                    );
+                    last_report = Some((now, answer.replicas));
+                }
+            }
+            Err((error, status)) => {
+                if !draining && started.elapsed() >= undecided {
+                    return Ok(format!(
+                        "node {node_id} stops without an answer from a coordinator for {undecided:?} ({error})"
+                    ));
+                }
+                tracing::warn!(%error, "cannot ask a coordinator yet; retrying");
+                coordinators.after_failure(status.as_ref());
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

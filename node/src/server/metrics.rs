@@ -1,5 +1,5 @@
 //! The node's metrics and its Prometheus endpoint (`GET /metrics`, text
-//! format 0.0.4; `GET /healthz`).
+//! format 0.0.4; `GET /healthz` alive, `GET /readyz` serving).
 //!
 //! Request counters and latency histograms per operation, Raft state per
 //! hosted shard (role, term, commit, applied, log bounds), and each shard
@@ -236,7 +236,8 @@ pub fn render(node: &Node) -> String {
 pub(crate) const METRICS_CONNECTION_TIMEOUT: std::time::Duration =
     std::time::Duration::from_secs(10);
 
-/// Serves `/metrics` and `/healthz` until the runtime stops.
+/// Serves `/metrics`, `/healthz` (alive) and `/readyz` (serving) until the
+/// runtime stops.
 pub async fn serve(node: Arc<Node>, listener: TcpListener) {
     loop {
         let Ok((mut socket, _)) = listener.accept().await else {
@@ -260,6 +261,10 @@ pub async fn serve(node: Arc<Node>, listener: TcpListener) {
                         ("503 Service Unavailable", "stopping\n".into())
                     }
                     "/healthz" => ("200 OK", "ok\n".into()),
+                    "/readyz" => match tokio::task::block_in_place(|| node.readiness()) {
+                        Ok(()) => ("200 OK", "ready\n".into()),
+                        Err(why) => ("503 Service Unavailable", format!("{why}\n")),
+                    },
                     _ => ("404 Not Found", "not found\n".into()),
                 };
                 let response = format!(

@@ -43,6 +43,7 @@ use crate::error::{NodeError, Result};
 use crate::shard::ShardHandle;
 use crate::snapshot::Outbox;
 use crate::store::ReplicaStore;
+pub use coordination::prepare_stop;
 pub use metrics::{NodeMetrics, OPERATIONS};
 use transport::Transport;
 
@@ -458,6 +459,60 @@ impl Node {
         self.stopping.send_replace(true);
     }
 
+    /// Before stopping: hands the leadership of every shard this node
+    /// leads to another voter (the leader agrees only to one it hears and
+    /// that is caught up), and waits until it leads none or `within` has
+    /// passed. The shards then never wait out an election timeout for a
+    /// node that stops on purpose (a rolling restart's write gap). Returns
+    /// how many shards it still leads.
+    pub async fn hand_off_leadership(&self, within: Duration) -> usize {
+        let me = self.config.node_id;
+        let deadline = tokio::time::Instant::now() + within;
+        let mut round = 0usize;
+        loop {
+            let leading: Vec<(Arc<ShardHandle>, Vec<u64>)> = self
+                .hosted()
+                .into_iter()
+                .filter_map(|(_, shard)| {
+                    let status = shard.state().status?;
+                    status.is_leader.then_some((shard, status.voters))
+                })
+                .collect();
+            if leading.is_empty() || tokio::time::Instant::now() >= deadline {
+                return leading.len();
+            }
+            let count = leading.len();
+            let mut accepted = 0;
+            for (shard, voters) in leading {
+                let others: Vec<u64> = voters.into_iter().filter(|v| *v != me).collect();
+                if others.is_empty() {
+                    continue;
+                }
+                // Another target each round, in case one is behind.
+                let to = others[round % others.len()];
+                let (tx, rx) = oneshot::channel();
+                let reply: crate::shard::TransferReply = Box::new(move |result| {
+                    let _ = tx.send(result);
+                });
+                if shard
+                    .send(crate::shard::Event::TransferLeader(to, reply))
+                    .is_ok()
+                    && let Ok(Ok(Ok(()))) =
+                        tokio::time::timeout(Duration::from_millis(500), rx).await
+                {
+                    accepted += 1;
+                }
+            }
+            // Every leader refused (no voter heard or caught up, say the
+            // whole cluster is stopping): waiting would not help.
+            if accepted == 0 && round > 0 {
+                return count;
+            }
+            round += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Stops every replica (their engines close cleanly).
     pub fn shutdown(&self) {
         self.begin_stop();
@@ -467,6 +522,9 @@ impl Node {
         }
     }
 }
+
+/// Longest a stopping node spends handing its leaderships over.
+const HAND_OFF: Duration = Duration::from_secs(3);
 
 /// A node serving on its sockets.
 pub struct RunningNode {
@@ -485,6 +543,14 @@ impl RunningNode {
     /// Requests in flight get `STOP_GRACE` to finish; then the server is
     /// dropped with whatever is still open.
     pub async fn stop(mut self) -> Result<()> {
+        let still_leading = self.node.hand_off_leadership(HAND_OFF).await;
+        if still_leading > 0 {
+            tracing::warn!(
+                node_id = self.node.config.node_id,
+                shards = still_leading,
+                "stopping while still leading (no caught-up voter took over in time)"
+            );
+        }
         self.node.begin_stop();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

@@ -1,0 +1,171 @@
+//! What only Kubernetes knows, for a coordinator the Helm chart deploys
+//! (`[kubernetes]` in its configuration; outside Kubernetes none of this
+//! runs and the coordinator behaves as everywhere else).
+//!
+//! Two questions, each asked of the API server when it matters rather than
+//! cached:
+//!
+//! - **Where a node pod runs**: the `topology.kubernetes.io/zone` label of
+//!   the Kubernetes node hosting the pod named by the node's certificate
+//!   becomes the node's zone at registration, so placement spreads a
+//!   shard's replicas across zones the operator never had to configure.
+//! - **Whether a stopping pod leaves for good**: a pod whose ordinal is at
+//!   or above the node StatefulSet's `spec.replicas` was scaled away; its
+//!   pre-stop hook asks (`PrepareNodeStop`) and the coordinator drains it
+//!   before its container may exit. A restart, an upgrade or an uninstall
+//!   (the StatefulSet deleted) is not a scale-down: the node stops at once
+//!   and keeps its volume.
+//!
+//! Design and failure cases: `docs/design/kubernetes.md`.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use serde::Deserialize;
+
+/// The label Kubernetes puts on nodes for their zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// `[kubernetes]`: where the coordinator finds its cluster's pods.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// Namespace of the node StatefulSet.
+    pub namespace: String,
+    /// Name of the node StatefulSet; node pods are `<statefulset>-<n>` and
+    /// their certificates name them so.
+    pub statefulset: String,
+    /// Read zones from the Kubernetes nodes (needs `get` on `nodes`, a
+    /// cluster-scoped permission). Default true.
+    #[serde(default = "yes")]
+    pub zones: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The ordinal `n` of a pod named `<statefulset>-<n>`.
+pub fn ordinal(statefulset: &str, pod: &str) -> Option<u32> {
+    let digits = pod.strip_prefix(statefulset)?.strip_prefix('-')?;
+    if digits.is_empty() || (digits.len() > 1 && digits.starts_with('0')) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The orchestrator's answers (the API server; a fake in unit tests).
+#[tonic::async_trait]
+pub trait Orchestrator: Send + Sync + 'static {
+    /// The node StatefulSet's name.
+    fn statefulset(&self) -> &str;
+
+    /// Node pods the StatefulSet wants (`spec.replicas`); `None` when the
+    /// StatefulSet is gone or being deleted.
+    async fn desired_nodes(&self) -> Result<Option<u32>, String>;
+
+    /// The zone of the Kubernetes node that runs `pod`; `None` when the
+    /// pod, its node or the label is missing (or zones are off).
+    async fn zone_of_pod(&self, pod: &str) -> Result<Option<String>, String>;
+}
+
+/// The API server, through the pod's service account.
+pub struct Kubernetes {
+    config: KubernetesConfig,
+    client: kube::Client,
+}
+
+impl std::fmt::Debug for Kubernetes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kubernetes")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Kubernetes {
+    /// A client from the in-cluster environment (or `KUBECONFIG`).
+    pub async fn connect(config: KubernetesConfig) -> Result<Self, String> {
+        let client = kube::Client::try_default()
+            .await
+            .map_err(|e| format!("cannot reach the Kubernetes API: {e}"))?;
+        Ok(Self { config, client })
+    }
+}
+
+fn api_error(what: &str, e: kube::Error) -> String {
+    format!("Kubernetes API, {what}: {e}")
+}
+
+#[tonic::async_trait]
+impl Orchestrator for Kubernetes {
+    fn statefulset(&self) -> &str {
+        &self.config.statefulset
+    }
+
+    async fn desired_nodes(&self) -> Result<Option<u32>, String> {
+        let sets: Api<StatefulSet> = Api::namespaced(self.client.clone(), &self.config.namespace);
+        let what = format!("statefulset {}", self.config.statefulset);
+        let Some(set) = sets
+            .get_opt(&self.config.statefulset)
+            .await
+            .map_err(|e| api_error(&what, e))?
+        else {
+            return Ok(None);
+        };
+        if set.metadata.deletion_timestamp.is_some() {
+            return Ok(None);
+        }
+        let replicas = set.spec.and_then(|s| s.replicas).unwrap_or(1);
+        Ok(Some(u32::try_from(replicas).unwrap_or(0)))
+    }
+
+    async fn zone_of_pod(&self, pod: &str) -> Result<Option<String>, String> {
+        if !self.config.zones {
+            return Ok(None);
+        }
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.config.namespace);
+        let Some(host) = pods
+            .get_opt(pod)
+            .await
+            .map_err(|e| api_error(&format!("pod {pod}"), e))?
+            .and_then(|p| p.spec)
+            .and_then(|s| s.node_name)
+        else {
+            return Ok(None);
+        };
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        Ok(nodes
+            .get_opt(&host)
+            .await
+            .map_err(|e| api_error(&format!("node {host}"), e))?
+            .and_then(|n| n.metadata.labels)
+            .and_then(|mut labels| labels.remove(ZONE_LABEL)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ordinals_are_only_those_of_the_statefulset() {
+        assert_eq!(ordinal("tp-node", "tp-node-0"), Some(0));
+        assert_eq!(ordinal("tp-node", "tp-node-12"), Some(12));
+        assert_eq!(ordinal("tp-node", "tp-node-"), None);
+        assert_eq!(ordinal("tp-node", "tp-node-01"), None);
+        assert_eq!(ordinal("tp-node", "tp-node-x"), None);
+        assert_eq!(ordinal("tp-node", "tp-nodes-1"), None);
+        assert_eq!(ordinal("tp-node", "other-1"), None);
+        assert_eq!(ordinal("tp-node", "tp-node-1-2"), None);
+        assert_eq!(ordinal("tp-node", "tp-node-99999999999"), None);
+    }
+
+    #[test]
+    fn configuration_defaults_to_reading_zones() {
+        let c: KubernetesConfig =
+            toml::from_str("namespace = \"ns\"\nstatefulset = \"tp-node\"").expect("parses");
+        assert!(c.zones);
+        assert!(toml::from_str::<KubernetesConfig>("namespace = \"ns\"").is_err());
+    }
+}

@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""Tidepool on a real Kubernetes cluster (kube-local): the chart's tests.
+
+usage: k8s_test.py smoke|full [--report FILE]
+
+smoke: install (3 nodes, 1 etcd member), tidectl put/get through the
+       coordinator Service, `helm test`, uninstall, no pod left.
+full:  install (3 nodes, 3 etcd members) and time to Ready; `helm test`;
+       scale 3 -> 5 under a write load (replicas move onto the new pods, no
+       failed write); scale 5 -> 3 under a write load (every shard keeps a
+       quorum of running replicas at every poll, zero lost acknowledged
+       writes); `helm upgrade` to another image tag under a write load
+       (rolling restart, the longest write gap); a node pod force-deleted
+       (returns on its PVC, catches up); the leading coordinator pod killed
+       (the other takes over); every acknowledged write read back;
+       uninstall leaves no pods (PVCs stay).
+
+Needs root, the images (`make image`), and kube-local (KUBE_LOCAL, else
+../shared/kube-local/kube-local next to the repository). Figures are printed
+and written as Markdown to --report (default target/k8s-report.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "tidepool"
+# A namespace per run: deleting one waits out its pods' grace periods.
+NS = f"tp-{int(time.time()) % 1000000}"
+REL = "tp"
+VERSION = os.environ.get("VERSION", "0.1.0")
+IMAGE = "localhost/tidepool"
+ETCD_IMAGE = "localhost/tidepool-etcd"
+REPORT = []
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def figure(name, value):
+    log(f"FIGURE {name}: {value}")
+    REPORT.append((name, value))
+
+
+def kube_local():
+    candidates = [os.environ.get("KUBE_LOCAL")] if os.environ.get("KUBE_LOCAL") else []
+    candidates += [ROOT.parent / "shared/kube-local/kube-local", Path("/work/shared/kube-local/kube-local")]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return str(c)
+    sys.exit("kube-local not found: set KUBE_LOCAL to its path")
+
+
+KL = kube_local()
+
+
+def run(*args, check=True, capture=True, timeout=900, input=None):
+    r = subprocess.run(args, capture_output=capture, text=True, timeout=timeout, input=input)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def kubectl(*args, **kw):
+    return run("kubectl", "-n", NS, *args, **kw)
+
+
+def load_env():
+    for line in run(KL, "env").stdout.splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            value = value.strip('"').replace("$PATH", os.environ["PATH"])
+            os.environ[key] = value
+
+
+def available_volumes():
+    pvs = json.loads(run("kubectl", "get", "pv", "-o", "json").stdout)["items"]
+    return sum(1 for pv in pvs if pv.get("status", {}).get("phase") == "Available")
+
+
+def cluster_up(volumes):
+    """kube-local up; restarted afresh when fewer than `volumes` of its
+    (retained, single-use) PersistentVolumes are left."""
+    started = time.time()
+    run(KL, "up", capture=False, timeout=3600)
+    load_env()
+    # Releases an earlier, failed run left behind.
+    for ns in json.loads(run("kubectl", "get", "namespaces", "-o", "json").stdout)["items"]:
+        name = ns["metadata"]["name"]
+        if name.startswith("tp-") and name != NS and ns["status"].get("phase") == "Active":
+            log(f"removing the release an earlier run left in {name}")
+            run("helm", "uninstall", REL, "-n", name, "--wait", "--timeout", "5m", check=False, capture=False)
+            run("kubectl", "delete", "namespace", name, "--wait=false", check=False)
+    if available_volumes() < volumes:
+        log(f"fewer than {volumes} free volumes left: restarting kube-local afresh")
+        run(KL, "down", capture=False, timeout=600)
+        run(KL, "up", capture=False, timeout=3600)
+        load_env()
+    # Docker (which kube-local starts for image builds) sets the FORWARD
+    # policy to DROP; with bridge netfilter on, that drops pod-to-pod
+    # traffic on kube-local's bridge. DOCKER-USER is where Docker lets
+    # admins accept traffic.
+    for flag in ("-s", "-d"):
+        rule = ["DOCKER-USER", flag, "10.244.0.0/16", "-j", "ACCEPT"]
+        if run("iptables", "-C", *rule, check=False).returncode != 0:
+            run("iptables", "-I", *rule)
+    figure("kube-local up", f"{time.time() - started:.0f} s")
+    run(KL, "load", f"{IMAGE}:{VERSION}", f"{ETCD_IMAGE}:{VERSION}", capture=False)
+
+
+def install(nodes, etcd, extra=()):
+    run("kubectl", "create", "namespace", NS, check=False)
+    started = time.time()
+    run("helm", "install", REL, str(CHART), "-n", NS,
+        "--set", f"fullnameOverride={REL}",
+        "--set", "image.pullPolicy=Never", "--set", "etcd.image.pullPolicy=Never",
+        # kube-local's volumes are host directories, which ignore fsGroup.
+        "--set", "volumePermissions.enabled=true",
+        "--set", f"nodes.replicas={nodes}", "--set", f"etcd.replicas={etcd}",
+        "--set", "cluster.shards=8", "--set", "nodes.persistence.size=4Gi",
+        "--set", "nodes.terminationGracePeriodSeconds=600",
+        # Five node pods, three etcd members and two coordinators on 2 CPUs.
+        "--set", "nodes.resources.requests.cpu=100m",
+        *extra, "--wait", "--timeout", "10m", capture=False)
+    took = time.time() - started
+    figure(f"helm install --wait ({nodes} nodes, {etcd} etcd), every pod Ready", f"{took:.0f} s")
+
+
+def token():
+    out = kubectl("get", "secret", f"{REL}-admin-token", "-o", "jsonpath={.data.token}").stdout
+    import base64
+    return base64.b64decode(out).decode()
+
+
+def tidectl(*args, pod=None, check=True, timeout=300):
+    pod = pod or f"{REL}-node-0"
+    container = ["-c", "node"] if "node" in pod else []
+    return kubectl("exec", pod, *container, "--", "tidectl", "--token", token(), *args,
+                   check=check, timeout=timeout)
+
+
+def status():
+    return json.loads(tidectl("--json", "cluster", "status").stdout)
+
+
+def pods(component):
+    out = kubectl("get", "pods", "-l", f"app.kubernetes.io/component={component}", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def running_pod_names():
+    names = set()
+    for p in pods("node"):
+        statuses = p.get("status", {}).get("containerStatuses", [])
+        if any(s.get("name") == "node" and "running" in s.get("state", {}) for s in statuses):
+            names.add(p["metadata"]["name"])
+    return names
+
+
+def wait(what, predicate, timeout=600, every=2):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except Exception as e:  # a poll that failed is retried
+            last = e
+        if time.time() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+LOAD_POD = f"""
+apiVersion: v1
+kind: Pod
+metadata:
+  name: load
+  namespace: {NS}
+spec:
+  automountServiceAccountToken: false
+  securityContext: {{runAsUser: 10001, runAsGroup: 10001, fsGroup: 10001}}
+  containers:
+    - name: load
+      image: {IMAGE}:{VERSION}
+      imagePullPolicy: Never
+      command: [/bin/sleep, infinity]
+      env:
+        - {{name: TIDEPOOL_COORDINATOR, value: "https://{REL}-coordinator.{NS}.svc.cluster.local:7400"}}
+        - {{name: TIDEPOOL_TLS_DIR, value: /etc/tidepool/client}}
+        - {{name: TIDEPOOL_TOKEN_FILE, value: /etc/tidepool/token/token}}
+      securityContext:
+        runAsNonRoot: true
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities: {{drop: [ALL]}}
+      volumeMounts:
+        - {{name: client, mountPath: /etc/tidepool/client, readOnly: true}}
+        - {{name: token, mountPath: /etc/tidepool/token, readOnly: true}}
+        - {{name: work, mountPath: /work}}
+  volumes:
+    - {{name: client, secret: {{secretName: {REL}-client-admin, defaultMode: 0440}}}}
+    - {{name: token, secret: {{secretName: {REL}-admin-token, defaultMode: 0440}}}}
+    - {{name: work, emptyDir: {{}}}}
+"""
+
+
+class Load:
+    """`tidectl load` in the load pod until stopped; records acknowledged keys."""
+
+    def __init__(self, name):
+        self.name = name
+        self.slug = slug(name)
+        self.result = None
+        kubectl("exec", "load", "--", "rm", "-f", "/work/stop")
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        time.sleep(3)
+
+    def _run(self):
+        self.result = kubectl("exec", "load", "--", "tidectl", "--json", "--timeout", "30", "load", "load",
+                              "--seconds", "0", "--stop-file", "/work/stop", "--writers", "4",
+                              "--size", "4096", "--prefix", self.slug, "--record", f"/work/{self.slug}.rec",
+                              check=False, timeout=3600)
+
+    def stop(self):
+        kubectl("exec", "load", "--", "touch", "/work/stop")
+        self.thread.join()
+        r = self.result
+        lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"load {self.name} printed no result:\n{r.stdout}\n{r.stderr}")
+        summary = json.loads(lines[-1])
+        failures = [l for l in r.stderr.splitlines() if "failed" in l]
+        for l in failures[:10]:
+            log(f"  load {self.name}: {l}")
+        figure(f"{self.name}: writes acknowledged / failed", f"{summary['acknowledged']} / {summary['failed']} "
+               f"({summary['puts_per_second']:.0f} puts/s)")
+        figure(f"{self.name}: longest write gap", f"{summary['longest_gap_ms']} ms")
+        if summary["failed"]:
+            raise RuntimeError(f"{self.name}: {summary['failed']} writes failed")
+        return summary
+
+
+def slug(name):
+    return "".join(c if c.isalnum() else "-" for c in name)
+
+
+def verify(name):
+    r = kubectl("exec", "load", "--", "tidectl", "--json", "verify", "load", f"/work/{slug(name)}.rec",
+                check=False, timeout=1800)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"verify {name} failed:\n{r.stdout}\n{r.stderr}")
+    summary = json.loads(lines[-1])
+    figure(f"{name}: acknowledged writes read back intact", f"{summary['checked'] - summary['bad']} of {summary['checked']}")
+    if summary["bad"]:
+        raise RuntimeError(f"{name}: {summary['bad']} acknowledged writes lost")
+
+
+def pod_of(address):
+    # https://<pod>.<headless>...:7401
+    return address.split("//", 1)[1].split(".", 1)[0]
+
+
+def replicas_per_pod(st):
+    by_id = {n["id"]: pod_of(n["address"]) for n in st["nodes"]}
+    count = {}
+    for s in st["shards"]:
+        for r in s["replicas"]:
+            count[by_id[r]] = count.get(by_id[r], 0) + 1
+    return count
+
+
+def helm_test():
+    started = time.time()
+    run("helm", "test", "-n", NS, REL, "--timeout", "5m", capture=False)
+    figure("helm test (put, get, compare, delete through the Service)", f"passed in {time.time() - started:.0f} s")
+
+
+def put_get():
+    tidectl("namespace", "create", "smoke", check=False)
+    tidectl("put", "smoke", "hello", "/etc/hostname")
+    got = tidectl("get", "smoke", "hello").stdout
+    expected = kubectl("exec", f"{REL}-node-0", "-c", "node", "--", "cat", "/etc/hostname").stdout
+    if got != expected:
+        raise RuntimeError(f"get returned {got!r}, put {expected!r}")
+    figure("tidectl put/get through the coordinator Service", "ok")
+
+
+def uninstall():
+    kubectl("delete", "pod", "load", "--ignore-not-found", "--grace-period=1")
+    started = time.time()
+    run("helm", "uninstall", REL, "-n", NS, "--wait", "--timeout", "10m", capture=False)
+    wait("no pods", lambda: not json.loads(kubectl("get", "pods", "-o", "json").stdout)["items"], timeout=300)
+    left = json.loads(kubectl("get", "pods", "-o", "json").stdout)["items"]
+    pvcs = json.loads(kubectl("get", "pvc", "-o", "json").stdout)["items"]
+    figure("helm uninstall: pods left", f"{len(left)} (after {time.time() - started:.0f} s); PVCs kept: {len(pvcs)}")
+    if left:
+        raise RuntimeError(f"pods left after uninstall: {[p['metadata']['name'] for p in left]}")
+    run("kubectl", "delete", "namespace", NS, "--wait=false", capture=False)
+
+
+def smoke():
+    cluster_up(4)
+    install(3, 1)
+    put_get()
+    helm_test()
+    uninstall()
+
+
+def scale(replicas, load_name, watch_quorum=False):
+    load = Load(load_name)
+    started = time.time()
+    kubectl("scale", "statefulset", f"{REL}-node", f"--replicas={replicas}")
+    worst = [99]
+
+    def settled():
+        st = status()
+        per_pod = replicas_per_pod(st)
+        running = running_pod_names()
+        if watch_quorum:
+            by_id = {n["id"]: pod_of(n["address"]) for n in st["nodes"]}
+            for s in st["shards"]:
+                live = sum(1 for r in s["replicas"] if by_id[r] in running)
+                worst[0] = min(worst[0], live)
+                if live < len(s["replicas"]) // 2 + 1:
+                    raise AssertionError(f"shard {s['id']} has {live} of {len(s['replicas'])} replicas running")
+        wanted = {f"{REL}-node-{i}" for i in range(replicas)}
+        return (not st["moves"] and running == wanted
+                and all(per_pod.get(p, 0) > 0 for p in wanted)
+                and all(pod in wanted for pod, n in per_pod.items() if n > 0))
+
+    deadline = time.time() + 900
+    while True:
+        try:
+            if settled():
+                break
+        except AssertionError:
+            load.stop()
+            raise
+        except Exception as e:
+            log(f"  poll: {e}")
+        if time.time() > deadline:
+            raise RuntimeError(f"scale to {replicas} did not settle")
+        time.sleep(1)
+    took = time.time() - started
+    time.sleep(3)
+    load.stop()
+    st = status()
+    figure(f"{load_name}: settled (pods, replicas placed, no move left)", f"{took:.0f} s")
+    figure(f"{load_name}: replicas per pod after", json.dumps(dict(sorted(replicas_per_pod(st).items()))))
+    if watch_quorum:
+        figure(f"{load_name}: fewest running replicas of any shard at any poll", f"{worst[0]} of 3")
+    return load_name
+
+
+def upgrade(load_name):
+    tag = f"{VERSION}-upgrade"
+    run("docker", "tag", f"{IMAGE}:{VERSION}", f"{IMAGE}:{tag}")
+    run(KL, "load", f"{IMAGE}:{tag}", capture=False)
+    load = Load(load_name)
+    started = time.time()
+    run("helm", "upgrade", REL, str(CHART), "-n", NS, "--reuse-values", "--set", f"image.tag={tag}",
+        "--wait", "--timeout", "15m", capture=False)
+    wait("every node pod on the new image", lambda: all(
+        p["spec"]["containers"][0]["image"].endswith(tag) and
+        all(s.get("ready") for s in p["status"].get("containerStatuses", []))
+        for p in pods("node")), timeout=900)
+    figure(f"{load_name}: helm upgrade --wait (rolling restart of every pod)", f"{time.time() - started:.0f} s")
+    time.sleep(3)
+    load.stop()
+
+
+def force_delete_node(load_name):
+    load = Load(load_name)
+    victim = f"{REL}-node-1"
+    old_uid = kubectl("get", "pod", victim, "-o", "jsonpath={.metadata.uid}").stdout
+    started = time.time()
+    kubectl("delete", "pod", victim, "--force", "--grace-period=0")
+    def back():
+        p = json.loads(kubectl("get", "pod", victim, "-o", "json").stdout)
+        return p["metadata"]["uid"] != old_uid and all(
+            s.get("ready") for s in p["status"].get("containerStatuses", [])) and p["status"].get("containerStatuses")
+    wait(f"{victim} to return Ready", back, timeout=600)
+    figure(f"{load_name}: force-deleted {victim} back Ready on its PVC", f"{time.time() - started:.0f} s")
+    time.sleep(5)
+    load.stop()
+
+
+def kill_leader_coordinator(load_name):
+    """kill -9 of the leading coordinator's process (kube-local runs the
+    containers on this host): no resignation; the other coordinator takes
+    over when the leader's etcd lease expires, and kubelet restarts the
+    killed container."""
+    leader = None
+    for _ in range(30):  # the Service answers from either coordinator
+        st = status()
+        if st["is_leader"]:
+            leader = st["coordinator"]
+            break
+    if leader is None:
+        raise RuntimeError("no answer from the leading coordinator")
+    load = Load(load_name)
+    started = time.time()
+    run("pkill", "-9", "-f", f"coordinator --id={leader}")
+
+    def other_leads():
+        s = status()
+        return s["is_leader"] and s["coordinator"] != leader
+    wait("another coordinator to lead", other_leads, timeout=300, every=0.5)
+    figure(f"{load_name}: leading coordinator killed (kill -9): another leads after", f"{time.time() - started:.1f} s")
+    # The map changes again: a namespace can be made, the killed one returns.
+    tidectl("namespace", "create", "after-failover")
+    wait("the killed coordinator back", lambda: all(
+        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("coordinator")),
+        timeout=300)
+    load.stop()
+
+
+def full():
+    cluster_up(8)
+    install(3, 3)
+    helm_test()
+    put_get()
+    kubectl("apply", "-f", "-", input=LOAD_POD)
+    kubectl("wait", "--for=condition=Ready", "pod/load", "--timeout=120s")
+    tidectl("namespace", "create", "load")
+    loads = []
+    loads.append(scale(5, "scale 3->5"))
+    loads.append(scale(3, "scale 5->3", watch_quorum=True))
+    upgrade("upgrade")
+    loads.append("upgrade")
+    force_delete_node("force-delete")
+    loads.append("force-delete")
+    kill_leader_coordinator("coordinator kill")
+    loads.append("coordinator kill")
+    for name in loads:
+        verify(name)
+    uninstall()
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "smoke"
+    report = Path(sys.argv[sys.argv.index("--report") + 1]) if "--report" in sys.argv else ROOT / "target" / f"k8s-{mode}.md"
+    started = time.time()
+    ok = False
+    try:
+        {"smoke": smoke, "full": full}[mode]()
+        ok = True
+    finally:
+        figure("total", f"{time.time() - started:.0f} s, {'passed' if ok else 'FAILED'}")
+        report.parent.mkdir(parents=True, exist_ok=True)
+        with open(report, "w") as f:
+            f.write(f"# k8s_test.py {mode} ({time.strftime('%Y-%m-%d %H:%M')})\n\n| what | figure |\n|---|---|\n")
+            for name, value in REPORT:
+                f.write(f"| {name} | {value} |\n")
+        log(f"report: {report}")
+        if not ok:
+            subprocess.run(["kubectl", "-n", NS, "get", "pods", "-o", "wide"], check=False)
+
+
+if __name__ == "__main__":
+    main()

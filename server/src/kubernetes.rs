@@ -1,0 +1,160 @@
+//! `tidepool kubernetes setup`: the Secrets a Helm-installed cluster needs,
+//! made inside the cluster by the chart's setup Job so that no private key
+//! ever passes through Helm's values, its release records or rendered
+//! manifests.
+//!
+//! Each Secret is created only when absent (create is atomic: of two Jobs
+//! racing, one creates and the other reads what it made), so upgrades and
+//! re-runs keep the CA, the bootstrap token and issued client certificates.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, bail};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, ObjectMeta, PostParams};
+use tidepool_security::Identity;
+use tidepool_security::certs::{self, Issued};
+
+/// What to make.
+#[derive(Debug)]
+pub struct Setup {
+    /// Namespace of the Secrets.
+    pub namespace: String,
+    /// The CA Secret.
+    pub ca_secret: String,
+    /// Its key holding the CA certificate (PEM).
+    pub ca_cert_key: String,
+    /// Its key holding the CA private key (PKCS#8 PEM).
+    pub ca_key_key: String,
+    /// Make the CA when the Secret is absent (else it must exist).
+    pub create_ca: bool,
+    /// The bootstrap admin token's Secret (key `token`), made if absent.
+    pub token_secret: Option<String>,
+    /// Client certificates: `(client name, Secret)`, each Secret holding
+    /// `ca.pem`, `client.pem` and `client-key.pem` (what `tidectl
+    /// --tls-dir` reads), made if absent.
+    pub clients: Vec<(String, String)>,
+    /// Labels of every Secret made.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Makes whatever of `setup` is missing; prints what it did.
+pub async fn setup(setup: Setup) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("cannot reach the Kubernetes API")?;
+    let secrets: Api<Secret> = Api::namespaced(client, &setup.namespace);
+    let ca = ensure_ca(&secrets, &setup).await?;
+    if let Some(name) = &setup.token_secret {
+        let data = BTreeMap::from([("token".to_string(), certs_bytes(&token()))]);
+        report(
+            name,
+            create_if_absent(&secrets, name, &setup.labels, data).await?,
+        );
+    }
+    for (client_name, name) in &setup.clients {
+        if secrets.get_opt(name).await?.is_some() {
+            report(name, false);
+            continue;
+        }
+        let identity = Identity::parse(&format!("tidepool://client/{client_name}"))
+            .with_context(|| format!("client name {client_name:?}: 1-64 of [A-Za-z0-9._-]"))?;
+        let issued = certs::issue(
+            &ca,
+            &certs::Request {
+                identity,
+                hosts: Vec::new(),
+                valid_for: certs::CERT_VALIDITY,
+                expired: false,
+            },
+        )?;
+        let data = BTreeMap::from([
+            ("ca.pem".to_string(), certs_bytes(&ca.cert_pem)),
+            ("client.pem".to_string(), certs_bytes(&issued.cert_pem)),
+            ("client-key.pem".to_string(), certs_bytes(&issued.key_pem)),
+        ]);
+        report(
+            name,
+            create_if_absent(&secrets, name, &setup.labels, data).await?,
+        );
+    }
+    Ok(())
+}
+
+fn token() -> String {
+    tidepool_security::token::generate()
+}
+
+fn certs_bytes(text: &str) -> ByteString {
+    ByteString(text.as_bytes().to_vec())
+}
+
+fn report(name: &str, created: bool) {
+    if created {
+        println!("secret/{name} created");
+    } else {
+        println!("secret/{name} exists; kept");
+    }
+}
+
+/// The CA from its Secret, made first if absent and allowed.
+async fn ensure_ca(secrets: &Api<Secret>, setup: &Setup) -> anyhow::Result<Issued> {
+    if secrets.get_opt(&setup.ca_secret).await?.is_none() {
+        if !setup.create_ca {
+            bail!(
+                "CA Secret {:?} not found in namespace {:?} (the chart was told to use an existing one)",
+                setup.ca_secret,
+                setup.namespace
+            );
+        }
+        let ca = certs::new_ca("tidepool", certs::CA_VALIDITY)?;
+        let data = BTreeMap::from([
+            (setup.ca_cert_key.clone(), certs_bytes(&ca.cert_pem)),
+            (setup.ca_key_key.clone(), certs_bytes(&ca.key_pem)),
+        ]);
+        let created = create_if_absent(secrets, &setup.ca_secret, &setup.labels, data).await?;
+        report(&setup.ca_secret, created);
+    } else {
+        report(&setup.ca_secret, false);
+    }
+    // Read back what is stored (another Job may have won the race).
+    let secret = secrets.get(&setup.ca_secret).await?;
+    let field = |key: &str| -> anyhow::Result<String> {
+        let bytes = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(key))
+            .with_context(|| format!("CA Secret {:?} has no key {key:?}", setup.ca_secret))?;
+        String::from_utf8(bytes.0.clone())
+            .with_context(|| format!("CA Secret {:?} key {key:?} is not PEM", setup.ca_secret))
+    };
+    Ok(Issued {
+        cert_pem: field(&setup.ca_cert_key)?,
+        key_pem: field(&setup.ca_key_key)?,
+    })
+}
+
+/// Creates the Secret unless one of that name exists; whether it did.
+async fn create_if_absent(
+    secrets: &Api<Secret>,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    data: BTreeMap<String, ByteString>,
+) -> anyhow::Result<bool> {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            labels: Some(labels.clone()),
+            ..ObjectMeta::default()
+        },
+        data: Some(data),
+        type_: Some("Opaque".into()),
+        ..Secret::default()
+    };
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("cannot create Secret {name:?}")),
+    }
+}
