@@ -162,5 +162,5 @@ k8s-manifests: ## Rewrite k8s/tidepool.yaml: the chart rendered with default val
 k8s-smoke: image ## On kube-local (root): install, tidectl put/get, helm test, uninstall (what .ci/run runs).
 	KUBE_LOCAL=$(KUBE_LOCAL) VERSION=$(VERSION) python3 helm/test/k8s_test.py smoke
 
-k8s-test: image ## On kube-local (root, ~15 min): install, scale 3->5->3 under load, upgrade, pod and coordinator kills, uninstall; figures in target/k8s-full.md.
+k8s-test: image ## On kube-local (root, ~5 min): install, scale 3->5->3 under load, upgrade, pod and coordinator kills, uninstall; figures in target/k8s-full.md.
 	KUBE_LOCAL=$(KUBE_LOCAL) VERSION=$(VERSION) python3 helm/test/k8s_test.py full

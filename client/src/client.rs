@@ -150,6 +150,15 @@ pub fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
 }
 
+/// A failure that is not an answer from the node: no connection, a
+/// broken one (a transport error carries no Tidepool error detail).
+fn no_answer(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    ) && tidepool_proto::error_detail(status).is_none()
+}
+
 fn backoff(attempt: usize) -> Duration {
     Duration::from_millis(20 << attempt.min(5))
 }
@@ -331,22 +340,13 @@ impl Client {
                 }
                 route => route?,
             };
+            let shard_id = route.shard.shard_id;
             let address = redirect.take().or_else(|| {
-                let mut candidates: Vec<u64> = Vec::new();
-                if route.shard.leader_hint != 0 {
-                    candidates.push(route.shard.leader_hint);
-                }
-                candidates.extend(
-                    route
-                        .shard
-                        .replicas
-                        .iter()
-                        .map(|r| r.node_id)
-                        .filter(|id| *id != route.shard.leader_hint),
-                );
+                let candidates = self.cluster.candidates(&route.shard);
                 let id = *candidates.get(attempt % candidates.len().max(1))?;
                 Cluster::address(&map, id)
             });
+            let target = address.as_deref().and_then(|a| Cluster::node_at(&map, a));
             let last = match address {
                 None => Error::new(
                     ErrorCode::NoQuorum,
@@ -364,11 +364,19 @@ impl Client {
                     let limit = self.attempt_timeout.map_or(remaining, |a| a.min(remaining));
                     let attempt_future = op(channel, map.version, route.shard.shard_id);
                     let status = match tokio::time::timeout(limit, attempt_future).await {
-                        Ok(Ok(value)) => return Ok(value),
+                        Ok(Ok(value)) => {
+                            if let Some(id) = target {
+                                self.cluster.answered(shard_id, id);
+                            }
+                            return Ok(value);
+                        }
                         Ok(Err(status)) => status,
                         Err(_) if limit < remaining => {
                             // This attempt is given up; the next replica
                             // is tried (the leader may be frozen).
+                            if let Some(id) = target {
+                                self.cluster.unreachable(id);
+                            }
                             Status::deadline_exceeded(format!(
                                 "no answer from {address} within {limit:?}"
                             ))
@@ -380,7 +388,18 @@ impl Client {
                             ));
                         }
                     };
-                    match classify(&status) {
+                    let disposition = classify(&status);
+                    if let Some(id) = target {
+                        if no_answer(&status) {
+                            self.cluster.unreachable(id);
+                        } else if !matches!(disposition, Disposition::Fail(_)) {
+                            // It answered, but did not serve as the
+                            // shard's leader (not leading, stopping,
+                            // overloaded): the next attempt tries another.
+                            self.cluster.not_leader(shard_id, id);
+                        }
+                    }
+                    match disposition {
                         Disposition::Fail(error) => return Err(error),
                         Disposition::Redirect(error, hinted, id) => {
                             redirect =

@@ -27,7 +27,19 @@ pub(crate) struct Cluster {
     map: watch::Sender<Arc<ClusterMap>>,
     channels: Mutex<HashMap<String, Channel>>,
     security: Security,
+    /// What answers taught about each shard's leader (node id), ahead of
+    /// the map's hint, which trails a leadership change by a reconcile
+    /// round and a map push.
+    leaders: Mutex<HashMap<u32, u64>>,
+    /// Nodes that recently did not answer at all (could not connect, the
+    /// connection failed, no answer in time), with when: tried last for
+    /// `UNREACHABLE_FOR`, since dialling a pod that is gone costs the
+    /// whole connect timeout.
+    unreachable: Mutex<HashMap<u64, std::time::Instant>>,
 }
+
+/// How long a node that did not answer is tried after the others.
+const UNREACHABLE_FOR: Duration = Duration::from_secs(5);
 
 /// Where a key goes.
 pub(crate) struct Route {
@@ -42,7 +54,65 @@ impl Cluster {
             connect_timeout,
             map: watch::Sender::new(Arc::new(ClusterMap::default())),
             channels: Mutex::new(HashMap::new()),
+            leaders: Mutex::new(HashMap::new()),
+            unreachable: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The nodes to try for `shard`, in order: the leader answers taught,
+    /// the map's hint, the other replicas — nodes that recently did not
+    /// answer last.
+    pub fn candidates(&self, shard: &ShardInfo) -> Vec<u64> {
+        let mut order: Vec<u64> = Vec::with_capacity(shard.replicas.len() + 1);
+        let members = || shard.replicas.iter().map(|r| r.node_id);
+        if let Some(learned) = self.leaders.lock().get(&shard.shard_id).copied()
+            && members().any(|id| id == learned)
+        {
+            order.push(learned);
+        }
+        if shard.leader_hint != 0 && !order.contains(&shard.leader_hint) {
+            order.push(shard.leader_hint);
+        }
+        for id in members() {
+            if !order.contains(&id) {
+                order.push(id);
+            }
+        }
+        let now = std::time::Instant::now();
+        let mut unreachable = self.unreachable.lock();
+        unreachable.retain(|_, at| now.duration_since(*at) < UNREACHABLE_FOR);
+        // Stable: the order above holds within each group.
+        order.sort_by_key(|id| unreachable.contains_key(id));
+        order
+    }
+
+    /// `node` answered for `shard` as its leader.
+    pub fn answered(&self, shard: u32, node: u64) {
+        self.leaders.lock().insert(shard, node);
+        self.unreachable.lock().remove(&node);
+    }
+
+    /// `node` does not lead `shard` (it said so, or named another).
+    pub fn not_leader(&self, shard: u32, node: u64) {
+        let mut leaders = self.leaders.lock();
+        if leaders.get(&shard) == Some(&node) {
+            leaders.remove(&shard);
+        }
+    }
+
+    /// `node` did not answer at all.
+    pub fn unreachable(&self, node: u64) {
+        self.unreachable
+            .lock()
+            .insert(node, std::time::Instant::now());
+    }
+
+    /// The id of the node at `address` in `map`.
+    pub fn node_at(map: &ClusterMap, address: &str) -> Option<u64> {
+        map.nodes
+            .iter()
+            .find(|n| n.address == address)
+            .map(|n| n.node_id)
     }
 
     /// The cached map.
@@ -207,5 +277,55 @@ impl Cluster {
             .iter()
             .find(|n| n.node_id == id)
             .map(|n| n.address.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_proto::v1::ReplicaInfo;
+
+    fn shard(hint: u64, replicas: &[u64]) -> ShardInfo {
+        ShardInfo {
+            shard_id: 7,
+            leader_hint: hint,
+            replicas: replicas
+                .iter()
+                .map(|id| ReplicaInfo {
+                    node_id: *id,
+                    ..ReplicaInfo::default()
+                })
+                .collect(),
+            ..ShardInfo::default()
+        }
+    }
+
+    #[test]
+    fn learned_leaders_first_unreachable_nodes_last() {
+        let cluster = Cluster::new(Vec::new(), Duration::from_secs(1), Security::default());
+        let s = shard(2, &[1, 2, 3]);
+        assert_eq!(cluster.candidates(&s), [2, 1, 3], "the map's hint first");
+        cluster.answered(7, 3);
+        assert_eq!(
+            cluster.candidates(&s),
+            [3, 2, 1],
+            "then what answers taught"
+        );
+        cluster.unreachable(3);
+        assert_eq!(
+            cluster.candidates(&s),
+            [2, 1, 3],
+            "a node that did not answer last"
+        );
+        cluster.answered(7, 3);
+        assert_eq!(cluster.candidates(&s), [3, 2, 1], "answering clears it");
+        cluster.not_leader(7, 3);
+        assert_eq!(cluster.candidates(&s), [2, 1, 3]);
+        // A learned leader that is no longer a replica is ignored.
+        cluster.answered(7, 9);
+        assert_eq!(cluster.candidates(&s), [2, 1, 3]);
+        // Another shard's knowledge does not leak.
+        cluster.answered(8, 1);
+        assert_eq!(cluster.candidates(&s), [2, 1, 3]);
     }
 }

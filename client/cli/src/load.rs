@@ -42,6 +42,8 @@ struct Tally {
     last_ack: Duration,
     longest_gap: Duration,
     longest_gap_at: Duration,
+    /// The longest an acknowledged put took (what one caller waited).
+    slowest: Duration,
 }
 
 impl Tally {
@@ -103,6 +105,7 @@ pub async fn load(json: bool, client: &Client, settings: Load) -> Outcome {
                 let key = format!("{prefix}-{writer}-{n}");
                 n += 1;
                 let value = content(&key, size);
+                let began = Instant::now();
                 match client.put(&namespace, key.as_bytes(), &value).await {
                     Ok(_) => {
                         if let Some(record) = &record {
@@ -110,7 +113,9 @@ pub async fn load(json: bool, client: &Client, settings: Load) -> Outcome {
                             let _ = writeln!(file, "{key} {size}");
                             let _ = file.flush();
                         }
-                        tally.lock().ack(started.elapsed());
+                        let mut t = tally.lock();
+                        t.ack(started.elapsed());
+                        t.slowest = t.slowest.max(began.elapsed());
                     }
                     Err(e) => {
                         eprintln!(
@@ -144,14 +149,16 @@ pub async fn load(json: bool, client: &Client, settings: Load) -> Outcome {
             "puts_per_second": rate,
             "longest_gap_ms": t.longest_gap.as_millis() as u64,
             "longest_gap_at_s": t.longest_gap_at.as_secs_f64(),
+            "slowest_put_ms": t.slowest.as_millis() as u64,
         }),
         format!(
-            "{} acknowledged, {} failed in {:.1} s ({rate:.1} puts/s); longest gap between acknowledgements {} ms, from {:.1} s",
+            "{} acknowledged, {} failed in {:.1} s ({rate:.1} puts/s); longest gap between acknowledgements {} ms, from {:.1} s; slowest acknowledged put {} ms",
             t.acknowledged,
             t.failed,
             elapsed.as_secs_f64(),
             t.longest_gap.as_millis(),
-            t.longest_gap_at.as_secs_f64()
+            t.longest_gap_at.as_secs_f64(),
+            t.slowest.as_millis()
         ),
     );
     if t.failed > 0 {

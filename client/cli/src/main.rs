@@ -677,7 +677,8 @@ async fn token_command(cli: &Cli, client: &Client, command: &TokenCommand) -> Ou
 async fn run(cli: &Cli) -> Outcome {
     let mut config = ClientConfig::new(&cli.coordinator);
     config.timeout = Duration::from_secs(cli.timeout);
-    config.watch = false;
+    // One-shot commands need no map watch; a load runs long enough to.
+    config.watch = matches!(cli.command, Command::Load { .. });
     credentials(cli, &mut config)?;
     let client = Client::with_config(config).await.map_err(|e| Failure {
         // A refused credential keeps its own exit code.
