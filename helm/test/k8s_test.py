@@ -84,11 +84,59 @@ def available_volumes():
     return sum(1 for pv in pvs if pv.get("status", {}).get("phase") == "Available")
 
 
+KL_RUN = Path(os.environ.get("KUBE_LOCAL_HOME", Path.home() / ".cache/kube-local")) / "run"
+KL_PARTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+            "containerd", "kubelet", "kube-proxy", "coredns")
+
+
+def pid_runs(name):
+    """Whether kube-local's pid file for `name` names a live process of that
+    program (a pid file can outlive its process and the pid be reused)."""
+    try:
+        pid = int((KL_RUN / f"{name}.pid").read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except (OSError, ValueError):
+        return False
+    return os.path.basename(cmdline.decode(errors="replace")) == name
+
+
+def clear_stale_state():
+    """Removes what a kube-local that is not running left behind: pid files
+    of dead (or reused) pids, and containerd's socket file. A stale socket
+    file makes `kube-local up` believe containerd is listening before it is
+    (it waits for the file to exist), and its first `ctr` call then fails
+    with "connection refused"."""
+    if pid_runs("kube-apiserver"):
+        return
+    for name in KL_PARTS:
+        if (KL_RUN / f"{name}.pid").exists() and not pid_runs(name):
+            (KL_RUN / f"{name}.pid").unlink()
+    if not pid_runs("containerd"):
+        (KL_RUN / "containerd" / "containerd.sock").unlink(missing_ok=True)
+
+
+def kube_local_up():
+    """`kube-local up`, once more after a `down` when it fails; the logs of
+    its parts are printed when it fails twice."""
+    for attempt in (1, 2):
+        clear_stale_state()
+        if run(KL, "up", capture=False, timeout=3600, check=False).returncode == 0:
+            return
+        log(f"kube-local up failed (attempt {attempt})")
+        for name in KL_PARTS:
+            logfile = KL_RUN / f"{name}.log"
+            if logfile.exists():
+                tail = logfile.read_text(errors="replace").splitlines()[-15:]
+                print(f"--- {logfile} (last lines)\n" + "\n".join(tail), flush=True)
+        run(KL, "down", capture=False, timeout=600, check=False)
+    raise RuntimeError("kube-local up failed twice")
+
+
 def cluster_up(volumes):
     """kube-local up; restarted afresh when fewer than `volumes` of its
     (retained, single-use) PersistentVolumes are left."""
     started = time.time()
-    run(KL, "up", capture=False, timeout=3600)
+    kube_local_up()
     load_env()
     # Releases an earlier, failed run left behind.
     for ns in json.loads(run("kubectl", "get", "namespaces", "-o", "json").stdout)["items"]:
@@ -104,7 +152,7 @@ def cluster_up(volumes):
         # orphaned (still dialling, still resolving names against the next
         # cluster's DNS); these images' binaries live in /usr/local/bin.
         run("pkill", "-9", "-f", "^/usr/local/bin/(tidepool|tidectl|etcd) ", check=False)
-        run(KL, "up", capture=False, timeout=3600)
+        kube_local_up()
         load_env()
     # Docker (which kube-local starts for image builds) sets the FORWARD
     # policy to DROP; with bridge netfilter on, that drops pod-to-pod
