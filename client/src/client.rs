@@ -134,6 +134,9 @@ pub struct Client {
     pub(crate) sessions: Arc<SessionPool>,
     /// Counts the attempts this client (or clone) makes, if set.
     pub(crate) attempts: Option<Arc<AtomicU64>>,
+    /// The token blob calls carry instead of the client's own
+    /// ([`Client::acting_as`]).
+    pub(crate) caller_token: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -163,7 +166,7 @@ fn backoff(attempt: usize) -> Duration {
     Duration::from_millis(20 << attempt.min(5))
 }
 
-fn digest_of(bytes: &[u8]) -> Result<[u8; 32]> {
+pub(crate) fn digest_of(bytes: &[u8]) -> Result<[u8; 32]> {
     bytes.try_into().map_err(|_| {
         Error::new(
             ErrorCode::Internal,
@@ -269,6 +272,7 @@ impl Client {
             attempt_timeout: config.attempt_timeout,
             sessions: Arc::default(),
             attempts: None,
+            caller_token: None,
         })
     }
 
@@ -298,6 +302,39 @@ impl Client {
         Client {
             attempt_timeout,
             ..self.clone()
+        }
+    }
+
+    /// The same client (shared map, connections and sessions) sending
+    /// `token` with its blob calls instead of its own: what a gateway
+    /// uses to act with each caller's own rights. The map is still
+    /// fetched with the client's own credentials. `INVALID_ARGUMENT` if
+    /// the token cannot be sent in a header.
+    pub fn acting_as(&self, token: &str) -> Result<Client> {
+        if token.is_empty() || token.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "a token is printable ASCII without spaces",
+            ));
+        }
+        Ok(Client {
+            caller_token: Some(Arc::from(token)),
+            ..self.clone()
+        })
+    }
+
+    /// A channel to `address` carrying the caller's token when acting for
+    /// one.
+    pub(crate) fn channel_as_caller(&self, address: &str) -> Result<Channel> {
+        let channel = self.cluster.channel(address)?;
+        match &self.caller_token {
+            None => Ok(channel),
+            Some(token) => channel.with_token(token).ok_or_else(|| {
+                Error::new(
+                    ErrorCode::InvalidArgument,
+                    "the token is not a header value",
+                )
+            }),
         }
     }
 
@@ -359,7 +396,7 @@ impl Client {
                     if let Some(counter) = &self.attempts {
                         counter.fetch_add(1, Ordering::Relaxed);
                     }
-                    let channel = self.cluster.channel(&address)?;
+                    let channel = self.channel_as_caller(&address)?;
                     let remaining = deadline.saturating_duration_since(Instant::now());
                     let limit = self.attempt_timeout.map_or(remaining, |a| a.min(remaining));
                     let attempt_future = op(channel, map.version, route.shard.shard_id);
@@ -651,6 +688,7 @@ impl Client {
     ) -> Result<Vec<bool>> {
         let mut answers: Vec<Option<bool>> = vec![None; keys.len()];
         let deadline = Instant::now() + self.timeout;
+        let mut rounds = 0;
         while answers.iter().any(Option::is_none) {
             // Group the unanswered keys by shard under the current map.
             let map = self.cluster.map();
@@ -679,10 +717,28 @@ impl Client {
                             ..BatchExistsRequest::default()
                         };
                         async move {
-                            BlobServiceClient::new(channel)
+                            let presence = BlobServiceClient::new(channel)
                                 .batch_exists(request)
-                                .await
-                                .map(|r| r.into_inner().presence)
+                                .await?
+                                .into_inner()
+                                .presence;
+                            // A node that answers for none of the shard's
+                            // keys does not lead it (it answers OK, with
+                            // NOT_HERE): treated as NOT_LEADER, so another
+                            // replica is tried (after a pause) and this one
+                            // is not remembered as the leader.
+                            if !presence.is_empty()
+                                && presence.iter().all(|p| *p == Presence::NotHere as i32)
+                            {
+                                return Err(tidepool_proto::status_with_detail(
+                                    tidepool_proto::v1::ErrorDetail {
+                                        code: ErrorCode::NotLeader as i32,
+                                        message: "the node cannot answer for this shard".into(),
+                                        ..Default::default()
+                                    },
+                                ));
+                            }
+                            Ok(presence)
                         }
                     })
                     .await?;
@@ -702,6 +758,8 @@ impl Client {
                         "keys kept moving between shards until the deadline",
                     ));
                 }
+                tokio::time::sleep(backoff(rounds)).await;
+                rounds += 1;
                 self.cluster.refresh().await?;
             }
         }
@@ -775,8 +833,9 @@ impl Client {
         Ok(ns.content_addressed)
     }
 
-    /// Largest chunk: the cluster's value limit.
-    pub(crate) fn chunk_size(&self) -> usize {
+    /// Largest chunk: the cluster's value limit. Blobs larger than this
+    /// are stored chunked (a manifest and its chunks).
+    pub fn chunk_size(&self) -> usize {
         let limit = self.cluster.map().max_value_bytes;
         if limit == 0 { 4 << 20 } else { limit as usize }
     }

@@ -60,7 +60,7 @@ mod stream;
 pub use admin::RetentionPolicy;
 pub use client::{BlobMeta, Client, ClientConfig, PutOutcome, sha256};
 pub use error::{Error, Result};
-pub use stream::hex;
+pub use stream::{BlobReader, Upload, hex};
 pub use tidepool_proto as proto;
 pub use tidepool_proto::v1::ErrorCode;
 pub use tidepool_security::TlsFiles;

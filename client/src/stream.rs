@@ -18,7 +18,7 @@ use tidepool_proto::v1::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::client::{Client, PutOutcome, blob_ref, read_blob, sha256};
+use crate::client::{Client, PutOutcome, blob_ref, digest_of, read_blob, sha256};
 use crate::cluster::Cluster;
 use crate::error::{Error, Result};
 
@@ -68,57 +68,83 @@ impl Client {
         mut reader: R,
         mut progress: impl FnMut(u64),
     ) -> Result<PutOutcome> {
+        let mut upload = self.upload(namespace, key).await?;
         let limit = self.chunk_size();
-        let mut current = read_up_to(&mut reader, limit).await?;
-        let mut next = read_up_to(&mut reader, limit).await?;
-        if next.is_empty() {
-            let outcome = self
-                .put_one(namespace, key, &current, BlobKind::Data)
-                .await?;
-            progress(current.len() as u64);
-            return Ok(outcome);
-        }
-        let cas = self.content_addressed(namespace).await?;
-        let replaced = if cas {
-            None
-        } else {
-            self.manifest_if_chunked(namespace, key).await?
-        };
-        let nonce: u64 = rand::random();
-        let mut whole = Sha256::new();
-        let mut manifest = ChunkManifest {
-            nonce: if cas { 0 } else { nonce },
-            ..ChunkManifest::default()
-        };
-        for index in 0.. {
-            let digest = sha256(&current);
-            let chunk_key = if cas {
-                digest
-            } else {
-                chunk_key(key, nonce, index)
-            };
-            self.put_one(namespace, &chunk_key, &current, BlobKind::Data)
-                .await?;
-            whole.update(&current);
-            manifest.size += current.len() as u64;
-            manifest.chunks.push(ChunkRef {
-                key: chunk_key.to_vec(),
-                size: current.len() as u64,
-                sha256: digest.to_vec(),
-            });
-            progress(manifest.size);
-            if next.is_empty() {
+        loop {
+            let piece = read_up_to(&mut reader, limit).await?;
+            if piece.is_empty() {
                 break;
             }
-            current = std::mem::take(&mut next);
-            next = read_up_to(&mut reader, limit).await?;
+            upload.write(&piece).await?;
+            progress(upload.written());
+        }
+        upload.finish().await
+    }
+
+    /// The chunks a blob is stored as, in order: a chunked blob's from its
+    /// manifest, a plain blob as its single chunk (its own key).
+    pub async fn chunks(&self, namespace: &str, key: &[u8]) -> Result<Vec<ChunkRef>> {
+        if let Some(manifest) = self.manifest_if_chunked(namespace, key).await? {
+            return Ok(manifest.chunks);
+        }
+        let meta = self.head(namespace, key).await?;
+        Ok(vec![ChunkRef {
+            key: key.to_vec(),
+            size: meta.size,
+            sha256: meta.sha256.to_vec(),
+        }])
+    }
+
+    /// Stores under `key`, in a content-addressed namespace, the blob made
+    /// of `chunks` — plain blobs already stored there, named by their
+    /// digests, in order. Every chunk is read and verified, and their
+    /// concatenation must hash to `key` (`DIGEST_MISMATCH`); a missing
+    /// chunk is `NOT_FOUND`.
+    pub async fn splice(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        chunks: &[[u8; 32]],
+    ) -> Result<PutOutcome> {
+        if !self.content_addressed(namespace).await? {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "splicing is for content-addressed namespaces",
+            ));
+        }
+        let mut whole = Sha256::new();
+        let mut manifest = ChunkManifest::default();
+        for chunk in chunks {
+            let (info, bytes) = self.get_verified(namespace, chunk, true).await?;
+            if info.kind == BlobKind::Manifest as i32 || sha256(&bytes)[..] != chunk[..] {
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("chunk {} is not a plain blob of its digest", hex(chunk)),
+                ));
+            }
+            whole.update(&bytes);
+            manifest.size += bytes.len() as u64;
+            manifest.chunks.push(ChunkRef {
+                key: chunk.to_vec(),
+                size: bytes.len() as u64,
+                sha256: chunk.to_vec(),
+            });
         }
         let digest: [u8; 32] = whole.finalize().into();
-        if cas && key != digest {
+        if digest[..] != key[..] {
             return Err(Error::new(
                 ErrorCode::DigestMismatch,
-                "the content's SHA-256 is not the key; the chunks were stored, the blob was not",
+                "the chunks do not concatenate to the blob of this digest",
             ));
+        }
+        if manifest.chunks.len() <= 1 {
+            // One chunk is the blob itself (stored under its digest).
+            return Ok(PutOutcome {
+                size: manifest.size,
+                sha256: digest,
+                epoch: 0,
+                already_present: true,
+            });
         }
         manifest.sha256 = digest.to_vec();
         let mut outcome = self
@@ -131,12 +157,90 @@ impl Client {
             .await?;
         outcome.size = manifest.size;
         outcome.sha256 = digest;
-        if let Some(old) = replaced {
-            for chunk in own_chunks(key, &old) {
-                self.delete_chunk(namespace, &chunk).await?;
-            }
-        }
         Ok(outcome)
+    }
+
+    /// Starts writing a blob under `key` piece by piece ([`Upload`]):
+    /// for producers that do not hold the whole blob, or that resume.
+    pub async fn upload(&self, namespace: &str, key: &[u8]) -> Result<Upload> {
+        let cas = self.content_addressed(namespace).await?;
+        Ok(Upload {
+            client: self.clone(),
+            namespace: namespace.to_string(),
+            key: key.to_vec(),
+            cas,
+            chunk_size: self.chunk_size(),
+            pending: Vec::new(),
+            manifest: ChunkManifest {
+                nonce: if cas { 0 } else { rand::random() },
+                ..ChunkManifest::default()
+            },
+            whole: Sha256::new(),
+            written: 0,
+            failed: false,
+        })
+    }
+
+    /// Opens a blob for reading in verified pieces ([`BlobReader`]),
+    /// from `offset`, at most `limit` bytes (`None`: to the end).
+    pub async fn open_range(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        offset: u64,
+        limit: Option<u64>,
+    ) -> Result<BlobReader> {
+        let cas = self.content_addressed(namespace).await?;
+        let (info, content) = self.get_verified(namespace, key, cas).await?;
+        let mut reader = BlobReader {
+            client: self.clone(),
+            namespace: namespace.to_string(),
+            key: key.to_vec(),
+            cas,
+            size: 0,
+            sha256: [0; 32],
+            epoch: info.epoch,
+            plain: None,
+            manifest: ChunkManifest::default(),
+            next_chunk: 0,
+            whole: None,
+            skip: 0,
+            remaining: limit.unwrap_or(u64::MAX),
+        };
+        if info.kind != BlobKind::Manifest as i32 {
+            let digest = sha256(&content);
+            if cas && digest[..] != key[..] {
+                return Err(corrupt(format!(
+                    "the content read under {} does not hash to it",
+                    hex(key)
+                )));
+            }
+            reader.size = content.len() as u64;
+            reader.sha256 = digest;
+            let start = offset.min(reader.size) as usize;
+            reader.plain = Some(content[start..].to_vec());
+            return Ok(reader);
+        }
+        let manifest = ChunkManifest::decode(&content[..])
+            .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))?;
+        reader.size = manifest.size;
+        reader.sha256 = digest_of(&manifest.sha256)
+            .map_err(|_| corrupt(format!("the manifest of {} has no digest", hex(key))))?;
+        // The first chunk holding `offset`; the whole blob's digest is
+        // checked only when it is read whole.
+        let mut start = 0u64;
+        while reader.next_chunk < manifest.chunks.len()
+            && start + manifest.chunks[reader.next_chunk].size <= offset
+        {
+            start += manifest.chunks[reader.next_chunk].size;
+            reader.next_chunk += 1;
+        }
+        reader.skip = offset.saturating_sub(start);
+        if offset == 0 && limit.is_none() {
+            reader.whole = Some(Sha256::new());
+        }
+        reader.manifest = manifest;
+        Ok(reader)
     }
 
     async fn delete_chunk(&self, namespace: &str, key: &[u8]) -> Result<()> {
@@ -166,49 +270,14 @@ impl Client {
         mut writer: W,
         mut progress: impl FnMut(u64, u64),
     ) -> Result<u64> {
-        let cas = self.content_addressed(namespace).await?;
-        let (info, content) = self.get_verified(namespace, key, cas).await?;
-        if info.kind != BlobKind::Manifest as i32 {
-            if cas && sha256(&content)[..] != key[..] {
-                return Err(corrupt(format!(
-                    "the content read under {} does not hash to it",
-                    hex(key)
-                )));
-            }
-            writer.write_all(&content).await?;
-            writer.flush().await?;
-            progress(content.len() as u64, content.len() as u64);
-            return Ok(content.len() as u64);
-        }
-        let manifest = ChunkManifest::decode(&content[..])
-            .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))?;
-        let mut whole = Sha256::new();
+        let mut reader = self.open_range(namespace, key, 0, None).await?;
         let mut done = 0;
-        for chunk in &manifest.chunks {
-            let (_, bytes) = self.get_verified(namespace, &chunk.key, cas).await?;
-            if sha256(&bytes)[..] != chunk.sha256[..] || bytes.len() as u64 != chunk.size {
-                return Err(corrupt(format!(
-                    "chunk {} of {} does not match its manifest",
-                    hex(&chunk.key),
-                    hex(key)
-                )));
-            }
-            whole.update(&bytes);
-            writer.write_all(&bytes).await?;
-            done += bytes.len() as u64;
-            progress(done, manifest.size);
+        while let Some(piece) = reader.next_piece().await? {
+            writer.write_all(&piece).await?;
+            done += piece.len() as u64;
+            progress(done, reader.size());
         }
         writer.flush().await?;
-        let digest: [u8; 32] = whole.finalize().into();
-        if digest[..] != manifest.sha256[..]
-            || (cas && digest[..] != key[..])
-            || done != manifest.size
-        {
-            return Err(corrupt(format!(
-                "the chunks of {} do not add up to the blob its manifest describes",
-                hex(key)
-            )));
-        }
         Ok(done)
     }
 
@@ -251,7 +320,7 @@ impl Client {
         namespace: &str,
         key: &[u8],
     ) -> Result<(BlobInfo, Vec<u8>)> {
-        let channel = self.cluster.channel(address)?;
+        let channel = self.channel_as_caller(address)?;
         let request = GetRequest {
             blob: blob_ref(namespace, key),
             consistency: ReadConsistency::AnyReplica as i32,
@@ -288,6 +357,247 @@ impl Client {
         ChunkManifest::decode(&content[..])
             .map(Some)
             .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))
+    }
+}
+
+/// A blob being written piece by piece ([`Client::upload`]): every full
+/// chunk is stored as soon as it is complete (so memory stays at one
+/// chunk), and [`Upload::finish`] stores the blob — a plain blob when it
+/// fits one node entry, else the manifest of its chunks. Nothing is
+/// visible under the key before `finish`. A failed write poisons the
+/// upload (start again).
+pub struct Upload {
+    client: Client,
+    namespace: String,
+    key: Vec<u8>,
+    cas: bool,
+    chunk_size: usize,
+    pending: Vec<u8>,
+    manifest: ChunkManifest,
+    whole: Sha256,
+    written: u64,
+    failed: bool,
+}
+
+impl std::fmt::Debug for Upload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upload")
+            .field("namespace", &self.namespace)
+            .field("key", &hex(&self.key))
+            .field("written", &self.written)
+            .finish()
+    }
+}
+
+impl Upload {
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Appends `bytes`, storing every chunk that is complete.
+    pub async fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        if self.failed {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "an earlier write of this upload failed; start the upload again",
+            ));
+        }
+        self.whole.update(bytes);
+        self.written += bytes.len() as u64;
+        self.pending.extend_from_slice(bytes);
+        // A chunk is stored once more bytes follow it, so that a blob of at
+        // most one chunk stays a plain blob.
+        while self.pending.len() > self.chunk_size {
+            let rest = self.pending.split_off(self.chunk_size);
+            let chunk = std::mem::replace(&mut self.pending, rest);
+            if let Err(e) = self.store_chunk(chunk).await {
+                self.failed = true;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    async fn store_chunk(&mut self, chunk: Vec<u8>) -> Result<()> {
+        let digest = sha256(&chunk);
+        let index = self.manifest.chunks.len() as u64;
+        let chunk_key = if self.cas {
+            digest
+        } else {
+            chunk_key(&self.key, self.manifest.nonce, index)
+        };
+        self.client
+            .put_one(&self.namespace, &chunk_key, &chunk, BlobKind::Data)
+            .await?;
+        self.manifest.chunks.push(ChunkRef {
+            key: chunk_key.to_vec(),
+            size: chunk.len() as u64,
+            sha256: digest.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// Stores the blob. In a content-addressed namespace the content must
+    /// hash to the key (`DIGEST_MISMATCH`; its chunks stay, to
+    /// retention). Outside one, a chunked blob it replaces has its own
+    /// chunks deleted afterwards.
+    pub async fn finish(mut self) -> Result<PutOutcome> {
+        if self.failed {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "an earlier write of this upload failed; start the upload again",
+            ));
+        }
+        let (client, namespace, key) = (
+            self.client.clone(),
+            self.namespace.clone(),
+            self.key.clone(),
+        );
+        if self.manifest.chunks.is_empty() {
+            return client
+                .put_one(&namespace, &key, &self.pending, BlobKind::Data)
+                .await;
+        }
+        let last = std::mem::take(&mut self.pending);
+        if !last.is_empty() {
+            self.store_chunk(last).await?;
+        }
+        let digest: [u8; 32] = self.whole.clone().finalize().into();
+        if self.cas && key[..] != digest[..] {
+            return Err(Error::new(
+                ErrorCode::DigestMismatch,
+                "the content's SHA-256 is not the key; the chunks were stored, the blob was not",
+            ));
+        }
+        let replaced = if self.cas {
+            None
+        } else {
+            client.manifest_if_chunked(&namespace, &key).await?
+        };
+        self.manifest.size = self.written;
+        self.manifest.sha256 = digest.to_vec();
+        let mut outcome = client
+            .put_one(
+                &namespace,
+                &key,
+                &self.manifest.encode_to_vec(),
+                BlobKind::Manifest,
+            )
+            .await?;
+        outcome.size = self.written;
+        outcome.sha256 = digest;
+        if let Some(old) = replaced {
+            for chunk in own_chunks(&key, &old) {
+                client.delete_chunk(&namespace, &chunk).await?;
+            }
+        }
+        Ok(outcome)
+    }
+}
+
+/// A blob opened for reading ([`Client::open_range`]): its size and
+/// digest, and its bytes in pieces (a chunk at a time), each verified
+/// before it is handed out; a whole read is checked against the blob's
+/// digest at the end.
+pub struct BlobReader {
+    client: Client,
+    namespace: String,
+    key: Vec<u8>,
+    cas: bool,
+    size: u64,
+    sha256: [u8; 32],
+    epoch: u64,
+    plain: Option<Vec<u8>>,
+    manifest: ChunkManifest,
+    next_chunk: usize,
+    whole: Option<Sha256>,
+    skip: u64,
+    remaining: u64,
+}
+
+impl std::fmt::Debug for BlobReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobReader")
+            .field("namespace", &self.namespace)
+            .field("key", &hex(&self.key))
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl BlobReader {
+    /// Size of the whole blob, bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// SHA-256 of the whole blob.
+    pub fn sha256(&self) -> [u8; 32] {
+        self.sha256
+    }
+
+    /// Epoch of the blob's last write or touch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The stored keys the blob is made of: its own and its chunks'
+    /// (what to touch to keep it whole).
+    pub fn stored_keys(&self) -> Vec<Vec<u8>> {
+        std::iter::once(self.key.clone())
+            .chain(self.manifest.chunks.iter().map(|c| c.key.clone()))
+            .collect()
+    }
+
+    /// The next verified piece; `None` at the end of the range.
+    pub async fn next_piece(&mut self) -> Result<Option<Vec<u8>>> {
+        if let Some(mut content) = self.plain.take() {
+            content.truncate(self.remaining.min(content.len() as u64) as usize);
+            self.remaining -= content.len() as u64;
+            return Ok((!content.is_empty()).then_some(content));
+        }
+        if self.remaining == 0 || self.next_chunk >= self.manifest.chunks.len() {
+            if let Some(whole) = self.whole.take()
+                && self.next_chunk >= self.manifest.chunks.len()
+            {
+                let digest: [u8; 32] = whole.finalize().into();
+                let total: u64 = self.manifest.chunks.iter().map(|c| c.size).sum();
+                if digest != self.sha256
+                    || (self.cas && digest[..] != self.key[..])
+                    || total != self.size
+                {
+                    return Err(corrupt(format!(
+                        "the chunks of {} do not add up to the blob its manifest describes",
+                        hex(&self.key)
+                    )));
+                }
+            }
+            return Ok(None);
+        }
+        let chunk = self.manifest.chunks[self.next_chunk].clone();
+        self.next_chunk += 1;
+        let (_, bytes) = self
+            .client
+            .get_verified(&self.namespace, &chunk.key, self.cas)
+            .await?;
+        if sha256(&bytes)[..] != chunk.sha256[..] || bytes.len() as u64 != chunk.size {
+            return Err(corrupt(format!(
+                "chunk {} of {} does not match its manifest",
+                hex(&chunk.key),
+                hex(&self.key)
+            )));
+        }
+        if let Some(whole) = &mut self.whole {
+            whole.update(&bytes);
+        }
+        let start = self.skip.min(bytes.len() as u64) as usize;
+        self.skip = 0;
+        let end = (start as u64)
+            .saturating_add(self.remaining)
+            .min(bytes.len() as u64) as usize;
+        self.remaining -= (end - start) as u64;
+        Ok(Some(bytes[start..end].to_vec()))
     }
 }
 

@@ -117,6 +117,42 @@ async fn move_leaders(cluster: &LocalCluster) {
     }
 }
 
+/// A node that no longer leads a shard answers a batch existence check
+/// with "not here" for every key (an OK reply): the SDK must move on to
+/// the new leader, not keep asking the node it learned as leader until
+/// the deadline (what made the build-cache gateway stall for 30 s per
+/// call after a leadership transfer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_exists_follows_a_leadership_transfer() {
+    let cluster = LocalCluster::start(3, 4, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("k-{i}").into_bytes()).collect();
+    for key in &keys {
+        client.put("default", key, b"v").await.unwrap();
+    }
+    let quick = client.with_timeout(Duration::from_secs(5));
+    assert!(
+        quick
+            .batch_exists("default", &keys)
+            .await
+            .unwrap()
+            .iter()
+            .all(|p| *p)
+    );
+    for round in 0..3 {
+        move_leaders(&cluster).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let present = quick
+            .batch_exists("default", &keys)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(present.iter().all(|p| *p), "round {round}");
+        let missing = quick.find_missing("default", &keys).await.unwrap();
+        assert!(missing.is_empty(), "round {round}");
+    }
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_keep_working_while_leaders_move() {
     let cluster = LocalCluster::start(3, 4, 3).await;

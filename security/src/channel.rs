@@ -78,6 +78,20 @@ pub struct Channel {
     authorization: Option<HeaderValue>,
 }
 
+impl Channel {
+    /// The same connection, sending `token` instead of the channel's own
+    /// (a gateway acting for its callers); `None` if the token cannot be a
+    /// header value.
+    pub fn with_token(&self, token: &str) -> Option<Channel> {
+        let mut value = HeaderValue::from_str(&format!("Bearer {token}")).ok()?;
+        value.set_sensitive(true);
+        Some(Channel {
+            inner: self.inner.clone(),
+            authorization: Some(value),
+        })
+    }
+}
+
 impl tower::Service<http::Request<Body>> for Channel {
     type Response = http::Response<Body>;
     type Error = tonic::transport::Error;

@@ -34,6 +34,9 @@ enum Command {
     Coordinator(Box<CoordinatorArgs>),
     /// Run a coordinator and three nodes in one process (local development).
     Dev(DevArgs),
+    /// Serve the build-cache protocols (REAPI v2 + ByteStream over gRPC,
+    /// the HTTP cache protocol) on top of a cluster.
+    Gateway(Box<GatewayArgs>),
     /// Make a cluster's CA and certificates.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -259,6 +262,41 @@ struct DevArgs {
     /// Without TLS and tokens (plaintext; every caller may do anything).
     #[arg(long)]
     insecure: bool,
+}
+
+/// Settings of `tidepool gateway`.
+#[derive(Debug, Args)]
+struct GatewayArgs {
+    /// Coordinator address (repeat for each).
+    #[arg(long = "coordinator", required = true)]
+    coordinators: Vec<String>,
+    /// Where gRPC (REAPI, ByteStream) is served.
+    #[arg(long, default_value = "127.0.0.1:7480")]
+    grpc_listen: SocketAddr,
+    /// Where the HTTP cache is served.
+    #[arg(long, default_value = "127.0.0.1:7481")]
+    http_listen: SocketAddr,
+    /// File holding the gateway's own token (it follows the cluster map
+    /// with it; callers use their own tokens).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Requests without credentials act with the gateway's own token.
+    #[arg(long)]
+    anonymous: bool,
+    /// Largest blob accepted, bytes.
+    #[arg(long, default_value_t = 64 << 30)]
+    max_blob_bytes: u64,
+    /// Create instance NAME (namespaces NAME and NAME.ac, kept
+    /// `--retain` epochs after their last use) if it does not exist;
+    /// needs an admin token. Repeatable.
+    #[arg(long = "create-instance")]
+    create_instances: Vec<String>,
+    /// Epochs an instance created by `--create-instance` keeps unused
+    /// entries.
+    #[arg(long, default_value_t = 7)]
+    retain: u32,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Settings of `tidepool coordinator`; each flag overrides the config file.
@@ -561,6 +599,9 @@ const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Nodes in dev mode.
 const DEV_NODES: u16 = 3;
 
+/// Epochs dev mode's build cache keeps unused entries.
+const DEV_CACHE_RETAIN: u32 = 7;
+
 fn run_dev(args: DevArgs) -> anyhow::Result<()> {
     use std::sync::Arc;
     use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
@@ -638,7 +679,27 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             _ = shutdown_signal() => true,
         };
         let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
-        if !interrupted {
+        // The build-cache gateway, with the admin token as its own, and
+        // the default instance (`cache`).
+        let gateway = if interrupted {
+            None
+        } else {
+            let mut client = tidepool_client::ClientConfig::new(std::slice::from_ref(&coordinator_url));
+            if !args.insecure {
+                client = client.with_dev_credentials(&data_dir);
+            }
+            let mut config = tidepool_gateway::GatewayConfig::new(client);
+            let port = |offset: u16| if args.port == 0 { 0 } else { args.port + offset };
+            config.grpc_listen = SocketAddr::from(([127, 0, 0, 1], port(80)));
+            config.http_listen = SocketAddr::from(([127, 0, 0, 1], port(81)));
+            config.anonymous = args.insecure;
+            let gateway = tidepool_gateway::start(config).await?;
+            gateway
+                .create_instance(tidepool_gateway::DEFAULT_INSTANCE, DEV_CACHE_RETAIN)
+                .await?;
+            Some(gateway)
+        };
+        if let Some(gateway) = gateway.as_ref().filter(|_| !interrupted) {
             let security = if args.insecure {
                 "INSECURE: no TLS, no tokens".to_string()
             } else {
@@ -649,24 +710,75 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                     args.data_dir.display()
                 )
             };
+            let header = if args.insecure {
+                String::new()
+            } else {
+                format!(
+                    " --remote_header=authorization=\"Bearer $(cat {})\"",
+                    token_file.display()
+                )
+            };
+            let http_auth = if args.insecure {
+                String::new()
+            } else {
+                format!("|bearer-token=$(cat {})", token_file.display())
+            };
             println!(
                 "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
              {security}.\n\
+             Build cache (instance `cache`, entries kept {DEV_CACHE_RETAIN} epochs after their last use):\n  \
+               bazel build --remote_cache=grpc://{grpc}{header} //...\n  \
+               bazel build --remote_cache=http://{http}{header} //...\n  \
+               ccache: remote_storage=\"http://{http}/ccache{http_auth}\"\n\
              Try, in another shell:\n  \
                target/release/tidectl put default hello README.md\n  \
                target/release/tidectl get default hello\n  \
                target/release/tidectl cluster status\n\
              Ctrl-C stops it; starting it again keeps the data.",
                 node_list.join(", "),
-                data_dir.display()
+                data_dir.display(),
+                grpc = gateway.grpc_address,
+                http = gateway.http_address,
             );
             shutdown_signal().await;
         }
         eprintln!("stopping");
+        if let Some(gateway) = gateway {
+            gateway.stop().await;
+        }
         for node in nodes {
             node.stop().await?;
         }
         coordinator.stop().await?;
+        Ok(())
+    })
+}
+
+fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let mut client = tidepool_client::ClientConfig::new(&args.coordinators);
+    client.tls = args.tls.require(None, false)?;
+    if let Some(file) = &args.token_file {
+        client.token = Some(
+            tidepool_security::token::read_file(file)
+                .with_context(|| format!("cannot read the token in {}", file.display()))?,
+        );
+    }
+    let mut config = tidepool_gateway::GatewayConfig::new(client);
+    config.grpc_listen = args.grpc_listen;
+    config.http_listen = args.http_listen;
+    config.anonymous = args.anonymous;
+    config.max_blob_bytes = args.max_blob_bytes;
+    runtime("tidepool-gateway")?.block_on(async {
+        let gateway = tidepool_gateway::start(config).await?;
+        for name in &args.create_instances {
+            gateway.create_instance(name, args.retain).await?;
+        }
+        eprintln!(
+            "tidepool gateway serving: REAPI/ByteStream grpc://{}, HTTP cache http://{}",
+            gateway.grpc_address, gateway.http_address
+        );
+        shutdown_signal().await;
+        gateway.stop().await;
         Ok(())
     })
 }
@@ -812,6 +924,7 @@ fn main() -> ExitCode {
         Command::Node(args) => run_node(*args),
         Command::Coordinator(args) => run_coordinator(*args),
         Command::Dev(args) => run_dev(args),
+        Command::Gateway(args) => run_gateway(*args),
         Command::Certs(command) => run_certs(command),
         Command::PreStop(args) => run_pre_stop(args),
         Command::Kubernetes(command) => run_kubernetes(command),

@@ -48,6 +48,12 @@ pub const RULES: &[Rule] = &[
         why: "the SDK speaks the wire contract only",
     },
     Rule {
+        name: "gateway-is-a-client",
+        from: "tidepool-gateway",
+        forbidden: &["tidepool-engine", "tidepool-node", "tidepool-coordinator"],
+        why: "the gateway is stateless and built on the SDK; it holds no data and no cluster role",
+    },
+    Rule {
         name: "coordinator-does-not-store-blobs",
         from: "tidepool-coordinator",
         forbidden: &["tidepool-engine", "tidepool-node"],

@@ -12,12 +12,26 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
 /// Starts dev mode with its data in `dir`, on free ports; returns the
 /// process and the coordinator URL from its ready banner.
 pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
+    let (child, banner) = start_dev_banner(dir, extra);
+    let url = banner[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
+        .unwrap()
+        .trim_end_matches(',')
+        .to_string();
+    (child, url)
+}
+
+/// Starts dev mode like [`start_dev`]; returns the process and every line
+/// of its ready banner.
+pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<String>) {
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
         .arg(dir)
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        // Its log, for a failing test to show.
+        .stderr(std::fs::File::create(dir.join("dev.log")).unwrap())
         .spawn()
         .unwrap();
     let stdout = child.stdout.take().unwrap();
@@ -27,15 +41,32 @@ pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
             let _ = tx.send(line);
         }
     });
-    let line = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("dev mode prints its banner within 60 s");
-    assert!(line.contains("ready"), "{line}");
-    let url = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
-        .unwrap()
-        .trim_end_matches(',')
-        .to_string();
-    (child, url)
+    let banner = read_banner(&rx);
+    match banner {
+        Ok(banner) => (child, banner),
+        Err(problem) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(dir.join("dev.log")).unwrap_or_default();
+            panic!("{problem}\n--- dev.log\n{log}");
+        }
+    }
+}
+
+/// The banner's lines, up to the one saying how to stop.
+fn read_banner(rx: &std::sync::mpsc::Receiver<String>) -> Result<Vec<String>, String> {
+    let mut banner = Vec::new();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| "dev mode did not print its banner within 60 s".to_string())?;
+        if banner.is_empty() && !line.contains("ready") {
+            return Err(format!("not a ready banner: {line}"));
+        }
+        let last = line.starts_with("Ctrl-C");
+        banner.push(line);
+        if last {
+            return Ok(banner);
+        }
+    }
 }

@@ -1,0 +1,425 @@
+//! `google.bytestream.ByteStream` for CAS blobs of any size: reads with
+//! offset and limit, resumable writes (`QueryWriteStatus`), early
+//! completion when the blob is already stored, and
+//! `compressed-blobs/zstd` both ways (offsets then count compressed
+//! bytes).
+//!
+//! A write streams through an SDK [`Upload`]: every full chunk is stored
+//! as it completes, and the blob appears under its digest only once all
+//! its bytes arrived and hash to it. An unfinished upload (the stream
+//! broke) stays in this gateway's memory for `upload_idle`, so the client
+//! can resume at the committed offset; another gateway, or this one
+//! restarted, answers `committed_size` 0 and the client starts over —
+//! which the protocol allows, and which costs nothing stored twice
+//! (chunks are content-addressed).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bazel_remote_apis::google::bytestream::byte_stream_server::{ByteStream, ByteStreamServer};
+use bazel_remote_apis::google::bytestream::{
+    QueryWriteStatusRequest, QueryWriteStatusResponse, ReadRequest, ReadResponse, WriteRequest,
+    WriteResponse,
+};
+use tidepool_client::Upload;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::codec::{self, Decompressor};
+use crate::names::{Compression, Resource, parse_resource};
+use crate::reapi::{Reapi, status};
+use crate::{Gateway, cache};
+
+/// Largest `data` of one `ReadResponse` (gRPC clients commonly accept 4
+/// MiB messages).
+const READ_PIECE: usize = 1 << 20;
+
+/// One upload in progress.
+struct Session {
+    upload: Option<Upload>,
+    decompressor: Option<Decompressor>,
+    /// Bytes received, as sent (compressed for zstd uploads).
+    received: u64,
+    last_used: Instant,
+}
+
+/// Uploads in progress, by resource name.
+#[derive(Default)]
+pub(crate) struct Uploads {
+    sessions: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>,
+}
+
+impl Uploads {
+    fn get(&self, name: &str) -> Option<Arc<tokio::sync::Mutex<Session>>> {
+        self.sessions.lock().get(name).cloned()
+    }
+
+    fn get_or_create(&self, name: &str) -> Arc<tokio::sync::Mutex<Session>> {
+        self.sessions
+            .lock()
+            .entry(name.to_string())
+            .or_insert_with(|| {
+                Arc::new(tokio::sync::Mutex::new(Session {
+                    upload: None,
+                    decompressor: None,
+                    received: 0,
+                    last_used: Instant::now(),
+                }))
+            })
+            .clone()
+    }
+
+    fn remove(&self, name: &str) {
+        self.sessions.lock().remove(name);
+    }
+}
+
+/// Forgets uploads idle for longer than the configured time.
+pub(crate) async fn expire_uploads(gateway: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
+    let idle = gateway.config.upload_idle;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(idle.min(Duration::from_secs(30))) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        gateway
+            .uploads
+            .sessions
+            .lock()
+            .retain(|_, session| match session.try_lock() {
+                Ok(s) => s.last_used.elapsed() < idle,
+                // In use.
+                Err(_) => true,
+            });
+    }
+}
+
+/// The ByteStream service.
+pub(crate) fn server(reapi: Reapi, limit: usize) -> ByteStreamServer<Reapi> {
+    ByteStreamServer::new(reapi)
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(limit)
+}
+
+fn invalid(message: String) -> Status {
+    Status::invalid_argument(message)
+}
+
+impl Reapi {
+    async fn resource<T>(
+        &self,
+        request: &Request<T>,
+        name: &str,
+        write: bool,
+    ) -> Result<(tidepool_client::Client, Resource), Status> {
+        let resource = parse_resource(name, write).map_err(invalid)?;
+        let (client, instance) = self.begin(request, &resource.instance.name).await?;
+        Ok((
+            client,
+            Resource {
+                instance,
+                ..resource
+            },
+        ))
+    }
+
+    /// Whether the blob is stored (touching it), so a write can end at
+    /// once.
+    async fn stored(
+        &self,
+        client: &tidepool_client::Client,
+        resource: &Resource,
+    ) -> Result<bool, Status> {
+        Ok(resource.digest.is_empty_blob()
+            || cache::find_missing(client, &resource.instance, &[resource.digest])
+                .await
+                .map_err(status)?
+                .is_empty())
+    }
+}
+
+type ReadStream = ReceiverStream<Result<ReadResponse, Status>>;
+
+#[tonic::async_trait]
+impl ByteStream for Reapi {
+    type ReadStream = ReadStream;
+
+    async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadStream>, Status> {
+        let name = request.get_ref().resource_name.clone();
+        let (client, resource) = self.resource(&request, &name, false).await?;
+        let request = request.into_inner();
+        let (Ok(offset), Ok(limit)) = (
+            u64::try_from(request.read_offset),
+            u64::try_from(request.read_limit),
+        ) else {
+            return Err(invalid(
+                "read_offset and read_limit may not be negative".into(),
+            ));
+        };
+        let limit = (limit > 0).then_some(limit);
+        let digest = resource.digest;
+        let identity = resource.compression == Compression::Identity;
+        if identity && offset > digest.size {
+            return Err(Status::out_of_range(format!(
+                "read_offset {offset} is past the end of the {}-byte blob",
+                digest.size
+            )));
+        }
+        let mut reader = if digest.is_empty_blob() {
+            None
+        } else {
+            let reader = client
+                .open_range(
+                    &resource.instance.cas,
+                    &digest.hash,
+                    if identity { offset } else { 0 },
+                    if identity { limit } else { None },
+                )
+                .await
+                .map_err(status)?;
+            if reader.size() != digest.size {
+                return Err(Status::not_found(format!(
+                    "the blob of this hash is {} bytes, not {}",
+                    reader.size(),
+                    digest.size
+                )));
+            }
+            cache::keep_alive(&client, &resource.instance.cas, &reader).await;
+            Some(reader)
+        };
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            // Compressed reads: frames of the pieces, `offset` and `limit`
+            // counted in compressed bytes.
+            let mut skip = if identity { 0 } else { offset };
+            let mut remaining = if identity {
+                u64::MAX
+            } else {
+                limit.unwrap_or(u64::MAX)
+            };
+            let mut sent_any = false;
+            loop {
+                let piece = match reader.as_mut() {
+                    None => None,
+                    Some(reader) => match reader.next_piece().await {
+                        Ok(piece) => piece,
+                        Err(e) => {
+                            let _ = tx.send(Err(status(e))).await;
+                            return;
+                        }
+                    },
+                };
+                let Some(piece) = piece else { break };
+                let mut piece = if identity {
+                    piece
+                } else {
+                    match codec::compress(&piece) {
+                        Ok(frame) => frame,
+                        Err(e) => {
+                            let _ = tx.send(Err(Status::internal(e.to_string()))).await;
+                            return;
+                        }
+                    }
+                };
+                let dropped = skip.min(piece.len() as u64) as usize;
+                skip -= dropped as u64;
+                piece.drain(..dropped);
+                piece.truncate(remaining.min(piece.len() as u64) as usize);
+                remaining -= piece.len() as u64;
+                for data in piece.chunks(READ_PIECE) {
+                    sent_any = true;
+                    if tx
+                        .send(Ok(ReadResponse {
+                            data: data.to_vec(),
+                        }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                if remaining == 0 {
+                    break;
+                }
+            }
+            if !identity && skip > 0 {
+                let _ = tx
+                    .send(Err(Status::out_of_range(
+                        "read_offset is past the end of the compressed blob",
+                    )))
+                    .await;
+            } else if !sent_any && !identity {
+                // The empty blob, compressed: one empty frame.
+                if let Ok(frame) = codec::compress(&[]) {
+                    let _ = tx.send(Ok(ReadResponse { data: frame })).await;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn write(
+        &self,
+        request: Request<Streaming<WriteRequest>>,
+    ) -> Result<Response<WriteResponse>, Status> {
+        let header = request.metadata().clone();
+        let mut stream = request.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| invalid("the write sent no request".into()))?;
+        let name = first.resource_name.clone();
+        let mut probe = Request::new(());
+        *probe.metadata_mut() = header;
+        let (client, resource) = self.resource(&probe, &name, true).await?;
+        let digest = resource.digest;
+        let max = self.gateway.config.max_blob_bytes;
+        if digest.size > max {
+            return Err(invalid(format!(
+                "the blob is {} bytes; at most {max} are accepted (max_cas_blob_size_bytes)",
+                digest.size
+            )));
+        }
+        let compressed = resource.compression == Compression::Zstd;
+        if first.write_offset == 0 && self.stored(&client, &resource).await? {
+            // Already stored: done at once (-1 for a compressed upload,
+            // whose compressed size the server cannot know).
+            self.gateway.uploads.remove(&name);
+            return Ok(Response::new(WriteResponse {
+                committed_size: if compressed { -1 } else { digest.size as i64 },
+            }));
+        }
+        let session = self.gateway.uploads.get_or_create(&name);
+        let Ok(mut session) = session.try_lock() else {
+            return Err(Status::aborted(format!(
+                "another write of {name} is in progress"
+            )));
+        };
+        session.last_used = Instant::now();
+        if first.write_offset == 0 || session.upload.is_none() {
+            // A fresh start (or a resumption this gateway knows nothing of,
+            // which must then start at 0).
+            session.upload = Some(
+                client
+                    .upload(&resource.instance.cas, &digest.hash)
+                    .await
+                    .map_err(status)?,
+            );
+            session.decompressor = if compressed {
+                Some(Decompressor::new(digest.size).map_err(|e| Status::internal(e.to_string()))?)
+            } else {
+                None
+            };
+            session.received = 0;
+        }
+        let mut message = Some(first);
+        let finished = loop {
+            let Some(request) = message.take() else {
+                break false;
+            };
+            if !request.resource_name.is_empty() && request.resource_name != name {
+                return Err(invalid(format!(
+                    "a write of {name} cannot continue with {}",
+                    request.resource_name
+                )));
+            }
+            if u64::try_from(request.write_offset) != Ok(session.received) {
+                return Err(invalid(format!(
+                    "write_offset {} but {} bytes are committed (QueryWriteStatus says where to resume)",
+                    request.write_offset, session.received
+                )));
+            }
+            let result = append(&mut session, &request.data, digest.size).await;
+            if let Err(e) = result {
+                self.gateway.uploads.remove(&name);
+                return Err(e);
+            }
+            session.last_used = Instant::now();
+            if request.finish_write {
+                break true;
+            }
+            message = stream.message().await?;
+        };
+        if !finished {
+            return Err(invalid(format!(
+                "the write of {name} ended without finish_write; {} bytes are committed",
+                session.received
+            )));
+        }
+        let upload = session.upload.take();
+        let complete = session
+            .decompressor
+            .as_ref()
+            .is_none_or(Decompressor::complete);
+        let received = session.received;
+        drop(session);
+        self.gateway.uploads.remove(&name);
+        let upload = upload.ok_or_else(|| Status::internal("the upload vanished"))?;
+        if upload.written() != digest.size || !complete {
+            return Err(invalid(format!(
+                "{} bytes were written, the digest says {}",
+                upload.written(),
+                digest.size
+            )));
+        }
+        upload.finish().await.map_err(status)?;
+        Ok(Response::new(WriteResponse {
+            committed_size: received as i64,
+        }))
+    }
+
+    async fn query_write_status(
+        &self,
+        request: Request<QueryWriteStatusRequest>,
+    ) -> Result<Response<QueryWriteStatusResponse>, Status> {
+        let name = request.get_ref().resource_name.clone();
+        let (client, resource) = self.resource(&request, &name, true).await?;
+        if let Some(session) = self.gateway.uploads.get(&name) {
+            let received = match session.try_lock() {
+                Ok(s) => s.received,
+                Err(_) => return Err(Status::aborted("the upload is being written right now")),
+            };
+            return Ok(Response::new(QueryWriteStatusResponse {
+                committed_size: received as i64,
+                complete: false,
+            }));
+        }
+        let complete = self.stored(&client, &resource).await?;
+        Ok(Response::new(QueryWriteStatusResponse {
+            committed_size: if complete {
+                resource.digest.size as i64
+            } else {
+                0
+            },
+            complete,
+        }))
+    }
+}
+
+/// Appends a request's bytes (decompressing them first for a zstd
+/// upload); never past the blob's declared size.
+async fn append(session: &mut Session, data: &[u8], size: u64) -> Result<(), Status> {
+    session.received += data.len() as u64;
+    let plain;
+    let bytes = match session.decompressor.as_mut() {
+        Some(d) => {
+            let mut out = Vec::new();
+            d.feed(data, &mut out).map_err(invalid)?;
+            plain = out;
+            &plain[..]
+        }
+        None => data,
+    };
+    let upload = session
+        .upload
+        .as_mut()
+        .ok_or_else(|| Status::internal("no upload"))?;
+    if upload.written() + bytes.len() as u64 > size {
+        return Err(invalid(format!(
+            "more bytes than the {size} the digest declares"
+        )));
+    }
+    upload.write(bytes).await.map_err(status)
+}

@@ -1,0 +1,329 @@
+//! The cache operations both protocols share, on the SDK, with the
+//! caller's rights: exact presence (touching what is found), verified
+//! reads and writes, action results that are only returned whole, trees.
+//!
+//! Retention: a read of a blob whose epoch is older than the cluster's
+//! (and every `FindMissingBlobs`/`GetActionResult` hit) moves the blob —
+//! and a chunked blob's chunks — into the current epoch, through the
+//! `touch` flag of `BatchExists` (which the read role allows).
+
+use std::collections::{BTreeSet, HashSet, VecDeque};
+
+use bazel_remote_apis::build::bazel::remote::execution::v2::{ActionResult, Directory, Tree};
+use prost::Message as _;
+use tidepool_client::{Client, Error, ErrorCode, Result};
+
+use crate::names::{BlobDigest, Instance, hex};
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::new(ErrorCode::InvalidArgument, message)
+}
+
+fn not_found(message: impl Into<String>) -> Error {
+    Error::new(ErrorCode::NotFound, message)
+}
+
+/// The digests of `digests` the CAS lacks, in the order given (each once);
+/// the ones it holds are touched. A chunked blob counts as present only
+/// when every chunk is (and they are touched too).
+pub(crate) async fn find_missing(
+    client: &Client,
+    instance: &Instance,
+    digests: &[BlobDigest],
+) -> Result<Vec<BlobDigest>> {
+    let mut seen = HashSet::new();
+    let wanted: Vec<BlobDigest> = digests
+        .iter()
+        .filter(|d| !d.is_empty_blob() && seen.insert(**d))
+        .copied()
+        .collect();
+    let keys: Vec<Vec<u8>> = wanted
+        .iter()
+        .map(|d| d.hash.to_vec())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let absent: HashSet<Vec<u8>> = client
+        .find_missing(&instance.cas, &keys)
+        .await?
+        .into_iter()
+        .collect();
+    let chunk = client.chunk_size() as u64;
+    let mut missing = Vec::new();
+    for digest in wanted {
+        if absent.contains(&digest.hash[..])
+            || (digest.size > chunk && !chunks_present(client, &instance.cas, &digest.hash).await?)
+        {
+            missing.push(digest);
+        }
+    }
+    Ok(missing)
+}
+
+/// Whether every chunk of a chunked blob is present (touching them).
+async fn chunks_present(client: &Client, namespace: &str, key: &[u8]) -> Result<bool> {
+    let chunks = match client.chunks(namespace, key).await {
+        Err(e) if e.code() == ErrorCode::NotFound => return Ok(false),
+        chunks => chunks?,
+    };
+    let keys: Vec<Vec<u8>> = chunks.into_iter().map(|c| c.key).collect();
+    Ok(client.find_missing(namespace, &keys).await?.is_empty())
+}
+
+/// Moves a blob read in an older epoch into the current one. Failing to
+/// is not the reader's problem: it is logged.
+pub(crate) async fn keep_alive(
+    client: &Client,
+    namespace: &str,
+    reader: &tidepool_client::BlobReader,
+) {
+    if reader.epoch() >= client.map().epoch {
+        return;
+    }
+    if let Err(e) = client.find_missing(namespace, &reader.stored_keys()).await {
+        tracing::warn!(namespace, error = %e, "could not touch a blob that was read");
+    }
+}
+
+/// A whole blob of at most `limit` bytes, verified, kept alive.
+pub(crate) async fn read_all(
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    limit: u64,
+) -> Result<Vec<u8>> {
+    let mut reader = client.open_range(namespace, key, 0, None).await?;
+    if reader.size() > limit {
+        return Err(invalid(format!(
+            "blob {} is {} bytes; at most {limit} fit here (use ByteStream)",
+            hex(key),
+            reader.size()
+        )));
+    }
+    let mut out = Vec::with_capacity(reader.size() as usize);
+    while let Some(piece) = reader.next_piece().await? {
+        out.extend_from_slice(&piece);
+    }
+    keep_alive(client, namespace, &reader).await;
+    Ok(out)
+}
+
+/// A CAS blob whole (`limit` as in [`read_all`]); the empty blob is
+/// always there.
+pub(crate) async fn read_cas(
+    client: &Client,
+    instance: &Instance,
+    digest: BlobDigest,
+    limit: u64,
+) -> Result<Vec<u8>> {
+    if digest.is_empty_blob() {
+        return Ok(Vec::new());
+    }
+    let bytes = read_all(client, &instance.cas, &digest.hash, limit).await?;
+    if bytes.len() as u64 != digest.size {
+        // The hash matched (the SDK verified it), so the size claimed is
+        // wrong.
+        return Err(not_found(format!(
+            "blob {} is {} bytes, not {}",
+            hex(&digest.hash),
+            bytes.len(),
+            digest.size
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Checks `bytes` against `digest` and stores them in the CAS.
+pub(crate) async fn write_cas(
+    client: &Client,
+    instance: &Instance,
+    digest: BlobDigest,
+    bytes: &[u8],
+) -> Result<()> {
+    let actual = BlobDigest::of(bytes);
+    if actual != digest {
+        return Err(Error::new(
+            ErrorCode::DigestMismatch,
+            format!(
+                "the content is {}/{}, not {}/{}",
+                hex(&actual.hash),
+                actual.size,
+                hex(&digest.hash),
+                digest.size
+            ),
+        ));
+    }
+    if digest.is_empty_blob() {
+        return Ok(());
+    }
+    client.put(&instance.cas, &digest.hash, bytes).await?;
+    Ok(())
+}
+
+/// Every CAS digest an action result needs: its output files, stdout and
+/// stderr, its output directories' trees and every file in them.
+async fn outputs(
+    client: &Client,
+    instance: &Instance,
+    result: &ActionResult,
+    limit: u64,
+) -> Result<Vec<BlobDigest>> {
+    let mut digests = Vec::new();
+    let mut trees = Vec::new();
+    for file in &result.output_files {
+        digests.push(BlobDigest::from_proto(file.digest.as_ref()).map_err(invalid)?);
+    }
+    for digest in [&result.stdout_digest, &result.stderr_digest]
+        .into_iter()
+        .flatten()
+    {
+        digests.push(BlobDigest::from_proto(Some(digest)).map_err(invalid)?);
+    }
+    for directory in &result.output_directories {
+        let tree = BlobDigest::from_proto(directory.tree_digest.as_ref()).map_err(invalid)?;
+        digests.push(tree);
+        trees.push(tree);
+    }
+    for tree in trees {
+        let bytes = match read_cas(client, instance, tree, limit).await {
+            Ok(bytes) => bytes,
+            // Reported missing with the rest.
+            Err(e) if e.code() == ErrorCode::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let tree = Tree::decode(&bytes[..]).map_err(|e| {
+            not_found(format!(
+                "output tree {} is unreadable: {e}",
+                hex(&tree.hash)
+            ))
+        })?;
+        for directory in tree.root.iter().chain(&tree.children) {
+            for file in &directory.files {
+                digests.push(BlobDigest::from_proto(file.digest.as_ref()).map_err(invalid)?);
+            }
+        }
+    }
+    Ok(digests)
+}
+
+/// The action result stored for `action`, only if every output it
+/// references is still in the CAS (they and the entry are touched);
+/// otherwise `NOT_FOUND`, as if it had never been cached.
+pub(crate) async fn get_action_result(
+    client: &Client,
+    instance: &Instance,
+    action: BlobDigest,
+    limit: u64,
+) -> Result<ActionResult> {
+    let bytes = read_all(client, &instance.ac, &action.hash, limit).await?;
+    let result = ActionResult::decode(&bytes[..]).map_err(|e| {
+        not_found(format!(
+            "the action cache entry of {} is not an ActionResult: {e}",
+            hex(&action.hash)
+        ))
+    })?;
+    require_outputs(client, instance, &result, limit).await?;
+    Ok(result)
+}
+
+/// `NOT_FOUND` unless every output of `result` is present.
+pub(crate) async fn require_outputs(
+    client: &Client,
+    instance: &Instance,
+    result: &ActionResult,
+    limit: u64,
+) -> Result<()> {
+    let needed = outputs(client, instance, result, limit).await?;
+    let missing = find_missing(client, instance, &needed).await?;
+    if let Some(first) = missing.first() {
+        return Err(not_found(format!(
+            "the cached result references {} output(s) no longer stored (e.g. {}/{})",
+            missing.len(),
+            hex(&first.hash),
+            first.size
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `bytes` read as an `ActionResult` whose every digest is
+/// well-formed (the HTTP cache's `/ac/` also holds other tools' entries,
+/// which are returned as they are).
+pub(crate) fn as_action_result(bytes: &[u8]) -> Option<ActionResult> {
+    let result = ActionResult::decode(bytes).ok()?;
+    let digests = result
+        .output_files
+        .iter()
+        .map(|f| f.digest.as_ref())
+        .chain(
+            result
+                .output_directories
+                .iter()
+                .map(|d| d.tree_digest.as_ref()),
+        )
+        .chain(
+            [result.stdout_digest.as_ref(), result.stderr_digest.as_ref()]
+                .into_iter()
+                .filter(Option::is_some),
+        );
+    let mut any = false;
+    for digest in digests {
+        BlobDigest::from_proto(digest).ok()?;
+        any = true;
+    }
+    any.then_some(result)
+}
+
+/// Stores `result` for `action`.
+pub(crate) async fn update_action_result(
+    client: &Client,
+    instance: &Instance,
+    action: BlobDigest,
+    result: &ActionResult,
+) -> Result<()> {
+    client
+        .put(&instance.ac, &action.hash, &result.encode_to_vec())
+        .await?;
+    Ok(())
+}
+
+/// One page of the directories under `root`, breadth first (each
+/// directory once), starting after `skip` of them; the next page's start
+/// when there is more. Directories missing from the CAS are left out (as
+/// the spec allows); a missing root is `NOT_FOUND`.
+pub(crate) async fn tree_page(
+    client: &Client,
+    instance: &Instance,
+    root: BlobDigest,
+    skip: usize,
+    page_size: usize,
+    limit: u64,
+) -> Result<(Vec<Directory>, Option<usize>)> {
+    let mut queue = VecDeque::from([root]);
+    let mut seen = HashSet::from([root]);
+    let mut index = 0usize;
+    let mut page = Vec::new();
+    while let Some(digest) = queue.pop_front() {
+        let bytes = match read_cas(client, instance, digest, limit).await {
+            Ok(bytes) => bytes,
+            Err(e) if e.code() == ErrorCode::NotFound && digest != root => continue,
+            Err(e) => return Err(e),
+        };
+        let directory = Directory::decode(&bytes[..])
+            .map_err(|e| invalid(format!("{} is not a Directory: {e}", hex(&digest.hash))))?;
+        for child in &directory.directories {
+            let child = BlobDigest::from_proto(child.digest.as_ref()).map_err(invalid)?;
+            if seen.insert(child) {
+                queue.push_back(child);
+            }
+        }
+        if index >= skip {
+            if page.len() == page_size {
+                return Ok((page, Some(index)));
+            }
+            page.push(directory);
+        }
+        index += 1;
+    }
+    Ok((page, None))
+}

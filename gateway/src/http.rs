@@ -1,0 +1,325 @@
+//! The HTTP cache protocol (Bazel's `--remote_cache=http://…`, ccache's
+//! `remote_storage=http://…`), on axum.
+//!
+//! Paths:
+//! - `[/INSTANCE]/cas/<sha256>`: the CAS; a `PUT` must hash to the name.
+//! - `[/INSTANCE]/ac/<sha256>`: the action cache, shared with REAPI; an
+//!   entry that reads as an `ActionResult` is only returned while every
+//!   output it references is stored (other tools' entries, such as
+//!   ccache's `bazel` layout, are returned as they are).
+//! - any other path: a mutable key (ccache's `subdirs` and `flat`
+//!   layouts, and its `bazel` layout under a prefix that names no
+//!   instance), in the instance the first segment names if there is one,
+//!   else in the default instance.
+//!
+//! `GET`, `HEAD`, `PUT` (200), `DELETE` (200, or 404 when absent).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use tidepool_client::{Client, Error, ErrorCode};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt as _;
+
+use crate::names::{BlobDigest, Instance, parse_hash};
+use crate::{Credential, Gateway, cache};
+
+/// Entries of `/ac/` up to this size are checked as action results.
+const AC_CHECK_BYTES: u64 = 4 << 20;
+
+/// What a path names.
+#[derive(Debug, PartialEq, Eq)]
+enum Target {
+    Cas([u8; 32]),
+    Ac([u8; 32]),
+    Key(Vec<u8>),
+}
+
+/// Serves the HTTP cache on `listener` until `stop`.
+pub(crate) async fn serve(
+    gateway: Arc<Gateway>,
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+) {
+    let app = Router::new().fallback(handle).with_state(gateway);
+    let result = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Err(e) = result {
+        tracing::error!(error = %e, "the gateway's HTTP server stopped");
+    }
+}
+
+fn error_response(error: Error) -> Response {
+    let code = match error.code() {
+        ErrorCode::NotFound => StatusCode::NOT_FOUND,
+        ErrorCode::InvalidArgument
+        | ErrorCode::DigestMismatch
+        | ErrorCode::SizeMismatch
+        | ErrorCode::NamespaceNotFound => StatusCode::BAD_REQUEST,
+        ErrorCode::ValueTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
+        ErrorCode::PermissionDenied => StatusCode::FORBIDDEN,
+        ErrorCode::Conflict => StatusCode::CONFLICT,
+        ErrorCode::DiskFull => StatusCode::INSUFFICIENT_STORAGE,
+        ErrorCode::Timeout
+        | ErrorCode::NoQuorum
+        | ErrorCode::Overloaded
+        | ErrorCode::ShuttingDown
+        | ErrorCode::NotLeader => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let mut response = (code, format!("{error}\n")).into_response();
+    if code == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"tidepool\", Bearer"),
+        );
+    }
+    response
+}
+
+async fn handle(
+    State(gateway): State<Arc<Gateway>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match serve_request(&gateway, method, uri, headers, body).await {
+        Ok(response) => response,
+        Err(error) => error_response(error),
+    }
+}
+
+async fn serve_request(
+    gateway: &Gateway,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> tidepool_client::Result<Response> {
+    let credential =
+        Credential::from_header(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()))?;
+    let client = gateway.caller(credential)?;
+    let (instance, target) = resolve(gateway, uri.path()).await?;
+    let (namespace, key) = match &target {
+        Target::Cas(hash) => (&instance.cas, hash.to_vec()),
+        Target::Ac(hash) => (&instance.ac, hash.to_vec()),
+        Target::Key(key) => (&instance.ac, key.clone()),
+    };
+    match method {
+        Method::GET => get(gateway, &client, &instance, &target, namespace, &key).await,
+        Method::HEAD => {
+            if let Target::Cas(hash) = &target
+                && (BlobDigest {
+                    hash: *hash,
+                    size: 0,
+                })
+                .is_empty_blob()
+            {
+                return Ok(sized(StatusCode::OK, 0));
+            }
+            let meta = client.head(namespace, &key).await?;
+            Ok(sized(StatusCode::OK, meta.size))
+        }
+        Method::PUT => {
+            put(gateway, &client, namespace, &key, &target, &headers, body).await?;
+            Ok(StatusCode::OK.into_response())
+        }
+        Method::DELETE => {
+            if client.delete(namespace, &key).await? {
+                Ok(StatusCode::OK.into_response())
+            } else {
+                Err(Error::new(ErrorCode::NotFound, "no such entry"))
+            }
+        }
+        _ => Ok((
+            StatusCode::METHOD_NOT_ALLOWED,
+            [(header::ALLOW, "GET, HEAD, PUT, DELETE")],
+        )
+            .into_response()),
+    }
+}
+
+fn sized(code: StatusCode, size: u64) -> Response {
+    (code, [(header::CONTENT_LENGTH, size.to_string())]).into_response()
+}
+
+/// The instance and target a path names.
+async fn resolve(gateway: &Gateway, path: &str) -> tidepool_client::Result<(Instance, Target)> {
+    let trimmed = path.trim_start_matches('/');
+    let segments: Vec<&str> = trimmed.split('/').collect();
+    if segments.len() >= 2 {
+        let kind = segments[segments.len() - 2];
+        let prefix = segments[..segments.len() - 2].join("/");
+        // `cas`/`ac` after a prefix that is no instance (ccache's `bazel`
+        // layout under a URL path of its own) is a plain path key.
+        let instance = if (kind == "cas" || kind == "ac") && Instance::parse(&prefix).is_ok() {
+            match gateway.instance(&prefix).await {
+                Ok(instance) => Some(instance),
+                Err(e) if prefix.is_empty() => return Err(e),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        if let Some(instance) = instance {
+            let hash = parse_hash(segments[segments.len() - 1])
+                .map_err(|e| Error::new(ErrorCode::InvalidArgument, e))?;
+            let target = if kind == "cas" {
+                Target::Cas(hash)
+            } else {
+                Target::Ac(hash)
+            };
+            return Ok((instance, target));
+        }
+        // `/INSTANCE/any/path` when INSTANCE is one.
+        if Instance::parse(segments[0]).is_ok()
+            && let Ok(instance) = gateway.instance(segments[0]).await
+        {
+            let rest = &trimmed[segments[0].len()..];
+            return Ok((instance, Target::Key(rest.as_bytes().to_vec())));
+        }
+    }
+    if trimmed.is_empty() {
+        return Err(Error::new(
+            ErrorCode::InvalidArgument,
+            "a path names an entry: /cas/<sha256>, /ac/<sha256> or any other path",
+        ));
+    }
+    let instance = gateway.instance("").await?;
+    Ok((instance, Target::Key(format!("/{trimmed}").into_bytes())))
+}
+
+async fn get(
+    gateway: &Gateway,
+    client: &Client,
+    instance: &Instance,
+    target: &Target,
+    namespace: &str,
+    key: &[u8],
+) -> tidepool_client::Result<Response> {
+    if let Target::Cas(hash) = target
+        && (BlobDigest {
+            hash: *hash,
+            size: 0,
+        })
+        .is_empty_blob()
+    {
+        return Ok(sized(StatusCode::OK, 0));
+    }
+    let mut reader = client.open_range(namespace, key, 0, None).await?;
+    cache::keep_alive(client, namespace, &reader).await;
+    let size = reader.size();
+    if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
+        let mut bytes = Vec::with_capacity(size as usize);
+        while let Some(piece) = reader.next_piece().await? {
+            bytes.extend_from_slice(&piece);
+        }
+        if let Some(result) = cache::as_action_result(&bytes) {
+            cache::require_outputs(client, instance, &result, gateway.config.max_batch_bytes)
+                .await?;
+        }
+        return Ok((
+            StatusCode::OK,
+            [(header::CONTENT_LENGTH, size.to_string())],
+            bytes,
+        )
+            .into_response());
+    }
+    // Streamed; a failure after the first byte cuts the response short
+    // (the client sees fewer bytes than Content-Length).
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        loop {
+            match reader.next_piece().await {
+                Ok(Some(piece)) => {
+                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    return;
+                }
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_LENGTH, size.to_string())],
+        body,
+    )
+        .into_response())
+}
+
+async fn put(
+    gateway: &Gateway,
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    target: &Target,
+    headers: &HeaderMap,
+    body: Body,
+) -> tidepool_client::Result<()> {
+    let max = gateway.config.max_blob_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared
+        && length > max
+    {
+        return Err(Error::new(
+            ErrorCode::ValueTooLarge,
+            format!("{length} bytes; at most {max} are accepted"),
+        ));
+    }
+    if let Target::Cas(hash) = target
+        && (BlobDigest {
+            hash: *hash,
+            size: 0,
+        })
+        .is_empty_blob()
+    {
+        return Ok(());
+    }
+    let mut upload = client.upload(namespace, key).await?;
+    let mut stream = body.into_data_stream();
+    while let Some(frame) = stream.next().await {
+        let frame = frame.map_err(|e| {
+            Error::new(ErrorCode::InvalidArgument, format!("reading the body: {e}"))
+        })?;
+        if upload.written() + frame.len() as u64 > max {
+            return Err(Error::new(
+                ErrorCode::ValueTooLarge,
+                format!("more than {max} bytes; not accepted"),
+            ));
+        }
+        upload.write(&frame).await?;
+    }
+    if let Some(length) = declared
+        && length != upload.written()
+    {
+        return Err(Error::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "Content-Length said {length}, the body held {}",
+                upload.written()
+            ),
+        ));
+    }
+    upload.finish().await?;
+    Ok(())
+}

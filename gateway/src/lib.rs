@@ -1,0 +1,341 @@
+//! The Tidepool gateway: the protocols build tools speak, served on top
+//! of the client SDK — stateless apart from uploads in flight, so any
+//! number of gateways can serve one cluster.
+//!
+//! - **REAPI v2** over gRPC (`Capabilities`, `ContentAddressableStorage`,
+//!   `ActionCache`) and `google.bytestream.ByteStream` (reads with offset
+//!   and limit, resumable writes, `compressed-blobs/zstd`): what `bazel
+//!   --remote_cache=grpc://…` uses.
+//! - **The HTTP cache protocol**: `GET`/`PUT`/`HEAD`/`DELETE` on
+//!   `/cas/<sha256>` and `/ac/<sha256>` (what `bazel
+//!   --remote_cache=http://…` uses) and on any other path as a mutable
+//!   key (ccache's `remote_storage`).
+//!
+//! An instance `NAME` is two namespaces: `NAME` (content-addressed: the
+//! CAS) and `NAME.ac` (the action cache and HTTP path keys); the empty
+//! instance name is `cache`. Callers' bearer tokens (HTTP: Bearer, or
+//! Basic with the token as password) are passed on to the cluster, so a
+//! caller may do exactly what its token's roles allow. See
+//! `docs/design/gateway.md`.
+
+mod bytestream;
+mod cache;
+mod codec;
+mod http;
+mod names;
+mod reapi;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tidepool_client::{Client, ClientConfig, ErrorCode};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use names::{AC_SUFFIX, DEFAULT_INSTANCE, Instance};
+
+/// Settings of a gateway.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Where REAPI and ByteStream are served (gRPC, plaintext).
+    pub grpc_listen: SocketAddr,
+    /// Where the HTTP cache protocol is served.
+    pub http_listen: SocketAddr,
+    /// How the gateway reaches the cluster: coordinators, TLS material,
+    /// and its own token (used to follow the map; and for callers without
+    /// credentials when `anonymous` is set).
+    pub client: ClientConfig,
+    /// Requests without credentials act with the gateway's own token.
+    /// Off by default: every request must carry a token.
+    pub anonymous: bool,
+    /// Largest blob accepted, bytes (advertised as
+    /// `max_cas_blob_size_bytes`).
+    pub max_blob_bytes: u64,
+    /// Largest total of a `BatchUpdateBlobs`/`BatchReadBlobs`, bytes.
+    pub max_batch_bytes: u64,
+    /// An unfinished ByteStream upload idle this long is forgotten.
+    pub upload_idle: Duration,
+}
+
+impl GatewayConfig {
+    /// Defaults: gRPC on 127.0.0.1:7480, HTTP on 127.0.0.1:7481, blobs up
+    /// to 64 GiB, batches up to 4 MiB.
+    pub fn new(mut client: ClientConfig) -> GatewayConfig {
+        // A node that does not answer one attempt within 10 s is left for
+        // another replica: build tools time out whole calls at 60 s, and a
+        // call here may take several SDK calls.
+        client.attempt_timeout = client.attempt_timeout.or(Some(Duration::from_secs(10)));
+        GatewayConfig {
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7480)),
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 7481)),
+            client,
+            anonymous: false,
+            max_blob_bytes: 64 << 30,
+            max_batch_bytes: 4 << 20,
+            upload_idle: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What the protocol handlers share.
+pub(crate) struct Gateway {
+    /// The gateway's own client (map, anonymous callers).
+    client: Client,
+    config: GatewayConfig,
+    uploads: bytestream::Uploads,
+    /// When the map was last fetched for an unknown instance.
+    last_refresh: tokio::sync::Mutex<std::time::Instant>,
+}
+
+/// A request's credential.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Credential {
+    /// A bearer token.
+    Token(String),
+    /// None given.
+    Anonymous,
+}
+
+impl Credential {
+    /// From an `authorization` header: `Bearer <token>`, or `Basic` with
+    /// the token as the password (or as the user name when the password
+    /// is empty: `https://TOKEN@host/`).
+    pub(crate) fn from_header(value: Option<&[u8]>) -> tidepool_client::Result<Credential> {
+        use base64::Engine as _;
+        let Some(value) = value else {
+            return Ok(Credential::Anonymous);
+        };
+        let bad = |what: &str| {
+            tidepool_client::Error::new(
+                ErrorCode::Unauthenticated,
+                format!("authorization header: {what}; use `Bearer <token>` or `Basic`"),
+            )
+        };
+        let value = std::str::from_utf8(value)
+            .map_err(|_| bad("not text"))?
+            .trim();
+        let (scheme, rest) = value.split_once(' ').ok_or_else(|| bad("no scheme"))?;
+        let rest = rest.trim();
+        if scheme.eq_ignore_ascii_case("bearer") && !rest.is_empty() {
+            return Ok(Credential::Token(rest.to_string()));
+        }
+        if scheme.eq_ignore_ascii_case("basic") {
+            let decoded = base64::engine::general_purpose::STANDARD
+                .decode(rest)
+                .map_err(|_| bad("Basic credentials are not base64"))?;
+            let decoded =
+                String::from_utf8(decoded).map_err(|_| bad("Basic credentials are not text"))?;
+            let (user, password) = decoded.split_once(':').unwrap_or((&decoded, ""));
+            let token = if password.is_empty() { user } else { password };
+            if !token.is_empty() {
+                return Ok(Credential::Token(token.to_string()));
+            }
+        }
+        Err(bad("unsupported or empty"))
+    }
+}
+
+impl Gateway {
+    /// The client acting for a caller.
+    pub(crate) fn caller(&self, credential: Credential) -> tidepool_client::Result<Client> {
+        match credential {
+            Credential::Token(token) => self.client.acting_as(&token),
+            Credential::Anonymous if self.config.anonymous => Ok(self.client.clone()),
+            Credential::Anonymous => Err(tidepool_client::Error::new(
+                ErrorCode::Unauthenticated,
+                "a token is required (gRPC: `authorization: Bearer <token>`; HTTP: Bearer, or Basic with the token as password)",
+            )),
+        }
+    }
+
+    /// The instance `name` names, if its namespaces exist.
+    pub(crate) async fn instance(&self, name: &str) -> tidepool_client::Result<Instance> {
+        let instance = Instance::parse(name)
+            .map_err(|e| tidepool_client::Error::new(ErrorCode::InvalidArgument, e))?;
+        for refresh in [false, true] {
+            let map = if refresh {
+                // An unknown name may be a namespace created a moment ago;
+                // the map is fetched again at most once a second (unknown
+                // names are common: ccache URL prefixes).
+                let mut last = self.last_refresh.lock().await;
+                if last.elapsed() < Duration::from_secs(1) {
+                    break;
+                }
+                let map = self.client.refresh_map().await?;
+                *last = std::time::Instant::now();
+                map
+            } else {
+                self.client.map()
+            };
+            let cas = map.namespaces.iter().find(|n| n.name == instance.cas);
+            let ac = map.namespaces.iter().any(|n| n.name == instance.ac);
+            if let Some(cas) = cas
+                && ac
+            {
+                if !cas.content_addressed {
+                    return Err(tidepool_client::Error::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "namespace {:?} is not content-addressed, so it cannot be instance {:?}'s CAS",
+                            instance.cas, instance.name
+                        ),
+                    ));
+                }
+                return Ok(instance);
+            }
+        }
+        Err(tidepool_client::Error::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "unknown instance {:?}: it needs namespaces {:?} (content-addressed) and {:?} (`tidectl cache create {}`)",
+                instance.name, instance.cas, instance.ac, instance.cas
+            ),
+        ))
+    }
+}
+
+/// A running gateway.
+pub struct RunningGateway {
+    /// Where gRPC (REAPI, ByteStream) is served.
+    pub grpc_address: SocketAddr,
+    /// Where the HTTP cache is served.
+    pub http_address: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    gateway: Arc<Gateway>,
+}
+
+impl RunningGateway {
+    /// Creates instance `name` — namespaces `name` (content-addressed) and
+    /// `name.ac`, each dropping entries `retain` epochs after their last
+    /// write or touch — where they do not exist yet (with the gateway's
+    /// own token, which must be an admin's).
+    pub async fn create_instance(&self, name: &str, retain: u32) -> Result<Instance, StartError> {
+        let instance = Instance::parse(name)?;
+        let retention = tidepool_client::RetentionPolicy::Epochs(retain.max(1));
+        for (namespace, content_addressed) in [(&instance.cas, true), (&instance.ac, false)] {
+            match self
+                .gateway
+                .client
+                .create_namespace(namespace, content_addressed, retention)
+                .await
+            {
+                Ok(_) => tracing::info!(namespace, "created namespace for the build cache"),
+                Err(e) if e.code() == ErrorCode::NamespaceExists => {}
+                Err(e) => return Err(format!("cannot create namespace {namespace:?}: {e}").into()),
+            }
+        }
+        self.gateway
+            .instance(name)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(instance)
+    }
+
+    /// Stops serving (requests in flight are cut).
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Connects to the cluster and serves both protocols.
+pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
+    let client = Client::with_config(config.client.clone())
+        .await
+        .map_err(|e| format!("cannot reach the cluster: {e}"))?;
+    let grpc = TcpListener::bind(config.grpc_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.grpc_listen))?;
+    let http = TcpListener::bind(config.http_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.http_listen))?;
+    let grpc_address = grpc.local_addr().map_err(|e| e.to_string())?;
+    let http_address = http.local_addr().map_err(|e| e.to_string())?;
+    let gateway = Arc::new(Gateway {
+        client,
+        uploads: bytestream::Uploads::default(),
+        last_refresh: tokio::sync::Mutex::new(
+            std::time::Instant::now()
+                .checked_sub(Duration::from_secs(2))
+                .unwrap_or_else(std::time::Instant::now),
+        ),
+        config,
+    });
+    let (stop, stopped) = watch::channel(false);
+    let tasks = vec![
+        tokio::spawn(reapi::serve(gateway.clone(), grpc, stopped.clone())),
+        tokio::spawn(http::serve(gateway.clone(), http, stopped.clone())),
+        tokio::spawn(bytestream::expire_uploads(gateway.clone(), stopped)),
+    ];
+    tracing::info!(%grpc_address, %http_address, "gateway serving");
+    Ok(RunningGateway {
+        grpc_address,
+        http_address,
+        stop,
+        tasks,
+        gateway,
+    })
+}
+
+/// Why a gateway did not start.
+#[derive(Debug)]
+pub struct StartError(String);
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StartError {}
+
+impl From<String> for StartError {
+    fn from(message: String) -> Self {
+        StartError(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_from_headers() {
+        use base64::Engine as _;
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        let token = |s: &str| Credential::Token(s.to_string());
+        assert_eq!(
+            Credential::from_header(None).unwrap(),
+            Credential::Anonymous
+        );
+        assert_eq!(
+            Credential::from_header(Some(b"Bearer abc")).unwrap(),
+            token("abc")
+        );
+        assert_eq!(
+            Credential::from_header(Some(b"bearer  abc ")).unwrap(),
+            token("abc")
+        );
+        let basic = format!("Basic {}", b64("ci:secret"));
+        assert_eq!(
+            Credential::from_header(Some(basic.as_bytes())).unwrap(),
+            token("secret")
+        );
+        let user_only = format!("Basic {}", b64("secret:"));
+        assert_eq!(
+            Credential::from_header(Some(user_only.as_bytes())).unwrap(),
+            token("secret")
+        );
+        for bad in ["Bearer", "Bearer ", "Digest x", "Basic !!!", "abc"] {
+            let e = Credential::from_header(Some(bad.as_bytes())).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::Unauthenticated, "{bad}");
+        }
+        let empty = format!("Basic {}", b64(":"));
+        assert!(Credential::from_header(Some(empty.as_bytes())).is_err());
+    }
+}

@@ -1,0 +1,657 @@
+//! REAPI v2 over gRPC: `Capabilities`, `ContentAddressableStorage` and
+//! `ActionCache` (the cache half of the API; remote execution is not
+//! offered), served with ByteStream on one port.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
+use bazel_remote_apis::build::bazel::semver::SemVer;
+use bazel_remote_apis::google::rpc::Status as RpcStatus;
+use re::action_cache_server::{ActionCache, ActionCacheServer};
+use re::capabilities_server::{Capabilities, CapabilitiesServer};
+use re::content_addressable_storage_server::{
+    ContentAddressableStorage, ContentAddressableStorageServer,
+};
+use re::{compressor, digest_function};
+use tidepool_client::{Client, Error, ErrorCode};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::names::{BlobDigest, Instance};
+use crate::{Credential, Gateway, cache, codec};
+
+/// gRPC status of an SDK error (codes chosen for what a build tool does
+/// next: retry on UNAVAILABLE, rebuild on NOT_FOUND, stop on the rest).
+pub(crate) fn status(error: Error) -> Status {
+    let message = error.to_string();
+    match error.code() {
+        ErrorCode::NotFound => Status::not_found(message),
+        ErrorCode::InvalidArgument
+        | ErrorCode::DigestMismatch
+        | ErrorCode::SizeMismatch
+        | ErrorCode::ValueTooLarge
+        | ErrorCode::NamespaceNotFound => Status::invalid_argument(message),
+        ErrorCode::Unauthenticated => Status::unauthenticated(message),
+        ErrorCode::PermissionDenied => Status::permission_denied(message),
+        ErrorCode::Conflict => Status::already_exists(message),
+        ErrorCode::DiskFull => Status::resource_exhausted(message),
+        ErrorCode::Corrupt => Status::data_loss(message),
+        ErrorCode::Unsupported => Status::unimplemented(message),
+        ErrorCode::Timeout
+        | ErrorCode::NoQuorum
+        | ErrorCode::Overloaded
+        | ErrorCode::ShuttingDown
+        | ErrorCode::NotLeader
+        | ErrorCode::WrongShard
+        | ErrorCode::StaleMap => Status::unavailable(message),
+        _ => Status::internal(message),
+    }
+}
+
+/// A `google.rpc.Status` for one item of a batch.
+fn rpc_status(result: Result<(), Status>) -> Option<RpcStatus> {
+    Some(match result {
+        Ok(()) => RpcStatus::default(),
+        Err(s) => RpcStatus {
+            code: s.code() as i32,
+            message: s.message().to_string(),
+            details: Vec::new(),
+        },
+    })
+}
+
+fn digest_of(digest: Option<&re::Digest>) -> Result<BlobDigest, Status> {
+    BlobDigest::from_proto(digest).map_err(Status::invalid_argument)
+}
+
+/// Only SHA-256 is served (`UNKNOWN` means the default, SHA-256).
+fn check_digest_function(value: i32) -> Result<(), Status> {
+    if value == digest_function::Value::Unknown as i32
+        || value == digest_function::Value::Sha256 as i32
+    {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "digest function {value} is not served; this server speaks SHA-256"
+        )))
+    }
+}
+
+/// The REAPI services, sharing the gateway.
+#[derive(Clone)]
+pub(crate) struct Reapi {
+    pub(crate) gateway: Arc<Gateway>,
+}
+
+impl Reapi {
+    /// The caller's client and the instance, or the refusal.
+    pub(crate) async fn begin<T>(
+        &self,
+        request: &Request<T>,
+        instance: &str,
+    ) -> Result<(Client, Instance), Status> {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        let client = Credential::from_header(header)
+            .and_then(|c| self.gateway.caller(c))
+            .map_err(status)?;
+        let instance = self.gateway.instance(instance).await.map_err(status)?;
+        Ok((client, instance))
+    }
+
+    fn max_batch(&self) -> u64 {
+        self.gateway.config.max_batch_bytes
+    }
+}
+
+#[tonic::async_trait]
+impl Capabilities for Reapi {
+    async fn get_capabilities(
+        &self,
+        request: Request<re::GetCapabilitiesRequest>,
+    ) -> Result<Response<re::ServerCapabilities>, Status> {
+        let instance = request.get_ref().instance_name.clone();
+        self.begin(&request, &instance).await?;
+        let version = |minor| SemVer {
+            major: 2,
+            minor,
+            patch: 0,
+            prerelease: String::new(),
+        };
+        let zstd = vec![compressor::Value::Zstd as i32];
+        Ok(Response::new(re::ServerCapabilities {
+            cache_capabilities: Some(re::CacheCapabilities {
+                digest_functions: vec![digest_function::Value::Sha256 as i32],
+                action_cache_update_capabilities: Some(re::ActionCacheUpdateCapabilities {
+                    update_enabled: true,
+                }),
+                max_batch_total_size_bytes: self.max_batch() as i64,
+                symlink_absolute_path_strategy: re::symlink_absolute_path_strategy::Value::Allowed
+                    as i32,
+                supported_compressors: zstd.clone(),
+                supported_batch_update_compressors: zstd,
+                max_cas_blob_size_bytes: self.gateway.config.max_blob_bytes as i64,
+                split_blob_support: true,
+                splice_blob_support: true,
+                ..Default::default()
+            }),
+            low_api_version: Some(version(0)),
+            high_api_version: Some(version(3)),
+            ..Default::default()
+        }))
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl ContentAddressableStorage for Reapi {
+    async fn find_missing_blobs(
+        &self,
+        request: Request<re::FindMissingBlobsRequest>,
+    ) -> Result<Response<re::FindMissingBlobsResponse>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let digests = request
+            .blob_digests
+            .iter()
+            .map(|d| digest_of(Some(d)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let missing = cache::find_missing(&client, &instance, &digests)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(re::FindMissingBlobsResponse {
+            missing_blob_digests: missing.into_iter().map(BlobDigest::to_proto).collect(),
+        }))
+    }
+
+    async fn batch_update_blobs(
+        &self,
+        request: Request<re::BatchUpdateBlobsRequest>,
+    ) -> Result<Response<re::BatchUpdateBlobsResponse>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let total: u64 = request.requests.iter().map(|r| r.data.len() as u64).sum();
+        if total > self.max_batch() {
+            return Err(Status::invalid_argument(format!(
+                "the batch holds {total} bytes; at most {} (max_batch_total_size_bytes)",
+                self.max_batch()
+            )));
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, item) in request.requests.into_iter().enumerate() {
+            let (client, instance) = (client.clone(), instance.clone());
+            tasks.spawn(async move {
+                let result = async {
+                    let digest = digest_of(item.digest.as_ref())?;
+                    let data = match item.compressor {
+                        c if c == compressor::Value::Identity as i32 => item.data,
+                        c if c == compressor::Value::Zstd as i32 => {
+                            codec::decompress(&item.data, digest.size)
+                                .map_err(Status::invalid_argument)?
+                        }
+                        other => {
+                            return Err(Status::invalid_argument(format!(
+                                "compressor {other} is not supported"
+                            )));
+                        }
+                    };
+                    cache::write_cas(&client, &instance, digest, &data)
+                        .await
+                        .map_err(status)
+                }
+                .await;
+                (i, item.digest, result)
+            });
+        }
+        let mut responses = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            let (i, digest, result) = done.map_err(|e| Status::internal(e.to_string()))?;
+            responses.push((
+                i,
+                re::batch_update_blobs_response::Response {
+                    digest,
+                    status: rpc_status(result),
+                },
+            ));
+        }
+        responses.sort_by_key(|(i, _)| *i);
+        Ok(Response::new(re::BatchUpdateBlobsResponse {
+            responses: responses.into_iter().map(|(_, r)| r).collect(),
+        }))
+    }
+
+    async fn batch_read_blobs(
+        &self,
+        request: Request<re::BatchReadBlobsRequest>,
+    ) -> Result<Response<re::BatchReadBlobsResponse>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let digests = request
+            .digests
+            .iter()
+            .map(|d| digest_of(Some(d)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let total: u64 = digests.iter().map(|d| d.size).sum();
+        if total > self.max_batch() {
+            return Err(Status::invalid_argument(format!(
+                "the blobs asked for add up to {total} bytes; at most {} (max_batch_total_size_bytes)",
+                self.max_batch()
+            )));
+        }
+        let zstd = request
+            .acceptable_compressors
+            .contains(&(compressor::Value::Zstd as i32));
+        let limit = self.max_batch();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, digest) in digests.into_iter().enumerate() {
+            let (client, instance) = (client.clone(), instance.clone());
+            tasks.spawn(async move {
+                let read = cache::read_cas(&client, &instance, digest, limit)
+                    .await
+                    .map_err(status);
+                let response = match read {
+                    Ok(data) if zstd && !data.is_empty() => match codec::compress(&data) {
+                        Ok(compressed) => re::batch_read_blobs_response::Response {
+                            digest: Some(digest.to_proto()),
+                            data: compressed,
+                            compressor: compressor::Value::Zstd as i32,
+                            status: rpc_status(Ok(())),
+                        },
+                        Err(e) => re::batch_read_blobs_response::Response {
+                            digest: Some(digest.to_proto()),
+                            status: rpc_status(Err(Status::internal(e.to_string()))),
+                            ..Default::default()
+                        },
+                    },
+                    Ok(data) => re::batch_read_blobs_response::Response {
+                        digest: Some(digest.to_proto()),
+                        data,
+                        compressor: compressor::Value::Identity as i32,
+                        status: rpc_status(Ok(())),
+                    },
+                    Err(e) => re::batch_read_blobs_response::Response {
+                        digest: Some(digest.to_proto()),
+                        status: rpc_status(Err(e)),
+                        ..Default::default()
+                    },
+                };
+                (i, response)
+            });
+        }
+        let mut responses = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            responses.push(done.map_err(|e| Status::internal(e.to_string()))?);
+        }
+        responses.sort_by_key(|(i, _)| *i);
+        Ok(Response::new(re::BatchReadBlobsResponse {
+            responses: responses.into_iter().map(|(_, r)| r).collect(),
+        }))
+    }
+
+    type GetTreeStream = BoxStream<re::GetTreeResponse>;
+
+    async fn get_tree(
+        &self,
+        request: Request<re::GetTreeRequest>,
+    ) -> Result<Response<Self::GetTreeStream>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let root = digest_of(request.root_digest.as_ref())?;
+        let page_size = match request.page_size {
+            n if n < 0 => return Err(Status::invalid_argument("page_size is negative")),
+            0 => 1000,
+            n => (n as usize).min(10_000),
+        };
+        let start: usize = if request.page_token.is_empty() {
+            0
+        } else {
+            request
+                .page_token
+                .parse()
+                .map_err(|_| Status::invalid_argument("page_token is not one this server gave"))?
+        };
+        // The whole rest of the tree, in pages (one traversal).
+        let (directories, _) = cache::tree_page(
+            &client,
+            &instance,
+            root,
+            start,
+            usize::MAX,
+            self.max_batch(),
+        )
+        .await
+        .map_err(status)?;
+        let count = directories.len();
+        let mut pages = Vec::new();
+        let mut rest = directories.into_iter();
+        let mut done = 0;
+        loop {
+            let page: Vec<re::Directory> = rest.by_ref().take(page_size).collect();
+            done += page.len();
+            let next_page_token = if done < count {
+                (start + done).to_string()
+            } else {
+                String::new()
+            };
+            let last = next_page_token.is_empty();
+            pages.push(Ok(re::GetTreeResponse {
+                directories: page,
+                next_page_token,
+            }));
+            if last {
+                break;
+            }
+        }
+        Ok(Response::new(Box::pin(tokio_stream::iter(pages))))
+    }
+
+    async fn split_blob(
+        &self,
+        request: Request<re::SplitBlobRequest>,
+    ) -> Result<Response<re::SplitBlobResponse>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let digest = digest_of(request.blob_digest.as_ref())?;
+        let chunk_digests = split(&client, &instance, digest).await?;
+        Ok(Response::new(re::SplitBlobResponse {
+            chunk_digests,
+            chunking_function: re::chunking_function::Value::Unknown as i32,
+        }))
+    }
+
+    type GetChunkMappingStream = BoxStream<re::GetChunkMappingResponse>;
+
+    async fn get_chunk_mapping(
+        &self,
+        request: Request<re::GetChunkMappingRequest>,
+    ) -> Result<Response<Self::GetChunkMappingStream>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let digest = digest_of(request.blob_digest.as_ref())?;
+        let chunk_digests = split(&client, &instance, digest).await?;
+        let mut first = true;
+        let pages: Vec<_> = chunk_digests
+            .chunks(10_000)
+            .map(|page| {
+                let chunking_function = if std::mem::take(&mut first) {
+                    re::chunking_function::Value::Unknown as i32
+                } else {
+                    0
+                };
+                Ok(re::GetChunkMappingResponse {
+                    chunk_digests: page.to_vec(),
+                    chunking_function,
+                })
+            })
+            .collect();
+        Ok(Response::new(Box::pin(tokio_stream::iter(pages))))
+    }
+
+    async fn splice_blob(
+        &self,
+        request: Request<re::SpliceBlobRequest>,
+    ) -> Result<Response<re::SpliceBlobResponse>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let digest = digest_of(request.blob_digest.as_ref())?;
+        let chunks = request
+            .chunk_digests
+            .iter()
+            .map(|d| digest_of(Some(d)))
+            .collect::<Result<Vec<_>, _>>()?;
+        splice(&client, &instance, digest, &chunks).await?;
+        Ok(Response::new(re::SpliceBlobResponse {
+            blob_digest: Some(digest.to_proto()),
+        }))
+    }
+
+    async fn register_chunk_mapping(
+        &self,
+        request: Request<Streaming<re::RegisterChunkMappingRequest>>,
+    ) -> Result<Response<re::RegisterChunkMappingResponse>, Status> {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes().to_vec());
+        let mut stream = request.into_inner();
+        let mut first: Option<re::RegisterChunkMappingRequest> = None;
+        let mut chunks = Vec::new();
+        while let Some(message) = stream.message().await? {
+            for d in &message.chunk_digests {
+                chunks.push(digest_of(Some(d))?);
+                if chunks.len() > 1_000_000 {
+                    return Err(Status::invalid_argument("more than 1,000,000 chunks"));
+                }
+            }
+            first.get_or_insert(message);
+        }
+        let first = first.ok_or_else(|| Status::invalid_argument("no request was sent"))?;
+        check_digest_function(first.digest_function)?;
+        let client = Credential::from_header(header.as_deref())
+            .and_then(|c| self.gateway.caller(c))
+            .map_err(status)?;
+        let instance = self
+            .gateway
+            .instance(&first.instance_name)
+            .await
+            .map_err(status)?;
+        let digest = digest_of(first.blob_digest.as_ref())?;
+        splice(&client, &instance, digest, &chunks).await?;
+        Ok(Response::new(re::RegisterChunkMappingResponse {
+            blob_digest: Some(digest.to_proto()),
+        }))
+    }
+}
+
+/// The chunks a CAS blob is stored as (a plain blob is its own single
+/// chunk).
+async fn split(
+    client: &Client,
+    instance: &Instance,
+    digest: BlobDigest,
+) -> Result<Vec<re::Digest>, Status> {
+    if digest.is_empty_blob() {
+        return Ok(Vec::new());
+    }
+    let chunks = client
+        .chunks(&instance.cas, &digest.hash)
+        .await
+        .map_err(status)?;
+    let total: u64 = chunks.iter().map(|c| c.size).sum();
+    if total != digest.size {
+        return Err(Status::not_found(format!(
+            "the blob of this hash is {total} bytes, not {}",
+            digest.size
+        )));
+    }
+    chunks
+        .into_iter()
+        .map(|c| {
+            let hash: [u8; 32] = c.sha256[..]
+                .try_into()
+                .map_err(|_| Status::data_loss("a chunk without a SHA-256"))?;
+            Ok(BlobDigest { hash, size: c.size }.to_proto())
+        })
+        .collect()
+}
+
+/// Stores `digest` as the concatenation of `chunks` (already in the CAS,
+/// each at most one node entry). Verified by the SDK.
+async fn splice(
+    client: &Client,
+    instance: &Instance,
+    digest: BlobDigest,
+    chunks: &[BlobDigest],
+) -> Result<(), Status> {
+    let total: u64 = chunks.iter().map(|c| c.size).sum();
+    if total != digest.size {
+        return Err(Status::invalid_argument(format!(
+            "the chunks add up to {total} bytes, the blob is {}",
+            digest.size
+        )));
+    }
+    let limit = client.chunk_size() as u64;
+    if let Some(big) = chunks.iter().find(|c| c.size > limit) {
+        return Err(Status::invalid_argument(format!(
+            "a chunk of {} bytes; chunks are at most {limit} bytes here",
+            big.size
+        )));
+    }
+    if digest.is_empty_blob() {
+        return Ok(());
+    }
+    let keys: Vec<[u8; 32]> = chunks
+        .iter()
+        .filter(|c| !c.is_empty_blob())
+        .map(|c| c.hash)
+        .collect();
+    client
+        .splice(&instance.cas, &digest.hash, &keys)
+        .await
+        .map_err(status)?;
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl ActionCache for Reapi {
+    async fn get_action_result(
+        &self,
+        request: Request<re::GetActionResultRequest>,
+    ) -> Result<Response<re::ActionResult>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let action = digest_of(request.action_digest.as_ref())?;
+        let limit = self.max_batch();
+        let mut result = cache::get_action_result(&client, &instance, action, limit)
+            .await
+            .map_err(status)?;
+        // Inlining is best effort, within one batch's worth of bytes.
+        let mut budget = limit;
+        let mut inline = async |digest: Option<&re::Digest>| -> Option<Vec<u8>> {
+            let digest = BlobDigest::from_proto(digest).ok()?;
+            if digest.size > budget {
+                return None;
+            }
+            budget -= digest.size;
+            cache::read_cas(&client, &instance, digest, limit)
+                .await
+                .ok()
+        };
+        if request.inline_stdout
+            && let Some(bytes) = inline(result.stdout_digest.as_ref()).await
+        {
+            result.stdout_raw = bytes;
+        }
+        if request.inline_stderr
+            && let Some(bytes) = inline(result.stderr_digest.as_ref()).await
+        {
+            result.stderr_raw = bytes;
+        }
+        for file in &mut result.output_files {
+            if request.inline_output_files.contains(&file.path)
+                && let Some(bytes) = inline(file.digest.as_ref()).await
+            {
+                file.contents = bytes;
+            }
+        }
+        Ok(Response::new(result))
+    }
+
+    async fn update_action_result(
+        &self,
+        request: Request<re::UpdateActionResultRequest>,
+    ) -> Result<Response<re::ActionResult>, Status> {
+        let (client, instance) = self
+            .begin(&request, &request.get_ref().instance_name)
+            .await?;
+        let request = request.into_inner();
+        check_digest_function(request.digest_function)?;
+        let action = digest_of(request.action_digest.as_ref())?;
+        let result = request
+            .action_result
+            .ok_or_else(|| Status::invalid_argument("action_result is required"))?;
+        // Every digest it holds must be well-formed.
+        for file in &result.output_files {
+            digest_of(file.digest.as_ref())?;
+        }
+        for directory in &result.output_directories {
+            digest_of(directory.tree_digest.as_ref())?;
+        }
+        for digest in [&result.stdout_digest, &result.stderr_digest]
+            .into_iter()
+            .flatten()
+        {
+            digest_of(Some(digest))?;
+        }
+        cache::update_action_result(&client, &instance, action, &result)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(result))
+    }
+}
+
+/// Serves REAPI and ByteStream on `listener` until `stop`.
+pub(crate) async fn serve(
+    gateway: Arc<Gateway>,
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+) {
+    let reapi = Reapi {
+        gateway: gateway.clone(),
+    };
+    // A batch's bytes plus the messages' framing.
+    let limit = gateway.config.max_batch_bytes as usize + (1 << 20);
+    let result = tonic::transport::Server::builder()
+        .add_service(CapabilitiesServer::new(reapi.clone()))
+        .add_service(
+            ContentAddressableStorageServer::new(reapi.clone())
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        )
+        .add_service(
+            ActionCacheServer::new(reapi.clone())
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        )
+        .add_service(crate::bytestream::server(reapi, limit))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        )
+        .await;
+    if let Err(e) = result {
+        tracing::error!(error = %e, "the gateway's gRPC server stopped");
+    }
+}

@@ -1,0 +1,1122 @@
+//! The gateway's protocols against a real in-process cluster (coordinator
+//! and three nodes on loopback sockets), through the generated REAPI and
+//! ByteStream clients and a real HTTP client: every call, and the bad
+//! input each must refuse with its code.
+
+use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
+use bazel_remote_apis::google::bytestream::byte_stream_client::ByteStreamClient;
+use bazel_remote_apis::google::bytestream::{QueryWriteStatusRequest, ReadRequest, WriteRequest};
+use http_body_util::{BodyExt as _, Full};
+use prost::Message as _;
+use re::action_cache_client::ActionCacheClient;
+use re::capabilities_client::CapabilitiesClient;
+use re::content_addressable_storage_client::ContentAddressableStorageClient;
+use sha2::{Digest as _, Sha256};
+use tidepool_client::{Client, ClientConfig};
+use tidepool_gateway::{GatewayConfig, RunningGateway};
+use tidepool_testkit::cluster::LocalCluster;
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// The cluster's chunk size (LocalCluster's value limit).
+const CHUNK: usize = 1 << 20;
+
+struct Setup {
+    cluster: LocalCluster,
+    gateway: RunningGateway,
+    channel: Channel,
+    client: Client,
+}
+
+async fn setup(anonymous: bool) -> Setup {
+    let cluster = LocalCluster::start(3, 4, 3).await;
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = anonymous;
+    config.max_blob_bytes = 8 << 20;
+    config.max_batch_bytes = 2 << 20;
+    let gateway = tidepool_gateway::start(config)
+        .await
+        .expect("the gateway starts");
+    gateway.create_instance("cache", 3).await.expect("instance");
+    gateway.create_instance("ci", 3).await.expect("instance");
+    let channel = Channel::from_shared(format!("http://{}", gateway.grpc_address))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connects");
+    let client = Client::connect(std::slice::from_ref(&cluster.url))
+        .await
+        .expect("client");
+    Setup {
+        cluster,
+        gateway,
+        channel,
+        client,
+    }
+}
+
+impl Setup {
+    fn cas(&self) -> ContentAddressableStorageClient<Channel> {
+        ContentAddressableStorageClient::new(self.channel.clone())
+            .max_decoding_message_size(16 << 20)
+    }
+    fn ac(&self) -> ActionCacheClient<Channel> {
+        ActionCacheClient::new(self.channel.clone())
+    }
+    fn bytestream(&self) -> ByteStreamClient<Channel> {
+        ByteStreamClient::new(self.channel.clone())
+    }
+    async fn stop(self) {
+        self.gateway.stop().await;
+        self.cluster.stop().await;
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    tidepool_client::hex(bytes)
+}
+
+fn digest(bytes: &[u8]) -> re::Digest {
+    re::Digest {
+        hash: hex(&Sha256::digest(bytes)),
+        size_bytes: bytes.len() as i64,
+    }
+}
+
+/// Deterministic bytes of any size (a seed per blob).
+fn blob(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+async fn upload(s: &Setup, instance: &str, bytes: &[u8]) {
+    let response = s
+        .cas()
+        .batch_update_blobs(re::BatchUpdateBlobsRequest {
+            instance_name: instance.into(),
+            requests: vec![re::batch_update_blobs_request::Request {
+                digest: Some(digest(bytes)),
+                data: bytes.to_vec(),
+                compressor: 0,
+            }],
+            digest_function: 0,
+        })
+        .await
+        .expect("batch update")
+        .into_inner();
+    assert_eq!(
+        response.responses[0].status.as_ref().unwrap().code,
+        0,
+        "{response:?}"
+    );
+}
+
+fn write_requests(
+    name: &str,
+    bytes: &[u8],
+    offset: usize,
+    piece: usize,
+    finish: bool,
+) -> Vec<WriteRequest> {
+    let mut requests: Vec<WriteRequest> = bytes[offset..]
+        .chunks(piece)
+        .scan(offset, |at, data| {
+            let request = WriteRequest {
+                resource_name: name.into(),
+                write_offset: *at as i64,
+                finish_write: false,
+                data: data.to_vec(),
+            };
+            *at += data.len();
+            Some(request)
+        })
+        .collect();
+    if requests.is_empty() {
+        requests.push(WriteRequest {
+            resource_name: name.into(),
+            write_offset: offset as i64,
+            finish_write: false,
+            data: Vec::new(),
+        });
+    }
+    requests.last_mut().unwrap().finish_write = finish;
+    requests
+}
+
+async fn bytestream_write(s: &Setup, name: &str, bytes: &[u8]) -> Result<i64, tonic::Status> {
+    let requests = write_requests(name, bytes, 0, 256 << 10, true);
+    s.bytestream()
+        .write(tokio_stream::iter(requests))
+        .await
+        .map(|r| r.into_inner().committed_size)
+}
+
+async fn bytestream_read(
+    s: &Setup,
+    name: &str,
+    offset: i64,
+    limit: i64,
+) -> Result<Vec<u8>, tonic::Status> {
+    let mut stream = s
+        .bytestream()
+        .read(ReadRequest {
+            resource_name: name.into(),
+            read_offset: offset,
+            read_limit: limit,
+        })
+        .await?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(message) = stream.message().await? {
+        out.extend_from_slice(&message.data);
+    }
+    Ok(out)
+}
+
+fn blob_name(bytes: &[u8]) -> String {
+    let d = digest(bytes);
+    format!("blobs/{}/{}", d.hash, d.size_bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn capabilities_find_missing_and_batches() {
+    let s = setup(true).await;
+    let caps = CapabilitiesClient::new(s.channel.clone())
+        .get_capabilities(re::GetCapabilitiesRequest {
+            instance_name: String::new(),
+        })
+        .await
+        .expect("capabilities")
+        .into_inner();
+    let cache = caps.cache_capabilities.unwrap();
+    assert_eq!(
+        cache.digest_functions,
+        vec![re::digest_function::Value::Sha256 as i32]
+    );
+    assert!(
+        cache
+            .action_cache_update_capabilities
+            .unwrap()
+            .update_enabled
+    );
+    assert_eq!(cache.max_batch_total_size_bytes, 2 << 20);
+    assert_eq!(cache.max_cas_blob_size_bytes, 8 << 20);
+    assert!(
+        cache
+            .supported_compressors
+            .contains(&(re::compressor::Value::Zstd as i32))
+    );
+    assert!(cache.split_blob_support && cache.splice_blob_support);
+    let unknown = CapabilitiesClient::new(s.channel.clone())
+        .get_capabilities(re::GetCapabilitiesRequest {
+            instance_name: "nosuch".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::InvalidArgument, "{unknown:?}");
+
+    // Exact FindMissingBlobs: what was stored is found, the rest is not;
+    // the empty blob is always there; duplicates are answered once.
+    let present: Vec<Vec<u8>> = (0..20).map(|i| blob(i, 100 + i as usize)).collect();
+    let absent: Vec<Vec<u8>> = (100..120).map(|i| blob(i, 100)).collect();
+    for b in &present {
+        upload(&s, "", b).await;
+    }
+    let mut asked: Vec<re::Digest> = present.iter().chain(&absent).map(|b| digest(b)).collect();
+    asked.push(digest(b""));
+    asked.push(digest(&absent[0]));
+    let missing = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: String::new(),
+            blob_digests: asked,
+            digest_function: 0,
+        })
+        .await
+        .expect("find missing")
+        .into_inner()
+        .missing_blob_digests;
+    let expected: Vec<re::Digest> = absent.iter().map(|b| digest(b)).collect();
+    assert_eq!(missing, expected);
+    // Instances are separate.
+    let other = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: "ci".into(),
+            blob_digests: vec![digest(&present[0])],
+            digest_function: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .missing_blob_digests;
+    assert_eq!(other.len(), 1);
+    // Bad digests and digest functions.
+    for bad in [
+        re::Digest {
+            hash: "abc".into(),
+            size_bytes: 1,
+        },
+        re::Digest {
+            hash: digest(b"x").hash.to_uppercase(),
+            size_bytes: 1,
+        },
+        re::Digest {
+            hash: digest(b"x").hash,
+            size_bytes: -1,
+        },
+    ] {
+        let e = s
+            .cas()
+            .find_missing_blobs(re::FindMissingBlobsRequest {
+                instance_name: String::new(),
+                blob_digests: vec![bad.clone()],
+                digest_function: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}: {e:?}");
+    }
+    let e = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: String::new(),
+            blob_digests: vec![],
+            digest_function: re::digest_function::Value::Sha1 as i32,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // BatchUpdateBlobs: per-item verdicts; a wrong hash or size is refused
+    // and nothing is stored under the digest.
+    let good = blob(1000, 5000);
+    let liar = blob(1001, 5000);
+    let mut wrong_size = digest(&good);
+    wrong_size.size_bytes += 1;
+    let zstd_data = zstd::bulk::compress(&blob(1002, 50_000), 3).unwrap();
+    let response = s
+        .cas()
+        .batch_update_blobs(re::BatchUpdateBlobsRequest {
+            instance_name: String::new(),
+            requests: vec![
+                re::batch_update_blobs_request::Request {
+                    digest: Some(digest(&good)),
+                    data: good.clone(),
+                    compressor: 0,
+                },
+                re::batch_update_blobs_request::Request {
+                    digest: Some(digest(&good)),
+                    data: liar.clone(),
+                    compressor: 0,
+                },
+                re::batch_update_blobs_request::Request {
+                    digest: Some(wrong_size),
+                    data: good.clone(),
+                    compressor: 0,
+                },
+                re::batch_update_blobs_request::Request {
+                    digest: Some(digest(&blob(1002, 50_000))),
+                    data: zstd_data,
+                    compressor: re::compressor::Value::Zstd as i32,
+                },
+            ],
+            digest_function: 0,
+        })
+        .await
+        .expect("batch update")
+        .into_inner();
+    let codes: Vec<i32> = response
+        .responses
+        .iter()
+        .map(|r| r.status.as_ref().unwrap().code)
+        .collect();
+    assert_eq!(
+        codes,
+        vec![
+            0,
+            Code::InvalidArgument as i32,
+            Code::InvalidArgument as i32,
+            0
+        ]
+    );
+    assert_eq!(
+        s.client.get("cache", &Sha256::digest(&good)).await.unwrap(),
+        good
+    );
+    assert!(
+        !s.client
+            .exists("cache", &Sha256::digest(&liar))
+            .await
+            .unwrap()
+    );
+    // Too big a batch.
+    let big = blob(1003, (2 << 20) + 1);
+    let e = s
+        .cas()
+        .batch_update_blobs(re::BatchUpdateBlobsRequest {
+            instance_name: String::new(),
+            requests: vec![re::batch_update_blobs_request::Request {
+                digest: Some(digest(&big)),
+                data: big,
+                compressor: 0,
+            }],
+            digest_function: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
+    // BatchReadBlobs: found, missing, compressed on request.
+    let response = s
+        .cas()
+        .batch_read_blobs(re::BatchReadBlobsRequest {
+            instance_name: String::new(),
+            digests: vec![digest(&good), digest(&liar), digest(b"")],
+            acceptable_compressors: vec![re::compressor::Value::Zstd as i32],
+            digest_function: 0,
+        })
+        .await
+        .expect("batch read")
+        .into_inner();
+    let first = &response.responses[0];
+    assert_eq!(first.compressor, re::compressor::Value::Zstd as i32);
+    assert_eq!(zstd::stream::decode_all(&first.data[..]).unwrap(), good);
+    assert_eq!(
+        response.responses[1].status.as_ref().unwrap().code,
+        Code::NotFound as i32
+    );
+    assert_eq!(response.responses[2].status.as_ref().unwrap().code, 0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bytestream_reads_writes_and_resumes() {
+    let s = setup(true).await;
+    // A blob of several chunks, written in pieces, read whole and in
+    // ranges (across chunk boundaries).
+    let big = blob(7, 3 * CHUNK + 12_345);
+    let name = format!("uploads/u-1/{}", blob_name(&big));
+    assert_eq!(
+        bytestream_write(&s, &name, &big).await.unwrap(),
+        big.len() as i64
+    );
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&big), 0, 0).await.unwrap(),
+        big
+    );
+    let ranged = bytestream_read(&s, &blob_name(&big), CHUNK as i64 - 10, 100_000)
+        .await
+        .unwrap();
+    assert_eq!(ranged, big[CHUNK - 10..CHUNK - 10 + 100_000]);
+    let tail = bytestream_read(&s, &blob_name(&big), big.len() as i64 - 5, 0)
+        .await
+        .unwrap();
+    assert_eq!(tail, big[big.len() - 5..]);
+    assert!(
+        bytestream_read(&s, &blob_name(&big), big.len() as i64, 0)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let e = bytestream_read(&s, &blob_name(&big), big.len() as i64 + 1, 0)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
+    let e = bytestream_read(&s, &blob_name(&blob(8, 10)), 0, 0)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = bytestream_read(&s, &blob_name(&big), -1, 0)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    // The empty blob is always there.
+    assert!(
+        bytestream_read(&s, &blob_name(b""), 0, 0)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // The whole blob is known to SplitBlob as its chunks.
+    let split = s
+        .cas()
+        .split_blob(re::SplitBlobRequest {
+            instance_name: String::new(),
+            blob_digest: Some(digest(&big)),
+            ..Default::default()
+        })
+        .await
+        .expect("split")
+        .into_inner();
+    let sizes: Vec<i64> = split.chunk_digests.iter().map(|d| d.size_bytes).collect();
+    assert_eq!(
+        sizes,
+        vec![CHUNK as i64, CHUNK as i64, CHUNK as i64, 12_345]
+    );
+    assert_eq!(split.chunk_digests[0], digest(&big[..CHUNK]));
+
+    // Wrong content for the digest: refused, nothing stored.
+    let liar = blob(9, 2 * CHUNK + 1);
+    let name = format!("uploads/u-2/{}", blob_name(&liar));
+    let mut other = liar.clone();
+    other[CHUNK + 5] ^= 1;
+    let e = bytestream_write(&s, &name, &other).await.unwrap_err();
+    assert!(matches!(e.code(), Code::InvalidArgument), "{e:?}");
+    let e = bytestream_read(&s, &blob_name(&liar), 0, 0)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // A small one too (verified by the node).
+    let name = format!("uploads/u-2b/{}", blob_name(&liar[..100]));
+    let e = bytestream_write(&s, &name, &other[..100]).await;
+    assert!(e.is_ok(), "same bytes: {e:?}");
+    let name = format!("uploads/u-2c/{}", blob_name(b"small liar"));
+    let e = bytestream_write(&s, &name, b"small lie!")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // Wrong size: more bytes than declared.
+    let small = blob(10, 1000);
+    let name = format!("uploads/u-3/blobs/{}/999", digest(&small).hash);
+    let e = bytestream_write(&s, &name, &small).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // Larger than max_cas_blob_size_bytes.
+    let name = format!("uploads/u-4/blobs/{}/{}", digest(&small).hash, 9 << 20);
+    let e = bytestream_write(&s, &name, &small).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // Unknown instance.
+    let name = format!("nosuch/uploads/u-5/{}", blob_name(&small));
+    let e = bytestream_write(&s, &name, &small).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
+    // A resumed write: half is sent, the stream ends without
+    // finish_write; QueryWriteStatus says how much is committed, and the
+    // write resumes there.
+    let resumable = blob(11, 2 * CHUNK + 777);
+    let name = format!("uploads/u-6/{}", blob_name(&resumable));
+    let half = CHUNK + 1000;
+    let first = write_requests(&name, &resumable[..half], 0, 64 << 10, false);
+    let e = s
+        .bytestream()
+        .write(tokio_stream::iter(first))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let status = s
+        .bytestream()
+        .query_write_status(QueryWriteStatusRequest {
+            resource_name: name.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (status.committed_size, status.complete),
+        (half as i64, false)
+    );
+    // At the wrong offset: refused, the upload survives.
+    let wrong = write_requests(&name, &resumable, half + 1, 64 << 10, true);
+    let e = s
+        .bytestream()
+        .write(tokio_stream::iter(wrong))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let rest = write_requests(&name, &resumable, half, 64 << 10, true);
+    let committed = s
+        .bytestream()
+        .write(tokio_stream::iter(rest))
+        .await
+        .expect("the resumed write completes")
+        .into_inner()
+        .committed_size;
+    assert_eq!(committed, resumable.len() as i64);
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&resumable), 0, 0)
+            .await
+            .unwrap(),
+        resumable
+    );
+    let status = s
+        .bytestream()
+        .query_write_status(QueryWriteStatusRequest {
+            resource_name: name.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(status.complete);
+
+    // Early completion: the blob is there, the first message ends it.
+    let first_only = write_requests(
+        &format!("uploads/u-7/{}", blob_name(&big)),
+        &big[..1000],
+        0,
+        1000,
+        false,
+    );
+    let committed = s
+        .bytestream()
+        .write(tokio_stream::iter(first_only))
+        .await
+        .expect("early completion")
+        .into_inner()
+        .committed_size;
+    assert_eq!(committed, big.len() as i64);
+
+    // Two concurrent writes of one new blob (different uploads): both
+    // succeed, the blob is stored once and reads back.
+    let shared = blob(12, CHUNK + 5);
+    let (name_a, name_b) = (
+        format!("uploads/a/{}", blob_name(&shared)),
+        format!("uploads/b/{}", blob_name(&shared)),
+    );
+    let (a, b) = tokio::join!(
+        bytestream_write(&s, &name_a, &shared),
+        bytestream_write(&s, &name_b, &shared),
+    );
+    assert_eq!(a.unwrap(), shared.len() as i64);
+    assert_eq!(b.unwrap(), shared.len() as i64);
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&shared), 0, 0)
+            .await
+            .unwrap(),
+        shared
+    );
+
+    // zstd both ways: a compressed upload is stored decompressed and
+    // verified; a compressed read decompresses to the blob; offsets count
+    // compressed bytes.
+    let text: Vec<u8> = (0..(CHUNK * 2)).map(|i| b"tidepool "[i % 9]).collect();
+    let d = digest(&text);
+    let compressed = zstd::bulk::compress(&text, 3).unwrap();
+    let name = format!(
+        "uploads/z/compressed-blobs/zstd/{}/{}",
+        d.hash, d.size_bytes
+    );
+    let committed = s
+        .bytestream()
+        .write(tokio_stream::iter(write_requests(
+            &name,
+            &compressed,
+            0,
+            1000,
+            true,
+        )))
+        .await
+        .expect("compressed write")
+        .into_inner()
+        .committed_size;
+    assert_eq!(committed, compressed.len() as i64);
+    assert_eq!(
+        s.client.get("cache", &Sha256::digest(&text)).await.unwrap(),
+        text
+    );
+    let read_name = format!("compressed-blobs/zstd/{}/{}", d.hash, d.size_bytes);
+    let frames = bytestream_read(&s, &read_name, 0, 0).await.unwrap();
+    assert_eq!(zstd::stream::decode_all(&frames[..]).unwrap(), text);
+    let later = bytestream_read(&s, &read_name, 10, 0).await.unwrap();
+    assert_eq!(later, frames[10..]);
+    // A compression bomb declared small is refused.
+    let bomb = zstd::bulk::compress(&vec![0u8; 4 << 20], 3).unwrap();
+    let name = format!(
+        "uploads/z2/compressed-blobs/zstd/{}/{}",
+        digest(&[0u8; 100]).hash,
+        100
+    );
+    let e = s
+        .bytestream()
+        .write(tokio_stream::iter(write_requests(
+            &name,
+            &bomb,
+            0,
+            1 << 20,
+            true,
+        )))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn action_results_trees_and_splicing() {
+    let s = setup(true).await;
+    let out = blob(20, 3000);
+    let stdout = b"compiled\n".to_vec();
+    let in_dir = blob(21, 4000);
+    // A tree with one file.
+    let root = re::Directory {
+        files: vec![re::FileNode {
+            name: "lib.a".into(),
+            digest: Some(digest(&in_dir)),
+            is_executable: false,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let tree = re::Tree {
+        root: Some(root.clone()),
+        children: vec![],
+    }
+    .encode_to_vec();
+    for b in [&out, &stdout, &in_dir, &tree] {
+        upload(&s, "", b).await;
+    }
+    let result = re::ActionResult {
+        output_files: vec![re::OutputFile {
+            path: "out/a.o".into(),
+            digest: Some(digest(&out)),
+            ..Default::default()
+        }],
+        output_directories: vec![re::OutputDirectory {
+            path: "out/lib".into(),
+            tree_digest: Some(digest(&tree)),
+            ..Default::default()
+        }],
+        stdout_digest: Some(digest(&stdout)),
+        exit_code: 0,
+        ..Default::default()
+    };
+    let action = digest(b"the action");
+    s.ac()
+        .update_action_result(re::UpdateActionResultRequest {
+            instance_name: String::new(),
+            action_digest: Some(action.clone()),
+            action_result: Some(result.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("update");
+    let got = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            instance_name: String::new(),
+            action_digest: Some(action.clone()),
+            inline_stdout: true,
+            inline_output_files: vec!["out/a.o".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(got.stdout_raw, stdout);
+    assert_eq!(got.output_files[0].contents, out);
+    assert_eq!(got.output_directories, result.output_directories);
+    // Unknown action.
+    let e = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            instance_name: String::new(),
+            action_digest: Some(digest(b"another action")),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    // A bad digest inside a result is refused.
+    let mut bad = result.clone();
+    bad.output_files[0].digest = Some(re::Digest {
+        hash: "x".into(),
+        size_bytes: 1,
+    });
+    let e = s
+        .ac()
+        .update_action_result(re::UpdateActionResultRequest {
+            instance_name: String::new(),
+            action_digest: Some(digest(b"bad")),
+            action_result: Some(bad),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    // A file inside an output directory disappears: the result is no
+    // longer returned.
+    assert!(
+        s.client
+            .delete("cache", &Sha256::digest(&in_dir))
+            .await
+            .unwrap()
+    );
+    let e = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            instance_name: String::new(),
+            action_digest: Some(action.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    upload(&s, "", &in_dir).await;
+    assert!(
+        s.ac()
+            .get_action_result(re::GetActionResultRequest {
+                instance_name: String::new(),
+                action_digest: Some(action.clone()),
+                ..Default::default()
+            })
+            .await
+            .is_ok()
+    );
+
+    // GetTree, paged: root -> a, b; a -> c.
+    let c = re::Directory::default();
+    let c_bytes = re::Directory {
+        files: vec![re::FileNode {
+            name: "c.txt".into(),
+            digest: Some(digest(b"c")),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let _ = c;
+    let c_d = digest(&c_bytes.encode_to_vec());
+    let a = re::Directory {
+        directories: vec![re::DirectoryNode {
+            name: "c".into(),
+            digest: Some(c_d.clone()),
+        }],
+        ..Default::default()
+    };
+    let b = re::Directory {
+        files: vec![re::FileNode {
+            name: "b.txt".into(),
+            digest: Some(digest(b"b")),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let top = re::Directory {
+        directories: vec![
+            re::DirectoryNode {
+                name: "a".into(),
+                digest: Some(digest(&a.encode_to_vec())),
+            },
+            re::DirectoryNode {
+                name: "b".into(),
+                digest: Some(digest(&b.encode_to_vec())),
+            },
+        ],
+        ..Default::default()
+    };
+    for d in [&c_bytes, &a, &b, &top] {
+        upload(&s, "", &d.encode_to_vec()).await;
+    }
+    let mut token = String::new();
+    let mut seen = Vec::new();
+    let mut calls = 0;
+    loop {
+        let mut stream = s
+            .cas()
+            .get_tree(re::GetTreeRequest {
+                instance_name: String::new(),
+                root_digest: Some(digest(&top.encode_to_vec())),
+                page_size: 1,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("get tree")
+            .into_inner();
+        calls += 1;
+        // Read one page only, then continue from its token.
+        let page = stream.message().await.unwrap().expect("a page");
+        assert!(page.directories.len() <= 1);
+        seen.extend(page.directories);
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+        assert!(calls < 10);
+    }
+    assert_eq!(
+        seen,
+        vec![top.clone(), a.clone(), b.clone(), c_bytes.clone()]
+    );
+    let e = s
+        .cas()
+        .get_tree(re::GetTreeRequest {
+            instance_name: String::new(),
+            root_digest: Some(digest(b"no such directory")),
+            ..Default::default()
+        })
+        .await;
+    let e = match e {
+        Err(e) => e,
+        Ok(r) => r.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(e.code(), Code::NotFound);
+
+    // SpliceBlob: three stored chunks make a new blob, readable whole.
+    let parts: Vec<Vec<u8>> = (30..33).map(|i| blob(i, 200_000)).collect();
+    for p in &parts {
+        upload(&s, "", p).await;
+    }
+    let whole = parts.concat();
+    s.cas()
+        .splice_blob(re::SpliceBlobRequest {
+            instance_name: String::new(),
+            blob_digest: Some(digest(&whole)),
+            chunk_digests: parts.iter().map(|p| digest(p)).collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("splice");
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&whole), 0, 0).await.unwrap(),
+        whole
+    );
+    // Chunks in the wrong order do not make the blob.
+    let e = s
+        .cas()
+        .splice_blob(re::SpliceBlobRequest {
+            instance_name: String::new(),
+            blob_digest: Some(digest(&[&parts[1][..], &parts[0][..]].concat())),
+            chunk_digests: vec![digest(&parts[0]), digest(&parts[1])],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // A missing chunk.
+    let e = s
+        .cas()
+        .splice_blob(re::SpliceBlobRequest {
+            instance_name: String::new(),
+            blob_digest: Some(digest(&[&parts[0][..], b"zz"].concat())),
+            chunk_digests: vec![digest(&parts[0]), digest(b"zz")],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    s.stop().await;
+}
+
+/// One HTTP/1.1 request with hyper; returns status and body.
+async fn http(
+    address: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    auth: Option<&str>,
+    body: Vec<u8>,
+) -> (u16, Vec<u8>) {
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let mut request = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "gateway");
+    if let Some(auth) = auth {
+        request = request.header("authorization", auth);
+    }
+    let response = sender
+        .send_request(request.body(Full::new(bytes::Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_cache() {
+    let s = setup(false).await;
+    let at = s.gateway.http_address;
+    let auth = Some("Bearer any-token-the-open-cluster-accepts");
+    let content = blob(40, 2 * CHUNK + 3);
+    let h = hex(&Sha256::digest(&content));
+    // Without a credential: 401.
+    assert_eq!(
+        http(at, "GET", &format!("/cas/{h}"), None, vec![]).await.0,
+        401
+    );
+    assert_eq!(
+        http(at, "GET", &format!("/cas/{h}"), auth, vec![]).await.0,
+        404
+    );
+    assert_eq!(
+        http(at, "PUT", &format!("/cas/{h}"), auth, content.clone())
+            .await
+            .0,
+        200
+    );
+    let (code, body) = http(at, "GET", &format!("/cas/{h}"), auth, vec![]).await;
+    assert_eq!((code, body.len()), (200, content.len()));
+    assert!(body == content);
+    assert_eq!(
+        http(at, "HEAD", &format!("/cas/{h}"), auth, vec![]).await.0,
+        200
+    );
+    // Content that does not hash to the name.
+    let other = hex(&Sha256::digest(b"other"));
+    assert_eq!(
+        http(
+            at,
+            "PUT",
+            &format!("/cas/{other}"),
+            auth,
+            b"not other".to_vec()
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        http(at, "HEAD", &format!("/cas/{other}"), auth, vec![])
+            .await
+            .0,
+        404
+    );
+    assert_eq!(http(at, "GET", "/cas/nothex", auth, vec![]).await.0, 400);
+    // Basic authentication with the token as the password.
+    use base64::Engine as _;
+    let basic = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("ci:token")
+    );
+    assert_eq!(
+        http(at, "GET", &format!("/cas/{h}"), Some(&basic), vec![])
+            .await
+            .0,
+        200
+    );
+
+    // The action cache: an ActionResult whose output is gone is not
+    // returned; other bytes are returned as they are.
+    let output = blob(41, 100);
+    let result = re::ActionResult {
+        output_files: vec![re::OutputFile {
+            path: "o".into(),
+            digest: Some(digest(&output)),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let action = hex(&Sha256::digest(b"http action"));
+    assert_eq!(
+        http(
+            at,
+            "PUT",
+            &format!("/ac/{action}"),
+            auth,
+            result.encode_to_vec()
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(
+        http(at, "GET", &format!("/ac/{action}"), auth, vec![])
+            .await
+            .0,
+        404
+    );
+    let oh = hex(&Sha256::digest(&output));
+    assert_eq!(
+        http(at, "PUT", &format!("/cas/{oh}"), auth, output.clone())
+            .await
+            .0,
+        200
+    );
+    let (code, body) = http(at, "GET", &format!("/ac/{action}"), auth, vec![]).await;
+    assert_eq!((code, body), (200, result.encode_to_vec()));
+    let opaque = hex(&Sha256::digest(b"ccache entry"));
+    assert_eq!(
+        http(
+            at,
+            "PUT",
+            &format!("/ac/{opaque}"),
+            auth,
+            b"cCrS opaque".to_vec()
+        )
+        .await
+        .0,
+        200
+    );
+    assert_eq!(
+        http(at, "GET", &format!("/ac/{opaque}"), auth, vec![])
+            .await
+            .1,
+        b"cCrS opaque"
+    );
+
+    // Path keys (ccache layouts), mutable; an instance as first segment.
+    assert_eq!(
+        http(at, "PUT", "/ccache/ab/cdef", auth, b"v1".to_vec())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "PUT", "/ccache/ab/cdef", auth, b"v2".to_vec())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "GET", "/ccache/ab/cdef", auth, vec![]).await,
+        (200, b"v2".to_vec())
+    );
+    assert_eq!(
+        http(at, "PUT", "/ci/x/y", auth, b"in ci".to_vec()).await.0,
+        200
+    );
+    assert_eq!(s.client.get("ci.ac", b"/x/y").await.unwrap(), b"in ci");
+    assert_eq!(
+        s.client.get("cache.ac", b"/ccache/ab/cdef").await.unwrap(),
+        b"v2"
+    );
+    assert_eq!(
+        http(at, "PUT", &format!("/ci/cas/{h}"), auth, content.clone())
+            .await
+            .0,
+        200
+    );
+    assert!(
+        s.client
+            .exists("ci", &Sha256::digest(&content))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        http(at, "DELETE", "/ccache/ab/cdef", auth, vec![]).await.0,
+        200
+    );
+    assert_eq!(
+        http(at, "DELETE", "/ccache/ab/cdef", auth, vec![]).await.0,
+        404
+    );
+    assert_eq!(
+        http(at, "GET", "/ccache/ab/cdef", auth, vec![]).await.0,
+        404
+    );
+    assert_eq!(
+        http(at, "POST", "/ccache/ab/cdef", auth, vec![]).await.0,
+        405
+    );
+    s.stop().await;
+}
