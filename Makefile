@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -76,6 +76,12 @@ ci: ## The gate: format, lints, dependency rules, docs, all tests.
 	echo "ci: passed in $$(( $$(date +%s) - start ))s"
 
 BENCH_SECONDS ?= 10
+GATEWAY_BLOBS ?= 1000000
+
+bench-gateway: ## The build-cache gateway: FindMissingBlobs of 10,000 digests over GATEWAY_BLOBS stored; ByteStream vs the SDK at 1 KiB and 1 MiB.
+	$(CARGO) build --release -p tidepool --bin tidepool
+	$(CARGO) build --release -p tidepool-benchmarks --bin gateway-bench
+	./target/release/gateway-bench --blobs $(GATEWAY_BLOBS) --seconds $(BENCH_SECONDS)
 
 bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks

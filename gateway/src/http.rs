@@ -41,20 +41,73 @@ enum Target {
     Key(Vec<u8>),
 }
 
-/// Serves the HTTP cache on `listener` until `stop`.
+/// Serves the HTTP cache on `listener` until `stop`, through TLS
+/// handshakes when `tls` is given.
 pub(crate) async fn serve(
     gateway: Arc<Gateway>,
     listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let app = Router::new().fallback(handle).with_state(gateway);
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await;
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let result = match tls {
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stopped)
+                .await
+        }
+        Some(config) => {
+            let address = listener.local_addr();
+            let listener = TlsListener {
+                address,
+                incoming: tidepool_security::tls::incoming_with(listener, move || config.clone()),
+            };
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stopped)
+                .await
+        }
+    };
     if let Err(e) = result {
         tracing::error!(error = %e, "the gateway's HTTP server stopped");
+    }
+}
+
+/// Connections whose TLS handshake completed, as axum's listener.
+struct TlsListener {
+    address: std::io::Result<std::net::SocketAddr>,
+    incoming: tokio_stream::wrappers::ReceiverStream<
+        std::io::Result<tidepool_security::tls::ServerStream>,
+    >,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tidepool_security::tls::ServerStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.incoming.next().await {
+                Some(Ok(stream)) => {
+                    if let Ok(peer) = stream.get_ref().0.peer_addr() {
+                        return (stream, peer);
+                    }
+                }
+                Some(Err(e)) => tracing::debug!(error = %e, "a TLS connection failed"),
+                // The accept loop ends only with the listener: wait for
+                // the shutdown.
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        match &self.address {
+            Ok(address) => Ok(*address),
+            Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+        }
     }
 }
 

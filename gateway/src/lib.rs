@@ -15,8 +15,9 @@
 //! CAS) and `NAME.ac` (the action cache and HTTP path keys); the empty
 //! instance name is `cache`. Callers' bearer tokens (HTTP: Bearer, or
 //! Basic with the token as password) are passed on to the cluster, so a
-//! caller may do exactly what its token's roles allow. See
-//! `docs/design/gateway.md`.
+//! caller may do exactly what its token's roles allow. Both listeners
+//! serve TLS with the gateway's own certificate when
+//! [`GatewayConfig::serve_tls`] is set. See `docs/design/gateway.md`.
 
 mod bytestream;
 mod cache;
@@ -57,6 +58,19 @@ pub struct GatewayConfig {
     pub max_batch_bytes: u64,
     /// An unfinished ByteStream upload idle this long is forgotten.
     pub upload_idle: Duration,
+    /// Serve both listeners over TLS with this certificate chain and key
+    /// (PEM); clients authenticate with tokens, not certificates. `None`:
+    /// plaintext.
+    pub serve_tls: Option<ServeTls>,
+}
+
+/// The gateway's own certificate (`grpcs://`, `https://`).
+#[derive(Clone, Debug)]
+pub struct ServeTls {
+    /// PEM certificate chain.
+    pub cert: std::path::PathBuf,
+    /// PEM private key.
+    pub key: std::path::PathBuf,
 }
 
 impl GatewayConfig {
@@ -75,6 +89,7 @@ impl GatewayConfig {
             max_blob_bytes: 64 << 30,
             max_batch_bytes: 4 << 20,
             upload_idle: Duration::from_secs(600),
+            serve_tls: None,
         }
     }
 }
@@ -254,6 +269,16 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let http = TcpListener::bind(config.http_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.http_listen))?;
+    let tls = match &config.serve_tls {
+        None => None,
+        Some(files) => {
+            let config = |alpn: &[&[u8]]| {
+                tidepool_security::tls::server_only_config(&files.cert, &files.key, alpn)
+                    .map_err(|e| format!("the gateway's TLS material: {e}"))
+            };
+            Some((config(&[b"h2"])?, config(&[b"h2", b"http/1.1"])?))
+        }
+    };
     let grpc_address = grpc.local_addr().map_err(|e| e.to_string())?;
     let http_address = http.local_addr().map_err(|e| e.to_string())?;
     let gateway = Arc::new(Gateway {
@@ -268,8 +293,18 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     });
     let (stop, stopped) = watch::channel(false);
     let tasks = vec![
-        tokio::spawn(reapi::serve(gateway.clone(), grpc, stopped.clone())),
-        tokio::spawn(http::serve(gateway.clone(), http, stopped.clone())),
+        tokio::spawn(reapi::serve(
+            gateway.clone(),
+            grpc,
+            tls.as_ref().map(|t| t.0.clone()),
+            stopped.clone(),
+        )),
+        tokio::spawn(http::serve(
+            gateway.clone(),
+            http,
+            tls.map(|t| t.1),
+            stopped.clone(),
+        )),
         tokio::spawn(bytestream::expire_uploads(gateway.clone(), stopped)),
     ];
     tracing::info!(%grpc_address, %http_address, "gateway serving");

@@ -624,6 +624,7 @@ impl ActionCache for Reapi {
 pub(crate) async fn serve(
     gateway: Arc<Gateway>,
     listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let reapi = Reapi {
@@ -631,7 +632,7 @@ pub(crate) async fn serve(
     };
     // A batch's bytes plus the messages' framing.
     let limit = gateway.config.max_batch_bytes as usize + (1 << 20);
-    let result = tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .add_service(CapabilitiesServer::new(reapi.clone()))
         .add_service(
             ContentAddressableStorageServer::new(reapi.clone())
@@ -643,14 +644,24 @@ pub(crate) async fn serve(
                 .max_decoding_message_size(limit)
                 .max_encoding_message_size(limit),
         )
-        .add_service(crate::bytestream::server(reapi, limit))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            async move {
-                let _ = stop.wait_for(|s| *s).await;
-            },
-        )
-        .await;
+        .add_service(crate::bytestream::server(reapi, limit));
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let result = match tls {
+        Some(config) => {
+            let incoming = tidepool_security::tls::incoming_with(listener, move || config.clone());
+            router.serve_with_incoming_shutdown(incoming, stopped).await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    stopped,
+                )
+                .await
+        }
+    };
     if let Err(e) = result {
         tracing::error!(error = %e, "the gateway's gRPC server stopped");
     }

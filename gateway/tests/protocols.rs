@@ -3,6 +3,8 @@
 //! ByteStream clients and a real HTTP client: every call, and the bad
 //! input each must refuse with its code.
 
+use std::time::Duration;
+
 use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
 use bazel_remote_apis::google::bytestream::byte_stream_client::ByteStreamClient;
 use bazel_remote_apis::google::bytestream::{QueryWriteStatusRequest, ReadRequest, WriteRequest};
@@ -1119,4 +1121,110 @@ async fn http_cache() {
         405
     );
     s.stop().await;
+}
+
+/// With its own certificate the gateway serves both protocols over TLS
+/// (clients present no certificate; they authenticate with tokens), and
+/// refuses plaintext.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gateway_serves_tls() {
+    use tidepool_security::certs;
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = certs::new_ca("gateway test", Duration::from_secs(3600)).unwrap();
+    let issued = certs::issue(
+        &ca,
+        &certs::Request {
+            identity: tidepool_security::Identity::Server("gateway".into()),
+            hosts: vec!["localhost".into(), "127.0.0.1".into()],
+            valid_for: Duration::from_secs(3600),
+            expired: false,
+        },
+    )
+    .unwrap();
+    let (cert, key) = certs::write(dir.path(), "gateway", &issued).unwrap();
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    config.serve_tls = Some(tidepool_gateway::ServeTls { cert, key });
+    let gateway = tidepool_gateway::start(config).await.expect("starts");
+    gateway.create_instance("cache", 3).await.unwrap();
+
+    // gRPC over TLS, verified against the CA.
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(&ca.cert_pem))
+        .domain_name("localhost");
+    let channel =
+        Channel::from_shared(format!("https://localhost:{}", gateway.grpc_address.port()))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect()
+            .await
+            .expect("a TLS connection");
+    let caps = CapabilitiesClient::new(channel.clone())
+        .get_capabilities(re::GetCapabilitiesRequest {
+            instance_name: String::new(),
+        })
+        .await
+        .expect("capabilities over TLS");
+    assert!(caps.into_inner().cache_capabilities.is_some());
+    // Plaintext to the TLS port: no answer.
+    let plain = Channel::from_shared(format!("http://{}", gateway.grpc_address))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await;
+    if let Ok(plain) = plain {
+        assert!(
+            CapabilitiesClient::new(plain)
+                .get_capabilities(re::GetCapabilitiesRequest {
+                    instance_name: String::new()
+                })
+                .await
+                .is_err()
+        );
+    }
+
+    // HTTPS: a PUT and a GET through rustls.
+    let mut roots = rustls::RootCertStore::empty();
+    for c in tidepool_security::tls::certificates(ca.cert_pem.as_bytes()).unwrap() {
+        roots.add(c).unwrap();
+    }
+    let client_config = rustls::ClientConfig::builder_with_provider(tidepool_security::provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client_config));
+    let body = b"over https".to_vec();
+    let h = hex(&Sha256::digest(&body));
+    for (method, payload) in [("PUT", body.clone()), ("GET", Vec::new())] {
+        let tcp = tokio::net::TcpStream::connect(gateway.http_address)
+            .await
+            .unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let stream = connector.connect(name, tcp).await.expect("TLS handshake");
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(format!("/cas/{h}"))
+            .header("host", "localhost")
+            .body(Full::new(bytes::Bytes::from(payload)))
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), 200, "{method}");
+        let got = response.into_body().collect().await.unwrap().to_bytes();
+        if method == "GET" {
+            assert_eq!(&got[..], &body[..]);
+        }
+    }
+    gateway.stop().await;
+    cluster.stop().await;
 }

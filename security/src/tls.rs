@@ -115,6 +115,25 @@ pub fn certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>> {
     Ok(certs)
 }
 
+/// A server configuration for clients that present no certificate (TLS
+/// authenticates the server only; callers authenticate with tokens): the
+/// PEM chain `cert` and its `key`, offering the ALPN protocols `alpn`.
+/// What the build-cache gateway serves build tools with.
+pub fn server_only_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<Arc<ServerConfig>> {
+    let chain = certificates(&read(cert)?)
+        .map_err(|e| Error::Invalid(format!("{}: {e}", cert.display())))?;
+    let key_der = PrivateKeyDer::from_pem_slice(&read(key)?)
+        .map_err(|e| Error::Invalid(format!("{}: bad private key: {e}", key.display())))?;
+    let mut server = ServerConfig::builder_with_provider(crate::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Invalid(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key_der)
+        .map_err(|e| Error::Invalid(format!("{}: {e}", cert.display())))?;
+    server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(server))
+}
+
 fn load(files: &TlsFiles) -> Result<Material> {
     let with_path = |path: &Path, e: Error| Error::Invalid(format!("{}: {e}", path.display()));
     let chain = certificates(&read(&files.cert)?).map_err(|e| with_path(&files.cert, e))?;
@@ -228,6 +247,16 @@ pub type ServerStream = tokio_rustls::server::TlsStream<TcpStream>;
 /// connections whose handshake succeeded. The accept loop ends when the
 /// stream is dropped.
 pub fn incoming(listener: TcpListener, tls: Arc<Tls>) -> ReceiverStream<io::Result<ServerStream>> {
+    incoming_with(listener, move || tls.server_config())
+}
+
+/// [`incoming`] with the server configuration `config` returns for each
+/// handshake (a server whose clients present no certificate, such as the
+/// build-cache gateway's, brings its own).
+pub fn incoming_with(
+    listener: TcpListener,
+    config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
+) -> ReceiverStream<io::Result<ServerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -245,7 +274,7 @@ pub fn incoming(listener: TcpListener, tls: Arc<Tls>) -> ReceiverStream<io::Resu
                 }
             };
             let _ = socket.set_nodelay(true);
-            let acceptor = TlsAcceptor::from(tls.server_config());
+            let acceptor = TlsAcceptor::from(config());
             let tx = tx.clone();
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {

@@ -295,6 +295,14 @@ struct GatewayArgs {
     /// entries.
     #[arg(long, default_value_t = 7)]
     retain: u32,
+    /// Serve gRPC and HTTP over TLS with this certificate chain (PEM;
+    /// build tools then use `grpcs://` and `https://`). Clients present no
+    /// certificate: they authenticate with tokens.
+    #[arg(long, requires = "serve_tls_key")]
+    serve_tls_cert: Option<PathBuf>,
+    /// The private key of `--serve-tls-cert`.
+    #[arg(long, requires = "serve_tls_cert")]
+    serve_tls_key: Option<PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -768,13 +776,20 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     config.http_listen = args.http_listen;
     config.anonymous = args.anonymous;
     config.max_blob_bytes = args.max_blob_bytes;
+    if let (Some(cert), Some(key)) = (&args.serve_tls_cert, &args.serve_tls_key) {
+        config.serve_tls = Some(tidepool_gateway::ServeTls {
+            cert: cert.clone(),
+            key: key.clone(),
+        });
+    }
+    let scheme = if config.serve_tls.is_some() { "s" } else { "" };
     runtime("tidepool-gateway")?.block_on(async {
         let gateway = tidepool_gateway::start(config).await?;
         for name in &args.create_instances {
             gateway.create_instance(name, args.retain).await?;
         }
         eprintln!(
-            "tidepool gateway serving: REAPI/ByteStream grpc://{}, HTTP cache http://{}",
+            "tidepool gateway serving: REAPI/ByteStream grpc{scheme}://{}, HTTP cache http{scheme}://{}",
             gateway.grpc_address, gateway.http_address
         );
         shutdown_signal().await;

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use tidepool_client::proto::v1::{Role, TokenGrant};
 use tidepool_client::{Client, ClientConfig, RetentionPolicy, TlsFiles};
 
 /// One dev cluster at a time (2 cores).
@@ -413,4 +414,40 @@ async fn ccache_gets_remote_hits() {
     );
     let refused = ccache_build(&project, &work.path().join("refused"), &remote);
     assert_eq!(refused.0, 0, "a wrong token gets nothing");
+
+    // Roles hold through the gateway: a read-only token gets the hits but
+    // cannot store. With it, a changed file misses and its upload is
+    // refused; with a read-write token the same file still misses (nothing
+    // was stored), and then hits.
+    let client = dev.client().await;
+    let read_only = |namespace: &str| TokenGrant {
+        namespace: namespace.into(),
+        roles: vec![Role::Read as i32],
+    };
+    let (reader, _) = client
+        .create_token(
+            "ci-reader",
+            false,
+            vec![read_only("cache"), read_only("cache.ac")],
+        )
+        .await
+        .unwrap();
+    let remote = |token: &str| {
+        format!(
+            "http://{}/ccache-subdirs|layout=subdirs|bearer-token={token}",
+            dev.http
+        )
+    };
+    let hits = ccache_build(&project, &work.path().join("reader-1"), &remote(&reader));
+    assert_eq!(hits, (3, 0), "a read-only token reads");
+    let source = project.join("alpha.c");
+    let changed =
+        std::fs::read_to_string(&source).unwrap() + "\nint alpha_extra(void) { return 7; }\n";
+    std::fs::write(&source, changed).unwrap();
+    let after = ccache_build(&project, &work.path().join("reader-2"), &remote(&reader));
+    assert_eq!(after, (2, 1), "the changed file misses; the others hit");
+    let writer = ccache_build(&project, &work.path().join("writer-1"), &remote(&dev.token));
+    assert_eq!(writer, (2, 1), "the read-only token stored nothing");
+    let again = ccache_build(&project, &work.path().join("writer-2"), &remote(&dev.token));
+    assert_eq!(again, (3, 0));
 }

@@ -25,6 +25,7 @@ pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
 /// Starts dev mode like [`start_dev`]; returns the process and every line
 /// of its ready banner.
 pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<String>) {
+    std::fs::create_dir_all(dir).unwrap();
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
         .arg(dir)
