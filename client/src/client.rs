@@ -162,6 +162,9 @@ fn no_answer(status: &Status) -> bool {
     ) && tidepool_proto::error_detail(status).is_none()
 }
 
+/// Keys per `BatchExists` request.
+const BATCH_EXISTS_KEYS: usize = 10_000;
+
 fn backoff(attempt: usize) -> Duration {
     Duration::from_millis(20 << attempt.min(5))
 }
@@ -705,7 +708,9 @@ impl Client {
                     groups.entry(route.shard.shard_id).or_default().push(i);
                 }
             }
-            for indexes in groups.values() {
+            // At most BATCH_EXISTS_KEYS keys per request (nodes take up to
+            // 100,000; smaller requests keep messages and waits short).
+            for indexes in groups.values().flat_map(|g| g.chunks(BATCH_EXISTS_KEYS)) {
                 let group: Vec<Vec<u8>> = indexes.iter().map(|i| keys[*i].clone()).collect();
                 let presence = self
                     .on_shard(namespace, &group[0], |channel, map_version, _| {

@@ -153,6 +153,22 @@ async fn batch_exists_follows_a_leadership_transfer() {
     cluster.stop().await;
 }
 
+/// More keys than a node takes in one request (100,000), all in one
+/// shard: the SDK splits them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_exists_of_more_keys_than_one_request_takes() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    for i in [7u32, 99_999, 100_000] {
+        client.put("default", &i.to_le_bytes(), b"v").await.unwrap();
+    }
+    let keys: Vec<Vec<u8>> = (0..100_001u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    let present = client.batch_exists("default", &keys).await.unwrap();
+    let found: Vec<usize> = (0..present.len()).filter(|i| present[*i]).collect();
+    assert_eq!(found, vec![7, 99_999, 100_000]);
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_keep_working_while_leaders_move() {
     let cluster = LocalCluster::start(3, 4, 3).await;

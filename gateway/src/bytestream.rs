@@ -32,6 +32,11 @@ use crate::names::{Compression, Resource, parse_resource};
 use crate::reapi::{Reapi, status};
 use crate::{Gateway, cache};
 
+/// Paused uploads kept at most (each may hold up to one chunk, 4 MiB by
+/// default: 256 MiB in all); uploads being written are bounded by the
+/// connections.
+const MAX_PAUSED: usize = 64;
+
 /// Largest `data` of one `ReadResponse` (gRPC clients commonly accept 4
 /// MiB messages).
 const READ_PIECE: usize = 1 << 20;
@@ -57,8 +62,22 @@ impl Uploads {
     }
 
     fn get_or_create(&self, name: &str) -> Arc<tokio::sync::Mutex<Session>> {
-        self.sessions
-            .lock()
+        let mut sessions = self.sessions.lock();
+        if !sessions.contains_key(name) {
+            // Paused uploads hold up to a chunk each: beyond a bound, the
+            // one idle longest is forgotten (its client starts again).
+            let mut paused: Vec<(Instant, String)> = sessions
+                .iter()
+                .filter_map(|(n, s)| s.try_lock().ok().map(|s| (s.last_used, n.clone())))
+                .collect();
+            if paused.len() >= MAX_PAUSED {
+                paused.sort();
+                for (_, n) in &paused[..=paused.len() - MAX_PAUSED] {
+                    sessions.remove(n);
+                }
+            }
+        }
+        sessions
             .entry(name.to_string())
             .or_insert_with(|| {
                 Arc::new(tokio::sync::Mutex::new(Session {

@@ -630,6 +630,41 @@ async fn bytestream_reads_writes_and_resumes() {
     assert_eq!(zstd::stream::decode_all(&frames[..]).unwrap(), text);
     let later = bytestream_read(&s, &read_name, 10, 0).await.unwrap();
     assert_eq!(later, frames[10..]);
+    // Paused uploads are bounded: beyond 64, the one idle longest is
+    // forgotten (its client would start again).
+    let mut names = Vec::new();
+    for i in 0..65u64 {
+        let bytes = blob(500 + i, 1000);
+        let name = format!("uploads/p-{i}/{}", blob_name(&bytes));
+        let first = write_requests(&name, &bytes[..10], 0, 10, false);
+        assert!(
+            s.bytestream()
+                .write(tokio_stream::iter(first))
+                .await
+                .is_err()
+        );
+        names.push(name);
+    }
+    let committed = |name: String| {
+        let mut bytestream = s.bytestream();
+        async move {
+            bytestream
+                .query_write_status(QueryWriteStatusRequest {
+                    resource_name: name,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .committed_size
+        }
+    };
+    assert_eq!(
+        committed(names[0].clone()).await,
+        0,
+        "the oldest paused upload was forgotten"
+    );
+    assert_eq!(committed(names[64].clone()).await, 10);
+    assert_eq!(committed(names[1].clone()).await, 10);
     // A compression bomb declared small is refused.
     let bomb = zstd::bulk::compress(&vec![0u8; 4 << 20], 3).unwrap();
     let name = format!(

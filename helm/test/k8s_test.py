@@ -3,8 +3,9 @@
 
 usage: k8s_test.py smoke|full [--report FILE]
 
-smoke: install (3 nodes, 1 etcd member), tidectl put/get through the
-       coordinator Service, `helm test`, uninstall, no pod left.
+smoke: install (3 nodes, 1 etcd member, the build-cache gateway),
+       tidectl put/get through the coordinator Service, a blob through the
+       gateway's HTTP cache, `helm test`, uninstall, no pod left.
 full:  install (3 nodes, 3 etcd members) and time to Ready; `helm test`;
        scale 3 -> 5 under a write load (replicas move onto the new pods, no
        failed write); scale 5 -> 3 under a write load (every shard keeps a
@@ -359,10 +360,44 @@ def uninstall():
     run("kubectl", "delete", "namespace", NS, "--wait=false", capture=False)
 
 
+def gateway_http():
+    """The build-cache gateway's HTTP cache through its Service (from this
+    host, whose kube-proxy rules route ClusterIPs): a verified PUT of a CAS
+    blob, the GET of it, a PUT whose bytes do not match its name refused,
+    and a request without a token refused."""
+    import hashlib
+    import urllib.error
+    import urllib.request
+    ip = kubectl("get", "service", f"{REL}-gateway", "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+    body = os.urandom(100_000)
+    digest = hashlib.sha256(body).hexdigest()
+    url = f"http://{ip}:7481/cas/{digest}"
+    auth = {"Authorization": f"Bearer {token()}"}
+
+    def call(method, url, data=None, headers=auth):
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    started = time.time()
+    assert call("PUT", url, body)[0] == 200
+    status_code, got = call("GET", url)
+    assert status_code == 200 and got == body, status_code
+    wrong = hashlib.sha256(b"something else").hexdigest()
+    assert call("PUT", f"http://{ip}:7481/cas/{wrong}", body)[0] == 400
+    assert call("GET", url, headers={})[0] == 401
+    figure("gateway: HTTP cache PUT/GET through its Service (verified, tokens required)",
+           f"ok in {time.time() - started:.1f} s")
+
+
 def smoke():
     cluster_up(4)
-    install(3, 1)
+    install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1"))
     put_get()
+    gateway_http()
     helm_test()
     uninstall()
 

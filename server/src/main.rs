@@ -784,7 +784,21 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     }
     let scheme = if config.serve_tls.is_some() { "s" } else { "" };
     runtime("tidepool-gateway")?.block_on(async {
-        let gateway = tidepool_gateway::start(config).await?;
+        // The coordinators may still be starting (under Kubernetes
+        // everything starts together): retry for a while rather than exit
+        // into a crash-loop back-off.
+        let mut waited = std::time::Duration::ZERO;
+        let gateway = loop {
+            match tidepool_gateway::start(config.clone()).await {
+                Ok(gateway) => break gateway,
+                Err(e) if waited < STORE_WAIT => {
+                    tracing::warn!(error = %e, "cannot start the gateway yet; retrying");
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                    waited += std::time::Duration::from_secs(2);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         for name in &args.create_instances {
             gateway.create_instance(name, args.retain).await?;
         }
