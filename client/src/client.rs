@@ -709,45 +709,23 @@ impl Client {
                 }
             }
             // At most BATCH_EXISTS_KEYS keys per request (nodes take up to
-            // 100,000; smaller requests keep messages and waits short).
+            // 100,000; smaller requests keep messages and waits short); the
+            // shards are asked at once.
+            let mut calls = tokio::task::JoinSet::new();
             for indexes in groups.values().flat_map(|g| g.chunks(BATCH_EXISTS_KEYS)) {
                 let group: Vec<Vec<u8>> = indexes.iter().map(|i| keys[*i].clone()).collect();
-                let presence = self
-                    .on_shard(namespace, &group[0], |channel, map_version, _| {
-                        let request = BatchExistsRequest {
-                            namespace: namespace.to_string(),
-                            keys: group.clone(),
-                            touch,
-                            map_version,
-                            ..BatchExistsRequest::default()
-                        };
-                        async move {
-                            let presence = BlobServiceClient::new(channel)
-                                .batch_exists(request)
-                                .await?
-                                .into_inner()
-                                .presence;
-                            // A node that answers for none of the shard's
-                            // keys does not lead it (it answers OK, with
-                            // NOT_HERE): treated as NOT_LEADER, so another
-                            // replica is tried (after a pause) and this one
-                            // is not remembered as the leader.
-                            if !presence.is_empty()
-                                && presence.iter().all(|p| *p == Presence::NotHere as i32)
-                            {
-                                return Err(tidepool_proto::status_with_detail(
-                                    tidepool_proto::v1::ErrorDetail {
-                                        code: ErrorCode::NotLeader as i32,
-                                        message: "the node cannot answer for this shard".into(),
-                                        ..Default::default()
-                                    },
-                                ));
-                            }
-                            Ok(presence)
-                        }
-                    })
-                    .await?;
-                for (i, p) in indexes.iter().zip(presence) {
+                let (client, namespace, indexes) =
+                    (self.clone(), namespace.to_string(), indexes.to_vec());
+                calls.spawn(async move {
+                    let presence = client.batch_exists_group(&namespace, group, touch).await;
+                    (indexes, presence)
+                });
+            }
+            while let Some(done) = calls.join_next().await {
+                let (indexes, presence) = done.map_err(|e| {
+                    Error::new(ErrorCode::Internal, format!("a batch check failed: {e}"))
+                })?;
+                for (i, p) in indexes.iter().zip(presence?) {
                     if p == Presence::Present as i32 {
                         answers[*i] = Some(true);
                     } else if p == Presence::Absent as i32 {
@@ -769,6 +747,48 @@ impl Client {
             }
         }
         Ok(answers.into_iter().map(|a| a.unwrap_or(false)).collect())
+    }
+
+    /// One `BatchExists` call for keys of one shard (under the current
+    /// map): each key's presence, `NOT_HERE` for keys the node did not
+    /// answer for.
+    async fn batch_exists_group(
+        &self,
+        namespace: &str,
+        group: Vec<Vec<u8>>,
+        touch: bool,
+    ) -> Result<Vec<i32>> {
+        self.on_shard(namespace, &group[0], |channel, map_version, _| {
+            let request = BatchExistsRequest {
+                namespace: namespace.to_string(),
+                keys: group.clone(),
+                touch,
+                map_version,
+                ..BatchExistsRequest::default()
+            };
+            async move {
+                let presence = BlobServiceClient::new(channel)
+                    .batch_exists(request)
+                    .await?
+                    .into_inner()
+                    .presence;
+                // A node that answers for none of the shard's keys does not
+                // lead it (it answers OK, with NOT_HERE): treated as
+                // NOT_LEADER, so another replica is tried (after a pause)
+                // and this one is not remembered as the leader.
+                if !presence.is_empty() && presence.iter().all(|p| *p == Presence::NotHere as i32) {
+                    return Err(tidepool_proto::status_with_detail(
+                        tidepool_proto::v1::ErrorDetail {
+                            code: ErrorCode::NotLeader as i32,
+                            message: "the node cannot answer for this shard".into(),
+                            ..Default::default()
+                        },
+                    ));
+                }
+                Ok(presence)
+            }
+        })
+        .await
     }
 
     /// Deletes a blob (and the chunks of a chunked one, outside

@@ -159,7 +159,8 @@ impl Reapi {
     }
 }
 
-type ReadStream = ReceiverStream<Result<ReadResponse, Status>>;
+type ReadStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<ReadResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl ByteStream for Reapi {
@@ -208,6 +209,26 @@ impl ByteStream for Reapi {
             cache::keep_alive(&client, &resource.instance.cas, &reader).await;
             Some(reader)
         };
+        // A blob stored whole (most of a build's): answered from the one
+        // read already made, without a task.
+        if identity && digest.size <= client.chunk_size() as u64 {
+            // (One piece, unless it was spliced from smaller chunks.)
+            let mut piece = Vec::new();
+            if let Some(reader) = reader.as_mut() {
+                while let Some(more) = reader.next_piece().await.map_err(status)? {
+                    piece.extend_from_slice(&more);
+                }
+            }
+            let messages: Vec<Result<ReadResponse, Status>> = piece
+                .chunks(READ_PIECE)
+                .map(|data| {
+                    Ok(ReadResponse {
+                        data: data.to_vec(),
+                    })
+                })
+                .collect();
+            return Ok(Response::new(Box::pin(tokio_stream::iter(messages))));
+        }
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             // Compressed reads: frames of the pieces, `offset` and `limit`
@@ -276,7 +297,7 @@ impl ByteStream for Reapi {
                 }
             }
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn write(
@@ -302,12 +323,30 @@ impl ByteStream for Reapi {
             )));
         }
         let compressed = resource.compression == Compression::Zstd;
-        if first.write_offset == 0 && self.stored(&client, &resource).await? {
+        // Early completion saves sending a large blob again; a small one
+        // costs no more to put again (a content-addressed put of stored
+        // bytes changes nothing) than to look up first.
+        let large = digest.size > client.chunk_size() as u64;
+        if first.write_offset == 0 && large && self.stored(&client, &resource).await? {
             // Already stored: done at once (-1 for a compressed upload,
             // whose compressed size the server cannot know).
             self.gateway.uploads.remove(&name);
             return Ok(Response::new(WriteResponse {
                 committed_size: if compressed { -1 } else { digest.size as i64 },
+            }));
+        }
+        // The whole blob in the first message (small blobs): stored
+        // directly, without an upload session.
+        if first.write_offset == 0
+            && first.finish_write
+            && !compressed
+            && first.data.len() as u64 == digest.size
+        {
+            cache::write_cas(&client, &resource.instance, digest, &first.data)
+                .await
+                .map_err(status)?;
+            return Ok(Response::new(WriteResponse {
+                committed_size: digest.size as i64,
             }));
         }
         let session = self.gateway.uploads.get_or_create(&name);

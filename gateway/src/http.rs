@@ -55,6 +55,11 @@ pub(crate) async fn serve(
     };
     let result = match tls {
         None => {
+            use axum::serve::ListenerExt as _;
+            // Small responses must not wait for Nagle's algorithm.
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             axum::serve(listener, app)
                 .with_graceful_shutdown(stopped)
                 .await

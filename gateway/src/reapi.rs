@@ -654,12 +654,12 @@ pub(crate) async fn serve(
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
         None => {
-            router
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    stopped,
-                )
-                .await
+            // Small messages must not wait for Nagle's algorithm (40 ms
+            // with delayed ACKs).
+            let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(std::time::Duration::from_secs(30)));
+            router.serve_with_incoming_shutdown(incoming, stopped).await
         }
     };
     if let Err(e) = result {

@@ -209,6 +209,27 @@ struct Phase {
     bytes: u64,
     secs: f64,
     latencies: Latencies,
+    /// CPU seconds the cluster process (nodes, coordinator, gateway) and
+    /// this one (the clients) used during the phase.
+    cpu: f64,
+}
+
+/// CPU seconds (user + system) a process has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime and
+    // stime are the 14th and 15th fields of the line.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<f64>().ok()))
+        .sum();
+    ticks / 100.0
+}
+
+fn cpu_both(dev: u32) -> f64 {
+    cpu_seconds(dev) + cpu_seconds(std::process::id())
 }
 
 impl Phase {
@@ -223,20 +244,40 @@ enum Path {
     Sdk,
 }
 
+/// What every phase runs against.
+struct Setup {
+    dev: u32,
+    client: Client,
+    channel: Channel,
+    seconds: u64,
+    clients: usize,
+}
+
+impl Setup {
+    fn parts(&self) -> (u32, &Client, &Channel, u64, usize) {
+        (
+            self.dev,
+            &self.client,
+            &self.channel,
+            self.seconds,
+            self.clients,
+        )
+    }
+}
+
 /// Writes new blobs of `size` for `seconds` with `clients` tasks; returns
 /// the phase and the blobs written (for the read phase).
 async fn write_phase(
+    setup: &Setup,
     path: Path,
     phase_id: u64,
-    client: &Client,
-    channel: &Channel,
     size: usize,
-    seconds: u64,
-    clients: usize,
 ) -> anyhow::Result<(Phase, Vec<Vec<u8>>)> {
+    let (dev, client, channel, seconds, clients) = setup.parts();
     let next = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
+    let cpu = cpu_both(dev);
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..clients {
         let (client, next) = (client.clone(), next.clone());
@@ -290,21 +331,17 @@ async fn write_phase(
             bytes: ops * size as u64,
             secs,
             latencies,
+            cpu: cpu_both(dev) - cpu,
         },
         blobs,
     ))
 }
 
-async fn read_phase(
-    path: Path,
-    client: &Client,
-    channel: &Channel,
-    blobs: Arc<Vec<Vec<u8>>>,
-    seconds: u64,
-    clients: usize,
-) -> anyhow::Result<Phase> {
+async fn read_phase(setup: &Setup, path: Path, blobs: Arc<Vec<Vec<u8>>>) -> anyhow::Result<Phase> {
+    let (dev, client, channel, seconds, clients) = setup.parts();
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
+    let cpu = cpu_both(dev);
     let total = Arc::new(AtomicU64::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
@@ -355,12 +392,14 @@ async fn read_phase(
         bytes: total.load(Ordering::Relaxed),
         secs: started.elapsed().as_secs_f64(),
         latencies,
+        cpu: cpu_both(dev) - cpu,
     })
 }
 
 fn row(what: &str, size: usize, gateway: &mut Phase, sdk: &mut Phase) {
+    let per_op = |p: &Phase| p.cpu * 1e6 / p.ops.max(1) as f64;
     println!(
-        "| {what} | {} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {} | {:.2} |",
+        "| {what} | {} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, {:.0} µs CPU/op | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, {:.0} µs CPU/op | {:.2} | {:.2} |",
         if size >= 1 << 20 {
             format!("{} MiB", size >> 20)
         } else {
@@ -370,11 +409,14 @@ fn row(what: &str, size: usize, gateway: &mut Phase, sdk: &mut Phase) {
         gateway.mib_s(),
         human(gateway.latencies.quantile(0.5)),
         human(gateway.latencies.quantile(0.99)),
+        per_op(gateway),
         sdk.ops as f64 / sdk.secs,
         sdk.mib_s(),
         human(sdk.latencies.quantile(0.5)),
         human(sdk.latencies.quantile(0.99)),
+        per_op(sdk),
         gateway.mib_s() / sdk.mib_s(),
+        per_op(gateway) / per_op(sdk),
     );
 }
 
@@ -385,6 +427,7 @@ async fn main() -> anyhow::Result<()> {
     println!("gateway-bench seed {seed}: {args:?}");
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let dev = start_dev(&args)?;
+    let pid = dev.child.id();
     let client = Client::connect(std::slice::from_ref(&dev.coordinator)).await?;
     let channel = Channel::from_shared(dev.grpc.clone())?.connect().await?;
 
@@ -400,53 +443,26 @@ async fn main() -> anyhow::Result<()> {
     );
 
     println!(
-        "\n| phase | size | gateway (ByteStream) | SDK | gateway / SDK |\n|---|---|---|---|---|"
+        "\n| phase | size | gateway (ByteStream) | SDK | throughput gateway / SDK | CPU per op gateway / SDK |\n|---|---|---|---|---|---|"
     );
+    let setup = Setup {
+        dev: pid,
+        client: client.clone(),
+        channel: channel.clone(),
+        seconds: args.seconds,
+        clients: args.clients,
+    };
     let mut phase_id = 10;
     for size in [1 << 10, 1 << 20] {
         phase_id += 1;
-        let (mut gw_write, gw_blobs) = write_phase(
-            Path::Gateway,
-            phase_id,
-            &client,
-            &channel,
-            size,
-            args.seconds,
-            args.clients,
-        )
-        .await?;
+        let (mut gw_write, gw_blobs) = write_phase(&setup, Path::Gateway, phase_id, size).await?;
         phase_id += 1;
-        let (mut sdk_write, sdk_blobs) = write_phase(
-            Path::Sdk,
-            phase_id,
-            &client,
-            &channel,
-            size,
-            args.seconds,
-            args.clients,
-        )
-        .await?;
+        let (mut sdk_write, sdk_blobs) = write_phase(&setup, Path::Sdk, phase_id, size).await?;
         row("write", size, &mut gw_write, &mut sdk_write);
         // Each path reads the blobs it wrote (just written: in the page
         // cache).
-        let mut gw_read = read_phase(
-            Path::Gateway,
-            &client,
-            &channel,
-            Arc::new(gw_blobs),
-            args.seconds,
-            args.clients,
-        )
-        .await?;
-        let mut sdk_read = read_phase(
-            Path::Sdk,
-            &client,
-            &channel,
-            Arc::new(sdk_blobs),
-            args.seconds,
-            args.clients,
-        )
-        .await?;
+        let mut gw_read = read_phase(&setup, Path::Gateway, Arc::new(gw_blobs)).await?;
+        let mut sdk_read = read_phase(&setup, Path::Sdk, Arc::new(sdk_blobs)).await?;
         row("read", size, &mut gw_read, &mut sdk_read);
     }
     drop(dev);
