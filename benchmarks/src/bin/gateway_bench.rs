@@ -2,6 +2,10 @@
 //! (`tidepool dev --insecure`, a separate process: a coordinator, three
 //! nodes with every shard replicated three times, and the gateway).
 //!
+//! The gateway measured runs as a process of its own (`tidepool gateway
+//! --insecure --anonymous`), so the CPU it costs is told apart from the
+//! cluster's and the clients'.
+//!
 //! 1. Fill: `--blobs` content-addressed blobs of 100 bytes in the cache's
 //!    CAS (through the SDK, 64 concurrent puts).
 //! 2. `FindMissingBlobs` of 10,000 digests, half of them stored (drawn at
@@ -61,15 +65,68 @@ struct Args {
 
 struct Dev {
     child: Child,
+    /// The gateway measured: a `tidepool gateway` process of its own (so
+    /// its CPU is told apart from the cluster's).
+    gateway: Child,
     coordinator: String,
     grpc: String,
 }
 
 impl Drop for Dev {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for child in [&mut self.gateway, &mut self.child] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
+}
+
+/// Starts `tidepool gateway` for `coordinator`; returns it and its gRPC
+/// URL (from the line it prints once serving).
+fn start_gateway(args: &Args, coordinator: &str) -> anyhow::Result<(Child, String)> {
+    let mut child = Command::new(&args.tidepool)
+        .args([
+            "gateway",
+            "--insecure",
+            "--anonymous",
+            "--coordinator",
+            coordinator,
+        ])
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stderr = child.stderr.take().context("no stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    let mut seen = Vec::new();
+    let url = loop {
+        let Some(line) = lines.next() else {
+            bail!("the gateway exited:\n{}", seen.join("\n"));
+        };
+        let line = line?;
+        if let Some(address) = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("grpc://"))
+        {
+            break format!("http://{}", address.trim_end_matches(','));
+        }
+        seen.push(line);
+    };
+    // Keep draining its log so that it never blocks on a full pipe.
+    let log = args.dir.join("gateway.log");
+    std::thread::spawn(move || {
+        use std::io::Write as _;
+        if let Ok(mut file) = std::fs::File::create(log) {
+            for line in lines.map_while(Result::ok) {
+                let _ = writeln!(file, "{line}");
+            }
+        }
+    });
+    Ok((child, url))
 }
 
 fn start_dev(args: &Args) -> anyhow::Result<Dev> {
@@ -97,18 +154,16 @@ fn start_dev(args: &Args) -> anyhow::Result<Dev> {
         .iter()
         .find(|w| w.starts_with("http://"))
         .map(|w| w.trim_end_matches(',').to_string());
-    let grpc = words
-        .iter()
-        .find_map(|w| w.strip_prefix("--remote_cache=grpc://"))
-        .map(|w| format!("http://{w}"));
-    match (coordinator, grpc) {
-        (Some(coordinator), Some(grpc)) => Ok(Dev {
-            child,
-            coordinator,
-            grpc,
-        }),
-        _ => bail!("unexpected banner:\n{}", banner.join("\n")),
-    }
+    let Some(coordinator) = coordinator else {
+        bail!("unexpected banner:\n{}", banner.join("\n"));
+    };
+    let (gateway, grpc) = start_gateway(args, &coordinator)?;
+    Ok(Dev {
+        child,
+        gateway,
+        coordinator,
+        grpc,
+    })
 }
 
 /// Unique content for blob `i` of a phase.
@@ -209,9 +264,9 @@ struct Phase {
     bytes: u64,
     secs: f64,
     latencies: Latencies,
-    /// CPU seconds the cluster process (nodes, coordinator, gateway) and
-    /// this one (the clients) used during the phase.
-    cpu: f64,
+    /// CPU seconds used during the phase by the cluster process (nodes,
+    /// coordinator), the gateway process and this one (the clients).
+    cpu: [f64; 3],
 }
 
 /// CPU seconds (user + system) a process has used so far.
@@ -228,8 +283,18 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks / 100.0
 }
 
-fn cpu_both(dev: u32) -> f64 {
-    cpu_seconds(dev) + cpu_seconds(std::process::id())
+/// CPU seconds so far of the cluster, the gateway and this process.
+fn cpu_now(pids: [u32; 2]) -> [f64; 3] {
+    [
+        cpu_seconds(pids[0]),
+        cpu_seconds(pids[1]),
+        cpu_seconds(std::process::id()),
+    ]
+}
+
+fn cpu_since(pids: [u32; 2], then: [f64; 3]) -> [f64; 3] {
+    let now = cpu_now(pids);
+    [now[0] - then[0], now[1] - then[1], now[2] - then[2]]
 }
 
 impl Phase {
@@ -246,7 +311,8 @@ enum Path {
 
 /// What every phase runs against.
 struct Setup {
-    dev: u32,
+    /// The cluster's and the gateway's process ids.
+    dev: [u32; 2],
     client: Client,
     channel: Channel,
     seconds: u64,
@@ -254,7 +320,7 @@ struct Setup {
 }
 
 impl Setup {
-    fn parts(&self) -> (u32, &Client, &Channel, u64, usize) {
+    fn parts(&self) -> ([u32; 2], &Client, &Channel, u64, usize) {
         (
             self.dev,
             &self.client,
@@ -277,7 +343,7 @@ async fn write_phase(
     let next = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
-    let cpu = cpu_both(dev);
+    let cpu = cpu_now(dev);
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..clients {
         let (client, next) = (client.clone(), next.clone());
@@ -331,7 +397,7 @@ async fn write_phase(
             bytes: ops * size as u64,
             secs,
             latencies,
-            cpu: cpu_both(dev) - cpu,
+            cpu: cpu_since(dev, cpu),
         },
         blobs,
     ))
@@ -341,7 +407,7 @@ async fn read_phase(setup: &Setup, path: Path, blobs: Arc<Vec<Vec<u8>>>) -> anyh
     let (dev, client, channel, seconds, clients) = setup.parts();
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
-    let cpu = cpu_both(dev);
+    let cpu = cpu_now(dev);
     let total = Arc::new(AtomicU64::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for c in 0..clients {
@@ -392,14 +458,17 @@ async fn read_phase(setup: &Setup, path: Path, blobs: Arc<Vec<Vec<u8>>>) -> anyh
         bytes: total.load(Ordering::Relaxed),
         secs: started.elapsed().as_secs_f64(),
         latencies,
-        cpu: cpu_both(dev) - cpu,
+        cpu: cpu_since(dev, cpu),
     })
 }
 
 fn row(what: &str, size: usize, gateway: &mut Phase, sdk: &mut Phase) {
-    let per_op = |p: &Phase| p.cpu * 1e6 / p.ops.max(1) as f64;
+    // CPU per operation, µs: cluster, gateway, clients.
+    let per_op = |p: &Phase| p.cpu.map(|c| c * 1e6 / p.ops.max(1) as f64);
+    let total = |c: [f64; 3]| c.iter().sum::<f64>();
+    let (g, d) = (per_op(gateway), per_op(sdk));
     println!(
-        "| {what} | {} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, {:.0} µs CPU/op | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}, {:.0} µs CPU/op | {:.2} | {:.2} |",
+        "| {what} | {} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}; CPU/op µs: cluster {:.0}, gateway {:.0}, clients {:.0} | {:.0} ops/s, {:.1} MiB/s, p50 {}, p99 {}; CPU/op µs: cluster {:.0}, clients {:.0} | {:.2} | {:.2} |",
         if size >= 1 << 20 {
             format!("{} MiB", size >> 20)
         } else {
@@ -409,14 +478,17 @@ fn row(what: &str, size: usize, gateway: &mut Phase, sdk: &mut Phase) {
         gateway.mib_s(),
         human(gateway.latencies.quantile(0.5)),
         human(gateway.latencies.quantile(0.99)),
-        per_op(gateway),
+        g[0],
+        g[1],
+        g[2],
         sdk.ops as f64 / sdk.secs,
         sdk.mib_s(),
         human(sdk.latencies.quantile(0.5)),
         human(sdk.latencies.quantile(0.99)),
-        per_op(sdk),
+        d[0],
+        d[2],
         gateway.mib_s() / sdk.mib_s(),
-        per_op(gateway) / per_op(sdk),
+        total(g) / total(d),
     );
 }
 
@@ -427,7 +499,7 @@ async fn main() -> anyhow::Result<()> {
     println!("gateway-bench seed {seed}: {args:?}");
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let dev = start_dev(&args)?;
-    let pid = dev.child.id();
+    let pid = [dev.child.id(), dev.gateway.id()];
     let client = Client::connect(std::slice::from_ref(&dev.coordinator)).await?;
     let channel = Channel::from_shared(dev.grpc.clone())?.connect().await?;
 
