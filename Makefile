@@ -16,7 +16,7 @@ export CARGO_TERM_COLOR ?= never
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc \
 	python3-pip python3-yaml unzip \
-	bazel-bootstrap ccache
+	bazel-bootstrap ccache restic
 # bazel-bootstrap (Bazel 4.2.3) and ccache 4.7: the build-cache gateway's
 # tests with the real tools (server/tests/build_cache.rs).
 # helm (chart-check in `make ci`) is not a Debian package: `make deps`

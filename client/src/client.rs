@@ -356,10 +356,50 @@ impl Client {
     /// on transient failures until it succeeds, fails for good, or the
     /// deadline passes. `op` gets a channel, the map version routed by and
     /// the shard.
-    pub(crate) async fn on_shard<T, F, Fut>(
+    pub(crate) async fn on_shard<T, F, Fut>(&self, namespace: &str, key: &[u8], op: F) -> Result<T>
+    where
+        F: FnMut(Channel, u64, u32) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        self.on_route(|map| Cluster::route(map, namespace, key), op)
+            .await
+    }
+
+    /// Runs `op` on shard `shard_id`'s leader, as [`Client::on_shard`]
+    /// does for a key's shard (`namespace` must exist).
+    pub(crate) async fn on_shard_id<T, F, Fut>(
         &self,
         namespace: &str,
-        key: &[u8],
+        shard_id: u32,
+        op: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, u64, u32) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        self.on_route(
+            |map| {
+                Cluster::namespace(map, namespace)?;
+                map.shards
+                    .iter()
+                    .find(|s| s.shard_id == shard_id)
+                    .cloned()
+                    .map(|shard| crate::cluster::Route { shard })
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorCode::WrongShard,
+                            format!("shard {shard_id} is not in the cluster map"),
+                        )
+                    })
+            },
+            op,
+        )
+        .await
+    }
+
+    async fn on_route<T, F, Fut>(
+        &self,
+        locate: impl Fn(&ClusterMap) -> Result<crate::cluster::Route>,
         mut op: F,
     ) -> Result<T>
     where
@@ -372,7 +412,7 @@ impl Client {
         let mut refreshed = false;
         loop {
             let map = self.cluster.map();
-            let route = match Cluster::route(&map, namespace, key) {
+            let route = match locate(&map) {
                 Err(e) if e.code() == ErrorCode::NamespaceNotFound && !refreshed => {
                     refreshed = true;
                     self.cluster.refresh().await?;
@@ -428,7 +468,19 @@ impl Client {
                             ));
                         }
                     };
-                    let disposition = classify(&status);
+                    let mut disposition = classify(&status);
+                    // A node whose map is older than ours has not heard of
+                    // a namespace created since: it will.
+                    if let Disposition::Fail(error) = &disposition
+                        && error.code() == ErrorCode::NamespaceNotFound
+                        && tidepool_proto::error_detail(&status)
+                            .is_some_and(|d| d.map_version < map.version)
+                    {
+                        disposition = Disposition::Backoff(Error::new(
+                            ErrorCode::NamespaceNotFound,
+                            error.to_string(),
+                        ));
+                    }
                     if let Some(id) = target {
                         if no_answer(&status) {
                             self.cluster.unreachable(id);
@@ -933,6 +985,12 @@ mod tests {
             _: Request<TouchRequest>,
         ) -> std::result::Result<Response<TouchResponse>, Status> {
             Err(Status::unimplemented("touch"))
+        }
+        async fn list(
+            &self,
+            _: Request<tidepool_proto::v1::ListRequest>,
+        ) -> std::result::Result<Response<tidepool_proto::v1::ListResponse>, Status> {
+            Err(Status::unimplemented("list"))
         }
     }
 

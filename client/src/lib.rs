@@ -54,12 +54,14 @@ mod admin;
 mod client;
 mod cluster;
 mod error;
+mod list;
 mod session;
 mod stream;
 
 pub use admin::RetentionPolicy;
 pub use client::{BlobMeta, Client, ClientConfig, PutOutcome, sha256};
 pub use error::{Error, Result};
+pub use list::{ListEntry, ListOptions, ListPage, Lister};
 pub use stream::{BlobReader, Upload, hex};
 pub use tidepool_proto as proto;
 pub use tidepool_proto::v1::ErrorCode;

@@ -427,8 +427,15 @@ impl Upload {
         } else {
             chunk_key(&self.key, self.manifest.nonce, index)
         };
+        // Outside content-addressed namespaces a chunk is no blob of its
+        // own: it is not listed (the blob is, by its manifest).
+        let kind = if self.cas {
+            BlobKind::Data
+        } else {
+            BlobKind::Chunk
+        };
         self.client
-            .put_one(&self.namespace, &chunk_key, &chunk, BlobKind::Data)
+            .put_one(&self.namespace, &chunk_key, &chunk, kind)
             .await?;
         self.manifest.chunks.push(ChunkRef {
             key: chunk_key.to_vec(),

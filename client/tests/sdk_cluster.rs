@@ -11,7 +11,9 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use tidepool_client::proto::v1::TransferLeaderRequest;
 use tidepool_client::proto::v1::node_admin_client::NodeAdminClient;
-use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, sha256};
+use tidepool_client::{
+    Client, ClientConfig, ErrorCode, ListEntry, ListOptions, RetentionPolicy, sha256,
+};
 use tidepool_testkit::cluster::LocalCluster;
 
 fn value(i: u64) -> Vec<u8> {
@@ -443,5 +445,148 @@ async fn a_forged_manifest_cannot_make_delete_remove_other_blobs() {
     for chunk in manifest_chunks {
         assert!(!client.exists("default", &chunk.key).await.unwrap());
     }
+    cluster.stop().await;
+}
+
+/// Every key of `options` through `Client::list`, in order.
+async fn list_all(client: &Client, namespace: &str, options: ListOptions) -> Vec<ListEntry> {
+    let mut lister = client.list(namespace, options);
+    let mut all = Vec::new();
+    while let Some(entry) = lister.next().await.unwrap() {
+        all.push(entry);
+    }
+    assert!(!lister.incomplete());
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_merges_every_shard_in_key_order() {
+    let cluster = LocalCluster::start(3, 4, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let seed = tidepool_testkit::seed_from_env("LIST_SEED");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut model = std::collections::BTreeMap::new();
+    for i in 0..300u64 {
+        let dir = ["a/", "a/b/", "b/", "snapshots/"][rng.random_range(0..4)];
+        let key = format!("{dir}{:03x}", rng.random_range(0..0x400)).into_bytes();
+        let content = value(i);
+        client.put("default", &key, &content).await.unwrap();
+        model.insert(key, content);
+    }
+    // Some deleted again.
+    let doomed: Vec<Vec<u8>> = model.keys().step_by(7).cloned().collect();
+    for key in &doomed {
+        assert!(client.delete("default", key).await.unwrap());
+        model.remove(key);
+    }
+    // A chunked blob is one entry (its chunks are not listed), with the
+    // whole blob's size and digest.
+    let big: Vec<u8> = (0..(9 << 20) + 77).map(|i| (i % 251) as u8).collect();
+    client
+        .put_stream("default", b"b/big", &big[..])
+        .await
+        .unwrap();
+    model.insert(b"b/big".to_vec(), big.clone());
+
+    // The keys sit on all four shards, and come back merged in order.
+    let shards: std::collections::BTreeSet<u32> = model
+        .keys()
+        .map(|k| {
+            let map = client.map();
+            let id = map
+                .namespaces
+                .iter()
+                .find(|n| n.name == "default")
+                .unwrap()
+                .id;
+            let position =
+                tidepool_client::proto::hash_position(&tidepool_client::proto::storage_key(id, k));
+            map.shards
+                .iter()
+                .find(|s| s.hash_start <= position && position <= s.hash_end)
+                .unwrap()
+                .shard_id
+        })
+        .collect();
+    assert_eq!(shards.len(), 4, "seed {seed}");
+    for page_size in [1, 7, 0] {
+        let all = list_all(
+            &client,
+            "default",
+            ListOptions {
+                page_size,
+                ..ListOptions::default()
+            },
+        )
+        .await;
+        let keys: Vec<&Vec<u8>> = all.iter().map(|e| &e.key).collect();
+        assert_eq!(
+            keys,
+            model.keys().collect::<Vec<_>>(),
+            "seed {seed}, pages of {page_size}"
+        );
+        for entry in &all {
+            let content = &model[&entry.key];
+            assert_eq!(entry.size, content.len() as u64);
+            assert_eq!(entry.sha256, sha256(content));
+            assert_eq!(entry.chunked, entry.key == b"b/big");
+        }
+    }
+    // Prefixes, and pages that resume from their token.
+    for prefix in [&b"a/"[..], b"a/b/", b"snap", b"zzz"] {
+        let want: Vec<&Vec<u8>> = model.keys().filter(|k| k.starts_with(prefix)).collect();
+        let mut got = Vec::new();
+        let mut start_after = None;
+        loop {
+            let page = client
+                .list_page(
+                    "default",
+                    ListOptions {
+                        prefix: prefix.to_vec(),
+                        start_after: start_after.clone(),
+                        page_size: 3,
+                    },
+                    10,
+                )
+                .await
+                .unwrap();
+            assert!(page.entries.len() <= 10);
+            got.extend(page.entries.into_iter().map(|e| e.key));
+            match page.next {
+                Some(next) => start_after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(
+            got.iter().collect::<Vec<_>>(),
+            want,
+            "seed {seed}, prefix {prefix:?}"
+        );
+    }
+    // Content-addressed keys are listed as their digests; an empty
+    // namespace lists nothing; an unknown one is an error.
+    client
+        .create_namespace("cas", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let digest = client.put_content("cas", b"chunk").await.unwrap();
+    let cas = list_all(&client, "cas", ListOptions::default()).await;
+    assert_eq!(cas.len(), 1);
+    assert_eq!(cas[0].key, digest.to_vec());
+    client
+        .create_namespace("empty", false, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    assert!(
+        list_all(&client, "empty", ListOptions::default())
+            .await
+            .is_empty()
+    );
+    let error = client
+        .list("missing", ListOptions::default())
+        .next()
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::NamespaceNotFound);
     cluster.stop().await;
 }

@@ -60,9 +60,30 @@ impl Inner {
         space: &SpaceTable,
         id: &CellId,
     ) -> Result<Vec<(Key, Entry)>> {
+        self.cell_range(space, id, Bound::Unbounded, Bound::Unbounded)
+    }
+
+    /// The live entries of one cell within `[lower, upper]`, sorted. Only
+    /// the range is copied when the cell's index is in memory; a cell read
+    /// from disk is kept in memory afterwards if the index budget allows
+    /// (as a lookup does), so walking a cell a range at a time reads its
+    /// on-disk index once.
+    pub(crate) fn cell_range(
+        &self,
+        space: &SpaceTable,
+        id: &CellId,
+        lower: Bound<&Key>,
+        upper: Bound<&Key>,
+    ) -> Result<Vec<(Key, Entry)>> {
+        let range = (lower, upper);
         for _ in 0..8 {
             let Some((changes, base, layers)) = space.with_cell(id, |cell| {
-                let changes: Vec<(Key, Entry)> = cell.change_entries();
+                let mut changes: Vec<(Key, Entry)> = cell
+                    .changes_iter()
+                    .filter(|(k, _)| range.contains(*k))
+                    .map(|(k, e)| (*k, e))
+                    .collect();
+                changes.sort_unstable_by_key(|(k, _)| *k);
                 (changes, cell.base.clone(), cell.layers.clone())
             }) else {
                 return Ok(Vec::new());
@@ -73,13 +94,36 @@ impl Inner {
                 None => {
                     let _reading = self.index_gc.read();
                     match self.index.load_layers(space.key_len(), &layers) {
-                        Ok((entries, _)) => Arc::new(entries),
+                        Ok((entries, loaded)) => {
+                            let entries = Arc::new(entries);
+                            let bytes = entries.len() * crate::table::cell::BASE_ENTRY_BYTES;
+                            if self.table.memory_bytes() + bytes as u64
+                                <= self.config.index_memory_bytes
+                            {
+                                space.with_cell(id, |cell| {
+                                    self.table.account(
+                                        cell.install_base(&loaded, entries.clone()) as isize
+                                    )
+                                });
+                            }
+                            entries
+                        }
                         Err(Error::NoRecord(_)) => continue,
                         Err(error) => return Err(error),
                     }
                 }
             };
-            return Ok(merge(&base, &changes));
+            let start = match lower {
+                Bound::Included(k) => base.partition_point(|(key, _)| key < k),
+                Bound::Excluded(k) => base.partition_point(|(key, _)| key <= k),
+                Bound::Unbounded => 0,
+            };
+            let end = match upper {
+                Bound::Included(k) => base.partition_point(|(key, _)| key <= k),
+                Bound::Excluded(k) => base.partition_point(|(key, _)| key < k),
+                Bound::Unbounded => base.len(),
+            };
+            return Ok(merge(&base[start..end.max(start)], &changes));
         }
         Err(blobs_kept_changing())
     }
@@ -199,31 +243,55 @@ impl<'a> Scan<'a> {
     }
 }
 
+impl Scan<'_> {
+    /// The next entry in range, loading cells as needed.
+    fn advance(&mut self) -> Option<Result<(Key, Entry)>> {
+        loop {
+            if let Some((key, entry)) = self.next_entry() {
+                if self.in_range(&key) {
+                    return Some(Ok((key, entry)));
+                }
+                continue;
+            }
+            let id = self.next_cell()?;
+            match self
+                .inner
+                .cell_range(self.space, &id, self.lower.as_ref(), self.upper.as_ref())
+            {
+                Ok(entries) => self.current = entries.into_iter(),
+                Err(error) => return Some(Err(error)),
+            }
+        }
+    }
+
+    /// The next key, without reading its value.
+    pub fn next_key(&mut self) -> Option<Result<Vec<u8>>> {
+        Some(
+            self.advance()?
+                .map(|(key, _)| key[..self.space.key_len()].to_vec()),
+        )
+    }
+}
+
 impl Iterator for Scan<'_> {
     type Item = Result<(Vec<u8>, Bytes)>;
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            if let Some((key, entry)) = self.next_entry() {
-                if !self.in_range(&key) {
-                    continue;
-                }
-                let value = match self.inner.read_value(self.space, &key, &entry) {
-                    // Relocated since the cell was read: look it up afresh.
-                    Err(Error::NoRecord(_)) => match self.inner.get_value(self.space, &key) {
-                        Ok(Some(value)) => Ok(value),
-                        Ok(None) => continue,
-                        Err(error) => Err(error),
-                    },
-                    other => other,
-                };
-                return Some(value.map(|v| (key[..self.space.key_len()].to_vec(), v)));
-            }
-            let id = self.next_cell()?;
-            match self.inner.cell_entries(self.space, &id) {
-                Ok(entries) => self.current = entries.into_iter(),
+            let (key, entry) = match self.advance()? {
+                Ok(found) => found,
                 Err(error) => return Some(Err(error)),
-            }
+            };
+            let value = match self.inner.read_value(self.space, &key, &entry) {
+                // Relocated since the cell was read: look it up afresh.
+                Err(Error::NoRecord(_)) => match self.inner.get_value(self.space, &key) {
+                    Ok(Some(value)) => Ok(value),
+                    Ok(None) => continue,
+                    Err(error) => Err(error),
+                },
+                other => other,
+            };
+            return Some(value.map(|v| (key[..self.space.key_len()].to_vec(), v)));
         }
     }
 }

@@ -47,9 +47,19 @@ pub(crate) async fn serve(
     gateway: Arc<Gateway>,
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let app = Router::new().fallback(handle).with_state(gateway);
+    serve_app(app, listener, tls, stop).await;
+}
+
+/// Serves `app` on `listener` until `stop` (TLS when `tls` is given).
+pub(crate) async fn serve_app(
+    app: Router,
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    mut stop: watch::Receiver<bool>,
+) {
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
@@ -116,7 +126,7 @@ impl axum::serve::Listener for TlsListener {
     }
 }
 
-fn error_response(error: Error) -> Response {
+pub(crate) fn error_response(error: Error) -> Response {
     let code = match error.code() {
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
         ErrorCode::InvalidArgument

@@ -10,6 +10,10 @@
 //!   `/cas/<sha256>` and `/ac/<sha256>` (what `bazel
 //!   --remote_cache=http://…` uses) and on any other path as a mutable
 //!   key (ccache's `remote_storage`).
+//! - **restic's REST backend protocol** (v2), when configured
+//!   ([`GatewayConfig::restic`]): restic repositories under path prefixes
+//!   (`restic -r rest:http://…/REPO/`), objects verified against their
+//!   names, append-only callers (see [`restic`]).
 //!
 //! An instance `NAME` is two namespaces: `NAME` (content-addressed: the
 //! CAS) and `NAME.ac` (the action cache and HTTP path keys); the empty
@@ -25,6 +29,7 @@ mod codec;
 mod http;
 mod names;
 mod reapi;
+pub mod restic;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,6 +41,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use names::{AC_SUFFIX, DEFAULT_INSTANCE, Instance};
+pub use restic::ResticConfig;
 
 /// Settings of a gateway.
 #[derive(Clone, Debug)]
@@ -62,6 +68,8 @@ pub struct GatewayConfig {
     /// (PEM); clients authenticate with tokens, not certificates. `None`:
     /// plaintext.
     pub serve_tls: Option<ServeTls>,
+    /// Serve restic's REST protocol too (on a listener of its own).
+    pub restic: Option<ResticConfig>,
 }
 
 /// The gateway's own certificate (`grpcs://`, `https://`).
@@ -90,6 +98,7 @@ impl GatewayConfig {
             max_batch_bytes: 4 << 20,
             upload_idle: Duration::from_secs(600),
             serve_tls: None,
+            restic: None,
         }
     }
 }
@@ -217,6 +226,8 @@ pub struct RunningGateway {
     pub grpc_address: SocketAddr,
     /// Where the HTTP cache is served.
     pub http_address: SocketAddr,
+    /// Where restic's REST protocol is served, if it is.
+    pub restic_address: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     gateway: Arc<Gateway>,
@@ -249,6 +260,29 @@ impl RunningGateway {
         Ok(instance)
     }
 
+    /// Creates the restic namespaces — `NAMESPACE` and `NAMESPACE.locks`,
+    /// durable — where they do not exist yet (with the gateway's own token,
+    /// which must be an admin's). Nothing to do without restic.
+    pub async fn create_restic_namespaces(&self) -> Result<(), StartError> {
+        let Some(restic) = &self.gateway.config.restic else {
+            return Ok(());
+        };
+        let locks = format!("{}{}", restic.namespace, restic::LOCKS_SUFFIX);
+        for namespace in [&restic.namespace, &locks] {
+            match self
+                .gateway
+                .client
+                .create_namespace(namespace, false, tidepool_client::RetentionPolicy::Durable)
+                .await
+            {
+                Ok(_) => tracing::info!(namespace, "created namespace for restic"),
+                Err(e) if e.code() == ErrorCode::NamespaceExists => {}
+                Err(e) => return Err(format!("cannot create namespace {namespace:?}: {e}").into()),
+            }
+        }
+        Ok(())
+    }
+
     /// Stops serving (requests in flight are cut).
     pub async fn stop(self) {
         let _ = self.stop.send(true);
@@ -279,6 +313,18 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
             Some((config(&[b"h2"])?, config(&[b"h2", b"http/1.1"])?))
         }
     };
+    let restic = match &config.restic {
+        None => None,
+        Some(restic) => Some(
+            TcpListener::bind(restic.listen)
+                .await
+                .map_err(|e| format!("cannot listen on {}: {e}", restic.listen))?,
+        ),
+    };
+    let restic_address = match &restic {
+        None => None,
+        Some(listener) => Some(listener.local_addr().map_err(|e| e.to_string())?),
+    };
     let grpc_address = grpc.local_addr().map_err(|e| e.to_string())?;
     let http_address = http.local_addr().map_err(|e| e.to_string())?;
     let gateway = Arc::new(Gateway {
@@ -292,7 +338,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         config,
     });
     let (stop, stopped) = watch::channel(false);
-    let tasks = vec![
+    let mut tasks = vec![
         tokio::spawn(reapi::serve(
             gateway.clone(),
             grpc,
@@ -302,15 +348,24 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         tokio::spawn(http::serve(
             gateway.clone(),
             http,
-            tls.map(|t| t.1),
+            tls.as_ref().map(|t| t.1.clone()),
             stopped.clone(),
         )),
-        tokio::spawn(bytestream::expire_uploads(gateway.clone(), stopped)),
+        tokio::spawn(bytestream::expire_uploads(gateway.clone(), stopped.clone())),
     ];
+    if let Some(listener) = restic {
+        tasks.push(tokio::spawn(restic::serve(
+            gateway.clone(),
+            listener,
+            tls.map(|t| t.1),
+            stopped,
+        )));
+    }
     tracing::info!(%grpc_address, %http_address, "gateway serving");
     Ok(RunningGateway {
         grpc_address,
         http_address,
+        restic_address,
         stop,
         tasks,
         gateway,

@@ -1,11 +1,11 @@
 //! Commands: what a normal Raft entry's data means.
 //!
 //! ```text
-//! version u8 (2), kind u8, body
+//! version u8 (3), kind u8, body
 //! kind 1 Write:   count u32, then per op: op u8 (1 put, 2 delete, 3 put
 //!                 only if the key holds no blob),
-//!                 namespace u32, epoch u32, key [32], session, value_len u32,
-//!                 value
+//!                 namespace u32, epoch u32, key [32], name_len u16, name,
+//!                 session, value_len u32, value
 //! kind 2 Touch:   namespace u32, epoch u32, key [32], session
 //! kind 3 Advance: epoch u32
 //! kind 4 Drop:    namespace u32, below u32
@@ -13,7 +13,10 @@
 //! session:        u8 0 (none) | u8 1, id [16], sequence u64, opens u8,
 //!                 time_ms u64 (see `session.rs`)
 //! ```
-//! Little-endian. Version 1 (still read) had no session fields. A Write's
+//! Little-endian. Version 1 (still read) had no session fields, version 2
+//! (still read) no names. An op's name is the blob's key as the client
+//! wrote it (empty: not listed — SDK chunks, or older proposers), which the
+//! replica's name index (`names.rs`) records at apply. A Write's
 //! ops become the items of the entry's WAL record, so values are written to
 //! disk once; see `docs/design/replication.md`.
 
@@ -21,7 +24,9 @@ use crate::error::{NodeError, Result};
 use crate::session::{SessionTag, TAG_BYTES};
 
 /// Version of the command encoding written.
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
+/// The version before names.
+const VERSION_WITHOUT_NAMES: u8 = 2;
 /// The version before write sessions.
 const VERSION_WITHOUT_SESSIONS: u8 = 1;
 /// Bytes of a storage key.
@@ -38,6 +43,9 @@ pub struct WriteOp {
     pub epoch: u32,
     /// Storage key.
     pub key: [u8; KEY_BYTES],
+    /// The blob's key as the client named it, for the name index (empty:
+    /// not indexed).
+    pub name: Vec<u8>,
     /// The client's write session, for exactly-once application.
     pub session: Option<SessionTag>,
     /// A put applied only if the key holds no blob (decided at apply, in
@@ -119,6 +127,8 @@ pub fn op_len(op: &WriteOp) -> usize {
     1 + 4
         + 4
         + KEY_BYTES
+        + 2
+        + op.name.len()
         + session_len(op.session.as_ref())
         + 4
         + op.value.as_ref().map_or(0, Vec::len)
@@ -164,6 +174,8 @@ impl Command {
                     out.extend_from_slice(&op.namespace.to_le_bytes());
                     out.extend_from_slice(&op.epoch.to_le_bytes());
                     out.extend_from_slice(&op.key);
+                    out.extend_from_slice(&(op.name.len() as u16).to_le_bytes());
+                    out.extend_from_slice(&op.name);
                     encode_session(op.session.as_ref(), &mut out);
                     let value = op.value.as_deref().unwrap_or(&[]);
                     out.extend_from_slice(&(value.len() as u32).to_le_bytes());
@@ -199,10 +211,11 @@ impl Command {
         }
         let mut r = Reader { bytes, at: 0 };
         let version = r.u8()?;
-        if version != VERSION && version != VERSION_WITHOUT_SESSIONS {
+        if !(VERSION_WITHOUT_SESSIONS..=VERSION).contains(&version) {
             return Err(NodeError::Malformed(format!("command version {version}")));
         }
-        let sessions = version == VERSION;
+        let sessions = version >= VERSION_WITHOUT_NAMES;
+        let names = version >= VERSION;
         let kind = Kind::from_u8(r.u8()?)
             .ok_or_else(|| NodeError::Malformed("unknown command kind".into()))?;
         let command = match kind {
@@ -210,7 +223,7 @@ impl Command {
                 let count = r.u32()? as usize;
                 let mut ops = Vec::with_capacity(count.min(bytes.len() / 45));
                 for _ in 0..count {
-                    ops.push(r.op(sessions)?);
+                    ops.push(r.op(sessions, names)?);
                 }
                 Command::Write(ops)
             }
@@ -283,11 +296,22 @@ impl<'a> Reader<'a> {
             other => Err(NodeError::Malformed(format!("session marker {other}"))),
         }
     }
-    fn op(&mut self, sessions: bool) -> Result<WriteOp> {
+    pub fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn op(&mut self, sessions: bool, names: bool) -> Result<WriteOp> {
         let op = self.u8()?;
         let namespace = self.u32()?;
         let epoch = self.u32()?;
         let key = self.key()?;
+        let name = if names {
+            let len = self.u16()? as usize;
+            self.take(len)?.to_vec()
+        } else {
+            Vec::new()
+        };
         let session = if sessions { self.session()? } else { None };
         let len = self.u32()? as usize;
         let value = self.take(len)?;
@@ -301,6 +325,7 @@ impl<'a> Reader<'a> {
             namespace,
             epoch,
             key,
+            name,
             session,
             if_absent: op == 3,
         })
@@ -319,6 +344,7 @@ mod tests {
                     namespace: 3,
                     epoch: 7,
                     key: [1; 32],
+                    name: b"photos/2026/cat.jpg".to_vec(),
                     session: Some(SessionTag {
                         id: u128::MAX - 3,
                         seq: 9,
@@ -332,6 +358,7 @@ mod tests {
                     namespace: 3,
                     epoch: 7,
                     key: [2; 32],
+                    name: Vec::new(),
                     session: None,
                     if_absent: false,
                 },
@@ -340,6 +367,7 @@ mod tests {
                     namespace: 4,
                     epoch: 8,
                     key: [3; 32],
+                    name: vec![0xff; 1024],
                     session: None,
                     if_absent: false,
                 },
@@ -391,6 +419,7 @@ mod tests {
             namespace: 3,
             epoch: 7,
             key: [2; 32],
+            name: Vec::new(),
             session: None,
             if_absent: false,
         };

@@ -496,11 +496,14 @@ impl NodeConfig {
             value_cache_bytes: e.value_cache_mib << 20,
             relocation_enabled: e.relocation,
             relocation_interval_ms: e.relocation_interval_ms,
-            key_spaces: vec![KeySpaceConfig {
-                name: BLOB_KEY_SPACE.into(),
-                key_bytes: 32,
-                layout: CellLayout::Uniform { cells: e.cells },
-            }],
+            key_spaces: vec![
+                KeySpaceConfig {
+                    name: BLOB_KEY_SPACE.into(),
+                    key_bytes: 32,
+                    layout: CellLayout::Uniform { cells: e.cells },
+                },
+                crate::names::key_space_config(e.cells),
+            ],
             ..EngineConfig::default()
         }
     }

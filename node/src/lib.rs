@@ -29,6 +29,7 @@ pub mod config;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod names;
 pub mod raftlog;
 pub mod replica;
 pub mod server;

@@ -102,11 +102,14 @@ pub struct SimCluster {
 /// The engine configuration of a simulated replica.
 pub fn engine_config() -> Config {
     let mut config = Config::for_tests("/replica");
-    config.key_spaces = vec![KeySpaceConfig {
-        name: BLOB_KEY_SPACE.into(),
-        key_bytes: 32,
-        layout: CellLayout::Uniform { cells: 16 },
-    }];
+    config.key_spaces = vec![
+        KeySpaceConfig {
+            name: BLOB_KEY_SPACE.into(),
+            key_bytes: 32,
+            layout: CellLayout::Uniform { cells: 16 },
+        },
+        crate::names::key_space_config(16),
+    ];
     config
 }
 
@@ -385,6 +388,7 @@ impl SimCluster {
             namespace: 1,
             epoch: 1,
             key,
+            name: Vec::new(),
             session: None,
             if_absent: false,
         };

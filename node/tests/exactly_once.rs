@@ -24,6 +24,7 @@ fn put(k: [u8; 32], value: &[u8]) -> Command {
         namespace: 1,
         epoch: 1,
         key: k,
+        name: Vec::new(),
         session: None,
         if_absent: false,
     }])
@@ -35,6 +36,7 @@ fn delete(k: [u8; 32], seq: u64, opens: bool, time_ms: u64) -> Command {
         namespace: 1,
         epoch: 1,
         key: k,
+        name: Vec::new(),
         session: Some(SessionTag {
             id: SESSION,
             seq,

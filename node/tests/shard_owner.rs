@@ -46,6 +46,7 @@ fn put(handle: &ShardHandle, i: u64) -> Outcome {
         namespace: 1,
         epoch: 1,
         key: key(i),
+        name: Vec::new(),
         session: None,
         if_absent: false,
     };
@@ -251,6 +252,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
             namespace: 1,
             epoch: 1,
             key: key(i),
+            name: Vec::new(),
             session: None,
             if_absent: false,
         };

@@ -303,6 +303,20 @@ struct GatewayArgs {
     /// The private key of `--serve-tls-cert`.
     #[arg(long, requires = "serve_tls_cert")]
     serve_tls_key: Option<PathBuf>,
+    /// Also serve restic's REST protocol here (`restic -r
+    /// rest:http://HOST:PORT/REPO/`).
+    #[arg(long)]
+    restic_listen: Option<SocketAddr>,
+    /// The namespace holding restic repositories (locks in NAMESPACE.locks);
+    /// created, durable, when missing (needs an admin token then).
+    #[arg(long, default_value = "restic")]
+    restic_namespace: String,
+    /// restic: refuse every DELETE but of locks, and every overwrite.
+    #[arg(long)]
+    restic_append_only: bool,
+    /// restic: a repository's first path segment must be the Basic user name.
+    #[arg(long)]
+    restic_private_repos: bool,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -700,11 +714,16 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             let port = |offset: u16| if args.port == 0 { 0 } else { args.port + offset };
             config.grpc_listen = SocketAddr::from(([127, 0, 0, 1], port(80)));
             config.http_listen = SocketAddr::from(([127, 0, 0, 1], port(81)));
+            config.restic = Some(tidepool_gateway::ResticConfig::new(SocketAddr::from((
+                [127, 0, 0, 1],
+                port(82),
+            ))));
             config.anonymous = args.insecure;
             let gateway = tidepool_gateway::start(config).await?;
             gateway
                 .create_instance(tidepool_gateway::DEFAULT_INSTANCE, DEV_CACHE_RETAIN)
                 .await?;
+            gateway.create_restic_namespaces().await?;
             Some(gateway)
         };
         if let Some(gateway) = gateway.as_ref().filter(|_| !interrupted) {
@@ -726,6 +745,11 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                     token_file.display()
                 )
             };
+            let restic_auth = if args.insecure {
+                String::new()
+            } else {
+                format!("restic:$(cat {})@", token_file.display())
+            };
             let http_auth = if args.insecure {
                 String::new()
             } else {
@@ -738,6 +762,8 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                bazel build --remote_cache=grpc://{grpc}{header} //...\n  \
                bazel build --remote_cache=http://{http}{header} //...\n  \
                ccache: remote_storage=\"http://{http}/ccache{http_auth}\"\n\
+             Backups (namespace `restic`):\n  \
+               restic -r rest:http://{restic_auth}{restic}/REPO/ init\n\
              Try, in another shell:\n  \
                target/release/tidectl put default hello README.md\n  \
                target/release/tidectl get default hello\n  \
@@ -747,6 +773,10 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                 data_dir.display(),
                 grpc = gateway.grpc_address,
                 http = gateway.http_address,
+                restic = gateway
+                    .restic_address
+                    .map(|a| a.to_string())
+                    .unwrap_or_default(),
             );
             shutdown_signal().await;
         }
@@ -776,6 +806,13 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     config.http_listen = args.http_listen;
     config.anonymous = args.anonymous;
     config.max_blob_bytes = args.max_blob_bytes;
+    if let Some(listen) = args.restic_listen {
+        let mut restic = tidepool_gateway::ResticConfig::new(listen);
+        restic.namespace = args.restic_namespace.clone();
+        restic.append_only = args.restic_append_only;
+        restic.private_repos = args.restic_private_repos;
+        config.restic = Some(restic);
+    }
     if let (Some(cert), Some(key)) = (&args.serve_tls_cert, &args.serve_tls_key) {
         config.serve_tls = Some(tidepool_gateway::ServeTls {
             cert: cert.clone(),
@@ -802,8 +839,15 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         for name in &args.create_instances {
             gateway.create_instance(name, args.retain).await?;
         }
+        if let Err(e) = gateway.create_restic_namespaces().await {
+            tracing::warn!(error = %e, "restic namespaces not created (create them with an admin token)");
+        }
+        let restic = gateway
+            .restic_address
+            .map(|a| format!(", restic rest:http{scheme}://{a}/"))
+            .unwrap_or_default();
         eprintln!(
-            "tidepool gateway serving: REAPI/ByteStream grpc{scheme}://{}, HTTP cache http{scheme}://{}",
+            "tidepool gateway serving: REAPI/ByteStream grpc{scheme}://{}, HTTP cache http{scheme}://{}{restic}",
             gateway.grpc_address, gateway.http_address
         );
         shutdown_signal().await;

@@ -139,6 +139,41 @@ async fn every_command_and_its_errors() {
         let out = run(&url, &["exists", "cas"], format!("{digest}\n").as_bytes());
         expect(&out, 0);
 
+        // ls: keys in order (a chunked blob once, its chunks never); --long,
+        // --json, prefixes (hex in a content-addressed namespace), limits.
+        expect(&run(&url, &["put", "default", "reports/q1", "-"], b"q1"), 0);
+        let out = run(&url, &["ls", "default"], b"");
+        expect(&out, 0);
+        assert_eq!(text(&out.stdout), "reports/q1\nreports/q3\n");
+        let out = run(
+            &url,
+            &["ls", "default", "--prefix", "reports/q3", "--long"],
+            b"",
+        );
+        expect(&out, 0);
+        let line = text(&out.stdout);
+        assert!(
+            line.contains(" 3000000 ") && line.trim_end().ends_with(" reports/q3"),
+            "{line}"
+        );
+        let out = run(
+            &url,
+            &["--json", "ls", "default", "--start-after", "reports/q1"],
+            b"",
+        );
+        expect(&out, 0);
+        let entry: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(entry["key"], "reports/q3");
+        assert_eq!(entry["size"], 3_000_000);
+        assert_eq!(entry["chunked"], true);
+        let out = run(&url, &["ls", "default", "--limit", "1"], b"");
+        assert_eq!(text(&out.stdout), "reports/q1\n");
+        let out = run(&url, &["ls", "cas", "--prefix", &digest[..6]], b"");
+        expect(&out, 0);
+        assert_eq!(text(&out.stdout).trim(), digest);
+        expect(&run(&url, &["ls", "cas", "--prefix", "xyz"], b""), 2);
+        expect(&run(&url, &["ls", "nosuch"], b""), 3);
+
         // Bad input: a clear message and a non-zero exit.
         let out = run(&url, &["put", "default", "k", "/no/such/file"], b"");
         expect(&out, 2);

@@ -284,9 +284,9 @@ impl Cell {
         entries
     }
 
-    /// The changes' entries, in key order.
-    pub fn change_entries(&self) -> Vec<(Key, Entry)> {
-        self.change_entries_below(None)
+    /// The changes' entries, in no order.
+    pub fn changes_iter(&self) -> impl Iterator<Item = (&Key, Entry)> + '_ {
+        self.changes.iter().map(|(k, c)| (k, c.entry))
     }
 
     /// Finishes a move of some of the cell's blobs (index log cleaning):

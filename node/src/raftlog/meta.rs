@@ -8,7 +8,8 @@
 //!   the record's items; 2: Write with sessions — as 1, followed by count
 //!   u32 and each op's session (u8 0, or u8 1 + tag, as in `command.rs`);
 //!   3: as 2, then each op's flags u8 (bit 0: put only if absent) —
-//!   written only when an op has a flag),
+//!   written only when an op has a flag; 4: as 3, flags always, then each
+//!   op's name, len u16 + bytes — written when an op has a name),
 //!   [data len u32 + data]
 //! state record metadata:
 //!   "RS", version u8 (1), term u64, vote u64, commit u64,
@@ -33,6 +34,7 @@ const DATA_RAW: u8 = 0;
 const DATA_WRITE: u8 = 1;
 const DATA_WRITE_SESSIONS: u8 = 2;
 const DATA_WRITE_FLAGS: u8 = 3;
+const DATA_WRITE_NAMES: u8 = 4;
 /// Op flag: a put only if the key holds no blob.
 const FLAG_IF_ABSENT: u8 = 1;
 
@@ -66,6 +68,8 @@ pub(crate) struct EntryHead {
     pub sessions: Vec<Option<SessionTag>>,
     /// A Write's ops that put only if absent (empty: none does).
     pub if_absent: Vec<bool>,
+    /// A Write's names, one per op (empty: none has one).
+    pub names: Vec<Vec<u8>>,
 }
 
 /// Splits an entry: a normal entry carrying a Write keeps only its
@@ -84,8 +88,11 @@ pub(crate) fn split_entry(entry: &Entry) -> Result<SplitEntry> {
         .transpose()?;
     match write {
         Some(Command::Write(ops)) => {
-            let flags = ops.iter().any(|op| op.if_absent);
-            meta.push(if flags {
+            let names = ops.iter().any(|op| !op.name.is_empty());
+            let flags = names || ops.iter().any(|op| op.if_absent);
+            meta.push(if names {
+                DATA_WRITE_NAMES
+            } else if flags {
                 DATA_WRITE_FLAGS
             } else {
                 DATA_WRITE_SESSIONS
@@ -99,6 +106,12 @@ pub(crate) fn split_entry(entry: &Entry) -> Result<SplitEntry> {
                     ops.iter()
                         .map(|op| if op.if_absent { FLAG_IF_ABSENT } else { 0 }),
                 );
+            }
+            if names {
+                for op in &ops {
+                    meta.extend_from_slice(&(op.name.len() as u16).to_le_bytes());
+                    meta.extend_from_slice(&op.name);
+                }
             }
             Ok(SplitEntry { meta, ops })
         }
@@ -166,20 +179,28 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
     let context = r.take(context_len)?.to_vec();
     let mut sessions = Vec::new();
     let mut if_absent = Vec::new();
+    let mut names = Vec::new();
     let raw_data = match r.u8()? {
         DATA_WRITE => None,
-        kind @ (DATA_WRITE_SESSIONS | DATA_WRITE_FLAGS) => {
+        kind @ (DATA_WRITE_SESSIONS | DATA_WRITE_FLAGS | DATA_WRITE_NAMES) => {
             let count = r.u32()? as usize;
             sessions.reserve(count.min(r.bytes.len()));
             for _ in 0..count {
                 sessions.push(r.session()?);
             }
-            if kind == DATA_WRITE_FLAGS {
+            if kind != DATA_WRITE_SESSIONS {
                 for flags in r.take(count)? {
                     if flags & !FLAG_IF_ABSENT != 0 {
                         return Err(NodeError::Malformed(format!("unknown op flags {flags:#x}")));
                     }
                     if_absent.push(flags & FLAG_IF_ABSENT != 0);
+                }
+            }
+            if kind == DATA_WRITE_NAMES {
+                names.reserve(count);
+                for _ in 0..count {
+                    let len = r.u16()? as usize;
+                    names.push(r.take(len)?.to_vec());
                 }
             }
             None
@@ -198,6 +219,7 @@ fn parse_entry(r: &mut Reader<'_>) -> Result<EntryHead> {
         raw_data,
         sessions,
         if_absent,
+        names,
     })
 }
 
@@ -226,6 +248,7 @@ pub(crate) fn rebuild_entry(head: EntryHead, items: Vec<ItemData>) -> Result<Ent
                         namespace: item.tag.0,
                         epoch: item.epoch.0,
                         key,
+                        name: head.names.get(i).cloned().unwrap_or_default(),
                         session: head.sessions.get(i).copied().flatten(),
                         if_absent: head.if_absent.get(i).copied().unwrap_or(false),
                     })
@@ -334,6 +357,7 @@ mod tests {
                 namespace: 2,
                 epoch: 4,
                 key: [7; 32],
+                name: b"a name".to_vec(),
                 session: Some(SessionTag {
                     id: 11,
                     seq: 12,
@@ -347,6 +371,7 @@ mod tests {
                 namespace: 2,
                 epoch: 4,
                 key: [8; 32],
+                name: Vec::new(),
                 session: None,
                 if_absent: false,
             },
@@ -371,6 +396,7 @@ mod tests {
             namespace: 2,
             epoch: 4,
             key: [7; 32],
+            name: Vec::new(),
             session: None,
             if_absent: false,
         };

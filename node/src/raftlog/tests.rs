@@ -32,6 +32,7 @@ fn write_entry(index: u64, term: u64, values: usize) -> Entry {
             namespace: 1,
             epoch: 1,
             key: [(index as u8).wrapping_mul(31).wrapping_add(i as u8); 32],
+            name: Vec::new(),
             session: None,
             if_absent: false,
         })

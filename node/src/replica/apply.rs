@@ -18,8 +18,12 @@ use tidepool_engine::{
 };
 
 use super::Replica;
+use tidepool_proto::v1::BlobKind;
+
+use crate::blob;
 use crate::command::{Command, KEY_BYTES, WriteOp};
 use crate::error::{NodeError, Result};
+use crate::names::{Meta, NameBatch};
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
 
 /// Drops one namespace's entries, keeps the rest.
@@ -65,6 +69,7 @@ impl Replica {
         }
         let engine = self.engine().clone();
         let space = self.space;
+        let names = self.names;
         match Command::decode(&entry.data)? {
             Command::Write(ops) => {
                 let appended = self.log().appended(entry.index)?;
@@ -79,6 +84,7 @@ impl Replica {
                 let target = Target {
                     engine: &engine,
                     space,
+                    names,
                 };
                 let mut sessions = self.log().sessions();
                 return apply_write(&target, &mut sessions, entry.index, &ops, &appended.items);
@@ -110,6 +116,10 @@ impl Replica {
                 // alike: nothing to do.
                 if Epoch(below) <= engine.epoch() {
                     engine.drop_epochs_below(Epoch(below), &Namespace(namespace))?;
+                    // The dropped blobs' names leave the index (a listing
+                    // skips them meanwhile; a restart before the sweep
+                    // re-applies the drop, and sweeps).
+                    crate::names::sweep(&engine, names, space, namespace)?;
                     self.log().record_drop(namespace, below);
                 }
             }
@@ -141,6 +151,8 @@ impl Replica {
 struct Target<'a> {
     engine: &'a Engine,
     space: KeySpace,
+    /// The name index.
+    names: KeySpace,
 }
 
 /// One op's fate: what it answered, and whether it was applied.
@@ -161,6 +173,7 @@ fn apply_write(
     let first_time = !sessions.decided(index);
     let mut results = Vec::with_capacity(ops.len());
     let mut skipped = Vec::new();
+    let mut names = NameBatch::new(target.engine, target.names);
     for (ordinal, (op, item)) in ops.iter().zip(items).enumerate() {
         let decided = decide_op(sessions, index, ordinal, op.session.as_ref(), |first| {
             // Whether a delete finds the key, and whether a put only if
@@ -174,13 +187,36 @@ fn apply_write(
         })?;
         if !decided.applied {
             skipped.push(ordinal as u32);
+        } else if !op.name.is_empty() {
+            index_name(&mut names, op)?;
         }
         results.push(decided.result);
     }
+    // After the items: a crash between the two re-applies the entry.
+    names.commit(Durability::Buffered)?;
     if first_time && !skipped.is_empty() {
         sessions.finish_entry(index, skipped);
     }
     Ok(results)
+}
+
+/// Records an applied op in the name index.
+fn index_name(names: &mut NameBatch<'_>, op: &WriteOp) -> Result<()> {
+    match &op.value {
+        Some(value) => {
+            let (header, _) = blob::decode(value)?;
+            if header.kind == BlobKind::Chunk {
+                return Ok(());
+            }
+            let meta = Meta {
+                kind: header.kind as u8,
+                size: header.size,
+                sha256: header.sha256,
+            };
+            names.insert(op.namespace, &op.name, &meta)
+        }
+        None => names.remove(op.namespace, &op.name).map(|_| ()),
+    }
 }
 
 fn exists(target: &Target<'_>, key: &[u8; KEY_BYTES]) -> Result<bool> {

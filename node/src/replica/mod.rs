@@ -104,6 +104,8 @@ pub struct Replica {
     store: ReplicaStore,
     /// The engine key space of blob values.
     space: KeySpace,
+    /// The engine key space of the name index (`crate::names`).
+    names: KeySpace,
     raw: RawNode<RaftLog>,
     proposals: Proposals,
     reads: Reads,
@@ -164,6 +166,8 @@ impl Replica {
     ) -> Result<Replica> {
         let engine = store.open_live()?;
         let space = engine.key_space(BLOB_KEY_SPACE)?;
+        let names = engine.key_space(crate::names::NAMES_KEY_SPACE)?;
+        crate::names::check_complete(&engine, names, space)?;
         let mut log = RaftLog::open(engine, space, initial_voters)?;
         let mut sender = SnapshotSender::new(
             config.shard_id,
@@ -194,6 +198,7 @@ impl Replica {
             failed: None,
             store,
             space,
+            names,
             raw,
             proposals: Proposals::default(),
             reads: Reads::default(),

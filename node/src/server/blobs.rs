@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use tidepool_engine::{Durability as EngineDurability, Engine, KeySpace};
 use tidepool_proto::v1::blob_service_server::BlobService;
 use tidepool_proto::v1::{
-    BatchExistsRequest, BatchExistsResponse, BlobKind, BlobRef, DeleteRequest, DeleteResponse,
-    Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse, Namespace, Presence,
-    PutHeader, PutRequest, PutResponse, ReadConsistency, Role, ShardInfo, TouchRequest,
-    TouchResponse, WriteSession, get_response, put_request,
+    BatchExistsRequest, BatchExistsResponse, BlobInfo, BlobKind, BlobRef, DeleteRequest,
+    DeleteResponse, Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse,
+    ListEntry, ListRequest, ListResponse, Namespace, Presence, PutHeader, PutRequest, PutResponse,
+    ReadConsistency, Role, ShardInfo, TouchRequest, TouchResponse, WriteSession, get_response,
+    put_request,
 };
 use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
 use tidepool_security::Caller;
@@ -30,16 +31,23 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
 use super::Node;
-use crate::blob;
 use crate::command::{Command, WriteOp};
 use crate::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome};
 use crate::session::{OpResult, Refusal, SessionTag};
 use crate::shard::ShardHandle;
+use crate::{blob, names};
 
 /// Largest piece of content per stream message.
 const CHUNK_BYTES: usize = 1 << 20;
 /// Most keys per `BatchExists`.
 const MAX_BATCH_KEYS: usize = 100_000;
+/// Entries in a list page when the request names no limit.
+const DEFAULT_LIST_LIMIT: usize = 1_000;
+/// Most entries in a list page.
+const MAX_LIST_LIMIT: usize = 10_000;
+/// A list page ends once its names reach this many bytes (a page stays
+/// well under the 4 MiB message size clients accept by default).
+const MAX_LIST_NAME_BYTES: usize = 1 << 20;
 /// How long a request waits for its shard.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -390,6 +398,12 @@ impl BlobApi {
             namespace: target.namespace.id,
             epoch,
             key: target.key,
+            // SDK chunks are listed through their blob's manifest.
+            name: if kind == BlobKind::Chunk {
+                Vec::new()
+            } else {
+                header.blob.as_ref().expect("checked").key.clone()
+            },
             session,
             if_absent,
         };
@@ -685,6 +699,7 @@ impl BlobApi {
             namespace: target.namespace.id,
             epoch: target.shard.engine().epoch().0,
             key: target.key,
+            name: request.blob.as_ref().expect("checked").key.clone(),
             session,
             if_absent: false,
         };
@@ -696,6 +711,103 @@ impl BlobApi {
         self.extra_durability(&target, request.durability, &engine)
             .await?;
         Ok(DeleteResponse { existed })
+    }
+
+    async fn list_inner(&self, request: ListRequest) -> ApiResult<ListResponse> {
+        self.check_running()?;
+        let namespace = self.node.namespace(&request.namespace)?;
+        let limit = match request.limit {
+            0 => DEFAULT_LIST_LIMIT,
+            n if n as usize > MAX_LIST_LIMIT => {
+                return Err(invalid(
+                    &self.node,
+                    format!("limit is at most {MAX_LIST_LIMIT}, not {n}"),
+                ));
+            }
+            n => n as usize,
+        };
+        for (what, bytes) in [
+            ("prefix", &request.prefix),
+            ("start_after", &request.start_after),
+        ] {
+            if bytes.len() > KEY_MAX_BYTES {
+                return Err(invalid(
+                    &self.node,
+                    format!(
+                        "{what} is at most {KEY_MAX_BYTES} bytes, not {}",
+                        bytes.len()
+                    ),
+                ));
+            }
+        }
+        let Some((info, shard)) = self
+            .node
+            .hosted()
+            .into_iter()
+            .find(|(info, _)| info.shard_id == request.shard_id)
+        else {
+            let mut error = self.node.error(
+                ErrorCode::WrongShard,
+                format!(
+                    "node {} hosts no replica of shard {}",
+                    self.node.config.node_id, request.shard_id
+                ),
+            );
+            error.detail.shard_id = Some(request.shard_id);
+            return Err(error);
+        };
+        tracing::Span::current().record("shard_id", info.shard_id);
+        let target = Target {
+            namespace,
+            key: [0; 32],
+            info,
+            shard,
+        };
+        if request.consistency != ReadConsistency::AnyReplica as i32 {
+            self.require_leader(&target)?;
+        }
+        self.read_point(&target, request.consistency).await?;
+        let engine = target.shard.engine();
+        let namespace_id = target.namespace.id;
+        let limits = names::PageLimits {
+            entries: limit,
+            name_bytes: MAX_LIST_NAME_BYTES,
+            examined: limit.saturating_mul(4) + 1024,
+        };
+        let (prefix, start_after) = (request.prefix, request.start_after);
+        let (page, complete) = self
+            .engine_read(&target, move |engine, blobs| {
+                let space = engine.key_space(names::NAMES_KEY_SPACE)?;
+                let after = (!start_after.is_empty()).then_some(&start_after[..]);
+                let page =
+                    names::list_page(engine, space, blobs, namespace_id, &prefix, after, limits);
+                let complete = names::is_complete(engine, space);
+                Ok((page, complete))
+            })
+            .await?;
+        let shard_id = target.info.shard_id;
+        let page = page.map_err(|e| self.node.internal_error(shard_id, e))?;
+        let complete = complete.map_err(|e| self.node.internal_error(shard_id, e))?;
+        drop(engine);
+        Ok(ListResponse {
+            entries: page
+                .entries
+                .into_iter()
+                .map(|listed| ListEntry {
+                    key: listed.name,
+                    info: Some(BlobInfo {
+                        size: listed.meta.size,
+                        sha256: listed.meta.sha256.to_vec(),
+                        epoch: u64::from(listed.epoch),
+                        kind: i32::from(listed.meta.kind),
+                    }),
+                })
+                .collect(),
+            done: page.done,
+            resume_after: page.resume_after,
+            incomplete: !complete,
+            map_version: self.node.map().version,
+        })
     }
 
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
@@ -833,6 +945,16 @@ impl BlobService for BlobApi {
                 Role::Delete,
             )?;
             self.delete_inner(request).await
+        })
+        .await
+    }
+
+    async fn list(&self, request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.serve(6, async {
+            self.allow(&caller, Some(&request.namespace), Role::Read)?;
+            self.list_inner(request).await
         })
         .await
     }

@@ -78,17 +78,25 @@ impl Histogram {
 }
 
 /// The client operations measured.
-pub const OPERATIONS: [&str; 6] = ["put", "get", "head", "batch_exists", "delete", "touch"];
+pub const OPERATIONS: [&str; 7] = [
+    "put",
+    "get",
+    "head",
+    "batch_exists",
+    "delete",
+    "touch",
+    "list",
+];
 
 /// Everything the node counts.
 #[derive(Debug, Default)]
 pub struct NodeMetrics {
     /// Requests per operation (index into [`OPERATIONS`]).
-    pub requests: [Counter; 6],
+    pub requests: [Counter; 7],
     /// Failed requests per operation.
-    pub errors: [Counter; 6],
+    pub errors: [Counter; 7],
     /// Latency per operation.
-    pub latency: [Histogram; 6],
+    pub latency: [Histogram; 7],
     /// Bytes of blob content accepted by puts.
     pub put_bytes: Counter,
     /// Bytes of blob content returned by gets.

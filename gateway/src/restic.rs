@@ -1,0 +1,651 @@
+//! restic's REST backend protocol (version 2, with version-1 listings), on
+//! axum: Tidepool as a restic repository (`restic -r rest:http://…/REPO/`).
+//!
+//! Paths, under an optional repository path (`REPO`, one or more segments;
+//! the root is a repository too):
+//! - `POST REPO/?create=true`: create the repository (200);
+//! - `HEAD|GET|POST|DELETE REPO/config`;
+//! - `GET REPO/TYPE/`: the objects of a type (`data`, `keys`, `locks`,
+//!   `snapshots`, `index`), as version-2 JSON `[{"name","size"}]` with
+//!   content type `application/vnd.x.restic.rest.v2` when the request
+//!   accepts it, else version 1 (names only);
+//! - `HEAD|GET|POST|DELETE REPO/TYPE/NAME`; `GET` honours `Range`.
+//!
+//! Storage: the gateway's restic namespace (durable, not content-addressed)
+//! holds `REPO/config` and `REPO/TYPE/NAME`; locks live in the namespace
+//! `NAMESPACE.locks`, so an append-only token (`NAMESPACE=append-only,
+//! NAMESPACE.locks=write,delete`) can back up — create and remove its locks
+//! — but never delete or overwrite anything else. Every object but
+//! `config` is named by the SHA-256 of its bytes, checked on upload. With
+//! `private_repos`, a repository's first path segment must be the Basic
+//! user name. See `docs/design/restic.md`.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, Method, StatusCode, Uri, header};
+use sha2::{Digest, Sha256};
+use tidepool_client::{Client, Error, ErrorCode, ListOptions};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt as _;
+
+use crate::{Credential, Gateway};
+
+/// The content type of version-2 listings.
+const V2: &str = "application/vnd.x.restic.rest.v2";
+/// The content type of version-1 listings.
+const V1: &str = "application/vnd.x.restic.rest.v1";
+/// The object types of a repository.
+const TYPES: [&str; 5] = ["data", "keys", "locks", "snapshots", "index"];
+/// Suffix of the namespace holding locks.
+pub const LOCKS_SUFFIX: &str = ".locks";
+
+/// How the restic endpoint behaves.
+#[derive(Clone, Debug)]
+pub struct ResticConfig {
+    /// Where it is served.
+    pub listen: std::net::SocketAddr,
+    /// The namespace holding the repositories (locks: `NAMESPACE.locks`).
+    pub namespace: String,
+    /// Refuse every DELETE but of locks, and every overwrite, whatever
+    /// the caller's token allows (`rest-server --append-only`).
+    pub append_only: bool,
+    /// A repository's first path segment must be the caller's Basic user
+    /// name (`rest-server --private-repos`).
+    pub private_repos: bool,
+}
+
+impl ResticConfig {
+    /// Served on `listen`, repositories in namespace `restic`.
+    pub fn new(listen: std::net::SocketAddr) -> Self {
+        Self {
+            listen,
+            namespace: "restic".into(),
+            append_only: false,
+            private_repos: false,
+        }
+    }
+}
+
+/// What a request path names.
+#[derive(Debug, PartialEq, Eq)]
+enum Target {
+    /// The repository itself (`POST ?create=true`).
+    Repo,
+    Config,
+    List(&'static str),
+    Object(&'static str, String),
+}
+
+/// A parsed request path: the repository (no leading or trailing `/`) and
+/// the target.
+#[derive(Debug, PartialEq, Eq)]
+struct Parsed {
+    repo: String,
+    target: Target,
+}
+
+fn bad(message: impl Into<String>) -> Error {
+    Error::new(ErrorCode::InvalidArgument, message)
+}
+
+fn kind_of(segment: &str) -> Option<&'static str> {
+    TYPES.iter().copied().find(|t| *t == segment)
+}
+
+fn check_repo(segments: &[&str]) -> tidepool_client::Result<String> {
+    for segment in segments {
+        let fine = !segment.is_empty()
+            && *segment != "."
+            && *segment != ".."
+            && segment
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !fine {
+            return Err(bad(format!(
+                "repository path segment {segment:?}: use letters, digits, '.', '_' and '-'"
+            )));
+        }
+    }
+    Ok(segments.join("/"))
+}
+
+fn is_name(name: &str) -> bool {
+    name.len() == 64 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+fn parse(method: &Method, path: &str, query: Option<&str>) -> tidepool_client::Result<Parsed> {
+    let trimmed = path.trim_start_matches('/');
+    let segments: Vec<&str> = trimmed.split('/').collect();
+    let n = segments.len();
+    let last = segments[n - 1];
+    if last == "config" {
+        let repo = check_repo(&segments[..n - 1])?;
+        return Ok(Parsed {
+            repo,
+            target: Target::Config,
+        });
+    }
+    if n >= 2
+        && let Some(kind) = kind_of(segments[n - 2])
+    {
+        let repo = check_repo(&segments[..n - 2])?;
+        if last.is_empty() {
+            return Ok(Parsed {
+                repo,
+                target: Target::List(kind),
+            });
+        }
+        if !is_name(last) {
+            return Err(bad(format!(
+                "{last:?} is not an object name (64 lowercase hex digits, the SHA-256 of its bytes)"
+            )));
+        }
+        return Ok(Parsed {
+            repo,
+            target: Target::Object(kind, last.to_string()),
+        });
+    }
+    // `GET REPO/TYPE` without the trailing slash lists too.
+    if *method == Method::GET
+        && let Some(kind) = kind_of(last)
+    {
+        let repo = check_repo(&segments[..n - 1])?;
+        return Ok(Parsed {
+            repo,
+            target: Target::List(kind),
+        });
+    }
+    let creating = query.is_some_and(|q| q.split('&').any(|p| p == "create=true"));
+    if *method == Method::POST && creating {
+        let end = if last.is_empty() { n - 1 } else { n };
+        let repo = if end == 0 {
+            String::new()
+        } else {
+            check_repo(&segments[..end])?
+        };
+        return Ok(Parsed {
+            repo,
+            target: Target::Repo,
+        });
+    }
+    Err(Error::new(
+        ErrorCode::NotFound,
+        format!("{path:?} names nothing in a restic repository"),
+    ))
+}
+
+impl Parsed {
+    fn prefix(&self) -> String {
+        if self.repo.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.repo)
+        }
+    }
+
+    /// The namespace and key of the config or of an object.
+    fn location(&self, namespace: &str) -> (String, Vec<u8>) {
+        let prefix = self.prefix();
+        match &self.target {
+            Target::Object(kind, name) => (
+                namespace_of(namespace, kind),
+                format!("{prefix}{kind}/{name}").into_bytes(),
+            ),
+            _ => (
+                namespace.to_string(),
+                format!("{prefix}config").into_bytes(),
+            ),
+        }
+    }
+}
+
+fn namespace_of(namespace: &str, kind: &str) -> String {
+    if kind == "locks" {
+        format!("{namespace}{LOCKS_SUFFIX}")
+    } else {
+        namespace.to_string()
+    }
+}
+
+/// The Basic user name of a request, if it sent one.
+fn basic_user(headers: &HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, rest) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(rest.trim())
+        .ok()?;
+    let decoded = String::from_utf8(decoded).ok()?;
+    let (user, password) = decoded.split_once(':')?;
+    (!password.is_empty() && !user.is_empty()).then(|| user.to_string())
+}
+
+/// Serves the restic endpoint on `listener` until `stop`.
+pub(crate) async fn serve(
+    gateway: Arc<Gateway>,
+    listener: TcpListener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    stop: watch::Receiver<bool>,
+) {
+    let app = Router::new().fallback(handle).with_state(gateway);
+    crate::http::serve_app(app, listener, tls, stop).await;
+}
+
+async fn handle(
+    State(gateway): State<Arc<Gateway>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match serve_request(&gateway, method, uri, headers, body).await {
+        Ok(response) => response,
+        // An append-only caller's overwrite: refused, as rest-server does.
+        Err(error) if error.code() == ErrorCode::AlreadyExists => {
+            crate::http::error_response(Error::new(ErrorCode::PermissionDenied, error.to_string()))
+        }
+        Err(error) => crate::http::error_response(error),
+    }
+}
+
+async fn serve_request(
+    gateway: &Gateway,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> tidepool_client::Result<Response> {
+    let restic = gateway
+        .config
+        .restic
+        .as_ref()
+        .expect("served only when configured");
+    let credential =
+        Credential::from_header(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()))?;
+    let client = gateway.caller(credential)?;
+    let parsed = parse(&method, uri.path(), uri.query())?;
+    if restic.private_repos {
+        let user = basic_user(&headers).ok_or_else(|| {
+            Error::new(
+                ErrorCode::Unauthenticated,
+                "private repositories: send Basic credentials (rest:http://USER:TOKEN@host/USER/…)",
+            )
+        })?;
+        if parsed.repo.split('/').next() != Some(user.as_str()) {
+            return Err(Error::new(
+                ErrorCode::PermissionDenied,
+                format!("user {user:?} may only use repositories under /{user}/"),
+            ));
+        }
+    }
+    let namespace = restic.namespace.as_str();
+    match (&parsed.target, method) {
+        (Target::Repo, Method::POST) => {
+            // Nothing to make: a repository is its keys. Checked only so a
+            // caller learns early that the namespace is missing.
+            client
+                .list_page(namespace, ListOptions::default(), 1)
+                .await?;
+            Ok(StatusCode::OK.into_response())
+        }
+        (Target::List(kind), Method::GET) => list(&client, namespace, &parsed, kind, &headers),
+        (Target::Config | Target::Object(..), Method::HEAD) => {
+            let (namespace, key) = parsed.location(namespace);
+            let meta = client.head(&namespace, &key).await?;
+            Ok((
+                StatusCode::OK,
+                [(header::CONTENT_LENGTH, meta.size.to_string())],
+            )
+                .into_response())
+        }
+        (Target::Config | Target::Object(..), Method::GET) => {
+            let (namespace, key) = parsed.location(namespace);
+            get(&client, &namespace, &key, &headers).await
+        }
+        (Target::Config | Target::Object(..), Method::POST) => {
+            let (namespace, key) = parsed.location(namespace);
+            if restic.append_only && client.exists(&namespace, &key).await? {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "append-only: an existing object is never overwritten",
+                ));
+            }
+            let name = match &parsed.target {
+                Target::Object(_, name) => Some(name.as_str()),
+                _ => None,
+            };
+            put(gateway, &client, &namespace, &key, name, &headers, body).await?;
+            Ok(StatusCode::OK.into_response())
+        }
+        (Target::Config | Target::Object(..), Method::DELETE) => {
+            let lock = matches!(parsed.target, Target::Object("locks", _));
+            if restic.append_only && !lock {
+                return Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "append-only: only locks are deleted",
+                ));
+            }
+            let (namespace, key) = parsed.location(namespace);
+            if client.delete(&namespace, &key).await? {
+                Ok(StatusCode::OK.into_response())
+            } else {
+                Err(Error::new(ErrorCode::NotFound, "no such object"))
+            }
+        }
+        _ => Ok(StatusCode::METHOD_NOT_ALLOWED.into_response()),
+    }
+}
+
+#[derive(serde::Serialize)]
+struct Listed<'a> {
+    name: &'a str,
+    size: u64,
+}
+
+/// Streams the listing of one type: names and sizes of the objects.
+fn list(
+    client: &Client,
+    namespace: &str,
+    parsed: &Parsed,
+    kind: &str,
+    headers: &HeaderMap,
+) -> tidepool_client::Result<Response> {
+    let v2 = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim().starts_with(V2)));
+    let prefix = format!("{}{kind}/", parsed.prefix()).into_bytes();
+    let mut lister = client.list(
+        &namespace_of(namespace, kind),
+        ListOptions {
+            prefix: prefix.clone(),
+            ..ListOptions::default()
+        },
+    );
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
+    tokio::spawn(async move {
+        let mut piece = b"[".to_vec();
+        let mut first = true;
+        loop {
+            let entry = match lister.next().await {
+                Ok(Some(entry)) => entry,
+                Ok(None) => break,
+                Err(e) => {
+                    // The body is cut short: the client sees broken JSON,
+                    // never a partial list taken for whole.
+                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    return;
+                }
+            };
+            // Only this repository's own objects: not a nested repository's.
+            let Ok(name) = std::str::from_utf8(&entry.key[prefix.len()..]) else {
+                continue;
+            };
+            if !is_name(name) {
+                continue;
+            }
+            if !first {
+                piece.push(b',');
+            }
+            first = false;
+            let item = if v2 {
+                serde_json::to_vec(&Listed {
+                    name,
+                    size: entry.size,
+                })
+            } else {
+                serde_json::to_vec(name)
+            };
+            piece.extend_from_slice(&item.expect("serialisable"));
+            if piece.len() >= 64 << 10
+                && tx
+                    .send(Ok(Bytes::from(std::mem::take(&mut piece))))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+        }
+        piece.push(b']');
+        let _ = tx.send(Ok(Bytes::from(piece))).await;
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, if v2 { V2 } else { V1 })],
+        body,
+    )
+        .into_response())
+}
+
+/// The byte range a `Range` header asks of a blob of `size` bytes:
+/// `(offset, length)`, or `None` for the whole blob.
+fn range(headers: &HeaderMap, size: u64) -> tidepool_client::Result<Option<(u64, u64)>> {
+    let Some(value) = headers.get(header::RANGE) else {
+        return Ok(None);
+    };
+    let unsatisfiable = || {
+        Error::new(
+            ErrorCode::InvalidArgument,
+            format!("range {value:?} of a {size}-byte object"),
+        )
+    };
+    let text = value.to_str().map_err(|_| unsatisfiable())?;
+    let spec = text.strip_prefix("bytes=").ok_or_else(unsatisfiable)?;
+    if spec.contains(',') {
+        return Err(bad("one range per request"));
+    }
+    let (start, end) = spec.split_once('-').ok_or_else(unsatisfiable)?;
+    let number = |s: &str| s.trim().parse::<u64>().map_err(|_| unsatisfiable());
+    let (offset, last) = match (start.trim().is_empty(), end.trim().is_empty()) {
+        // The last N bytes.
+        (true, false) => {
+            let n = number(end)?.min(size);
+            (size - n, size.checked_sub(1).ok_or_else(unsatisfiable)?)
+        }
+        (false, true) => (
+            number(start)?,
+            size.checked_sub(1).ok_or_else(unsatisfiable)?,
+        ),
+        (false, false) => (number(start)?, number(end)?.min(size.saturating_sub(1))),
+        (true, true) => return Err(unsatisfiable()),
+    };
+    if offset >= size || last < offset {
+        return Err(unsatisfiable());
+    }
+    Ok(Some((offset, last - offset + 1)))
+}
+
+async fn get(
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    headers: &HeaderMap,
+) -> tidepool_client::Result<Response> {
+    let size = client.head(namespace, key).await?.size;
+    let range = match range(headers, size) {
+        Ok(range) => range,
+        Err(e) => {
+            return Ok((
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                [(header::CONTENT_RANGE, format!("bytes */{size}"))],
+                format!("{e}\n"),
+            )
+                .into_response());
+        }
+    };
+    let (offset, length) = range.unwrap_or((0, size));
+    let mut reader = client
+        .open_range(namespace, key, offset, Some(length))
+        .await?;
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        loop {
+            match reader.next_piece().await {
+                Ok(Some(piece)) => {
+                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    return;
+                }
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let mut response = (
+        if range.is_some() {
+            StatusCode::PARTIAL_CONTENT
+        } else {
+            StatusCode::OK
+        },
+        [(header::CONTENT_LENGTH, length.to_string())],
+        body,
+    )
+        .into_response();
+    if range.is_some() {
+        response.headers_mut().insert(
+            header::CONTENT_RANGE,
+            format!("bytes {offset}-{}/{size}", offset + length - 1)
+                .parse()
+                .expect("ascii"),
+        );
+    }
+    Ok(response)
+}
+
+/// Stores a body; an object (`name` given) only if it hashes to its name.
+async fn put(
+    gateway: &Gateway,
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    name: Option<&str>,
+    headers: &HeaderMap,
+    body: Body,
+) -> tidepool_client::Result<()> {
+    let max = gateway.config.max_blob_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared
+        && length > max
+    {
+        return Err(Error::new(
+            ErrorCode::ValueTooLarge,
+            format!("{length} bytes; at most {max} are accepted"),
+        ));
+    }
+    let mut upload = client.upload(namespace, key).await?;
+    let mut hasher = Sha256::new();
+    let mut stream = body.into_data_stream();
+    while let Some(frame) = stream.next().await {
+        let frame = frame.map_err(|e| bad(format!("reading the body: {e}")))?;
+        if upload.written() + frame.len() as u64 > max {
+            return Err(Error::new(
+                ErrorCode::ValueTooLarge,
+                format!("more than {max} bytes; not accepted"),
+            ));
+        }
+        hasher.update(&frame);
+        upload.write(&frame).await?;
+    }
+    if let Some(length) = declared
+        && length != upload.written()
+    {
+        return Err(bad(format!(
+            "Content-Length said {length}, the body held {}",
+            upload.written()
+        )));
+    }
+    if let Some(name) = name {
+        let digest = tidepool_client::hex(&hasher.finalize());
+        if digest != name {
+            return Err(Error::new(
+                ErrorCode::DigestMismatch,
+                format!("the body's SHA-256 is {digest}, not its name {name}; nothing was stored"),
+            ));
+        }
+    }
+    upload.finish().await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NAME: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    fn parsed(method: Method, path: &str, query: Option<&str>) -> Parsed {
+        parse(&method, path, query).unwrap()
+    }
+
+    #[test]
+    fn paths_name_repositories_and_objects() {
+        let p = parsed(Method::POST, "/", Some("create=true"));
+        assert_eq!((p.repo.as_str(), p.target), ("", Target::Repo));
+        let p = parsed(Method::POST, "/team/repo/", Some("create=true"));
+        assert_eq!((p.repo.as_str(), p.target), ("team/repo", Target::Repo));
+        let p = parsed(Method::HEAD, "/config", None);
+        assert_eq!((p.repo.as_str(), &p.target), ("", &Target::Config));
+        assert_eq!(p.location("restic"), ("restic".into(), b"config".to_vec()));
+        let p = parsed(Method::GET, "/r/data/", None);
+        assert_eq!((p.repo.as_str(), p.target), ("r", Target::List("data")));
+        let p = parsed(Method::GET, "/r/locks", None);
+        assert_eq!(p.target, Target::List("locks"));
+        let p = parsed(Method::POST, &format!("/a/b/locks/{NAME}"), None);
+        assert_eq!(
+            p.location("restic"),
+            (
+                "restic.locks".into(),
+                format!("a/b/locks/{NAME}").into_bytes()
+            )
+        );
+        // A repository may be called like a type.
+        let p = parsed(Method::GET, &format!("/data/data/{NAME}"), None);
+        assert_eq!(p.repo, "data");
+        for bad in ["/r/data/xyz", "/../config", "/r/other/", "/r/data/ABC"] {
+            assert!(parse(&Method::GET, bad, None).is_err(), "{bad}");
+        }
+        assert!(parse(&Method::POST, "/r/", None).is_err());
+    }
+
+    #[test]
+    fn ranges() {
+        let headers = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::RANGE, v.parse().unwrap());
+            h
+        };
+        assert_eq!(range(&HeaderMap::new(), 10).unwrap(), None);
+        assert_eq!(range(&headers("bytes=0-9"), 10).unwrap(), Some((0, 10)));
+        assert_eq!(range(&headers("bytes=2-4"), 10).unwrap(), Some((2, 3)));
+        assert_eq!(range(&headers("bytes=5-"), 10).unwrap(), Some((5, 5)));
+        assert_eq!(range(&headers("bytes=-3"), 10).unwrap(), Some((7, 3)));
+        assert_eq!(range(&headers("bytes=8-100"), 10).unwrap(), Some((8, 2)));
+        for bad in [
+            "bytes=10-",
+            "bytes=4-2",
+            "items=0-1",
+            "bytes=0-1,3-4",
+            "bytes=-",
+        ] {
+            assert!(range(&headers(bad), 10).is_err(), "{bad}");
+        }
+    }
+}

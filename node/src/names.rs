@@ -1,0 +1,611 @@
+//! The name index: the keys of every namespace a replica holds, in key
+//! order, so a shard can list them.
+//!
+//! Blobs are stored under hashed storage keys (`proto::storage_key`), which
+//! keep no order and not even the name. The name index is a second engine
+//! key space holding a **burst trie** of the names, one trie per namespace:
+//!
+//! ```text
+//! index key (18 bytes) = scope [16] ++ label u16 (big-endian)
+//!   scope of the root of namespace n = SHA-256("tidepool.v1.names" ++ u32_le(n))[..16]
+//!   scope of the child of node s by byte b = SHA-256(s ++ [b])[..16]
+//!   label END (0x0000): the name that is exactly the node's path
+//!   label 0x0100 | b:   the names that continue with byte b
+//! value = 1 (leaf), kind u8, size u64, sha256 [32], name   -- one name
+//!       | 2 (interior)                                     -- go to the child node
+//! ```
+//!
+//! A node's entries sort in name order (END first: a name sorts before its
+//! extensions), scopes are hashes, so the index's keys are spread evenly
+//! over the engine's cells and one node (at most 257 entries) is one small
+//! contiguous range. A label holds a single name as a *leaf* until a second
+//! name with the same byte arrives; then it *bursts*: the label becomes
+//! interior and both names move one level down (repeatedly, while they
+//! share bytes). A name costs one index entry plus its share of the
+//! interior ones; a walk in order keeps one node's keys per level.
+//!
+//! Updates happen where blobs are applied, in log order: every applied put
+//! of a named blob inserts (or refreshes) its leaf with the blob's kind, size
+//! and SHA-256, every applied delete removes it and removes nodes left empty;
+//! one Raft entry's changes are one engine record (atomic). Blobs expired by
+//! an epoch drop leave their leaves behind: listing checks each leaf's blob
+//! and skips dead ones, and the drop's apply sweeps them out. Interior
+//! nodes never move a name to a place a concurrent walk already passed, so
+//! a listing needs no lock: it sees every name present throughout it. See
+//! `docs/design/listing.md`.
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use sha2::{Digest, Sha256};
+use tidepool_engine::{Durability, Engine, KeySpace, Tag, WriteBatch};
+
+use crate::error::{NodeError, Result};
+
+/// The engine key space of the name index.
+pub const NAMES_KEY_SPACE: &str = "names";
+/// Bytes of an index key.
+pub const NAME_KEY_BYTES: usize = 18;
+/// Tag of index entries: no namespace's (ids count from 1), so epoch drops
+/// of a namespace keep them.
+const NAMES_TAG: Tag = Tag(u32::MAX);
+
+const SCOPE_BYTES: usize = 16;
+const END: u16 = 0;
+const LAST_LABEL: u16 = 0x01FF;
+const LEAF: u8 = 1;
+const INTERIOR: u8 = 2;
+/// Bytes of a leaf value before the name.
+const LEAF_HEADER: usize = 1 + 1 + 8 + 32;
+
+/// The key of the replica's indexing state, and its values.
+const STATE_LABEL: u16 = 0xFFFF;
+const STATE_COMPLETE: u8 = 3;
+const STATE_INCOMPLETE: u8 = 4;
+
+type Scope = [u8; SCOPE_BYTES];
+type NameKey = [u8; NAME_KEY_BYTES];
+
+fn root(namespace: u32) -> Scope {
+    let mut h = Sha256::new();
+    h.update(b"tidepool.v1.names");
+    h.update(namespace.to_le_bytes());
+    h.finalize()[..SCOPE_BYTES].try_into().expect("16 bytes")
+}
+
+fn child(scope: &Scope, byte: u8) -> Scope {
+    let mut h = Sha256::new();
+    h.update(scope);
+    h.update([byte]);
+    h.finalize()[..SCOPE_BYTES].try_into().expect("16 bytes")
+}
+
+fn child_label(byte: u8) -> u16 {
+    0x0100 | u16::from(byte)
+}
+
+fn key(scope: &Scope, label: u16) -> NameKey {
+    let mut key = [0u8; NAME_KEY_BYTES];
+    key[..SCOPE_BYTES].copy_from_slice(scope);
+    key[SCOPE_BYTES..].copy_from_slice(&label.to_be_bytes());
+    key
+}
+
+fn label_of(key: &[u8]) -> u16 {
+    u16::from_be_bytes([key[SCOPE_BYTES], key[SCOPE_BYTES + 1]])
+}
+
+fn state_key() -> NameKey {
+    let mut h = Sha256::new();
+    h.update(b"tidepool.v1.names.state");
+    key(
+        &h.finalize()[..SCOPE_BYTES].try_into().expect("16 bytes"),
+        STATE_LABEL,
+    )
+}
+
+/// The name index's key space, in `cells` cells (its keys are spread
+/// evenly, as blob keys are).
+pub fn key_space_config(cells: u32) -> tidepool_engine::KeySpaceConfig {
+    tidepool_engine::KeySpaceConfig {
+        name: NAMES_KEY_SPACE.into(),
+        key_bytes: NAME_KEY_BYTES as u32,
+        layout: tidepool_engine::CellLayout::Uniform { cells },
+    }
+}
+
+/// What the index keeps of a listed blob (its epoch is read from the blob's
+/// own entry, which touches move).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Meta {
+    /// `BlobKind` as stored.
+    pub kind: u8,
+    /// Content size.
+    pub size: u64,
+    /// SHA-256 of the content.
+    pub sha256: [u8; 32],
+}
+
+enum Node<'a> {
+    Leaf(Meta, &'a [u8]),
+    Interior,
+}
+
+fn encode_leaf(meta: &Meta, name: &[u8]) -> Vec<u8> {
+    let mut value = Vec::with_capacity(LEAF_HEADER + name.len());
+    value.push(LEAF);
+    value.push(meta.kind);
+    value.extend_from_slice(&meta.size.to_le_bytes());
+    value.extend_from_slice(&meta.sha256);
+    value.extend_from_slice(name);
+    value
+}
+
+fn decode(value: &[u8]) -> Result<Node<'_>> {
+    match value.first() {
+        Some(&LEAF) if value.len() >= LEAF_HEADER => Ok(Node::Leaf(
+            Meta {
+                kind: value[1],
+                size: u64::from_le_bytes(value[2..10].try_into().expect("8 bytes")),
+                sha256: value[10..42].try_into().expect("32 bytes"),
+            },
+            &value[LEAF_HEADER..],
+        )),
+        Some(&INTERIOR) if value.len() == 1 => Ok(Node::Interior),
+        _ => Err(NodeError::Malformed(format!(
+            "name index value of {} bytes is neither a leaf nor an interior node",
+            value.len()
+        ))),
+    }
+}
+
+/// The name index changes of one Raft entry, written as one engine record.
+/// Reads see the batch's own earlier changes.
+pub struct NameBatch<'a> {
+    engine: &'a Engine,
+    space: KeySpace,
+    overlay: BTreeMap<NameKey, Option<Vec<u8>>>,
+}
+
+impl<'a> NameBatch<'a> {
+    /// An empty batch over the index in `space`.
+    pub fn new(engine: &'a Engine, space: KeySpace) -> Self {
+        Self {
+            engine,
+            space,
+            overlay: BTreeMap::new(),
+        }
+    }
+
+    fn get(&self, key: &NameKey) -> Result<Option<Vec<u8>>> {
+        if let Some(value) = self.overlay.get(key) {
+            return Ok(value.clone());
+        }
+        Ok(self.engine.get(self.space, key)?.map(|v| v.to_vec()))
+    }
+
+    fn set(&mut self, key: NameKey, value: Option<Vec<u8>>) {
+        self.overlay.insert(key, value);
+    }
+
+    /// Whether node `scope` has no entry left.
+    fn node_is_empty(&self, scope: &Scope) -> Result<bool> {
+        let (low, high) = (key(scope, END), key(scope, LAST_LABEL));
+        if self
+            .overlay
+            .range(low..=high)
+            .any(|(_, value)| value.is_some())
+        {
+            return Ok(false);
+        }
+        let mut keys = self.engine.scan(
+            self.space,
+            Bound::Included(&low),
+            Bound::Included(&high),
+            tidepool_engine::Direction::Forward,
+        )?;
+        while let Some(found) = keys.next_key() {
+            let found: NameKey = found?.try_into().expect("key length");
+            if !matches!(self.overlay.get(&found), Some(None)) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Records `name` (in namespace `namespace`) with its metadata,
+    /// replacing what the index held for it.
+    pub fn insert(&mut self, namespace: u32, name: &[u8], meta: &Meta) -> Result<()> {
+        let leaf = encode_leaf(meta, name);
+        let mut scope = root(namespace);
+        let mut depth = 0;
+        loop {
+            if depth == name.len() {
+                self.set(key(&scope, END), Some(leaf));
+                return Ok(());
+            }
+            let byte = name[depth];
+            let link = key(&scope, child_label(byte));
+            let Some(value) = self.get(&link)? else {
+                self.set(link, Some(leaf));
+                return Ok(());
+            };
+            match decode(&value)? {
+                Node::Leaf(_, other) if other == name => {
+                    self.set(link, Some(leaf));
+                    return Ok(());
+                }
+                Node::Leaf(_, other) => {
+                    // Burst: the label becomes a node of its own, holding
+                    // the other name one level down; go on inserting there.
+                    let below = child(&scope, byte);
+                    let moved = match other.get(depth + 1) {
+                        None => key(&below, END),
+                        Some(&next) => key(&below, child_label(next)),
+                    };
+                    self.set(moved, Some(value.clone()));
+                    self.set(link, Some(vec![INTERIOR]));
+                    scope = below;
+                }
+                Node::Interior => scope = child(&scope, byte),
+            }
+            depth += 1;
+        }
+    }
+
+    /// Removes `name` from namespace `namespace`'s index, and the nodes it
+    /// leaves empty. Returns whether it was there.
+    pub fn remove(&mut self, namespace: u32, name: &[u8]) -> Result<bool> {
+        // The links followed, each with the scope of the node holding it.
+        let mut path: Vec<(Scope, NameKey)> = Vec::new();
+        let mut scope = root(namespace);
+        let mut depth = 0;
+        let found = loop {
+            let at = match name.get(depth) {
+                None => key(&scope, END),
+                Some(&byte) => key(&scope, child_label(byte)),
+            };
+            let Some(value) = self.get(&at)? else {
+                return Ok(false);
+            };
+            match decode(&value)? {
+                Node::Leaf(_, other) if other == name => break at,
+                Node::Leaf(..) => return Ok(false),
+                Node::Interior if depth < name.len() => {
+                    path.push((scope, at));
+                    scope = child(&scope, name[depth]);
+                    depth += 1;
+                }
+                Node::Interior => {
+                    return Err(NodeError::Malformed(
+                        "name index: an END label holds an interior node".into(),
+                    ));
+                }
+            }
+        };
+        self.set(found, None);
+        while let Some((parent, link)) = path.pop() {
+            if !self.node_is_empty(&scope)? {
+                break;
+            }
+            self.set(link, None);
+            scope = parent;
+        }
+        Ok(true)
+    }
+
+    /// Writes the batch as one record.
+    pub fn commit(self, durability: Durability) -> Result<()> {
+        if self.overlay.is_empty() {
+            return Ok(());
+        }
+        let mut batch = WriteBatch::new();
+        for (key, value) in &self.overlay {
+            match value {
+                Some(value) => batch.put_tagged(self.space, key, value, NAMES_TAG),
+                None => batch.delete(self.space, key),
+            };
+        }
+        self.engine.write_batch(&batch, durability)?;
+        Ok(())
+    }
+}
+
+/// Whether the walk goes on after a leaf.
+pub enum Step {
+    /// Visit the next leaf.
+    Continue,
+    /// Stop after this leaf.
+    Stop,
+}
+
+/// How a walk ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Walked {
+    /// Every matching name was visited.
+    Done,
+    /// Stopped: names after this one (the last visited) are left.
+    StoppedAfter(Vec<u8>),
+}
+
+/// One level of a walk: a node and the labels of it still to visit.
+struct Frame {
+    scope: Scope,
+    path: Vec<u8>,
+    keys: std::vec::IntoIter<Vec<u8>>,
+}
+
+/// The labels of node `path` a walk of names starting with `prefix` and
+/// after `start_after` must visit.
+fn label_range(path: &[u8], prefix: &[u8], start_after: Option<&[u8]>) -> Option<(u16, u16)> {
+    let (mut low, mut high) = (END, LAST_LABEL);
+    if path.len() < prefix.len() {
+        // Only the branch toward the prefix; the node's own name is shorter.
+        let label = child_label(prefix[path.len()]);
+        (low, high) = (label, label);
+    }
+    if let Some(after) = start_after
+        && after.starts_with(path)
+    {
+        // The node's own name is at most `after`; so are the branches below
+        // `after`'s next byte.
+        low = low.max(match after.get(path.len()) {
+            Some(&byte) => child_label(byte),
+            None => child_label(0),
+        });
+    }
+    (low <= high).then_some((low, high))
+}
+
+fn node_keys(
+    engine: &Engine,
+    space: KeySpace,
+    scope: &Scope,
+    (low, high): (u16, u16),
+) -> Result<Vec<Vec<u8>>> {
+    let (low, high) = (key(scope, low), key(scope, high));
+    let mut scan = engine.scan(
+        space,
+        Bound::Included(&low),
+        Bound::Included(&high),
+        tidepool_engine::Direction::Forward,
+    )?;
+    let mut keys = Vec::new();
+    while let Some(found) = scan.next_key() {
+        keys.push(found?);
+    }
+    Ok(keys)
+}
+
+/// Visits namespace `namespace`'s names that start with `prefix` and sort
+/// after `start_after`, in order, with their recorded metadata (dead
+/// leaves included: the caller checks the blobs). Memory: one node's keys
+/// per level of the trie.
+pub fn walk(
+    engine: &Engine,
+    space: KeySpace,
+    namespace: u32,
+    prefix: &[u8],
+    start_after: Option<&[u8]>,
+    mut visit: impl FnMut(&[u8], &Meta) -> Result<Step>,
+) -> Result<Walked> {
+    let mut stack: Vec<Frame> = Vec::new();
+    let push = |stack: &mut Vec<Frame>, scope: Scope, path: Vec<u8>| -> Result<()> {
+        if let Some(range) = label_range(&path, prefix, start_after) {
+            let keys = node_keys(engine, space, &scope, range)?;
+            stack.push(Frame {
+                scope,
+                path,
+                keys: keys.into_iter(),
+            });
+        }
+        Ok(())
+    };
+    push(&mut stack, root(namespace), Vec::new())?;
+    while let Some(frame) = stack.last_mut() {
+        let Some(at) = frame.keys.next() else {
+            stack.pop();
+            continue;
+        };
+        // Deleted since the node was read: nothing to visit.
+        let Some(value) = engine.get(space, &at)? else {
+            continue;
+        };
+        match decode(&value)? {
+            Node::Leaf(meta, name) => {
+                if !name.starts_with(prefix) || start_after.is_some_and(|after| name <= after) {
+                    continue;
+                }
+                if let Step::Stop = visit(name, &meta)? {
+                    return Ok(Walked::StoppedAfter(name.to_vec()));
+                }
+            }
+            Node::Interior => {
+                let label = label_of(&at);
+                if label == END {
+                    return Err(NodeError::Malformed(
+                        "name index: an END label holds an interior node".into(),
+                    ));
+                }
+                let byte = (label & 0xFF) as u8;
+                let scope = child(&frame.scope, byte);
+                let mut path = frame.path.clone();
+                path.push(byte);
+                push(&mut stack, scope, path)?;
+            }
+        }
+    }
+    Ok(Walked::Done)
+}
+
+/// One listed blob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    /// Its key.
+    pub name: Vec<u8>,
+    /// Kind, size and SHA-256.
+    pub meta: Meta,
+    /// Its epoch, from the blob's entry.
+    pub epoch: u32,
+}
+
+/// One page of a listing.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Page {
+    /// Live blobs, in key order.
+    pub entries: Vec<Listed>,
+    /// No matching name follows.
+    pub done: bool,
+    /// When not done: the last name examined; the next page starts after it.
+    pub resume_after: Vec<u8>,
+}
+
+/// Bounds of one page.
+#[derive(Clone, Copy, Debug)]
+pub struct PageLimits {
+    /// Most entries.
+    pub entries: usize,
+    /// Most bytes of names (the page ends after the leaf that reaches it).
+    pub name_bytes: usize,
+    /// Most leaves examined (dead ones included).
+    pub examined: usize,
+}
+
+/// The epoch of `name`'s blob, if it is stored.
+fn blob_epoch(
+    engine: &Engine,
+    blobs: KeySpace,
+    namespace: u32,
+    name: &[u8],
+) -> Result<Option<u32>> {
+    let key = tidepool_proto::storage_key(namespace, name);
+    Ok(engine.epoch_of(blobs, &key)?.map(|epoch| epoch.0))
+}
+
+/// One page of namespace `namespace`'s live blobs that start with `prefix`
+/// and sort after `start_after`.
+pub fn list_page(
+    engine: &Engine,
+    names: KeySpace,
+    blobs: KeySpace,
+    namespace: u32,
+    prefix: &[u8],
+    start_after: Option<&[u8]>,
+    limits: PageLimits,
+) -> Result<Page> {
+    let mut entries = Vec::new();
+    let (mut examined, mut bytes) = (0, 0);
+    let walked = walk(
+        engine,
+        names,
+        namespace,
+        prefix,
+        start_after,
+        |name, meta| {
+            examined += 1;
+            if let Some(epoch) = blob_epoch(engine, blobs, namespace, name)? {
+                bytes += name.len();
+                entries.push(Listed {
+                    name: name.to_vec(),
+                    meta: *meta,
+                    epoch,
+                });
+            }
+            let full = entries.len() >= limits.entries
+                || bytes >= limits.name_bytes
+                || examined >= limits.examined;
+            Ok(if full { Step::Stop } else { Step::Continue })
+        },
+    )?;
+    Ok(match walked {
+        Walked::Done => Page {
+            entries,
+            done: true,
+            resume_after: Vec::new(),
+        },
+        Walked::StoppedAfter(name) => Page {
+            entries,
+            done: false,
+            resume_after: name,
+        },
+    })
+}
+
+/// Removes namespace `namespace`'s leaves whose blobs are gone (after an
+/// epoch drop), a few thousand per record. Returns how many.
+pub fn sweep(engine: &Engine, names: KeySpace, blobs: KeySpace, namespace: u32) -> Result<u64> {
+    let mut after: Option<Vec<u8>> = None;
+    let mut removed = 0;
+    loop {
+        let mut dead = Vec::new();
+        let mut examined = 0;
+        let walked = walk(
+            engine,
+            names,
+            namespace,
+            &[],
+            after.as_deref(),
+            |name, _| {
+                examined += 1;
+                if blob_epoch(engine, blobs, namespace, name)?.is_none() {
+                    dead.push(name.to_vec());
+                }
+                Ok(if examined >= 4096 {
+                    Step::Stop
+                } else {
+                    Step::Continue
+                })
+            },
+        )?;
+        let mut batch = NameBatch::new(engine, names);
+        for name in &dead {
+            batch.remove(namespace, name)?;
+        }
+        batch.commit(Durability::Buffered)?;
+        removed += dead.len() as u64;
+        match walked {
+            Walked::Done => return Ok(removed),
+            Walked::StoppedAfter(name) => after = Some(name),
+        }
+    }
+}
+
+/// Whether the index is missing blobs stored before it existed: decided
+/// the first time a replica's engine is opened with the index (not
+/// missing if the replica held no blob then), and kept.
+pub fn check_complete(engine: &Engine, names: KeySpace, blobs: KeySpace) -> Result<bool> {
+    let state = state_key();
+    if let Some(value) = engine.get(names, &state)? {
+        return Ok(value.first() == Some(&STATE_COMPLETE));
+    }
+    let held_blobs = engine
+        .scan(
+            blobs,
+            Bound::Unbounded,
+            Bound::Unbounded,
+            tidepool_engine::Direction::Forward,
+        )?
+        .next_key()
+        .transpose()?
+        .is_some();
+    let value = if held_blobs {
+        STATE_INCOMPLETE
+    } else {
+        STATE_COMPLETE
+    };
+    let mut batch = WriteBatch::new();
+    batch.put_tagged(names, &state, &[value], NAMES_TAG);
+    engine.write_batch(&batch, Durability::Synced)?;
+    Ok(!held_blobs)
+}
+
+/// Whether the replica's index holds every blob (see [`check_complete`];
+/// an engine never checked counts as complete).
+pub fn is_complete(engine: &Engine, names: KeySpace) -> Result<bool> {
+    Ok(engine
+        .get(names, &state_key())?
+        .is_none_or(|value| value.first() == Some(&STATE_COMPLETE)))
+}
+
+#[cfg(test)]
+mod tests;
