@@ -35,6 +35,7 @@ pub const METHODS: &[(&str, Plane)] = &[
     ("/tidepool.v1.BlobService/BatchExists", Plane::Client),
     ("/tidepool.v1.BlobService/Delete", Plane::Client),
     ("/tidepool.v1.BlobService/Touch", Plane::Client),
+    ("/tidepool.v1.BlobService/List", Plane::Client),
     ("/tidepool.v1.RaftTransport/Send", Plane::Peer),
     ("/tidepool.v1.RaftTransport/FetchSnapshot", Plane::Peer),
     ("/tidepool.v1.NodeAdmin/OpenReplica", Plane::NodeAdmin),

@@ -1,0 +1,353 @@
+//! Tidepool as a backup chunk store with the real restic 0.14 (Debian's
+//! `restic`, `make deps`) through the gateway's REST endpoint, against
+//! `tidepool dev` (TLS and tokens, as `make run` starts it): init, a backup
+//! of a generated 60 MB tree with duplicated content, a second backup that
+//! uploads far less, snapshots, a byte-identical restore, `check
+//! --read-data`, `forget --prune` and `check` again; an append-only token
+//! that backs up but whose `prune` is refused with nothing deleted; private
+//! repositories. The kill -9 scenario and the disk space given back are in
+//! `coordinated_cluster.rs`, which runs separate node processes.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+
+use rand::{Rng, SeedableRng};
+use tidepool_client::proto::v1::{Role, TokenGrant};
+use tidepool_client::{Client, ClientConfig, ListOptions, TlsFiles};
+
+struct Dev {
+    child: Child,
+    dir: tempfile::TempDir,
+    /// `host:port` of the restic endpoint.
+    restic: String,
+    token: String,
+    coordinator: String,
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.dir.path().join("dev.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- the dev cluster's log (last lines)\n{}",
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
+    }
+}
+
+fn start_dev() -> Dev {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, banner) = support::start_dev_banner(dir.path(), &[]);
+    let restic = banner
+        .iter()
+        .flat_map(|l| l.split_whitespace())
+        .find_map(|w| w.strip_suffix("/REPO/"))
+        .and_then(|rest| rest.rsplit_once('@').map(|(_, host)| host))
+        .unwrap_or_else(|| panic!("no restic URL in the banner:\n{}", banner.join("\n")))
+        .to_string();
+    let coordinator = banner[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("https://"))
+        .unwrap()
+        .trim_end_matches(',')
+        .to_string();
+    let token = tidepool_client::read_token_file(&dir.path().join("admin.token")).unwrap();
+    Dev {
+        child,
+        dir,
+        restic,
+        token,
+        coordinator,
+    }
+}
+
+impl Dev {
+    async fn client(&self) -> Client {
+        let tls = self.dir.path().join("tls");
+        let config = ClientConfig::new(std::slice::from_ref(&self.coordinator))
+            .with_tls(TlsFiles {
+                cert: tls.join("client.pem"),
+                key: tls.join("client-key.pem"),
+                ca: tls.join("ca.pem"),
+            })
+            .with_token(self.token.clone());
+        Client::with_config(config).await.unwrap()
+    }
+
+    /// A repository URL with Basic credentials `user:token`.
+    fn repo(&self, user: &str, token: &str, path: &str) -> String {
+        format!("rest:http://{user}:{token}@{}/{path}/", self.restic)
+    }
+}
+
+fn require(tool: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(found, "{tool} is not installed: run `make deps`");
+}
+
+/// `restic -r <repo> <args>` with a password and a cache of its own.
+fn restic(repo: &str, cache: &Path, args: &[&str]) -> Output {
+    let started = std::time::Instant::now();
+    let output = Command::new("restic")
+        .arg("-r")
+        .arg(repo)
+        .arg("--cache-dir")
+        .arg(cache)
+        .args(args)
+        .env("RESTIC_PASSWORD", "correct horse battery staple")
+        .output()
+        .expect("restic runs");
+    eprintln!(
+        "restic {} -> {} in {:.1} s",
+        args.join(" "),
+        output.status,
+        started.elapsed().as_secs_f64()
+    );
+    output
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn ok(output: Output) -> String {
+    assert!(output.status.success(), "restic failed:\n{}", text(&output));
+    text(&output)
+}
+
+/// The bytes a `backup --json` added to the repository.
+fn data_added(output: &str) -> u64 {
+    output
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["message_type"] == "summary")
+        .and_then(|v| v["data_added"].as_u64())
+        .unwrap_or_else(|| panic!("no summary in:\n{output}"))
+}
+
+/// A tree of `files` files (4 KiB to 1 MiB, random) in nested directories,
+/// with a quarter of them copied again under `copies/` (duplicated content);
+/// returns its size in bytes.
+fn generate_tree(root: &Path, files: usize, seed: u64) -> u64 {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut total = 0;
+    std::fs::create_dir_all(root.join("copies")).unwrap();
+    for i in 0..files {
+        let dir = root.join(format!("d{}/e{}", i % 7, i % 3));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut bytes = vec![0u8; rng.random_range(4 << 10..1 << 20)];
+        rng.fill(&mut bytes[..]);
+        std::fs::write(dir.join(format!("f{i}")), &bytes).unwrap();
+        total += bytes.len() as u64;
+        if i % 4 == 0 {
+            std::fs::write(root.join("copies").join(format!("c{i}")), &bytes).unwrap();
+            total += bytes.len() as u64;
+        }
+    }
+    total
+}
+
+fn same_tree(a: &Path, b: &Path) {
+    let mut stack = vec![PathBuf::new()];
+    let mut files = 0;
+    while let Some(relative) = stack.pop() {
+        for entry in std::fs::read_dir(a.join(&relative)).unwrap() {
+            let entry = entry.unwrap();
+            let path = relative.join(entry.file_name());
+            if entry.file_type().unwrap().is_dir() {
+                stack.push(path);
+            } else {
+                let left = std::fs::read(a.join(&path)).unwrap();
+                let right = std::fs::read(b.join(&path))
+                    .unwrap_or_else(|e| panic!("{} not restored: {e}", path.display()));
+                assert!(left == right, "{} differs after restore", path.display());
+                files += 1;
+            }
+        }
+    }
+    assert!(files > 0);
+}
+
+/// Names of the keys of a repository's objects of one type.
+async fn objects(client: &Client, namespace: &str, prefix: &str) -> Vec<Vec<u8>> {
+    let mut lister = client.list(
+        namespace,
+        ListOptions {
+            prefix: prefix.as_bytes().to_vec(),
+            ..ListOptions::default()
+        },
+    );
+    let mut keys = Vec::new();
+    while let Some(entry) = lister.next().await.unwrap() {
+        keys.push(entry.key);
+    }
+    keys
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restic_backs_up_restores_checks_and_prunes() {
+    require("restic");
+    let dev = start_dev();
+    let work = tempfile::tempdir().unwrap();
+    let (source, cache) = (work.path().join("source"), work.path().join("cache"));
+    let seed = tidepool_testkit::seed_from_env("BACKUP_SEED");
+    let size = generate_tree(&source, 110, seed);
+    assert!(size >= 50 << 20, "the tree holds {size} bytes");
+    let repo = dev.repo("restic", &dev.token, "team/main");
+
+    ok(restic(&repo, &cache, &["init"]));
+    // Opening a repository that does not exist fails cleanly.
+    let missing = restic(
+        &dev.repo("restic", &dev.token, "nothing/here"),
+        &cache,
+        &["snapshots"],
+    );
+    assert!(!missing.status.success());
+    let first = data_added(&ok(restic(
+        &repo,
+        &cache,
+        &["backup", "--json", source.to_str().unwrap()],
+    )));
+    // Duplicated content is stored once.
+    assert!(
+        first < size * 9 / 10,
+        "the first backup added {first} bytes of a {size}-byte tree with duplicates"
+    );
+
+    // A few files change: the second backup uploads far less.
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ 1);
+    for i in [3, 17, 40] {
+        let path = source.join(format!("d{}/e{}/f{i}", i % 7, i % 3));
+        let mut bytes = std::fs::read(&path).unwrap();
+        rng.fill(&mut bytes[..1000]);
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    std::fs::write(source.join("new-file"), b"written between the backups").unwrap();
+    let second = data_added(&ok(restic(
+        &repo,
+        &cache,
+        &["backup", "--json", source.to_str().unwrap()],
+    )));
+    assert!(
+        second * 20 < first,
+        "the second backup added {second} bytes, the first {first}"
+    );
+    let snapshots: serde_json::Value =
+        serde_json::from_str(&ok(restic(&repo, &cache, &["snapshots", "--json"]))).unwrap();
+    assert_eq!(snapshots.as_array().unwrap().len(), 2);
+
+    let target = work.path().join("restored");
+    ok(restic(
+        &repo,
+        &cache,
+        &["restore", "latest", "--target", target.to_str().unwrap()],
+    ));
+    same_tree(&source, &target.join(source.strip_prefix("/").unwrap()));
+    ok(restic(&repo, &cache, &["check", "--read-data"]));
+
+    // Objects are what their names say: the gateway refuses a forged one.
+    let client = dev.client().await;
+    let packs_before = objects(&client, "restic", "team/main/data/").await;
+    assert!(!packs_before.is_empty());
+    let forged = reqwest_like_post(
+        &dev.restic,
+        &dev.token,
+        &format!("/team/main/data/{}", "ab".repeat(32)),
+        b"not what the name says",
+    );
+    assert!(forged.starts_with("HTTP/1.1 400"), "{forged}");
+
+    // forget + prune removes the first snapshot and the packs only it used.
+    ok(restic(
+        &repo,
+        &cache,
+        &["forget", "--keep-last", "1", "--prune"],
+    ));
+    ok(restic(&repo, &cache, &["check"]));
+    let snapshots: serde_json::Value =
+        serde_json::from_str(&ok(restic(&repo, &cache, &["snapshots", "--json"]))).unwrap();
+    assert_eq!(snapshots.as_array().unwrap().len(), 1);
+
+    // An append-only token (with its own locks): backs up, cannot prune,
+    // and deletes nothing.
+    let grant = |namespace: &str, roles: &[Role]| TokenGrant {
+        namespace: namespace.into(),
+        roles: roles.iter().map(|r| *r as i32).collect(),
+    };
+    let (append, _) = client
+        .create_token(
+            "nightly",
+            false,
+            vec![
+                grant("restic", &[Role::Read, Role::AppendOnly]),
+                grant("restic.locks", &[Role::Read, Role::Write, Role::Delete]),
+            ],
+        )
+        .await
+        .unwrap();
+    let append_repo = dev.repo("nightly", &append, "team/main");
+    std::fs::write(source.join("another"), b"a third backup").unwrap();
+    ok(restic(
+        &append_repo,
+        &cache,
+        &["backup", source.to_str().unwrap()],
+    ));
+    let data_before = objects(&client, "restic", "team/main/data/").await;
+    let snaps_before = objects(&client, "restic", "team/main/snapshots/").await;
+    let refused = restic(
+        &append_repo,
+        &cache,
+        &["forget", "--keep-last", "1", "--prune"],
+    );
+    assert!(
+        !refused.status.success(),
+        "prune with an append-only token:\n{}",
+        text(&refused)
+    );
+    assert_eq!(
+        objects(&client, "restic", "team/main/data/").await,
+        data_before
+    );
+    assert_eq!(
+        objects(&client, "restic", "team/main/snapshots/").await,
+        snaps_before
+    );
+    // It left no lock behind, and the repository is whole.
+    assert!(
+        objects(&client, "restic.locks", "team/main/locks/")
+            .await
+            .is_empty()
+    );
+    ok(restic(&repo, &cache, &["check"]));
+}
+
+/// A raw HTTP/1.1 POST with Basic credentials; the whole response as text.
+fn reqwest_like_post(host: &str, token: &str, path: &str, body: &[u8]) -> String {
+    use base64::Engine as _;
+    use std::io::{Read, Write};
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("restic:{token}"));
+    let mut socket = std::net::TcpStream::connect(host).unwrap();
+    write!(
+        socket,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Basic {auth}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    socket.write_all(body).unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    response
+}
