@@ -10,10 +10,10 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::Child;
 
 use rand::{Rng, SeedableRng};
+use support::{data_added, generate_tree, ok, require, restic, same_tree, text};
 use tidepool_client::proto::v1::{Role, TokenGrant};
 use tidepool_client::{Client, ClientConfig, ListOptions, TlsFiles};
 
@@ -84,101 +84,6 @@ impl Dev {
     fn repo(&self, user: &str, token: &str, path: &str) -> String {
         format!("rest:http://{user}:{token}@{}/{path}/", self.restic)
     }
-}
-
-fn require(tool: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(found, "{tool} is not installed: run `make deps`");
-}
-
-/// `restic -r <repo> <args>` with a password and a cache of its own.
-fn restic(repo: &str, cache: &Path, args: &[&str]) -> Output {
-    let started = std::time::Instant::now();
-    let output = Command::new("restic")
-        .arg("-r")
-        .arg(repo)
-        .arg("--cache-dir")
-        .arg(cache)
-        .args(args)
-        .env("RESTIC_PASSWORD", "correct horse battery staple")
-        .output()
-        .expect("restic runs");
-    eprintln!(
-        "restic {} -> {} in {:.1} s",
-        args.join(" "),
-        output.status,
-        started.elapsed().as_secs_f64()
-    );
-    output
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn ok(output: Output) -> String {
-    assert!(output.status.success(), "restic failed:\n{}", text(&output));
-    text(&output)
-}
-
-/// The bytes a `backup --json` added to the repository.
-fn data_added(output: &str) -> u64 {
-    output
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["message_type"] == "summary")
-        .and_then(|v| v["data_added"].as_u64())
-        .unwrap_or_else(|| panic!("no summary in:\n{output}"))
-}
-
-/// A tree of `files` files (4 KiB to 1 MiB, random) in nested directories,
-/// with a quarter of them copied again under `copies/` (duplicated content);
-/// returns its size in bytes.
-fn generate_tree(root: &Path, files: usize, seed: u64) -> u64 {
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    let mut total = 0;
-    std::fs::create_dir_all(root.join("copies")).unwrap();
-    for i in 0..files {
-        let dir = root.join(format!("d{}/e{}", i % 7, i % 3));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut bytes = vec![0u8; rng.random_range(4 << 10..1 << 20)];
-        rng.fill(&mut bytes[..]);
-        std::fs::write(dir.join(format!("f{i}")), &bytes).unwrap();
-        total += bytes.len() as u64;
-        if i % 4 == 0 {
-            std::fs::write(root.join("copies").join(format!("c{i}")), &bytes).unwrap();
-            total += bytes.len() as u64;
-        }
-    }
-    total
-}
-
-fn same_tree(a: &Path, b: &Path) {
-    let mut stack = vec![PathBuf::new()];
-    let mut files = 0;
-    while let Some(relative) = stack.pop() {
-        for entry in std::fs::read_dir(a.join(&relative)).unwrap() {
-            let entry = entry.unwrap();
-            let path = relative.join(entry.file_name());
-            if entry.file_type().unwrap().is_dir() {
-                stack.push(path);
-            } else {
-                let left = std::fs::read(a.join(&path)).unwrap();
-                let right = std::fs::read(b.join(&path))
-                    .unwrap_or_else(|e| panic!("{} not restored: {e}", path.display()));
-                assert!(left == right, "{} differs after restore", path.display());
-                files += 1;
-            }
-        }
-    }
-    assert!(files > 0);
 }
 
 /// Names of the keys of a repository's objects of one type.

@@ -24,6 +24,8 @@ use tidepool_proto::v1::{
 };
 use tidepool_testkit::grpc::{code, get, get_at, put};
 use tidepool_testkit::{EtcdServer, TestProcess, free_port};
+
+mod support;
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
@@ -768,6 +770,160 @@ async fn expired_epochs_are_dropped_on_every_replica() {
             .all(|(id, b)| after.get(id).is_some_and(|a| a + (32 << 20) <= *b));
         if returned {
             eprintln!("engine disk bytes per node: before {before:?}, after {after:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "disk not returned: before {before:?}, after {after:?}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    cluster.assert_no_panics();
+}
+
+/// A `tidepool gateway` process serving restic for `cluster`, anonymous
+/// callers allowed; returns it and the restic endpoint's `host:port`.
+async fn start_restic_gateway(cluster: &Cluster) -> (TestProcess, String) {
+    let restic = format!("127.0.0.1:{}", free_port());
+    let mut args: Vec<String> = vec![
+        "gateway".into(),
+        "--insecure".into(),
+        "--anonymous".into(),
+        "--grpc-listen".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--http-listen".into(),
+        format!("127.0.0.1:{}", free_port()),
+        "--restic-listen".into(),
+        restic.clone(),
+    ];
+    for (url, _) in &cluster.coordinators {
+        args.push("--coordinator".into());
+        args.push(url.clone());
+    }
+    let log = cluster.dir.path().join("gateway.log");
+    let mut process = TestProcess::spawn(BIN, &args, log);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(&restic).is_err() {
+        assert!(process.running(), "the gateway exited:\n{}", process.log());
+        assert!(
+            Instant::now() < deadline,
+            "the gateway does not listen:\n{}",
+            process.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (process, restic)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restic_survives_a_killed_node_and_prune_gives_space_back() {
+    let _serial = SERIAL.lock().await;
+    support::require("restic");
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        "[raft]\ncompact_log_entries = 40\n[engine]\nwal_segment_mib = 12\nrelocation_interval_ms = 300\n",
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &["--config", &config], 3).await;
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    for name in ["restic", "restic.locks"] {
+        coordinator
+            .create_namespace(CreateNamespaceRequest {
+                name: name.into(),
+                content_addressed: false,
+                retention: None,
+            })
+            .await
+            .unwrap();
+    }
+    let (_gateway, endpoint) = start_restic_gateway(&cluster).await;
+    let work = tempfile::tempdir().unwrap();
+    let (source, cache) = (work.path().join("source"), work.path().join("cache"));
+    let seed = tidepool_testkit::seed_from_env("BACKUP_SEED");
+    let size = support::generate_tree(&source, 110, seed);
+    let repo = format!("rest:http://{endpoint}/main/");
+    support::ok(support::restic(&repo, &cache, &["init"]));
+
+    // A node is killed with -9 while the backup uploads (held to 8 MiB/s
+    // so that it is surely under way).
+    let backup = {
+        let (repo, cache, source) = (repo.clone(), cache.clone(), source.clone());
+        std::thread::spawn(move || {
+            let source = source.to_str().unwrap();
+            support::restic(&repo, &cache, &["backup", "--limit-upload", "8192", source])
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!backup.is_finished(), "the backup ended before the kill");
+    cluster.nodes[0].process.kill();
+    let output = tokio::task::spawn_blocking(move || backup.join().unwrap())
+        .await
+        .unwrap();
+    if !output.status.success() {
+        eprintln!("the backup failed: {}; retrying", support::text(&output));
+        support::ok(support::restic(
+            &repo,
+            &cache,
+            &["backup", source.to_str().unwrap()],
+        ));
+    }
+    support::ok(support::restic(&repo, &cache, &["check", "--read-data"]));
+
+    // The node comes back; the tree is replaced and backed up again, then
+    // the first snapshot is forgotten and pruned: its packs are deleted
+    // and the nodes' disk usage falls once relocation has run.
+    let args = cluster.nodes[0].args.clone();
+    let log = cluster.dir.path().join("node-0-restarted.log");
+    cluster.nodes[0].process = TestProcess::spawn(BIN, &args, log);
+    cluster
+        .wait_for("the killed node to rejoin", Duration::from_secs(60), |s| {
+            settled(s, 3)
+        })
+        .await;
+    std::fs::remove_dir_all(&source).unwrap();
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("small"), b"all that is left").unwrap();
+    support::ok(support::restic(
+        &repo,
+        &cache,
+        &["backup", source.to_str().unwrap()],
+    ));
+    let map = status.map.unwrap();
+    let before = disk_by_node(&map).await;
+    support::ok(support::restic(
+        &repo,
+        &cache,
+        &["forget", "--keep-last", "1", "--prune"],
+    ));
+    support::ok(support::restic(&repo, &cache, &["check"]));
+    // Later entries move the Raft log past the emptied segments.
+    let nodes = node_urls(&map);
+    for i in 0..120 {
+        put(&nodes, "restic", format!("late-{i}").as_bytes(), b"x")
+            .await
+            .unwrap();
+    }
+    // Every node gives back at least a segment, and the nodes together at
+    // least half the tree's size (the packs were stored three times, but
+    // segments that still hold live entries stay until relocation finds
+    // them worth copying).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let after = disk_by_node(&map).await;
+        let (b, a): (u64, u64) = (before.values().sum(), after.values().sum());
+        let every = before
+            .iter()
+            .all(|(id, b)| after.get(id).is_some_and(|a| a + (8 << 20) <= *b));
+        if every && a + size / 2 <= b {
+            eprintln!(
+                "engine disk bytes: before the prune {before:?}, after {after:?}: {} MiB returned in all (tree {} MiB)",
+                (b - a) >> 20,
+                size >> 20
+            );
             break;
         }
         assert!(

@@ -3,8 +3,11 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
@@ -70,4 +73,101 @@ fn read_banner(rx: &std::sync::mpsc::Receiver<String>) -> Result<Vec<String>, St
             return Ok(banner);
         }
     }
+}
+
+// restic, for the backup tests.
+
+pub fn require(tool: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(found, "{tool} is not installed: run `make deps`");
+}
+
+/// `restic -r <repo> <args>` with a password and a cache of its own.
+pub fn restic(repo: &str, cache: &Path, args: &[&str]) -> Output {
+    let started = std::time::Instant::now();
+    let output = Command::new("restic")
+        .arg("-r")
+        .arg(repo)
+        .arg("--cache-dir")
+        .arg(cache)
+        .args(args)
+        .env("RESTIC_PASSWORD", "correct horse battery staple")
+        .output()
+        .expect("restic runs");
+    eprintln!(
+        "restic {} -> {} in {:.1} s",
+        args.join(" "),
+        output.status,
+        started.elapsed().as_secs_f64()
+    );
+    output
+}
+
+pub fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+pub fn ok(output: Output) -> String {
+    assert!(output.status.success(), "restic failed:\n{}", text(&output));
+    text(&output)
+}
+
+/// The bytes a `backup --json` added to the repository.
+pub fn data_added(output: &str) -> u64 {
+    output
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["message_type"] == "summary")
+        .and_then(|v| v["data_added"].as_u64())
+        .unwrap_or_else(|| panic!("no summary in:\n{output}"))
+}
+
+/// A tree of `files` files (4 KiB to 1 MiB, random) in nested directories,
+/// with a quarter of them copied again under `copies/` (duplicated content);
+/// returns its size in bytes.
+pub fn generate_tree(root: &Path, files: usize, seed: u64) -> u64 {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut total = 0;
+    std::fs::create_dir_all(root.join("copies")).unwrap();
+    for i in 0..files {
+        let dir = root.join(format!("d{}/e{}", i % 7, i % 3));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut bytes = vec![0u8; rng.random_range(4 << 10..1 << 20)];
+        rng.fill(&mut bytes[..]);
+        std::fs::write(dir.join(format!("f{i}")), &bytes).unwrap();
+        total += bytes.len() as u64;
+        if i % 4 == 0 {
+            std::fs::write(root.join("copies").join(format!("c{i}")), &bytes).unwrap();
+            total += bytes.len() as u64;
+        }
+    }
+    total
+}
+
+pub fn same_tree(a: &Path, b: &Path) {
+    let mut stack = vec![PathBuf::new()];
+    let mut files = 0;
+    while let Some(relative) = stack.pop() {
+        for entry in std::fs::read_dir(a.join(&relative)).unwrap() {
+            let entry = entry.unwrap();
+            let path = relative.join(entry.file_name());
+            if entry.file_type().unwrap().is_dir() {
+                stack.push(path);
+            } else {
+                let left = std::fs::read(a.join(&path)).unwrap();
+                let right = std::fs::read(b.join(&path))
+                    .unwrap_or_else(|e| panic!("{} not restored: {e}", path.display()));
+                assert!(left == right, "{} differs after restore", path.display());
+                files += 1;
+            }
+        }
+    }
+    assert!(files > 0);
 }
