@@ -1,16 +1,28 @@
-//! A deduplicating backup of one file: split it into content-defined
+//! A deduplicating backup of files: split each into content-defined
 //! chunks (boundaries follow the content, so an edit moves only nearby
-//! chunks), ask the cluster which chunks it lacks, upload only those into
-//! a content-addressed namespace, and store the file's recipe (its chunk
-//! digests, in order). Run it twice on the same file: the second run
-//! uploads nothing.
+//! chunks), ask the cluster which chunks it lacks (10,000 digests per
+//! call), upload only those into a content-addressed namespace, and store
+//! the file's recipe (its chunk digests, in order). Run it twice on the
+//! same file: the second run uploads nothing. `gc` deletes the chunks no
+//! recipe references any more, found by listing both namespaces; `forget`
+//! drops a file's recipe.
 //!
 //! ```sh
 //! make run    # in another shell
-//! cargo run -p tidepool-client --example dedup_chunker -- some-large-file
+//! cargo run -p tidepool-client --example dedup_chunker -- backup some-large-file
+//! cargo run -p tidepool-client --example dedup_chunker -- forget some-large-file
+//! cargo run -p tidepool-client --example dedup_chunker -- gc
 //! ```
+//! A coordinator other than the dev cluster's: `TIDEPOOL_COORDINATOR=...`.
 
-use tidepool_client::{Client, ClientConfig, ErrorCode, RetentionPolicy, hex, sha256};
+use std::collections::HashSet;
+
+use tidepool_client::{Client, ClientConfig, ErrorCode, ListOptions, RetentionPolicy, hex, sha256};
+
+/// Digests asked per `find_missing` call.
+const BATCH: usize = 10_000;
+/// Where recipes are kept (namespace `default`).
+const RECIPES: &str = "recipe/";
 
 /// Chunk sizes: at least 16 KiB, about 64 KiB on average, at most 256 KiB.
 const MIN: usize = 16 << 10;
@@ -56,13 +68,9 @@ fn chunks(data: &[u8]) -> Vec<&[u8]> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut args = std::env::args().skip(1);
-    let path = args
-        .next()
-        .ok_or("usage: dedup_chunker FILE [COORDINATOR]")?;
-    let coordinator = args
-        .next()
-        .unwrap_or_else(|| "http://127.0.0.1:7400".to_string());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let coordinator = std::env::var("TIDEPOOL_COORDINATOR")
+        .unwrap_or_else(|_| "http://127.0.0.1:7400".to_string());
     // A dev cluster's TLS material and admin token (what `make run` makes).
     let config = ClientConfig::new(&[coordinator])
         .with_dev_credentials(std::path::Path::new("tidepool-dev"));
@@ -75,14 +83,42 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(e) if e.code() == ErrorCode::NamespaceExists => {}
         Err(e) => return Err(e.into()),
     }
+    match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["gc"] => gc(&client).await,
+        ["forget", path] => {
+            let existed = client
+                .delete("default", format!("{RECIPES}{path}").as_bytes())
+                .await?;
+            println!(
+                "{path}: recipe {}",
+                if existed { "dropped" } else { "not found" }
+            );
+            Ok(())
+        }
+        ["backup", ref paths @ ..] if !paths.is_empty() => {
+            for path in paths {
+                backup(&client, path).await?;
+            }
+            Ok(())
+        }
+        _ => Err("usage: dedup_chunker backup FILE... | forget FILE | gc".into()),
+    }
+}
 
-    let data = tokio::fs::read(&path).await?;
+async fn backup(client: &Client, path: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let data = tokio::fs::read(path).await?;
     let pieces = chunks(&data);
     let digests: Vec<Vec<u8>> = pieces.iter().map(|c| sha256(c).to_vec()).collect();
-    let missing = client.find_missing("chunks", &digests).await?;
+    // Which chunks the cluster lacks, 10,000 at a time (each call also
+    // keeps the present ones alive: it touches them).
+    let mut missing = HashSet::new();
+    for batch in digests.chunks(BATCH) {
+        missing.extend(client.find_missing("chunks", batch).await?);
+    }
     let mut uploaded = 0;
+    let mut stored = HashSet::new();
     for (piece, digest) in pieces.iter().zip(&digests) {
-        if missing.contains(digest) {
+        if missing.contains(digest) && stored.insert(digest.clone()) {
             client.put("chunks", digest, piece).await?;
             uploaded += piece.len();
         }
@@ -92,7 +128,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     client
         .put(
             "default",
-            format!("recipe/{path}").as_bytes(),
+            format!("{RECIPES}{path}").as_bytes(),
             recipe.as_bytes(),
         )
         .await?;
@@ -103,4 +139,52 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         missing.len()
     );
     Ok(())
+}
+
+/// Deletes every chunk no recipe references: the references are gathered
+/// by listing the recipes, the candidates by listing the chunk namespace.
+/// (A chunk uploaded by a backup still running, whose recipe is not yet
+/// stored, would be deleted too: run gc when no backup runs.)
+async fn gc(client: &Client) -> Result<(), Box<dyn std::error::Error>> {
+    let mut referenced: HashSet<Vec<u8>> = HashSet::new();
+    let mut recipes = client.list(
+        "default",
+        ListOptions {
+            prefix: RECIPES.as_bytes().to_vec(),
+            ..ListOptions::default()
+        },
+    );
+    let mut count = 0;
+    while let Some(recipe) = recipes.next().await? {
+        let text = String::from_utf8(client.get("default", &recipe.key).await?)?;
+        for line in text.lines() {
+            referenced.insert(parse_hex(line).ok_or("a recipe line is not a digest")?);
+        }
+        count += 1;
+    }
+    let mut chunks = client.list("chunks", ListOptions::default());
+    let (mut kept, mut deleted, mut freed) = (0u64, 0u64, 0u64);
+    while let Some(chunk) = chunks.next().await? {
+        if referenced.contains(&chunk.key) {
+            kept += 1;
+        } else if client.delete("chunks", &chunk.key).await? {
+            deleted += 1;
+            freed += chunk.size;
+        }
+    }
+    println!(
+        "gc: {count} recipes reference {} chunks; {kept} kept, {deleted} deleted ({freed} bytes)",
+        referenced.len()
+    );
+    Ok(())
+}
+
+fn parse_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() != 64 {
+        return None;
+    }
+    (0..64)
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
+        .collect()
 }
