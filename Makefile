@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -82,6 +82,16 @@ bench-gateway: ## The build-cache gateway: FindMissingBlobs of 10,000 digests ov
 	$(CARGO) build --release -p tidepool --bin tidepool
 	$(CARGO) build --release -p tidepool-benchmarks --bin gateway-bench
 	./target/release/gateway-bench --blobs $(GATEWAY_BLOBS) --seconds $(BENCH_SECONDS)
+
+BACKUP_CHUNKS ?= 2000000
+BACKUP_MIN_BYTES ?= 4096
+BACKUP_MAX_BYTES ?= 65536
+BACKUP_TREE_MIB ?= 1024
+
+bench-backup: ## The backup store: find_missing of 10,000 digests over BACKUP_CHUNKS chunks, listing them all (memory), restic backup of BACKUP_TREE_MIB MiB next to restic's local backend.
+	$(CARGO) build --release -p tidepool --bin tidepool
+	$(CARGO) build --release -p tidepool-benchmarks --bin backup-bench
+	./target/release/backup-bench --chunks $(BACKUP_CHUNKS) --min-bytes $(BACKUP_MIN_BYTES) --max-bytes $(BACKUP_MAX_BYTES) --tree-mib $(BACKUP_TREE_MIB)
 
 bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks

@@ -951,6 +951,20 @@ async fn http(
     auth: Option<&str>,
     body: Vec<u8>,
 ) -> (u16, Vec<u8>) {
+    let headers: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+    let (status, _, body) = http_with(address, method, path, &headers, body).await;
+    (status, body)
+}
+
+/// One HTTP/1.1 request with extra headers; returns status, response
+/// headers and body.
+async fn http_with(
+    address: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> (u16, http::HeaderMap, Vec<u8>) {
     let stream = tokio::net::TcpStream::connect(address).await.unwrap();
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -961,14 +975,15 @@ async fn http(
         .method(method)
         .uri(path)
         .header("host", "gateway");
-    if let Some(auth) = auth {
-        request = request.header("authorization", auth);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let response = sender
         .send_request(request.body(Full::new(bytes::Bytes::from(body))).unwrap())
         .await
         .unwrap();
     let status = response.status().as_u16();
+    let headers = response.headers().clone();
     let body = response
         .into_body()
         .collect()
@@ -976,7 +991,7 @@ async fn http(
         .unwrap()
         .to_bytes()
         .to_vec();
-    (status, body)
+    (status, headers, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1262,4 +1277,199 @@ async fn the_gateway_serves_tls() {
     }
     gateway.stop().await;
     cluster.stop().await;
+}
+
+/// A gateway serving restic for `s`'s cluster with `append_only` and
+/// `private_repos`; its restic address.
+async fn restic_gateway(
+    s: &Setup,
+    append_only: bool,
+    private_repos: bool,
+) -> (RunningGateway, std::net::SocketAddr) {
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&s.cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    let mut restic = tidepool_gateway::ResticConfig::new("127.0.0.1:0".parse().unwrap());
+    restic.append_only = append_only;
+    restic.private_repos = private_repos;
+    config.restic = Some(restic);
+    let gateway = tidepool_gateway::start(config).await.expect("starts");
+    gateway
+        .create_restic_namespaces()
+        .await
+        .expect("namespaces");
+    let address = gateway.restic_address.expect("restic served");
+    (gateway, address)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn restic_rest_protocol() {
+    let s = setup(true).await;
+    let (gateway, at) = restic_gateway(&s, false, false).await;
+    let object = |content: &[u8]| (hex(&Sha256::digest(content)), content.to_vec());
+    let v2 = [("accept", "application/vnd.x.restic.rest.v2")];
+    assert_eq!(
+        http(at, "POST", "/team/r/?create=true", None, vec![])
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "HEAD", "/team/r/config", None, vec![]).await.0,
+        404
+    );
+    assert_eq!(
+        http(at, "POST", "/team/r/config", None, b"cfg".to_vec())
+            .await
+            .0,
+        200
+    );
+    let (status, body) = http(at, "GET", "/team/r/config", None, vec![]).await;
+    assert_eq!((status, body), (200, b"cfg".to_vec()));
+    // Objects: verified against their names, listed v2 and v1, ranged.
+    let (name, content) = object(b"a pack of bytes");
+    let path = format!("/team/r/data/{name}");
+    assert_eq!(http(at, "POST", &path, None, content.clone()).await.0, 200);
+    let (wrong, _) = object(b"other bytes");
+    let (status, _) = http(
+        at,
+        "POST",
+        &format!("/team/r/data/{wrong}"),
+        None,
+        content.clone(),
+    )
+    .await;
+    assert_eq!(status, 400, "an object must hash to its name");
+    assert_eq!(
+        http(at, "HEAD", &format!("/team/r/data/{wrong}"), None, vec![])
+            .await
+            .0,
+        404
+    );
+    let (status, headers, body) = http_with(at, "GET", "/team/r/data/", &v2, vec![]).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/vnd.x.restic.rest.v2");
+    let listed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        listed,
+        serde_json::json!([{"name": name, "size": content.len()}])
+    );
+    let (_, headers, body) = http_with(at, "GET", "/team/r/data/", &[], vec![]).await;
+    assert_eq!(headers["content-type"], "application/vnd.x.restic.rest.v1");
+    let listed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(listed, serde_json::json!([name]));
+    // A nested repository's objects are not the outer one's.
+    let (inner, inner_content) = object(b"nested");
+    let inner_path = format!("/team/r/data/data/{inner}");
+    assert_eq!(
+        http(at, "POST", &inner_path, None, inner_content).await.0,
+        200
+    );
+    let (_, _, body) = http_with(at, "GET", "/team/r/data/", &v2, vec![]).await;
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let (status, headers, body) =
+        http_with(at, "GET", &path, &[("range", "bytes=2-5")], vec![]).await;
+    assert_eq!((status, body.as_slice()), (206, &content[2..6]));
+    assert_eq!(
+        headers["content-range"],
+        format!("bytes 2-5/{}", content.len())
+    );
+    let (status, _, _) = http_with(at, "GET", &path, &[("range", "bytes=99-")], vec![]).await;
+    assert_eq!(status, 416);
+    // Locks live in their own namespace; deletes answer 200, then 404.
+    let (lock, lock_content) = object(b"a lock");
+    let lock_path = format!("/team/r/locks/{lock}");
+    assert_eq!(
+        http(at, "POST", &lock_path, None, lock_content).await.0,
+        200
+    );
+    assert!(
+        s.client
+            .exists("restic.locks", format!("team/r/locks/{lock}").as_bytes())
+            .await
+            .unwrap()
+    );
+    assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 404);
+    // Bad paths.
+    assert_eq!(
+        http(at, "GET", "/team/r/data/NOTHEX", None, vec![]).await.0,
+        400
+    );
+    assert_eq!(
+        http(at, "GET", "/team/../config", None, vec![]).await.0,
+        400
+    );
+    assert_eq!(
+        http(at, "GET", "/team/r/unknown/", None, vec![]).await.0,
+        404
+    );
+    gateway.stop().await;
+
+    // Append-only: objects are added, never overwritten or deleted, but
+    // locks still come and go.
+    let (gateway, at) = restic_gateway(&s, true, false).await;
+    let (other, other_content) = object(b"appended later");
+    let other_path = format!("/team/r/data/{other}");
+    assert_eq!(
+        http(at, "POST", &other_path, None, other_content.clone())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "POST", &other_path, None, other_content).await.0,
+        403
+    );
+    assert_eq!(http(at, "DELETE", &path, None, vec![]).await.0, 403);
+    assert_eq!(
+        http(at, "POST", "/team/r/config", None, b"new".to_vec())
+            .await
+            .0,
+        403
+    );
+    let (lock, lock_content) = object(b"another lock");
+    let lock_path = format!("/team/r/locks/{lock}");
+    assert_eq!(
+        http(at, "POST", &lock_path, None, lock_content).await.0,
+        200
+    );
+    assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "HEAD", &path, None, vec![]).await.0, 200);
+    gateway.stop().await;
+
+    // Private repositories: the first segment must be the Basic user.
+    let (gateway, at) = restic_gateway(&s, false, true).await;
+    let basic = |user: &str| {
+        use base64::Engine as _;
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{user}:token"))
+        )
+    };
+    let (status, _) = http(at, "HEAD", "/team/r/config", Some(&basic("team")), vec![]).await;
+    // (The token is not a real one: the gateway allows anonymous callers
+    // here, so the request is refused by the cluster, not the path rule.)
+    assert_ne!(status, 403, "team may use /team/...");
+    let (status, _) = http(
+        at,
+        "HEAD",
+        "/team/r/config",
+        Some(&basic("mallory")),
+        vec![],
+    )
+    .await;
+    assert_eq!(status, 403);
+    let (status, _) = http(at, "HEAD", "/team/r/config", None, vec![]).await;
+    assert_eq!(status, 401);
+    gateway.stop().await;
+    s.stop().await;
 }
