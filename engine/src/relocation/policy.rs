@@ -1,7 +1,10 @@
-//! Background relocation: every `relocation_interval_ms`, take a census and
-//! relocate (index-based: only live values are read) the oldest sealed
-//! segments whose garbage ratio reaches the threshold — a lower threshold when the disk is filling — at a limited
-//! rate so foreground writes keep their throughput.
+//! Background relocation: every `relocation_interval_ms`, take a census —
+//! when a segment's worth was written since the last one, when anything was
+//! written and the last one is four intervals old (deletes write little),
+//! or when the last pass relocated a full batch — and relocate (index-based:
+//! only live values are read) the oldest sealed segments whose garbage
+//! ratio reaches the threshold — a lower threshold when the disk is filling
+//! — at a limited rate so foreground writes keep their throughput.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -23,6 +26,9 @@ pub(crate) fn run_relocation(inner: Arc<Inner>) {
     // without per-thread priorities) only leaves it at normal priority.
     let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), RELOCATION_NICE);
     let interval = Duration::from_millis(inner.config.relocation_interval_ms);
+    let mut last_census = std::time::Instant::now();
+    // The last pass relocated a full batch: more may be waiting.
+    let mut more = false;
     loop {
         {
             let (lock, condvar) = &inner.wake;
@@ -34,11 +40,14 @@ pub(crate) fn run_relocation(inner: Arc<Inner>) {
         if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
             return;
         }
-        if let Err(error) = pass(&inner)
-            && !super::is_transient(&error)
-            && inner.health.is_poisoned()
-        {
-            return;
+        match pass(&inner, &mut last_census, interval, more) {
+            Ok(full) => more = full,
+            Err(error) => {
+                more = false;
+                if !super::is_transient(&error) && inner.health.is_poisoned() {
+                    return;
+                }
+            }
         }
     }
 }
@@ -46,7 +55,20 @@ pub(crate) fn run_relocation(inner: Arc<Inner>) {
 /// One policy-driven pass. The census walks the whole index, so it runs
 /// only when a segment's worth of writes arrived since the last one (new
 /// garbage comes only with new writes), or when the disk is filling.
-fn pass(inner: &Inner) -> Result<()> {
+/// Passes a census may wait, when little was written since the last one,
+/// before it runs anyway: deletes write little but may leave whole segments
+/// dead (a backup tool's prune), and their space must come back without
+/// waiting for more writes.
+const STALE_CENSUS_PASSES: u32 = 4;
+
+/// One pass; returns whether it relocated a full batch (so the next pass
+/// looks again whatever was written meanwhile).
+fn pass(
+    inner: &Inner,
+    last_census: &mut std::time::Instant,
+    interval: Duration,
+    more: bool,
+) -> Result<bool> {
     let _one_at_a_time = inner.relocation_lock.lock();
     let config = &inner.config;
     let free = inner
@@ -56,10 +78,13 @@ fn pass(inner: &Inner) -> Result<()> {
     let pressure = free < config.relocation_pressure_free_bytes;
     let processed = inner.values.processed().0;
     let last = inner.census_processed.load(Ordering::Acquire);
-    if !pressure && processed.saturating_sub(last) < config.wal_segment_bytes {
-        return Ok(());
+    let grown = processed.saturating_sub(last);
+    let stale = grown > 0 && last_census.elapsed() >= interval * STALE_CENSUS_PASSES;
+    if !pressure && grown < config.wal_segment_bytes && !stale && !more {
+        return Ok(false);
     }
     inner.census_processed.store(processed, Ordering::Release);
+    *last_census = std::time::Instant::now();
     let usage = super::census(inner)?;
     let threshold = if pressure {
         config.relocation_pressure_garbage_ratio
@@ -79,10 +104,11 @@ fn pass(inner: &Inner) -> Result<()> {
         .map(|s| s.id)
         .collect();
     if candidates.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
+    let full = candidates.len() == config.relocation_segments_per_pass as usize;
     let filter = inner.filter.get();
     inner.relocate_out_of(&candidates, &*filter, Some(config.relocation_bytes_per_sec))?;
     Metrics::add(&inner.metrics.counters().relocation_passes, 1);
-    Ok(())
+    Ok(full)
 }

@@ -32,8 +32,10 @@ pub struct SnapshotSender {
     pub source: NodeAddress,
     /// Where prepared snapshots are offered.
     pub outbox: Arc<Outbox>,
-    /// The latest snapshot prepared.
-    current: Mutex<Option<Arc<Prepared>>>,
+    /// The latest snapshot prepared, while the outbox still offers it (the
+    /// outbox holds it, and lets it go once idle: its checkpoint pins WAL
+    /// segments).
+    current: Mutex<std::sync::Weak<Prepared>>,
     /// Hash snapshot files on the Raft thread instead of a background one
     /// (the simulated cluster, whose time must not depend on threads).
     pub hash_inline: bool,
@@ -46,7 +48,7 @@ impl SnapshotSender {
             shard_id,
             source,
             outbox,
-            current: Mutex::new(None),
+            current: Mutex::new(std::sync::Weak::new()),
             hash_inline: false,
         }
     }
@@ -386,7 +388,7 @@ impl RaftLog {
     pub fn snapshot_pulls(&self, to: u64) -> u64 {
         self.snapshots
             .as_ref()
-            .and_then(|s| s.current.lock().as_ref().map(|p| p.pulls(to)))
+            .and_then(|s| s.current.lock().upgrade().map(|p| p.pulls(to)))
             .unwrap_or(0)
     }
 
@@ -413,7 +415,7 @@ impl RaftLog {
         // A snapshot is reused only while it carries the current
         // configuration: a replica added since would find itself missing
         // from it and reject it, forever.
-        if let Some(prepared) = current.as_ref()
+        if let Some(prepared) = current.upgrade().as_ref()
             && prepared.index >= self.truncated.0
             && prepared.index >= request_index
             && *prepared.conf_state() == self.conf_state
@@ -445,10 +447,10 @@ impl RaftLog {
             sender.source.clone(),
             checkpoint,
         ));
-        *current = Some(prepared.clone());
+        *current = Arc::downgrade(&prepared);
+        sender.outbox.insert(prepared.clone());
         if sender.hash_inline {
             prepared.hash();
-            sender.outbox.insert(prepared.clone());
             return prepared.raft_snapshot().transpose();
         }
         std::thread::Builder::new()

@@ -638,6 +638,20 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     if let Some(listener) = metrics_listener {
         tokio::spawn(metrics::serve(node.clone(), listener));
     }
+    // A prepared snapshot pins its checkpoint's WAL segments: once nobody
+    // pulls from it, let it go so deleted data's space comes back.
+    let expiring = node.clone();
+    tokio::spawn(async move {
+        let stopped = expiring.stopped();
+        tokio::pin!(stopped);
+        loop {
+            tokio::select! {
+                _ = &mut stopped => return,
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            }
+            expiring.outbox.expire_idle(crate::snapshot::SNAPSHOT_IDLE);
+        }
+    });
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let limits = node.config.limits.clone();
     // Client messages: at most the largest legal one (a put chunk, a

@@ -33,6 +33,10 @@ pub const CHUNK_BYTES: usize = 1 << 20;
 
 /// Snapshots a node keeps per shard (older ones are gone).
 const KEPT_PER_SHARD: usize = 2;
+/// A prepared snapshot nobody pulled from for this long is dropped (with
+/// the WAL segments its checkpoint pinned); a receiver that comes back
+/// later asks again and gets a fresh one.
+pub const SNAPSHOT_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A snapshot prepared by a shard leader; see the module docs.
 #[derive(Debug)]
@@ -90,6 +94,8 @@ impl Prepared {
     /// thread: it reads the whole checkpoint).
     pub fn hash(&self) {
         let manifest = self.build_manifest().map_err(|e| e.to_string());
+        // Idle time counts from when it can be sent.
+        *self.last_activity.lock() = Instant::now();
         let _ = self.manifest.set(manifest);
     }
 
@@ -238,6 +244,15 @@ impl Outbox {
     /// Snapshot `id` of `shard`, if still offered.
     pub fn get(&self, shard: u32, id: u64) -> Option<Arc<Prepared>> {
         self.snapshots.lock().get(&(shard, id)).cloned()
+    }
+
+    /// Drops the hashed snapshots nobody pulled from for `idle` (one still
+    /// being hashed stays). Returns how many.
+    pub fn expire_idle(&self, idle: std::time::Duration) -> usize {
+        let mut snapshots = self.snapshots.lock();
+        let before = snapshots.len();
+        snapshots.retain(|_, p| !p.is_hashed() || p.last_activity.lock().elapsed() < idle);
+        before - snapshots.len()
     }
 
     /// Stops offering every snapshot of `shard`.

@@ -12,6 +12,12 @@ use crate::replica::BLOB_KEY_SPACE;
 use crate::sim::replica_store;
 
 fn prepared() -> Arc<Prepared> {
+    let prepared = unhashed();
+    prepared.hash();
+    prepared
+}
+
+fn unhashed() -> Arc<Prepared> {
     let store = replica_store(&FaultStorage::default());
     let engine = store.open_live().unwrap();
     let space = engine.key_space(BLOB_KEY_SPACE).unwrap();
@@ -23,16 +29,14 @@ fn prepared() -> Arc<Prepared> {
             .unwrap();
     }
     let checkpoint = engine.checkpoint().unwrap();
-    let prepared = Arc::new(Prepared::new(
+    Arc::new(Prepared::new(
         7,
         42,
         3,
         ConfState::default(),
         NodeAddress::default(),
         checkpoint,
-    ));
-    prepared.hash();
-    prepared
+    ))
 }
 
 fn manifest(prepared: &Prepared) -> SnapshotManifest {
@@ -134,4 +138,21 @@ fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     let one = bad.files[0].clone();
     bad.files = vec![one; receive::MAX_SNAPSHOT_FILES + 1];
     assert!(Receiver::start(bad, &store).is_err());
+}
+
+#[test]
+fn idle_snapshots_leave_the_outbox_and_release_their_checkpoint() {
+    let outbox = Outbox::default();
+    let prepared = unhashed();
+    outbox.insert(prepared.clone());
+    // Not hashed yet: kept however idle.
+    assert_eq!(outbox.expire_idle(std::time::Duration::ZERO), 0);
+    prepared.hash();
+    assert_eq!(outbox.expire_idle(std::time::Duration::from_secs(60)), 0);
+    assert!(outbox.get(7, prepared.id).is_some());
+    assert_eq!(outbox.expire_idle(std::time::Duration::ZERO), 1);
+    assert!(outbox.get(7, prepared.id).is_none());
+    // The outbox held the only other reference: the checkpoint goes with
+    // this one.
+    assert_eq!(Arc::strong_count(&prepared), 1);
 }
