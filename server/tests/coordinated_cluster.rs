@@ -782,40 +782,6 @@ async fn expired_epochs_are_dropped_on_every_replica() {
     cluster.assert_no_panics();
 }
 
-/// Waits until every replica has applied what its shard's leader has
-/// committed (a node back from the dead has caught up; leaders keep their
-/// logs for a follower that has not).
-async fn wait_caught_up(map: &ClusterMap, cluster: &Cluster) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut statuses = Vec::new();
-        for url in node_urls(map).values() {
-            if let Ok(mut admin) = NodeAdminClient::connect(url.clone()).await
-                && let Ok(status) = admin.status(NodeStatusRequest {}).await
-            {
-                statuses.push(status.into_inner());
-            }
-        }
-        let replicas: Vec<_> = statuses.iter().flat_map(|s| s.replicas.iter()).collect();
-        let caught_up = statuses.len() == node_urls(map).len()
-            && replicas.iter().all(|r| {
-                let leader = replicas
-                    .iter()
-                    .find(|l| l.shard_id == r.shard_id && l.is_leader);
-                !r.receiving_snapshot && leader.is_some_and(|l| r.applied_index >= l.commit_index)
-            });
-        if caught_up {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "replicas did not catch up\n{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-}
-
 /// A `tidepool gateway` process serving restic for `cluster`, anonymous
 /// callers allowed; returns it and the restic endpoint's `host:port`.
 async fn start_restic_gateway(cluster: &Cluster) -> (TestProcess, String) {
