@@ -40,7 +40,8 @@ use tidepool_client::{Client, ListOptions};
 
 #[derive(Debug, Parser)]
 struct Args {
-    /// Chunks stored before `find_missing` is measured.
+    /// Chunks stored before `find_missing` is measured (0: skip the chunk
+    /// phases).
     #[arg(long, default_value_t = 2_000_000)]
     chunks: u64,
     /// Smallest chunk, bytes.
@@ -346,10 +347,12 @@ async fn main() -> anyhow::Result<()> {
         "backup-bench: dev cluster (3 nodes, 3 replicas), {} chunks of {}–{} B, tree {} MiB",
         args.chunks, args.min_bytes, args.max_bytes, args.tree_mib
     );
-    let keys = fill(&client, &args).await?;
-    find_missing(&client, &keys, &args).await?;
-    drop(keys);
-    list(&client, &dev, args.chunks).await?;
+    if args.chunks > 0 {
+        let keys = fill(&client, &args).await?;
+        find_missing(&client, &keys, &args).await?;
+        drop(keys);
+        list(&client, &dev, args.chunks).await?;
+    }
     if args.tree_mib > 0 {
         restic_backups(&dev, &args)?;
     }
