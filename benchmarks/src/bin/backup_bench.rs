@@ -321,7 +321,7 @@ fn restic_backups(dev: &Dev, args: &Args) -> anyhow::Result<()> {
     ] {
         let cache = args.dir.join(format!("cache-{}", rows.len()));
         restic(repo, &cache, &["init"])?;
-        let secs = restic(repo, &cache, &["backup", "--no-scan", tree_arg])?;
+        let secs = restic(repo, &cache, &["backup", tree_arg])?;
         println!(
             "restic backup of {mib:.0} MiB into {name}: {secs:.1} s ({:.0} MiB/s)",
             mib / secs
