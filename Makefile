@@ -16,7 +16,7 @@ export CARGO_TERM_COLOR ?= never
 DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc \
 	python3-pip python3-yaml unzip \
-	bazel-bootstrap ccache restic
+	bazel-bootstrap ccache restic prometheus
 # bazel-bootstrap (Bazel 4.2.3) and ccache 4.7: the build-cache gateway's
 # tests with the real tools (server/tests/build_cache.rs).
 # helm (chart-check in `make ci`) is not a Debian package: `make deps`
@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -49,6 +49,10 @@ build: ## Build every crate and binary (debug).
 run: ## Start a local cluster (coordinator + 3 nodes, data in ./tidepool-dev); builds tidepool and tidectl (release).
 	$(CARGO) build --release --bin tidepool --bin tidectl
 	./target/release/tidepool dev
+
+observe: ## `make run` with a Prometheus (Debian's package) scraping every process and evaluating the alert rules, at http://127.0.0.1:9090.
+	$(CARGO) build --release --bin tidepool --bin tidectl
+	deploy/observe.sh ./target/release/tidepool
 
 test: ## Run every test.
 	$(CARGO) test --workspace
@@ -128,9 +132,12 @@ bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB s
 	./target/release/engine-compare $(ENGINE_COMPARE_ARGS) --repeat $(REPEAT) --json $(ENGINE_COMPARE_JSON) --runs-json $(ENGINE_COMPARE_RUNS)
 	/usr/bin/python3 benchmarks/plot.py $(ENGINE_COMPARE_JSON) $(ENGINE_COMPARE_OUT)
 
-bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine.
+TRACE_PAIRS ?= 3
+
+bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine; then 1 KiB puts traced at 100% next to tracing off (TRACE_PAIRS pairs).
 	$(CARGO) build --release -p tidepool-benchmarks
 	./target/release/node-shard --seconds $(BENCH_SECONDS)
+	./target/release/node-shard --seconds $(BENCH_SECONDS) --value-bytes 1024 --trace-pairs $(TRACE_PAIRS)
 
 E2E_REPORT ?= $(CURDIR)/target/e2e-report.md
 DURATION ?= 300

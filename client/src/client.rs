@@ -650,6 +650,7 @@ impl Client {
 
     /// Stores `content` under `key` (in chunks if it is larger than one
     /// node entry). Overwrites what the key held.
+    #[tracing::instrument(name = "tidepool.put", level = "info", skip_all, fields(namespace = %namespace, bytes = content.len()))]
     pub async fn put(&self, namespace: &str, key: &[u8], content: &[u8]) -> Result<PutOutcome> {
         let limit = self.chunk_size();
         if content.len() <= limit {
@@ -671,6 +672,7 @@ impl Client {
     /// content-addressed namespace against the key; a replica that returns
     /// bad bytes is not believed (`CORRUPT`, or the bytes of a healthy
     /// replica for content-addressed blobs).
+    #[tracing::instrument(name = "tidepool.get", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn get(&self, namespace: &str, key: &[u8]) -> Result<Vec<u8>> {
         let mut out = Vec::new();
         self.get_stream(namespace, key, &mut out).await?;
@@ -678,6 +680,7 @@ impl Client {
     }
 
     /// Size, digest and epoch of a blob.
+    #[tracing::instrument(name = "tidepool.head", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn head(&self, namespace: &str, key: &[u8]) -> Result<BlobMeta> {
         let info = self.head_info(namespace, key).await?;
         if info.kind == BlobKind::Manifest as i32 {
@@ -719,12 +722,14 @@ impl Client {
 
     /// For each key, whether it exists: one call per shard, answered by the
     /// shard's leader (so the answer is exact, not a replica's guess).
+    #[tracing::instrument(name = "tidepool.batch_exists", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len()))]
     pub async fn batch_exists(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<bool>> {
         self.batch_exists_touch(namespace, keys, false).await
     }
 
     /// Like [`Client::batch_exists`], and moves every present blob into
     /// the current epoch (what build caches expect of "find missing").
+    #[tracing::instrument(name = "tidepool.find_missing", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len()))]
     pub async fn find_missing(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
         let present = self.batch_exists_touch(namespace, keys, true).await?;
         Ok(keys
@@ -846,6 +851,7 @@ impl Client {
     /// Deletes a blob (and the chunks of a chunked one, outside
     /// content-addressed namespaces, where chunks may be shared). Returns
     /// whether it existed.
+    #[tracing::instrument(name = "tidepool.delete", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn delete(&self, namespace: &str, key: &[u8]) -> Result<bool> {
         let chunks = match self.manifest_if_chunked(namespace, key).await? {
             Some(manifest) if !self.content_addressed(namespace).await? => {
@@ -877,6 +883,7 @@ impl Client {
 
     /// Moves a blob (and its chunks) into the current epoch. Returns the
     /// epoch; `NOT_FOUND` if it does not exist.
+    #[tracing::instrument(name = "tidepool.touch", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn touch(&self, namespace: &str, key: &[u8]) -> Result<u64> {
         let epoch = self.touch_one(namespace, key).await?;
         if let Some(manifest) = self.manifest_if_chunked(namespace, key).await? {

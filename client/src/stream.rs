@@ -61,6 +61,7 @@ impl Client {
 
     /// [`Client::put_stream`], calling `progress` with the bytes stored so
     /// far after each chunk.
+    #[tracing::instrument(name = "tidepool.put_stream", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn put_stream_progress<R: AsyncRead + Unpin>(
         &self,
         namespace: &str,
@@ -183,6 +184,7 @@ impl Client {
 
     /// Opens a blob for reading in verified pieces ([`BlobReader`]),
     /// from `offset`, at most `limit` bytes (`None`: to the end).
+    #[tracing::instrument(name = "tidepool.open_range", level = "info", skip_all, fields(namespace = %namespace, offset))]
     pub async fn open_range(
         &self,
         namespace: &str,

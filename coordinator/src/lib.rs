@@ -236,13 +236,27 @@ pub async fn start_with_store(
         tokio::spawn(shared.clone().campaign(stop_rx.clone())),
         tokio::spawn(reconcile::run(shared.clone(), stop_rx.clone())),
     ];
+    let rpc = tidepool_telemetry::RequestMetrics::default();
     if let Some(listener) = metrics_listener {
-        tasks.push(tokio::spawn(metrics::serve(
-            shared.clone(),
+        let exposition = Arc::new(metrics::CoordinatorExposition::new(&shared, &rpc));
+        let mut stop = stop_rx.clone();
+        tasks.push(tokio::spawn(tidepool_telemetry::metrics::serve(
             listener,
-            stop_rx.clone(),
+            exposition,
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
         )));
     }
+    // Every method is counted, refused ones too (outside the guard).
+    let counted = rpc.layer(
+        "grpc",
+        tidepool_telemetry::MethodNames::grpc(
+            tidepool_security::planes::METHODS
+                .iter()
+                .map(|(path, _)| *path),
+        ),
+    );
     let api = CoordinatorServiceServer::new(service::CoordinatorApi::new(shared.clone()));
     let guard = match &tls {
         Some(_) => tidepool_security::GuardLayer::secured(shared.clone()),
@@ -257,6 +271,7 @@ pub async fn start_with_store(
     let mut server_stop = stop_rx;
     let server = tokio::spawn(async move {
         let router = tonic::transport::Server::builder()
+            .layer(counted)
             .layer(guard)
             .add_service(api);
         let stopped = async move {

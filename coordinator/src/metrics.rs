@@ -1,143 +1,219 @@
-//! The coordinator's Prometheus endpoint (`GET /metrics`, text format
-//! 0.0.4; `GET /healthz`): leadership, map version, epoch, nodes by state,
-//! and the reconciler's progress.
+//! The coordinator's metrics, read at scrape time from what it holds
+//! (the map, leadership, the reconciler's last round) and served by the
+//! shared endpoint of `tidepool-telemetry`: leadership, map version, epoch,
+//! nodes by state, shards (all, leaderless, under-replicated), moves, epoch
+//! drop progress per namespace, and every gRPC method served. Listed in
+//! `docs/operations/metrics.md`.
 
-use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
 use tidepool_proto::v1::NodeState;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tidepool_telemetry::RequestMetrics;
 
 use crate::core::Shared;
+use crate::reconcile::Progress;
 
-/// The metrics text.
-pub(crate) fn render(shared: &Shared) -> String {
-    let map = shared.map();
-    let progress = shared.progress.lock().clone();
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, kind: &str, value: u64| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-        );
-    };
-    gauge(
-        "tidepool_coordinator_is_leader",
-        "1 while this coordinator leads.",
-        "gauge",
-        u64::from(shared.leadership().is_some()),
-    );
-    gauge(
-        "tidepool_coordinator_map_version",
-        "Version of the cluster map this coordinator holds.",
-        "gauge",
-        map.version,
-    );
-    gauge(
-        "tidepool_coordinator_epoch",
-        "Current cluster epoch.",
-        "gauge",
-        map.epoch,
-    );
-    gauge(
-        "tidepool_coordinator_moves_in_progress",
-        "Shards changing membership (leader only).",
-        "gauge",
-        progress.moves.len() as u64,
-    );
-    gauge(
-        "tidepool_coordinator_moves_completed_total",
-        "Replica moves this coordinator completed.",
-        "counter",
-        progress.moves_done,
-    );
-    gauge(
-        "tidepool_coordinator_shards_under_replicated",
-        "Shards with fewer live voters than the replication factor (leader only).",
-        "gauge",
-        u64::from(progress.under_replicated),
-    );
-    gauge(
-        "tidepool_coordinator_reconcile_rounds_total",
-        "Reconcile rounds run while leading.",
-        "counter",
-        progress.rounds,
-    );
-    gauge(
-        "tidepool_coordinator_reconcile_errors_total",
-        "Reconcile rounds or steps that failed.",
-        "counter",
-        progress.errors,
-    );
-    let _ = writeln!(
-        out,
-        "# HELP tidepool_coordinator_nodes Nodes in the map by state.\n# TYPE tidepool_coordinator_nodes gauge"
-    );
-    for state in [
-        NodeState::Up,
-        NodeState::Down,
-        NodeState::Draining,
-        NodeState::Drained,
-    ] {
-        let count = map.nodes.iter().filter(|n| n.state == state as i32).count();
-        let name = state
-            .as_str_name()
-            .trim_start_matches("NODE_STATE_")
-            .to_lowercase();
-        let _ = writeln!(
-            out,
-            "tidepool_coordinator_nodes{{state=\"{name}\"}} {count}"
-        );
-    }
-    out
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
 }
 
-/// Serves `/metrics`, `/healthz` (alive) and `/readyz` (the map is
-/// loaded), one request per connection.
-pub(crate) async fn serve(
-    shared: Arc<Shared>,
-    listener: TcpListener,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|s| *s) => return,
-            accepted = listener.accept() => accepted,
-        };
-        let Ok((mut socket, _)) = accepted else {
-            // Out of file descriptors and the like: do not spin.
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
-        };
-        let shared = shared.clone();
-        // A client that connects and sends nothing holds a socket 10 s.
-        tokio::spawn(tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            async move {
-                let mut request = vec![0u8; 4096];
-                let Ok(n) = socket.read(&mut request).await else {
-                    return;
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NamespaceLabels {
+    namespace: String,
+}
+
+/// Reads the coordinator's state at scrape time.
+#[derive(Debug)]
+struct CoordinatorCollector {
+    shared: Weak<Shared>,
+}
+
+fn single(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    metric_type: MetricType,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let family = encoder.encode_descriptor(name, help, None, metric_type)?;
+    match metric_type {
+        MetricType::Counter => ConstCounter::new(value).encode(family),
+        _ => ConstGauge::new(value as i64).encode(family),
+    }
+}
+
+impl CoordinatorCollector {
+    fn encode_progress(
+        progress: &Progress,
+        encoder: &mut DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use MetricType::{Counter, Gauge};
+        for (name, help, kind, value) in [
+            (
+                "tidepool_coordinator_shards",
+                "Shards in the map (leader only, as of its last round).",
+                Gauge,
+                u64::from(progress.shards),
+            ),
+            (
+                "tidepool_coordinator_shards_leaderless",
+                "Shards no replica reports leading (leader only).",
+                Gauge,
+                u64::from(progress.leaderless),
+            ),
+            (
+                "tidepool_coordinator_shards_under_replicated",
+                "Shards with fewer live voters than the replication factor (leader only).",
+                Gauge,
+                u64::from(progress.under_replicated),
+            ),
+            (
+                "tidepool_coordinator_moves_in_progress",
+                "Shards changing membership (leader only).",
+                Gauge,
+                progress.moves.len() as u64,
+            ),
+            (
+                "tidepool_coordinator_moves_completed",
+                "Replica moves this coordinator completed.",
+                Counter,
+                progress.moves_done,
+            ),
+            (
+                "tidepool_coordinator_reconcile_rounds",
+                "Reconcile rounds run while leading.",
+                Counter,
+                progress.rounds,
+            ),
+            (
+                "tidepool_coordinator_reconcile_errors",
+                "Reconcile rounds or steps that failed.",
+                Counter,
+                progress.errors,
+            ),
+        ] {
+            single(encoder, name, help, kind, value)?;
+        }
+        for (name, help, read) in [
+            (
+                "tidepool_coordinator_epoch_drop_target",
+                "Per namespace with retention: the epoch below which data is to be dropped (0: nothing yet).",
+                (|ns| ns.drop_below) as fn(&tidepool_proto::v1::NamespaceDropStatus) -> u64,
+            ),
+            (
+                "tidepool_coordinator_epoch_drop_shards_pending",
+                "Per namespace with retention: shards that have not yet applied the drop target.",
+                |ns| u64::from(ns.shards_total.saturating_sub(ns.shards_done)),
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for ns in &progress.epochs.namespaces {
+                let labels = NamespaceLabels {
+                    namespace: ns.namespace.clone(),
                 };
-                let head = String::from_utf8_lossy(&request[..n]);
-                let (status, body) = match head.split_whitespace().nth(1).unwrap_or("/") {
-                    "/metrics" => ("200 OK", render(&shared)),
-                    "/healthz" => ("200 OK", "ok\n".to_string()),
-                    // Serving: the map is loaded (the store answered).
-                    "/readyz" if shared.map().version > 0 => ("200 OK", "ready\n".to_string()),
-                    "/readyz" => (
-                        "503 Service Unavailable",
-                        "no cluster map loaded\n".to_string(),
-                    ),
-                    _ => ("404 Not Found", "not found\n".to_string()),
-                };
-                let response = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = socket.write_all(response.as_bytes()).await;
-            },
-        ));
+                ConstGauge::new(read(ns) as i64).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Collector for CoordinatorCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let Some(shared) = self.shared.upgrade() else {
+            return Ok(());
+        };
+        let map = shared.map();
+        let progress = shared.progress.lock().clone();
+        use MetricType::Gauge;
+        let leading = u64::from(shared.leadership().is_some());
+        single(
+            &mut encoder,
+            "tidepool_coordinator_is_leader",
+            "1 while this coordinator leads.",
+            Gauge,
+            leading,
+        )?;
+        single(
+            &mut encoder,
+            "tidepool_coordinator_map_version",
+            "Version of the cluster map this coordinator holds.",
+            Gauge,
+            map.version,
+        )?;
+        single(
+            &mut encoder,
+            "tidepool_coordinator_epoch",
+            "Current cluster epoch.",
+            Gauge,
+            map.epoch,
+        )?;
+        let mut nodes = encoder.encode_descriptor(
+            "tidepool_coordinator_nodes",
+            "Nodes in the map by state.",
+            None,
+            Gauge,
+        )?;
+        for state in [
+            NodeState::Up,
+            NodeState::Down,
+            NodeState::Draining,
+            NodeState::Drained,
+        ] {
+            let count = map.nodes.iter().filter(|n| n.state == state as i32).count();
+            let name = state.as_str_name().trim_start_matches("NODE_STATE_");
+            let labels = StateLabels {
+                state: match name {
+                    "UP" => "up",
+                    "DOWN" => "down",
+                    "DRAINING" => "draining",
+                    _ => "drained",
+                },
+            };
+            ConstGauge::new(count as i64).encode(nodes.encode_family(&labels)?)?;
+        }
+        Self::encode_progress(&progress, &mut encoder)
+    }
+}
+
+/// The coordinator's metrics endpoint.
+pub(crate) struct CoordinatorExposition {
+    shared: Weak<Shared>,
+    registry: Registry,
+}
+
+impl CoordinatorExposition {
+    /// The endpoint of `shared`, counting requests in `rpc`.
+    pub(crate) fn new(shared: &Arc<Shared>, rpc: &RequestMetrics) -> Self {
+        let mut registry = Registry::default();
+        rpc.register(&mut registry);
+        registry.register_collector(Box::new(CoordinatorCollector {
+            shared: Arc::downgrade(shared),
+        }));
+        Self {
+            shared: Arc::downgrade(shared),
+            registry,
+        }
+    }
+}
+
+impl tidepool_telemetry::Exposition for CoordinatorExposition {
+    fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Serving: the map is loaded (the store answered).
+    fn ready(&self) -> Result<(), String> {
+        match self.shared.upgrade() {
+            Some(shared) if shared.map().version > 0 => Ok(()),
+            _ => Err("no cluster map loaded".into()),
+        }
     }
 }

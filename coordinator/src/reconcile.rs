@@ -53,6 +53,13 @@ pub struct Progress {
     pub rounds: u64,
     /// Rounds or steps that failed.
     pub errors: u64,
+    /// Shards in the map (as of the last round).
+    pub shards: u32,
+    /// Shards no replica reported leading.
+    pub leaderless: u32,
+    /// Epoch drops: each namespace with retention, its target and the
+    /// shards that reached it.
+    pub epochs: tidepool_proto::v1::EpochStatus,
 }
 
 /// The nodes whose liveness key exists, with the status they last sent.
@@ -248,6 +255,9 @@ impl Reconciler {
         let rf = map.replication_factor as usize;
         let mut progress = shared.progress.lock();
         progress.rounds += 1;
+        progress.shards = views.len() as u32;
+        progress.leaderless = views.iter().filter(|v| v.leader.is_none()).count() as u32;
+        progress.epochs = crate::epochs::epoch_status(map.epoch, &map.namespaces, &views);
         progress.under_replicated = views
             .iter()
             .filter(|v| v.voters.intersection(&live).count() < rf)

@@ -15,6 +15,7 @@
 //! `GET`, `HEAD`, `PUT` (200), `DELETE` (200, or 404 when absent).
 
 use std::sync::Arc;
+use tidepool_telemetry::MethodNames;
 
 use axum::Router;
 use axum::body::Body;
@@ -49,7 +50,14 @@ pub(crate) async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     stop: watch::Receiver<bool>,
 ) {
-    let app = Router::new().fallback(handle).with_state(gateway);
+    let counted = gateway
+        .metrics
+        .layer("http_cache", MethodNames::Http(crate::HTTP_METHODS))
+        .traced();
+    let app = Router::new()
+        .fallback(handle)
+        .with_state(gateway)
+        .layer(counted);
     serve_app(app, listener, tls, stop).await;
 }
 

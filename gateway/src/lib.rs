@@ -70,6 +70,8 @@ pub struct GatewayConfig {
     pub serve_tls: Option<ServeTls>,
     /// Serve restic's REST protocol too (on a listener of its own).
     pub restic: Option<ResticConfig>,
+    /// Serve `/metrics`, `/healthz` and `/readyz` here (plain HTTP).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// The gateway's own certificate (`grpcs://`, `https://`).
@@ -99,6 +101,7 @@ impl GatewayConfig {
             upload_idle: Duration::from_secs(600),
             serve_tls: None,
             restic: None,
+            metrics_listen: None,
         }
     }
 }
@@ -111,6 +114,39 @@ pub(crate) struct Gateway {
     uploads: bytestream::Uploads,
     /// When the map was last fetched for an unknown instance.
     last_refresh: tokio::sync::Mutex<std::time::Instant>,
+    /// Requests by protocol, method and code.
+    metrics: tidepool_telemetry::RequestMetrics,
+}
+
+/// The gRPC methods the gateway serves (every other path counts as
+/// `other`).
+pub(crate) const GRPC_METHODS: [&str; 12] = [
+    "/build.bazel.remote.execution.v2.Capabilities/GetCapabilities",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/BatchUpdateBlobs",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/BatchReadBlobs",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/GetTree",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/SplitBlob",
+    "/build.bazel.remote.execution.v2.ContentAddressableStorage/SpliceBlob",
+    "/build.bazel.remote.execution.v2.ActionCache/GetActionResult",
+    "/build.bazel.remote.execution.v2.ActionCache/UpdateActionResult",
+    "/google.bytestream.ByteStream/Read",
+    "/google.bytestream.ByteStream/Write",
+    "/google.bytestream.ByteStream/QueryWriteStatus",
+];
+
+/// The HTTP verbs counted by name (others count as `other`).
+pub(crate) const HTTP_METHODS: &[&str] = &["GET", "HEAD", "PUT", "POST", "DELETE"];
+
+/// The gateway's metrics endpoint.
+struct GatewayExposition {
+    registry: prometheus_client::registry::Registry,
+}
+
+impl tidepool_telemetry::Exposition for GatewayExposition {
+    fn registry(&self) -> &prometheus_client::registry::Registry {
+        &self.registry
+    }
 }
 
 /// A request's credential.
@@ -228,6 +264,8 @@ pub struct RunningGateway {
     pub http_address: SocketAddr,
     /// Where restic's REST protocol is served, if it is.
     pub restic_address: Option<SocketAddr>,
+    /// Where `/metrics` is served, if it is.
+    pub metrics_address: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     gateway: Arc<Gateway>,
@@ -325,6 +363,18 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         None => None,
         Some(listener) => Some(listener.local_addr().map_err(|e| e.to_string())?),
     };
+    let metrics = match config.metrics_listen {
+        None => None,
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .map_err(|e| format!("cannot listen on {address}: {e}"))?,
+        ),
+    };
+    let metrics_address = match &metrics {
+        None => None,
+        Some(listener) => Some(listener.local_addr().map_err(|e| e.to_string())?),
+    };
     let grpc_address = grpc.local_addr().map_err(|e| e.to_string())?;
     let http_address = http.local_addr().map_err(|e| e.to_string())?;
     let gateway = Arc::new(Gateway {
@@ -336,6 +386,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
                 .unwrap_or_else(std::time::Instant::now),
         ),
         config,
+        metrics: tidepool_telemetry::RequestMetrics::default(),
     });
     let (stop, stopped) = watch::channel(false);
     let mut tasks = vec![
@@ -353,6 +404,19 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         )),
         tokio::spawn(bytestream::expire_uploads(gateway.clone(), stopped.clone())),
     ];
+    if let Some(listener) = metrics {
+        let mut registry = prometheus_client::registry::Registry::default();
+        gateway.metrics.register(&mut registry);
+        let exposition = Arc::new(GatewayExposition { registry });
+        let mut stop = stopped.clone();
+        tasks.push(tokio::spawn(tidepool_telemetry::metrics::serve(
+            listener,
+            exposition,
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        )));
+    }
     if let Some(listener) = restic {
         tasks.push(tokio::spawn(restic::serve(
             gateway.clone(),
@@ -366,6 +430,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         grpc_address,
         http_address,
         restic_address,
+        metrics_address,
         stop,
         tasks,
         gateway,

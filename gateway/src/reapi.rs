@@ -632,7 +632,15 @@ pub(crate) async fn serve(
     };
     // A batch's bytes plus the messages' framing.
     let limit = gateway.config.max_batch_bytes as usize + (1 << 20);
+    let counted = gateway
+        .metrics
+        .layer(
+            "reapi",
+            tidepool_telemetry::MethodNames::grpc(crate::GRPC_METHODS),
+        )
+        .traced();
     let router = tonic::transport::Server::builder()
+        .layer(counted)
         .add_service(CapabilitiesServer::new(reapi.clone()))
         .add_service(
             ContentAddressableStorageServer::new(reapi.clone())

@@ -21,6 +21,7 @@
 //! user name. See `docs/design/restic.md`.
 
 use std::sync::Arc;
+use tidepool_telemetry::MethodNames;
 
 use axum::Router;
 use axum::body::Body;
@@ -236,7 +237,14 @@ pub(crate) async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     stop: watch::Receiver<bool>,
 ) {
-    let app = Router::new().fallback(handle).with_state(gateway);
+    let counted = gateway
+        .metrics
+        .layer("restic", MethodNames::Http(crate::HTTP_METHODS))
+        .traced();
+    let app = Router::new()
+        .fallback(handle)
+        .with_state(gateway)
+        .layer(counted);
     crate::http::serve_app(app, listener, tls, stop).await;
 }
 

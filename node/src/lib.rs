@@ -38,5 +38,6 @@ pub mod shard;
 pub mod sim;
 pub mod snapshot;
 pub mod store;
+mod tracing_context;
 
 pub use error::{NodeError, Result};

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 use raft::eraftpb::{ConfChangeV2, Message};
 use tidepool_engine::Engine;
 
@@ -72,8 +74,9 @@ pub enum Event {
     /// A snapshot message whose files are in the spare slot: step it and
     /// install it now.
     SnapshotReceived(Box<Message>),
-    /// A put or delete, group-committed with others.
-    Write(Box<WriteOp>, Completion),
+    /// A put or delete, group-committed with others, with the span of the
+    /// request that asked for it (a disabled span when not traced).
+    Write(Box<WriteOp>, Completion, tracing::Span),
     /// Any other command, proposed alone.
     Propose(Command, Completion),
     /// A linearizable read point, batched with others.
@@ -105,6 +108,55 @@ pub struct ShardState {
     pub receiving_snapshot: bool,
 }
 
+/// What the owner counts for metrics (shared handles: clones count
+/// together).
+#[derive(Clone, Debug)]
+pub struct ShardStats {
+    /// Entries proposed by this replica that applied.
+    pub proposals: Counter,
+    /// Entries proposed by this replica that another leader's replaced.
+    pub proposals_dropped: Counter,
+    /// Leader changes seen (a new, known leader).
+    pub leader_changes: Counter,
+    /// Snapshots installed.
+    pub snapshots_installed: Counter,
+    /// Time from proposing an entry to applying it, seconds.
+    pub commit_latency: Histogram,
+}
+
+impl Default for ShardStats {
+    fn default() -> Self {
+        Self {
+            proposals: Counter::default(),
+            proposals_dropped: Counter::default(),
+            leader_changes: Counter::default(),
+            snapshots_installed: Counter::default(),
+            commit_latency: Histogram::new(tidepool_telemetry::metrics::latency_buckets()),
+        }
+    }
+}
+
+impl ShardStats {
+    /// `done`, also counting the proposal's outcome and commit latency.
+    fn counted(&self, done: Completion) -> Completion {
+        let stats = self.clone();
+        let start = Instant::now();
+        Box::new(move |outcome: Outcome| {
+            match &outcome {
+                Outcome::Applied { .. } => {
+                    stats.proposals.inc();
+                    stats.commit_latency.observe(start.elapsed().as_secs_f64());
+                }
+                Outcome::Dropped => {
+                    stats.proposals_dropped.inc();
+                }
+                _ => {}
+            }
+            done(outcome)
+        })
+    }
+}
+
 /// The handle everyone else holds.
 pub struct ShardHandle {
     /// The shard.
@@ -115,6 +167,7 @@ pub struct ShardHandle {
     state: Mutex<ShardState>,
     fetching: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
+    stats: ShardStats,
 }
 
 impl std::fmt::Debug for ShardHandle {
@@ -169,6 +222,7 @@ impl ShardHandle {
             state: Mutex::new(ShardState::default()),
             fetching: AtomicBool::new(false),
             thread: Mutex::new(None),
+            stats: ShardStats::default(),
         });
         let mut owner = Owner {
             handle: handle.clone(),
@@ -180,6 +234,7 @@ impl ShardHandle {
             reopened_at: None,
             backoff: Duration::ZERO,
             writes: Vec::new(),
+            write_spans: Vec::new(),
             write_bytes: 0,
             reads: Vec::new(),
             span: tracing::info_span!(
@@ -211,10 +266,22 @@ impl ShardHandle {
     }
 
     /// Queues a put or delete; its completion gets `Failed` if refused.
+    /// When spans are exported, the caller's current span follows the
+    /// write into its Raft entry.
     pub fn write(&self, op: WriteOp, done: Completion) {
-        if let Err(Event::Write(_, done)) = self.send(Event::Write(Box::new(op), done)) {
+        let span = if tidepool_security::trace_context::exporting() {
+            tracing::Span::current()
+        } else {
+            tracing::Span::none()
+        };
+        if let Err(Event::Write(_, done, _)) = self.send(Event::Write(Box::new(op), done, span)) {
             done(Outcome::Overloaded);
         }
+    }
+
+    /// What the owner counts.
+    pub fn stats(&self) -> &ShardStats {
+        &self.stats
     }
 
     /// Queues a command.
@@ -309,6 +376,8 @@ struct Owner {
     reopened_at: Option<Instant>,
     backoff: Duration,
     writes: Vec<(WriteOp, Completion)>,
+    /// The spans of the queued writes that are traced.
+    write_spans: Vec<tracing::Span>,
     write_bytes: usize,
     reads: Vec<ReadCompletion>,
     /// Every event the owner logs carries the node and shard.
@@ -358,13 +427,16 @@ impl Owner {
 
     fn handle_event(&mut self, event: Event) {
         match event {
-            Event::Write(op, done) => {
+            Event::Write(op, done, span) => {
                 let bytes = op.value.as_ref().map_or(0, Vec::len);
                 if self.write_bytes + bytes > self.driver.max_batch_bytes {
                     self.flush_writes();
                 }
                 self.write_bytes += bytes;
                 self.writes.push((*op, done));
+                if !span.is_none() {
+                    self.write_spans.push(span);
+                }
                 if self.writes.len() >= self.driver.max_batch_ops {
                     self.flush_writes();
                 }
@@ -403,9 +475,14 @@ impl Owner {
                     .map(|out| messages = out);
                 self.handle.engine.store(replica.engine().clone());
                 self.handle.abort_snapshot();
+                if result.is_ok() {
+                    self.handle.stats.snapshots_installed.inc();
+                }
                 result
             }
-            Event::Propose(command, done) => replica.propose(&command, done),
+            Event::Propose(command, done) => {
+                replica.propose(&command, self.handle.stats.counted(done))
+            }
             Event::ConfChange(change, done) => replica.propose_conf_change(change, done),
             Event::TransferLeader(to, reply) => {
                 reply(replica.transfer_leader(to));
@@ -438,15 +515,23 @@ impl Owner {
         let batch = std::mem::take(&mut self.writes);
         self.write_bytes = 0;
         let (ops, completions): (Vec<WriteOp>, Vec<Completion>) = batch.into_iter().unzip();
-        // Each op's caller learns its own op's result.
+        let (span, traceparent) = crate::tracing_context::propose_span(
+            &std::mem::take(&mut self.write_spans),
+            self.handle.shard_id,
+            ops.len(),
+        );
+        // Each op's caller learns its own op's result; the entry's span
+        // ends once it applied.
         let done: Completion = Box::new(move |outcome: Outcome| {
             for (ordinal, done) in completions.into_iter().enumerate() {
                 done(outcome.for_op(ordinal));
             }
+            drop(span);
         });
+        let done = self.handle.stats.counted(done);
         match self.replica.as_mut() {
             Some(replica) => {
-                let result = replica.propose(&Command::Write(ops), done);
+                let result = replica.propose_traced(&Command::Write(ops), traceparent, done);
                 self.check(result);
             }
             None => done(Outcome::Failed(self.failure())),
@@ -551,6 +636,10 @@ impl Owner {
                 let engine = replica.engine();
                 let status = replica.status();
                 let before = state.status.as_ref().map(|s| (s.term, s.leader));
+                let leader_before = state.status.as_ref().map(|s| s.leader);
+                if status.leader != 0 && leader_before != Some(status.leader) {
+                    self.handle.stats.leader_changes.inc();
+                }
                 if before != Some((status.term, status.leader)) {
                     tracing::info!(
                         term = status.term,

@@ -70,8 +70,8 @@ impl Security {
     }
 }
 
-/// A gRPC channel that adds `authorization: Bearer <token>` to every
-/// request; clone it freely (clones share the connection).
+/// A gRPC channel that adds `authorization: Bearer <token>` and the
+/// caller's W3C trace context (`traceparent`) to every request; clone it freely (clones share the connection).
 #[derive(Clone, Debug)]
 pub struct Channel {
     inner: tonic::transport::Channel,
@@ -102,6 +102,8 @@ impl tower::Service<http::Request<Body>> for Channel {
     }
 
     fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+        // The caller's span (tonic calls this inside the caller's future).
+        crate::trace_context::inject(&tracing::Span::current(), request.headers_mut());
         if let Some(value) = &self.authorization {
             request
                 .headers_mut()

@@ -27,6 +27,7 @@ pub mod identity;
 pub mod planes;
 pub mod tls;
 pub mod token;
+pub mod trace_context;
 
 pub use channel::{Channel, Security};
 pub use guard::{Authority, Caller, GuardLayer};

@@ -24,6 +24,21 @@ use tidepool_node::config::{CoordinatorLink, NamespaceSpec, NodeConfig, Peer, St
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines: `text`, or `json` (one object per line, with the trace
+    /// and span ids of the request a line belongs to).
+    #[arg(long, global = true, default_value = "text")]
+    log_format: tidepool_telemetry::LogFormat,
+    /// Export traces to this OTLP/gRPC collector (e.g.
+    /// `http://127.0.0.1:4317`). Default: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
+    /// or `OTEL_EXPORTER_OTLP_ENDPOINT`; neither: no export.
+    /// `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn it off.
+    #[arg(long, global = true)]
+    otlp_endpoint: Option<String>,
+    /// Probability (0..=1) of sampling a trace this process starts; a
+    /// caller's sampled trace is always followed. Default:
+    /// `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, else every trace.
+    #[arg(long, global = true)]
+    trace_sampling: Option<f64>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -317,6 +332,9 @@ struct GatewayArgs {
     /// restic: a repository's first path segment must be the Basic user name.
     #[arg(long)]
     restic_private_repos: bool,
+    /// Serve `/metrics`, `/healthz` and `/readyz` here.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -621,6 +639,10 @@ const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 /// Nodes in dev mode.
 const DEV_NODES: u16 = 3;
 
+/// `tidepool dev` serves metrics on `--port` + 90 (coordinator), + 91..=93
+/// (nodes) and + 94 (gateway).
+const DEV_METRICS_OFFSET: u16 = 90;
+
 /// Epochs dev mode's build cache keeps unused entries.
 const DEV_CACHE_RETAIN: u32 = 7;
 
@@ -655,8 +677,10 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
     runtime("tidepool-dev")?.block_on(async {
         let store: Arc<dyn MetaStore> =
             Arc::new(EmbeddedStore::open(&data_dir.join("metadata.json"))?);
+        let port = |offset: u16| if args.port == 0 { 0 } else { args.port + offset };
         let mut config = CoordinatorConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
+            metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], port(DEV_METRICS_OFFSET)))),
             node_lease_ms: 3_000,
             ..CoordinatorConfig::default()
         };
@@ -672,8 +696,11 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         let mut nodes = Vec::new();
         for i in 1..=DEV_NODES {
             let mut node = NodeConfig::new(0);
-            let port = if args.port == 0 { 0 } else { args.port + i };
-            node.listen = SocketAddr::from(([127, 0, 0, 1], port));
+            node.listen = SocketAddr::from(([127, 0, 0, 1], port(i)));
+            node.metrics_listen = Some(SocketAddr::from((
+                [127, 0, 0, 1],
+                port(DEV_METRICS_OFFSET + i),
+            )));
             node.data_dir = data_dir.join(format!("node-{i}"));
             node.engine.wal_segment_mib = 16;
             node.engine.index_memory_mib = 32;
@@ -711,7 +738,10 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                 client = client.with_dev_credentials(&data_dir);
             }
             let mut config = tidepool_gateway::GatewayConfig::new(client);
-            let port = |offset: u16| if args.port == 0 { 0 } else { args.port + offset };
+            config.metrics_listen = Some(SocketAddr::from((
+                [127, 0, 0, 1],
+                port(DEV_METRICS_OFFSET + 1 + DEV_NODES),
+            )));
             config.grpc_listen = SocketAddr::from(([127, 0, 0, 1], port(80)));
             config.http_listen = SocketAddr::from(([127, 0, 0, 1], port(81)));
             config.restic = Some(tidepool_gateway::ResticConfig::new(SocketAddr::from((
@@ -755,9 +785,16 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             } else {
                 format!("|bearer-token=$(cat {})", token_file.display())
             };
+            let mut metrics: Vec<String> = Vec::new();
+            metrics.extend(coordinator.metrics_address.map(|a| format!("coordinator http://{a}/metrics")));
+            for (i, node) in nodes.iter().enumerate() {
+                metrics.extend(node.metrics_address.map(|a| format!("node {} http://{a}/metrics", i + 1)));
+            }
+            metrics.extend(gateway.metrics_address.map(|a| format!("gateway http://{a}/metrics")));
             println!(
                 "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
              {security}.\n\
+             Metrics (Prometheus):\n  {}\n\
              Build cache (instance `cache`, entries kept {DEV_CACHE_RETAIN} epochs after their last use):\n  \
                bazel build --remote_cache=grpc://{grpc}{header} //...\n  \
                bazel build --remote_cache=http://{http}{header} //...\n  \
@@ -771,6 +808,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
              Ctrl-C stops it; starting it again keeps the data.",
                 node_list.join(", "),
                 data_dir.display(),
+                metrics.join("\n  "),
                 grpc = gateway.grpc_address,
                 http = gateway.http_address,
                 restic = gateway
@@ -806,6 +844,7 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     config.http_listen = args.http_listen;
     config.anonymous = args.anonymous;
     config.max_blob_bytes = args.max_blob_bytes;
+    config.metrics_listen = args.metrics_listen;
     if let Some(listen) = args.restic_listen {
         let mut restic = tidepool_gateway::ResticConfig::new(listen);
         restic.namespace = args.restic_namespace.clone();
@@ -984,15 +1023,28 @@ async fn shutdown_signal() {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let service = match &cli.command {
+        Command::Node(_) => "tidepool-node",
+        Command::Coordinator(_) => "tidepool-coordinator",
+        Command::Gateway(_) => "tidepool-gateway",
+        Command::Dev(_) => "tidepool-dev",
+        _ => "tidepool",
+    };
+    // Kept to the end: dropping it flushes the spans still queued.
+    let _telemetry = match tidepool_telemetry::init(&tidepool_telemetry::TelemetryConfig {
+        service_name: service.into(),
+        log_format: cli.log_format,
+        otlp_endpoint: cli.otlp_endpoint.clone(),
+        sampling_ratio: cli.trace_sampling,
+        default_filter: "info".into(),
+    }) {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("tidepool: {error:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Node(args) => run_node(*args),
         Command::Coordinator(args) => run_coordinator(*args),

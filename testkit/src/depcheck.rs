@@ -60,6 +60,18 @@ pub const RULES: &[Rule] = &[
         why: "the coordinator manages metadata; nodes own the data",
     },
     Rule {
+        name: "telemetry-is-plumbing",
+        from: "tidepool-telemetry",
+        forbidden: &[
+            "tidepool-engine",
+            "tidepool-node",
+            "tidepool-coordinator",
+            "tidepool-client",
+            "tidepool-gateway",
+        ],
+        why: "the observability plumbing serves every process; what each measures lives with it",
+    },
+    Rule {
         name: "node-does-not-depend-on-coordinator",
         from: "tidepool-node",
         forbidden: &["tidepool-coordinator"],

@@ -16,9 +16,17 @@
 //! once its entry is fsynced on a majority and applied on the leader; the
 //! single engine's puts use `Durability::Synced` (fsynced locally).
 //!
+//! Tracing (`--trace-pairs N`): the plaintext shard at `--value-bytes`
+//! in child processes, alternately with tracing off and with every request
+//! traced and exported (100% sampling: each client operation is the root
+//! span of a trace that the nodes continue through Raft, exported over
+//! OTLP/gRPC to a receiver in this process that counts the spans), N pairs
+//! in alternating order; the median of the traced/off ratios is printed.
+//! Child processes, because the tracing subscriber is process-wide.
+//!
 //! Usage: `cargo run --release -p tidepool-benchmarks --bin node-shard --
 //! [--seconds 10] [--clients 32] [--value-bytes 1024,65536]
-//! [--dir target/bench-node]`
+//! [--dir target/bench-node] [--trace-pairs 3]`
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -42,6 +50,7 @@ use tidepool_proto::v1::{
 };
 use tidepool_security::{Channel, Security, Tls, certs, token};
 use tidepool_testkit::free_port;
+use tracing::Instrument as _;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -57,6 +66,14 @@ struct Args {
     /// Scratch directory (emptied first).
     #[arg(long, default_value = "target/bench-node")]
     dir: PathBuf,
+    /// Only compare tracing exported at 100% with tracing off: this many
+    /// pairs of child processes (plaintext shard, `--value-bytes`).
+    #[arg(long)]
+    trace_pairs: Option<usize>,
+    /// (Child process) one plaintext shard run, exporting every request's
+    /// trace to this OTLP endpoint, or none with `off`.
+    #[arg(long, hide = true)]
+    trace_child: Option<String>,
 }
 
 /// One measured phase.
@@ -368,6 +385,7 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
                     .max_decoding_message_size(64 << 20)
                     .max_encoding_message_size(64 << 20);
                 let (stop, written) = (stop.clone(), written_now.clone());
+                let traced = tidepool_security::trace_context::exporting();
                 tokio::spawn(async move {
                     let value = vec![0x5Au8; value_bytes];
                     let mut latencies = Latencies::default();
@@ -375,8 +393,17 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
                     let mut rng = rand::rngs::SmallRng::from_os_rng();
                     while !stop.load(Ordering::Relaxed) {
                         let t = Instant::now();
+                        // With export on, each operation is the root of a
+                        // sampled trace (as an SDK call would be).
+                        let span = if traced {
+                            tracing::info_span!(target: "tidepool_bench", "bench.op", op)
+                        } else {
+                            tracing::Span::none()
+                        };
                         if op == "put" {
-                            put_once(&mut grpc, key_of(value_bytes, client, n), &value).await?;
+                            put_once(&mut grpc, key_of(value_bytes, client, n), &value)
+                                .instrument(span)
+                                .await?;
                         } else {
                             let owner = (client + n as usize) % written.len();
                             let key = key_of(
@@ -384,7 +411,7 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
                                 owner,
                                 rng.random_range(0..written[owner].max(1)),
                             );
-                            let len = get_once(&mut grpc, key).await?;
+                            let len = get_once(&mut grpc, key).instrument(span).await?;
                             assert_eq!(len, value_bytes);
                         }
                         latencies.record(t.elapsed());
@@ -430,6 +457,12 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(endpoint) = &args.trace_child {
+        return trace_child(&args, endpoint);
+    }
+    if let Some(pairs) = args.trace_pairs {
+        return tracing_compare(&args, pairs);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -467,5 +500,172 @@ fn main() -> anyhow::Result<()> {
     for row in ratios {
         println!("{row}");
     }
+    Ok(())
+}
+
+/// A child process: one plaintext shard run, traced and exported to
+/// `endpoint` (or not, with `off`); prints its rows and then
+/// `RESULT <put/s> <get/s>`.
+fn trace_child(args: &Args, endpoint: &str) -> anyhow::Result<()> {
+    let _telemetry = if endpoint == "off" {
+        None
+    } else {
+        Some(tidepool_telemetry::init(
+            &tidepool_telemetry::TelemetryConfig {
+                service_name: "node-shard".into(),
+                otlp_endpoint: Some(endpoint.to_string()),
+                sampling_ratio: Some(1.0),
+                default_filter: "warn".into(),
+                ..Default::default()
+            },
+        )?)
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut runs = runtime.block_on(shard_runs(args, args.value_bytes[0], false))?;
+    let mut rates = Vec::new();
+    for run in &mut runs {
+        println!("{}", run.row(args.clients));
+        rates.push(run.ops as f64 / run.elapsed.as_secs_f64());
+    }
+    println!("RESULT {} {}", rates[0], rates[1]);
+    Ok(())
+}
+
+/// Counts the spans exported to it.
+#[derive(Clone, Default)]
+struct SpanCounter(Arc<std::sync::atomic::AtomicU64>);
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService
+    for SpanCounter
+{
+    async fn export(
+        &self,
+        request: tonic::Request<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
+        >,
+    ) -> Result<
+        tonic::Response<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse,
+        >,
+        tonic::Status,
+    > {
+        let spans: usize = request
+            .get_ref()
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
+        self.0.fetch_add(spans as u64, Ordering::Relaxed);
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+/// One child run: (put/s, get/s).
+fn child_run(args: &Args, endpoint: &str) -> anyhow::Result<(f64, f64)> {
+    let output = std::process::Command::new(std::env::current_exe()?)
+        .arg("--seconds")
+        .arg(args.seconds.to_string())
+        .arg("--clients")
+        .arg(args.clients.to_string())
+        .arg("--value-bytes")
+        .arg(args.value_bytes[0].to_string())
+        .arg("--dir")
+        .arg(&args.dir)
+        .arg("--trace-child")
+        .arg(endpoint)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "child failed: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    for line in stdout.lines().filter(|l| l.starts_with('|')) {
+        let label = if endpoint == "off" { "off" } else { "traced" };
+        println!("{} (tracing {label})", line.trim_end());
+    }
+    let result = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .context("no RESULT line")?;
+    let mut numbers = result.split_whitespace().map(str::parse::<f64>);
+    match (numbers.next(), numbers.next()) {
+        (Some(Ok(put)), Some(Ok(get))) => Ok((put, get)),
+        _ => bail!("bad RESULT line {result:?}"),
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Tracing exported at 100% next to tracing off, `pairs` times.
+fn tracing_compare(args: &Args, pairs: usize) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let counter = SpanCounter::default();
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    let service = counter.clone();
+    runtime.spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(
+                opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer::new(service)
+                    .max_decoding_message_size(64 << 20),
+            )
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await;
+    });
+    println!(
+        "node-shard tracing: 3-replica shard (plaintext), {} B values, {} clients, {} s per phase; \
+         traced = every operation the root of a sampled trace, exported over OTLP/gRPC to a \
+         span counter in the parent process",
+        args.value_bytes[0], args.clients, args.seconds
+    );
+    println!("| system | op | value | clients | ops/s | MiB/s | p50 | p99 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let (mut put_ratios, mut get_ratios) = (Vec::new(), Vec::new());
+    for pair in 0..pairs {
+        // Alternate which runs first, so drift (page cache, disk) does not
+        // favour one side.
+        let order: [&str; 2] = if pair % 2 == 0 {
+            ["off", &endpoint]
+        } else {
+            [&endpoint, "off"]
+        };
+        let mut results = BTreeMap::new();
+        for endpoint in order {
+            let before = counter.0.load(Ordering::Relaxed);
+            let rates = child_run(args, endpoint)?;
+            // Spans still queued in the child are flushed when it exits.
+            std::thread::sleep(Duration::from_secs(1));
+            let spans = counter.0.load(Ordering::Relaxed) - before;
+            results.insert(endpoint == "off", (rates, spans));
+        }
+        let ((off_put, off_get), _) = results[&true];
+        let ((on_put, on_get), spans) = results[&false];
+        println!(
+            "pair {}: traced/off put {:.2}, get {:.2}; spans exported by the traced run: {spans}",
+            pair + 1,
+            on_put / off_put,
+            on_get / off_get
+        );
+        put_ratios.push(on_put / off_put);
+        get_ratios.push(on_get / off_get);
+    }
+    println!();
+    println!(
+        "traced (100% sampling, exported) / off, median of {pairs} pairs: put {:.2}, get {:.2}",
+        median(put_ratios),
+        median(get_ratios)
+    );
     Ok(())
 }

@@ -180,3 +180,15 @@ API.
 {{- fail "tls.clients must include admin (helm test and the node pods' tidectl use it)" -}}
 {{- end -}}
 {{- end -}}
+
+
+{{/* Telemetry flags of every Tidepool container (logs, traces). */}}
+{{- define "tidepool.telemetryArgs" -}}
+- --log-format={{ .Values.telemetry.logFormat }}
+{{- with .Values.telemetry.otlpEndpoint }}
+- --otlp-endpoint={{ . }}
+{{- end }}
+{{- if ne (toString .Values.telemetry.traceSampling) "" }}
+- --trace-sampling={{ .Values.telemetry.traceSampling }}
+{{- end }}
+{{- end -}}

@@ -25,6 +25,7 @@ use crate::command::{Command, KEY_BYTES, WriteOp};
 use crate::error::{NodeError, Result};
 use crate::names::{Meta, NameBatch};
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
+use crate::tracing_context::{Step, entry_span};
 
 /// Drops one namespace's entries, keeps the rest.
 struct Namespace(u32);
@@ -44,6 +45,9 @@ impl Replica {
     pub(crate) fn apply_entries(&mut self, entries: Vec<Entry>) -> Result<()> {
         for entry in entries {
             let index = entry.index;
+            let node = self.config.node_id;
+            let span = entry_span(Step::Apply, &entry.context, node, self.shard_id(), index);
+            let _entered = span.enter();
             let mut results = Vec::new();
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {
                 let change = ConfChangeV2::decode(&entry.data[..])

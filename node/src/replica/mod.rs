@@ -128,7 +128,7 @@ impl std::fmt::Debug for Replica {
 }
 
 /// A snapshot of a replica's Raft state, for status reports and tests.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReplicaStatus {
     /// Whether this replica leads.
     pub is_leader: bool,
@@ -152,6 +152,9 @@ pub struct ReplicaStatus {
     pub conf_index: u64,
     /// Epoch drops applied: (namespace id, blobs below this epoch gone).
     pub drops: Vec<(u32, u32)>,
+    /// On a leader: entries the slowest voter has yet to append (its
+    /// matched index behind the last index); 0 on followers.
+    pub append_lag: u64,
 }
 
 impl Replica {
@@ -339,6 +342,18 @@ impl Replica {
     /// Proposes a command; `done` is called once it is applied, or with the
     /// reason it will not be. Fails at once if this replica does not lead.
     pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
+        self.propose_traced(command, Vec::new(), done)
+    }
+
+    /// [`Replica::propose`], the entry carrying `traceparent` (the W3C
+    /// trace context of its span, or empty) in its context, so followers
+    /// trace their append and apply as children of it.
+    pub fn propose_traced(
+        &mut self,
+        command: &Command,
+        traceparent: Vec<u8>,
+        done: Completion,
+    ) -> Result<()> {
         let done = match self.may_propose(done) {
             Ok(done) => done,
             Err(refused) => return refused,
@@ -351,15 +366,15 @@ impl Replica {
             return Ok(());
         }
         match self.hold_if_transferring(data, done) {
-            Some((data, done)) => self.propose_encoded(data, done),
+            Some((data, done)) => self.propose_encoded(data, traceparent, done),
             None => Ok(()),
         }
     }
 
     /// Proposes an encoded command on this leader.
-    fn propose_encoded(&mut self, data: Vec<u8>, done: Completion) -> Result<()> {
+    fn propose_encoded(&mut self, data: Vec<u8>, context: Vec<u8>, done: Completion) -> Result<()> {
         let before = self.raw.raft.raft_log.last_index();
-        match self.raw.propose(Vec::new(), data) {
+        match self.raw.propose(context, data) {
             Ok(()) => {
                 let index = self.raw.raft.raft_log.last_index();
                 debug_assert_eq!(index, before + 1);
@@ -432,7 +447,19 @@ impl Replica {
     pub fn status(&self) -> ReplicaStatus {
         let raft = &self.raw.raft;
         let conf = self.raw.store().conf_state();
+        let last_index = raft.raft_log.last_index();
+        let append_lag = if raft.state == StateRole::Leader {
+            raft.prs()
+                .iter()
+                .filter(|(id, _)| conf.voters.contains(id))
+                .map(|(_, progress)| last_index.saturating_sub(progress.matched))
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
         ReplicaStatus {
+            append_lag,
             is_leader: raft.state == StateRole::Leader,
             leader: raft.leader_id,
             term: raft.term,

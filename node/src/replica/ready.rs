@@ -20,6 +20,7 @@ use super::Replica;
 use crate::error::{NodeError, Result};
 use crate::raftlog::RaftLog;
 use crate::snapshot::manifest_of;
+use crate::tracing_context::{Step, entry_span};
 
 impl Replica {
     /// Runs the Ready checklist if raft-rs has anything ready. Returns the
@@ -61,9 +62,24 @@ impl Replica {
         }
         self.apply_entries(ready.take_committed_entries())?;
         let durability = self.config.durability;
+        // A follower traces the append of traced entries until durable.
+        let append_spans: Vec<tracing::Span> = if self.raw.raft.state == StateRole::Leader {
+            Vec::new()
+        } else {
+            ready
+                .entries()
+                .iter()
+                .filter(|e| !e.context.is_empty())
+                .map(|e| {
+                    let node = self.config.node_id;
+                    entry_span(Step::Append, &e.context, node, self.shard_id(), e.index)
+                })
+                .collect()
+        };
         let entries_end = self.log().append(ready.entries())?;
         let state_end = self.log().set_state(ready.hs(), None)?;
         self.log().wait(entries_end.max(state_end), durability)?;
+        drop(append_spans);
         outgoing.extend(ready.take_persisted_messages());
         let mut light = self.raw.advance(ready);
         if let Some(commit) = light.commit_index() {

@@ -166,7 +166,7 @@ impl Replica {
         self.transfer.held_bytes = 0;
         for (data, done) in held {
             if self.raw.raft.state == StateRole::Leader {
-                self.propose_encoded(data, done)?;
+                self.propose_encoded(data, Vec::new(), done)?;
             } else {
                 done(Outcome::NotLeader {
                     leader: self.raw.raft.leader_id,

@@ -329,19 +329,7 @@ impl Node {
             .into_iter()
             .map(|(info, shard)| {
                 let state = shard.state();
-                let status = state.status.unwrap_or(ReplicaStatus {
-                    is_leader: false,
-                    leader: 0,
-                    term: 0,
-                    commit: 0,
-                    applied: 0,
-                    first_index: 0,
-                    last_index: 0,
-                    voters: Vec::new(),
-                    learners: Vec::new(),
-                    conf_index: 0,
-                    drops: Vec::new(),
-                });
+                let status = state.status.unwrap_or_default();
                 let role = if status.learners.contains(&me) {
                     ReplicaRole::Learner
                 } else {

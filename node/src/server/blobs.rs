@@ -115,6 +115,7 @@ impl BlobApi {
         let (info, shard) = self.node.route(&key)?;
         let span = tracing::Span::current();
         span.record("shard_id", info.shard_id);
+        span.record("namespace", blob.namespace.as_str());
         if let Some(status) = shard.state().status {
             span.record("term", status.term);
         }
@@ -411,7 +412,8 @@ impl BlobApi {
         self.commit(&target, Proposal::Write(op)).await?;
         self.extra_durability(&target, header.durability, &engine)
             .await?;
-        self.node.metrics.put_bytes.add(size);
+        self.node.metrics.put_bytes.inc_by(size);
+        tracing::Span::current().record("bytes", size);
         Ok(PutResponse {
             info: Some(
                 blob::Header {
@@ -551,7 +553,8 @@ impl BlobApi {
             0 => size,
             n => start.saturating_add(n).min(size),
         };
-        self.node.metrics.get_bytes.add(end - start);
+        self.node.metrics.get_bytes.inc_by(end - start);
+        tracing::Span::current().record("bytes", end - start);
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             let _budget = budget;
@@ -840,10 +843,12 @@ impl BlobApi {
 
     /// Runs one request of operation `operation` (an index into
     /// `OPERATIONS`) in its span — `shard_id` and `term` are recorded once
-    /// the blob is routed — and counts it.
+    /// the blob is routed; the span continues the caller's trace when it
+    /// sent one — and counts it.
     async fn serve<T>(
         &self,
         operation: usize,
+        parent: Option<opentelemetry::Context>,
         request: impl std::future::Future<Output = ApiResult<T>>,
     ) -> Result<Response<T>, Status> {
         let start = Instant::now();
@@ -852,12 +857,33 @@ impl BlobApi {
             node_id = self.node.config.node_id,
             op = super::OPERATIONS[operation],
             shard_id = tracing::field::Empty,
-            term = tracing::field::Empty
+            term = tracing::field::Empty,
+            namespace = tracing::field::Empty,
+            bytes = tracing::field::Empty,
+            error_code = tracing::field::Empty
         );
-        let result = request.instrument(span).await;
-        self.node.metrics.finished(operation, start, result.is_ok());
+        if let Some(parent) = parent {
+            let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
+        }
+        let result = request.instrument(span.clone()).await;
+        let code = result
+            .as_ref()
+            .err()
+            .map(|error| super::metrics::code_label(error.code()));
+        if let Some(code) = code {
+            span.record("error_code", code);
+        }
+        self.node.metrics.finished(operation, start, code);
         result.map(Response::new).map_err(Status::from)
     }
+}
+
+/// The caller's trace context, when this process keeps contexts.
+fn remote_parent<T>(request: &Request<T>) -> Option<opentelemetry::Context> {
+    if !tidepool_security::trace_context::tracking() {
+        return None;
+    }
+    tidepool_security::trace_context::extract(request.metadata())
 }
 
 enum Proposal {
@@ -885,7 +911,8 @@ impl BlobService for BlobApi {
         request: Request<Streaming<PutRequest>>,
     ) -> Result<Response<PutResponse>, Status> {
         let caller = Caller::of(&request);
-        self.serve(0, self.put_inner(caller, request.into_inner()))
+        let parent = remote_parent(&request);
+        self.serve(0, parent, self.put_inner(caller, request.into_inner()))
             .await
     }
 
@@ -893,8 +920,9 @@ impl BlobService for BlobApi {
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(1, async {
+        self.serve(1, parent, async {
             self.allow(
                 &caller,
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
@@ -907,8 +935,9 @@ impl BlobService for BlobApi {
 
     async fn head(&self, request: Request<HeadRequest>) -> Result<Response<HeadResponse>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(2, async {
+        self.serve(2, parent, async {
             self.allow(
                 &caller,
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
@@ -924,8 +953,9 @@ impl BlobService for BlobApi {
         request: Request<BatchExistsRequest>,
     ) -> Result<Response<BatchExistsResponse>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(3, async {
+        self.serve(3, parent, async {
             self.allow(&caller, Some(&request.namespace), Role::Read)?;
             self.batch_exists_inner(request).await
         })
@@ -937,8 +967,9 @@ impl BlobService for BlobApi {
         request: Request<DeleteRequest>,
     ) -> Result<Response<DeleteResponse>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(4, async {
+        self.serve(4, parent, async {
             self.allow(
                 &caller,
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
@@ -951,8 +982,9 @@ impl BlobService for BlobApi {
 
     async fn list(&self, request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(6, async {
+        self.serve(6, parent, async {
             self.allow(&caller, Some(&request.namespace), Role::Read)?;
             self.list_inner(request).await
         })
@@ -964,8 +996,9 @@ impl BlobService for BlobApi {
         request: Request<TouchRequest>,
     ) -> Result<Response<TouchResponse>, Status> {
         let caller = Caller::of(&request);
+        let parent = remote_parent(&request);
         let request = request.into_inner();
-        self.serve(5, async {
+        self.serve(5, parent, async {
             self.allow(
                 &caller,
                 request.blob.as_ref().map(|b| b.namespace.as_str()),

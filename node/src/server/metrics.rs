@@ -1,81 +1,35 @@
-//! The node's metrics and its Prometheus endpoint (`GET /metrics`, text
-//! format 0.0.4; `GET /healthz` alive, `GET /readyz` serving).
+//! What a node measures, as a [`prometheus_client`] registry served by the
+//! shared endpoint of `tidepool-telemetry` (`/metrics`, `/healthz`,
+//! `/readyz`). Every metric is listed in `docs/operations/metrics.md`.
 //!
-//! Request counters and latency histograms per operation, Raft state per
-//! hosted shard (role, term, commit, applied, log bounds), and each shard
-//! engine's counters. Served by a deliberately tiny HTTP/1.1 responder: one
-//! request per connection, no keep-alive.
+//! Two kinds of sources:
+//! - instruments updated on the request path ([`NodeMetrics`]: requests,
+//!   errors by stable code, latency, bytes; the RPC layer's counts of every
+//!   gRPC method);
+//! - a collector read at scrape time ([`ShardCollector`]): each hosted
+//!   replica's Raft state, its owner's counters and commit latency, its
+//!   engine's metrics snapshot, and the data directory's disk.
+//!
+//! Every series carries `node_id`.
 
-use std::fmt::Write as _;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::borrow::Cow;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+use tidepool_engine::MetricsSnapshot;
+use tidepool_telemetry::RequestMetrics;
+use tidepool_telemetry::metrics::latency_buckets;
 
 use super::Node;
-
-/// A monotonically increasing count.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    /// Adds one.
-    pub fn inc(&self) {
-        self.add(1);
-    }
-
-    /// Adds `n`.
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// The count.
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// Upper bounds of the latency buckets, seconds.
-const BUCKETS: [f64; 16] = [
-    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0,
-];
-
-/// A latency histogram with fixed buckets.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len() + 1],
-    sum_micros: AtomicU64,
-}
-
-impl Histogram {
-    /// Records the time since `start`.
-    pub fn observe_since(&self, start: Instant) {
-        let seconds = start.elapsed().as_secs_f64();
-        let bucket = BUCKETS
-            .iter()
-            .position(|b| seconds <= *b)
-            .unwrap_or(BUCKETS.len());
-        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
-            cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-        }
-        cumulative += self.counts[BUCKETS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
-    }
-}
+use crate::shard::{ShardState, ShardStats};
 
 /// The client operations measured.
 pub const OPERATIONS: [&str; 7] = [
@@ -88,15 +42,30 @@ pub const OPERATIONS: [&str; 7] = [
     "list",
 ];
 
-/// Everything the node counts.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    op: &'static str,
+    code: &'static str,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
+}
+
+/// The instruments of the request path.
+#[derive(Debug)]
 pub struct NodeMetrics {
-    /// Requests per operation (index into [`OPERATIONS`]).
-    pub requests: [Counter; 7],
-    /// Failed requests per operation.
-    pub errors: [Counter; 7],
-    /// Latency per operation.
-    pub latency: [Histogram; 7],
+    requests_family: Family<OpLabels, Counter>,
+    latency_family: Family<OpLabels, Histogram, fn() -> Histogram>,
+    errors: Family<ErrorLabels, Counter>,
+    /// Per operation (index into [`OPERATIONS`]), resolved once.
+    requests: Vec<Counter>,
+    latency: Vec<Histogram>,
     /// Bytes of blob content accepted by puts.
     pub put_bytes: Counter,
     /// Bytes of blob content returned by gets.
@@ -109,178 +78,501 @@ pub struct NodeMetrics {
     pub snapshot_bytes_received: Counter,
     /// Snapshots received whole.
     pub snapshots_received: Counter,
+    /// Every gRPC method served (the layer in front of the services).
+    pub rpc: RequestMetrics,
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        let requests_family = Family::<OpLabels, Counter>::default();
+        let latency_family: Family<OpLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        let requests = OPERATIONS
+            .iter()
+            .map(|op| requests_family.get_or_create_owned(&OpLabels { op }))
+            .collect();
+        let latency = OPERATIONS
+            .iter()
+            .map(|op| latency_family.get_or_create_owned(&OpLabels { op }))
+            .collect();
+        Self {
+            requests_family,
+            latency_family,
+            errors: Family::default(),
+            requests,
+            latency,
+            put_bytes: Counter::default(),
+            get_bytes: Counter::default(),
+            raft_messages_dropped: Counter::default(),
+            snapshot_bytes_sent: Counter::default(),
+            snapshot_bytes_received: Counter::default(),
+            snapshots_received: Counter::default(),
+            rpc: RequestMetrics::default(),
+        }
+    }
+}
+
+/// The label value of a stable error code (`NOT_FOUND`, ...).
+pub fn code_label(code: tidepool_proto::v1::ErrorCode) -> &'static str {
+    let name = code.as_str_name();
+    name.strip_prefix("ERROR_CODE_").unwrap_or(name)
 }
 
 impl NodeMetrics {
-    /// Counts a finished request of `operation` (index into [`OPERATIONS`]).
-    pub fn finished(&self, operation: usize, start: Instant, ok: bool) {
+    /// Counts a finished request of `operation` (an index into
+    /// [`OPERATIONS`]); `error` is its stable error code if it failed.
+    pub fn finished(&self, operation: usize, start: Instant, error: Option<&'static str>) {
         self.requests[operation].inc();
-        if !ok {
-            self.errors[operation].inc();
+        self.latency[operation].observe(start.elapsed().as_secs_f64());
+        if let Some(code) = error {
+            self.errors
+                .get_or_create(&ErrorLabels {
+                    op: OPERATIONS[operation],
+                    code,
+                })
+                .inc();
         }
-        self.latency[operation].observe_since(start);
+    }
+
+    /// Requests of `operation` counted so far.
+    pub fn requests_of(&self, operation: usize) -> u64 {
+        self.requests[operation].get()
+    }
+
+    /// Registers the instruments in `registry`.
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tidepool_node_requests",
+            "Blob requests served, by operation.",
+            self.requests_family.clone(),
+        );
+        registry.register(
+            "tidepool_node_request_errors",
+            "Blob requests that failed, by operation and stable error code.",
+            self.errors.clone(),
+        );
+        registry.register_with_unit(
+            "tidepool_node_request_duration",
+            "Time to serve a blob request, by operation.",
+            Unit::Seconds,
+            self.latency_family.clone(),
+        );
+        for (name, help, counter) in [
+            (
+                "tidepool_node_put_bytes",
+                "Bytes of blob content accepted by puts.",
+                &self.put_bytes,
+            ),
+            (
+                "tidepool_node_get_bytes",
+                "Bytes of blob content returned by gets.",
+                &self.get_bytes,
+            ),
+            (
+                "tidepool_node_raft_messages_dropped",
+                "Raft messages dropped (full queues, unknown shards or peers).",
+                &self.raft_messages_dropped,
+            ),
+            (
+                "tidepool_node_snapshot_sent_bytes",
+                "Snapshot bytes served to peers.",
+                &self.snapshot_bytes_sent,
+            ),
+            (
+                "tidepool_node_snapshot_received_bytes",
+                "Snapshot bytes received from peers.",
+                &self.snapshot_bytes_received,
+            ),
+            (
+                "tidepool_node_snapshots_received",
+                "Raft snapshots received whole.",
+                &self.snapshots_received,
+            ),
+        ] {
+            registry.register(name, help, counter.clone());
+        }
+        self.rpc.register(registry);
     }
 }
 
-/// The Prometheus text of everything.
-pub fn render(node: &Node) -> String {
-    let m = &node.metrics;
-    let id = node.config.node_id;
-    let mut out = String::new();
-    let _ = writeln!(out, "# TYPE tidepool_node_requests_total counter");
-    for (i, op) in OPERATIONS.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "tidepool_node_requests_total{{node_id=\"{id}\",op=\"{op}\"}} {}",
-            m.requests[i].get()
-        );
-    }
-    let _ = writeln!(out, "# TYPE tidepool_node_request_errors_total counter");
-    for (i, op) in OPERATIONS.iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "tidepool_node_request_errors_total{{node_id=\"{id}\",op=\"{op}\"}} {}",
-            m.errors[i].get()
-        );
-    }
-    let _ = writeln!(out, "# TYPE tidepool_node_request_seconds histogram");
-    for (i, op) in OPERATIONS.iter().enumerate() {
-        m.latency[i].render(
-            &mut out,
-            "tidepool_node_request_seconds",
-            &format!("node_id=\"{id}\",op=\"{op}\""),
-        );
-    }
-    for (name, counter) in [
-        ("tidepool_node_put_bytes_total", &m.put_bytes),
-        ("tidepool_node_get_bytes_total", &m.get_bytes),
-        (
-            "tidepool_node_raft_messages_dropped_total",
-            &m.raft_messages_dropped,
-        ),
-        (
-            "tidepool_node_snapshot_bytes_sent_total",
-            &m.snapshot_bytes_sent,
-        ),
-        (
-            "tidepool_node_snapshot_bytes_received_total",
-            &m.snapshot_bytes_received,
-        ),
-        (
-            "tidepool_node_snapshots_received_total",
-            &m.snapshots_received,
-        ),
-    ] {
-        let _ = writeln!(out, "# TYPE {name} counter");
-        let _ = writeln!(out, "{name}{{node_id=\"{id}\"}} {}", counter.get());
-    }
-    let _ = writeln!(out, "# TYPE tidepool_shard_is_leader gauge");
-    for (info, shard) in node.hosted() {
-        let state = shard.state();
-        let labels = format!("node_id=\"{id}\",shard_id=\"{}\"", info.shard_id);
-        let Some(status) = state.status else {
-            let _ = writeln!(out, "tidepool_shard_up{{{labels}}} 0");
-            continue;
-        };
-        let _ = writeln!(out, "tidepool_shard_up{{{labels}}} 1");
-        for (name, value) in [
-            ("tidepool_shard_is_leader", u64::from(status.is_leader)),
-            ("tidepool_shard_term", status.term),
-            ("tidepool_shard_commit_index", status.commit),
-            ("tidepool_shard_applied_index", status.applied),
-            ("tidepool_shard_first_index", status.first_index),
-            ("tidepool_shard_last_index", status.last_index),
-            ("tidepool_shard_epoch", u64::from(state.epoch)),
-            ("tidepool_shard_disk_bytes", state.disk_bytes),
-            (
-                "tidepool_shard_receiving_snapshot",
-                u64::from(state.receiving_snapshot),
-            ),
-        ] {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
-        }
-        let metrics = shard.engine().metrics();
-        let counters = metrics.counters;
-        for (name, value) in [
-            // Gauges: index log bytes the cells reference, and sealed
-            // index log bytes they do not (what garbage collection and
-            // index log cleaning give back).
-            ("tidepool_engine_index_live_bytes", metrics.index_live_bytes),
-            (
-                "tidepool_engine_index_garbage_bytes",
-                metrics.index_garbage_bytes,
-            ),
-            (
-                "tidepool_engine_index_blobs_moved_total",
-                counters.index_blobs_moved,
-            ),
-            (
-                "tidepool_engine_wal_bytes_written_total",
-                counters.wal_bytes_written,
-            ),
-            (
-                "tidepool_engine_index_bytes_written_total",
-                counters.index_bytes_written,
-            ),
-            ("tidepool_engine_cache_hits_total", counters.cache_hits),
-            ("tidepool_engine_cache_misses_total", counters.cache_misses),
-            (
-                "tidepool_engine_bytes_reclaimed_total",
-                counters.bytes_reclaimed,
-            ),
-            (
-                "tidepool_engine_bytes_relocated_total",
-                counters.bytes_relocated,
-            ),
-        ] {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
-        }
-    }
-    out
+/// The node's registry: its instruments and its collector, every series
+/// labelled `node_id`.
+pub(crate) fn registry(node: &Arc<Node>) -> Registry {
+    let mut root = Registry::default();
+    let registry = root.sub_registry_with_label((
+        Cow::Borrowed("node_id"),
+        Cow::Owned(node.config.node_id.to_string()),
+    ));
+    node.metrics.register(registry);
+    registry.register_collector(Box::new(ShardCollector {
+        node: Arc::downgrade(node),
+    }));
+    root
 }
 
-/// How long one metrics connection may take, reading and writing: a
-/// client that connects and sends nothing holds a socket no longer.
-pub(crate) const METRICS_CONNECTION_TIMEOUT: std::time::Duration =
-    std::time::Duration::from_secs(10);
+/// Reads every hosted replica at scrape time.
+#[derive(Debug)]
+pub(crate) struct ShardCollector {
+    node: Weak<Node>,
+}
 
-/// Serves `/metrics`, `/healthz` (alive) and `/readyz` (serving) until the
-/// runtime stops.
-pub async fn serve(node: Arc<Node>, listener: TcpListener) {
-    loop {
-        let Ok((mut socket, _)) = listener.accept().await else {
-            // Out of file descriptors and the like: do not spin.
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
+/// One replica, read once per scrape.
+struct Sample {
+    shard_id: u32,
+    state: ShardState,
+    stats: ShardStats,
+    engine: MetricsSnapshot,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardLabels {
+    shard_id: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CellLabels {
+    shard_id: u32,
+    state: &'static str,
+}
+
+/// The names of the engine's cell states, in `MetricsSnapshot::cell_states`
+/// order.
+const CELL_STATES: [&str; 5] = [
+    "empty",
+    "loaded",
+    "dirty_loaded",
+    "unloaded",
+    "dirty_unloaded",
+];
+
+type Read = fn(&Sample) -> Option<u64>;
+
+/// Per-replica gauges: name, help, value (`None`: no series, e.g. a
+/// replica that is down has no Raft state).
+const SHARD_GAUGES: &[(&str, &str, Read)] = &[
+    (
+        "tidepool_shard_up",
+        "1 while the replica is open, 0 while it is down and being reopened.",
+        |s| Some(u64::from(s.state.status.is_some())),
+    ),
+    (
+        "tidepool_shard_is_leader",
+        "1 while this replica leads its shard.",
+        |s| s.state.status.as_ref().map(|r| u64::from(r.is_leader)),
+    ),
+    (
+        "tidepool_shard_has_leader",
+        "1 while the replica knows a leader of its shard.",
+        |s| s.state.status.as_ref().map(|r| u64::from(r.leader != 0)),
+    ),
+    ("tidepool_shard_term", "Current Raft term.", |s| {
+        s.state.status.as_ref().map(|r| r.term)
+    }),
+    (
+        "tidepool_shard_commit_index",
+        "Highest Raft index known committed.",
+        |s| s.state.status.as_ref().map(|r| r.commit),
+    ),
+    (
+        "tidepool_shard_applied_index",
+        "Highest Raft index applied to the engine.",
+        |s| s.state.status.as_ref().map(|r| r.applied),
+    ),
+    (
+        "tidepool_shard_first_index",
+        "First Raft index still in the log.",
+        |s| s.state.status.as_ref().map(|r| r.first_index),
+    ),
+    (
+        "tidepool_shard_last_index",
+        "Last Raft index in the log.",
+        |s| s.state.status.as_ref().map(|r| r.last_index),
+    ),
+    (
+        "tidepool_shard_apply_lag_entries",
+        "Committed entries not yet applied.",
+        |s| {
+            s.state
+                .status
+                .as_ref()
+                .map(|r| r.commit.saturating_sub(r.applied))
+        },
+    ),
+    (
+        "tidepool_shard_append_lag_entries",
+        "On a leader: entries the slowest voter has yet to append (0 on followers).",
+        |s| s.state.status.as_ref().map(|r| r.append_lag),
+    ),
+    (
+        "tidepool_shard_voters",
+        "Voters in the replica's configuration.",
+        |s| s.state.status.as_ref().map(|r| r.voters.len() as u64),
+    ),
+    ("tidepool_shard_epoch", "The shard's current epoch.", |s| {
+        Some(u64::from(s.state.epoch))
+    }),
+    (
+        "tidepool_shard_disk_bytes",
+        "Bytes the replica's engine holds on disk.",
+        |s| Some(s.state.disk_bytes),
+    ),
+    (
+        "tidepool_shard_receiving_snapshot",
+        "1 while a snapshot is being received.",
+        |s| Some(u64::from(s.state.receiving_snapshot)),
+    ),
+    (
+        "tidepool_engine_segments",
+        "Value WAL segments (as of the last census).",
+        |s| Some(s.engine.segments.len() as u64),
+    ),
+    (
+        "tidepool_engine_relocation_debt_bytes",
+        "Garbage bytes in sealed WAL segments as of the last census: space relocation has yet to give back.",
+        |s| Some(s.engine.relocation_lag_bytes),
+    ),
+    (
+        "tidepool_engine_index_memory_bytes",
+        "Bytes the in-memory index holds.",
+        |s| Some(s.engine.index_memory_bytes),
+    ),
+    (
+        "tidepool_engine_cache_bytes",
+        "Bytes the value cache holds.",
+        |s| Some(s.engine.cache_bytes),
+    ),
+    (
+        "tidepool_engine_index_live_bytes",
+        "Bytes of index blobs the cells reference.",
+        |s| Some(s.engine.index_live_bytes),
+    ),
+    (
+        "tidepool_engine_index_garbage_bytes",
+        "Bytes of sealed index log segments no cell references.",
+        |s| Some(s.engine.index_garbage_bytes),
+    ),
+    (
+        "tidepool_engine_wal_unsynced_bytes",
+        "Value WAL bytes processed but not yet synced.",
+        |s| Some(s.engine.wal_processed.saturating_sub(s.engine.wal_synced)),
+    ),
+];
+
+/// Per-replica counters (name without `_total`).
+const SHARD_COUNTERS: &[(&str, &str, Read)] = &[
+    (
+        "tidepool_raft_proposals",
+        "Raft entries this replica proposed as leader.",
+        |s| Some(s.stats.proposals.get()),
+    ),
+    (
+        "tidepool_raft_proposals_dropped",
+        "Raft entries this replica proposed that a new leader's entries replaced (never applied).",
+        |s| Some(s.stats.proposals_dropped.get()),
+    ),
+    (
+        "tidepool_raft_leader_changes",
+        "Changes of the leader this replica saw (elections won by anyone).",
+        |s| Some(s.stats.leader_changes.get()),
+    ),
+    (
+        "tidepool_raft_snapshots_installed",
+        "Raft snapshots this replica installed.",
+        |s| Some(s.stats.snapshots_installed.get()),
+    ),
+    (
+        "tidepool_engine_wal_written_bytes",
+        "Bytes appended to the value WAL.",
+        |s| Some(s.engine.counters.wal_bytes_written),
+    ),
+    (
+        "tidepool_engine_index_written_bytes",
+        "Bytes appended to the index log.",
+        |s| Some(s.engine.counters.index_bytes_written),
+    ),
+    (
+        "tidepool_engine_cache_hits",
+        "Gets served from the value cache.",
+        |s| Some(s.engine.counters.cache_hits),
+    ),
+    (
+        "tidepool_engine_cache_misses",
+        "Gets that read the value from disk.",
+        |s| Some(s.engine.counters.cache_misses),
+    ),
+    ("tidepool_engine_flushes", "Cell index flushes.", |s| {
+        Some(s.engine.counters.flushes)
+    }),
+    (
+        "tidepool_engine_reclaimed_bytes",
+        "Bytes of value WAL segments deleted.",
+        |s| Some(s.engine.counters.bytes_reclaimed),
+    ),
+    (
+        "tidepool_engine_relocated_bytes",
+        "Bytes rewritten by relocation and epoch drops.",
+        |s| Some(s.engine.counters.bytes_relocated),
+    ),
+    (
+        "tidepool_engine_segments_deleted",
+        "Value WAL segments deleted.",
+        |s| Some(s.engine.counters.segments_deleted),
+    ),
+    (
+        "tidepool_engine_index_blobs_moved",
+        "Index blobs copied out of mostly-garbage index segments.",
+        |s| Some(s.engine.counters.index_blobs_moved),
+    ),
+    (
+        "tidepool_engine_relocation_passes",
+        "Relocation passes run.",
+        |s| Some(s.engine.counters.relocation_passes),
+    ),
+];
+
+fn encode_gauges(
+    encoder: &mut DescriptorEncoder<'_>,
+    samples: &[Sample],
+    table: &[(&str, &str, Read)],
+    metric_type: MetricType,
+) -> Result<(), std::fmt::Error> {
+    for (name, help, read) in table {
+        // Units are in the names (a unit here would be appended again).
+        let mut family = encoder.encode_descriptor(name, help, None, metric_type)?;
+        for sample in samples {
+            let Some(value) = read(sample) else {
+                continue;
+            };
+            let labels = ShardLabels {
+                shard_id: sample.shard_id,
+            };
+            let encoder = family.encode_family(&labels)?;
+            match metric_type {
+                MetricType::Counter => ConstCounter::new(value).encode(encoder)?,
+                _ => ConstGauge::new(value as i64).encode(encoder)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+impl ShardCollector {
+    fn samples(node: &Node) -> Vec<Sample> {
+        node.hosted()
+            .into_iter()
+            .map(|(info, shard)| Sample {
+                shard_id: info.shard_id,
+                state: shard.state(),
+                stats: shard.stats().clone(),
+                engine: shard.engine().metrics(),
+            })
+            .collect()
+    }
+
+    fn encode_disk(
+        node: &Node,
+        encoder: &mut DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        let (used, total) = super::admin::disk_usage(&node.config.data_dir);
+        for (name, help, value) in [
+            (
+                "tidepool_node_disk_total_bytes",
+                "Size of the file system holding the data directory.",
+                total,
+            ),
+            (
+                "tidepool_node_disk_used_bytes",
+                "Bytes used on that file system.",
+                used,
+            ),
+            (
+                "tidepool_node_disk_free_bytes",
+                "Bytes available on that file system.",
+                total.saturating_sub(used),
+            ),
+        ] {
+            let metric = ConstGauge::new(value as i64);
+            let family = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+            metric.encode(family)?;
+        }
+        Ok(())
+    }
+}
+
+impl Collector for ShardCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let Some(node) = self.node.upgrade() else {
+            return Ok(());
         };
-        let node = node.clone();
-        tokio::spawn(tokio::time::timeout(
-            METRICS_CONNECTION_TIMEOUT,
-            async move {
-                let mut request = vec![0u8; 4096];
-                let Ok(n) = socket.read(&mut request).await else {
-                    return;
+        let samples = Self::samples(&node);
+        encode_gauges(&mut encoder, &samples, SHARD_GAUGES, MetricType::Gauge)?;
+        encode_gauges(&mut encoder, &samples, SHARD_COUNTERS, MetricType::Counter)?;
+        let mut cells = encoder.encode_descriptor(
+            "tidepool_engine_cells",
+            "Index cells by state.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for sample in &samples {
+            for (state, count) in CELL_STATES.iter().zip(sample.engine.cell_states) {
+                let labels = CellLabels {
+                    shard_id: sample.shard_id,
+                    state,
                 };
-                let head = String::from_utf8_lossy(&request[..n]);
-                let path = head.split_whitespace().nth(1).unwrap_or("/");
-                let (status, body) = match path {
-                    "/metrics" => ("200 OK", tokio::task::block_in_place(|| render(&node))),
-                    "/healthz" if node.is_stopping() => {
-                        ("503 Service Unavailable", "stopping\n".into())
-                    }
-                    "/healthz" => ("200 OK", "ok\n".into()),
-                    "/readyz" => match tokio::task::block_in_place(|| node.readiness()) {
-                        Ok(()) => ("200 OK", "ready\n".into()),
-                        Err(why) => ("503 Service Unavailable", format!("{why}\n")),
-                    },
-                    _ => ("404 Not Found", "not found\n".into()),
-                };
-                let response = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = socket.write_all(response.as_bytes()).await;
-            },
-        ));
+                ConstGauge::new(count as i64).encode(cells.encode_family(&labels)?)?;
+            }
+        }
+        let mut commit = encoder.encode_descriptor(
+            "tidepool_raft_commit_duration",
+            "On a leader: time from proposing a Raft entry to applying it.",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for sample in &samples {
+            let labels = ShardLabels {
+                shard_id: sample.shard_id,
+            };
+            sample
+                .stats
+                .commit_latency
+                .encode(commit.encode_family(&labels)?)?;
+        }
+        Self::encode_disk(&node, &mut encoder)
+    }
+}
+
+impl tidepool_telemetry::Exposition for NodeExposition {
+    fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    fn alive(&self) -> Result<(), String> {
+        match self.node.upgrade() {
+            Some(node) if !node.is_stopping() => Ok(()),
+            _ => Err("stopping".into()),
+        }
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        match self.node.upgrade() {
+            Some(node) => node.readiness(),
+            None => Err("stopped".into()),
+        }
+    }
+}
+
+/// The node's metrics endpoint.
+pub(crate) struct NodeExposition {
+    node: Weak<Node>,
+    registry: Registry,
+}
+
+impl NodeExposition {
+    /// The endpoint of `node`.
+    pub(crate) fn new(node: &Arc<Node>) -> Self {
+        Self {
+            node: Arc::downgrade(node),
+            registry: registry(node),
+        }
     }
 }

@@ -44,7 +44,7 @@ use crate::shard::ShardHandle;
 use crate::snapshot::Outbox;
 use crate::store::ReplicaStore;
 pub use coordination::prepare_stop;
-pub use metrics::{NodeMetrics, OPERATIONS};
+pub use metrics::{NodeMetrics, OPERATIONS, code_label};
 use transport::Transport;
 
 /// Largest gRPC message the node sends or accepts (Raft batches carry
@@ -636,7 +636,13 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         coordination::spawn_registration(node.clone());
     }
     if let Some(listener) = metrics_listener {
-        tokio::spawn(metrics::serve(node.clone(), listener));
+        // Until the runtime stops: `/healthz` answers 503 while stopping.
+        let exposition = Arc::new(metrics::NodeExposition::new(&node));
+        tokio::spawn(tidepool_telemetry::metrics::serve(
+            listener,
+            exposition,
+            std::future::pending(),
+        ));
     }
     // A prepared snapshot pins its checkpoint's WAL segments: once nobody
     // pulls from it, let it go so deleted data's space comes back.
@@ -676,12 +682,22 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
             GuardLayer::open()
         }
     };
+    // Every method is counted, refused ones too (outside the guard).
+    let counted = node.metrics.rpc.layer(
+        "grpc",
+        tidepool_telemetry::MethodNames::grpc(
+            tidepool_security::planes::METHODS
+                .iter()
+                .map(|(path, _)| *path),
+        ),
+    );
     let server = tokio::spawn(async move {
         let keepalive = Duration::from_millis(limits.keepalive_ms);
         let router = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(limits.max_streams_per_connection))
             .http2_keepalive_interval(Some(keepalive))
             .http2_keepalive_timeout(Some(keepalive))
+            .layer(counted)
             .layer(guard)
             .add_service(blob)
             .add_service(raft)

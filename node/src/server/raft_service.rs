@@ -119,7 +119,7 @@ impl RaftTransport for RaftApi {
                     metrics
                         .metrics
                         .snapshot_bytes_sent
-                        .add(chunk.data.len() as u64);
+                        .inc_by(chunk.data.len() as u64);
                 }
                 if tx.blocking_send(item).is_err() {
                     return; // the receiver went away
@@ -306,7 +306,7 @@ async fn pull(
         let chunk = chunk.map_err(|s| PullError::Broken(s.to_string()))?;
         let len = chunk.data.len() as u64;
         tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
-        node.metrics.snapshot_bytes_received.add(len);
+        node.metrics.snapshot_bytes_received.inc_by(len);
     }
     Ok(())
 }

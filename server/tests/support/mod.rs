@@ -16,13 +16,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
 /// process and the coordinator URL from its ready banner.
 pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
     let (child, banner) = start_dev_banner(dir, extra);
-    let url = banner[0]
-        .split_whitespace()
-        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
-        .unwrap()
-        .trim_end_matches(',')
-        .to_string();
-    (child, url)
+    (child, banner_url(&banner))
 }
 
 /// Starts dev mode like [`start_dev`]; returns the process and every line
@@ -55,6 +49,42 @@ pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<St
             panic!("{problem}\n--- dev.log\n{log}");
         }
     }
+}
+
+/// The coordinator URL of a ready banner.
+pub fn banner_url(banner: &[String]) -> String {
+    banner[0]
+        .split_whitespace()
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
+        .unwrap()
+        .trim_end_matches(',')
+        .to_string()
+}
+
+/// The gateway's HTTP cache address in a ready banner.
+pub fn banner_http_cache(banner: &[String]) -> std::net::SocketAddr {
+    banner
+        .iter()
+        .find_map(|l| l.split("--remote_cache=http://").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP cache in {banner:?}"))
+}
+
+/// The `/metrics` URLs a ready banner lists: (process, host:port).
+pub fn banner_metrics(banner: &[String]) -> Vec<(String, String)> {
+    banner
+        .iter()
+        .filter(|l| l.trim_end().ends_with("/metrics"))
+        .map(|l| {
+            let (process, url) = l.trim().rsplit_once(' ').unwrap();
+            let address = url
+                .trim_start_matches("http://")
+                .trim_end_matches("/metrics")
+                .to_string();
+            (process.to_string(), address)
+        })
+        .collect()
 }
 
 /// The banner's lines, up to the one saying how to stop.

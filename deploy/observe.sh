@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# `make observe`: `tidepool dev` (on its default ports) with a Prometheus
+# from Debian's `prometheus` package scraping its five processes and
+# evaluating the alert rules, at http://127.0.0.1:9090. Ctrl-C stops both.
+# Prometheus' data lives in a temporary directory removed on exit.
+set -euo pipefail
+bin=${1:-./target/release/tidepool}
+root=$(cd "$(dirname "$0")/.." && pwd)
+command -v prometheus >/dev/null || { echo "observe: prometheus not found: run make deps" >&2; exit 1; }
+work=$(mktemp -d)
+cat > "$work/prometheus.yml" <<YAML
+global:
+  scrape_interval: 5s
+  evaluation_interval: 5s
+rule_files:
+  - $root/helm/tidepool/alerts/tidepool-rules.yaml
+scrape_configs:
+  - job_name: tidepool-dev
+    static_configs:
+      - targets: ['127.0.0.1:7490', '127.0.0.1:7491', '127.0.0.1:7492', '127.0.0.1:7493', '127.0.0.1:7494']
+YAML
+prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
+  --web.listen-address=127.0.0.1:9090 > "$work/prometheus.log" 2>&1 &
+prom=$!
+trap 'kill $prom 2>/dev/null; wait $prom 2>/dev/null; rm -rf "$work"' EXIT
+echo "observe: Prometheus at http://127.0.0.1:9090 (alerts: /alerts), log in $work/prometheus.log"
+shift || true
+"$bin" dev "$@"

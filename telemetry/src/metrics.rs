@@ -1,0 +1,277 @@
+//! The one metrics endpoint every Tidepool process serves: `GET /metrics`
+//! (a [`prometheus_client`] registry, as OpenMetrics text when the scraper
+//! asks for it and as Prometheus text 0.0.4 otherwise), `GET /healthz`
+//! (alive) and `GET /readyz` (serving), on hyper's HTTP/1.1 server with
+//! axum's router.
+//!
+//! Limits: a connection must send its request head within
+//! [`HEADER_READ_TIMEOUT`] and is closed after [`CONNECTION_TIMEOUT`], so a
+//! client that connects and says nothing holds a socket no longer; at most
+//! [`MAX_CONNECTIONS`] connections are served at once (more wait in the
+//! listen queue).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::encoding::{prometheus_text, text};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// How long a connection may take to send a request head.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection may stay open, whatever it does.
+pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// The `Content-Type` of OpenMetrics text 1.0.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What a process exposes on its metrics endpoint.
+pub trait Exposition: Send + Sync + 'static {
+    /// The registry to encode; called once per scrape (collectors read
+    /// their state then).
+    fn registry(&self) -> &Registry;
+
+    /// `Err(why)` when the process should be restarted (`/healthz`).
+    fn alive(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// `Err(why)` while the process should get no traffic (`/readyz`).
+    fn ready(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The text exposition format a scrape gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics text 1.0 (asked for with its media type in `Accept`).
+    OpenMetrics,
+    /// Prometheus text 0.0.4 (everything else: `promtool`, curl, older
+    /// scrapers).
+    PrometheusText,
+}
+
+impl Format {
+    /// The format an `Accept` header asks for.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::PrometheusText,
+        }
+    }
+
+    /// Its `Content-Type`.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+            Format::PrometheusText => prometheus_text::CONTENT_TYPE,
+        }
+    }
+}
+
+/// Encodes `registry` in `format`.
+pub fn encode(registry: &Registry, format: Format) -> Result<String, std::fmt::Error> {
+    let mut out = String::with_capacity(16 << 10);
+    match format {
+        Format::OpenMetrics => text::encode(&mut out, registry)?,
+        Format::PrometheusText => prometheus_text::encode(&mut out, registry)?,
+    }
+    Ok(out)
+}
+
+/// Upper bounds (seconds) of request latency histograms: 100 µs to 10 s.
+pub fn latency_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+        2.5, 5.0, 10.0,
+    ]
+    .into_iter()
+}
+
+/// The router of the endpoint (also what tests drive without a socket).
+pub fn router(exposition: Arc<dyn Exposition>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(exposition)
+}
+
+async fn metrics(State(exposition): State<Arc<dyn Exposition>>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
+    // Collectors read shard and engine state under locks: off the
+    // runtime's worker threads.
+    let encoded = tokio::task::spawn_blocking(move || encode(exposition.registry(), format)).await;
+    match encoded {
+        Ok(Ok(body)) => ([(header::CONTENT_TYPE, format.content_type())], body).into_response(),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
+    }
+}
+
+fn probe(result: Result<(), String>, ok: &'static str) -> Response {
+    match result {
+        Ok(()) => (StatusCode::OK, format!("{ok}\n")).into_response(),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response(),
+    }
+}
+
+async fn healthz(State(exposition): State<Arc<dyn Exposition>>) -> Response {
+    probe(exposition.alive(), "ok")
+}
+
+async fn readyz(State(exposition): State<Arc<dyn Exposition>>) -> Response {
+    let result = tokio::task::spawn_blocking(move || exposition.ready())
+        .await
+        .unwrap_or_else(|_| Err("readiness check failed".into()));
+    probe(result, "ready")
+}
+
+/// Serves the endpoint on `listener` until `stop` completes.
+pub async fn serve(
+    listener: TcpListener,
+    exposition: Arc<dyn Exposition>,
+    stop: impl Future<Output = ()> + Send,
+) {
+    let service = TowerToHyperService::new(router(exposition));
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let accepted = tokio::select! {
+            () = &mut stop => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((socket, _)) = accepted else {
+            // Out of file descriptors and the like: do not spin.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let _ = socket.set_nodelay(true);
+        let service = service.clone();
+        tokio::spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(socket), service);
+            let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
+            drop(permit);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+
+    struct Fixed(Registry);
+
+    impl Exposition for Fixed {
+        fn registry(&self) -> &Registry {
+            &self.0
+        }
+        fn ready(&self) -> Result<(), String> {
+            Err("no map yet".into())
+        }
+    }
+
+    fn fixed() -> Arc<Fixed> {
+        let mut registry = Registry::default();
+        let counter: Counter = Counter::default();
+        counter.inc_by(3);
+        registry.register("tidepool_test_things", "Things.", counter);
+        Arc::new(Fixed(registry))
+    }
+
+    #[test]
+    fn the_accept_header_picks_the_format() {
+        assert_eq!(Format::negotiate(None), Format::PrometheusText);
+        assert_eq!(Format::negotiate(Some("*/*")), Format::PrometheusText);
+        let prometheus =
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5";
+        assert_eq!(Format::negotiate(Some(prometheus)), Format::OpenMetrics);
+        let registry = &fixed().0;
+        let classic = encode(registry, Format::PrometheusText).unwrap();
+        assert!(classic.contains("# TYPE tidepool_test_things_total counter\n"));
+        assert!(!classic.contains("# EOF"));
+        let open = encode(registry, Format::OpenMetrics).unwrap();
+        assert!(open.ends_with("# EOF\n"), "{open}");
+    }
+
+    async fn request(listener_address: std::net::SocketAddr, raw: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut socket = tokio::net::TcpStream::connect(listener_address)
+            .await
+            .unwrap();
+        socket.write_all(raw.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        socket.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_and_probes_and_drops_silent_connections() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, fixed(), async move {
+            let _ = stop_rx.await;
+        }));
+        let metrics = request(
+            address,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+        assert!(metrics.contains("text/plain; version=0.0.4"), "{metrics}");
+        assert!(
+            metrics.contains("tidepool_test_things_total 3"),
+            "{metrics}"
+        );
+        let open = request(
+            address,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(open.contains(OPENMETRICS_CONTENT_TYPE), "{open}");
+        let alive = request(
+            address,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
+        let ready = request(
+            address,
+            "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            ready.starts_with("HTTP/1.1 503") && ready.ends_with("no map yet\n"),
+            "{ready}"
+        );
+        let missing = request(
+            address,
+            "GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let _ = stop_tx.send(());
+        server.await.unwrap();
+    }
+}

@@ -1,0 +1,354 @@
+//! Requests counted at the door: a tower layer in front of a server (gRPC or
+//! HTTP) that counts every request by protocol, method and result code and
+//! records its latency.
+//!
+//! Labels are bounded: the method label is one of the names the server
+//! declared (its gRPC paths, or HTTP verbs), anything else counts as
+//! `other`, so a client inventing paths cannot grow the series. The code is
+//! the gRPC status of a trailers-only response (how tonic answers an
+//! error), `OK` for a gRPC response whose status comes later in trailers,
+//! or the HTTP status code for plain HTTP. Latency runs until the response
+//! head: for streamed responses, until the stream starts.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tracing::Instrument as _;
+
+use crate::metrics::latency_buckets;
+
+/// Labels of a counted request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// `grpc`, `reapi`, `http_cache`, `restic`, ...
+    pub protocol: &'static str,
+    /// The method: a gRPC method name, an HTTP verb, or `other`.
+    pub method: &'static str,
+    /// The gRPC status name or the HTTP status code.
+    pub code: &'static str,
+}
+
+/// Labels of a latency histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabels {
+    /// As in [`RequestLabels`].
+    pub protocol: &'static str,
+    /// As in [`RequestLabels`].
+    pub method: &'static str,
+}
+
+fn new_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
+}
+
+/// The request families, shared by every layer of a process.
+#[derive(Clone, Debug)]
+pub struct RequestMetrics {
+    requests: Family<RequestLabels, Counter>,
+    latency: Family<MethodLabels, Histogram, fn() -> Histogram>,
+}
+
+impl Default for RequestMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(new_histogram),
+        }
+    }
+}
+
+impl RequestMetrics {
+    /// Registers the families in `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tidepool_rpc_requests",
+            "Requests served, by protocol, method and result code.",
+            self.requests.clone(),
+        );
+        registry.register_with_unit(
+            "tidepool_rpc_request_duration",
+            "Time from a request's arrival to its response head, by protocol and method.",
+            prometheus_client::registry::Unit::Seconds,
+            self.latency.clone(),
+        );
+    }
+
+    /// Counts one request.
+    pub fn record(&self, labels: RequestLabels, start: Instant) {
+        self.requests.get_or_create(&labels).inc();
+        self.latency
+            .get_or_create(&MethodLabels {
+                protocol: labels.protocol,
+                method: labels.method,
+            })
+            .observe(start.elapsed().as_secs_f64());
+    }
+
+    /// The count of one label set (tests).
+    pub fn count(&self, labels: &RequestLabels) -> u64 {
+        self.requests.get(labels).map_or(0, |c| c.get())
+    }
+
+    /// A layer counting requests of `protocol` whose method label comes
+    /// from `methods` (`None`: `other`).
+    pub fn layer(&self, protocol: &'static str, methods: MethodNames) -> RequestLayer {
+        RequestLayer {
+            metrics: self.clone(),
+            protocol,
+            methods,
+            traced: false,
+        }
+    }
+}
+
+/// How a request is named: from its path (gRPC) or its verb (HTTP).
+#[derive(Clone)]
+pub enum MethodNames {
+    /// gRPC: the last segment of a path in this list.
+    Grpc(Arc<[&'static str]>),
+    /// HTTP: the verb, if it is one of these.
+    Http(&'static [&'static str]),
+}
+
+impl MethodNames {
+    /// gRPC methods, by full path (`/pkg.Service/Method`).
+    pub fn grpc(paths: impl IntoIterator<Item = &'static str>) -> Self {
+        Self::Grpc(paths.into_iter().collect())
+    }
+
+    fn of<B>(&self, request: &http::Request<B>) -> &'static str {
+        match self {
+            MethodNames::Grpc(paths) => paths
+                .iter()
+                .find(|p| **p == request.uri().path())
+                .and_then(|p| p.rsplit('/').next())
+                .unwrap_or("other"),
+            MethodNames::Http(verbs) => verbs
+                .iter()
+                .find(|v| **v == request.method().as_str())
+                .copied()
+                .unwrap_or("other"),
+        }
+    }
+
+    fn is_grpc(&self) -> bool {
+        matches!(self, MethodNames::Grpc(_))
+    }
+}
+
+impl std::fmt::Debug for MethodNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_grpc() { "Grpc" } else { "Http" })
+    }
+}
+
+/// The tower layer; see [`RequestMetrics::layer`].
+#[derive(Clone, Debug)]
+pub struct RequestLayer {
+    metrics: RequestMetrics,
+    protocol: &'static str,
+    methods: MethodNames,
+    traced: bool,
+}
+
+impl RequestLayer {
+    /// Also runs every request in a span of its own (`request`, with
+    /// `protocol`, `method` and `code`), a child of the caller's span when
+    /// it sent a `traceparent`, else the root of a new trace: for servers
+    /// whose handlers make no spans themselves (the gateway's).
+    pub fn traced(mut self) -> Self {
+        self.traced = true;
+        self
+    }
+}
+
+impl<S> tower::Layer<S> for RequestLayer {
+    type Service = Counted<S>;
+
+    fn layer(&self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// A service whose requests are counted.
+#[derive(Clone, Debug)]
+pub struct Counted<S> {
+    inner: S,
+    layer: RequestLayer,
+}
+
+/// gRPC status names by code (`grpc-status` 0..=16).
+const GRPC_CODES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+
+/// The code label of a response head.
+fn code_of<B>(grpc: bool, response: &http::Response<B>) -> &'static str {
+    if grpc {
+        return match response.headers().get("grpc-status") {
+            None if response.status().is_success() => "OK",
+            None => "UNKNOWN",
+            Some(value) => value
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .and_then(|c| GRPC_CODES.get(c).copied())
+                .unwrap_or("UNKNOWN"),
+        };
+    }
+    match response.status().as_u16() {
+        200 => "200",
+        201 => "201",
+        204 => "204",
+        206 => "206",
+        304 => "304",
+        400 => "400",
+        401 => "401",
+        403 => "403",
+        404 => "404",
+        405 => "405",
+        409 => "409",
+        413 => "413",
+        416 => "416",
+        429 => "429",
+        500 => "500",
+        503 => "503",
+        s if s < 300 => "2xx",
+        s if s < 400 => "3xx",
+        s if s < 500 => "4xx",
+        _ => "5xx",
+    }
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for Counted<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    R: 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let start = Instant::now();
+        let method = self.layer.methods.of(&request);
+        let grpc = self.layer.methods.is_grpc();
+        let protocol = self.layer.protocol;
+        let metrics = self.layer.metrics.clone();
+        let span = if self.layer.traced && tidepool_security::trace_context::tracking() {
+            let span = tracing::info_span!(
+                target: "tidepool_gateway::request",
+                parent: None,
+                "request",
+                protocol,
+                method,
+                code = tracing::field::Empty
+            );
+            tidepool_security::trace_context::set_remote_parent_from_headers(
+                &span,
+                request.headers(),
+            );
+            span
+        } else {
+            tracing::Span::none()
+        };
+        let future = span.in_scope(|| self.inner.call(request));
+        Box::pin(async move {
+            let result = future.instrument(span.clone()).await;
+            let code = match &result {
+                Ok(response) => code_of(grpc, response),
+                Err(_) if grpc => "UNAVAILABLE",
+                Err(_) => "500",
+            };
+            span.record("code", code);
+            metrics.record(
+                RequestLabels {
+                    protocol,
+                    method,
+                    code,
+                },
+                start,
+            );
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::{Layer, Service, ServiceExt};
+
+    #[tokio::test]
+    async fn counts_by_method_and_code_and_bounds_the_labels() {
+        let metrics = RequestMetrics::default();
+        let layer = metrics.layer("grpc", MethodNames::grpc(["/p.S/Get", "/p.S/Put"]));
+        let mut service = layer.layer(tower::service_fn(|request: http::Request<()>| async move {
+            let mut response = http::Response::new(());
+            if request.uri().path() == "/p.S/Put" {
+                response
+                    .headers_mut()
+                    .insert("grpc-status", http::HeaderValue::from_static("5"));
+            }
+            Ok::<_, std::convert::Infallible>(response)
+        }));
+        for path in ["/p.S/Get", "/p.S/Put", "/p.S/Invented1", "/p.S/Invented2"] {
+            let request = http::Request::builder().uri(path).body(()).unwrap();
+            service.ready().await.unwrap().call(request).await.unwrap();
+        }
+        let labels = |method, code| RequestLabels {
+            protocol: "grpc",
+            method,
+            code,
+        };
+        assert_eq!(metrics.count(&labels("Get", "OK")), 1);
+        assert_eq!(metrics.count(&labels("Put", "NOT_FOUND")), 1);
+        assert_eq!(metrics.count(&labels("other", "OK")), 2);
+    }
+
+    #[test]
+    fn http_codes_keep_a_bounded_set() {
+        let response = |s: u16| {
+            let mut r = http::Response::new(());
+            *r.status_mut() = http::StatusCode::from_u16(s).unwrap();
+            r
+        };
+        assert_eq!(code_of(false, &response(404)), "404");
+        assert_eq!(code_of(false, &response(418)), "4xx");
+        assert_eq!(code_of(false, &response(599)), "5xx");
+        assert_eq!(code_of(true, &response(200)), "OK");
+    }
+}

@@ -1,0 +1,233 @@
+//! The process's tracing subscriber: logs (text or one JSON object per
+//! line) and, when configured, `tracing` spans exported as OpenTelemetry
+//! traces over OTLP/gRPC.
+//!
+//! Export is off by default. It is on when `--otlp-endpoint` is given or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT` is
+//! set, unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`. The
+//! sampler is parent-based: a span whose caller sent a sampled
+//! `traceparent` is sampled, a root span with probability
+//! `--trace-sampling` (else `OTEL_TRACES_SAMPLER` / `_ARG` as the
+//! OpenTelemetry SDK reads them; default: every trace). `OTEL_SERVICE_NAME`,
+//! `OTEL_RESOURCE_ATTRIBUTES` and `OTEL_BSP_*` are honoured by the SDK.
+//!
+//! Exporting never blocks a request: finished spans go to the batch
+//! processor's bounded queue (dropped when it is full) and its own thread
+//! exports them, with a bounded timeout, through a tonic channel driven by
+//! a runtime of its own (one worker thread).
+
+use std::io::IsTerminal as _;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider,
+};
+use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{FilterExt as _, Targets, filter_fn};
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{Layer as _, Registry};
+
+use crate::json::JsonLines;
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (colours on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line: timestamp, level, target, fields, the
+    /// spans in scope, and the trace and span ids when the line is inside
+    /// a trace.
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            _ => Err(format!("unknown log format {s:?} (text or json)")),
+        }
+    }
+}
+
+/// What [`init`] sets up.
+#[derive(Clone, Debug, Default)]
+pub struct TelemetryConfig {
+    /// `service.name` of exported spans (unless `OTEL_SERVICE_NAME` is set).
+    pub service_name: String,
+    /// Log line format.
+    pub log_format: LogFormat,
+    /// OTLP/gRPC collector, e.g. `http://127.0.0.1:4317` (overrides the
+    /// environment).
+    pub otlp_endpoint: Option<String>,
+    /// Probability of sampling a trace this process starts (overrides
+    /// `OTEL_TRACES_SAMPLER`); callers' decisions are always followed.
+    pub sampling_ratio: Option<f64>,
+    /// The log filter when `RUST_LOG` is unset.
+    pub default_filter: String,
+}
+
+/// Keeps export running; flushes and stops it when dropped.
+#[derive(Debug, Default)]
+pub struct TelemetryGuard {
+    provider: Option<SdkTracerProvider>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl TelemetryGuard {
+    /// Whether spans are exported.
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some() && self.runtime.is_some()
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take() {
+            let _ = provider.shutdown();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The collector endpoint in force: the flag, else the environment; `None`
+/// when export is off.
+pub fn otlp_endpoint(flag: Option<&str>) -> Option<String> {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        || env("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"))
+    {
+        return None;
+    }
+    flag.map(str::to_string)
+        .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+}
+
+/// How long one export may take before it is abandoned.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Finished spans waiting for export; more are dropped.
+const EXPORT_QUEUE: usize = 8_192;
+
+fn provider(config: &TelemetryConfig, endpoint: Option<&str>) -> anyhow::Result<TelemetryGuard> {
+    let mut builder = SdkTracerProvider::builder();
+    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+        builder = builder.with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(config.service_name.clone())
+                .build(),
+        );
+    }
+    if let Some(ratio) = config.sampling_ratio {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&ratio),
+            "--trace-sampling must be within 0..=1, not {ratio}"
+        );
+        builder = builder.with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            ratio,
+        ))));
+    }
+    let mut runtime = None;
+    if let Some(endpoint) = endpoint {
+        // One worker thread of its own drives the channel's connection.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .thread_name("tidepool-otlp")
+            .build()
+            .context("cannot start the trace exporter's runtime")?;
+        // The channel's worker is spawned on the runtime current while it
+        // is built.
+        let exporter = rt.block_on(async {
+            opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(endpoint)
+                .with_timeout(EXPORT_TIMEOUT)
+                .build()
+        });
+        let exporter = exporter.with_context(|| format!("bad OTLP endpoint {endpoint:?}"))?;
+        let batch = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_max_queue_size(EXPORT_QUEUE)
+                    .with_max_export_batch_size(1_024)
+                    .with_scheduled_delay(Duration::from_millis(500))
+                    .build(),
+            )
+            .build();
+        builder = builder.with_span_processor(batch);
+        runtime = Some(rt);
+    }
+    Ok(TelemetryGuard {
+        provider: Some(builder.build()),
+        runtime,
+    })
+}
+
+/// Only our own spans become OpenTelemetry spans (not those of the
+/// libraries underneath).
+fn ours(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.target().starts_with("tidepool")
+}
+
+/// Installs the global subscriber; keep the guard for the process's life.
+///
+/// OpenTelemetry contexts are kept when spans are exported or when logs
+/// are JSON (so log lines carry the trace ids of requests that came with a
+/// `traceparent`, exported or not).
+pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
+    let endpoint = otlp_endpoint(config.otlp_endpoint.as_deref());
+    let with_contexts = endpoint.is_some() || config.log_format == LogFormat::Json;
+    let guard = if with_contexts {
+        provider(config, endpoint.as_deref())?
+    } else {
+        TelemetryGuard::default()
+    };
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(&config.default_filter));
+    let logs = match config.log_format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(filter)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .event_format(JsonLines)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed(),
+    };
+    let otel = guard.provider.as_ref().map(|provider| {
+        let tracer = provider.tracer("tidepool");
+        let level = Targets::new().with_default(tracing::Level::INFO);
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_level(false)
+            .with_filter(level.and(filter_fn(ours)))
+    });
+    Registry::default()
+        .with(logs)
+        .with(otel)
+        .try_init()
+        .context("a tracing subscriber is already installed")?;
+    if guard.exporting() {
+        tidepool_security::trace_context::set_exporting(true);
+    }
+    if with_contexts {
+        tidepool_security::trace_context::set_tracking(true);
+    }
+    Ok(guard)
+}
