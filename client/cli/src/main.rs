@@ -6,6 +6,7 @@
 //! some keys missing; 4 the cluster could not be reached in time; 5 the
 //! credential was refused (`UNAUTHENTICATED`, `PERMISSION_DENIED`).
 
+mod bench;
 mod load;
 
 use std::io::{BufRead, IsTerminal, Write};
@@ -97,6 +98,44 @@ enum Command {
         /// Stop when this file exists.
         #[arg(long)]
         stop_file: Option<PathBuf>,
+    },
+    /// A load generator: `--concurrency` workers running a mix of puts,
+    /// gets, exists and deletes for `--seconds` (or `--count` operations);
+    /// prints per operation ops/s, MiB/s, latency percentiles and errors by
+    /// code (exit 1 if any failed with a code other than NOT_FOUND).
+    Bench {
+        /// Namespace.
+        namespace: String,
+        /// Workers at once.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Bytes per value.
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+        /// Seconds to run (0: until `--count`).
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Stop after this many operations in all.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Operation weights, e.g. `put=1,get=3,exists=1,delete=0`.
+        #[arg(long, default_value = "put=1")]
+        mix: bench::Mix,
+        /// Keys the operations pick from (`<prefix>-0` ...).
+        #[arg(long, default_value_t = 10_000)]
+        keys: u64,
+        /// Key distribution: `uniform`, `zipf` or `zipf:S`.
+        #[arg(long, default_value = "uniform")]
+        distribution: bench::Distribution,
+        /// Key prefix (default: `bench-<size>`).
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Do not write every key first when the mix reads.
+        #[arg(long)]
+        no_prefill: bool,
+        /// Seed of the operation and key choices (printed when not given).
+        #[arg(long)]
+        seed: Option<u64>,
     },
     /// Read back every blob of a `load --record` file and check its
     /// content (exit 1 if any is missing or wrong).
@@ -724,7 +763,7 @@ async fn run(cli: &Cli) -> Outcome {
     let mut config = ClientConfig::new(&cli.coordinator);
     config.timeout = Duration::from_secs(cli.timeout);
     // One-shot commands need no map watch; a load runs long enough to.
-    config.watch = matches!(cli.command, Command::Load { .. });
+    config.watch = matches!(cli.command, Command::Load { .. } | Command::Bench { .. });
     credentials(cli, &mut config)?;
     let client = Client::with_config(config).await.map_err(|e| Failure {
         // A refused credential keeps its own exit code.
@@ -763,6 +802,42 @@ async fn run(cli: &Cli) -> Outcome {
                 stop_file: stop_file.clone(),
             };
             load::load(cli.json, &client, settings).await
+        }
+        Command::Bench {
+            namespace,
+            concurrency,
+            size,
+            seconds,
+            count,
+            mix,
+            keys,
+            distribution,
+            prefix,
+            no_prefill,
+            seed,
+        } => {
+            let seed = seed.unwrap_or_else(|| {
+                let seed = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos() as u64;
+                eprintln!("bench: --seed {seed}");
+                seed
+            });
+            let settings = bench::Bench {
+                namespace: namespace.clone(),
+                concurrency: (*concurrency).max(1),
+                size: *size,
+                seconds: *seconds,
+                count: *count,
+                mix: *mix,
+                keys: *keys,
+                distribution: *distribution,
+                prefix: prefix.clone().unwrap_or_else(|| format!("bench-{size}")),
+                prefill: !no_prefill,
+                seed,
+            };
+            bench::bench(cli.json, &client, settings).await
         }
         Command::Verify { namespace, record } => {
             load::verify(cli.json, &client, namespace, record).await

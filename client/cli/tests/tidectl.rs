@@ -288,3 +288,99 @@ async fn every_command_and_its_errors() {
     assert!(text(&out.stderr).contains("cannot reach"));
     cluster.stop().await;
 }
+
+/// `tidectl bench`: a mix runs and reports every operation; a bench that
+/// cannot work (unknown namespace) reports the errors by code and exits 1;
+/// bad settings are usage errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_reports_rates_latencies_and_errors_by_code() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let url = cluster.url.clone();
+    tokio::task::spawn_blocking(move || {
+        let out = run(
+            &url,
+            &[
+                "--json",
+                "bench",
+                "default",
+                "--seconds",
+                "2",
+                "--concurrency",
+                "4",
+                "--size",
+                "512",
+                "--keys",
+                "50",
+                "--mix",
+                "put=1,get=2,exists=1,delete=1",
+                "--distribution",
+                "zipf",
+                "--seed",
+                "7",
+            ],
+            b"",
+        );
+        expect(&out, 0);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for op in ["put", "get", "exists", "delete"] {
+            let row = &report["ops"][op];
+            assert!(row["count"].as_u64().unwrap() > 0, "{op}: {report}");
+            assert!(row["p50_us"].as_u64().unwrap() > 0, "{op}: {report}");
+            assert!(row["p99_us"].as_u64() >= row["p50_us"].as_u64(), "{report}");
+        }
+        // Deletes in the mix make some gets miss: NOT_FOUND, not a failure.
+        let get_errors = report["ops"]["get"]["errors"].as_object().unwrap();
+        assert!(get_errors.keys().all(|c| c == "NOT_FOUND"), "{report}");
+        // The progress went to stderr, the seed too.
+        assert!(
+            text(&out.stderr).contains("prefill: 50 keys"),
+            "{}",
+            text(&out.stderr)
+        );
+
+        // A fixed count of puts, the text table.
+        let out = run(
+            &url,
+            &["bench", "default", "--seconds", "0", "--count", "40"],
+            b"",
+        );
+        expect(&out, 0);
+        let table = text(&out.stdout);
+        assert!(table.contains("| put | 40 |"), "{table}");
+
+        // An unknown namespace: every op fails with its code, exit 1.
+        let out = run(
+            &url,
+            &[
+                "--json",
+                "bench",
+                "nope",
+                "--seconds",
+                "1",
+                "--concurrency",
+                "2",
+            ],
+            b"",
+        );
+        expect(&out, 1);
+        // The report, then the failure (one JSON object per line).
+        let stdout = text(&out.stdout);
+        let mut lines = stdout.lines();
+        let report: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+        let failure: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+        assert_eq!(failure["exit_code"], 1, "{failure}");
+        assert!(
+            report["ops"]["put"]["errors"]["NAMESPACE_NOT_FOUND"]
+                .as_u64()
+                .unwrap()
+                > 0,
+            "{report}"
+        );
+        // Bad settings: usage errors.
+        expect(&run(&url, &["bench", "default", "--mix", "scan=1"], b""), 2);
+        expect(&run(&url, &["bench", "default", "--keys", "0"], b""), 2);
+    })
+    .await
+    .unwrap();
+    cluster.stop().await;
+}
