@@ -618,9 +618,10 @@ fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
                 Err(e) => return Err(e.into()),
             }
         };
-        eprintln!(
+        tracing::info!(
             "tidepool coordinator {} serving on {}",
-            running.shared.id, running.address
+            running.shared.id,
+            running.address
         );
         tokio::select! {
             result = running.wait() => result?,
@@ -818,7 +819,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             );
             shutdown_signal().await;
         }
-        eprintln!("stopping");
+        tracing::info!("stopping");
         if let Some(gateway) = gateway {
             gateway.stop().await;
         }
@@ -885,9 +886,10 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             .restic_address
             .map(|a| format!(", restic rest:http{scheme}://{a}/"))
             .unwrap_or_default();
-        eprintln!(
+        tracing::info!(
             "tidepool gateway serving: REAPI/ByteStream grpc{scheme}://{}, HTTP cache http{scheme}://{}{restic}",
-            gateway.grpc_address, gateway.http_address
+            gateway.grpc_address,
+            gateway.http_address
         );
         shutdown_signal().await;
         gateway.stop().await;
@@ -899,9 +901,10 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
     runtime("tidepool-node")?.block_on(async {
         let mut running = tidepool_node::server::start(config).await?;
-        eprintln!(
+        tracing::info!(
             "tidepool node {} serving on {}",
-            running.node.config.node_id, running.address
+            running.node.config.node_id,
+            running.address
         );
         tokio::select! {
             result = running.wait() => result?,
@@ -1045,6 +1048,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let json_logs = cli.log_format == tidepool_telemetry::LogFormat::Json;
     let result = match cli.command {
         Command::Node(args) => run_node(*args),
         Command::Coordinator(args) => run_coordinator(*args),
@@ -1056,6 +1060,11 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // In JSON, as one more log line (every line of stderr is JSON).
+        Err(error) if json_logs => {
+            tracing::error!(error = %format!("{error:#}"), "tidepool failed");
+            ExitCode::FAILURE
+        }
         Err(error) => {
             eprintln!("tidepool: {error:#}");
             ExitCode::FAILURE
