@@ -188,20 +188,29 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
             .unwrap()
     });
 
-    // One traced put.
+    // One traced put, under a span of this test: the other test of this
+    // binary runs at the same time and its SDK spans reach this receiver
+    // too, so the trace is told by its id, not by its name.
+    let caller = tracing::info_span!(target: "tidepool_test", "traced caller");
+    let trace = {
+        use opentelemetry::trace::TraceContextExt as _;
+        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+        caller
+            .context()
+            .span()
+            .span_context()
+            .trace_id()
+            .to_bytes()
+            .to_vec()
+    };
     runtime
-        .block_on(client.put("default", b"traced", b"hello"))
+        .block_on(client.put("default", b"traced", b"hello").instrument(caller))
         .unwrap();
-    let put_trace = receiver
-        .wait("the SDK's put span", |spans| {
-            spans
-                .iter()
-                .any(|s| s.name == "tidepool.put" && s.service == "traces-test")
+    receiver.wait("the SDK's put span", |spans| {
+        spans.iter().any(|s| {
+            s.name == "tidepool.put" && s.service == "traces-test" && s.trace_id == trace
         })
-        .into_iter()
-        .find(|s| s.name == "tidepool.put")
-        .unwrap();
-    let trace = put_trace.trace_id.clone();
+    });
     let spans = receiver.wait("raft.apply on the three replicas", |spans| {
         named(spans, "raft.apply", &trace).len() >= 3
             && named(spans, "raft.append", &trace).len() >= 2
