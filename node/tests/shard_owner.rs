@@ -305,3 +305,27 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
         handle.stop();
     }
 }
+
+#[test]
+fn a_full_queue_refuses_writes_as_overloaded() {
+    // The queue is unbounded underneath (a bounded channel writes every
+    // slot up front: 8 MiB per replica); `send` bounds it. With room for
+    // no event, a write is refused at once, not queued.
+    let root = tempfile::tempdir().unwrap();
+    let driver = DriverConfig {
+        queue: 0,
+        ..DriverConfig::default()
+    };
+    let store = ReplicaStore::on_files(root.path().join("node-1"), engine_config());
+    let handle = ShardHandle::start(
+        ReplicaConfig::new(0, 1),
+        driver,
+        store,
+        Arc::new(Outbox::default()),
+        &[1],
+        Arc::new(LocalNet::default()),
+    )
+    .unwrap();
+    assert!(matches!(put(&handle, 1), Outcome::Overloaded));
+    handle.stop();
+}

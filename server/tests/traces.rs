@@ -204,12 +204,16 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
             .to_vec()
     };
     runtime
-        .block_on(client.put("default", b"traced", b"hello").instrument(caller))
+        .block_on(
+            client
+                .put("default", b"traced", b"hello")
+                .instrument(caller),
+        )
         .unwrap();
     receiver.wait("the SDK's put span", |spans| {
-        spans.iter().any(|s| {
-            s.name == "tidepool.put" && s.service == "traces-test" && s.trace_id == trace
-        })
+        spans
+            .iter()
+            .any(|s| s.name == "tidepool.put" && s.service == "traces-test" && s.trace_id == trace)
     });
     let spans = receiver.wait("raft.apply on the three replicas", |spans| {
         named(spans, "raft.apply", &trace).len() >= 3

@@ -172,13 +172,8 @@ impl StorageFile for DiskFile {
         if page_folios {
             map.advise(memmap2::Advice::Random)?;
         }
-        // Fault the pages in now, on the thread that maps (the allocator,
-        // ahead of need), so writers do not pay for the kernel zero-filling
-        // each fresh page. They stay read-only until written (or
-        // `fault_in_writable`): the log takes those write faults a chunk
-        // ahead of its writers. Kernels before 5.14 lack the advice; the
-        // writers then fault the pages in themselves.
-        let _ = map.advise(memmap2::Advice::PopulateRead);
+        // Pages are faulted in by `Mapping::populate_to`, a window ahead of
+        // the writers (the log's allocator sizes it to the write rate).
         let base = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| io::Error::other("mmap returned a null pointer"))?;
         let owner = FileMap {
@@ -254,12 +249,13 @@ impl MappedMemory for FileMap {
         );
         // 3. Faults of a range advised random read no readahead window, so
         //    each page is faulted in with a folio of its own, as in
-        //    `DiskFile::map` with `page_folios`; fault them in now, on the
-        //    calling thread, not on the writers'.
+        //    `DiskFile::map` with `page_folios` (`Mapping` populates the
+        //    part it had populated again).
         let _ = self.map.advise_range(memmap2::Advice::Random, offset, len);
-        let _ = self
-            .map
-            .advise_range(memmap2::Advice::PopulateRead, offset, len);
+    }
+
+    fn populate(&self, offset: usize, len: usize) {
+        self.map.populate(offset, len);
     }
 }
 

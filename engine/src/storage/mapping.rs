@@ -41,12 +41,21 @@ pub(crate) trait MappedMemory: Send + Sync {
     /// the memory is a shared file mapping whose clean pages sit in larger
     /// folios. A hint: doing nothing is correct, only costlier at syncs.
     fn use_page_folios(&self, _offset: usize, _len: usize) {}
+    /// Reads the pages of `[offset, offset + len)` into memory now, where
+    /// the memory is a shared file mapping (for a fresh segment: the
+    /// kernel's zero-filling of page-cache pages), so writers do not take
+    /// those faults. A hint: doing nothing is correct, only slower.
+    fn populate(&self, _offset: usize, _len: usize) {}
 }
 impl MappedMemory for memmap2::MmapMut {
     fn fault_in_writable(&self, offset: usize, len: usize) {
         // Fails on kernels before 5.14 (no MADV_POPULATE_WRITE); the
         // writers then take the faults themselves, as they would anyway.
         let _ = self.advise_range(memmap2::Advice::PopulateWrite, offset, len);
+    }
+    fn populate(&self, offset: usize, len: usize) {
+        // Fails on kernels before 5.14 (no MADV_POPULATE_READ): as above.
+        let _ = self.advise_range(memmap2::Advice::PopulateRead, offset, len);
     }
     fn release(&self, offset: usize, len: usize) {
         // SAFETY: the mapping is a shared mapping of a file (`map_mut`), so
@@ -83,6 +92,8 @@ pub struct Mapping {
     cursor: Cursor,
     /// Bytes below this (a page multiple) were released.
     released: Cursor,
+    /// Bytes below this were populated (see [`Mapping::populate_to`]).
+    populated: Cursor,
     _owner: Box<dyn MappedMemory>,
 }
 
@@ -124,6 +135,7 @@ impl Mapping {
             len,
             cursor: Cursor(AtomicU64::new(0)),
             released: Cursor(AtomicU64::new(0)),
+            populated: Cursor(AtomicU64::new(0)),
             _owner: owner,
         }
     }
@@ -190,6 +202,30 @@ impl Mapping {
         }
     }
 
+    /// Reads the pages below `end` (clipped to the mapping, rounded up to
+    /// a page) not populated yet into memory now, on the calling thread, so
+    /// that writers of that range do not take the kernel's zero-filling
+    /// faults. Populating a whole segment up front would hold its length in
+    /// memory for every log, idle ones included; logs populate a window
+    /// ahead of their writers sized to their write rate instead (the log's
+    /// allocator). Bytes are not changed. Returns the new watermark.
+    pub fn populate_to(&self, end: u64) -> u64 {
+        let end = end
+            .div_ceil(PAGE_BYTES)
+            .saturating_mul(PAGE_BYTES)
+            .min(self.len);
+        let start = self.populated.0.fetch_max(end, Ordering::AcqRel);
+        if start < end {
+            self._owner.populate(start as usize, (end - start) as usize);
+        }
+        start.max(end)
+    }
+
+    /// Bytes populated so far (see [`Mapping::populate_to`]).
+    pub fn populated(&self) -> u64 {
+        self.populated.0.load(Ordering::Acquire)
+    }
+
     /// Unmaps from this process the whole pages below `offset` not unmapped
     /// yet (the bytes stay in the file's page cache, dirty or not). For the
     /// part of a log no writer touches again: writing back a page still
@@ -218,6 +254,13 @@ impl Mapping {
         if start < self.len {
             self._owner
                 .use_page_folios(start as usize, (self.len - start) as usize);
+            // Its populated part was dropped with the rest: populate it again,
+            // now in page folios.
+            let populated = self.populated();
+            if start < populated {
+                self._owner
+                    .populate(start as usize, (populated - start) as usize);
+            }
         }
     }
 

@@ -157,7 +157,8 @@ impl Log {
     ) -> Result<Log> {
         replay::remove_segments_from(&*storage, &opts, next)?;
         let base = next.0 * opts.segment_size;
-        let first = workers::create_spare(&*storage, &opts, next, true)?;
+        let first =
+            workers::create_spare(&*storage, &opts, next, true, workers::POPULATE_MIN_BYTES)?;
         let mut files = existing;
         let active = activate(&opts, first, epoch);
         files.insert(next, active.segment.clone());
@@ -326,8 +327,8 @@ impl Log {
 
     /// Bytes of segment files on disk (active and spare segments included).
     pub fn disk_bytes(&self) -> u64 {
-        let files = self.shared.files.read().len() as u64;
-        (files + self.shared.opts.spare_segments as u64) * self.shared.opts.segment_size
+        let files = self.shared.files.read().len() + self.shared.spares.ready();
+        files as u64 * self.shared.opts.segment_size
     }
 
     /// Deletes a sealed segment file: after this no record in it can be read.

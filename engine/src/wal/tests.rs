@@ -195,6 +195,10 @@ fn a_sync_unmaps_the_whole_pages_it_makes_durable() {
     );
     let path = segment::segment_path(&opts.dir, opts.kind, SegmentId(0));
     let rss = || crate::storage::mapped_bytes(&path, &["Rss:"]);
+    // The whole segment populated now, so the allocator's populating ahead
+    // of the writers cannot change what is mapped between the two looks.
+    let active = log.shared.current.load_full().unwrap();
+    active.mapping.populate_to(u64::MAX);
     let value = vec![3u8; 4000];
     let positions: Vec<WalPosition> = (0..300u32)
         .map(|i| put(&log, &i.to_le_bytes(), &value))
@@ -518,4 +522,72 @@ fn a_log_that_slows_down_skips_to_a_folio_boundary_with_a_filler_replay_passes_o
     // (which marks the watermark of its time, never a later one).
     let synced = replay::scan_sync_marks(&opts, &segments.valid, before).unwrap();
     assert!(synced <= end.end.0, "{synced}");
+}
+
+#[test]
+fn the_populate_window_follows_the_write_rate() {
+    let segment = 64 << 20;
+    let second = Duration::from_secs(1);
+    // Idle, or slow: the least window.
+    assert_eq!(
+        workers::populate_window(0, second, segment),
+        workers::POPULATE_MIN_BYTES
+    );
+    assert_eq!(
+        workers::populate_window(100 << 10, second, segment),
+        workers::POPULATE_MIN_BYTES
+    );
+    // Half a second of the rate ahead.
+    assert_eq!(workers::populate_window(8 << 20, second, segment), 4 << 20);
+    // Never past a segment.
+    assert_eq!(workers::populate_window(1 << 30, second, segment), segment);
+}
+
+#[test]
+fn an_idle_log_holds_a_window_of_memory_and_no_spare() {
+    // A log that nobody writes neither populates its segment nor reserves
+    // a spare; once written it gets both, ahead of its writers.
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options();
+    opts.dir = dir.path().join("wal");
+    opts.segment_size = 16 << 20;
+    let log = start_with(
+        opts.clone(),
+        Arc::new(crate::storage::FileStorage),
+        0,
+        BTreeMap::new(),
+    );
+    let segments = || std::fs::read_dir(&opts.dir).unwrap().count();
+    let path = segment::segment_path(&opts.dir, opts.kind, SegmentId(0));
+    let rss = || crate::storage::mapped_bytes(&path, &["Rss:"]);
+    // Several of the allocator's looks (every 100 ms).
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(segments(), 1, "an idle log made a spare");
+    assert!(
+        rss() <= workers::POPULATE_MIN_BYTES + 4096,
+        "{} bytes of an idle segment in memory",
+        rss()
+    );
+    // A quarter of the segment written: a spare follows.
+    let value = vec![5u8; 64 << 10];
+    let mut i = 0u32;
+    while log.shared.tracker.processed() < (4 << 20) + 4096 {
+        put(&log, &i.to_le_bytes(), &value);
+        i += 1;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while segments() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no spare for a log a quarter full"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Writes go on across rotations (spares are made when needed).
+    while log.shared.tracker.processed() < (40 << 20) {
+        put(&log, &i.to_le_bytes(), &value);
+        i += 1;
+    }
+    assert!(log.active_segment().0 >= 2);
+    log.sync_now().unwrap();
 }

@@ -31,6 +31,8 @@ struct SpareState {
     ready: VecDeque<Spare>,
     next_id: u64,
     failure: Option<Failure>,
+    /// Rotators waiting for a spare.
+    waiting: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -46,6 +48,7 @@ impl SpareQueue {
                 ready: VecDeque::new(),
                 next_id: next_id.0,
                 failure: None,
+                waiting: 0,
             }),
             wanted: Condvar::new(),
             available: Condvar::new(),
@@ -78,10 +81,17 @@ impl SpareQueue {
             if shared.shutdown.load(Ordering::Acquire) {
                 return Err(Error::Closed);
             }
+            state.waiting += 1;
             self.wanted.notify_one();
             self.available
                 .wait_for(&mut state, Duration::from_millis(50));
+            state.waiting -= 1;
         }
+    }
+
+    /// Spares made and not taken yet.
+    pub fn ready(&self) -> usize {
+        self.state.lock().ready.len()
     }
 
     /// Removes the files of spares never used (at shutdown).
@@ -131,10 +141,61 @@ pub(crate) fn page_folios(written: u64, syncs: u64) -> bool {
 /// every sync.
 pub(crate) const FOLIO_JUDGE_SYNCS: u64 = 4;
 
+/// Least bytes a log keeps populated ahead of its claim cursor (see
+/// [`populate_window`]).
+pub(crate) const POPULATE_MIN_BYTES: u64 = 256 << 10;
+
+/// A log keeps populated ahead of its writers what it wrote in this long at
+/// its recent rate.
+const POPULATE_AHEAD: Duration = Duration::from_millis(500);
+
+/// How far ahead of its claim cursor a log that wrote `bytes` in `elapsed`
+/// keeps its segment populated, at most `segment` bytes.
+///
+/// Populating (the kernel's zero-filling of fresh page-cache pages, about
+/// 1 GB/s here) on the allocator's thread spares the writers those faults;
+/// but pages populated are memory held, so a whole segment populated up
+/// front cost every idle log its segment's length (a node of 192 empty
+/// replicas held 12 GiB). A fast log gets its whole segment, as before; an
+/// idle one [`POPULATE_MIN_BYTES`].
+pub(crate) fn populate_window(bytes: u64, elapsed: Duration, segment: u64) -> u64 {
+    let secs = elapsed.as_secs_f64().max(0.001);
+    let ahead = (bytes as f64 / secs * POPULATE_AHEAD.as_secs_f64()) as u64;
+    ahead.max(POPULATE_MIN_BYTES).min(segment)
+}
+
+/// Whether the log should have a spare made now: a rotator waits for one,
+/// or the active segment is a quarter claimed, or what is left of it is
+/// less than two windows. An idle log never gets one (a spare is a
+/// segment's length of disk space reserved).
+fn spare_wanted(shared: &Shared, waiting: usize, window: u64) -> bool {
+    if waiting > 0 {
+        return true;
+    }
+    let guard = shared.current.load();
+    let Some(active) = guard.as_ref() else {
+        return false;
+    };
+    let (claimed, len) = (active.mapping.claimed(), active.mapping.len());
+    claimed.saturating_mul(4) >= len || len - claimed <= window.saturating_mul(2)
+}
+
 /// The allocator thread's loop. After a failure (for example a full disk) it
 /// reports the failure to writers, backs off, and tries again.
 pub(crate) fn run_allocator(shared: Arc<Shared>) {
     let queue = &shared.spares;
+    let segment = shared.opts.segment_size;
+    // The log's write rate, from the bytes processed since the last look.
+    let mut rate_since = (std::time::Instant::now(), shared.tracker.processed());
+    let mut window = POPULATE_MIN_BYTES;
+    let mut measure = |window: &mut u64| {
+        let now = (std::time::Instant::now(), shared.tracker.processed());
+        let elapsed = now.0 - rate_since.0;
+        if elapsed >= Duration::from_millis(50) {
+            *window = populate_window(now.1 - rate_since.1, elapsed, segment);
+            rate_since = now;
+        }
+    };
     // Bytes processed and syncs made so far: what the log did since the
     // previous spare picks the next one's folios.
     let progress = || {
@@ -161,7 +222,9 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
                     state.failure = None;
                     continue;
                 }
-                if state.ready.len() < shared.opts.spare_segments {
+                if state.ready.len() < shared.opts.spare_segments
+                    && spare_wanted(&shared, state.waiting, window)
+                {
                     break Some(SegmentId(state.next_id));
                 }
                 if queue
@@ -173,6 +236,12 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
                 }
             }
         };
+        measure(&mut window);
+        // Keep the active segment populated a window ahead of its writers.
+        if let Some(active) = shared.current.load().as_ref() {
+            let mapping = &active.mapping;
+            mapping.populate_to(mapping.claimed().saturating_add(window));
+        }
         let Some(id) = id else {
             // Idle: judge the log over its last `FOLIO_JUDGE_SYNCS` syncs,
             // and if it is slow give the active segment's unwritten rest
@@ -199,7 +268,7 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
         let now = progress();
         let small = page_folios(now.0 - since.0, now.1 - since.1);
         since = now;
-        let result = create_spare(&*shared.storage, &shared.opts, id, small);
+        let result = create_spare(&*shared.storage, &shared.opts, id, small, window);
         let mut state = queue.state.lock();
         match result {
             Ok(spare) => {
@@ -222,12 +291,14 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
 /// 1. create the file at full size (space reserved);
 /// 2. sync it (its length becomes durable);
 /// 3. sync the directory (its name becomes durable);
-/// 4. map it (page folios or large ones, see [`page_folios`]).
+/// 4. map it (page folios or large ones, see [`page_folios`]), and
+///    populate its first `populate` bytes.
 pub(crate) fn create_spare(
     storage: &dyn Storage,
     opts: &LogOptions,
     id: SegmentId,
     page_folios: bool,
+    populate: u64,
 ) -> Result<Spare> {
     let path = segment_path(&opts.dir, opts.kind, id);
     if storage.exists(&path) {
@@ -242,6 +313,7 @@ pub(crate) fn create_spare(
         .sync_dir(&opts.dir)
         .map_err(|e| Error::io(&opts.dir, e))?;
     let mapping = file.map(page_folios).map_err(|e| Error::io(&path, e))?;
+    mapping.populate_to(populate);
     Ok(Spare {
         id,
         path,
