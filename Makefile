@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node bench-scale e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -96,6 +96,14 @@ bench-backup: ## The backup store: find_missing of 10,000 digests over BACKUP_CH
 	$(CARGO) build --release -p tidepool --bin tidepool
 	$(CARGO) build --release -p tidepool-benchmarks --bin backup-bench
 	./target/release/backup-bench --chunks $(BACKUP_CHUNKS) --min-bytes $(BACKUP_MIN_BYTES) --max-bytes $(BACKUP_MAX_BYTES) --tree-mib $(BACKUP_TREE_MIB)
+
+SCALE_SHARDS ?= 4,64,334
+SCALE_BASELINE ?=
+
+bench-scale: ## Idle replicas: tidepool dev at SCALE_SHARDS shards (3 replicas each): ready time, idle CPU, memory, threads, files, disk; SCALE_BASELINE=path/to/older/tidepool runs it alongside.
+	$(CARGO) build --release -p tidepool --bin tidepool
+	$(CARGO) build --release -p tidepool-benchmarks --bin scale-bench
+	./target/release/scale-bench --shards $(SCALE_SHARDS) $(if $(SCALE_BASELINE),--baseline $(SCALE_BASELINE))
 
 bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks

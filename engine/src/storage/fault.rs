@@ -132,10 +132,10 @@ impl FaultStorage {
             .store(capacity.unwrap_or(u64::MAX), Ordering::SeqCst);
     }
 
-    /// Bytes of live files.
+    /// Bytes reserved by live files (the whole length, but for the holes
+    /// of sparse files).
     pub fn used_bytes(&self) -> u64 {
-        let state = self.inner.state.lock();
-        state.live.values().map(|id| state.files[id].len).sum()
+        used(&self.inner.state.lock())
     }
 
     /// What the disk holds after a power loss: the durable directory
@@ -280,7 +280,17 @@ impl Storage for FaultStorage {
     }
 
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {
+        self.create_sparse(path, len, len)
+    }
+
+    fn create_sparse(
+        &self,
+        path: &Path,
+        len: u64,
+        reserved: u64,
+    ) -> io::Result<Arc<dyn StorageFile>> {
         self.inner.op()?;
+        let reserved = reserved.min(len);
         let mut state = self.inner.state.lock();
         if state.live.contains_key(path) {
             return Err(io::Error::new(io::ErrorKind::AlreadyExists, "file exists"));
@@ -288,8 +298,8 @@ impl Storage for FaultStorage {
         if !state.dirs.contains(&parent(path)) {
             return Err(not_found());
         }
-        let used: u64 = state.live.values().map(|id| state.files[id].len).sum();
-        if used.saturating_add(len) > self.inner.capacity_bytes.load(Ordering::SeqCst) {
+        if used(&state).saturating_add(reserved) > self.inner.capacity_bytes.load(Ordering::SeqCst)
+        {
             return Err(io::Error::from_raw_os_error(28));
         }
         let id = state.next_id;
@@ -298,6 +308,7 @@ impl Storage for FaultStorage {
             Arc::downgrade(&self.inner),
             vec![0; len as usize],
         ));
+        file.reserved.store(reserved, Ordering::SeqCst);
         file.durable.lock().clear();
         state.files.insert(id, file.clone());
         state.live.insert(path.to_path_buf(), id);
@@ -455,6 +466,11 @@ impl Drop for Buffer {
 struct FaultFile {
     storage: std::sync::Weak<Inner>,
     len: u64,
+    /// Bytes from the start whose space is reserved (counted against the
+    /// capacity); a write through the mapping past them fails the next
+    /// sync of that range, as it would kill a real process (SIGBUS on a
+    /// full disk).
+    reserved: AtomicU64,
     volatile: Arc<Buffer>,
     durable: Mutex<Vec<u8>>,
     mapped: Arc<AtomicBool>,
@@ -480,6 +496,7 @@ impl FaultFile {
         Self {
             storage,
             len: bytes.len() as u64,
+            reserved: AtomicU64::new(bytes.len() as u64),
             durable: Mutex::new(bytes.clone()),
             volatile: Arc::new(Buffer::from_vec(bytes)),
             mapped: Arc::new(AtomicBool::new(false)),
@@ -493,8 +510,40 @@ impl FaultFile {
         }
     }
 
+    /// Reserves up to `end` (clipped to the length) against the capacity.
+    fn reserve(&self, end: u64) -> io::Result<()> {
+        let inner = self
+            .storage
+            .upgrade()
+            .ok_or_else(|| io::Error::other("storage dropped"))?;
+        let state = inner.state.lock();
+        let end = end.min(self.len);
+        let reserved = self.reserved.load(Ordering::SeqCst);
+        if end <= reserved {
+            return Ok(());
+        }
+        if used(&state).saturating_add(end - reserved) > inner.capacity_bytes.load(Ordering::SeqCst)
+        {
+            return Err(io::Error::from_raw_os_error(28));
+        }
+        self.reserved.store(end, Ordering::SeqCst);
+        Ok(())
+    }
+
     fn persist(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = self.volatile.check(offset, len as usize)?;
+        let reserved = self.reserved.load(Ordering::SeqCst);
+        if offset + len > reserved {
+            let from = offset.max(reserved);
+            let mut beyond = vec![0u8; (offset + len - from) as usize];
+            self.volatile.read(&mut beyond, from)?;
+            if beyond.iter().any(|&b| b != 0) {
+                return Err(io::Error::other(format!(
+                    "bytes written past the reserved end {reserved} (a real process would \
+                     get SIGBUS there on a full disk)"
+                )));
+            }
+        }
         let mut durable = self.durable.lock();
         if durable.len() < self.len as usize {
             durable.resize(self.len as usize, 0);
@@ -502,6 +551,15 @@ impl FaultFile {
         self.volatile
             .read(&mut durable[start..start + len as usize], offset)
     }
+}
+
+/// Bytes reserved by the live files.
+fn used(state: &State) -> u64 {
+    state
+        .live
+        .values()
+        .map(|id| state.files[id].reserved.load(Ordering::SeqCst))
+        .sum()
 }
 
 fn past_end() -> io::Error {
@@ -513,6 +571,15 @@ impl StorageFile for FaultFile {
         self.len
     }
 
+    fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::SeqCst)
+    }
+
+    fn reserve_to(&self, end: u64) -> io::Result<()> {
+        self.op()?;
+        self.reserve(end)
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.volatile.read(buf, offset)
     }
@@ -522,6 +589,8 @@ impl StorageFile for FaultFile {
         if self.mapped.load(Ordering::SeqCst) {
             return Err(io::Error::other("write_at on a mapped fault-storage file"));
         }
+        // Writing into a hole allocates it (or fails: disk full).
+        self.reserve(offset + data.len() as u64)?;
         self.volatile.write(data, offset)
     }
 

@@ -8,7 +8,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use parking_lot::Mutex;
 use rustix::fs::{Advice, FallocateFlags, FlockOperation};
 
 use super::mapping::MappedMemory;
@@ -54,27 +56,48 @@ impl Storage for FileStorage {
     }
 
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>> {
+        // Reserve the blocks now: a write through a mapping into a sparse
+        // file on a full disk would kill the process with SIGBUS.
+        self.create_sparse(path, len, len)
+    }
+
+    fn create_sparse(
+        &self,
+        path: &Path,
+        len: u64,
+        reserved: u64,
+    ) -> io::Result<Arc<dyn StorageFile>> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(path)?;
-        if len > 0 {
-            // Reserve the blocks now: a write through a mapping into a sparse
-            // file on a full disk would kill the process with SIGBUS.
-            if let Err(error) = rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, len) {
-                drop(file);
+        let made = file.set_len(len).map(|()| DiskFile::new(file, len));
+        let file = match made {
+            Ok(Ok(file)) => file,
+            Ok(Err(error)) | Err(error) => {
                 let _ = std::fs::remove_file(path);
-                return Err(error.into());
+                return Err(error);
             }
+        };
+        file.reserved.store(0, Ordering::Release);
+        if let Err(error) = file.reserve_to(reserved) {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+            return Err(error);
         }
-        Ok(Arc::new(DiskFile::new(file, len)?))
+        Ok(Arc::new(file))
     }
 
     fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
-        let len = file.metadata()?.len();
-        Ok(Arc::new(DiskFile::new(file, len)?))
+        let metadata = file.metadata()?;
+        let len = metadata.len();
+        let file = DiskFile::new(file, len)?;
+        // What the file system allocated (a sparse segment's reserved part).
+        let allocated = std::os::unix::fs::MetadataExt::blocks(&metadata).saturating_mul(512);
+        file.reserved.store(allocated.min(len), Ordering::Release);
+        Ok(Arc::new(file))
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {
@@ -120,6 +143,10 @@ impl Storage for FileStorage {
 struct DiskFile {
     file: File,
     len: u64,
+    /// Bytes from the start whose blocks are reserved.
+    reserved: AtomicU64,
+    /// Held while reserving more.
+    reserving: Mutex<()>,
 }
 
 impl DiskFile {
@@ -127,7 +154,12 @@ impl DiskFile {
         // Reads are random point reads of values and index windows: turn off
         // readahead so each costs what it asks for, not a readahead window.
         rustix::fs::fadvise(&file, 0, None, Advice::Random)?;
-        Ok(Self { file, len })
+        Ok(Self {
+            file,
+            len,
+            reserved: AtomicU64::new(len),
+            reserving: Mutex::new(()),
+        })
     }
 
     /// The file's length as a mapping length: refused if empty or larger
@@ -148,6 +180,23 @@ impl DiskFile {
 impl StorageFile for DiskFile {
     fn len(&self) -> u64 {
         self.len
+    }
+
+    fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Acquire)
+    }
+
+    fn reserve_to(&self, end: u64) -> io::Result<()> {
+        let end = end.min(self.len);
+        let _one = self.reserving.lock();
+        let start = self.reserved.load(Ordering::Acquire);
+        if start < end {
+            // A write through a mapping into a hole on a full disk would
+            // kill the process with SIGBUS: writers stay below this.
+            rustix::fs::fallocate(&self.file, FallocateFlags::empty(), start, end - start)?;
+            self.reserved.store(end, Ordering::Release);
+        }
+        Ok(())
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {

@@ -22,6 +22,10 @@ pub enum ClaimError {
         /// Unclaimed bytes at the end of the mapping.
         remaining: u64,
     },
+    /// The bytes fit the mapping but pass its claim limit (the reserved
+    /// part of a sparse file): reserve more, raise the limit
+    /// ([`Mapping::raise_limit`]) and claim again.
+    Unreserved,
 }
 
 /// Keeps the mapped memory alive (an `MmapMut`, or a fault-storage buffer).
@@ -94,6 +98,8 @@ pub struct Mapping {
     released: Cursor,
     /// Bytes below this were populated (see [`Mapping::populate_to`]).
     populated: Cursor,
+    /// Claims end at or below this (see [`Mapping::raise_limit`]).
+    limit: Cursor,
     _owner: Box<dyn MappedMemory>,
 }
 
@@ -136,6 +142,7 @@ impl Mapping {
             cursor: Cursor(AtomicU64::new(0)),
             released: Cursor(AtomicU64::new(0)),
             populated: Cursor(AtomicU64::new(0)),
+            limit: Cursor(AtomicU64::new(len)),
             _owner: owner,
         }
     }
@@ -167,6 +174,27 @@ impl Mapping {
         *self.cursor.0.get_mut() = offset;
     }
 
+    /// Sets the claim limit of a mapping nobody has claimed from yet (a
+    /// fresh sparse segment: the end of its reserved part). Needs exclusive
+    /// access.
+    pub fn set_limit(&mut self, limit: u64) {
+        *self.limit.0.get_mut() = limit.min(self.len);
+    }
+
+    /// Lets claims go up to `limit` (never lowers it; clipped to the
+    /// mapping). For a sparse file, only once the bytes below `limit` are
+    /// reserved: a write into a hole on a full disk is a SIGBUS.
+    pub fn raise_limit(&self, limit: u64) {
+        self.limit
+            .0
+            .fetch_max(limit.min(self.len), Ordering::AcqRel);
+    }
+
+    /// The claim limit.
+    pub fn limit(&self) -> u64 {
+        self.limit.0.load(Ordering::Acquire)
+    }
+
     /// Claims the next `len` bytes.
     pub fn claim(&self, len: u64) -> Result<RegionMut<'_>, ClaimError> {
         let mut start = self.cursor.0.load(Ordering::Relaxed);
@@ -176,6 +204,9 @@ impl Mapping {
                 return Err(ClaimError::Full {
                     remaining: self.len - start,
                 });
+            }
+            if end > self.limit.0.load(Ordering::Acquire) {
+                return Err(ClaimError::Unreserved);
             }
             match self.cursor.0.compare_exchange_weak(
                 start,
@@ -195,7 +226,8 @@ impl Mapping {
     /// writable ahead of the data are written back as they are (zeros past
     /// the data) if a sync comes first, as any partly written page is.
     pub fn fault_in_writable(&self, offset: u64, len: u64) {
-        let end = offset.saturating_add(len).min(self.len);
+        // Not past the limit: a write fault in a hole allocates.
+        let end = offset.saturating_add(len).min(self.limit());
         if offset < end {
             self._owner
                 .fault_in_writable(offset as usize, (end - offset) as usize);
@@ -213,7 +245,7 @@ impl Mapping {
         let end = end
             .div_ceil(PAGE_BYTES)
             .saturating_mul(PAGE_BYTES)
-            .min(self.len);
+            .min(self.limit());
         let start = self.populated.0.fetch_max(end, Ordering::AcqRel);
         if start < end {
             self._owner.populate(start as usize, (end - start) as usize);

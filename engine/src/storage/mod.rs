@@ -44,6 +44,16 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// space reserved (so writes through a mapping never fail for lack of
     /// space). Fails if the file exists.
     fn create(&self, path: &Path, len: u64) -> io::Result<Arc<dyn StorageFile>>;
+    /// Creates a new file of exactly `len` bytes, all zero, with the disk
+    /// space of only its first `reserved` bytes reserved (the rest is a
+    /// hole: [`StorageFile::reserve_to`] reserves more). Writes through a
+    /// mapping must stay below the reserved end. Fails if the file exists.
+    fn create_sparse(
+        &self,
+        path: &Path,
+        len: u64,
+        reserved: u64,
+    ) -> io::Result<Arc<dyn StorageFile>>;
     /// Opens an existing file for reading and writing.
     fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
     /// Removes a file.
@@ -102,6 +112,14 @@ impl fmt::Debug for DirLock {
 pub trait StorageFile: Send + Sync + fmt::Debug {
     /// Length in bytes.
     fn len(&self) -> u64;
+    /// Bytes from the start whose disk space is reserved (the whole length,
+    /// except for a file made by [`Storage::create_sparse`]; for a file
+    /// opened again, what the file system says is allocated).
+    fn reserved(&self) -> u64;
+    /// Reserves the disk space of the bytes below `end` (clipped to the
+    /// length), so that writes through a mapping there cannot fail for
+    /// lack of space; fails (disk full) without changing what was reserved.
+    fn reserve_to(&self, end: u64) -> io::Result<()>;
     /// Whether the file is empty.
     fn is_empty(&self) -> bool {
         self.len() == 0

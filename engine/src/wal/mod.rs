@@ -325,10 +325,13 @@ impl Log {
         self.shared.active_id().unwrap_or(SegmentId(u64::MAX))
     }
 
-    /// Bytes of segment files on disk (active and spare segments included).
+    /// Bytes of segment files on disk (active and spare segments included;
+    /// reserved space: a segment's unreserved tail is a hole).
     pub fn disk_bytes(&self) -> u64 {
-        let files = self.shared.files.read().len() + self.shared.spares.ready();
-        files as u64 * self.shared.opts.segment_size
+        let files: u64 = (self.shared.files.read().values())
+            .map(|s| s.file.reserved())
+            .sum();
+        files + self.shared.spares.reserved()
     }
 
     /// Deletes a sealed segment file: after this no record in it can be read.
@@ -414,8 +417,29 @@ impl Shared {
                     drop(guard);
                     self.rotate(full, None)?;
                 }
+                Err(ClaimError::Unreserved) => {
+                    // The writers passed what the allocator reserved ahead.
+                    let active = Arc::clone(active);
+                    drop(guard);
+                    let end = active.mapping.claimed() + len as u64;
+                    self.reserve(&active, end.saturating_add(workers::RESERVE_MIN_BYTES))?;
+                }
             }
         }
+    }
+
+    /// Reserves the active segment's disk space up to `end` (rounded up to
+    /// [`workers::RESERVE_MIN_BYTES`]) and lets writers claim up to it.
+    /// Fails (disk full) without changing anything.
+    fn reserve(&self, active: &Active, end: u64) -> Result<()> {
+        let file = &active.segment.file;
+        let step = workers::RESERVE_MIN_BYTES;
+        file.reserve_to(end.div_ceil(step).saturating_mul(step))
+            .map_err(|e| Error::io(&active.segment.path, e))?;
+        active
+            .mapping
+            .raise_limit(claim_limit(file.reserved(), active.mapping.len()));
+        Ok(())
     }
 
     /// Writes a region claimed in `active` and reports it processed (the log
@@ -629,6 +653,11 @@ impl Shared {
             // The segment is nearly full; the next one is judged afresh.
             return;
         }
+        // The filler ends at the boundary: reserved first (a sparse
+        // segment's claims stop at its reserved part).
+        if self.reserve(active, boundary + FAULT_AHEAD_BYTES).is_err() {
+            return;
+        }
         mapping.use_page_folios_from(boundary);
         let gap = boundary - claimed;
         if gap < format::record_len(8) as u64 {
@@ -693,6 +722,18 @@ pub(crate) const FAULT_AHEAD_MIN_UNSYNCED: u64 = 16 << 20;
 fn chunk_to_fault_in(offset: u64, len: u64) -> Option<u64> {
     let last = (offset + len).checked_sub(1)? / FAULT_AHEAD_BYTES * FAULT_AHEAD_BYTES;
     (last >= offset).then_some(last + FAULT_AHEAD_BYTES)
+}
+
+/// How far writers may claim into a segment of `len` bytes whose first
+/// `reserved` are reserved: a record header's length short of the reserved
+/// end, so the pad a rotation writes where the claims stopped (a record
+/// header) is always in reserved space.
+pub(crate) fn claim_limit(reserved: u64, len: u64) -> u64 {
+    if reserved >= len {
+        len
+    } else {
+        reserved.saturating_sub(format::RECORD_HEADER_BYTES as u64)
+    }
 }
 
 /// Writes the segment header into a spare and wraps it as the active

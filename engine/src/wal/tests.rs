@@ -198,6 +198,7 @@ fn a_sync_unmaps_the_whole_pages_it_makes_durable() {
     // The whole segment populated now, so the allocator's populating ahead
     // of the writers cannot change what is mapped between the two looks.
     let active = log.shared.current.load_full().unwrap();
+    log.shared.reserve(&active, u64::MAX).unwrap();
     active.mapping.populate_to(u64::MAX);
     let value = vec![3u8; 4000];
     let positions: Vec<WalPosition> = (0..300u32)
@@ -363,6 +364,68 @@ fn full_disk_fails_the_write_without_damage() {
     log.sync_now().unwrap();
     drop(log);
     let (values, end) = replay_values(&storage, WalPosition(0));
+    assert_eq!(values.first().unwrap(), b"kept");
+    assert_eq!(values.last().unwrap(), b"after");
+    assert_eq!(end.stop, Stop::End);
+}
+
+#[test]
+fn a_full_disk_inside_a_sparse_segment_fails_the_write_without_damage() {
+    // Segments are sparse: their space is reserved a step at a time ahead
+    // of the writers. When a step cannot be reserved the write fails with
+    // DiskFull before it claims a byte (no byte lands in a hole: the fault
+    // storage fails any sync of such bytes), and writing goes on once
+    // space comes back.
+    let storage = FaultStorage::default();
+    let mut opts = options();
+    opts.segment_size = 4 << 20;
+    let log = start_with(opts.clone(), Arc::new(storage.clone()), 0, BTreeMap::new());
+    put(&log, b"a", b"kept");
+    std::thread::sleep(Duration::from_millis(250));
+    assert!(
+        storage.used_bytes() < opts.segment_size,
+        "{} bytes reserved by an idle log of {}-byte segments",
+        storage.used_bytes(),
+        opts.segment_size
+    );
+    storage.set_capacity_bytes(Some(storage.used_bytes()));
+    let value = vec![9u8; 1000];
+    let mut written = Vec::new();
+    let failure = loop {
+        let key = (written.len() as u32).to_le_bytes();
+        let item = ItemSpec {
+            op: Op::Put,
+            key_space: 0,
+            key: &key,
+            value: &value,
+            epoch: Epoch(1),
+            tag: Tag(0),
+            version: 0,
+        };
+        let len = format::entry_record_len(0, &[item]);
+        match log.append(len, |buf, pos| {
+            format::write_entry(buf, pos, FLAG_APPLIED, &[], &[item])
+        }) {
+            Ok((position, _)) => written.push(position),
+            Err(error) => break error,
+        }
+        assert!(written.len() < 4_096, "the disk never filled");
+    };
+    assert!(matches!(failure, crate::Error::DiskFull(_)), "{failure:?}");
+    assert!(!written.is_empty());
+    log.sync_now().unwrap();
+    storage.set_capacity_bytes(None);
+    put(&log, b"z", b"after");
+    log.sync_now().unwrap();
+    drop(log);
+    let segments = replay::open_segments(&storage, &opts).unwrap();
+    let mut values = Vec::new();
+    let end = replay::replay(&opts, &segments.valid, WalPosition(0), |_, view| {
+        values.extend(view.items().map(|(_, item)| item.value.to_vec()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(values.len(), written.len() + 2);
     assert_eq!(values.first().unwrap(), b"kept");
     assert_eq!(values.last().unwrap(), b"after");
     assert_eq!(end.stop, Stop::End);
@@ -568,6 +631,14 @@ fn an_idle_log_holds_a_window_of_memory_and_no_spare() {
         "{} bytes of an idle segment in memory",
         rss()
     );
+    // And little of it on disk: the segment is sparse.
+    let allocated =
+        std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&path).unwrap()) * 512;
+    assert!(
+        allocated <= workers::RESERVE_MIN_BYTES,
+        "{allocated} bytes of an idle segment allocated"
+    );
+    assert!(log.disk_bytes() <= workers::RESERVE_MIN_BYTES);
     // A quarter of the segment written: a spare follows.
     let value = vec![5u8; 64 << 10];
     let mut i = 0u32;

@@ -89,9 +89,11 @@ impl SpareQueue {
         }
     }
 
-    /// Spares made and not taken yet.
-    pub fn ready(&self) -> usize {
-        self.state.lock().ready.len()
+    /// Disk space reserved by the spares made and not taken yet.
+    pub fn reserved(&self) -> u64 {
+        (self.state.lock().ready.iter())
+            .map(|s| s.file.reserved())
+            .sum()
     }
 
     /// Removes the files of spares never used (at shutdown).
@@ -144,6 +146,13 @@ pub(crate) const FOLIO_JUDGE_SYNCS: u64 = 4;
 /// Least bytes a log keeps populated ahead of its claim cursor (see
 /// [`populate_window`]).
 pub(crate) const POPULATE_MIN_BYTES: u64 = 256 << 10;
+
+/// Segments are sparse files whose disk space is reserved (`fallocate`) in
+/// steps of at least this many bytes, a window ahead of the writers (the
+/// populate window), so an idle log holds this much of each segment on
+/// disk, not the segment's length; writers that outrun the allocator
+/// reserve the next step themselves.
+pub(crate) const RESERVE_MIN_BYTES: u64 = 256 << 10;
 
 /// A log keeps populated ahead of its writers what it wrote in this long at
 /// its recent rate.
@@ -237,10 +246,18 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
             }
         };
         measure(&mut window);
-        // Keep the active segment populated a window ahead of its writers.
-        if let Some(active) = shared.current.load().as_ref() {
+        // Keep the active segment reserved and populated a window ahead of
+        // its writers. A failure to reserve (disk full) is the writers' to
+        // meet when they get there.
+        if let Some(active) = shared.current.load_full() {
             let mapping = &active.mapping;
-            mapping.populate_to(mapping.claimed().saturating_add(window));
+            let ahead = mapping.claimed().saturating_add(window);
+            // Once less than half a window is left (an idle log keeps its
+            // first step).
+            if mapping.limit() < ahead - window / 2 {
+                let _ = shared.reserve(&active, ahead);
+            }
+            mapping.populate_to(ahead);
         }
         let Some(id) = id else {
             // Idle: judge the log over its last `FOLIO_JUDGE_SYNCS` syncs,
@@ -288,7 +305,8 @@ pub(crate) fn run_allocator(shared: Arc<Shared>) {
 
 /// Creates, persists and maps one spare segment file:
 /// 0. remove a leftover file of that name from a failed attempt;
-/// 1. create the file at full size (space reserved);
+/// 1. create the file at full size, sparse, with the space of its first
+///    `populate` bytes (at least [`RESERVE_MIN_BYTES`]) reserved;
 /// 2. sync it (its length becomes durable);
 /// 3. sync the directory (its name becomes durable);
 /// 4. map it (page folios or large ones, see [`page_folios`]), and
@@ -305,14 +323,17 @@ pub(crate) fn create_spare(
         // Left over from an attempt that failed after creating the file.
         storage.remove(&path).map_err(|e| Error::io(&path, e))?;
     }
+    let step = RESERVE_MIN_BYTES;
+    let reserve = populate.max(step).div_ceil(step).saturating_mul(step);
     let file = storage
-        .create(&path, opts.segment_size)
+        .create_sparse(&path, opts.segment_size, reserve)
         .map_err(|e| Error::io(&path, e))?;
     file.sync_all().map_err(|e| Error::io(&path, e))?;
     storage
         .sync_dir(&opts.dir)
         .map_err(|e| Error::io(&opts.dir, e))?;
-    let mapping = file.map(page_folios).map_err(|e| Error::io(&path, e))?;
+    let mut mapping = file.map(page_folios).map_err(|e| Error::io(&path, e))?;
+    mapping.set_limit(super::claim_limit(file.reserved(), mapping.len()));
     mapping.populate_to(populate);
     Ok(Spare {
         id,

@@ -22,6 +22,15 @@ pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
 /// Starts dev mode like [`start_dev`]; returns the process and every line
 /// of its ready banner.
 pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<String>) {
+    start_dev_banner_within(dir, extra, Duration::from_secs(60))
+}
+
+/// [`start_dev_banner`], waiting up to `wait` for each banner line.
+pub fn start_dev_banner_within(
+    dir: &std::path::Path,
+    extra: &[&str],
+    wait: Duration,
+) -> (Child, Vec<String>) {
     std::fs::create_dir_all(dir).unwrap();
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
@@ -39,7 +48,7 @@ pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<St
             let _ = tx.send(line);
         }
     });
-    let banner = read_banner(&rx);
+    let banner = read_banner(&rx, wait);
     match banner {
         Ok(banner) => (child, banner),
         Err(problem) => {
@@ -88,12 +97,15 @@ pub fn banner_metrics(banner: &[String]) -> Vec<(String, String)> {
 }
 
 /// The banner's lines, up to the one saying how to stop.
-fn read_banner(rx: &std::sync::mpsc::Receiver<String>) -> Result<Vec<String>, String> {
+fn read_banner(
+    rx: &std::sync::mpsc::Receiver<String>,
+    wait: Duration,
+) -> Result<Vec<String>, String> {
     let mut banner = Vec::new();
     loop {
         let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .map_err(|_| "dev mode did not print its banner within 60 s".to_string())?;
+            .recv_timeout(wait)
+            .map_err(|_| format!("dev mode did not print its banner within {wait:?}"))?;
         if banner.is_empty() && !line.contains("ready") {
             return Err(format!("not a ready banner: {line}"));
         }
