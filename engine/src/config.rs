@@ -77,7 +77,7 @@ pub struct Config {
     pub sync_interval_ms: u64,
     /// How often a control-region snapshot is written, milliseconds.
     pub snapshot_interval_ms: u64,
-    /// Flusher threads.
+    /// Flusher tasks (index flushes that may run at once).
     pub flusher_threads: u32,
     /// A cell is queued for flushing once it holds this many unflushed
     /// changes.
@@ -123,7 +123,7 @@ pub struct Config {
     pub bloom_bits_per_key: u32,
     /// Recovery's answer to damaged acknowledged data.
     pub recovery: RecoveryMode,
-    /// Whether the background relocation thread runs.
+    /// Whether the background relocation task runs.
     pub relocation_enabled: bool,
     /// How often background relocation takes a census and looks for
     /// segments to reclaim, milliseconds.

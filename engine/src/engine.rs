@@ -8,13 +8,12 @@
 //! `pread`, verifying its checksum and key.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::cache::ValueCache;
 use crate::config::Config;
@@ -40,7 +39,7 @@ const LOOKUP_ATTEMPTS: usize = 8;
 /// (one cell's lock and fields per item; a large batch would only evict).
 const PREFETCHED_ITEMS: usize = 4;
 
-/// Everything the foreground paths and background threads share.
+/// Everything the foreground paths and background tasks share.
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub config: Config,
@@ -62,9 +61,11 @@ pub(crate) struct Inner {
     pub index_gc: crate::striped::StripedRwLock,
     pub flush_tx: Sender<(u8, CellId)>,
     pub flush_rx: Receiver<(u8, CellId)>,
+    /// Wake the flusher tasks (set once they are registered).
+    pub flushers: std::sync::OnceLock<Vec<crate::pool::Waker>>,
+    /// Picks the flusher the next queued cell wakes.
+    pub next_flusher: std::sync::atomic::AtomicUsize,
     pub shutdown: AtomicBool,
-    /// Wakes the maintenance thread early.
-    pub wake: (Mutex<bool>, Condvar),
     /// One relocation pass or epoch drop at a time.
     pub relocation_lock: Mutex<()>,
     /// The filter background relocation uses.
@@ -100,7 +101,9 @@ pub struct Stored {
 #[derive(Debug)]
 pub struct Engine {
     pub(crate) inner: Arc<Inner>,
-    pub(crate) threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Its background tasks (maintenance, relocation, flushers); its logs
+    /// hold theirs.
+    pub(crate) tasks: Mutex<Vec<crate::pool::Task>>,
 }
 
 /// A key space's name and the engine's identifier for it.
@@ -120,8 +123,21 @@ impl Engine {
 
     /// Opens (or creates) the engine on the given storage (for tests: a
     /// [`crate::storage::FaultStorage`]).
+    /// [`crate::storage::FaultStorage`]). Its background work runs on a
+    /// small pool of its own.
     pub fn open_with_storage(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> {
-        crate::recovery::open(config, storage)
+        crate::recovery::open(config, storage, None)
+    }
+
+    /// Opens (or creates) the engine on `storage`, its background work
+    /// running in `pool` — shared by every engine of a node, so that an
+    /// engine has no thread of its own.
+    pub fn open_in(
+        config: Config,
+        storage: Arc<dyn Storage>,
+        pool: &crate::pool::WorkerPool,
+    ) -> Result<Engine> {
+        crate::recovery::open(config, storage, Some(pool.clone()))
     }
 
     /// The key space called `name`.
@@ -318,7 +334,7 @@ impl Engine {
         self.inner.values.disk_bytes() + self.inner.index.log.disk_bytes()
     }
 
-    /// Closes the engine: stops the background threads, flushes the index,
+    /// Closes the engine: stops the background tasks, flushes the index,
     /// syncs the WAL and writes a final snapshot, so the next open replays
     /// nothing. Afterwards every call fails with [`Error::Closed`] and the
     /// directory may be opened again. A write racing with `close` either
@@ -349,10 +365,8 @@ impl Engine {
 
     fn stop_threads(&self) {
         crate::flush::stop(&self.inner);
-        for thread in self.threads.lock().drain(..) {
-            if thread.join().is_err() {
-                self.inner.health.poison("a background thread panicked");
-            }
+        for task in self.tasks.lock().drain(..) {
+            task.stop();
         }
     }
 
@@ -476,6 +490,10 @@ impl Inner {
         if queue {
             // Unbounded, but each cell is queued at most once at a time.
             let _ = self.flush_tx.send((space, id));
+            if let Some(flushers) = self.flushers.get().filter(|f| !f.is_empty()) {
+                let next = self.next_flusher.fetch_add(1, Ordering::Relaxed);
+                flushers[next % flushers.len()].wake();
+            }
         }
     }
 

@@ -36,7 +36,7 @@ pub enum Error {
     /// The disk (or the injected quota) is full. Nothing was written.
     #[error("disk full: {0}")]
     DiskFull(String),
-    /// An earlier write or `fsync` failed, or a background thread died; the
+    /// An earlier write or `fsync` failed, or a background task died; the
     /// engine refuses all further I/O until it is reopened.
     #[error("engine is poisoned after an earlier failure: {0}")]
     Poisoned(String),

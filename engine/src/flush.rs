@@ -1,4 +1,4 @@
-//! Index flushing and the background threads that drive it.
+//! Index flushing and the background tasks that drive it.
 //!
 //! A flush of one cell:
 //! 1. under the cell's lock, take the changes below the WAL's processed
@@ -26,6 +26,7 @@ use crate::index::blob::BlobKind;
 use crate::index::entry::{Entry, Key};
 use crate::index::layers::{FlushKind, Layer, Layers, flush_kind, merge};
 use crate::metrics::Metrics;
+use crate::pool::Next;
 use crate::table::cell::{BaseEntries, Change};
 use crate::table::{CellId, SpaceTable};
 
@@ -175,52 +176,51 @@ fn is_flushing(inner: &Inner, space: u8, id: &CellId) -> bool {
         .unwrap_or(false)
 }
 
-/// A flusher thread: flushes queued cells until shutdown.
-pub(crate) fn run_flusher(inner: Arc<Inner>) {
-    while !inner.shutdown.load(Ordering::Acquire) && !inner.health.is_poisoned() {
-        // `stop` sends each flusher a wake-up, so an idle flusher sleeps
-        // (it used to look every 50 ms: a node of 192 idle replicas spent
-        // a tenth of a core on it).
-        match inner.flush_rx.recv_timeout(Duration::from_secs(1)) {
-            Ok((WAKE_FLUSHER, _)) => continue,
+/// How often an idle flusher task looks at its queue anyway (a queued cell
+/// wakes it).
+pub(crate) const FLUSHER_LOOK: Duration = Duration::from_secs(1);
+
+/// Cells a flusher task flushes per run before giving its thread back.
+const FLUSHES_PER_RUN: usize = 16;
+
+/// A flusher task's run: flushes queued cells.
+pub(crate) fn run_flusher(inner: &Inner) -> Next {
+    for _ in 0..FLUSHES_PER_RUN {
+        if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
+            return Next::Stop;
+        }
+        let Ok((space, id)) = inner.flush_rx.try_recv() else {
+            return Next::After(FLUSHER_LOOK);
+        };
+        match flush_cell(inner, space, &id) {
             // A full disk leaves the cell dirty; maintenance queues it again.
-            Ok((space, id)) => match flush_cell(&inner, space, &id) {
-                Ok(_) | Err(Error::DiskFull(_)) => {}
-                Err(_) => return,
-            },
-            Err(_) => continue,
+            Ok(_) | Err(Error::DiskFull(_)) => {}
+            // The engine is poisoned.
+            Err(_) => return Next::Stop,
         }
     }
+    Next::Again
 }
 
-/// The maintenance thread: every snapshot interval (or when woken), flushes
-/// cells that hold up replay or exceed the change threshold, unloads cells
-/// under memory pressure, cleans the index log, and writes a snapshot.
-pub(crate) fn run_maintenance(inner: Arc<Inner>) {
-    let interval = Duration::from_millis(inner.config.snapshot_interval_ms);
-    loop {
-        {
-            let (lock, condvar) = &inner.wake;
-            let mut woken = lock.lock();
-            if !*woken && !inner.shutdown.load(Ordering::Acquire) {
-                condvar.wait_for(&mut woken, interval);
-            }
-            *woken = false;
+/// The maintenance task's run (every snapshot interval): flushes cells that
+/// hold up replay or exceed the change threshold, unloads cells under
+/// memory pressure, cleans the index log, and writes a snapshot.
+pub(crate) fn run_maintenance(inner: &Inner) -> Next {
+    if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
+        return Next::Stop;
+    }
+    let result = schedule_flushes(inner)
+        .map(|()| unload_under_pressure(inner))
+        .and_then(|()| crate::index_cleaning::clean(inner))
+        .and_then(|_| crate::snapshot::write_snapshot(inner));
+    match result {
+        // Nothing was written; try again next round.
+        Ok(()) | Err(Error::DiskFull(_)) => {
+            Next::After(Duration::from_millis(inner.config.snapshot_interval_ms))
         }
-        if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
-            return;
-        }
-        let result = schedule_flushes(&inner)
-            .map(|()| unload_under_pressure(&inner))
-            .and_then(|()| crate::index_cleaning::clean(&inner))
-            .and_then(|_| crate::snapshot::write_snapshot(&inner));
-        match result {
-            // Nothing was written; try again next round.
-            Ok(()) | Err(Error::DiskFull(_)) => {}
-            Err(error) => {
-                inner.health.poison(format!("maintenance failed: {error}"));
-                return;
-            }
+        Err(error) => {
+            inner.health.poison(format!("maintenance failed: {error}"));
+            Next::Stop
         }
     }
 }
@@ -271,19 +271,8 @@ fn unload_under_pressure(inner: &Inner) {
     }
 }
 
-/// A key space index no engine has (at most 255 spaces): a flush request
-/// with it only wakes a flusher.
-const WAKE_FLUSHER: u8 = u8::MAX;
-
-/// Asks every background thread of the engine to stop.
+/// Asks every background task of the engine to stop (the engine then
+/// unregisters them, waiting for runs under way).
 pub(crate) fn stop(inner: &Inner) {
     inner.shutdown.store(true, Ordering::Release);
-    let (lock, condvar) = &inner.wake;
-    *lock.lock() = true;
-    condvar.notify_all();
-    for _ in 0..inner.config.flusher_threads {
-        let _ = inner
-            .flush_tx
-            .send((WAKE_FLUSHER, crate::table::CellId::Uniform(0)));
-    }
 }

@@ -1,4 +1,4 @@
-//! Poisoning: after one failed write or `fsync`, or a dead background thread,
+//! Poisoning: after one failed write or `fsync`, or a dead background task,
 //! the engine refuses all further I/O until it is reopened — continuing could
 //! acknowledge writes that will never be durable.
 

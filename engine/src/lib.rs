@@ -51,7 +51,7 @@
 //!
 //! # Reclaiming space
 //!
-//! [`Engine::relocate`] (and a background thread, by policy) copies live
+//! [`Engine::relocate`] (and a background task, by policy) copies live
 //! entries out of old segments and deletes the segments whole; a
 //! [`RelocationFilter`] may drop entries on the way. Every segment belongs to
 //! an [`Epoch`]; [`Engine::drop_epochs_below`] expires whole epochs by
@@ -80,6 +80,7 @@ mod health;
 mod index;
 mod index_cleaning;
 mod metrics;
+pub mod pool;
 mod recovery;
 mod relocation;
 mod replication;
@@ -97,6 +98,7 @@ pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
 pub use engine::{Engine, Stored};
 pub use error::{Error, Result};
 pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
+pub use pool::WorkerPool;
 pub use relocation::{
     Decision, EntryInfo, KeepAll, RelocationFilter, RelocationReport, SegmentUsage, Strategy,
 };

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::cache::ValueCache;
 use crate::config::{Config, RecoveryMode};
@@ -22,6 +22,7 @@ use crate::health::Health;
 use crate::index::entry::{Entry, key_array};
 use crate::index::store::IndexStore;
 use crate::metrics::Metrics;
+use crate::pool::{Lane, Next, Task, WorkerPool, guarded};
 use crate::storage::{Storage, read_whole_file, write_file_atomically};
 use crate::table::cell::Cell;
 use crate::table::{CellId, LargeTable};
@@ -63,8 +64,16 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 }
 
 /// Opens or creates the engine described by `config` on `storage`.
-pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> {
+pub(crate) fn open(
+    config: Config,
+    storage: Arc<dyn Storage>,
+    pool: Option<WorkerPool>,
+) -> Result<Engine> {
     config.validate()?;
+    let pool = match pool {
+        Some(pool) => pool,
+        None => WorkerPool::private(config.flusher_threads as usize)?,
+    };
     for dir in [
         config.dir.clone(),
         config.dir.join("wal"),
@@ -94,18 +103,25 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
     let health = Arc::new(Health::default());
     let table = LargeTable::new(&config.key_spaces);
     let replay_positions = restore_cells(&table, &control);
-    let index = open_index_log(&config, &storage, &health, &control)?;
+    let index = open_index_log(&config, &storage, &health, &control, &pool)?;
     let mut recovered = Recovered::default();
-    let values = recover_values(&config, &storage, &health, &control, |position, view| {
-        replay_record(
-            &table,
-            &replay_positions,
-            control.replay_from.0,
-            position,
-            view,
-            &mut recovered,
-        )
-    })?;
+    let values = recover_values(
+        &config,
+        &storage,
+        &health,
+        &control,
+        &pool,
+        |position, view| {
+            replay_record(
+                &table,
+                &replay_positions,
+                control.replay_from.0,
+                position,
+                view,
+                &mut recovered,
+            )
+        },
+    )?;
     let (flush_tx, flush_rx) = crossbeam_channel::unbounded();
     let cache = ValueCache::new(config.value_cache_bytes);
     let inner = Arc::new(Inner {
@@ -128,8 +144,9 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
         index_gc: Default::default(),
         flush_tx,
         flush_rx,
+        flushers: std::sync::OnceLock::new(),
+        next_flusher: Default::default(),
         shutdown: AtomicBool::new(false),
-        wake: (Mutex::new(false), Condvar::new()),
         relocation_lock: Mutex::new(()),
         filter: crate::relocation::FilterSlot::new(),
         retention: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -140,10 +157,10 @@ pub(crate) fn open(config: Config, storage: Arc<dyn Storage>) -> Result<Engine> 
     });
     apply_touches(&inner, &recovered.touches)?;
     inner.table.account(recovered.memory_bytes as isize);
-    let threads = spawn_threads(&inner)?;
+    let tasks = spawn_tasks(&inner, &pool);
     Ok(Engine {
         inner,
-        threads: Mutex::new(threads),
+        tasks: Mutex::new(tasks),
     })
 }
 
@@ -225,6 +242,7 @@ fn open_index_log(
     storage: &Arc<dyn Storage>,
     health: &Arc<Health>,
     control: &ControlData,
+    pool: &WorkerPool,
 ) -> Result<Log> {
     let opts = log_options(config, LogKind::Index, control.log_id);
     let segments = replay::open_segments(&**storage, &opts)?;
@@ -268,6 +286,7 @@ fn open_index_log(
         FIRST_EPOCH,
         next,
         valid,
+        pool,
     )
 }
 
@@ -278,6 +297,7 @@ fn recover_values(
     storage: &Arc<dyn Storage>,
     health: &Arc<Health>,
     control: &ControlData,
+    pool: &WorkerPool,
     visit: impl FnMut(WalPosition, &RecordView<'_>) -> Result<()>,
 ) -> Result<Log> {
     let opts = log_options(config, LogKind::Values, control.log_id);
@@ -326,7 +346,15 @@ fn recover_values(
         .max()
         .unwrap_or(FIRST_EPOCH)
         .max(control.epoch);
-    Log::start(opts, storage.clone(), health.clone(), epoch, next, existing)
+    Log::start(
+        opts,
+        storage.clone(),
+        health.clone(),
+        epoch,
+        next,
+        existing,
+        pool,
+    )
 }
 
 /// What replay rebuilt.
@@ -427,35 +455,44 @@ fn replay_record(
     Ok(())
 }
 
-fn spawn_threads(inner: &Arc<Inner>) -> Result<Vec<std::thread::JoinHandle<()>>> {
-    let spawn = |name: String, body: fn(Arc<Inner>)| {
+/// Registers the engine's background tasks with `pool`: maintenance,
+/// relocation (on the pool's low-priority lane) and `flusher_threads`
+/// flushers. A flusher is woken when a cell is queued for flushing.
+fn spawn_tasks(inner: &Arc<Inner>, pool: &WorkerPool) -> Vec<Task> {
+    let task = |lane, first, what, body: fn(&Inner) -> Next| {
         let inner = inner.clone();
-        std::thread::Builder::new()
-            .name(name)
-            .spawn(move || {
-                let health = inner.health.clone();
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(inner)));
-                if result.is_err() {
-                    health.poison("a background thread panicked");
-                }
-            })
-            .map_err(|e| Error::io("<spawning an engine thread>", e))
+        let health = inner.health.clone();
+        pool.spawn(lane, first, guarded(health, what, move || body(&inner)))
     };
-    let mut threads = vec![spawn(
-        "tidepool-maintenance".into(),
+    let interval = Duration::from_millis(inner.config.snapshot_interval_ms);
+    let mut tasks = vec![task(
+        Lane::Normal,
+        interval,
+        "maintenance",
         crate::flush::run_maintenance,
-    )?];
+    )];
     if inner.config.relocation_enabled {
-        threads.push(spawn(
-            "tidepool-relocation".into(),
-            crate::relocation::run_relocation,
-        )?);
+        let interval = Duration::from_millis(inner.config.relocation_interval_ms);
+        let mut state = crate::relocation::Relocator::new();
+        let inner = inner.clone();
+        let health = inner.health.clone();
+        tasks.push(pool.spawn(
+            Lane::Low,
+            interval,
+            guarded(health, "relocation", move || state.run(&inner)),
+        ));
     }
-    for i in 0..inner.config.flusher_threads {
-        threads.push(spawn(
-            format!("tidepool-flusher-{i}"),
+    let mut wakers = Vec::new();
+    for _ in 0..inner.config.flusher_threads {
+        let flusher = task(
+            Lane::Normal,
+            crate::flush::FLUSHER_LOOK,
+            "flusher",
             crate::flush::run_flusher,
-        )?);
+        );
+        wakers.push(flusher.waker());
+        tasks.push(flusher);
     }
-    Ok(threads)
+    let _ = inner.flushers.set(wakers);
+    tasks
 }

@@ -65,7 +65,7 @@ fn every_crash_point_recovers_a_prefix_with_all_acknowledged_writes() {
     // workload itself and each crash point hits a different place.
     config.snapshot_interval_ms = 20;
     config.sync_interval_ms = 2;
-    let ops = workload(&mut rng, 120);
+    let ops = workload(&mut rng, 200);
 
     // How many storage operations a whole run takes.
     let probe = FaultStorage::default();

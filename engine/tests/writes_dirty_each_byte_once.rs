@@ -122,12 +122,14 @@ fn synced_writes_after_a_burst_are_dirtied_once() {
             .put(ks, &key(i), &value(i, 1, 64 << 10), Durability::Buffered)
             .unwrap();
     }
-    // The log is judged over its last 4 syncs, by a thread that looks
-    // every 100 ms: 40 synced puts give it enough to judge.
+    // The log is judged over its last 4 syncs, by a task that looks every
+    // 100 ms while the log writes: 40 synced puts spread over 400 ms give
+    // it several looks with syncs between them.
     for i in burst..burst + 40 {
         engine
             .put(ks, &key(i), &value(i, 1, 4 << 10), Durability::Synced)
             .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
     std::thread::sleep(std::time::Duration::from_millis(500));
 

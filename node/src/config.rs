@@ -213,6 +213,13 @@ pub struct EngineSettings {
     /// How often background relocation looks for segments to reclaim,
     /// milliseconds.
     pub relocation_interval_ms: u64,
+    /// Threads of the node's worker pool, which runs the background work
+    /// (allocation, periodic syncs, index flushes, maintenance) of every
+    /// replica's engine; 0: twice the cores, at least 4. Relocation runs on
+    /// a lane of its own at a lower CPU priority, with a quarter as many
+    /// threads (at least one). The replicas' Raft owners run in a second
+    /// pool of as many threads.
+    pub workers: usize,
 }
 
 impl Default for EngineSettings {
@@ -225,6 +232,7 @@ impl Default for EngineSettings {
             cells: 1_024,
             relocation: true,
             relocation_interval_ms: 30_000,
+            workers: 0,
         }
     }
 }
@@ -481,6 +489,18 @@ impl NodeConfig {
             .max_value_bytes
             .max(self.raft.max_batch_bytes as u64))
             + (1 << 20)
+    }
+
+    /// The threads of the node's worker pool: (normal lane, low lane).
+    pub fn worker_threads(&self) -> (usize, usize) {
+        let threads = match self.engine.workers {
+            0 => {
+                let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+                (2 * cores).max(4)
+            }
+            n => n,
+        };
+        (threads, (threads / 4).max(1))
     }
 
     /// The engine configuration of a replica in `dir`.

@@ -10,7 +10,7 @@
 //! [`replica`] (one raft-rs `RawNode` and the Ready checklist), [`snapshot`]
 //! and [`store`] (snapshots as files, the replica's two engine slots),
 //! [`session`] (client write sessions: exactly-once application),
-//! [`shard`] (the owner thread: group commit, ReadIndex batching),
+//! [`shard`] (the owner task: group commit, ReadIndex batching),
 //! [`server`] (the node: gRPC services, transport, metrics), [`sim`] (a
 //! simulated network for tests). See `docs/design/replication.md`.
 //!

@@ -1,6 +1,13 @@
-//! A shard replica's owner: the one thread that drives its [`Replica`]
+//! A shard replica's owner: the one task that drives its [`Replica`]
 //! through ticks, messages, proposals and the Ready checklist. Everyone else
-//! talks to it through events on a bounded channel.
+//! talks to it through events on a bounded queue. Owners are tasks of a
+//! worker pool shared by the node's replicas (`DriverConfig::pool`), not
+//! threads of their own: a round runs when events arrive or a tick is due,
+//! and gives the thread back (a node of a thousand replicas ran a thousand
+//! owner threads that slept nearly all the time).
+//!
+//! An owner's round never waits for another owner: it makes its log
+//! durable itself (leading the sync) and sends messages without blocking.
 //!
 //! Group commit: the owner takes every event already queued before it runs
 //! the Ready checklist, so the puts that arrived while the previous Ready was
@@ -15,7 +22,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -24,6 +30,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 use raft::eraftpb::{ConfChangeV2, Message};
 use tidepool_engine::Engine;
+use tidepool_engine::pool::{Lane, Next, Task, Waker, WorkerPool};
 
 use crate::command::{Command, WriteOp};
 use crate::error::{NodeError, Result};
@@ -53,6 +60,9 @@ pub struct DriverConfig {
     pub queue: usize,
     /// First wait before reopening a failed replica (doubles, up to 30 s).
     pub reopen_backoff: Duration,
+    /// The pool the owner runs in (the node's); `None`: a thread of its
+    /// own (a pool of one).
+    pub pool: Option<WorkerPool>,
 }
 
 impl Default for DriverConfig {
@@ -63,6 +73,7 @@ impl Default for DriverConfig {
             max_batch_bytes: 4 << 20,
             queue: 65_536,
             reopen_backoff: Duration::from_millis(500),
+            pool: None,
         }
     }
 }
@@ -99,42 +110,78 @@ pub type TransferReply = Box<dyn FnOnce(std::result::Result<(), String>) + Send>
 /// unbounded list channel cost 3-replica puts about 8% (`node-shard`,
 /// three runs each).
 struct EventQueue {
-    events: Mutex<VecDeque<Event>>,
-    ready: Condvar,
+    state: Mutex<Queued>,
     /// Most events waiting; more are refused (overload).
     limit: usize,
+    /// Wakes the owner's task (set once it is registered).
+    owner: std::sync::OnceLock<Waker>,
+    /// Set once the owner has closed the replica and let go of it.
+    closed: (Mutex<bool>, Condvar),
+}
+
+struct Queued {
+    events: VecDeque<Event>,
+    /// The owner was woken for the events queued since it last took them
+    /// (so only the first event after a take wakes it).
+    woken: bool,
 }
 
 impl EventQueue {
     fn new(limit: usize) -> Self {
         Self {
-            events: Mutex::new(VecDeque::new()),
-            ready: Condvar::new(),
+            state: Mutex::new(Queued {
+                events: VecDeque::new(),
+                woken: false,
+            }),
             limit,
+            owner: std::sync::OnceLock::new(),
+            closed: (Mutex::new(false), Condvar::new()),
         }
     }
 
-    /// Queues `event`, unless `limit` events wait and it is not `forced`.
+    /// Queues `event`, unless `limit` events wait and it is not `forced`,
+    /// and wakes the owner if no earlier event did since it last looked.
     fn push(&self, event: Event, forced: bool) -> std::result::Result<(), Event> {
-        let mut events = self.events.lock();
-        if !forced && events.len() >= self.limit {
+        let mut state = self.state.lock();
+        if !forced && state.events.len() >= self.limit {
             return Err(event);
         }
-        events.push_back(event);
-        drop(events);
-        self.ready.notify_one();
+        state.events.push_back(event);
+        let wake = !std::mem::replace(&mut state.woken, true);
+        drop(state);
+        if wake && let Some(owner) = self.owner.get() {
+            owner.wake();
+        }
         Ok(())
     }
 
-    /// Waits up to `wait` for an event, then swaps everything queued into
-    /// `into` (which must be empty).
-    fn take(&self, into: &mut VecDeque<Event>, wait: Duration) {
+    /// Swaps everything queued into `into` (which must be empty).
+    fn take(&self, into: &mut VecDeque<Event>) {
         debug_assert!(into.is_empty());
-        let mut events = self.events.lock();
-        if events.is_empty() && !wait.is_zero() {
-            self.ready.wait_for(&mut events, wait);
+        let mut state = self.state.lock();
+        state.woken = false;
+        std::mem::swap(&mut state.events, into);
+    }
+
+    /// Waits until the owner let go of the replica.
+    fn wait_closed(&self) {
+        let (lock, condvar) = &self.closed;
+        let mut closed = lock.lock();
+        while !*closed {
+            condvar.wait(&mut closed);
         }
-        std::mem::swap(&mut *events, into);
+    }
+}
+
+/// Tells [`EventQueue::wait_closed`] when dropped: the owner's state (its
+/// replica) is gone however its task ended, even by a panic.
+struct ClosedSignal(Arc<EventQueue>);
+
+impl Drop for ClosedSignal {
+    fn drop(&mut self) {
+        let (lock, condvar) = &self.0.closed;
+        *lock.lock() = true;
+        condvar.notify_all();
     }
 }
 
@@ -211,7 +258,8 @@ pub struct ShardHandle {
     engine: ArcSwap<Engine>,
     state: Mutex<ShardState>,
     fetching: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The owner's task in the pool.
+    task: Mutex<Option<Task>>,
     stats: ShardStats,
 }
 
@@ -242,7 +290,8 @@ impl Opener {
 }
 
 impl ShardHandle {
-    /// Opens the replica in `store` and starts its owner thread.
+    /// Opens the replica in `store` and starts its owner task (in
+    /// `driver.pool`).
     pub fn start(
         config: ReplicaConfig,
         driver: DriverConfig,
@@ -266,7 +315,7 @@ impl ShardHandle {
             engine: ArcSwap::new(replica.engine().clone()),
             state: Mutex::new(ShardState::default()),
             fetching: AtomicBool::new(false),
-            thread: Mutex::new(None),
+            task: Mutex::new(None),
             stats: ShardStats::default(),
         });
         let mut owner = Owner {
@@ -282,6 +331,8 @@ impl ShardHandle {
             write_spans: Vec::new(),
             write_bytes: 0,
             reads: Vec::new(),
+            batch: VecDeque::new(),
+            next_tick: Instant::now(),
             span: tracing::info_span!(
                 "shard",
                 node_id = opener_node_id,
@@ -289,11 +340,21 @@ impl ShardHandle {
             ),
         };
         owner.span.in_scope(|| owner.publish());
-        let thread = std::thread::Builder::new()
-            .name(format!("shard-{}", handle.shard_id))
-            .spawn(move || owner.run(&queue))
-            .map_err(|e| NodeError::Malformed(format!("cannot start a shard thread: {e}")))?;
-        *handle.thread.lock() = Some(thread);
+        owner.next_tick = Instant::now() + owner.driver.tick;
+        let pool = match &owner.driver.pool {
+            Some(pool) => pool.clone(),
+            None => WorkerPool::new(&format!("shard-{}", handle.shard_id), 1, 0)
+                .map_err(NodeError::Engine)?,
+        };
+        let signal = ClosedSignal(queue.clone());
+        let task = pool.spawn(Lane::Normal, owner.driver.tick, move || {
+            let _signal = &signal;
+            owner.round(&signal.0)
+        });
+        // Events queued before the owner could be woken: look now.
+        task.waker().wake();
+        let _ = queue.owner.set(task.waker());
+        *handle.task.lock() = Some(task);
         Ok(handle)
     }
 
@@ -383,9 +444,11 @@ impl ShardHandle {
     pub fn stop(&self) {
         // A full queue still gets the stop.
         let _ = self.queue.push(Event::Stop, true);
-        if let Some(thread) = self.thread.lock().take() {
-            let _ = thread.join();
-        }
+        let Some(task) = self.task.lock().take() else {
+            return;
+        };
+        self.queue.wait_closed();
+        drop(task);
     }
 }
 
@@ -408,7 +471,7 @@ fn next_backoff(current: Duration, up_for: Option<Duration>, first: Duration) ->
     }
 }
 
-/// The owner thread's state.
+/// The owner task's state.
 struct Owner {
     handle: Arc<ShardHandle>,
     opener: Opener,
@@ -424,51 +487,54 @@ struct Owner {
     write_spans: Vec<tracing::Span>,
     write_bytes: usize,
     reads: Vec<ReadCompletion>,
+    /// Events taken from the queue and not handled yet.
+    batch: VecDeque<Event>,
+    /// When the next Raft tick is due.
+    next_tick: Instant,
     /// Every event the owner logs carries the node and shard.
     span: tracing::Span,
 }
 
 impl Owner {
-    fn run(&mut self, queue: &EventQueue) {
+    /// One round of the owner's task, when events arrived or a tick is
+    /// due: handles every event queued until the queue is seen empty (group
+    /// commit), proposes the writes and reads gathered, ticks if due, runs
+    /// the Ready checklist and publishes the state. Returns when the next
+    /// tick is due (events wake it sooner).
+    fn round(&mut self, queue: &EventQueue) -> Next {
         let span = self.span.clone();
         let _entered = span.enter();
-        let tick = self.driver.tick;
-        let mut next_tick = Instant::now() + tick;
-        let mut batch = VecDeque::new();
-        loop {
-            let mut wait = next_tick.saturating_duration_since(Instant::now());
-            let mut stop = false;
-            // Everything queued until the queue is seen empty joins this
-            // round (group commit).
-            'round: loop {
-                queue.take(&mut batch, wait);
-                if batch.is_empty() {
-                    break;
-                }
-                wait = Duration::ZERO;
-                while let Some(event) = batch.pop_front() {
-                    if matches!(event, Event::Stop) {
-                        stop = true;
-                        break 'round;
-                    }
-                    self.handle_event(event);
-                }
-            }
-            batch.clear();
-            self.flush_writes();
-            self.flush_reads();
-            if stop {
+        let mut batch = std::mem::take(&mut self.batch);
+        let mut stop = false;
+        'round: loop {
+            queue.take(&mut batch);
+            if batch.is_empty() {
                 break;
             }
-            let now = Instant::now();
-            if now >= next_tick {
-                self.tick();
-                next_tick = (next_tick + tick).max(now);
+            while let Some(event) = batch.pop_front() {
+                if matches!(event, Event::Stop) {
+                    stop = true;
+                    break 'round;
+                }
+                self.handle_event(event);
             }
-            self.ready();
-            self.publish();
         }
-        self.close();
+        batch.clear();
+        self.batch = batch;
+        self.flush_writes();
+        self.flush_reads();
+        if stop {
+            self.close();
+            return Next::Stop;
+        }
+        let now = Instant::now();
+        if now >= self.next_tick {
+            self.tick();
+            self.next_tick = (self.next_tick + self.driver.tick).max(now);
+        }
+        self.ready();
+        self.publish();
+        Next::After(self.next_tick.saturating_duration_since(Instant::now()))
     }
 
     fn handle_event(&mut self, event: Event) {

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tidepool_engine::storage::{FileStorage, Storage, read_whole_file, write_file_atomically};
-use tidepool_engine::{Config, Engine, remove_engine_files};
+use tidepool_engine::{Config, Engine, WorkerPool, remove_engine_files};
 
 use crate::error::{NodeError, Result};
 
@@ -33,6 +33,9 @@ pub struct ReplicaStore {
     dir: PathBuf,
     /// Engine settings; `dir` is replaced by the slot's.
     engine: Config,
+    /// Where its engines' background work runs (`None`: a pool of each
+    /// engine's own).
+    pool: Option<WorkerPool>,
 }
 
 fn io_error(path: &Path, error: std::io::Error) -> NodeError {
@@ -46,7 +49,23 @@ impl ReplicaStore {
             storage,
             dir: dir.into(),
             engine,
+            pool: None,
         }
+    }
+
+    /// Runs its engines' background work in `pool` (the node's).
+    pub fn with_pool(mut self, pool: WorkerPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    fn open_engine(&self, slot: usize) -> Result<Arc<Engine>> {
+        let config = self.engine_config(slot);
+        let storage = self.storage.clone();
+        Ok(Arc::new(match &self.pool {
+            Some(pool) => Engine::open_in(config, storage, pool)?,
+            None => Engine::open_with_storage(config, storage)?,
+        }))
     }
 
     /// A replica directory on real files.
@@ -95,10 +114,7 @@ impl ReplicaStore {
             .map_err(|e| io_error(&self.dir, e))?;
         let live = self.live_slot()?;
         self.clear_spare()?;
-        Ok(Arc::new(Engine::open_with_storage(
-            self.engine_config(live),
-            self.storage.clone(),
-        )?))
+        self.open_engine(live)
     }
 
     /// The spare slot's directory, where a snapshot is received.
@@ -135,11 +151,7 @@ impl ReplicaStore {
 
     /// Opens the engine in the spare slot.
     pub fn open_spare(&self) -> Result<Arc<Engine>> {
-        let spare = 1 - self.live_slot()?;
-        Ok(Arc::new(Engine::open_with_storage(
-            self.engine_config(spare),
-            self.storage.clone(),
-        )?))
+        self.open_engine(1 - self.live_slot()?)
     }
 
     /// Makes the spare slot the live one (the point of no return of an

@@ -32,7 +32,7 @@ pub use census::SegmentUsage;
 pub(crate) use census::census;
 pub(crate) use mover::Mover;
 pub use mover::RelocationReport;
-pub(crate) use policy::run_relocation;
+pub(crate) use policy::Relocator;
 
 /// What a relocation filter says about one entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

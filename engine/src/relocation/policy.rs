@@ -6,49 +6,49 @@
 //! ratio reaches the threshold — a lower threshold when the disk is filling
 //! — at a limited rate so foreground writes keep their throughput.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::engine::Inner;
 use crate::error::Result;
 use crate::metrics::Metrics;
+use crate::pool::Next;
 
-/// Nice value of the relocation thread: when cores are contended, the
-/// foreground (nice 0) gets about nine tenths of them.
-const RELOCATION_NICE: i32 = 10;
+/// Background relocation's state between runs. Its task runs on the
+/// pool's low-priority lane: the copy rate limit bounds its I/O, the
+/// priority bounds what its census, lookups and flushes take from
+/// foreground threads.
+#[derive(Debug)]
+pub(crate) struct Relocator {
+    last_census: std::time::Instant,
+    /// The last pass relocated a full batch: more may be waiting.
+    more: bool,
+}
 
-/// The relocation thread's loop. It runs at a lower CPU priority: the copy
-/// rate limit bounds its I/O, the priority bounds what its census, lookups
-/// and flushes take from foreground threads.
-pub(crate) fn run_relocation(inner: Arc<Inner>) {
-    // On Linux a thread id names the thread alone; failure (a platform
-    // without per-thread priorities) only leaves it at normal priority.
-    let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), RELOCATION_NICE);
-    let interval = Duration::from_millis(inner.config.relocation_interval_ms);
-    let mut last_census = std::time::Instant::now();
-    // The last pass relocated a full batch: more may be waiting.
-    let mut more = false;
-    loop {
-        {
-            let (lock, condvar) = &inner.wake;
-            let mut woken = lock.lock();
-            if !inner.shutdown.load(Ordering::Acquire) {
-                condvar.wait_for(&mut woken, interval);
-            }
+impl Relocator {
+    pub fn new() -> Relocator {
+        Relocator {
+            last_census: std::time::Instant::now(),
+            more: false,
         }
+    }
+
+    /// One run, every `relocation_interval_ms`.
+    pub fn run(&mut self, inner: &Inner) -> Next {
+        let interval = Duration::from_millis(inner.config.relocation_interval_ms);
         if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
-            return;
+            return Next::Stop;
         }
-        match pass(&inner, &mut last_census, interval, more) {
-            Ok(full) => more = full,
+        match pass(inner, &mut self.last_census, interval, self.more) {
+            Ok(full) => self.more = full,
             Err(error) => {
-                more = false;
+                self.more = false;
                 if !super::is_transient(&error) && inner.health.is_poisoned() {
-                    return;
+                    return Next::Stop;
                 }
             }
         }
+        Next::After(interval)
     }
 }
 

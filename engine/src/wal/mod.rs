@@ -4,8 +4,9 @@
 //!
 //! Writers claim space with one atomic compare-and-swap on the active
 //! segment's cursor and copy in parallel; the [`tracker`] publishes the
-//! contiguous processed prefix; the syncer makes it durable; the allocator
-//! keeps the next segments ready. See `docs/design/wal-format.md`.
+//! contiguous processed prefix; whoever waits for durability leads a sync
+//! (and a periodic task syncs what buffered writers wrote); the allocator
+//! task keeps the next segments ready. See `docs/design/wal-format.md`.
 
 pub(crate) mod format;
 pub(crate) mod replay;
@@ -17,7 +18,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
@@ -25,6 +25,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::health::Health;
+use crate::pool::{Task, WorkerPool};
 use crate::storage::{ClaimError, LARGEST_FOLIO_BYTES, Mapping, RegionMut, Storage};
 use crate::types::{Epoch, SegmentId, WalPosition};
 use segment::{Active, HEADER_RECORD_BYTES, LogKind, SegmentFile, SegmentHeader, Spare};
@@ -67,7 +68,7 @@ impl LogOptions {
     }
 }
 
-/// State shared by a log's writers, readers and background threads.
+/// State shared by a log's writers, readers and background tasks.
 #[derive(Debug)]
 pub(crate) struct Shared {
     opts: LogOptions,
@@ -118,7 +119,8 @@ impl std::ops::Deref for MappedRange {
 #[derive(Debug)]
 pub(crate) struct Log {
     shared: Arc<Shared>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The allocator and the periodic syncer.
+    tasks: Mutex<Vec<Task>>,
 }
 
 /// Marks a claimed range processed when dropped; if the writer did not
@@ -146,7 +148,7 @@ impl Log {
     /// Starts writing in a new segment `next`, after the existing segments
     /// in `existing` (which stay readable). Files of segments at or after
     /// `next` are deleted first. Everything below `next`'s first byte must
-    /// already be durable.
+    /// already be durable. Its background tasks run in `pool`.
     pub fn start(
         opts: LogOptions,
         storage: Arc<dyn Storage>,
@@ -154,6 +156,7 @@ impl Log {
         epoch: Epoch,
         next: SegmentId,
         existing: BTreeMap<SegmentId, Arc<SegmentFile>>,
+        pool: &WorkerPool,
     ) -> Result<Log> {
         replay::remove_segments_from(&*storage, &opts, next)?;
         let base = next.0 * opts.segment_size;
@@ -181,10 +184,10 @@ impl Log {
             shutdown: AtomicBool::new(false),
         });
         shared.tracker.done(base, base + HEADER_RECORD_BYTES);
-        let threads = spawn_workers(&shared)?;
+        let tasks = workers::spawn_tasks(&shared, pool);
         Ok(Log {
             shared,
-            threads: Mutex::new(threads),
+            tasks: Mutex::new(tasks),
         })
     }
 
@@ -268,25 +271,16 @@ impl Log {
         }
     }
 
-    /// Waits until every byte below `position` is durable, asking the
-    /// syncer to sync now.
+    /// Waits until every byte below `position` is durable (see
+    /// `Shared::wait_synced`: the syncer does it, or this thread if it is a
+    /// pool task).
     pub fn wait_synced(&self, position: WalPosition) -> Result<()> {
         let shared = &*self.shared;
         if shared.synced.load(Ordering::Acquire) >= position.0 {
             return Ok(());
         }
         self.wait_processed(position)?;
-        shared.sync.request(position.0);
-        shared.sync.wait(|| {
-            shared.synced.load(Ordering::Acquire) >= position.0
-                || shared.health.is_poisoned()
-                || shared.shutdown.load(Ordering::Acquire)
-        });
-        if shared.synced.load(Ordering::Acquire) >= position.0 {
-            return Ok(());
-        }
-        shared.health.check()?;
-        Err(Error::Closed)
+        shared.wait_synced(position.0)
     }
 
     /// Syncs everything processed so far, on the calling thread.
@@ -359,18 +353,13 @@ impl Log {
             .map_err(|e| self.shared.health.poison_with(Error::io(dir, e)))
     }
 
-    /// Stops the background threads and removes unused spare files. Does not
-    /// sync: callers that need durability sync first.
+    /// Stops the background tasks (waiting for a run under way) and removes
+    /// unused spare files. Does not sync: callers that need durability sync
+    /// first.
     pub fn shutdown(&self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.spares.wake();
-        self.shared.sync.wake();
-        for thread in self.threads.lock().drain(..) {
-            if thread.join().is_err() {
-                self.shared
-                    .health
-                    .poison("a log background thread panicked");
-            }
+        for task in self.tasks.lock().drain(..) {
+            task.stop();
         }
         self.shared.spares.discard(&self.shared);
         // Unmap the active segment; a writer still holding it finishes first.
@@ -754,21 +743,6 @@ fn activate(opts: &LogOptions, spare: Spare, epoch: Epoch) -> Active {
         base,
         page_folios: AtomicBool::new(spare.page_folios),
     }
-}
-
-fn spawn_workers(shared: &Arc<Shared>) -> Result<Vec<JoinHandle<()>>> {
-    let name = shared.opts.kind.extension();
-    let spawn = |role: &str, body: fn(Arc<Shared>)| {
-        let shared = shared.clone();
-        std::thread::Builder::new()
-            .name(format!("tidepool-{name}-{role}"))
-            .spawn(move || body(shared))
-            .map_err(|e| Error::io("<spawning a log thread>", e))
-    };
-    Ok(vec![
-        spawn("alloc", workers::run_allocator)?,
-        spawn("sync", workers::run_syncer)?,
-    ])
 }
 
 #[cfg(test)]

@@ -49,6 +49,7 @@ fn start_with(
         Epoch(1),
         SegmentId(next),
         existing,
+        &crate::pool::WorkerPool::new("test-log", 2, 1).unwrap(),
     )
     .unwrap()
 }

@@ -84,6 +84,10 @@ pub struct Node {
     /// Channels to peers for reads (manifest verification), by address.
     peer_channels:
         parking_lot::Mutex<std::collections::HashMap<String, tidepool_security::Channel>>,
+    /// Runs the background work of every replica's engine.
+    workers: tidepool_engine::WorkerPool,
+    /// Runs every replica's Raft owner.
+    owners: tidepool_engine::WorkerPool,
 }
 
 /// The tokens a node accepts: those of its current map.
@@ -133,7 +137,12 @@ impl Node {
         })?;
         let map = config.static_map().unwrap_or_default();
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
+        let (threads, low_threads) = config.worker_threads();
+        let workers = tidepool_engine::WorkerPool::new("tidepool-worker", threads, low_threads)?;
+        let owners = tidepool_engine::WorkerPool::new("tidepool-raft", threads, 0)?;
         let node = Arc::new(Node {
+            workers,
+            owners,
             transport: Transport::new(config.node_id, security.clone()),
             security,
             tokens: Arc::default(),
@@ -326,10 +335,13 @@ impl Node {
         let dir = self.shard_dir(shard_id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
-        let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()));
+        let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
+            .with_pool(self.workers.clone());
+        let mut driver = self.config.driver_config();
+        driver.pool = Some(self.owners.clone());
         let handle = ShardHandle::start(
             self.config.replica_config(shard_id)?,
-            self.config.driver_config(),
+            driver,
             store,
             self.outbox.clone(),
             voters,
