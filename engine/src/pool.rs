@@ -110,6 +110,8 @@ struct Shared {
 thread_local! {
     /// The task running on this thread (0: none).
     static CURRENT: Cell<u64> = const { Cell::new(0) };
+    /// The pool this thread belongs to (its `Shared`'s address; 0: none).
+    static CURRENT_POOL: Cell<usize> = const { Cell::new(0) };
 }
 
 /// A pool of background threads that runs the background work of the
@@ -275,6 +277,7 @@ fn run_worker(shared: &Shared, lane: Lane) {
         // without per-thread priorities) only leaves it at normal priority.
         let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), LOW_LANE_NICE);
     }
+    CURRENT_POOL.with(|c| c.set(std::ptr::from_ref(shared) as usize));
     let l = lane as usize;
     let mut state = shared.state.lock();
     loop {
@@ -350,11 +353,6 @@ fn run_worker(shared: &Shared, lane: Lane) {
     }
 }
 
-/// Whether the calling thread is running a pool task (of any pool).
-pub(crate) fn in_task() -> bool {
-    CURRENT.with(|c| c.get()) != 0
-}
-
 /// `body`, poisoning `health` if it panics (the task then stops): a
 /// background task that died would leave its engine silently without it.
 pub(crate) fn guarded(
@@ -385,6 +383,12 @@ impl std::fmt::Debug for Waker {
 }
 
 impl Waker {
+    /// Whether the calling thread is one of the task's pool's (so waiting
+    /// for the task could wait for a thread that is not free).
+    pub fn in_current_pool(&self) -> bool {
+        CURRENT_POOL.with(|c| c.get()) == Arc::as_ptr(&self.shared) as usize
+    }
+
     /// Runs the task as soon as a thread is free (once more after its
     /// current run if it is running). Does nothing if it stopped.
     pub fn wake(&self) {

@@ -351,9 +351,9 @@ impl ShardHandle {
             let _signal = &signal;
             owner.round(&signal.0)
         });
+        let _ = queue.owner.set(task.waker());
         // Events queued before the owner could be woken: look now.
         task.waker().wake();
-        let _ = queue.owner.set(task.waker());
         *handle.task.lock() = Some(task);
         Ok(handle)
     }

@@ -92,6 +92,9 @@ pub(crate) struct Shared {
     released_bytes: AtomicU64,
     /// Syncs that made new bytes durable.
     syncs: AtomicU64,
+    /// When the last sync that made new bytes durable ended (by any
+    /// thread), as `tracker::since_start` nanoseconds.
+    last_sync: AtomicU64,
     shutdown: AtomicBool,
 }
 
@@ -181,6 +184,7 @@ impl Log {
             released_below: Mutex::new(0),
             released_bytes: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            last_sync: AtomicU64::new(tracker::since_start()),
             shutdown: AtomicBool::new(false),
         });
         shared.tracker.done(base, base + HEADER_RECORD_BYTES);
@@ -605,6 +609,8 @@ impl Shared {
         }
         self.synced.fetch_max(target, Ordering::AcqRel);
         self.syncs.fetch_add(1, Ordering::Relaxed);
+        self.last_sync
+            .store(tracker::since_start(), Ordering::Relaxed);
         Ok(())
     }
 

@@ -99,6 +99,14 @@ impl Tracker {
     }
 }
 
+/// Nanoseconds since the first call in this process (a clock cheap to
+/// keep in an atomic).
+pub(crate) fn since_start() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

