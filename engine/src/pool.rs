@@ -16,9 +16,11 @@
 //! `wal::workers`). A task may wait for a foreground writer or for work
 //! running on another thread, never for work that is only queued.
 //!
-//! Two lanes: `Normal`, and `Low` for relocation, whose threads run at a
+//! Three lanes: `Normal`; `Low` for relocation, whose threads run at a
 //! lower CPU priority (so relocation yields to foreground writes and to the
-//! other tasks, as its own thread did).
+//! other tasks, as its own thread did); and `Sync` for the logs' syncers,
+//! so that a sync a writer waits for never queues behind other work. A
+//! pool without threads for a lane runs its tasks on the normal lane.
 //!
 //! Timers are coarse: a task's next run is rounded up to [`TICK`], so the
 //! periodic tasks of many engines become due together and a pool thread
@@ -49,7 +51,13 @@ pub enum Lane {
     /// Work that yields to the rest (threads at a lower CPU priority; the
     /// normal lane's if the pool has none).
     Low = 1,
+    /// Logs' syncers, so that a sync a writer waits for never queues
+    /// behind allocation, flushes or maintenance (the normal lane's threads
+    /// if the pool has none).
+    Sync = 2,
 }
+
+const LANES: usize = 3;
 
 /// What a task wants after a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,10 +99,10 @@ struct Slot {
 
 struct State {
     tasks: HashMap<u64, Slot>,
-    ready: [VecDeque<u64>; 2],
+    ready: [VecDeque<u64>; LANES],
     /// Due times of waiting tasks (an entry whose task was woken, stopped
     /// or rescheduled meanwhile is stale and skipped).
-    timers: [BinaryHeap<Reverse<(Instant, u64)>>; 2],
+    timers: [BinaryHeap<Reverse<(Instant, u64)>>; LANES],
     shutdown: bool,
 }
 
@@ -102,7 +110,7 @@ struct Shared {
     name: String,
     state: Mutex<State>,
     /// Wakes the threads of each lane.
-    lanes: [Condvar; 2],
+    lanes: [Condvar; LANES],
     /// Wakes those waiting for a running task to stop.
     stopped: Condvar,
 }
@@ -125,8 +133,8 @@ pub struct WorkerPool {
 struct Owner {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    /// Whether the pool has low-lane threads.
-    low_lane: bool,
+    /// Whether the pool has threads of each lane.
+    has_lane: [bool; LANES],
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -146,28 +154,44 @@ impl WorkerPool {
     /// and `low_threads` at a lower CPU priority for relocation (none: the
     /// low lane's tasks run on the normal lane).
     pub fn new(name: &str, threads: usize, low_threads: usize) -> Result<WorkerPool> {
+        WorkerPool::with_sync_lane(name, threads, low_threads, 0)
+    }
+
+    /// [`WorkerPool::new`] with `sync_threads` threads (`name-sync-N`) for
+    /// the logs' syncers.
+    pub fn with_sync_lane(
+        name: &str,
+        threads: usize,
+        low_threads: usize,
+        sync_threads: usize,
+    ) -> Result<WorkerPool> {
         let shared = Arc::new(Shared {
             name: name.to_string(),
             state: Mutex::new(State {
                 tasks: HashMap::new(),
-                ready: [VecDeque::new(), VecDeque::new()],
-                timers: [BinaryHeap::new(), BinaryHeap::new()],
+                ready: Default::default(),
+                timers: Default::default(),
                 shutdown: false,
             }),
-            lanes: [Condvar::new(), Condvar::new()],
+            lanes: Default::default(),
             stopped: Condvar::new(),
         });
         let owner = Arc::new(Owner {
             shared: shared.clone(),
             threads: Mutex::new(Vec::new()),
-            low_lane: low_threads > 0,
+            has_lane: [true, low_threads > 0, sync_threads > 0],
         });
-        let lanes = [(Lane::Normal, threads.max(1)), (Lane::Low, low_threads)];
+        let lanes = [
+            (Lane::Normal, threads.max(1)),
+            (Lane::Low, low_threads),
+            (Lane::Sync, sync_threads),
+        ];
         for (lane, count) in lanes {
             for i in 0..count {
                 let thread_name = match lane {
                     Lane::Normal => format!("{name}-{i}"),
                     Lane::Low => format!("{name}-low-{i}"),
+                    Lane::Sync => format!("{name}-sync-{i}"),
                 };
                 let shared = shared.clone();
                 let thread = std::thread::Builder::new()
@@ -205,7 +229,7 @@ impl WorkerPool {
         first: Duration,
         body: impl FnMut() -> Next + Send + 'static,
     ) -> Task {
-        let lane = if self.owner.low_lane {
+        let lane = if self.owner.has_lane[lane as usize] {
             lane
         } else {
             Lane::Normal
@@ -569,6 +593,22 @@ mod tests {
         wait_until(|| runs.load(Ordering::SeqCst) == 1 && pool.tasks() == 0);
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn sync_lane_tasks_run_on_their_lane_or_the_normal_one() {
+        let name_of = |pool: &WorkerPool| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let _task = pool.spawn(Lane::Sync, Duration::ZERO, move || {
+                let _ = tx.send(std::thread::current().name().map(str::to_string));
+                Next::Stop
+            });
+            rx.recv_timeout(Duration::from_secs(10)).unwrap()
+        };
+        let with = WorkerPool::with_sync_lane("test-pool", 1, 0, 1).unwrap();
+        assert_eq!(name_of(&with).as_deref(), Some("test-pool-sync-0"));
+        let without = WorkerPool::new("test-pool", 1, 0).unwrap();
+        assert_eq!(name_of(&without).as_deref(), Some("test-pool-0"));
     }
 
     #[test]

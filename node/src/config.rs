@@ -217,8 +217,9 @@ pub struct EngineSettings {
     /// (allocation, periodic syncs, index flushes, maintenance) of every
     /// replica's engine; 0: twice the cores, at least 4. Relocation runs on
     /// a lane of its own at a lower CPU priority, with a quarter as many
-    /// threads (at least one). The replicas' Raft owners run on as many
-    /// threads again, each owner always on the same one.
+    /// threads (at least one), and the logs' syncs on a lane of as many
+    /// threads again. The replicas' Raft owners run on as many threads
+    /// again, each owner always on the same one.
     pub workers: usize,
 }
 

@@ -103,9 +103,9 @@ fn a_thousand_idle_replicas_open_and_serve() {
     );
     // Generous: several times what a debug build measured here (1.0 GiB,
     // 5,059 files, 0.5 GiB). Threads do not grow with the replicas: each
-    // node runs its engines' background work and its Raft owners in two
-    // pools of twice the cores (30 threads in all here on 2 cores; 8,019
-    // when each replica had 8 of its own).
+    // node runs its engines' background work, their syncs and its Raft
+    // owners on pools of twice the cores each (42 threads in all here on 2
+    // cores; 8,019 when each replica had 8 of its own).
     assert!(
         rss < (3 * REPLICAS) << 20,
         "{:.0} MiB resident for {REPLICAS} idle replicas",

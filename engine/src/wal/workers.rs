@@ -332,7 +332,7 @@ pub(crate) fn spawn_tasks(shared: &Arc<Shared>, pool: &WorkerPool) -> Vec<Task> 
             guarded(health.clone(), "log allocator", move || allocator.run()),
         ),
         pool.spawn(
-            Lane::Normal,
+            Lane::Sync,
             interval,
             guarded(health.clone(), "log syncer", move || syncer.run()),
         ),

@@ -141,7 +141,12 @@ impl Node {
         let map = config.static_map().unwrap_or_default();
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
         let (threads, low_threads) = config.worker_threads();
-        let workers = tidepool_engine::WorkerPool::new("tidepool-worker", threads, low_threads)?;
+        let workers = tidepool_engine::WorkerPool::with_sync_lane(
+            "tidepool-worker",
+            threads,
+            low_threads,
+            threads,
+        )?;
         let owners = (0..threads)
             .map(|i| tidepool_engine::WorkerPool::new(&format!("tidepool-raft-{i}"), 1, 0))
             .collect::<std::result::Result<Vec<_>, _>>()?;
