@@ -191,8 +191,7 @@ pub struct Cluster {
     pub credentials: Credentials,
 }
 
-const NODE_CONFIG: &str =
-    "[engine]\nwal_segment_mib = 16\nindex_memory_mib = 32\nvalue_cache_mib = 16\n";
+const NODE_CONFIG: &str = "[engine]\nwal_segment_mib = 16\n[memory]\nbudget_mib = 64\n";
 
 impl Cluster {
     /// Starts etcd, the coordinators and the nodes; returns once every

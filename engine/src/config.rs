@@ -101,9 +101,11 @@ pub struct Config {
     pub index_merge_ratio: u32,
     /// Memory for the in-memory index (loaded cells, unflushed changes,
     /// bloom filters), bytes. Beyond it cells are unloaded and looked up on
-    /// disk.
+    /// disk. An engine opened as one of a node's ([`crate::Engine::open_in`])
+    /// uses the node's [`crate::MemoryBudget`] instead.
     pub index_memory_bytes: u64,
-    /// Memory for the value cache, bytes (0 disables it).
+    /// Memory for the value cache, bytes (0 disables it); likewise replaced
+    /// by the node's budget.
     pub value_cache_bytes: u64,
     /// Bytes of the most recently synced value WAL left to the kernel's
     /// page cache; `u64::MAX` (the default) leaves all of it to the kernel.

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use crate::cache::ValueCache;
+use crate::cache::EngineCache;
 use crate::config::Config;
 use crate::control::ControlData;
 use crate::error::{Error, Result};
@@ -49,7 +49,7 @@ pub(crate) struct Inner {
     pub values: Log,
     pub index: IndexStore,
     pub table: LargeTable,
-    pub cache: ValueCache,
+    pub cache: EngineCache,
     pub metrics: Metrics,
     /// Opaque state of the application (the Raft layer), persisted with
     /// each snapshot.
@@ -129,15 +129,17 @@ impl Engine {
         crate::recovery::open(config, storage, None)
     }
 
-    /// Opens (or creates) the engine on `storage`, its background work
-    /// running in `pool` — shared by every engine of a node, so that an
-    /// engine has no thread of its own.
+    /// Opens (or creates) the engine on `storage` as one of a node's:
+    /// its background work runs in the host's pool (so that an engine has
+    /// no thread of its own) and its index and value cache count against
+    /// the host's memory budget (`config.index_memory_bytes` and
+    /// `config.value_cache_bytes` are not used).
     pub fn open_in(
         config: Config,
         storage: Arc<dyn Storage>,
-        pool: &crate::pool::WorkerPool,
+        host: &crate::memory::Host,
     ) -> Result<Engine> {
-        crate::recovery::open(config, storage, Some(pool.clone()))
+        crate::recovery::open(config, storage, Some(host.clone()))
     }
 
     /// The key space called `name`.
@@ -541,7 +543,7 @@ impl Inner {
         let _reading = self.index_gc.read();
         let entries: u64 = layers.iter().map(|l| u64::from(l.disk.count)).sum();
         let loaded_bytes = entries * BASE_ENTRY_BYTES as u64;
-        if self.table.memory_bytes() + loaded_bytes > self.config.index_memory_bytes {
+        if !self.table.load_fits(loaded_bytes) {
             return self.lookup_layers(space, id, key, layers);
         }
         let (entries, loaded) = self.index.load_layers(space.key_len(), layers)?;

@@ -246,28 +246,38 @@ fn schedule_flushes(inner: &Inner) -> Result<()> {
     Ok(())
 }
 
-/// Unloads loaded cells not referenced since the last sweep (a clock
-/// algorithm) until the in-memory index fits its budget.
+/// While the node's indexes are over their budget, or a cell load was
+/// refused for want of room: unloads this engine's loaded cells not used
+/// since its last round (one sweep of a clock per round, so that the cells
+/// an engine keeps using stay loaded while other engines' idle ones go),
+/// and if the indexes are still over the budget, queues its cells with
+/// unflushed changes for flushing (a flushed change needs no memory).
 fn unload_under_pressure(inner: &Inner) {
-    let budget = inner.config.index_memory_bytes;
-    if inner.table.memory_bytes() <= budget {
+    if !inner.table.pressed() {
         return;
     }
-    for _sweep in 0..2 {
-        inner.table.for_each_cell(|_, _, cell| {
-            if inner.table.memory_bytes() <= budget || cell.base.is_none() {
-                return;
-            }
-            if std::mem::take(&mut cell.referenced) {
-                return;
-            }
-            let freed = cell.unload();
-            inner.table.account(-(freed as isize));
-            Metrics::add(&inner.metrics.counters().cell_unloads, 1);
-        });
-        if inner.table.memory_bytes() <= budget {
+    inner.table.for_each_cell(|_, _, cell| {
+        if !inner.table.pressed() || cell.base.is_none() {
             return;
         }
+        if std::mem::take(&mut cell.referenced) {
+            return;
+        }
+        let freed = cell.unload();
+        inner.table.account(-(freed as isize));
+        Metrics::add(&inner.metrics.counters().cell_unloads, 1);
+    });
+    if !inner.table.over_budget(0) {
+        return;
+    }
+    inner.table.for_each_cell(|space, id, cell| {
+        if !cell.changes.is_empty() && !cell.queued && !cell.flushing {
+            cell.queued = true;
+            let _ = inner.flush_tx.send((space as u8, *id));
+        }
+    });
+    for flusher in inner.flushers.get().into_iter().flatten() {
+        flusher.wake();
     }
 }
 

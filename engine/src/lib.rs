@@ -79,6 +79,7 @@ pub mod fuzzing;
 mod health;
 mod index;
 mod index_cleaning;
+mod memory;
 mod metrics;
 pub mod pool;
 mod recovery;
@@ -97,6 +98,7 @@ pub use checkpoint::{Checkpoint, CheckpointFile, remove_engine_files};
 pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
 pub use engine::{Engine, Stored};
 pub use error::{Error, Result};
+pub use memory::{Host, MemoryBudget};
 pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};
 pub use pool::WorkerPool;
 pub use relocation::{

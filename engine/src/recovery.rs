@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::cache::ValueCache;
+use crate::cache::EngineCache;
 use crate::config::{Config, RecoveryMode};
 use crate::control::{CONTROL_FILE, ControlData};
 use crate::engine::{Engine, Inner};
@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::health::Health;
 use crate::index::entry::{Entry, key_array};
 use crate::index::store::IndexStore;
+use crate::memory::{Host, MemoryBudget};
 use crate::metrics::Metrics;
 use crate::pool::{Lane, Next, Task, WorkerPool, guarded};
 use crate::storage::{Storage, read_whole_file, write_file_atomically};
@@ -67,12 +68,15 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 pub(crate) fn open(
     config: Config,
     storage: Arc<dyn Storage>,
-    pool: Option<WorkerPool>,
+    host: Option<Host>,
 ) -> Result<Engine> {
     config.validate()?;
-    let pool = match pool {
-        Some(pool) => pool,
-        None => WorkerPool::private(config.flusher_threads as usize)?,
+    let Host { pool, memory } = match host {
+        Some(host) => host,
+        None => Host {
+            pool: WorkerPool::private(config.flusher_threads as usize)?,
+            memory: MemoryBudget::new(config.index_memory_bytes, config.value_cache_bytes),
+        },
     };
     for dir in [
         config.dir.clone(),
@@ -101,7 +105,7 @@ pub(crate) fn open(
     };
     check_compatible(&config, &control)?;
     let health = Arc::new(Health::default());
-    let table = LargeTable::new(&config.key_spaces);
+    let table = LargeTable::new(&config.key_spaces, memory.clone());
     let replay_positions = restore_cells(&table, &control);
     let index = open_index_log(&config, &storage, &health, &control, &pool)?;
     let mut recovered = Recovered::default();
@@ -123,7 +127,7 @@ pub(crate) fn open(
         },
     )?;
     let (flush_tx, flush_rx) = crossbeam_channel::unbounded();
-    let cache = ValueCache::new(config.value_cache_bytes);
+    let cache = EngineCache::new(memory.cache().clone());
     let inner = Arc::new(Inner {
         storage,
         health,

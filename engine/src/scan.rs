@@ -97,9 +97,7 @@ impl Inner {
                         Ok((entries, loaded)) => {
                             let entries = Arc::new(entries);
                             let bytes = entries.len() * crate::table::cell::BASE_ENTRY_BYTES;
-                            if self.table.memory_bytes() + bytes as u64
-                                <= self.config.index_memory_bytes
-                            {
+                            if self.table.load_fits(bytes as u64) {
                                 space.with_cell(id, |cell| {
                                     self.table.account(
                                         cell.install_base(&loaded, entries.clone()) as isize

@@ -16,8 +16,11 @@
 //!
 //! [engine]                             # per shard replica
 //! wal_segment_mib = 64
-//! index_memory_mib = 128
-//! value_cache_mib = 64
+//!
+//! [memory]                             # for all of the node's replicas
+//! budget_mib = 0                       # 0: half the container's memory limit,
+//!                                      # else a quarter of the machine's memory
+//! index_percent = 50                   # for indexes; the rest caches values
 //!
 //! # A fixed cluster without a coordinator: every listed node hosts every
 //! # shard. (With a coordinator, shards come from `NodeAdmin.OpenReplica`.)
@@ -75,6 +78,9 @@ pub struct NodeConfig {
     /// Limits on what one client may hold of the node.
     #[serde(default)]
     pub limits: LimitSettings,
+    /// The memory the replicas' indexes and value caches share.
+    #[serde(default)]
+    pub memory: MemorySettings,
     /// A fixed cluster (no coordinator).
     #[serde(default)]
     pub cluster: Option<StaticCluster>,
@@ -202,10 +208,11 @@ pub struct EngineSettings {
     pub wal_segment_mib: u64,
     /// Index log segment size, MiB (same on every node).
     pub index_segment_mib: u64,
-    /// In-memory index budget, MiB.
-    pub index_memory_mib: u64,
-    /// Value cache, MiB.
-    pub value_cache_mib: u64,
+    /// No longer read: the indexes' and value caches' memory is the node's
+    /// (`[memory]`); set, the configuration is refused with that message.
+    pub index_memory_mib: Option<u64>,
+    /// Likewise.
+    pub value_cache_mib: Option<u64>,
     /// Index cells (parallelism of index flushes; same on every node).
     pub cells: u32,
     /// Background relocation (space reclamation).
@@ -228,14 +235,103 @@ impl Default for EngineSettings {
         Self {
             wal_segment_mib: 64,
             index_segment_mib: 16,
-            index_memory_mib: 128,
-            value_cache_mib: 64,
+            index_memory_mib: None,
+            value_cache_mib: None,
             cells: 1_024,
             relocation: true,
             relocation_interval_ms: 30_000,
             workers: 0,
         }
     }
+}
+
+/// The node's memory budget: every replica's in-memory index and cached
+/// values count against it together, so memory follows the data and the
+/// hot set, not the number of replicas.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemorySettings {
+    /// MiB for all replicas' indexes and value caches; 0: derived from the
+    /// memory the node may use — half of its cgroup's (container's) memory
+    /// limit, or without one a quarter of the machine's memory.
+    pub budget_mib: u64,
+    /// The indexes' share of the budget, percent (1–100); the value cache
+    /// has the rest.
+    pub index_percent: u64,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        Self {
+            budget_mib: 0,
+            index_percent: 50,
+        }
+    }
+}
+
+impl MemorySettings {
+    /// The budget, bytes: configured, or derived from `limit` (the cgroup's
+    /// memory limit, if any) and `total` (the machine's memory).
+    pub fn budget_bytes_of(&self, limit: Option<u64>, total: u64) -> u64 {
+        match (self.budget_mib, limit) {
+            (0, Some(limit)) => limit.min(total) / 2,
+            (0, None) => total / 4,
+            (mib, _) => mib << 20,
+        }
+    }
+
+    /// The budget on this machine, bytes.
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes_of(cgroup_memory_limit(), machine_memory())
+    }
+
+    /// (index bytes, value cache bytes).
+    pub fn split(&self, budget: u64) -> (u64, u64) {
+        let index = budget / 100 * self.index_percent + budget % 100 * self.index_percent / 100;
+        (index, budget - index)
+    }
+}
+
+/// The memory limit of the process's cgroup (v2 `memory.max`, or v1
+/// `memory.limit_in_bytes`), if it has one.
+fn cgroup_memory_limit() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    // v2: "0::/path"; v1: "N:memory:/path" (or a mount at the root).
+    let v2 = own.lines().find_map(|l| l.strip_prefix("0::"));
+    let v1 = own.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    });
+    let mut candidates = Vec::new();
+    if let Some(path) = v2 {
+        candidates.push(format!("/sys/fs/cgroup{path}/memory.max"));
+        candidates.push("/sys/fs/cgroup/memory.max".to_string());
+    }
+    if let Some(path) = v1 {
+        candidates.push(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"));
+        candidates.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_string());
+    }
+    candidates.iter().find_map(|file| {
+        let text = std::fs::read_to_string(file).ok()?;
+        // "max" (v2) or a huge number (v1) means no limit.
+        text.trim().parse::<u64>().ok().filter(|&b| b < 1 << 60)
+    })
+}
+
+/// The machine's memory, bytes (`MemTotal`; 4 GiB if unreadable).
+fn machine_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(4 << 30, |kib| kib << 10)
 }
 
 /// A fixed cluster: peers, shards, namespaces.
@@ -398,6 +494,20 @@ impl NodeConfig {
         if self.raft.max_value_bytes == 0 || self.raft.max_value_bytes > 64 << 20 {
             return bad("raft.max_value_bytes must be between 1 and 64 MiB".into());
         }
+        for (key, set) in [
+            ("index_memory_mib", self.engine.index_memory_mib),
+            ("value_cache_mib", self.engine.value_cache_mib),
+        ] {
+            if set.is_some() {
+                return bad(format!(
+                    "engine.{key} is no longer read: the replicas' indexes and value caches share \
+                     the node's budget, [memory] budget_mib (and index_percent)"
+                ));
+            }
+        }
+        if !(1..=100).contains(&self.memory.index_percent) {
+            return bad("memory.index_percent must be between 1 and 100".into());
+        }
         if self.engine.wal_segment_mib << 20 < 2 * self.max_record_bytes() {
             return bad(format!(
                 "engine.wal_segment_mib ({}) must hold two of the largest entries ({} bytes)",
@@ -504,6 +614,12 @@ impl NodeConfig {
         (threads, (threads / 4).max(1))
     }
 
+    /// The memory budget every replica's engine shares.
+    pub fn memory_budget(&self) -> tidepool_engine::MemoryBudget {
+        let (index, cache) = self.memory.split(self.memory.budget_bytes());
+        tidepool_engine::MemoryBudget::new(index, cache)
+    }
+
     /// The engine configuration of a replica in `dir`.
     pub fn engine_config(&self, dir: PathBuf) -> EngineConfig {
         let e = &self.engine;
@@ -513,8 +629,6 @@ impl NodeConfig {
             index_segment_bytes: e.index_segment_mib << 20,
             max_value_bytes: self.raft.max_value_bytes + crate::blob::HEADER_BYTES as u64 + 4096,
             spare_segments: 1,
-            index_memory_bytes: e.index_memory_mib << 20,
-            value_cache_bytes: e.value_cache_mib << 20,
             relocation_enabled: e.relocation,
             relocation_interval_ms: e.relocation_interval_ms,
             key_spaces: vec![
@@ -660,6 +774,42 @@ mod tests {
             ]
         );
         assert!(config.tls.is_some());
+    }
+
+    #[test]
+    fn the_memory_budget_is_the_nodes_configured_or_derived() {
+        let mut memory = MemorySettings::default();
+        // Derived: half a container's limit, else a quarter of the machine.
+        assert_eq!(memory.budget_bytes_of(Some(8 << 30), 64 << 30), 4 << 30);
+        assert_eq!(memory.budget_bytes_of(Some(128 << 30), 64 << 30), 32 << 30);
+        assert_eq!(memory.budget_bytes_of(None, 64 << 30), 16 << 30);
+        memory.budget_mib = 1024;
+        assert_eq!(memory.budget_bytes_of(Some(8 << 30), 64 << 30), 1 << 30);
+        assert_eq!(memory.split(1 << 30), (512 << 20, 512 << 20));
+        memory.index_percent = 100;
+        assert_eq!(memory.split(1 << 30), (1 << 30, 0));
+        memory.index_percent = 33;
+        let (index, cache) = memory.split(1_000_003);
+        assert_eq!((index, index + cache), (330_000, 1_000_003));
+        // On this machine it is positive and at most the machine's memory.
+        let here = MemorySettings::default().budget_bytes();
+        assert!(here > 0 && here <= machine_memory(), "{here}");
+    }
+
+    #[test]
+    fn per_replica_memory_settings_are_refused_with_where_they_went() {
+        for (text, reason) in [
+            ("[engine]\nindex_memory_mib = 128\n", "[memory] budget_mib"),
+            ("[engine]\nvalue_cache_mib = 64\n", "[memory] budget_mib"),
+            ("[memory]\nindex_percent = 0\n", "index_percent"),
+            ("[memory]\nbudget = 5\n", "unknown field"),
+        ] {
+            let error = NodeConfig::from_toml(&format!("node_id = 1\n{text}"))
+                .and_then(|c| c.validate())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(reason), "{text}: {error}");
+        }
     }
 
     #[test]

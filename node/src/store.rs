@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tidepool_engine::storage::{FileStorage, Storage, read_whole_file, write_file_atomically};
-use tidepool_engine::{Config, Engine, WorkerPool, remove_engine_files};
+use tidepool_engine::{Config, Engine, Host, remove_engine_files};
 
 use crate::error::{NodeError, Result};
 
@@ -33,9 +33,9 @@ pub struct ReplicaStore {
     dir: PathBuf,
     /// Engine settings; `dir` is replaced by the slot's.
     engine: Config,
-    /// Where its engines' background work runs (`None`: a pool of each
-    /// engine's own).
-    pool: Option<WorkerPool>,
+    /// Where its engines' background work runs and whose memory they use
+    /// (`None`: a pool and budget of each engine's own).
+    host: Option<Host>,
 }
 
 fn io_error(path: &Path, error: std::io::Error) -> NodeError {
@@ -49,21 +49,22 @@ impl ReplicaStore {
             storage,
             dir: dir.into(),
             engine,
-            pool: None,
+            host: None,
         }
     }
 
-    /// Runs its engines' background work in `pool` (the node's).
-    pub fn with_pool(mut self, pool: WorkerPool) -> Self {
-        self.pool = Some(pool);
+    /// Runs its engines' background work in the host's pool (the node's)
+    /// and counts their memory against its budget.
+    pub fn with_host(mut self, host: Host) -> Self {
+        self.host = Some(host);
         self
     }
 
     fn open_engine(&self, slot: usize) -> Result<Arc<Engine>> {
         let config = self.engine_config(slot);
         let storage = self.storage.clone();
-        Ok(Arc::new(match &self.pool {
-            Some(pool) => Engine::open_in(config, storage, pool)?,
+        Ok(Arc::new(match &self.host {
+            Some(host) => Engine::open_in(config, storage, host)?,
             None => Engine::open_with_storage(config, storage)?,
         }))
     }

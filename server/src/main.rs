@@ -639,6 +639,9 @@ const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Nodes in dev mode.
 const DEV_NODES: u16 = 3;
+/// Each dev node's memory budget (indexes and value caches of all its
+/// replicas), MiB: dev mode shares one machine among three nodes.
+const DEV_MEMORY_MIB: u64 = 256;
 
 /// `tidepool dev` serves metrics on `--port` + 90 (coordinator), + 91..=93
 /// (nodes) and + 94 (gateway).
@@ -704,8 +707,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             )));
             node.data_dir = data_dir.join(format!("node-{i}"));
             node.engine.wal_segment_mib = 16;
-            node.engine.index_memory_mib = 32;
-            node.engine.value_cache_mib = 16;
+            node.memory.budget_mib = DEV_MEMORY_MIB;
             node.tls = files(&format!("node-{i}"));
             node.coordinator = Some(CoordinatorLink {
                 addresses: vec![coordinator_url.clone()],

@@ -118,9 +118,10 @@ tick_ms = 20
 [engine]
 wal_segment_mib = 16
 index_segment_mib = 4
-index_memory_mib = 16
-value_cache_mib = 8
 cells = 64
+
+[memory]
+budget_mib = 24
 
 [cluster]
 shards = 2

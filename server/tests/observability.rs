@@ -211,6 +211,8 @@ fn metrics_alerts_and_dashboard_hold_with_promtool_and_prometheus() {
         "tidepool_shard_apply_lag_entries",
         "tidepool_engine_relocation_debt_bytes",
         "tidepool_node_disk_free_bytes",
+        "tidepool_node_index_memory_limit_bytes",
+        "tidepool_node_cache_bytes",
         "tidepool_coordinator_shards_leaderless",
     ] {
         assert!(

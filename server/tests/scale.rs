@@ -35,16 +35,6 @@ fn allocated_bytes(dir: &Path) -> u64 {
     total
 }
 
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
-}
-
 fn entries(path: &str) -> u64 {
     std::fs::read_dir(path).unwrap().count() as u64
 }
@@ -86,7 +76,7 @@ fn a_thousand_idle_replicas_open_and_serve() {
     });
     drop(runtime);
     let pid = child.id();
-    let rss = status_kib(pid, "VmRSS:") << 10;
+    let rss = support::status_kib(pid, "VmRSS:").expect("VmRSS") << 10;
     let threads = entries(&format!("/proc/{pid}/task"));
     let files = entries(&format!("/proc/{pid}/fd"));
     let disk = allocated_bytes(dir.path());

@@ -73,8 +73,7 @@ impl LocalCluster {
         config.raft.max_value_bytes = 1 << 20;
         config.raft.max_batch_bytes = 1 << 20;
         config.engine.wal_segment_mib = 8;
-        config.engine.index_memory_mib = 16;
-        config.engine.value_cache_mib = 4;
+        config.memory.budget_mib = 20;
         config.coordinator = Some(CoordinatorLink {
             addresses: vec![self.url.clone()],
             zone: String::new(),

@@ -60,6 +60,15 @@ pub(crate) struct LargeTable {
     pub spaces: Vec<SpaceTable>,
     /// Bytes held by cells in memory (striped: every put of a new key adds).
     memory: StripedCounter,
+    /// The node's budget, which counts them too.
+    budget: crate::memory::MemoryBudget,
+}
+
+impl Drop for LargeTable {
+    fn drop(&mut self) {
+        // What the cells held leaves the node's count with them.
+        self.budget.account_index(-self.memory.sum());
+    }
 }
 
 /// Lowest key rank (first 8 bytes, big-endian) of uniform cell `i` of `n`.
@@ -269,22 +278,46 @@ impl SpaceTable {
 }
 
 impl LargeTable {
-    /// An empty table for these key spaces.
-    pub fn new(spaces: &[KeySpaceConfig]) -> Self {
+    /// An empty table for these key spaces, counting against `budget`.
+    pub fn new(spaces: &[KeySpaceConfig], budget: crate::memory::MemoryBudget) -> Self {
         Self {
             spaces: spaces.iter().cloned().map(SpaceTable::new).collect(),
             memory: StripedCounter::default(),
+            budget,
         }
     }
 
     /// Records a change in memory use, bytes.
     pub fn account(&self, delta: isize) {
         self.memory.add(delta as i64);
+        self.budget.account_index(delta as i64);
     }
 
     /// Bytes held in memory by all cells.
     pub fn memory_bytes(&self) -> u64 {
         self.memory.sum().max(0) as u64
+    }
+
+    /// Whether `extra` more bytes would take the node's indexes over their
+    /// budget.
+    pub fn over_budget(&self, extra: u64) -> bool {
+        self.budget.index_over(extra)
+    }
+
+    /// Whether a cell load of `bytes` fits the budget; if not, the refusal
+    /// is remembered so that idle cells make room.
+    pub fn load_fits(&self, bytes: u64) -> bool {
+        let fits = !self.budget.index_over(bytes);
+        if !fits {
+            self.budget.refuse_load(bytes);
+        }
+        fits
+    }
+
+    /// Whether the node's indexes need memory back (over the limit, or a
+    /// refused load would not fit).
+    pub fn pressed(&self) -> bool {
+        self.budget.index_pressed()
     }
 
     /// Runs `f` on every cell of every key space, one lock at a time.

@@ -333,12 +333,12 @@ const SHARD_GAUGES: &[(&str, &str, Read)] = &[
     ),
     (
         "tidepool_engine_index_memory_bytes",
-        "Bytes the in-memory index holds.",
+        "Bytes the replica's in-memory index holds (of the node's budget).",
         |s| Some(s.engine.index_memory_bytes),
     ),
     (
         "tidepool_engine_cache_bytes",
-        "Bytes the value cache holds.",
+        "Bytes the replica's values take in the node's value cache.",
         |s| Some(s.engine.cache_bytes),
     ),
     (
@@ -469,12 +469,33 @@ impl ShardCollector {
             .collect()
     }
 
-    fn encode_disk(
+    fn encode_node(
         node: &Node,
         encoder: &mut DescriptorEncoder<'_>,
     ) -> Result<(), std::fmt::Error> {
         let (used, total) = super::admin::disk_usage(&node.config.data_dir);
+        let memory = &node.engines.memory;
         for (name, help, value) in [
+            (
+                "tidepool_node_index_memory_limit_bytes",
+                "The node's budget for all replicas' in-memory indexes ([memory]).",
+                memory.index_limit(),
+            ),
+            (
+                "tidepool_node_index_memory_bytes",
+                "Bytes all replicas' in-memory indexes hold.",
+                memory.index_bytes(),
+            ),
+            (
+                "tidepool_node_cache_limit_bytes",
+                "The node's budget for the value cache all replicas share ([memory]).",
+                memory.cache_limit(),
+            ),
+            (
+                "tidepool_node_cache_bytes",
+                "Bytes the node's value cache holds.",
+                memory.cache_bytes(),
+            ),
             (
                 "tidepool_node_disk_total_bytes",
                 "Size of the file system holding the data directory.",
@@ -537,7 +558,7 @@ impl Collector for ShardCollector {
                 .commit_latency
                 .encode(commit.encode_family(&labels)?)?;
         }
-        Self::encode_disk(&node, &mut encoder)
+        Self::encode_node(&node, &mut encoder)
     }
 }
 

@@ -84,8 +84,9 @@ pub struct Node {
     /// Channels to peers for reads (manifest verification), by address.
     peer_channels:
         parking_lot::Mutex<std::collections::HashMap<String, tidepool_security::Channel>>,
-    /// Runs the background work of every replica's engine.
-    workers: tidepool_engine::WorkerPool,
+    /// What every replica's engine shares: the worker pool running their
+    /// background work, and the node's memory budget.
+    engines: tidepool_engine::Host,
     /// Run the replicas' Raft owners: pools of one thread, a replica's
     /// owner always in the same one (chosen by shard id). One shared pool,
     /// where an owner ran on whichever thread was free, measured about 20%
@@ -150,8 +151,12 @@ impl Node {
         let owners = (0..threads)
             .map(|i| tidepool_engine::WorkerPool::new(&format!("tidepool-raft-{i}"), 1, 0))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        let engines = tidepool_engine::Host {
+            pool: workers,
+            memory: config.memory_budget(),
+        };
         let node = Arc::new(Node {
-            workers,
+            engines,
             owners,
             transport: Transport::new(config.node_id, security.clone()),
             security,
@@ -346,7 +351,7 @@ impl Node {
         std::fs::create_dir_all(&dir)
             .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
         let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
-            .with_pool(self.workers.clone());
+            .with_host(self.engines.clone());
         let mut driver = self.config.driver_config();
         driver.pool = Some(self.owners[shard_id as usize % self.owners.len()].clone());
         let handle = ShardHandle::start(

@@ -54,8 +54,7 @@ impl TestCluster {
             config.raft.tick_ms = 20;
             config.engine.wal_segment_mib = 16;
             config.engine.index_segment_mib = 4;
-            config.engine.index_memory_mib = 16;
-            config.engine.value_cache_mib = 8;
+            config.memory.budget_mib = 24;
             config.engine.cells = 64;
             config.cluster = Some(StaticCluster {
                 shards,

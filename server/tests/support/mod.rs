@@ -213,3 +213,30 @@ pub fn same_tree(a: &Path, b: &Path) {
     }
     assert!(files > 0);
 }
+
+/// A field of `/proc/PID/status` in KiB (`VmRSS:`, `RssAnon:`, ...), if the
+/// process and the field exist.
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// The body of a plain HTTP/1.1 GET of `path` on a local port (`None` if
+/// nothing answers).
+pub fn http_get_text(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    // One write: a responder that answers after its first read and closes
+    // could otherwise meet a closed socket.
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+}
