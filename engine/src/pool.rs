@@ -324,10 +324,11 @@ fn run_worker(shared: &Shared, lane: Lane) {
             if !state.ready[l].is_empty() {
                 shared.lanes[l].notify_one();
             }
-            let slot = state
-                .tasks
-                .get_mut(&id)
-                .expect("a ready task is registered");
+            // A task stopped while it waited in the queue left its id
+            // behind (ids are never reused).
+            let Some(slot) = state.tasks.get_mut(&id) else {
+                continue;
+            };
             slot.status = Status::Running;
             slot.woken = false;
             let mut body = slot.body.take().expect("a ready task has its body");
@@ -565,6 +566,39 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(runs.load(Ordering::SeqCst), after);
         assert_eq!(pool.tasks(), 0);
+    }
+
+    /// A task stopped while it waits in the ready queue (woken, every
+    /// thread busy) leaves its id there; the thread that pops it skips it.
+    /// (It used to panic, and the pool's lane lost that thread: with all
+    /// sync-lane threads gone this way, a node stopping 256 replicas hung
+    /// waiting for syncs that no thread would run.)
+    #[test]
+    fn a_task_stopped_while_queued_is_skipped_and_the_thread_goes_on() {
+        let pool = WorkerPool::new("test-pool", 1, 0).unwrap();
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let release_rx = Mutex::new(release_rx);
+        // Holds the only thread until released.
+        let _busy = pool.spawn(Lane::Normal, Duration::ZERO, move || {
+            let _ = entered_tx.send(());
+            let _ = release_rx.lock().recv();
+            Next::Stop
+        });
+        entered_rx.recv().unwrap();
+        let ran = Arc::new(AtomicU32::new(0));
+        let r = ran.clone();
+        let queued = pool.spawn(Lane::Normal, Duration::from_secs(3600), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+            Next::Stop
+        });
+        queued.waker().wake();
+        queued.stop();
+        release_tx.send(()).unwrap();
+        // The thread survived the stale entry: a new task still runs.
+        let (_task, runs) = counter_task(&pool, Duration::from_millis(10));
+        wait_until(|| runs.load(Ordering::SeqCst) >= 2);
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "a stopped task never runs");
     }
 
     #[test]
