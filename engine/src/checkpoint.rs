@@ -71,6 +71,8 @@ impl CheckpointFile {
 /// the files it lists readable.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
+    /// The engine's directory (where its files are named).
+    dir: PathBuf,
     /// The files, segments first and the control file last — a receiver that
     /// writes them in this order has no control file until it has the rest,
     /// so a partial copy never opens as an engine.
@@ -85,6 +87,56 @@ impl Checkpoint {
     /// Total bytes to copy.
     pub fn bytes(&self) -> u64 {
         self.files.iter().map(|f| f.len).sum()
+    }
+
+    /// Writes the checkpoint into `dir` on `storage`, which must hold no
+    /// engine files: a local copy that opens as an engine with exactly the
+    /// checkpoint's state (how a shard split starts its new group from the
+    /// parent's state, `docs/design/splits.md`). A file the checkpoint
+    /// lists whole — a segment entirely below its log's synced watermark,
+    /// which nothing writes again — becomes a hard link to the engine's
+    /// file where the storage allows (no bytes copied; either engine
+    /// deleting its name leaves the other's); the rest is copied. Files
+    /// are written in the checkpoint's order, the control file last, each
+    /// synced, then the directories: a copy cut short has no control file
+    /// and never opens as an engine. Returns the bytes copied (not linked).
+    pub fn materialize(&self, storage: &dyn crate::storage::Storage, dir: &Path) -> Result<u64> {
+        let mut copied = 0;
+        let mut dirs = std::collections::BTreeSet::new();
+        for file in &self.files {
+            let path = dir.join(&file.path);
+            let parent = path.parent().unwrap_or(dir).to_path_buf();
+            if dirs.insert(parent.clone()) {
+                storage
+                    .create_dir_all(&parent)
+                    .map_err(|e| Error::io(&parent, e))?;
+            }
+            let whole = file.len == file.file_len && matches!(file.source, Source::File(_));
+            // The engine's file may be gone (relocated away) since the
+            // checkpoint: its open handle still reads, so copy then.
+            if whole && storage.hard_link(&self.dir.join(&file.path), &path).is_ok() {
+                continue;
+            }
+            let out = storage
+                .create(&path, file.file_len)
+                .map_err(|e| Error::io(&path, e))?;
+            let mut buf = vec![0; (1 << 20).min(file.len as usize)];
+            let mut offset = 0;
+            while offset < file.len {
+                let n = (file.len - offset).min(buf.len() as u64) as usize;
+                file.read_at(&mut buf[..n], offset)?;
+                out.write_at(&buf[..n], offset)
+                    .map_err(|e| Error::io(&path, e))?;
+                offset += n as u64;
+            }
+            out.sync_all().map_err(|e| Error::io(&path, e))?;
+            copied += file.len;
+        }
+        // Children first, the engine's directory last.
+        for parent in dirs.iter().rev() {
+            storage.sync_dir(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        Ok(copied)
     }
 }
 
@@ -133,6 +185,7 @@ fn capture(inner: &Inner, control: &ControlData) -> Result<Checkpoint> {
         source: Source::Memory(Arc::new(bytes)),
     });
     Ok(Checkpoint {
+        dir: dir.clone(),
         files,
         app_state: control.app_state.clone(),
         wal_end,

@@ -3,6 +3,10 @@
 //! writing, relocating and dropping the very segments the checkpoint lists
 //! while the copy runs, and with writers racing the checkpoint itself.
 //!
+//! Materialized on the same file system (how a shard split starts its new
+//! group), whole segments are hard links: the copy costs no data bytes and
+//! stays intact while either engine relocates and deletes its files.
+//!
 //! Prints its seed; replay with `CHECKPOINT_SEED=<seed>`.
 
 mod support;
@@ -16,26 +20,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use support::{fault_storage, key, open, value};
 use tidepool_engine::storage::{FaultStorage, Storage};
-use tidepool_engine::{Checkpoint, Durability, Engine, Epoch, ItemInput, ItemOp, Strategy, Tag};
-
-/// Writes the checkpoint's files under `dir` of `storage`, as a receiver
-/// would.
-fn copy_into(checkpoint: &Checkpoint, storage: &FaultStorage, dir: &Path) {
-    for file in &checkpoint.files {
-        let path = dir.join(&file.path);
-        storage.create_dir_all(path.parent().unwrap()).unwrap();
-        let out = storage.create(&path, file.file_len).unwrap();
-        let mut offset = 0;
-        while offset < file.len {
-            let mut buf = vec![0; (file.len - offset).min(5000) as usize];
-            file.read_at(&mut buf, offset).unwrap();
-            out.write_at(&buf, offset).unwrap();
-            offset += buf.len() as u64;
-        }
-        out.sync_all().unwrap();
-        storage.sync_dir(path.parent().unwrap()).unwrap();
-    }
-}
+use tidepool_engine::{Durability, Engine, Epoch, ItemInput, ItemOp, Strategy, Tag};
 
 fn read_all(engine: &Engine, keys: u64) -> BTreeMap<u64, Vec<u8>> {
     let ks = engine.key_space("default").unwrap();
@@ -144,8 +129,12 @@ fn copy_of_a_checkpoint_holds_exactly_its_state() {
         "seed {seed}: the source deleted none of the checkpoint's files"
     );
 
+    // Another storage: no hard links, every byte copied.
     let copy_storage = FaultStorage::default();
-    copy_into(&checkpoint, &copy_storage, Path::new("/copy"));
+    let copied = checkpoint
+        .materialize(&copy_storage, Path::new("/copy"))
+        .unwrap();
+    assert_eq!(copied, checkpoint.bytes());
     let mut copy_config = config.clone();
     copy_config.dir = "/copy".into();
     let copy = open(&copy_storage, &copy_config).unwrap();
@@ -189,4 +178,95 @@ fn copy_of_a_checkpoint_holds_exactly_its_state() {
         m.insert(1, b"after".to_vec());
         m.len()
     });
+}
+
+#[test]
+fn a_local_copy_links_whole_segments_and_either_side_moves_on_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tidepool_engine::Config::for_tests(dir.path().join("parent"));
+    config.relocation_enabled = false;
+    let engine = Engine::open(config.clone()).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    const KEYS: u64 = 300;
+    let mut model = BTreeMap::new();
+    for version in 0..3u64 {
+        for k in 0..KEYS {
+            let v = value(k, version, 700);
+            engine.put(ks, &key(k), &v, Durability::Buffered).unwrap();
+            model.insert(k, v);
+        }
+    }
+    for k in (0..KEYS).step_by(7) {
+        engine.delete(ks, &key(k), Durability::Buffered).unwrap();
+        model.remove(&k);
+    }
+    let checkpoint = engine.checkpoint().unwrap();
+    let storage = tidepool_engine::storage::FileStorage::new();
+    let child_dir = dir.path().join("child");
+    let copied = checkpoint.materialize(&storage, &child_dir).unwrap();
+    // Only the tail segments and the control file are copied.
+    let whole: Vec<_> = checkpoint
+        .files
+        .iter()
+        .filter(|f| f.len == f.file_len && f.path != Path::new("control"))
+        .collect();
+    assert!(whole.len() >= 5, "{} whole segments", whole.len());
+    assert!(
+        copied < checkpoint.bytes() / 2,
+        "{copied} of {} bytes copied",
+        checkpoint.bytes()
+    );
+    for file in &whole {
+        let links = std::os::unix::fs::MetadataExt::nlink(
+            &std::fs::metadata(child_dir.join(&file.path)).unwrap(),
+        );
+        assert_eq!(links, 2, "{} is a hard link", file.path.display());
+    }
+    drop(checkpoint);
+
+    // The parent moves on: overwrites, relocates everything it can, drops
+    // the old epoch's segments, then is closed and deleted outright.
+    engine.advance_epoch(Epoch(2)).unwrap();
+    for k in 0..KEYS {
+        engine
+            .put(ks, &key(k), &value(k, 99, 50), Durability::Buffered)
+            .unwrap();
+    }
+    engine.relocate(Strategy::Wal { segments: 64 }).unwrap();
+    engine
+        .drop_epochs_below(Epoch(2), &tidepool_engine::KeepAll)
+        .unwrap();
+    engine.flush().unwrap();
+    let parent_state = read_all(&engine, KEYS);
+    engine.close().unwrap();
+    drop(engine);
+
+    let mut child_config = config.clone();
+    child_config.dir = child_dir.clone();
+    let child = Engine::open(child_config.clone()).unwrap();
+    assert_eq!(
+        read_all(&child, KEYS),
+        model,
+        "the child holds the checkpoint"
+    );
+    // The child moves on too; the parent reopens with its own state.
+    child
+        .put(ks, &key(1), b"child", Durability::Synced)
+        .unwrap();
+    child.relocate(Strategy::Wal { segments: 64 }).unwrap();
+    child.close().unwrap();
+    drop(child);
+    let parent = Engine::open(config.clone()).unwrap();
+    assert_eq!(read_all(&parent, KEYS), parent_state);
+    parent.close().unwrap();
+    drop(parent);
+    std::fs::remove_dir_all(dir.path().join("parent")).unwrap();
+    let child = Engine::open(child_config).unwrap();
+    let mut expected = model;
+    expected.insert(1, b"child".to_vec());
+    assert_eq!(
+        read_all(&child, KEYS),
+        expected,
+        "the child without its parent"
+    );
 }

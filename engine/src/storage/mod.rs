@@ -58,6 +58,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
     /// Removes a file.
     fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Makes `to` another name of the file `from` (a hard link: one file,
+    /// two names; removing either leaves the other). Storages that cannot
+    /// (and files on another file system) fail, and callers copy instead.
+    fn hard_link(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let _ = (from, to);
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
     /// Renames a file, replacing `to` if it exists.
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Names of the files in a directory (not recursive), sorted.
