@@ -109,6 +109,10 @@ pub enum Refusal {
     /// A put only-if-absent found the key holding a blob (not a session
     /// decision: the session records nothing, a retry is decided again).
     Exists,
+    /// The key's hash lies outside the range the group owned when the op
+    /// applied (a split moved it: the client retries at the new owner with
+    /// the same session number; the session records nothing here).
+    WrongShard,
 }
 
 /// What applying one write op did.

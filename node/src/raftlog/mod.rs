@@ -58,7 +58,9 @@ impl SnapshotSender {
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
 /// Version 2 added the epoch drops applied per namespace; version 3 the
 /// length of the raft state record and the write sessions after it.
-const APP_STATE_VERSION: u8 = 3;
+const APP_STATE_VERSION: u8 = 4;
+/// Before the shard's hash range was part of it.
+const APP_STATE_VERSION_3: u8 = 3;
 /// The version before write sessions (still read).
 const APP_STATE_VERSION_2: u8 = 2;
 
@@ -104,6 +106,11 @@ pub struct RaftLog {
     truncated: (u64, u64),
     /// Epoch drops applied: namespace id → blobs below this epoch are gone.
     drops: BTreeMap<u32, u32>,
+    /// The hash range the group owns (inclusive), as replicated: set when
+    /// the group is founded, carried by snapshots, changed only by applying
+    /// an entry (`docs/design/splits.md`). `None` for a group founded
+    /// before ranges were recorded: its writes are not range-checked.
+    range: Option<(u64, u64)>,
     hard_state: HardState,
     conf_state: ConfState,
     /// Index of the entry that made `conf_state` (0: the founding one).
@@ -138,6 +145,17 @@ impl RaftLog {
     /// `initial_voters` as its configuration (empty for a replica that will
     /// be added to an existing group); otherwise recovered from the WAL.
     pub fn open(engine: Arc<Engine>, space: KeySpace, initial_voters: &[u64]) -> Result<RaftLog> {
+        Self::open_with_range(engine, space, initial_voters, None)
+    }
+
+    /// [`RaftLog::open`]; a group founded here owns `range` (a hash range,
+    /// inclusive), recorded in its replicated state.
+    pub fn open_with_range(
+        engine: Arc<Engine>,
+        space: KeySpace,
+        initial_voters: &[u64],
+        range: Option<(u64, u64)>,
+    ) -> Result<RaftLog> {
         let stored = engine.app_state();
         let mut log = RaftLog {
             scan_from: WalPosition(0),
@@ -147,6 +165,7 @@ impl RaftLog {
             unapplied: BTreeMap::new(),
             truncated: (0, 0),
             drops: BTreeMap::new(),
+            range: None,
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             conf_index: 0,
@@ -169,7 +188,7 @@ impl RaftLog {
                 let end = log.persist_state()?;
                 log.engine.wait_synced(end)?;
             } else {
-                log.found(initial_voters)?;
+                log.found(initial_voters, range)?;
             }
         }
         log.save_app_state();
@@ -186,8 +205,9 @@ impl RaftLog {
     /// never tell it who the founding voters were. Durable (in the engine's
     /// control data) when this returns; a crash before that leaves an empty
     /// replica that founds again identically.
-    fn found(&mut self, voters: &[u64]) -> Result<()> {
+    fn found(&mut self, voters: &[u64], range: Option<(u64, u64)>) -> Result<()> {
         self.conf_state.voters = voters.to_vec();
+        self.range = range;
         self.conf_index = FOUNDING_INDEX;
         self.truncated = (FOUNDING_INDEX, FOUNDING_TERM);
         self.applied = FOUNDING_INDEX;
@@ -310,11 +330,11 @@ impl RaftLog {
     ) -> Result<RaftLog> {
         let mut hard_state = hard_state.clone();
         hard_state.commit = hard_state.commit.max(meta.index);
-        let (drops, sessions) = match engine.app_state() {
-            bytes if bytes.is_empty() => (BTreeMap::new(), None),
+        let (drops, range, sessions) = match engine.app_state() {
+            bytes if bytes.is_empty() => (BTreeMap::new(), None, None),
             bytes => {
                 let saved = AppState::decode(&bytes)?;
-                (saved.drops, saved.sessions)
+                (saved.drops, saved.range, saved.sessions)
             }
         };
         // The sender's sessions as of its applied index, the snapshot's (a
@@ -331,9 +351,11 @@ impl RaftLog {
             entries: BTreeMap::new(),
             unapplied: BTreeMap::new(),
             truncated: (meta.index, meta.term),
-            // The sender's drops, from the application state it saved in
-            // the copied engine (its applied index was the snapshot's).
+            // The sender's drops and range, from the application state it
+            // saved in the copied engine (its applied index was the
+            // snapshot's).
             drops,
+            range,
             hard_state,
             conf_state: meta.get_conf_state().clone(),
             conf_index: meta.index,
@@ -607,6 +629,7 @@ impl RaftLog {
                 self.scan_from.0,
             ],
             &self.drops,
+            self.range,
             &meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index),
         );
         self.app_state.0.lock().base = bytes;
@@ -618,6 +641,7 @@ impl RaftLog {
         self.truncated = saved.truncated;
         self.scan_from = saved.scan_from;
         self.drops = saved.drops;
+        self.range = saved.range;
         self.hard_state = saved.hard_state;
         self.conf_state = saved.conf_state;
         self.conf_index = saved.conf_index;
@@ -629,6 +653,12 @@ impl RaftLog {
         Ok(())
     }
 
+    /// The hash range the group owns, as replicated (`None`: a group
+    /// founded before ranges were recorded).
+    pub fn range(&self) -> Option<(u64, u64)> {
+        self.range
+    }
+
     /// The replica's write sessions, locked: the applier decides and
     /// records each entry's sessioned ops while holding them (see
     /// `session.rs`). Never held across a call that snapshots the engine.
@@ -638,8 +668,14 @@ impl RaftLog {
 }
 
 /// The application state without its sessions: magic, version, applied,
-/// truncated index and term, scan start, drops, the raft state record.
-fn encode_base(fields: [u64; 4], drops: &BTreeMap<u32, u32>, state: &[u8]) -> Vec<u8> {
+/// truncated index and term, scan start, drops, the hash range (a flag and
+/// two bounds), the raft state record.
+fn encode_base(
+    fields: [u64; 4],
+    drops: &BTreeMap<u32, u32>,
+    range: Option<(u64, u64)>,
+    state: &[u8],
+) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(128);
     bytes.extend_from_slice(APP_STATE_MAGIC);
     bytes.push(APP_STATE_VERSION);
@@ -651,6 +687,10 @@ fn encode_base(fields: [u64; 4], drops: &BTreeMap<u32, u32>, state: &[u8]) -> Ve
         bytes.extend_from_slice(&namespace.to_le_bytes());
         bytes.extend_from_slice(&below.to_le_bytes());
     }
+    let (flag, (start, end)) = range.map_or((0u8, (0, 0)), |r| (1, r));
+    bytes.push(flag);
+    bytes.extend_from_slice(&start.to_le_bytes());
+    bytes.extend_from_slice(&end.to_le_bytes());
     bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
     bytes.extend_from_slice(state);
     bytes
@@ -669,7 +709,12 @@ pub(crate) fn fuzz_app_state(sessions: &Sessions) -> Vec<u8> {
         commit: 90,
     };
     let drops = BTreeMap::from([(3, 2), (5, 7)]);
-    let mut bytes = encode_base([90, 40, 3, 4096], &drops, &meta::encode_state(&hs, &cs, 12));
+    let mut bytes = encode_base(
+        [90, 40, 3, 4096],
+        &drops,
+        Some((1 << 62, u64::MAX)),
+        &meta::encode_state(&hs, &cs, 12),
+    );
     sessions.encode(&mut bytes);
     bytes
 }
@@ -714,6 +759,8 @@ struct AppState {
     truncated: (u64, u64),
     scan_from: WalPosition,
     drops: BTreeMap<u32, u32>,
+    /// `None` in a state saved before ranges (or of a group without one).
+    range: Option<(u64, u64)>,
     hard_state: HardState,
     conf_state: ConfState,
     conf_index: u64,
@@ -730,7 +777,7 @@ impl AppState {
             ));
         }
         let version = r.u8()?;
-        if version != APP_STATE_VERSION && version != APP_STATE_VERSION_2 {
+        if ![APP_STATE_VERSION, APP_STATE_VERSION_3, APP_STATE_VERSION_2].contains(&version) {
             return Err(NodeError::Malformed(format!(
                 "replica application state of unknown version {version}"
             )));
@@ -742,6 +789,20 @@ impl AppState {
         let drops = (0..count)
             .map(|_| Ok((r.u32()?, r.u32()?)))
             .collect::<Result<_>>()?;
+        let range = if version == APP_STATE_VERSION {
+            let (flag, start, end) = (r.u8()?, r.u64()?, r.u64()?);
+            match flag {
+                0 => None,
+                1 if start <= end => Some((start, end)),
+                _ => {
+                    return Err(NodeError::Malformed(format!(
+                        "bad hash range in the application state: {flag} {start:#x} {end:#x}"
+                    )));
+                }
+            }
+        } else {
+            None
+        };
         let state = if version == APP_STATE_VERSION_2 {
             &bytes[r.at..]
         } else {
@@ -769,6 +830,7 @@ impl AppState {
             truncated,
             scan_from,
             drops,
+            range,
             hard_state,
             conf_state,
             conf_index,

@@ -89,6 +89,7 @@ impl Replica {
                     engine: &engine,
                     space,
                     names,
+                    range: self.log().range(),
                 };
                 let mut sessions = self.log().sessions();
                 return apply_write(&target, &mut sessions, entry.index, &ops, &appended.items);
@@ -99,8 +100,13 @@ impl Replica {
                 session,
                 ..
             } => {
+                let range = self.log().range();
                 let mut sessions = self.log().sessions();
                 let first_time = !sessions.decided(entry.index);
+                if first_time && !owns(range, &key) {
+                    sessions.finish_entry(entry.index, vec![0]);
+                    return Ok(vec![OpResult::Refused(Refusal::WrongShard)]);
+                }
                 let decided = decide_op(&mut sessions, entry.index, 0, session.as_ref(), |_| {
                     engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
                     Ok(Some(false))
@@ -157,6 +163,17 @@ struct Target<'a> {
     space: KeySpace,
     /// The name index.
     names: KeySpace,
+    /// The hash range the group owns (`None`: not recorded, not checked).
+    range: Option<(u64, u64)>,
+}
+
+/// Whether a group owning `range` owns `key` (a storage key: its first 8
+/// bytes, big-endian, are its hash position).
+fn owns(range: Option<(u64, u64)>, key: &[u8; KEY_BYTES]) -> bool {
+    range.is_none_or(|(start, end)| {
+        let position = tidepool_proto::hash_position(key);
+        start <= position && position <= end
+    })
 }
 
 /// One op's fate: what it answered, and whether it was applied.
@@ -179,6 +196,14 @@ fn apply_write(
     let mut skipped = Vec::new();
     let mut names = NameBatch::new(target.engine, target.names);
     for (ordinal, (op, item)) in ops.iter().zip(items).enumerate() {
+        // Checked when the op is first decided, against the range as of
+        // this entry (a restart re-applying the entry repeats the decision
+        // recorded then, whatever the range has become since).
+        if first_time && !owns(target.range, &op.key) {
+            skipped.push(ordinal as u32);
+            results.push(OpResult::Refused(Refusal::WrongShard));
+            continue;
+        }
         let decided = decide_op(sessions, index, ordinal, op.session.as_ref(), |first| {
             // Whether a delete finds the key, and whether a put only if
             // absent may apply, decided in log order the first time.

@@ -72,6 +72,12 @@ pub struct ReplicaConfig {
     /// the shard has a leader sooner. Harmless when a leader exists: with
     /// pre-vote and check-quorum, voters that hear from a leader reject it.
     pub early_campaign: bool,
+    /// The hash range (inclusive) a group founded by this replica owns,
+    /// recorded in its replicated state; writes applied outside it are
+    /// refused with `WRONG_SHARD`. `None`: not recorded (not checked).
+    /// Unused by a replica that exists already or joins a group: its range
+    /// is the group's.
+    pub range: Option<(u64, u64)>,
 }
 
 impl ReplicaConfig {
@@ -91,6 +97,7 @@ impl ReplicaConfig {
             snapshot_idle_ticks: 50,
             hash_snapshots_inline: false,
             early_campaign: false,
+            range: None,
         }
     }
 }
@@ -171,7 +178,7 @@ impl Replica {
         let space = engine.key_space(BLOB_KEY_SPACE)?;
         let names = engine.key_space(crate::names::NAMES_KEY_SPACE)?;
         crate::names::check_complete(&engine, names, space)?;
-        let mut log = RaftLog::open(engine, space, initial_voters)?;
+        let mut log = RaftLog::open_with_range(engine, space, initial_voters, config.range)?;
         let mut sender = SnapshotSender::new(
             config.shard_id,
             NodeAddress {

@@ -49,3 +49,102 @@ fn three_replicas_elect_a_leader_and_replicate_writes() {
         }
     }
 }
+
+/// A storage key at hash position `position` (its first 8 bytes).
+fn key_at(position: u64, i: u64) -> [u8; 32] {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&position.to_be_bytes());
+    k[8..16].copy_from_slice(&i.to_le_bytes());
+    k
+}
+
+/// A group founded with a hash range refuses, when they apply, writes of
+/// keys outside it (`WRONG_SHARD`, nothing written), on every replica
+/// alike; the range is part of the replicated state: it survives a restart
+/// and reaches a replica added later (through the founding snapshot).
+/// Without it a write proposed before a split and applied after it would
+/// land in a group that no longer owns the key (`docs/design/splits.md`).
+#[test]
+fn writes_outside_the_groups_range_are_refused_when_they_apply() {
+    use crate::replica::ReplicaConfig;
+    use crate::session::{OpResult, Refusal};
+    use raft::eraftpb::ConfChangeType;
+
+    let range = (1 << 40, u64::MAX / 2);
+    let mut template = ReplicaConfig::new(0, 0);
+    template.range = Some(range);
+    let mut cluster = SimCluster::with_config(11, 3, template);
+    assert!(cluster.run_until(200, |c| c.leader().is_some()).unwrap());
+    let keys = [
+        (key_at(range.0, 1), true),
+        (key_at(range.1, 2), true),
+        (key_at(range.0 - 1, 3), false),
+        (key_at(range.1 + 1, 4), false),
+        (key_at(u64::MAX, 5), false),
+    ];
+    let check = |cluster: &mut SimCluster, round: u8| {
+        let pending: Vec<_> = keys
+            .iter()
+            .map(|(key, _)| cluster.put(*key, vec![round; 100]))
+            .collect();
+        assert!(
+            cluster
+                .run_until(300, |_| pending.iter().all(|p| p.lock().unwrap().is_some()))
+                .unwrap()
+        );
+        for ((key, inside), p) in keys.iter().zip(&pending) {
+            let result = p.lock().unwrap().as_ref().and_then(|o| o.op_result());
+            let expected = if *inside {
+                OpResult::Done { existed: false }
+            } else {
+                OpResult::Refused(Refusal::WrongShard)
+            };
+            assert_eq!(
+                result,
+                Some(expected),
+                "key at {:#x}",
+                u64::from_be_bytes(key[..8].try_into().unwrap())
+            );
+        }
+        cluster.run(20).unwrap();
+        for id in cluster.ids() {
+            let replica = cluster.replica(id).unwrap();
+            assert_eq!(replica.log().range(), Some(range), "node {id}");
+            let engine = replica.engine().clone();
+            let space = engine.key_space("blobs").unwrap();
+            for (key, inside) in &keys {
+                assert_eq!(
+                    engine.get(space, key).unwrap().is_some(),
+                    *inside,
+                    "node {id}, round {round}"
+                );
+            }
+        }
+    };
+    check(&mut cluster, 1);
+    // After a power loss the range comes from the saved state.
+    let follower = cluster
+        .ids()
+        .into_iter()
+        .find(|id| Some(*id) != cluster.leader())
+        .unwrap();
+    cluster.power_off(follower);
+    cluster.restart(follower).unwrap();
+    check(&mut cluster, 2);
+    // A replica added later learns it from the leader's snapshot.
+    cluster.add_node(4, &[]);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    assert!(
+        cluster
+            .run_until(300, |_| slot.lock().unwrap().is_some())
+            .unwrap()
+    );
+    assert!(
+        cluster
+            .run_until(500, |c| c
+                .replica(4)
+                .is_some_and(|r| r.log().range() == Some(range)))
+            .unwrap(),
+        "the new replica never learned the range"
+    );
+}

@@ -232,6 +232,12 @@ impl BlobApi {
                 ErrorCode::AlreadyExists,
                 "the key already holds a blob and this put may only create new keys; nothing was written",
             ),
+            Refusal::WrongShard => self.node.error(
+                ErrorCode::WrongShard,
+                format!(
+                    "shard {shard} no longer owns this key (its range changed before the write applied); nothing was written: refresh the cluster map and retry"
+                ),
+            ),
         };
         info.detail.shard_id = Some(shard);
         info

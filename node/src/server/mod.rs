@@ -354,8 +354,10 @@ impl Node {
             .with_host(self.engines.clone());
         let mut driver = self.config.driver_config();
         driver.pool = Some(self.owners[shard_id as usize % self.owners.len()].clone());
+        let mut replica_config = self.config.replica_config(shard_id)?;
+        replica_config.range = Some((info.hash_start, info.hash_end));
         let handle = ShardHandle::start(
-            self.config.replica_config(shard_id)?,
+            replica_config,
             driver,
             store,
             self.outbox.clone(),
