@@ -282,7 +282,7 @@ impl MemorySettings {
 
     /// The budget on this machine, bytes.
     pub fn budget_bytes(&self) -> u64 {
-        self.budget_bytes_of(cgroup_memory_limit(), machine_memory())
+        self.budget_bytes_of(cgroup_memory_limit(Path::new("/")), machine_memory())
     }
 
     /// (index bytes, value cache bytes).
@@ -293,12 +293,25 @@ impl MemorySettings {
 }
 
 /// The memory limit of the process's cgroup (v2 `memory.max`, or v1
-/// `memory.limit_in_bytes`), if it has one.
-fn cgroup_memory_limit() -> Option<u64> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    // v2: "0::/path"; v1: "N:memory:/path" (or a mount at the root).
-    let v2 = own.lines().find_map(|l| l.strip_prefix("0::"));
-    let v1 = own.lines().find_map(|l| {
+/// `memory.limit_in_bytes`), if it has one, read under `root` (`/`; a
+/// test's fake tree).
+fn cgroup_memory_limit(root: &Path) -> Option<u64> {
+    let own = std::fs::read_to_string(root.join("proc/self/cgroup")).unwrap_or_default();
+    cgroup_limit_files(&own).iter().find_map(|file| {
+        let text = std::fs::read_to_string(root.join(file)).ok()?;
+        // "max" (v2) or a huge number (v1) means no limit.
+        text.trim().parse::<u64>().ok().filter(|&b| b < 1 << 60)
+    })
+}
+
+/// Where the limit of the cgroup `/proc/self/cgroup` names may be, most
+/// specific first, relative to `/`. In a container the cgroup namespace
+/// usually shows the container's cgroup as the root (`0::/`), so the
+/// mount's own files are the container's.
+fn cgroup_limit_files(proc_self_cgroup: &str) -> Vec<String> {
+    // v2: "0::/path"; v1: "N:a,memory,b:/path".
+    let v2 = proc_self_cgroup.lines().find_map(|l| l.strip_prefix("0::"));
+    let v1 = proc_self_cgroup.lines().find_map(|l| {
         let mut parts = l.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         controllers
@@ -306,20 +319,22 @@ fn cgroup_memory_limit() -> Option<u64> {
             .any(|c| c == "memory")
             .then_some(path)
     });
-    let mut candidates = Vec::new();
+    let mut files = Vec::new();
     if let Some(path) = v2 {
-        candidates.push(format!("/sys/fs/cgroup{path}/memory.max"));
-        candidates.push("/sys/fs/cgroup/memory.max".to_string());
+        let path = path.trim_matches('/');
+        if !path.is_empty() {
+            files.push(format!("sys/fs/cgroup/{path}/memory.max"));
+        }
+        files.push("sys/fs/cgroup/memory.max".to_string());
     }
     if let Some(path) = v1 {
-        candidates.push(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"));
-        candidates.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_string());
+        let path = path.trim_matches('/');
+        if !path.is_empty() {
+            files.push(format!("sys/fs/cgroup/memory/{path}/memory.limit_in_bytes"));
+        }
+        files.push("sys/fs/cgroup/memory/memory.limit_in_bytes".to_string());
     }
-    candidates.iter().find_map(|file| {
-        let text = std::fs::read_to_string(file).ok()?;
-        // "max" (v2) or a huge number (v1) means no limit.
-        text.trim().parse::<u64>().ok().filter(|&b| b < 1 << 60)
-    })
+    files
 }
 
 /// The machine's memory, bytes (`MemTotal`; 4 GiB if unreadable).
@@ -794,6 +809,58 @@ mod tests {
         // On this machine it is positive and at most the machine's memory.
         let here = MemorySettings::default().budget_bytes();
         assert!(here > 0 && here <= machine_memory(), "{here}");
+    }
+
+    /// The container's limit is found in cgroup v2 and v1 trees as a
+    /// container runtime lays them out (a fake tree under a temporary
+    /// root), and "no limit" is told from a limit.
+    #[test]
+    fn the_container_memory_limit_is_read_from_its_cgroup() {
+        fn write(root: &Path, path: &str, text: &str) {
+            let path = root.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // Nothing readable: no limit.
+        assert_eq!(cgroup_memory_limit(root), None);
+        // v2, cgroup namespace: the container's cgroup is the root.
+        write(root, "proc/self/cgroup", "0::/\n");
+        write(root, "sys/fs/cgroup/memory.max", "4294967296\n");
+        assert_eq!(cgroup_memory_limit(root), Some(4 << 30));
+        write(root, "sys/fs/cgroup/memory.max", "max\n");
+        assert_eq!(cgroup_memory_limit(root), None, "v2 without a limit");
+        // v2 without a namespace: the process's own cgroup path.
+        write(
+            root,
+            "proc/self/cgroup",
+            "0::/kubepods/burstable/pod1/abc\n",
+        );
+        write(
+            root,
+            "sys/fs/cgroup/kubepods/burstable/pod1/abc/memory.max",
+            "536870912\n",
+        );
+        assert_eq!(cgroup_memory_limit(root), Some(512 << 20));
+        // v1: the memory controller's line, among others.
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        write(
+            root,
+            "proc/self/cgroup",
+            "12:cpu,cpuacct:/docker/c1\n4:memory:/docker/c1\n1:name=systemd:/docker/c1\n",
+        );
+        let v1 = "sys/fs/cgroup/memory/docker/c1/memory.limit_in_bytes";
+        write(root, v1, "1073741824\n");
+        assert_eq!(cgroup_memory_limit(root), Some(1 << 30));
+        write(root, v1, "9223372036854771712\n");
+        assert_eq!(cgroup_memory_limit(root), None, "v1 without a limit");
+        // The budget then is half the limit.
+        assert_eq!(
+            MemorySettings::default().budget_bytes_of(Some(1 << 30), 64 << 30),
+            512 << 20
+        );
     }
 
     #[test]
