@@ -393,10 +393,41 @@ def gateway_http():
            f"ok in {time.time() - started:.1f} s")
 
 
+def quantity_bytes(text):
+    """A Kubernetes memory quantity ("4Gi", "512Mi", "1G", "1048576") in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * factor
+    return int(text)
+
+
+def memory_budget():
+    # Each node derives its memory budget (all its replicas' indexes and
+    # value caches) from its container's memory limit: half of it.
+    pod = pods("node")[0]
+    name = pod["metadata"]["name"]
+    limit = quantity_bytes(pod["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    text = kubectl("get", "--raw", f"/api/v1/namespaces/{NS}/pods/{name}:9401/proxy/metrics").stdout
+
+    def gauge(metric):
+        for line in text.splitlines():
+            if line.startswith(metric + "{") or line.startswith(metric + " "):
+                return int(float(line.rsplit(" ", 1)[1]))
+        raise AssertionError(f"{metric} not in {name}'s metrics")
+
+    budget = gauge("tidepool_node_index_memory_limit_bytes") + gauge("tidepool_node_cache_limit_bytes")
+    figure("node memory budget (half its container's memory limit)", f"{budget >> 20} MiB of {limit >> 20} MiB")
+    if budget != limit // 2:
+        raise AssertionError(f"{name}: memory budget {budget} bytes, container limit {limit} bytes")
+
+
 def smoke():
     cluster_up(4)
     install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1"))
     put_get()
+    memory_budget()
     gateway_http()
     helm_test()
     uninstall()
