@@ -11,7 +11,7 @@ use tidepool_proto::v1::retention::{Durable, Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
     GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace, Retention,
-    RevokeTokenRequest, TokenGrant, TokenRecord,
+    RevokeTokenRequest, SplitShardRequest, TokenGrant, TokenRecord,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -181,6 +181,20 @@ impl Client {
             })
             .await
             .map(|r| r.into_inner().existed)
+        })
+        .await
+    }
+
+    /// Splits a shard's hash range at `at` (0: the middle). Returns the new
+    /// shard's id and the cut; the split completes in the background.
+    pub async fn split_shard(&self, shard_id: u32, at: u64) -> Result<(u32, u64)> {
+        self.on_coordinator(|mut c| async move {
+            c.split_shard(SplitShardRequest { shard_id, at })
+                .await
+                .map(|r| {
+                    let r = r.into_inner();
+                    (r.child_shard_id, r.at)
+                })
         })
         .await
     }

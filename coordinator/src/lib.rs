@@ -26,6 +26,7 @@ pub mod plan;
 mod reconcile;
 pub mod schema;
 mod service;
+pub mod splits;
 mod tokens;
 mod transfers;
 

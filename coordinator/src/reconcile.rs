@@ -19,8 +19,8 @@ use tidepool_proto::v1::node_admin_client::NodeAdminClient;
 use tidepool_proto::v1::{
     AdvanceEpochOp, ChangeMembershipRequest, CloseReplicaRequest, ClusterMap, DropEpochsOp,
     ErrorCode, MembershipChange, NodeState, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
-    ProposeAdminRequest, ReplicaInfo, ReplicaMove, ReplicaRole, ShardInfo, TransferLeaderRequest,
-    propose_admin_request::Op as AdminOp,
+    ProposeAdminRequest, ReplicaInfo, ReplicaMove, ReplicaRole, ShardInfo, SplitOp,
+    TransferLeaderRequest, propose_admin_request::Op as AdminOp,
 };
 use tidepool_security::Channel;
 use tokio::sync::watch;
@@ -249,6 +249,7 @@ impl Reconciler {
             self.balance_leaders(&map, &views, &live).await;
         }
         self.drive_epochs(&map, &views).await;
+        self.drive_splits(&map, &views, &reports).await;
         if shared.config.epoch_interval_s > 0 {
             self.advance_on_schedule(&map).await?;
         }
@@ -734,6 +735,87 @@ impl Reconciler {
                     if code == ErrorCode::NotLeader as i32 => {}
                 Err(error) => {
                     tracing::warn!(shard_id = view.shard_id, ?op, %error, "epoch entry failed");
+                    self.shared.progress.lock().errors += 1;
+                }
+            }
+        }
+    }
+
+    /// Carries decided splits on (`splits.rs`): publishes those whose new
+    /// group has a leader, and has the leader of the others propose the
+    /// split entry (again, if no replica reports it applied: a repeated
+    /// entry is a no-op) unless the shard's membership is changing.
+    async fn drive_splits(
+        &self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        reports: &BTreeMap<u64, NodeStatus>,
+    ) {
+        for shard in &map.shards {
+            let Some(intent) = shard.split else {
+                continue;
+            };
+            let child = intent.child_shard_id;
+            let child_leader = reports
+                .iter()
+                .filter_map(|(node, report)| {
+                    let replica = report.replicas.iter().find(|r| r.shard_id == child)?;
+                    replica.is_leader.then_some((*node, replica))
+                })
+                .max_by_key(|(_, replica)| replica.term);
+            if let Some((leader, status)) = child_leader {
+                let parent = shard.shard_id;
+                let published = self
+                    .shared
+                    .update_map(|m| {
+                        Ok(crate::splits::publish(m, parent, leader, status).then(Vec::new))
+                    })
+                    .await;
+                match published {
+                    Ok(_) => tracing::info!(
+                        shard_id = parent,
+                        child_shard_id = child,
+                        at = intent.at,
+                        "shard split published"
+                    ),
+                    Err(error) => {
+                        tracing::warn!(shard_id = parent, %error, "cannot publish a split")
+                    }
+                }
+                continue;
+            }
+            let Some(view) = views.iter().find(|v| v.shard_id == shard.shard_id) else {
+                continue;
+            };
+            let Some(status) = view.leader_status() else {
+                continue;
+            };
+            if status.split_off.contains(&child) || !view.learners.is_empty() {
+                continue; // the new group is electing, or a move is under way
+            }
+            let Ok((_, mut client)) = self.leader_admin(map, view) else {
+                continue;
+            };
+            let request = ProposeAdminRequest {
+                shard_id: view.shard_id,
+                op: Some(AdminOp::Split(SplitOp {
+                    child_shard_id: child,
+                    at: intent.at,
+                })),
+            };
+            let result =
+                NodeClients::call("split", CHANGE_TIMEOUT, client.propose_admin(request)).await;
+            match result {
+                Ok(_) => tracing::info!(
+                    shard_id = view.shard_id,
+                    child_shard_id = child,
+                    "split applied"
+                ),
+                Err(CoordinatorError::NodeCall { code, .. })
+                    if code == ErrorCode::NotLeader as i32
+                        || code == ErrorCode::Conflict as i32 => {}
+                Err(error) => {
+                    tracing::warn!(shard_id = view.shard_id, child_shard_id = child, %error, "split failed");
                     self.shared.progress.lock().errors += 1;
                 }
             }

@@ -109,10 +109,12 @@ pub fn new_map(shards: u32, replication_factor: u32, max_value_bytes: u64) -> Cl
             replicas: Vec::new(),
             leader_hint: 0,
             conf_version: 0,
+            split: None,
         })
         .collect();
     ClusterMap {
         version: 1,
+        next_shard_id: shards + 1,
         cluster_id: format!("{:016x}", rand::random::<u64>()),
         epoch: 1,
         replication_factor,

@@ -14,7 +14,7 @@ use tidepool_proto::v1::{
     HeartbeatResponse, ListNamespacesRequest, ListNamespacesResponse, ListTokensRequest,
     ListTokensResponse, Namespace, NodeAddress, PrepareNodeStopRequest, PrepareNodeStopResponse,
     RegisterNodeRequest, RegisterNodeResponse, RevokeTokenRequest, RevokeTokenResponse,
-    SetRetentionRequest, WatchClusterMapRequest,
+    SetRetentionRequest, SplitShardRequest, SplitShardResponse, WatchClusterMapRequest,
 };
 use tidepool_proto::{ErrorInfo, v1::ErrorCode};
 use tidepool_security::{Caller, Identity};
@@ -264,6 +264,19 @@ impl CoordinatorService for CoordinatorApi {
             .drain_node(request.into_inner().node_id)
             .await
             .map(|replicas_to_move| DrainNodeResponse { replicas_to_move });
+        self.respond(result).await
+    }
+
+    async fn split_shard(
+        &self,
+        request: Request<SplitShardRequest>,
+    ) -> Result<Response<SplitShardResponse>, Status> {
+        let request = request.into_inner();
+        let result = self
+            .shared
+            .split_shard(request.shard_id, request.at)
+            .await
+            .map(|(child_shard_id, at)| SplitShardResponse { child_shard_id, at });
         self.respond(result).await
     }
 

@@ -117,8 +117,10 @@ impl Checkpoint {
             if whole && storage.hard_link(&self.dir.join(&file.path), &path).is_ok() {
                 continue;
             }
+            // Blocks for the bytes copied only: the rest of a tail segment
+            // is allocated as the new engine writes it, as its own are.
             let out = storage
-                .create(&path, file.file_len)
+                .create_sparse(&path, file.file_len, file.len)
                 .map_err(|e| Error::io(&path, e))?;
             let mut buf = vec![0; (1 << 20).min(file.len as usize)];
             let mut offset = 0;

@@ -10,6 +10,7 @@
 //! kind 3 Advance: epoch u32
 //! kind 4 Drop:    namespace u32, below u32
 //! kind 5 Noop
+//! kind 6 Split:   child u32, at u64 (see `docs/design/splits.md`)
 //! session:        u8 0 (none) | u8 1, id [16], sequence u64, opens u8,
 //!                 time_ms u64 (see `session.rs`)
 //! ```
@@ -91,6 +92,15 @@ pub enum Command {
     },
     /// Nothing (a leader's first entry, or a read barrier).
     Noop,
+    /// Cut the group's hash range at `at`: the group keeps the positions
+    /// below it, a new group `child` (same voters, same state at this
+    /// entry) takes the rest (`docs/design/splits.md`).
+    Split {
+        /// The new shard's id.
+        child: u32,
+        /// First hash position of the child's range.
+        at: u64,
+    },
 }
 
 /// Command kinds on the wire.
@@ -107,6 +117,8 @@ pub enum Kind {
     DropEpochs = 4,
     /// [`Command::Noop`].
     Noop = 5,
+    /// [`Command::Split`].
+    Split = 6,
 }
 
 impl Kind {
@@ -117,6 +129,7 @@ impl Kind {
             3 => Kind::AdvanceEpoch,
             4 => Kind::DropEpochs,
             5 => Kind::Noop,
+            6 => Kind::Split,
             _ => return None,
         })
     }
@@ -159,6 +172,7 @@ impl Command {
             Command::AdvanceEpoch(_) => Kind::AdvanceEpoch,
             Command::DropEpochs { .. } => Kind::DropEpochs,
             Command::Noop => Kind::Noop,
+            Command::Split { .. } => Kind::Split,
         }
     }
 
@@ -199,6 +213,10 @@ impl Command {
                 out.extend_from_slice(&below.to_le_bytes());
             }
             Command::Noop => {}
+            Command::Split { child, at } => {
+                out.extend_from_slice(&child.to_le_bytes());
+                out.extend_from_slice(&at.to_le_bytes());
+            }
         }
         out
     }
@@ -239,6 +257,10 @@ impl Command {
                 below: r.u32()?,
             },
             Kind::Noop => Command::Noop,
+            Kind::Split => Command::Split {
+                child: r.u32()?,
+                at: r.u64()?,
+            },
         };
         if r.at != bytes.len() {
             return Err(NodeError::Malformed(
@@ -395,6 +417,10 @@ mod tests {
                 below: 5,
             },
             Command::Noop,
+            Command::Split {
+                child: 7,
+                at: 1 << 63,
+            },
         ]
     }
 

@@ -701,11 +701,13 @@ impl NodeConfig {
                     .collect(),
                 leader_hint: 0,
                 conf_version: 0,
+                split: None,
             })
             .collect();
         Some(ClusterMap {
             version: 1,
             cluster_id: "static".into(),
+            next_shard_id: cluster.shards + 1,
             epoch: 1,
             replication_factor: cluster.replicas.len() as u32,
             max_value_bytes: self.raft.max_value_bytes,

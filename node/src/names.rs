@@ -469,16 +469,29 @@ pub struct PageLimits {
     pub name_bytes: usize,
     /// Most leaves examined (dead ones included).
     pub examined: usize,
+    /// Only names whose blob's hash position is in this range (the
+    /// replica's group's: after a split, the other group's names stay in
+    /// the index until shed, and are not this group's to list); `None`:
+    /// every name.
+    pub owned: Option<(u64, u64)>,
 }
 
-/// The epoch of `name`'s blob, if it is stored.
+/// The epoch of `name`'s blob, if it is stored (and its hash position is
+/// in `owned`).
 fn blob_epoch(
     engine: &Engine,
     blobs: KeySpace,
     namespace: u32,
     name: &[u8],
+    owned: Option<(u64, u64)>,
 ) -> Result<Option<u32>> {
     let key = tidepool_proto::storage_key(namespace, name);
+    if let Some((start, end)) = owned {
+        let position = tidepool_proto::hash_position(&key);
+        if position < start || position > end {
+            return Ok(None);
+        }
+    }
     Ok(engine.epoch_of(blobs, &key)?.map(|epoch| epoch.0))
 }
 
@@ -503,7 +516,7 @@ pub fn list_page(
         start_after,
         |name, meta| {
             examined += 1;
-            if let Some(epoch) = blob_epoch(engine, blobs, namespace, name)? {
+            if let Some(epoch) = blob_epoch(engine, blobs, namespace, name, limits.owned)? {
                 bytes += name.len();
                 entries.push(Listed {
                     name: name.to_vec(),
@@ -547,7 +560,7 @@ pub fn sweep(engine: &Engine, names: KeySpace, blobs: KeySpace, namespace: u32) 
             after.as_deref(),
             |name, _| {
                 examined += 1;
-                if blob_epoch(engine, blobs, namespace, name)?.is_none() {
+                if blob_epoch(engine, blobs, namespace, name, None)?.is_none() {
                     dead.push(name.to_vec());
                 }
                 Ok(if examined >= 4096 {

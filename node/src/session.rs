@@ -183,6 +183,18 @@ impl Sessions {
         }
     }
 
+    /// The sessions of a new group that starts at `index` with this one's
+    /// state (a split, `docs/design/splits.md`): the same sessions and
+    /// clock, every entry up to `index` decided and nothing skipped (the
+    /// new group's log numbers entries afresh).
+    pub fn restarted_at(self, index: u64) -> Sessions {
+        Sessions {
+            through: index,
+            skipped: BTreeMap::new(),
+            ..self
+        }
+    }
+
     /// Whether entry `index` was decided already (it is being applied again
     /// after a restart): apply exactly the ops [`Sessions::was_applied`]
     /// names, decide nothing.

@@ -45,6 +45,13 @@ pub trait Outgoing: Send + Sync + 'static {
     /// Sends `message` (addressed by `message.to`) for `shard`; never
     /// blocks (a message that cannot be queued is dropped: Raft resends).
     fn send(&self, shard: u32, message: Message);
+
+    /// The groups split off `shard` changed (a split applied, or a
+    /// snapshot or restart brought a state that names them): whoever hosts
+    /// replicas opens theirs (`docs/design/splits.md`). Never blocks.
+    fn split_off(&self, shard: u32) {
+        let _ = shard;
+    }
 }
 
 /// How the owner runs.
@@ -261,6 +268,10 @@ pub struct ShardHandle {
     /// The owner's task in the pool.
     task: Mutex<Option<Task>>,
     stats: ShardStats,
+    /// The hash range the group owns as its replicated state says (`None`:
+    /// not recorded), shown by the replica itself (`ReplicaConfig::
+    /// range_cell`).
+    range: crate::replica::RangeCell,
 }
 
 impl std::fmt::Debug for ShardHandle {
@@ -300,8 +311,12 @@ impl ShardHandle {
         initial_voters: &[u64],
         outgoing: Arc<dyn Outgoing>,
     ) -> Result<Arc<ShardHandle>> {
+        let range = crate::replica::RangeCell::default();
         let opener = Opener {
-            config,
+            config: ReplicaConfig {
+                range_cell: Some(range.clone()),
+                ..config
+            },
             store,
             outbox,
         };
@@ -317,6 +332,7 @@ impl ShardHandle {
             fetching: AtomicBool::new(false),
             task: Mutex::new(None),
             stats: ShardStats::default(),
+            range,
         });
         let mut owner = Owner {
             handle: handle.clone(),
@@ -419,6 +435,12 @@ impl ShardHandle {
     /// snapshot is installed).
     pub fn engine(&self) -> Arc<Engine> {
         self.engine.load_full()
+    }
+
+    /// The hash range the group owns, as its replicated state last said
+    /// (`None`: not recorded).
+    pub fn range(&self) -> Option<(u64, u64)> {
+        *self.range.read()
     }
 
     /// What the owner last published.
@@ -760,7 +782,13 @@ impl Owner {
                         "leadership changed"
                     );
                 }
+                let children_before = state.status.as_ref().map(|s| s.children.len());
+                let split_off =
+                    !status.children.is_empty() && children_before != Some(status.children.len());
                 state.status = Some(status);
+                if split_off {
+                    self.outgoing.split_off(self.handle.shard_id);
+                }
                 state.epoch = engine.epoch().0;
                 state.disk_bytes = engine.disk_bytes();
                 if !Arc::ptr_eq(engine, &self.handle.engine.load()) {

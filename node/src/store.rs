@@ -22,6 +22,20 @@ use tidepool_engine::{Config, Engine, Host, remove_engine_files};
 use crate::error::{NodeError, Result};
 
 const CURRENT: &str = "CURRENT";
+/// The file in a replica's directory recording its shard (a `ShardInfo`,
+/// protobuf), written once the replica exists; a directory without it is
+/// not a replica.
+pub const SHARD_FILE: &str = "SHARD";
+
+/// Held while a replica directory is made: by a node opening a replica,
+/// and by a split moving its new group's directory into place, so the two
+/// never make the same directory at once (`docs/design/splits.md`).
+static MAKING_DIRS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// Holds [`MAKING_DIRS`].
+pub(crate) fn making_dirs() -> parking_lot::MutexGuard<'static, ()> {
+    MAKING_DIRS.lock()
+}
 const SLOTS: [&str; 2] = ["a", "b"];
 /// Marks a spare slot whose snapshot is complete and durable.
 const SNAPSHOT_MARK: &str = "SNAPSHOT";
@@ -67,6 +81,21 @@ impl ReplicaStore {
             Some(host) => Engine::open_in(config, storage, host)?,
             None => Engine::open_with_storage(config, storage)?,
         }))
+    }
+
+    /// A replica directory like this one (same storage, engine settings
+    /// and host) in `dir`.
+    pub fn sibling(&self, dir: impl Into<PathBuf>) -> ReplicaStore {
+        ReplicaStore {
+            dir: dir.into(),
+            ..self.clone()
+        }
+    }
+
+    /// The directory the live engine of a new replica directory goes in
+    /// (`CURRENT` missing means the first slot).
+    pub fn first_slot_dir(&self) -> PathBuf {
+        self.slot_dir(0)
     }
 
     /// A replica directory on real files.

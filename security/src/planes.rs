@@ -93,6 +93,10 @@ pub const METHODS: &[(&str, Plane)] = &[
         Plane::ClusterAdmin,
     ),
     (
+        "/tidepool.v1.CoordinatorService/SplitShard",
+        Plane::ClusterAdmin,
+    ),
+    (
         "/tidepool.v1.CoordinatorService/CreateToken",
         Plane::ClusterAdmin,
     ),

@@ -17,9 +17,20 @@ pub struct TestProcess {
 impl TestProcess {
     /// Starts `program` with `args` (`RUST_LOG=info`), stderr to `log`.
     pub fn spawn<S: AsRef<std::ffi::OsStr>>(program: &str, args: &[S], log: PathBuf) -> Self {
+        Self::spawn_with_env(program, args, &[], log)
+    }
+
+    /// [`TestProcess::spawn`] with `env` added to its environment.
+    pub fn spawn_with_env<S: AsRef<std::ffi::OsStr>>(
+        program: &str,
+        args: &[S],
+        env: &[(&str, &str)],
+        log: PathBuf,
+    ) -> Self {
         let out = std::fs::File::create(&log).expect("log file");
         let child = Command::new(program)
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(out)

@@ -228,6 +228,11 @@ enum Command {
         #[command(subcommand)]
         command: NodeCommand,
     },
+    /// Shards.
+    Shard {
+        #[command(subcommand)]
+        command: ShardCommand,
+    },
     /// Client tokens (admin).
     Token {
         #[command(subcommand)]
@@ -299,6 +304,29 @@ enum NodeCommand {
         /// Node id.
         id: u64,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum ShardCommand {
+    /// Split a shard's hash range in two: a new shard takes the upper part
+    /// (see `tidectl cluster status` for when it is published).
+    Split {
+        /// Shard id.
+        id: u32,
+        /// First hash position of the new shard (decimal or 0x hex;
+        /// default: the middle of the shard's range).
+        #[arg(long, value_parser = parse_position)]
+        at: Option<u64>,
+    },
+}
+
+/// A hash position: decimal, or hexadecimal after `0x`.
+fn parse_position(text: &str) -> Result<u64, String> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|e| format!("{text:?} is not a hash position: {e}"))
 }
 
 /// A failure with its exit code.
@@ -590,13 +618,20 @@ fn status_text(status: &ClusterStatus) -> String {
             .map(|r| r.node_id.to_string())
             .collect();
         out += &format!(
-            "  {:>3} [{:#018x}, {:#018x}] leader {} replicas {}\n",
+            "  {:>3} [{:#018x}, {:#018x}] leader {} replicas {}",
             shard.shard_id,
             shard.hash_start,
             shard.hash_end,
             shard.leader_hint,
             replicas.join(",")
         );
+        if let Some(split) = &shard.split {
+            out += &format!(
+                " splitting at {:#018x} into shard {}",
+                split.at, split.child_shard_id
+            );
+        }
+        out += "\n";
     }
     out += &format!("\nmoves in progress: {}\n", status.moves.len());
     for m in &status.moves {
@@ -640,6 +675,7 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
             "id": s.shard_id, "hash_start": s.hash_start, "hash_end": s.hash_end,
             "leader": s.leader_hint,
             "replicas": s.replicas.iter().map(|r| r.node_id).collect::<Vec<_>>(),
+            "split": s.split.as_ref().map(|p| json!({"child": p.child_shard_id, "at": p.at})),
         })).collect::<Vec<_>>(),
         "moves": status.moves.iter().map(|m| json!({
             "shard": m.shard_id, "from": m.from_node, "to": m.to_node, "step": m.step,
@@ -1070,6 +1106,19 @@ async fn run(cli: &Cli) -> Outcome {
                 json!({"node": id, "replicas_to_move": replicas}),
                 format!(
                     "draining node {id}: {replicas} replicas to move (see `tidectl cluster status`)"
+                ),
+            );
+            Ok(())
+        }
+        Command::Shard {
+            command: ShardCommand::Split { id, at },
+        } => {
+            let (child, at) = client.split_shard(*id, at.unwrap_or(0)).await?;
+            print(
+                cli.json,
+                json!({"shard": id, "child": child, "at": at}),
+                format!(
+                    "splitting shard {id} at {at:#018x}: shard {child} takes the upper part (see `tidectl cluster status`)"
                 ),
             );
             Ok(())

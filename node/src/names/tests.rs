@@ -215,6 +215,7 @@ fn pages_skip_dead_leaves_and_a_sweep_removes_them() {
         entries: 10,
         name_bytes: 1 << 20,
         examined: 1000,
+        owned: None,
     };
     let page = list_page(&engine, names, blobs, 7, b"", None, limits).unwrap();
     let listed: Vec<_> = page.entries.iter().map(|e| e.name.clone()).collect();
@@ -227,6 +228,35 @@ fn pages_skip_dead_leaves_and_a_sweep_removes_them() {
     assert_eq!(page.resume_after, b"key-027");
     assert_eq!(page.entries[1].meta.size, 3);
     assert_eq!(page.entries[1].epoch, engine.epoch().0);
+    // A group lists only the names whose blobs are in its range (after a
+    // split, the other group's names stay until shed).
+    let everything = PageLimits {
+        entries: 1000,
+        ..limits
+    };
+    let lower_half = PageLimits {
+        owned: Some((0, u64::MAX / 2)),
+        ..everything
+    };
+    let names_of =
+        |page: Page| -> Vec<Vec<u8>> { page.entries.into_iter().map(|e| e.name).collect() };
+    let all_live = names_of(list_page(&engine, names, blobs, 7, b"", None, everything).unwrap());
+    let owned = names_of(list_page(&engine, names, blobs, 7, b"", None, lower_half).unwrap());
+    let in_lower_half = |name: &Vec<u8>| {
+        tidepool_proto::hash_position(&tidepool_proto::storage_key(7, name)) <= u64::MAX / 2
+    };
+    let want: Vec<_> = all_live
+        .iter()
+        .filter(|n| in_lower_half(n))
+        .cloned()
+        .collect();
+    assert_eq!(owned, want);
+    assert!(
+        !owned.is_empty() && owned.len() < all_live.len(),
+        "{} of {}",
+        owned.len(),
+        all_live.len()
+    );
     // A page bounded by examined leaves stops early but resumes right.
     let small = PageLimits {
         examined: 2,

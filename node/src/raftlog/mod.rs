@@ -57,8 +57,11 @@ impl SnapshotSender {
 /// Magic of the replica's application state in the engine.
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
 /// Version 2 added the epoch drops applied per namespace; version 3 the
-/// length of the raft state record and the write sessions after it.
-const APP_STATE_VERSION: u8 = 4;
+/// length of the raft state record and the write sessions after it;
+/// version 4 the hash range; version 5 the groups split off.
+const APP_STATE_VERSION: u8 = 5;
+/// Before the groups split off were part of it.
+const APP_STATE_VERSION_4: u8 = 4;
 /// Before the shard's hash range was part of it.
 const APP_STATE_VERSION_3: u8 = 3;
 /// The version before write sessions (still read).
@@ -88,6 +91,18 @@ impl AppStateSource for AppStateCell {
     }
 }
 
+/// A group split off this one (`docs/design/splits.md`): its shard id and
+/// the hash range it took, as the split entry named them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitChild {
+    /// The new group's shard id.
+    pub shard_id: u32,
+    /// First hash position it owns.
+    pub start: u64,
+    /// Last hash position it owns (inclusive).
+    pub end: u64,
+}
+
 /// Where an entry's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Located {
@@ -111,6 +126,8 @@ pub struct RaftLog {
     /// an entry (`docs/design/splits.md`). `None` for a group founded
     /// before ranges were recorded: its writes are not range-checked.
     range: Option<(u64, u64)>,
+    /// The groups split off this one, in the order of their splits.
+    children: Vec<SplitChild>,
     hard_state: HardState,
     conf_state: ConfState,
     /// Index of the entry that made `conf_state` (0: the founding one).
@@ -166,6 +183,7 @@ impl RaftLog {
             truncated: (0, 0),
             drops: BTreeMap::new(),
             range: None,
+            children: Vec::new(),
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             conf_index: 0,
@@ -330,17 +348,85 @@ impl RaftLog {
     ) -> Result<RaftLog> {
         let mut hard_state = hard_state.clone();
         hard_state.commit = hard_state.commit.max(meta.index);
-        let (drops, range, sessions) = match engine.app_state() {
-            bytes if bytes.is_empty() => (BTreeMap::new(), None, None),
-            bytes => {
-                let saved = AppState::decode(&bytes)?;
-                (saved.drops, saved.range, saved.sessions)
-            }
-        };
+        let saved = Self::copied_state(&engine)?;
         // The sender's sessions as of its applied index, the snapshot's (a
         // sender from before sessions had none).
-        let mut sessions = sessions.unwrap_or_default();
+        let mut sessions = saved.sessions.unwrap_or_default();
         sessions.finish_entry(meta.index, Vec::new());
+        // The sender's drops, range and children, from the application
+        // state it saved in the copied engine (its applied index was the
+        // snapshot's).
+        Self::start_after(
+            engine,
+            space,
+            meta,
+            hard_state,
+            saved.drops,
+            (saved.range, saved.children),
+            sessions,
+        )
+    }
+
+    /// The log of a group split off another (`docs/design/splits.md`):
+    /// `engine` is a copy of the parent's engine as of the split entry
+    /// (its application state the parent's); the group starts after a
+    /// notional snapshot at [`FOUNDING_INDEX`] with the parent's `voters`,
+    /// owning `range`, with the parent's drops and write sessions (so a
+    /// write the parent applied before the split and retried here is
+    /// recognized). Durable when this returns.
+    pub fn split_child(
+        engine: Arc<Engine>,
+        space: KeySpace,
+        voters: &[u64],
+        range: (u64, u64),
+    ) -> Result<RaftLog> {
+        let saved = Self::copied_state(&engine)?;
+        let meta = SnapshotMetadata {
+            index: FOUNDING_INDEX,
+            term: FOUNDING_TERM,
+            conf_state: Some(ConfState {
+                voters: voters.to_vec(),
+                ..ConfState::default()
+            }),
+        };
+        let hard_state = HardState {
+            term: FOUNDING_TERM,
+            vote: 0,
+            commit: FOUNDING_INDEX,
+        };
+        let sessions = saved
+            .sessions
+            .unwrap_or_default()
+            .restarted_at(FOUNDING_INDEX);
+        Self::start_after(
+            engine,
+            space,
+            &meta,
+            hard_state,
+            saved.drops,
+            (Some(range), Vec::new()),
+            sessions,
+        )
+    }
+
+    /// The application state saved in a copied engine (empty: none).
+    fn copied_state(engine: &Engine) -> Result<AppState> {
+        match engine.app_state() {
+            bytes if bytes.is_empty() => Ok(AppState::default()),
+            bytes => AppState::decode(&bytes),
+        }
+    }
+
+    /// A log starting empty after `meta` on a copied engine.
+    fn start_after(
+        engine: Arc<Engine>,
+        space: KeySpace,
+        meta: &SnapshotMetadata,
+        hard_state: HardState,
+        drops: BTreeMap<u32, u32>,
+        (range, children): (Option<(u64, u64)>, Vec<SplitChild>),
+        sessions: Sessions,
+    ) -> Result<RaftLog> {
         let app_state = Arc::new(AppStateCell::default());
         app_state.0.lock().sessions = sessions;
         engine.set_app_state_source(app_state.clone());
@@ -351,11 +437,9 @@ impl RaftLog {
             entries: BTreeMap::new(),
             unapplied: BTreeMap::new(),
             truncated: (meta.index, meta.term),
-            // The sender's drops and range, from the application state it
-            // saved in the copied engine (its applied index was the
-            // snapshot's).
             drops,
             range,
+            children,
             hard_state,
             conf_state: meta.get_conf_state().clone(),
             conf_index: meta.index,
@@ -629,7 +713,7 @@ impl RaftLog {
                 self.scan_from.0,
             ],
             &self.drops,
-            self.range,
+            (self.range, &self.children),
             &meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index),
         );
         self.app_state.0.lock().base = bytes;
@@ -642,6 +726,7 @@ impl RaftLog {
         self.scan_from = saved.scan_from;
         self.drops = saved.drops;
         self.range = saved.range;
+        self.children = saved.children;
         self.hard_state = saved.hard_state;
         self.conf_state = saved.conf_state;
         self.conf_index = saved.conf_index;
@@ -659,6 +744,22 @@ impl RaftLog {
         self.range
     }
 
+    /// The groups split off this one.
+    pub fn children(&self) -> &[SplitChild] {
+        &self.children
+    }
+
+    /// Records an applied split: the group now owns `range` and `child`
+    /// took the rest (persisted with the application state; a split lost
+    /// in a crash is applied again with its entry).
+    pub fn record_split(&mut self, range: (u64, u64), child: SplitChild) {
+        self.range = Some(range);
+        if !self.children.contains(&child) {
+            self.children.push(child);
+        }
+        self.save_app_state();
+    }
+
     /// The replica's write sessions, locked: the applier decides and
     /// records each entry's sessioned ops while holding them (see
     /// `session.rs`). Never held across a call that snapshots the engine.
@@ -669,14 +770,15 @@ impl RaftLog {
 
 /// The application state without its sessions: magic, version, applied,
 /// truncated index and term, scan start, drops, the hash range (a flag and
-/// two bounds), the raft state record.
+/// two bounds), the groups split off (a count, then id, start and end of
+/// each), the raft state record.
 fn encode_base(
     fields: [u64; 4],
     drops: &BTreeMap<u32, u32>,
-    range: Option<(u64, u64)>,
+    (range, children): (Option<(u64, u64)>, &[SplitChild]),
     state: &[u8],
 ) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(128);
+    let mut bytes = Vec::with_capacity(128 + children.len() * 20);
     bytes.extend_from_slice(APP_STATE_MAGIC);
     bytes.push(APP_STATE_VERSION);
     for v in fields {
@@ -691,6 +793,12 @@ fn encode_base(
     bytes.push(flag);
     bytes.extend_from_slice(&start.to_le_bytes());
     bytes.extend_from_slice(&end.to_le_bytes());
+    bytes.extend_from_slice(&(children.len() as u32).to_le_bytes());
+    for child in children {
+        bytes.extend_from_slice(&child.shard_id.to_le_bytes());
+        bytes.extend_from_slice(&child.start.to_le_bytes());
+        bytes.extend_from_slice(&child.end.to_le_bytes());
+    }
     bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
     bytes.extend_from_slice(state);
     bytes
@@ -712,7 +820,14 @@ pub(crate) fn fuzz_app_state(sessions: &Sessions) -> Vec<u8> {
     let mut bytes = encode_base(
         [90, 40, 3, 4096],
         &drops,
-        Some((1 << 62, u64::MAX)),
+        (
+            Some((1 << 62, u64::MAX)),
+            &[SplitChild {
+                shard_id: 9,
+                start: 1 << 63,
+                end: u64::MAX,
+            }],
+        ),
         &meta::encode_state(&hs, &cs, 12),
     );
     sessions.encode(&mut bytes);
@@ -754,6 +869,7 @@ pub(crate) fn fuzz_parse_meta(bytes: &[u8]) -> bool {
 }
 
 /// A replica's application state as saved in the engine's control data.
+#[derive(Default)]
 struct AppState {
     applied: u64,
     truncated: (u64, u64),
@@ -761,6 +877,8 @@ struct AppState {
     drops: BTreeMap<u32, u32>,
     /// `None` in a state saved before ranges (or of a group without one).
     range: Option<(u64, u64)>,
+    /// Empty in a state saved before splits.
+    children: Vec<SplitChild>,
     hard_state: HardState,
     conf_state: ConfState,
     conf_index: u64,
@@ -777,7 +895,14 @@ impl AppState {
             ));
         }
         let version = r.u8()?;
-        if ![APP_STATE_VERSION, APP_STATE_VERSION_3, APP_STATE_VERSION_2].contains(&version) {
+        if ![
+            APP_STATE_VERSION,
+            APP_STATE_VERSION_4,
+            APP_STATE_VERSION_3,
+            APP_STATE_VERSION_2,
+        ]
+        .contains(&version)
+        {
             return Err(NodeError::Malformed(format!(
                 "replica application state of unknown version {version}"
             )));
@@ -789,7 +914,7 @@ impl AppState {
         let drops = (0..count)
             .map(|_| Ok((r.u32()?, r.u32()?)))
             .collect::<Result<_>>()?;
-        let range = if version == APP_STATE_VERSION {
+        let range = if version >= APP_STATE_VERSION_4 {
             let (flag, start, end) = (r.u8()?, r.u64()?, r.u64()?);
             match flag {
                 0 => None,
@@ -802,6 +927,26 @@ impl AppState {
             }
         } else {
             None
+        };
+        let children = if version >= APP_STATE_VERSION {
+            let count = r.u32()?;
+            let mut children = Vec::new();
+            for _ in 0..count {
+                let (shard_id, start, end) = (r.u32()?, r.u64()?, r.u64()?);
+                if start > end {
+                    return Err(NodeError::Malformed(format!(
+                        "bad range of split-off shard {shard_id}: {start:#x} {end:#x}"
+                    )));
+                }
+                children.push(SplitChild {
+                    shard_id,
+                    start,
+                    end,
+                });
+            }
+            children
+        } else {
+            Vec::new()
         };
         let state = if version == APP_STATE_VERSION_2 {
             &bytes[r.at..]
@@ -831,6 +976,7 @@ impl AppState {
             scan_from,
             drops,
             range,
+            children,
             hard_state,
             conf_state,
             conf_index,

@@ -133,6 +133,7 @@ impl Replica {
                     self.log().record_drop(namespace, below);
                 }
             }
+            Command::Split { child, at } => self.apply_split(entry.index, child, at)?,
             Command::Noop => {}
         }
         Ok(Vec::new())

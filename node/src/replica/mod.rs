@@ -13,6 +13,7 @@ mod apply;
 mod proposals;
 mod read;
 mod ready;
+mod split;
 mod transfer;
 
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use tidepool_proto::v1::NodeAddress;
 
 use crate::command::Command;
 use crate::error::{NodeError, Result};
-use crate::raftlog::{RaftLog, SnapshotSender};
+use crate::raftlog::{RaftLog, SnapshotSender, SplitChild};
 use crate::snapshot::Outbox;
 use crate::store::ReplicaStore;
 
@@ -34,6 +35,7 @@ use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 use read::Reads;
 pub use read::{ReadCompletion, ReadOutcome};
+pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
 use transfer::TransferState;
 pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
 
@@ -78,7 +80,15 @@ pub struct ReplicaConfig {
     /// Unused by a replica that exists already or joins a group: its range
     /// is the group's.
     pub range: Option<(u64, u64)>,
+    /// Where the replica shows the range its group owns, updated as soon
+    /// as it changes (opened, a split applied, a snapshot installed) and
+    /// before any read completes after the change: a node routing and
+    /// serving reads by it never reads a key the group gave away.
+    pub range_cell: Option<RangeCell>,
 }
+
+/// A replica's current range, shared with whoever routes to it.
+pub type RangeCell = Arc<parking_lot::RwLock<Option<(u64, u64)>>>;
 
 impl ReplicaConfig {
     /// Defaults for `shard_id` on node `node_id`.
@@ -98,6 +108,7 @@ impl ReplicaConfig {
             hash_snapshots_inline: false,
             early_campaign: false,
             range: None,
+            range_cell: None,
         }
     }
 }
@@ -162,6 +173,11 @@ pub struct ReplicaStatus {
     /// On a leader: entries the slowest voter has yet to append (its
     /// matched index behind the last index); 0 on followers.
     pub append_lag: u64,
+    /// The hash range the group owns, as replicated (`None`: not
+    /// recorded).
+    pub range: Option<(u64, u64)>,
+    /// The groups split off this one.
+    pub children: Vec<SplitChild>,
 }
 
 impl Replica {
@@ -216,6 +232,7 @@ impl Replica {
             snapshot_watch: Default::default(),
         };
         replica.reapply_after_restart()?;
+        replica.show_range();
         if replica.config.early_campaign
             && replica
                 .raw
@@ -231,6 +248,14 @@ impl Replica {
             replica.transfer.campaign_at = Some(rand::random_range(2..latest));
         }
         Ok(replica)
+    }
+
+    /// Shows the group's range in the configured cell.
+    pub(crate) fn show_range(&mut self) {
+        let range = self.log().range();
+        if let Some(cell) = &self.config.range_cell {
+            *cell.write() = range;
+        }
     }
 
     /// The shard.
@@ -477,6 +502,8 @@ impl Replica {
             voters: conf.voters.clone(),
             learners: conf.learners.clone(),
             conf_index: self.raw.store().conf_index(),
+            range: self.raw.store().range(),
+            children: self.raw.store().children().to_vec(),
             drops: self
                 .raw
                 .store()

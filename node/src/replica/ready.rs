@@ -116,6 +116,7 @@ impl Replica {
             log.set_snapshot_sender(sender);
         }
         let old = std::mem::replace(self.log(), log);
+        self.show_range();
         // The old engine's data is superseded; a failing close loses nothing.
         let _ = old.engine().close();
         drop(old);

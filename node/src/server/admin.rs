@@ -10,10 +10,10 @@ use tidepool_proto::ErrorInfo;
 use tidepool_proto::v1::node_admin_server::NodeAdmin;
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    EpochDropApplied, ErrorCode, MembershipChange, NodeStatus, NodeStatusRequest,
+    EpochDropApplied, ErrorCode, HashRange, MembershipChange, NodeStatus, NodeStatusRequest,
     OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
-    ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo, TransferLeaderRequest,
-    TransferLeaderResponse, propose_admin_request, retention,
+    ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo, SplitOp,
+    TransferLeaderRequest, TransferLeaderResponse, propose_admin_request, retention,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -148,6 +148,43 @@ impl AdminApi {
         }
     }
 
+    /// Refuses a split the shard cannot carry out as asked (the apply
+    /// checks again, on replicated state).
+    fn check_split(&self, shard_id: u32, shard: &ShardHandle, op: &SplitOp) -> ApiResult<()> {
+        let invalid = |message: String| self.node.error(ErrorCode::InvalidArgument, message);
+        if op.child_shard_id == 0 || op.child_shard_id == shard_id {
+            return Err(invalid(format!(
+                "child_shard_id {} cannot name a new shard",
+                op.child_shard_id
+            )));
+        }
+        let Some((start, end)) = shard.range() else {
+            return Err(self.node.error(
+                ErrorCode::Unsupported,
+                format!(
+                    "shard {shard_id} was founded before ranges were replicated and cannot split"
+                ),
+            ));
+        };
+        let children = shard.state().status.map(|s| s.children).unwrap_or_default();
+        if children.iter().any(|c| c.shard_id == op.child_shard_id) {
+            return Ok(()); // proposed again: a no-op, answered as done
+        }
+        if !(start < op.at && op.at <= end) {
+            return Err(invalid(format!(
+                "{:#018x} does not cut shard {shard_id}'s range {start:#018x}..={end:#018x}",
+                op.at
+            )));
+        }
+        if self.node.shard(op.child_shard_id).is_some() {
+            return Err(invalid(format!(
+                "shard {} exists already",
+                op.child_shard_id
+            )));
+        }
+        Ok(())
+    }
+
     /// The shard as this replica's configuration describes it.
     fn shard_info(&self, shard_id: u32, status: &ReplicaStatus) -> ShardInfo {
         let mut info = self
@@ -276,11 +313,22 @@ impl AdminApi {
                     below,
                 }
             }
+            Some(propose_admin_request::Op::Split(op)) => {
+                self.check_split(shard_id, &shard, &op)?;
+                Command::Split {
+                    child: op.child_shard_id,
+                    at: op.at,
+                }
+            }
             None => {
                 return Err(self
                     .node
                     .error(ErrorCode::InvalidArgument, "op is required"));
             }
+        };
+        let split = match &command {
+            Command::Split { child, .. } => Some(*child),
+            _ => None,
         };
         let (tx, rx) = oneshot::channel();
         shard.propose(
@@ -290,6 +338,21 @@ impl AdminApi {
             }),
         );
         let raft_index = self.await_outcome(shard_id, rx).await?;
+        if let Some(child) = split {
+            // Applied; whether it was carried out is in the state published
+            // right after.
+            let status = published_at(&shard, raft_index).await;
+            if !status.is_some_and(|s| s.children.iter().any(|c| c.shard_id == child)) {
+                let mut info = self.node.error(
+                    ErrorCode::Conflict,
+                    format!(
+                        "shard {shard_id} did not split: its membership is changing, or its range changed; retry"
+                    ),
+                );
+                info.detail.shard_id = Some(shard_id);
+                return Err(info);
+            }
+        }
         Ok(ProposeAdminResponse { raft_index })
     }
 }
@@ -358,6 +421,8 @@ impl Node {
                     first_index: status.first_index,
                     members: members(&status.voters, &status.learners),
                     leader: status.leader,
+                    range: status.range.map(|(start, end)| HashRange { start, end }),
+                    split_off: status.children.iter().map(|c| c.shard_id).collect(),
                 }
             })
             .collect();

@@ -72,6 +72,14 @@ struct Target {
     shard: Arc<ShardHandle>,
 }
 
+/// Whether a group owning `range` (`None`: not recorded) owns `key`.
+fn owns(range: Option<(u64, u64)>, key: &StorageKey) -> bool {
+    range.is_none_or(|(start, end)| {
+        let position = tidepool_proto::hash_position(key);
+        start <= position && position <= end
+    })
+}
+
 fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
     node.error(ErrorCode::InvalidArgument, message)
 }
@@ -158,6 +166,27 @@ impl BlobApi {
                 format!("unknown consistency {consistency}"),
             )),
         }
+    }
+
+    /// `WRONG_SHARD` unless the target's replica still owns `key`, checked
+    /// after reading it: a split that gave the key to a new group applied
+    /// after the read point (the read saw the key's last value here) or
+    /// before it (the value may be stale: the client asks the new group).
+    /// Ranges only narrow, so a key owned after the read was owned during.
+    fn check_owned(&self, target: &Target, key: &StorageKey) -> ApiResult<()> {
+        if owns(target.shard.range(), key) {
+            return Ok(());
+        }
+        let mut info = self.node.error(
+            ErrorCode::WrongShard,
+            format!(
+                "shard {} no longer owns hash position {:#018x} (it split)",
+                target.info.shard_id,
+                tidepool_proto::hash_position(key)
+            ),
+        );
+        info.detail.shard_id = Some(target.info.shard_id);
+        Err(info)
     }
 
     async fn wait<T>(&self, target: &Target, rx: oneshot::Receiver<T>) -> ApiResult<T> {
@@ -546,8 +575,9 @@ impl BlobApi {
         let key = target.key;
         let stored = self
             .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
-            .await?
-            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+            .await?;
+        self.check_owned(&target, &key)?;
+        let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         // Held until the stream is sent (or abandoned).
@@ -592,8 +622,9 @@ impl BlobApi {
         let key = target.key;
         let stored = self
             .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
-            .await?
-            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+            .await?;
+        self.check_owned(&target, &key)?;
+        let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         Ok(HeadResponse {
@@ -651,6 +682,7 @@ impl BlobApi {
                 .iter()
                 .map(|i| storage_key(namespace.id, &request.keys[*i]))
                 .collect();
+
             let epochs = self
                 .engine_read(&target, move |engine, space| {
                     keys.iter()
@@ -659,7 +691,14 @@ impl BlobApi {
                 })
                 .await?;
             let current = target.shard.engine().epoch().0;
+            // Keys a split gave away meanwhile stay NOT_HERE (the client
+            // asks again): ranges only narrow, so a key owned after the
+            // read was owned during it.
+            let range = target.shard.range();
             for (i, epoch) in indexes.iter().zip(&epochs) {
+                if !owns(range, &storage_key(namespace.id, &request.keys[*i])) {
+                    continue;
+                }
                 presence[*i] = if epoch.is_some() {
                     Presence::Present
                 } else {
@@ -672,6 +711,7 @@ impl BlobApi {
                 let pending: Vec<_> = indexes
                     .iter()
                     .zip(epochs)
+                    .filter(|(i, _)| presence[**i] != Presence::NotHere)
                     .filter(|(_, epoch)| epoch.is_some_and(|e| e.0 < current))
                     .map(|(i, _)| {
                         // Server-made and harmless twice (a touch only moves
@@ -782,6 +822,7 @@ impl BlobApi {
             entries: limit,
             name_bytes: MAX_LIST_NAME_BYTES,
             examined: limit.saturating_mul(4) + 1024,
+            owned: target.shard.range(),
         };
         let (prefix, start_after) = (request.prefix, request.start_after);
         let (page, complete) = self
@@ -830,8 +871,10 @@ impl BlobApi {
         let key = target.key;
         let stored_epoch = self
             .engine_read(&target, move |engine, space| engine.epoch_of(space, &key))
-            .await?
-            .ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+            .await?;
+        self.check_owned(&target, &key)?;
+        let stored_epoch =
+            stored_epoch.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
         let epoch = target.shard.engine().epoch().0;
         if stored_epoch.0 < epoch {
             let touch = Command::Touch {

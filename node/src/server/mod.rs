@@ -51,7 +51,7 @@ use transport::Transport;
 /// whole entries).
 pub(crate) const MAX_GRPC_MESSAGE: usize = 256 << 20;
 
-const SHARD_FILE: &str = "SHARD";
+use crate::store::SHARD_FILE;
 
 /// How long a stopping node waits for requests in flight.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -60,6 +60,27 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 struct Hosted {
     handle: Arc<ShardHandle>,
     info: ShardInfo,
+}
+
+impl Hosted {
+    /// The range it serves: the group's replicated range, or the map's for
+    /// a group that has none recorded. A map never widens a range a split
+    /// narrowed (`docs/design/splits.md`).
+    fn range(&self) -> (u64, u64) {
+        self.handle
+            .range()
+            .unwrap_or((self.info.hash_start, self.info.hash_end))
+    }
+
+    /// Its shard as the map says, with the range it serves.
+    fn info(&self) -> ShardInfo {
+        let (hash_start, hash_end) = self.range();
+        ShardInfo {
+            hash_start,
+            hash_end,
+            ..self.info.clone()
+        }
+    }
 }
 
 /// A storage node.
@@ -87,6 +108,11 @@ pub struct Node {
     /// What every replica's engine shares: the worker pool running their
     /// background work, and the node's memory budget.
     engines: tidepool_engine::Host,
+    /// Set once the replicas on disk are open: groups split off hosted
+    /// ones are opened from then on.
+    opened: std::sync::atomic::AtomicBool,
+    /// One pass opening split-off groups at a time.
+    adopting: parking_lot::Mutex<()>,
     /// Run the replicas' Raft owners: pools of one thread, a replica's
     /// owner always in the same one (chosen by shard id). One shared pool,
     /// where an owner ran on whichever thread was free, measured about 20%
@@ -158,6 +184,8 @@ impl Node {
         let node = Arc::new(Node {
             engines,
             owners,
+            opened: Default::default(),
+            adopting: Default::default(),
             transport: Transport::new(config.node_id, security.clone()),
             security,
             tokens: Arc::default(),
@@ -180,6 +208,7 @@ impl Node {
             // Peers' addresses and ranges until a coordinator sends newer.
             node.set_map(saved);
         }
+        node.remove_unfinished_splits()?;
         node.open_replicas_on_disk()?;
         let me = node.config.node_id;
         for info in &map.shards {
@@ -188,7 +217,91 @@ impl Node {
                 node.open_replica(info.clone(), &voters)?;
             }
         }
+        node.opened
+            .store(true, std::sync::atomic::Ordering::Release);
+        node.open_split_children();
         Ok(node)
+    }
+
+    /// Removes the directories of split-off groups a crash left half made
+    /// (their split entry is applied again, and makes them again).
+    fn remove_unfinished_splits(&self) -> Result<()> {
+        let dir = self.config.data_dir.join("shards");
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| NodeError::Config(format!("cannot list {}: {e}", dir.display())))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            if name
+                .to_str()
+                .is_some_and(|n| n.starts_with(crate::replica::SPLIT_TEMP_PREFIX))
+            {
+                let path = entry.path();
+                std::fs::remove_dir_all(&path).map_err(|e| {
+                    NodeError::Config(format!("cannot remove {}: {e}", path.display()))
+                })?;
+                tracing::info!(path = %path.display(), "removed a split-off group's unfinished directory");
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens the replicas of groups split off hosted ones that this node
+    /// does not host (`docs/design/splits.md`): from their directories if a
+    /// split made them here, else empty, to receive a snapshot from the new
+    /// group's leader (this node's replica of the parent installed a
+    /// snapshot taken after the split, so never applied it). An empty one
+    /// is opened only while the map does not know the new group or lists
+    /// this node among its replicas: a group moved away is not reopened.
+    pub(crate) fn open_split_children(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.opened.load(Ordering::Acquire) || self.is_stopping() {
+            return;
+        }
+        let _one_pass = self.adopting.lock();
+        let children: Vec<_> = self
+            .hosted()
+            .into_iter()
+            .filter_map(|(_, handle)| handle.state().status)
+            .flat_map(|status| status.children)
+            .collect();
+        let map = self.map();
+        let me = self.config.node_id;
+        for child in children {
+            if self.shard(child.shard_id).is_some() {
+                continue;
+            }
+            let path = self.shard_dir(child.shard_id).join(SHARD_FILE);
+            let on_disk = match read_whole_file(&FileStorage::new(), &path) {
+                Ok(Some(bytes)) => ShardInfo::decode(&bytes[..]).ok(),
+                _ => None,
+            };
+            let info = match on_disk {
+                Some(info) => info,
+                None => {
+                    let mapped = map.shards.iter().find(|s| s.shard_id == child.shard_id);
+                    if mapped.is_some_and(|s| !s.replicas.iter().any(|r| r.node_id == me)) {
+                        continue;
+                    }
+                    ShardInfo {
+                        shard_id: child.shard_id,
+                        hash_start: child.start,
+                        hash_end: child.end,
+                        ..ShardInfo::default()
+                    }
+                }
+            };
+            match self.open_replica(info, &[]) {
+                Ok(_) => tracing::info!(
+                    shard_id = child.shard_id,
+                    "opened a split-off group's replica"
+                ),
+                Err(error) => tracing::warn!(
+                    shard_id = child.shard_id,
+                    %error,
+                    "cannot open a split-off group's replica"
+                ),
+            }
+        }
     }
 
     /// Reopens every replica in the data directory, several at a time
@@ -348,8 +461,12 @@ impl Node {
     fn start_replica(&self, info: ShardInfo, voters: &[u64]) -> Result<Hosted> {
         let shard_id = info.shard_id;
         let dir = self.shard_dir(shard_id);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+        {
+            // Not while a split moves a directory of that name into place.
+            let _making = crate::store::making_dirs();
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+        }
         let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
             .with_host(self.engines.clone());
         let mut driver = self.config.driver_config();
@@ -397,7 +514,7 @@ impl Node {
         self.shards
             .read()
             .values()
-            .map(|h| (h.info.clone(), h.handle.clone()))
+            .map(|h| (h.info(), h.handle.clone()))
             .collect()
     }
 
@@ -408,11 +525,12 @@ impl Node {
     ) -> std::result::Result<(ShardInfo, Arc<ShardHandle>), ErrorInfo> {
         let position = hash_position(key);
         let shards = self.shards.read();
-        let found = shards
-            .values()
-            .find(|h| h.info.hash_start <= position && position <= h.info.hash_end);
+        let found = shards.values().find(|h| {
+            let (start, end) = h.range();
+            start <= position && position <= end
+        });
         match found {
-            Some(hosted) => Ok((hosted.info.clone(), hosted.handle.clone())),
+            Some(hosted) => Ok((hosted.info(), hosted.handle.clone())),
             None => Err(self.error(
                 ErrorCode::WrongShard,
                 format!(

@@ -111,6 +111,19 @@ impl Outgoing for Transport {
             self.count_dropped();
         }
     }
+
+    fn split_off(&self, shard: u32) {
+        let Some(node) = self.node.read().upgrade() else {
+            return;
+        };
+        // Opening replicas reads their logs: not on the owner's thread.
+        let spawned = std::thread::Builder::new()
+            .name(format!("split-{shard}"))
+            .spawn(move || node.open_split_children());
+        if let Err(error) = spawned {
+            tracing::warn!(shard, %error, "cannot start a thread to open split-off groups");
+        }
+    }
 }
 
 /// Sends everything queued for peer `to`, reconnecting as needed.

@@ -1,0 +1,177 @@
+//! Shard splits under a checked workload, on clusters of real processes
+//! with real etcd (`docs/design/splits.md`): the split completes, clients
+//! follow the new map, and the history checker finds nothing, also when
+//! the parent's leader or the coordinator is killed (-9) mid-split. Replay
+//! a seed with `E2E_SEED=<seed>`.
+
+use std::time::{Duration, Instant};
+
+use tidepool_e2e::cluster::{Cluster, Options};
+use tidepool_e2e::scenario::{Report, Run, start};
+use tidepool_e2e::workload::Workload;
+
+/// One scenario at a time: each runs a cluster of processes.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Workload keys (few, so clients contend on them).
+const KEYS: u32 = 24;
+
+fn workload() -> Workload {
+    Workload {
+        seed: tidepool_testkit::seed_from_env("E2E_SEED"),
+        keys: KEYS,
+        ..Workload::default()
+    }
+}
+
+/// The shard holding the most workload keys.
+async fn busiest_shard(cluster: &Cluster) -> u32 {
+    let shards = cluster.shards_of_keys(KEYS).await;
+    let mut counts = std::collections::BTreeMap::new();
+    for shard in shards {
+        *counts.entry(shard).or_insert(0) += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(shard, _)| shard)
+        .expect("keys")
+}
+
+/// Waits (running the workload) until the map has published the split of
+/// `parent` into `child` at `at`, and the cluster has settled.
+async fn wait_published(cluster: &Cluster, run: &Run, parent: u32, child: u32, at: u64) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Some(status) = cluster.status().await
+            && let Some(map) = &status.map
+        {
+            let parent_info = map.shards.iter().find(|s| s.shard_id == parent);
+            let child_info = map.shards.iter().find(|s| s.shard_id == child);
+            if let (Some(p), Some(c)) = (parent_info, child_info) {
+                assert_eq!(p.hash_end, at - 1, "the parent ends before the cut");
+                assert_eq!(c.hash_start, at, "the child starts at the cut");
+                assert!(p.split.is_none(), "intent cleared");
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the split of shard {parent} was not published; status {:?}\n{}",
+            cluster.status().await.and_then(|s| s.map),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+    cluster.wait_settled(Duration::from_secs(90)).await;
+}
+
+/// The checks every split scenario ends with: a clean history, workload
+/// keys served by the new shards, and no unexpected log line.
+async fn finish_checks(cluster: &Cluster, report: &Report, new: &[u32]) {
+    report.assert_clean();
+    assert!(report.acknowledged > 50, "the workload ran: {report:?}");
+    let shards = cluster.shards_of_keys(KEYS).await;
+    assert!(
+        shards.iter().any(|s| new.contains(s)),
+        "some workload keys belong to the new shards {new:?}: {shards:?}"
+    );
+    let unexpected = cluster.unexpected_log_lines(&[]);
+    assert!(
+        unexpected.is_empty(),
+        "unexpected log lines:\n{}",
+        unexpected.join("\n")
+    );
+}
+
+/// Writes acknowledged after `from` by the keys now in `child`.
+fn child_writes_after(report: &Report, shards: &[u32], child: u32, from: u64) -> usize {
+    use tidepool_e2e::history::{Op, Status};
+    report
+        .history
+        .iter()
+        .filter(|e| matches!(e.op, Op::Put(_)) && e.status == Status::Ok)
+        .filter(|e| e.invoked > from && shards[e.key as usize] == child)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_under_load() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let parent = busiest_shard(&cluster).await;
+    let client = cluster.client().await;
+    run.fault_begins();
+    let (child, at) = client.split_shard(parent, 0).await.expect("split");
+    wait_published(&cluster, &run, parent, child, at).await;
+    let published = run.now();
+    run.fault_ends();
+    run.run_for(Duration::from_secs(3)).await;
+    // A second split of the new shard: splits compose.
+    let (grandchild, at2) = client.split_shard(child, 0).await.expect("split again");
+    wait_published(&cluster, &run, child, grandchild, at2).await;
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("split under load (twice)").await;
+    let shards = cluster.shards_of_keys(KEYS).await;
+    let served = child_writes_after(&report, &shards, child, published)
+        + child_writes_after(&report, &shards, grandchild, published);
+    assert!(served > 0, "the new shards took writes");
+    finish_checks(&cluster, &report, &[child, grandchild]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_with_the_leader_killed() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let parent = busiest_shard(&cluster).await;
+    let leader = cluster
+        .status()
+        .await
+        .and_then(|s| s.map)
+        .and_then(|m| m.shards.into_iter().find(|s| s.shard_id == parent))
+        .map(|s| s.leader_hint)
+        .expect("the parent has a leader");
+    let client = cluster.client().await;
+    run.fault_begins();
+    let (child, at) = client.split_shard(parent, 0).await.expect("split");
+    // Killed as soon as the split is decided: before, during or right
+    // after its entry applies, depending on the coordinator's round.
+    run.run_for(Duration::from_millis(400)).await;
+    cluster.kill_node(leader as usize - 1);
+    run.run_for(Duration::from_secs(4)).await;
+    cluster.start_node(leader as usize - 1);
+    wait_published(&cluster, &run, parent, child, at).await;
+    run.fault_ends();
+    run.run_for(Duration::from_secs(3)).await;
+    let report = run.finish("split with the parent's leader killed").await;
+    finish_checks(&cluster, &report, &[child]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_with_the_coordinator_killed() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options {
+        coordinators: 2,
+        ..Options::default()
+    })
+    .await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let parent = busiest_shard(&cluster).await;
+    let client = cluster.client().await;
+    run.fault_begins();
+    let (child, at) = client.split_shard(parent, 0).await.expect("split");
+    // The intent is in etcd; the leader dies before (or while) carrying it
+    // out, and the other coordinator takes over from the map and reports.
+    let (index, _) = cluster.leader_status().await.expect("a leader");
+    cluster.kill_coordinator(index);
+    wait_published(&cluster, &run, parent, child, at).await;
+    run.fault_ends();
+    run.run_for(Duration::from_secs(3)).await;
+    let report = run.finish("split with the coordinator killed").await;
+    finish_checks(&cluster, &report, &[child]).await;
+}

@@ -1,0 +1,219 @@
+//! Crash points of a split's apply (`docs/design/splits.md`, step 3): a
+//! `tidepool node` process (a static one-node cluster, one shard) holding
+//! data is told to split, and aborts — as a kill -9 there would stop it —
+//! after the child's files are copied, after its state is rewritten as a
+//! new group's, after its directory is renamed into place, or after the
+//! parent recorded the split in memory. Restarted, the node has both groups
+//! with the ranges the split names, no half-made directory, and every value
+//! written before; both groups take writes and keep them through another
+//! restart. The same run without a crash is the control.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tidepool_proto::v1::node_admin_client::NodeAdminClient;
+use tidepool_proto::v1::propose_admin_request::Op;
+use tidepool_proto::v1::{NodeStatusRequest, ProposeAdminRequest, SplitOp};
+use tidepool_testkit::grpc::{get, put};
+use tidepool_testkit::{TestProcess, free_port};
+
+const CHILD: u32 = 2;
+const AT: u64 = 1 << 63;
+const KEYS: usize = 200;
+
+fn value(i: usize, round: u32) -> Vec<u8> {
+    format!("value {i} of round {round} ")
+        .repeat(40)
+        .into_bytes()
+}
+
+struct Node {
+    process: TestProcess,
+    url: String,
+    config: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    starts: u32,
+}
+
+/// Starts the node of `config`, aborting at `crash_point` if given.
+fn spawn(dir: &Path, config: &Path, crash_point: Option<&str>, start: u32) -> TestProcess {
+    let env: Vec<(&str, &str)> = crash_point
+        .map(|p| (tidepool_node::replica::CRASH_POINT_VAR, p))
+        .into_iter()
+        .collect();
+    TestProcess::spawn_with_env(
+        support::BIN,
+        &["node", "--insecure", "--config", config.to_str().unwrap()],
+        &env,
+        dir.join(format!("node-{start}.log")),
+    )
+}
+
+impl Node {
+    fn start(dir: &Path, crash_point: Option<&str>) -> Node {
+        let port = free_port();
+        let url = format!("http://127.0.0.1:{port}");
+        let config = dir.join("node.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"node_id = 1
+listen = "127.0.0.1:{port}"
+metrics_listen = "127.0.0.1:{metrics}"
+data_dir = "{data}"
+
+[engine]
+wal_segment_mib = 16
+
+[cluster]
+shards = 1
+replicas = [1]
+peers = [{{ id = 1, address = "{url}" }}]
+"#,
+                metrics = free_port(),
+                data = dir.join("data").display(),
+            ),
+        )
+        .unwrap();
+        Node {
+            process: spawn(dir, &config, crash_point, 0),
+            url,
+            config,
+            dir: dir.to_path_buf(),
+            starts: 1,
+        }
+    }
+
+    fn restart(&mut self, crash_point: Option<&str>) {
+        self.process = spawn(&self.dir, &self.config, crash_point, self.starts);
+        self.starts += 1;
+    }
+
+    fn nodes(&self) -> BTreeMap<u64, String> {
+        BTreeMap::from([(1, self.url.clone())])
+    }
+
+    /// Waits until every hosted replica leads; returns (shard, range).
+    async fn wait_ranges(&mut self, replicas: usize) -> Vec<(u32, Option<(u64, u64)>)> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(mut admin) = NodeAdminClient::connect(self.url.clone()).await
+                && let Ok(status) = admin.status(NodeStatusRequest {}).await
+            {
+                let status = status.into_inner();
+                if status.replicas.len() == replicas && status.replicas.iter().all(|r| r.is_leader)
+                {
+                    let mut ranges: Vec<_> = status
+                        .replicas
+                        .iter()
+                        .map(|r| (r.shard_id, r.range.as_ref().map(|r| (r.start, r.end))))
+                        .collect();
+                    ranges.sort_unstable();
+                    return ranges;
+                }
+            }
+            assert!(
+                self.process.running(),
+                "node exited:\n{}",
+                self.process.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{replicas} leading replicas not seen within 60 s:\n{}",
+                self.process.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn write(&self, keys: std::ops::Range<usize>, round: u32) {
+        for i in keys {
+            put(
+                &self.nodes(),
+                "default",
+                format!("k{i}").as_bytes(),
+                &value(i, round),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("put k{i}: {e}"));
+        }
+    }
+
+    async fn check(&self, keys: std::ops::Range<usize>, round: u32, what: &str) {
+        for i in keys {
+            let got = get(&self.nodes(), "default", format!("k{i}").as_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("{what}: get k{i}: {e}"));
+            assert!(got == value(i, round), "{what}: k{i} read back wrong");
+        }
+    }
+}
+
+async fn split_and_check(crash_point: Option<&str>) {
+    let what = crash_point.unwrap_or("no crash");
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), crash_point);
+    assert_eq!(node.wait_ranges(1).await, [(1, Some((0, u64::MAX)))]);
+    node.write(0..KEYS, 1).await;
+    let mut admin = NodeAdminClient::connect(node.url.clone()).await.unwrap();
+    let split = admin
+        .propose_admin(ProposeAdminRequest {
+            shard_id: 1,
+            op: Some(Op::Split(SplitOp {
+                child_shard_id: CHILD,
+                at: AT,
+            })),
+        })
+        .await;
+    if crash_point.is_some() {
+        assert!(split.is_err(), "{what}: the node aborted mid-split");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while node.process.running() {
+            assert!(Instant::now() < deadline, "{what}: the node did not abort");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            node.process.log().contains("aborting"),
+            "{what}: the crash point was reached:\n{}",
+            node.process.log()
+        );
+        node.restart(None);
+    } else {
+        split.unwrap_or_else(|e| panic!("split: {e}"));
+    }
+    let want = [(1, Some((0, AT - 1))), (CHILD, Some((AT, u64::MAX)))];
+    assert_eq!(node.wait_ranges(2).await, want, "{what}");
+    let shards = dir.path().join("data/shards");
+    let mut names: Vec<String> = std::fs::read_dir(&shards)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["1", "2"], "{what}: no half-made directory is left");
+    node.check(0..KEYS, 1, what).await;
+    // Both groups take writes (keys fall on both sides of the cut) and
+    // keep them through a restart.
+    node.write(KEYS / 2..KEYS + 100, 2).await;
+    node.process.kill();
+    node.restart(None);
+    assert_eq!(node.wait_ranges(2).await, want, "{what}, restarted");
+    node.check(0..KEYS / 2, 1, what).await;
+    node.check(KEYS / 2..KEYS + 100, 2, what).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_survives_a_crash_at_every_point_of_its_apply() {
+    for point in [
+        None,
+        Some("copied"),
+        Some("rewritten"),
+        Some("renamed"),
+        Some("recorded"),
+    ] {
+        split_and_check(point).await;
+        eprintln!("split crash point {point:?}: ok");
+    }
+}
