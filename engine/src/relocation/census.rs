@@ -1,8 +1,11 @@
 //! The census: live bytes per WAL segment, from a walk of the whole index.
-//! No value is read; unloaded cells' index blobs are.
+//! No value is read; unloaded cells' index blobs are. Entries the
+//! relocation filter drops (a split group's keys of the other half) count
+//! as garbage, and as bytes to shed.
 
 use std::collections::BTreeMap;
 
+use super::Decision;
 use crate::engine::Inner;
 use crate::error::Result;
 use crate::types::{Epoch, SegmentId};
@@ -21,6 +24,10 @@ pub struct SegmentUsage {
     pub live_bytes: u64,
     /// Whether it is sealed (no longer written).
     pub sealed: bool,
+    /// Bytes of items the index points into it that the relocation filter
+    /// drops (not counted live): a segment holding any is relocated
+    /// whatever its garbage ratio, so they go eventually.
+    pub shed_bytes: u64,
 }
 
 impl SegmentUsage {
@@ -33,12 +40,20 @@ impl SegmentUsage {
 /// Live bytes of every segment, oldest first; remembered for the metrics.
 pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
     let size = inner.config.wal_segment_bytes;
+    let filter = inner.filter.get();
     let mut live: BTreeMap<SegmentId, u64> = BTreeMap::new();
-    for space in &inner.table.spaces {
+    let mut shed: BTreeMap<SegmentId, u64> = BTreeMap::new();
+    for (index, space) in inner.table.spaces.iter().enumerate() {
         for id in space.cell_ids() {
-            for (_, entry) in inner.cell_entries(space, &id)? {
-                *live.entry(SegmentId(entry.location / size)).or_default() +=
-                    align8(entry.len as usize) as u64;
+            for (key, entry) in inner.cell_entries(space, &id)? {
+                let segment = SegmentId(entry.location / size);
+                let bytes = align8(entry.len as usize) as u64;
+                let info = inner.info(index as u8, &key[..space.key_len()], &entry);
+                let counted = match filter.decide(&info) {
+                    Decision::Drop => &mut shed,
+                    Decision::Keep | Decision::Stop => &mut live,
+                };
+                *counted.entry(segment).or_default() += bytes;
             }
         }
     }
@@ -53,6 +68,7 @@ pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
             size_bytes: size,
             live_bytes: live.get(&s.id).copied().unwrap_or(0),
             sealed: s.id < active,
+            shed_bytes: shed.get(&s.id).copied().unwrap_or(0),
         })
         .collect();
     *inner.last_census.lock() = usage.clone();

@@ -388,9 +388,12 @@ impl Inner {
 }
 
 impl Engine {
-    /// Sets the filter background relocation uses (default: keep all).
+    /// Sets the filter background relocation (and its census) uses
+    /// (default: keep all). The next background pass takes a census, so
+    /// entries the new filter drops are found without waiting for writes.
     pub fn set_relocation_filter(&self, filter: Arc<dyn RelocationFilter>) {
         self.inner.filter.set(filter);
+        self.inner.census_processed.store(0, Ordering::Release);
     }
 
     /// Runs one relocation pass now, with the configured filter and no rate

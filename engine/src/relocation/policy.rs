@@ -3,8 +3,11 @@
 //! written and the last one is four intervals old (deletes write little),
 //! or when the last pass relocated a full batch — and relocate (index-based:
 //! only live values are read) the oldest sealed segments whose garbage
-//! ratio reaches the threshold — a lower threshold when the disk is filling
-//! — at a limited rate so foreground writes keep their throughput.
+//! ratio reaches the threshold — a lower threshold when the disk is
+//! filling; any ratio when the relocation filter drops some of their
+//! entries (a split group shedding the other half's keys) — at a limited
+//! rate so foreground writes keep their throughput. Setting a filter asks
+//! for a census at the next pass.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -93,7 +96,7 @@ fn pass(
     };
     let wanted: Vec<_> = usage
         .iter()
-        .filter(|u| u.sealed && u.garbage_ratio() >= threshold)
+        .filter(|u| u.sealed && (u.garbage_ratio() >= threshold || u.shed_bytes > 0))
         .map(|u| u.segment)
         .collect();
     let candidates: Vec<_> = inner

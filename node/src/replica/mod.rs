@@ -250,11 +250,20 @@ impl Replica {
         Ok(replica)
     }
 
-    /// Shows the group's range in the configured cell.
+    /// Shows the group's range in the configured cell, and has the engine's
+    /// background relocation drop the blobs outside it (a split group's
+    /// keys of the other half: never read or written here again).
     pub(crate) fn show_range(&mut self) {
         let range = self.log().range();
         if let Some(cell) = &self.config.range_cell {
             *cell.write() = range;
+        }
+        if let Some(range) = range {
+            let shed = split::OutsideRange {
+                blobs: self.space,
+                range,
+            };
+            self.engine().set_relocation_filter(Arc::new(shed));
         }
     }
 

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use prost::Message as _;
 use tidepool_engine::storage::{FileStorage, write_file_atomically};
+use tidepool_engine::{Decision, EntryInfo, KeySpace, RelocationFilter};
 use tidepool_proto::v1::{ReplicaInfo, ReplicaRole, ShardInfo};
 
 use super::{BLOB_KEY_SPACE, Replica};
@@ -24,7 +25,7 @@ use crate::store::{SHARD_FILE, making_dirs};
 /// Prefix of a child directory being made.
 pub const SPLIT_TEMP_PREFIX: &str = ".split-";
 
-/// For crash tests only (`server/tests/split_crash_points.rs`): the
+/// For crash tests only (`server/tests/splits.rs`): the
 /// environment variable naming a point of a split's apply where the
 /// process aborts, as a kill -9 there would stop it. Never set otherwise.
 pub const CRASH_POINT_VAR: &str = "TIDEPOOL_SPLIT_CRASH_POINT";
@@ -36,6 +37,34 @@ fn crash_point(point: &str) {
     if chosen.as_deref() == Some(point) {
         eprintln!("{CRASH_POINT_VAR}={point}: aborting");
         std::process::abort();
+    }
+}
+
+/// The relocation filter of a group owning `range`: drops the blobs
+/// outside it (after a split, both groups start with every key of the
+/// parent; each sheds the other's half as relocation passes over them),
+/// keeps everything else. Not deterministic across replicas in timing, and
+/// need not be: those keys are never read (`check_owned`), written or
+/// applied (`Refusal::WrongShard`) by this group again.
+pub(crate) struct OutsideRange {
+    /// The blobs' key space (the name index's keys are not positions).
+    pub blobs: KeySpace,
+    /// The group's range.
+    pub range: (u64, u64),
+}
+
+impl RelocationFilter for OutsideRange {
+    fn decide(&self, entry: &EntryInfo<'_>) -> Decision {
+        let Some(prefix) = entry.key.first_chunk::<8>() else {
+            return Decision::Keep;
+        };
+        let position = u64::from_be_bytes(*prefix);
+        let (start, end) = self.range;
+        if entry.key_space != self.blobs || (start <= position && position <= end) {
+            Decision::Keep
+        } else {
+            Decision::Drop
+        }
     }
 }
 
@@ -176,6 +205,35 @@ mod tests {
             voters: vec![1, 2, 3],
             ..ConfState::default()
         }
+    }
+
+    #[test]
+    fn a_group_sheds_only_blobs_outside_its_range() {
+        let storage = tidepool_engine::storage::FaultStorage::new(Default::default());
+        let engine = crate::sim::replica_store(&storage).open_live().unwrap();
+        let blobs = engine.key_space(BLOB_KEY_SPACE).unwrap();
+        let names = engine.key_space(crate::names::NAMES_KEY_SPACE).unwrap();
+        let filter = OutsideRange {
+            blobs,
+            range: (100, 200),
+        };
+        let decide = |space: KeySpace, position: u64| {
+            let mut key = [7u8; 32];
+            key[..8].copy_from_slice(&position.to_be_bytes());
+            filter.decide(&EntryInfo {
+                key_space: space,
+                key: &key,
+                epoch: tidepool_engine::Epoch(1),
+                tag: tidepool_engine::Tag(1),
+                item_bytes: 100,
+                position: tidepool_engine::WalPosition(0),
+            })
+        };
+        assert_eq!(decide(blobs, 100), Decision::Keep);
+        assert_eq!(decide(blobs, 200), Decision::Keep);
+        assert_eq!(decide(blobs, 99), Decision::Drop);
+        assert_eq!(decide(blobs, 201), Decision::Drop);
+        assert_eq!(decide(names, 5), Decision::Keep, "the name index");
     }
 
     #[test]

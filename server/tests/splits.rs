@@ -1,5 +1,7 @@
-//! Crash points of a split's apply (`docs/design/splits.md`, step 3): a
-//! `tidepool node` process (a static one-node cluster, one shard) holding
+//! Splits in one `tidepool node` process (a static one-node cluster, one
+//! shard; `docs/design/splits.md`).
+//!
+//! Crash points of a split's apply (step 3): a node holding
 //! data is told to split, and aborts — as a kill -9 there would stop it —
 //! after the child's files are copied, after its state is rewritten as a
 //! new group's, after its directory is renamed into place, or after the
@@ -7,6 +9,10 @@
 //! with the ranges the split names, no half-made directory, and every value
 //! written before; both groups take writes and keep them through another
 //! restart. The same run without a crash is the control.
+//!
+//! Shedding (step 7): after a split, each group's engine drops the other
+//! half's values as background relocation passes over them, so each holds
+//! about half of what the parent held, and the volume holds one copy.
 
 mod support;
 
@@ -54,6 +60,12 @@ fn spawn(dir: &Path, config: &Path, crash_point: Option<&str>, start: u32) -> Te
 
 impl Node {
     fn start(dir: &Path, crash_point: Option<&str>) -> Node {
+        Self::start_with(dir, crash_point, "")
+    }
+
+    /// [`Node::start`] with `extra` as the settings before `[cluster]`
+    /// (default: 16 MiB WAL segments).
+    fn start_with(dir: &Path, crash_point: Option<&str>, extra: &str) -> Node {
         let port = free_port();
         let url = format!("http://127.0.0.1:{port}");
         let config = dir.join("node.toml");
@@ -65,9 +77,7 @@ listen = "127.0.0.1:{port}"
 metrics_listen = "127.0.0.1:{metrics}"
 data_dir = "{data}"
 
-[engine]
-wal_segment_mib = 16
-
+{extra}
 [cluster]
 shards = 1
 replicas = [1]
@@ -75,6 +85,11 @@ peers = [{{ id = 1, address = "{url}" }}]
 "#,
                 metrics = free_port(),
                 data = dir.join("data").display(),
+                extra = if extra.is_empty() {
+                    "[engine]\nwal_segment_mib = 16\n"
+                } else {
+                    extra
+                },
             ),
         )
         .unwrap();
@@ -127,6 +142,21 @@ peers = [{{ id = 1, address = "{url}" }}]
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Disk bytes of each hosted replica's engine, by shard.
+    async fn disk_bytes(&self) -> BTreeMap<u32, u64> {
+        let mut admin = NodeAdminClient::connect(self.url.clone()).await.unwrap();
+        let status = admin
+            .status(NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        status
+            .replicas
+            .iter()
+            .map(|r| (r.shard_id, r.disk_used_bytes))
+            .collect()
     }
 
     async fn write(&self, keys: std::ops::Range<usize>, round: u32) {
@@ -216,4 +246,100 @@ async fn a_split_survives_a_crash_at_every_point_of_its_apply() {
         split_and_check(point).await;
         eprintln!("split crash point {point:?}: ok");
     }
+}
+
+/// Bytes allocated under `dir`, each file counted once (hard links share
+/// their blocks).
+fn allocated_once(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let entry = entry.unwrap();
+            let meta = entry.metadata().unwrap();
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else if seen.insert(meta.ino()) {
+                total += meta.blocks() * 512;
+            }
+        }
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_side_of_a_split_sheds_the_other_half() {
+    const BIG: usize = 320;
+    let big = |i: usize| {
+        format!("big value {i} ")
+            .repeat(256 << 10 >> 4)
+            .into_bytes()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let settings = "[engine]\nwal_segment_mib = 16\nrelocation_interval_ms = 200\n\n[raft]\ncompact_log_entries = 64\n";
+    let mut node = Node::start_with(dir.path(), None, settings);
+    node.wait_ranges(1).await;
+    for i in 0..BIG {
+        put(
+            &node.nodes(),
+            "default",
+            format!("b{i}").as_bytes(),
+            &big(i),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("put b{i}: {e}"));
+    }
+    let before = node.disk_bytes().await[&1];
+    let shards = dir.path().join("data/shards");
+    let volume_before = allocated_once(&shards);
+    let mut admin = NodeAdminClient::connect(node.url.clone()).await.unwrap();
+    admin
+        .propose_admin(ProposeAdminRequest {
+            shard_id: 1,
+            op: Some(Op::Split(SplitOp {
+                child_shard_id: CHILD,
+                at: AT,
+            })),
+        })
+        .await
+        .unwrap();
+    node.wait_ranges(2).await;
+    // Right after the split, both engines name every value (the child's
+    // sealed segments are hard links): the volume holds one copy.
+    let volume_split = allocated_once(&shards);
+    // Writes keep coming, so the parent's log compacts past its old
+    // segments (they hold its log records until then).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut round = 0;
+    let sides = loop {
+        let sides = node.disk_bytes().await;
+        if sides.values().all(|b| *b < before * 3 / 4) {
+            break sides;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not shed within 90 s: {sides:?} of {before} B before the split:\n{}",
+            node.process.log()
+        );
+        node.write(round * 20..round * 20 + 20, 3).await;
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let volume_after = allocated_once(&shards);
+    eprintln!(
+        "engine bytes: {before} before the split, {sides:?} after shedding; volume {volume_before} B before, {volume_split} B right after the split, {volume_after} B after shedding"
+    );
+    assert!(
+        volume_split < volume_before + (volume_before / 4),
+        "the split copied no more than the tail: {volume_split} B of {volume_before} B"
+    );
+    for i in 0..BIG {
+        let got = get(&node.nodes(), "default", format!("b{i}").as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("get b{i}: {e}"));
+        assert!(got == big(i), "b{i} read back wrong after shedding");
+    }
+    node.check(0..round * 20, 3, "written while shedding").await;
 }
