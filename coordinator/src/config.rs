@@ -9,6 +9,12 @@ use serde::Deserialize;
 
 use crate::CoordinatorError;
 
+/// The default `split_mib`: 4 GiB of values per shard. A shard that size
+/// relocates, snapshots and splits in minutes, not hours, and a node with a
+/// few TiB holds hundreds of them — cheap since replicas share their node's
+/// threads and memory (`docs/design/scale-out.md`).
+pub const DEFAULT_SPLIT_MIB: u64 = 4096;
+
 /// Everything a coordinator is configured with.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -58,6 +64,10 @@ pub struct CoordinatorConfig {
     /// A node that comes back (restarted, resumed, reachable again) is no
     /// target of leader balancing for this long, milliseconds.
     pub balance_settle_ms: u64,
+    /// A shard whose leader's engine holds more than this many MiB of
+    /// values is split in two (`docs/design/splits.md`); 0: never split
+    /// automatically.
+    pub split_mib: u64,
     /// Mutual TLS for the coordinator's gRPC listener and its calls to
     /// nodes (`[tls]`: `cert`, `key`, `ca`; re-read when they change).
     /// Without it the coordinator speaks plaintext and admits every caller
@@ -126,6 +136,7 @@ impl Default for CoordinatorConfig {
             transfer_timeout_ms: 3_000,
             transfer_backoff_ms: 30_000,
             balance_settle_ms: 10_000,
+            split_mib: DEFAULT_SPLIT_MIB,
             tls: None,
             etcd_tls: None,
             bootstrap_token_file: None,

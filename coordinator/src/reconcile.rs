@@ -158,6 +158,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         down_since: HashMap::new(),
         targets: Placement::new(),
         transfers: shared.config.transfers(),
+        unsplittable: Default::default(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -172,6 +173,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             reconciler.down_since.clear();
             reconciler.targets.clear();
             reconciler.transfers.clear();
+            reconciler.unsplittable.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -196,7 +198,12 @@ struct Reconciler {
     targets: Placement,
     /// Leadership transfers asked, and what the balancer leaves alone.
     transfers: Transfers,
+    /// Shards that cannot split (this term): not split automatically.
+    unsplittable: std::collections::BTreeSet<u32>,
 }
+
+/// Most automatic splits decided per round.
+const SPLITS_PER_ROUND: usize = 4;
 
 impl Reconciler {
     async fn round(&mut self) -> Result<(), CoordinatorError> {
@@ -741,16 +748,36 @@ impl Reconciler {
         }
     }
 
-    /// Carries decided splits on (`splits.rs`): publishes those whose new
+    /// Decides splits of shards over `split_mib` (a few per round), then
+    /// carries decided splits on (`splits.rs`): publishes those whose new
     /// group has a leader, and has the leader of the others propose the
     /// split entry (again, if no replica reports it applied: a repeated
     /// entry is a no-op) unless the shard's membership is changing.
     async fn drive_splits(
-        &self,
+        &mut self,
         map: &ClusterMap,
         views: &[ShardView],
         reports: &BTreeMap<u64, NodeStatus>,
     ) {
+        let limit = self.shared.config.split_mib.saturating_mul(1 << 20);
+        if limit > 0 {
+            let over = crate::splits::over_limit(map, views, limit, &self.unsplittable);
+            for (shard_id, bytes) in over.into_iter().take(SPLITS_PER_ROUND) {
+                match self.shared.split_shard(shard_id, 0).await {
+                    Ok((child, at)) => tracing::info!(
+                        shard_id,
+                        data_bytes = bytes,
+                        child_shard_id = child,
+                        at,
+                        "shard over the split size; split decided"
+                    ),
+                    Err(error) => {
+                        tracing::warn!(shard_id, %error, "cannot decide a split");
+                        self.unsplittable.insert(shard_id);
+                    }
+                }
+            }
+        }
         for shard in &map.shards {
             let Some(intent) = shard.split else {
                 continue;
@@ -814,6 +841,24 @@ impl Reconciler {
                 Err(CoordinatorError::NodeCall { code, .. })
                     if code == ErrorCode::NotLeader as i32
                         || code == ErrorCode::Conflict as i32 => {}
+                Err(CoordinatorError::NodeCall { code, message, .. })
+                    if code == ErrorCode::Unsupported as i32 =>
+                {
+                    // A group founded before ranges were replicated: the
+                    // intent is withdrawn, and not made again this term.
+                    tracing::warn!(shard_id = view.shard_id, %message, "shard cannot split; split withdrawn");
+                    self.unsplittable.insert(view.shard_id);
+                    let parent = view.shard_id;
+                    let withdrawn = self
+                        .shared
+                        .update_map(
+                            |m| Ok(crate::splits::withdraw(m, parent, child).then(Vec::new)),
+                        )
+                        .await;
+                    if let Err(error) = withdrawn {
+                        tracing::warn!(shard_id = parent, %error, "cannot withdraw a split");
+                    }
+                }
                 Err(error) => {
                     tracing::warn!(shard_id = view.shard_id, child_shard_id = child, %error, "split failed");
                     self.shared.progress.lock().errors += 1;

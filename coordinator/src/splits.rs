@@ -6,10 +6,13 @@
 //! the map and the nodes' reports say, so a coordinator that takes over
 //! halfway carries on from there.
 
+use std::collections::BTreeSet;
+
 use tidepool_proto::v1::{ClusterMap, ReplicaStatus, ShardInfo, SplitIntent};
 
 use crate::CoordinatorError;
 use crate::core::Shared;
+use crate::plan::ShardView;
 
 /// The id the next new shard gets: never one used before.
 pub fn next_shard_id(map: &ClusterMap) -> u32 {
@@ -96,6 +99,47 @@ pub fn publish(map: &mut ClusterMap, parent: u32, leader: u64, status: &ReplicaS
     true
 }
 
+/// Withdraws the intent to split `parent` into `child` (the group cannot
+/// split). Returns whether the map changed.
+pub fn withdraw(map: &mut ClusterMap, parent: u32, child: u32) -> bool {
+    let Some(shard) = map.shards.iter_mut().find(|s| s.shard_id == parent) else {
+        return false;
+    };
+    if shard.split.is_none_or(|s| s.child_shard_id != child) {
+        return false;
+    }
+    shard.split = None;
+    true
+}
+
+/// Shards to split because their leader's engine holds more than `limit`
+/// bytes of values, largest first, with those bytes: not one with a split
+/// under way, a membership change under way (learners), no size known yet
+/// (no census since its replica opened or its range changed: a shard just
+/// split still counts the other half until then), or in `unsplittable`.
+pub fn over_limit(
+    map: &ClusterMap,
+    views: &[ShardView],
+    limit: u64,
+    unsplittable: &BTreeSet<u32>,
+) -> Vec<(u32, u64)> {
+    let mut over: Vec<(u32, u64)> = views
+        .iter()
+        .filter(|v| v.learners.is_empty() && !unsplittable.contains(&v.shard_id))
+        .filter(|v| {
+            map.shards
+                .iter()
+                .any(|s| s.shard_id == v.shard_id && s.split.is_none() && s.hash_start < s.hash_end)
+        })
+        .filter_map(|v| {
+            let bytes = v.leader_status()?.data_bytes?;
+            (bytes > limit).then_some((v.shard_id, bytes))
+        })
+        .collect();
+    over.sort_by_key(|(id, bytes)| (std::cmp::Reverse(*bytes), *id));
+    over
+}
+
 impl Shared {
     /// Decides a split of `shard_id` at `at` (0: the middle); the
     /// reconciler carries it out. Returns the new shard's id and the cut.
@@ -165,6 +209,55 @@ mod tests {
         let mut map = map_of(&[(1, 0, 99)]);
         assert!(decide(&mut map, 1, 100).is_err(), "past the end");
         assert!(decide(&mut map, 1, 0).is_ok());
+    }
+
+    #[test]
+    fn shards_over_the_limit_split_largest_first_once_their_size_is_known() {
+        let mut map = map_of(&[(1, 0, 99), (2, 100, 199), (3, 200, 299), (4, 300, 300)]);
+        let view = |shard_id: u32, data_bytes: Option<u64>| {
+            let mut view = ShardView {
+                shard_id,
+                leader: Some(1),
+                ..ShardView::default()
+            };
+            view.replicas.insert(
+                1,
+                ReplicaStatus {
+                    shard_id,
+                    is_leader: true,
+                    data_bytes,
+                    ..ReplicaStatus::default()
+                },
+            );
+            view
+        };
+        let views = vec![
+            view(1, Some(150)),
+            view(2, Some(300)),
+            view(3, None),
+            view(4, Some(500)),
+        ];
+        let none = BTreeSet::new();
+        // Shard 3's size is unknown; shard 4 is one position wide.
+        assert_eq!(over_limit(&map, &views, 100, &none), [(2, 300), (1, 150)]);
+        assert_eq!(over_limit(&map, &views, 200, &none), [(2, 300)]);
+        assert_eq!(
+            over_limit(&map, &views, 100, &BTreeSet::from([2])),
+            [(1, 150)]
+        );
+        decide(&mut map, 2, 0).unwrap();
+        assert_eq!(
+            over_limit(&map, &views, 100, &none),
+            [(1, 150)],
+            "under way"
+        );
+        let mut moving = views.clone();
+        moving[0].learners.insert(4);
+        assert!(over_limit(&map, &moving, 100, &none).is_empty());
+        let ((child, _), _) = decide(&mut map, 1, 0).unwrap();
+        assert!(withdraw(&mut map, 1, child));
+        assert!(!withdraw(&mut map, 1, child), "once");
+        assert!(map.shards[0].split.is_none());
     }
 
     #[test]

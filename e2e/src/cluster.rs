@@ -161,6 +161,10 @@ pub struct Options {
     pub small_disk: Option<(usize, u64)>,
     /// Coordinator down-grace, milliseconds.
     pub down_grace_ms: u64,
+    /// The coordinator's `--split-mib` (0: no automatic splits).
+    pub split_mib: u64,
+    /// The nodes' `engine.relocation_interval_ms` (`None`: their default).
+    pub relocation_interval_ms: Option<u64>,
 }
 
 impl Default for Options {
@@ -171,6 +175,8 @@ impl Default for Options {
             shards: 4,
             small_disk: None,
             down_grace_ms: 60_000,
+            split_mib: 0,
+            relocation_interval_ms: None,
         }
     }
 }
@@ -212,7 +218,14 @@ impl Cluster {
         let etcd_files = credentials.files("etcd");
         let etcd = EtcdServer::start_tls(&etcd_files.cert, &etcd_files.key, &etcd_files.ca);
         let config = dir.path().join("node.toml");
-        std::fs::write(&config, NODE_CONFIG).expect("node config");
+        let mut node_config = NODE_CONFIG.to_string();
+        if let Some(ms) = options.relocation_interval_ms {
+            node_config = node_config.replace(
+                "[engine]\n",
+                &format!("[engine]\nrelocation_interval_ms = {ms}\n"),
+            );
+        }
+        std::fs::write(&config, node_config).expect("node config");
         let mut cluster = Cluster {
             dir,
             etcd,
@@ -257,6 +270,8 @@ impl Cluster {
                 options.down_grace_ms.to_string(),
                 "--reconcile-interval-ms".into(),
                 "200".into(),
+                "--split-mib".into(),
+                options.split_mib.to_string(),
             ];
             args.extend(cluster.credentials.flags(&format!("coordinator-{i}")));
             cluster.coordinators.push(CoordinatorProcess {

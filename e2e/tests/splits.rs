@@ -6,6 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use tidepool_client::proto::v1::{ClusterMap, ShardInfo};
+use tidepool_client::proto::{hash_position, storage_key};
 use tidepool_e2e::cluster::{Cluster, Options};
 use tidepool_e2e::scenario::{Report, Run, start};
 use tidepool_e2e::workload::Workload;
@@ -174,4 +176,98 @@ async fn split_with_the_coordinator_killed() {
     run.run_for(Duration::from_secs(3)).await;
     let report = run.finish("split with the coordinator killed").await;
     finish_checks(&cluster, &report, &[child]).await;
+}
+
+/// The value of bulk key `i`: 64 KiB, cheap to check.
+fn bulk(i: u32) -> Vec<u8> {
+    format!("bulk value {i:08} ")
+        .repeat(64 << 10 >> 5)
+        .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_growing_cluster_splits_its_shards_by_size() {
+    const LIMIT_MIB: u64 = 16;
+    // 56 MiB of 64 KiB values over 2 shards: each splits at least once.
+    const BULK: u32 = 896;
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        shards: 2,
+        split_mib: LIMIT_MIB,
+        relocation_interval_ms: Some(300),
+        ..Options::default()
+    })
+    .await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(2)).await;
+    run.fault_begins();
+    let client = cluster.client().await;
+    for i in 0..BULK {
+        client
+            .put("default", format!("bulk-{i}").as_bytes(), &bulk(i))
+            .await
+            .unwrap_or_else(|e| panic!("bulk put {i}: {e}"));
+    }
+    // Until no shard holds more than the limit of bulk values (counted
+    // from the map's ranges: the truth, where the sizes nodes report are
+    // estimates), no split is under way and the cluster has settled.
+    let bulk_bytes = |map: &ClusterMap, shard: &ShardInfo| -> u64 {
+        let ns = map
+            .namespaces
+            .iter()
+            .find(|n| n.name == "default")
+            .expect("default")
+            .id;
+        (0..BULK)
+            .filter(|i| {
+                let p = hash_position(&storage_key(ns, format!("bulk-{i}").as_bytes()));
+                shard.hash_start <= p && p <= shard.hash_end
+            })
+            .count() as u64
+            * (64 << 10)
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let map = loop {
+        let status = cluster.status().await;
+        if let Some(status) = &status
+            && let Some(map) = &status.map
+            && map
+                .shards
+                .iter()
+                .all(|s| s.split.is_none() && bulk_bytes(map, s) <= LIMIT_MIB << 20)
+            && tidepool_e2e::cluster::settled(status)
+        {
+            break map.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shards still over {LIMIT_MIB} MiB after 120 s: {:?}\n{}",
+            status.and_then(|s| s.map).map(|m| m.shards),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(500)).await;
+    };
+    run.fault_ends();
+    let sizes: Vec<(u32, u64)> = map
+        .shards
+        .iter()
+        .map(|s| (s.shard_id, bulk_bytes(&map, s)))
+        .collect();
+    eprintln!("{} shards, bulk bytes each: {sizes:?}", sizes.len());
+    assert!(sizes.len() >= 4, "each of the 2 shards split at least once");
+    for i in 0..BULK {
+        let got = client
+            .get("default", format!("bulk-{i}").as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("bulk get {i}: {e}"));
+        assert!(got == bulk(i), "bulk value {i} read back wrong");
+    }
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("a growing cluster splits by size").await;
+    let new: Vec<u32> = sizes
+        .iter()
+        .map(|(id, _)| *id)
+        .filter(|id| *id > 2)
+        .collect();
+    finish_checks(&cluster, &report, &new).await;
 }

@@ -74,6 +74,11 @@ pub(crate) struct Inner {
     pub retention: std::sync::atomic::AtomicU64,
     /// The last census.
     pub last_census: Mutex<Vec<crate::relocation::SegmentUsage>>,
+    /// The processed watermark when `last_census` began (0: no census
+    /// since the engine opened or its relocation filter changed).
+    pub census_at: std::sync::atomic::AtomicU64,
+    /// The bytes relocation had written when `last_census` began.
+    pub census_relocated: std::sync::atomic::AtomicU64,
     /// The processed watermark when background relocation last took a
     /// census.
     pub census_processed: std::sync::atomic::AtomicU64,

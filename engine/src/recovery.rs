@@ -155,6 +155,8 @@ pub(crate) fn open(
         filter: crate::relocation::FilterSlot::new(),
         retention: std::sync::atomic::AtomicU64::new(u64::MAX),
         last_census: Mutex::new(Vec::new()),
+        census_at: std::sync::atomic::AtomicU64::new(0),
+        census_relocated: std::sync::atomic::AtomicU64::new(0),
         census_processed: std::sync::atomic::AtomicU64::new(0),
         dir_lock: Mutex::new(Some(dir_lock)),
         config,

@@ -263,6 +263,12 @@ fn a_filter_set_later_is_shed_in_the_background_without_new_writes() {
     // A census sees the writes; nothing is garbage, nothing moves.
     std::thread::sleep(std::time::Duration::from_millis(300));
     let before = wal_bytes(&engine);
+    let all = KEYS * VALUE_BYTES as u64;
+    let size = engine.data_bytes().expect("a census ran");
+    assert!(
+        (all..all + all / 10).contains(&size),
+        "{size} B of values counted, {all} B written"
+    );
     // A quarter to shed: below the garbage threshold (a half), so only the
     // filter's own rule makes relocation pass over those segments.
     engine.set_relocation_filter(std::sync::Arc::new(TopQuarter));
@@ -286,6 +292,14 @@ fn a_filter_set_later_is_shed_in_the_background_without_new_writes() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let kept = |k: u64| u64::from_be_bytes(key(k)[..8].try_into().unwrap()) < u64::MAX / 4 * 3;
+    // The size counts what the filter keeps; relocation's copies are not
+    // new data.
+    let kept_bytes = (0..KEYS).filter(|k| kept(*k)).count() as u64 * VALUE_BYTES as u64;
+    let size = engine.data_bytes().expect("a census ran since the filter");
+    assert!(
+        (kept_bytes..kept_bytes + kept_bytes / 10).contains(&size),
+        "{size} B of values counted, {kept_bytes} B kept"
+    );
     let mut unshed = 0;
     for k in 0..KEYS {
         let got = engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec());

@@ -203,6 +203,8 @@ pub struct ShardState {
     pub epoch: u32,
     /// Disk bytes of its engine.
     pub disk_bytes: u64,
+    /// Bytes of the values its engine holds (`Engine::data_bytes`).
+    pub data_bytes: Option<u64>,
     /// Whether a snapshot is being received.
     pub receiving_snapshot: bool,
 }
@@ -791,6 +793,7 @@ impl Owner {
                 }
                 state.epoch = engine.epoch().0;
                 state.disk_bytes = engine.disk_bytes();
+                state.data_bytes = engine.data_bytes();
                 if !Arc::ptr_eq(engine, &self.handle.engine.load()) {
                     self.handle.engine.store(engine.clone());
                 }

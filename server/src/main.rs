@@ -392,6 +392,10 @@ struct CoordinatorArgs {
     /// Advance the epoch this often, seconds (0: only on request).
     #[arg(long)]
     epoch_interval_s: Option<u64>,
+    /// Split a shard whose values pass this many MiB (0: never
+    /// automatically; default 4096).
+    #[arg(long)]
+    split_mib: Option<u64>,
     #[command(flatten)]
     tls: TlsArgs,
     /// Client certificate for etcd (with --etcd-key and --etcd-ca).
@@ -450,6 +454,7 @@ impl CoordinatorArgs {
         set!(max_concurrent_moves = self.max_concurrent_moves);
         set!(reconcile_interval_ms = self.reconcile_interval_ms);
         set!(epoch_interval_s = self.epoch_interval_s);
+        set!(split_mib = self.split_mib);
         c.tls = self.tls.require(c.tls.take(), c.insecure)?;
         if let (Some(cert), Some(key), Some(ca)) = (self.etcd_cert, self.etcd_key, self.etcd_ca) {
             c.etcd_tls = Some(tidepool_security::TlsFiles { cert, key, ca });

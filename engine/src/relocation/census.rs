@@ -40,6 +40,8 @@ impl SegmentUsage {
 /// Live bytes of every segment, oldest first; remembered for the metrics.
 pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
     let size = inner.config.wal_segment_bytes;
+    let began_at = inner.values.processed().0;
+    let relocated = relocated_bytes(inner);
     let filter = inner.filter.get();
     let mut live: BTreeMap<SegmentId, u64> = BTreeMap::new();
     let mut shed: BTreeMap<SegmentId, u64> = BTreeMap::new();
@@ -72,5 +74,24 @@ pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
         })
         .collect();
     *inner.last_census.lock() = usage.clone();
+    // A census taken under a filter replaced meanwhile counts what the new
+    // one may drop: it does not tell the engine's size.
+    if std::sync::Arc::ptr_eq(&filter, &inner.filter.get()) {
+        inner
+            .census_relocated
+            .store(relocated, std::sync::atomic::Ordering::Release);
+        inner
+            .census_at
+            .store(began_at, std::sync::atomic::Ordering::Release);
+    }
     Ok(usage)
+}
+
+/// Bytes of records relocation has written since the engine opened.
+pub(crate) fn relocated_bytes(inner: &Inner) -> u64 {
+    inner
+        .metrics
+        .counters()
+        .bytes_relocated
+        .load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -394,6 +394,7 @@ impl Engine {
     pub fn set_relocation_filter(&self, filter: Arc<dyn RelocationFilter>) {
         self.inner.filter.set(filter);
         self.inner.census_processed.store(0, Ordering::Release);
+        self.inner.census_at.store(0, Ordering::Release);
     }
 
     /// Runs one relocation pass now, with the configured filter and no rate
@@ -419,6 +420,24 @@ impl Engine {
     pub fn segment_usage(&self) -> Result<Vec<SegmentUsage>> {
         self.inner.health.check()?;
         census(&self.inner)
+    }
+
+    /// Bytes of the values the index holds: the live bytes of the last
+    /// census plus every byte the application wrote since (not
+    /// relocation's copies; an upper bound: newer writes may replace older
+    /// ones). `None` until a census ran since the engine opened or its
+    /// relocation filter changed (values the filter drops are not counted).
+    pub fn data_bytes(&self) -> Option<u64> {
+        let inner = &*self.inner;
+        let at = inner.census_at.load(Ordering::Acquire);
+        if at == 0 {
+            return None;
+        }
+        let relocated = census::relocated_bytes(inner)
+            .saturating_sub(inner.census_relocated.load(Ordering::Acquire));
+        let written = inner.values.processed().0.saturating_sub(at);
+        let live: u64 = inner.last_census.lock().iter().map(|u| u.live_bytes).sum();
+        Some(live + written.saturating_sub(relocated))
     }
 
     /// Keeps every WAL segment holding a position at or after `from` (a

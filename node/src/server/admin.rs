@@ -408,6 +408,7 @@ impl Node {
                     last_index: status.last_index,
                     epoch: u64::from(state.epoch),
                     disk_used_bytes: state.disk_bytes,
+                    data_bytes: state.data_bytes,
                     receiving_snapshot: state.receiving_snapshot,
                     drops: status
                         .drops
