@@ -271,3 +271,93 @@ async fn a_growing_cluster_splits_its_shards_by_size() {
         .collect();
     finish_checks(&cluster, &report, &new).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_of_a_shard_being_moved_while_epochs_drop() {
+    use tidepool_client::{ErrorCode, RetentionPolicy};
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        nodes: 4,
+        ..Options::default()
+    })
+    .await;
+    let client = cluster.client().await;
+    // A namespace whose blobs go one epoch after their last write.
+    client
+        .create_namespace("scratch", false, RetentionPolicy::Epochs(1))
+        .await
+        .expect("namespace");
+    let scratch: Vec<Vec<u8>> = (0..60)
+        .map(|i| format!("scratch-{i}").into_bytes())
+        .collect();
+    for key in &scratch {
+        client
+            .put("scratch", key, b"expires")
+            .await
+            .expect("scratch put");
+    }
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    run.fault_begins();
+    // Node 4 drains: its replicas move, one shard at a time.
+    client.drain_node(4).await.expect("drain");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let moving = loop {
+        if let Some(status) = cluster.status().await
+            && let Some(first) = status.moves.first()
+        {
+            break first.shard_id;
+        }
+        assert!(Instant::now() < deadline, "no move started");
+        run.run_for(Duration::from_millis(100)).await;
+    };
+    // Split the shard being moved, and drop an epoch meanwhile.
+    let (child, at) = client.split_shard(moving, 0).await.expect("split");
+    client.advance_epoch(None).await.expect("advance");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = cluster.status().await
+            && let Some(map) = &status.map
+        {
+            let published = map
+                .shards
+                .iter()
+                .any(|s| s.shard_id == child && s.hash_start == at);
+            let drained = map
+                .shards
+                .iter()
+                .all(|s| s.replicas.iter().all(|r| r.node_id != 4));
+            let dropped = status.epochs.as_ref().is_some_and(|e| {
+                e.namespaces
+                    .iter()
+                    .filter(|n| n.namespace == "scratch")
+                    .all(|n| n.drop_below >= 2 && n.shards_done == n.shards_total)
+            });
+            if published && drained && dropped && tidepool_e2e::cluster::settled(&status) {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "split {moving} -> {child}, drain and drop not all done: {:?}\n{}",
+            cluster.status().await.map(|s| (s.map, s.moves, s.epochs)),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+    run.fault_ends();
+    // The expired blobs are gone on both sides of the cut.
+    for key in &scratch {
+        let got = client.get("scratch", key).await;
+        assert!(
+            matches!(&got, Err(e) if e.code() == ErrorCode::NotFound),
+            "{}: {got:?}",
+            String::from_utf8_lossy(key)
+        );
+    }
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run
+        .finish("split of a shard being moved, epochs dropping")
+        .await;
+    finish_checks(&cluster, &report, &[child]).await;
+}
