@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node bench-scale e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node bench-scale bench-split e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -104,6 +104,14 @@ bench-scale: ## Idle replicas: tidepool dev at SCALE_SHARDS shards (3 replicas e
 	$(CARGO) build --release -p tidepool --bin tidepool
 	$(CARGO) build --release -p tidepool-benchmarks --bin scale-bench
 	./target/release/scale-bench --shards $(SCALE_SHARDS) $(if $(SCALE_BASELINE),--baseline $(SCALE_BASELINE))
+
+SPLIT_TOTAL_MIB ?= 4096
+SPLIT_LIMIT_MIB ?= 256
+
+bench-split: ## A growing cluster: tidepool dev with 4 shards receives SPLIT_TOTAL_MIB and splits at SPLIT_LIMIT_MIB; write throughput before and during splits, shards and sizes at the end.
+	$(CARGO) build --release -p tidepool --bin tidepool
+	$(CARGO) build --release -p tidepool-benchmarks --bin split-bench
+	./target/release/split-bench --total-mib $(SPLIT_TOTAL_MIB) --limit-mib $(SPLIT_LIMIT_MIB)
 
 bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks

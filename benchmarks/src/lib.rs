@@ -11,6 +11,8 @@
 //! - `engine-reclaim`: a delete-heavy workload with relocation off and on.
 //! - `node-shard`: a 3-replica shard of real nodes over loopback gRPC with
 //!   concurrent clients, next to a single engine driven the same way.
+//! - `split-bench`: a growing dev cluster splitting its shards, next to the
+//!   same load with splits off (`make bench-split`).
 //! - `engine-compare` (feature `peers`): the engine next to RocksDB and
 //!   BlobDB in one process, every workload of issue 5, with the
 //!   `memcpy`-into-mmap limit; `benchmarks/plot.py` draws its tables and
@@ -188,6 +190,69 @@ pub fn memcpy_limit(
     let elapsed = start.elapsed();
     let _ = std::fs::remove_dir_all(dir);
     Ok((copies.into_inner(), elapsed))
+}
+
+/// A `tidepool dev --insecure` process on free ports, killed when dropped.
+pub struct DevProcess {
+    /// The process.
+    pub child: std::process::Child,
+    /// Its ready banner, line by line.
+    pub banner: Vec<String>,
+}
+
+impl DevProcess {
+    /// Starts `tidepool dev --insecure --port 0` with its data in
+    /// `dir/data` (emptied first), its log in `dir/dev.log`, and `extra`
+    /// arguments; returns once it printed its ready banner.
+    pub fn start(tidepool: &Path, dir: &Path, extra: &[&str]) -> anyhow::Result<DevProcess> {
+        use anyhow::Context;
+        use std::io::BufRead;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir)?;
+        let mut child = std::process::Command::new(tidepool)
+            .args(["dev", "--insecure", "--port", "0", "--data-dir"])
+            .arg(dir.join("data"))
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(dir.join("dev.log"))?)
+            .spawn()
+            .with_context(|| format!("cannot run {}", tidepool.display()))?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut banner = Vec::new();
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line?;
+            let last = line.starts_with("Ctrl-C");
+            banner.push(line);
+            if last {
+                break;
+            }
+        }
+        Ok(DevProcess { child, banner })
+    }
+
+    /// The first banner word that `pick` maps to something.
+    pub fn find<T>(&self, pick: impl Fn(&str) -> Option<T>) -> anyhow::Result<T> {
+        self.banner
+            .iter()
+            .flat_map(|l| l.split_whitespace())
+            .find_map(pick)
+            .ok_or_else(|| anyhow::anyhow!("unexpected banner:\n{}", self.banner.join("\n")))
+    }
+
+    /// The coordinator's URL from the banner.
+    pub fn coordinator(&self) -> anyhow::Result<String> {
+        self.find(|w| {
+            w.starts_with("http://")
+                .then(|| w.trim_end_matches(',').to_string())
+        })
+    }
+}
+
+impl Drop for DevProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[cfg(test)]

@@ -274,6 +274,9 @@ struct DevArgs {
     /// Shards of the cluster (when it is created).
     #[arg(long, default_value_t = 4)]
     shards: u32,
+    /// Split a shard whose values pass this many MiB (0: never).
+    #[arg(long, default_value_t = tidepool_coordinator::config::DEFAULT_SPLIT_MIB)]
+    split_mib: u64,
     /// Without TLS and tokens (plaintext; every caller may do anything).
     #[arg(long)]
     insecure: bool,
@@ -691,6 +694,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], port(DEV_METRICS_OFFSET)))),
             node_lease_ms: 3_000,
+            split_mib: args.split_mib,
             ..CoordinatorConfig::default()
         };
         config.cluster.shards = args.shards;

@@ -10,9 +10,10 @@
 //! written before; both groups take writes and keep them through another
 //! restart. The same run without a crash is the control.
 //!
-//! Shedding (step 7): after a split, each group's engine drops the other
-//! half's values as background relocation passes over them, so each holds
-//! about half of what the parent held, and the volume holds one copy.
+//! Shedding (step 7): after a split both groups' engines name the old
+//! values (hard links: one copy on the volume), and relocation leaves the
+//! shared files alone; once one side goes (its replica moved away), the
+//! other sheds the values outside its range.
 
 mod support;
 
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tidepool_proto::v1::node_admin_client::NodeAdminClient;
 use tidepool_proto::v1::propose_admin_request::Op;
-use tidepool_proto::v1::{NodeStatusRequest, ProposeAdminRequest, SplitOp};
+use tidepool_proto::v1::{CloseReplicaRequest, NodeStatusRequest, ProposeAdminRequest, SplitOp};
 use tidepool_testkit::grpc::{get, put};
 use tidepool_testkit::{TestProcess, free_port};
 
@@ -269,8 +270,13 @@ fn allocated_once(dir: &Path) -> u64 {
     total
 }
 
+/// The hash position of `key` in the static cluster's namespace `default`.
+fn position(key: &str) -> u64 {
+    tidepool_proto::hash_position(&tidepool_proto::storage_key(1, key.as_bytes()))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_side_of_a_split_sheds_the_other_half() {
+async fn the_sides_of_a_split_share_their_files_and_shed_once_apart() {
     const BIG: usize = 320;
     let big = |i: usize| {
         format!("big value {i} ")
@@ -306,40 +312,61 @@ async fn each_side_of_a_split_sheds_the_other_half() {
         .await
         .unwrap();
     node.wait_ranges(2).await;
-    // Right after the split, both engines name every value (the child's
-    // sealed segments are hard links): the volume holds one copy.
+    // Both engines name every old value (the child's sealed segments are
+    // hard links): the volume holds one copy, and relocation leaves the
+    // shared files alone (copying a half out of one frees nothing while
+    // the other side holds it), writes and log compactions going on.
+    for round in 0..8 {
+        node.write(round * 20..round * 20 + 20, 3).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let written = 160 * value(0, 3).len() as u64;
     let volume_split = allocated_once(&shards);
-    // Writes keep coming, so the parent's log compacts past its old
-    // segments (they hold its log records until then).
+    assert!(
+        volume_split < volume_before + volume_before / 4 + 3 * written,
+        "the split copied no more than the tail, and nothing was shed while shared: {volume_split} B of {volume_before} B"
+    );
+    // The child goes away (as when its replica moves to another node):
+    // the parent's old segments are its own again, and it sheds.
+    admin
+        .close_replica(CloseReplicaRequest { shard_id: CHILD })
+        .await
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(90);
-    let mut round = 0;
-    let sides = loop {
-        let sides = node.disk_bytes().await;
-        if sides.values().all(|b| *b < before * 3 / 4) {
-            break sides;
+    let mut round = 8;
+    let parent = loop {
+        let parent = node.disk_bytes().await[&1];
+        if parent < before * 3 / 4 {
+            break parent;
         }
         assert!(
             Instant::now() < deadline,
-            "not shed within 90 s: {sides:?} of {before} B before the split:\n{}",
+            "not shed within 90 s: {parent} B of {before} B before the split:\n{}",
             node.process.log()
         );
-        node.write(round * 20..round * 20 + 20, 3).await;
+        // Writes to the parent's half (the child's has no host now) keep
+        // its log compacting past the old segments.
+        for i in round * 20..round * 20 + 20 {
+            let key = format!("p{i}");
+            if position(&key) < AT {
+                put(&node.nodes(), "default", key.as_bytes(), &value(i, 4))
+                    .await
+                    .unwrap_or_else(|e| panic!("put {key}: {e}"));
+            }
+        }
         round += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
-    let volume_after = allocated_once(&shards);
     eprintln!(
-        "engine bytes: {before} before the split, {sides:?} after shedding; volume {volume_before} B before, {volume_split} B right after the split, {volume_after} B after shedding"
-    );
-    assert!(
-        volume_split < volume_before + (volume_before / 4),
-        "the split copied no more than the tail: {volume_split} B of {volume_before} B"
+        "parent engine: {before} B before the split, {parent} B once alone; volume {volume_before} B before, {volume_split} B with both sides"
     );
     for i in 0..BIG {
+        if position(&format!("b{i}")) >= AT {
+            continue; // the child's, gone with it
+        }
         let got = get(&node.nodes(), "default", format!("b{i}").as_bytes())
             .await
             .unwrap_or_else(|e| panic!("get b{i}: {e}"));
         assert!(got == big(i), "b{i} read back wrong after shedding");
     }
-    node.check(0..round * 20, 3, "written while shedding").await;
 }

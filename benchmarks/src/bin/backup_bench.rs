@@ -25,9 +25,9 @@
 //! [--chunks 2000000] [--min-bytes 4096] [--max-bytes 65536] [--tree-mib
 //! 1024] [--tidepool target/release/tidepool] [--dir target/bench-backup]`
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -68,53 +68,21 @@ struct Args {
 }
 
 struct Dev {
-    child: Child,
+    process: tidepool_benchmarks::DevProcess,
     coordinator: String,
     restic: String,
 }
 
-impl Drop for Dev {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_dev(args: &Args) -> anyhow::Result<Dev> {
-    let _ = std::fs::remove_dir_all(&args.dir);
-    std::fs::create_dir_all(&args.dir)?;
-    let mut child = Command::new(&args.tidepool)
-        .args(["dev", "--insecure", "--port", "0", "--data-dir"])
-        .arg(args.dir.join("data"))
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(args.dir.join("dev.log"))?)
-        .spawn()
-        .with_context(|| format!("cannot run {}", args.tidepool.display()))?;
-    let stdout = child.stdout.take().context("no stdout")?;
-    let mut banner = Vec::new();
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
-        let last = line.starts_with("Ctrl-C");
-        banner.push(line);
-        if last {
-            break;
-        }
-    }
-    let words: Vec<&str> = banner.iter().flat_map(|l| l.split_whitespace()).collect();
-    let coordinator = words
-        .iter()
-        .find(|w| w.starts_with("http://"))
-        .map(|w| w.trim_end_matches(',').to_string());
-    let restic = words
-        .iter()
-        .find_map(|w| w.strip_prefix("rest:http://"))
-        .and_then(|w| w.strip_suffix("/REPO/"))
-        .map(str::to_string);
-    let (Some(coordinator), Some(restic)) = (coordinator, restic) else {
-        bail!("unexpected banner:\n{}", banner.join("\n"));
-    };
+    let process = tidepool_benchmarks::DevProcess::start(&args.tidepool, &args.dir, &[])?;
+    let coordinator = process.coordinator()?;
+    let restic = process.find(|w| {
+        w.strip_prefix("rest:http://")
+            .and_then(|w| w.strip_suffix("/REPO/"))
+            .map(str::to_string)
+    })?;
     Ok(Dev {
-        child,
+        process,
         coordinator,
         restic,
     })
@@ -208,7 +176,7 @@ async fn find_missing(client: &Client, keys: &[[u8; 32]], args: &Args) -> anyhow
 }
 
 async fn list(client: &Client, dev: &Dev, expected: u64) -> anyhow::Result<()> {
-    let (own, cluster) = (rss(std::process::id()), rss(dev.child.id()));
+    let (own, cluster) = (rss(std::process::id()), rss(dev.process.child.id()));
     let started = Instant::now();
     let mut lister = client.list("chunks", ListOptions::default());
     let (mut count, mut last): (u64, Option<Vec<u8>>) = (0, None);
@@ -221,7 +189,7 @@ async fn list(client: &Client, dev: &Dev, expected: u64) -> anyhow::Result<()> {
         count += 1;
         if count % 100_000 == 0 {
             own_peak = own_peak.max(rss(std::process::id()));
-            cluster_peak = cluster_peak.max(rss(dev.child.id()));
+            cluster_peak = cluster_peak.max(rss(dev.process.child.id()));
         }
     }
     let secs = started.elapsed().as_secs_f64();

@@ -1,7 +1,8 @@
 //! The census: live bytes per WAL segment, from a walk of the whole index.
 //! No value is read; unloaded cells' index blobs are. Entries the
-//! relocation filter drops (a split group's keys of the other half) count
-//! as garbage, and as bytes to shed.
+//! relocation filter drops (a split group's keys of the other half) are
+//! not live: bytes to shed, and garbage once the segment is no longer
+//! shared with the other side of the split.
 
 use std::collections::BTreeMap;
 
@@ -26,14 +27,27 @@ pub struct SegmentUsage {
     pub sealed: bool,
     /// Bytes of items the index points into it that the relocation filter
     /// drops (not counted live): a segment holding any is relocated
-    /// whatever its garbage ratio, so they go eventually.
+    /// whatever its garbage ratio, so they go eventually — unless shared.
     pub shed_bytes: u64,
+    /// Whether another engine holds a hard link to the file (a split's
+    /// other side): deleting it here frees no space, so what the filter
+    /// drops in it counts as neither garbage nor a reason to relocate it,
+    /// until the other engine lets it go.
+    pub shared: bool,
 }
 
 impl SegmentUsage {
-    /// Fraction of the segment that is garbage, 0 to 1.
+    /// Fraction of the segment that relocating it would give back, 0 to 1
+    /// (none of what the filter drops while the file is shared).
     pub fn garbage_ratio(&self) -> f64 {
-        1.0 - (self.live_bytes.min(self.size_bytes) as f64 / self.size_bytes.max(1) as f64)
+        let kept = self.live_bytes + if self.shared { self.shed_bytes } else { 0 };
+        1.0 - (kept.min(self.size_bytes) as f64 / self.size_bytes.max(1) as f64)
+    }
+
+    /// Whether the relocation filter drops entries of it that relocating
+    /// it would free (it is not shared).
+    pub fn to_shed(&self) -> bool {
+        self.shed_bytes > 0 && !self.shared
     }
 }
 
@@ -71,6 +85,10 @@ pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
             live_bytes: live.get(&s.id).copied().unwrap_or(0),
             sealed: s.id < active,
             shed_bytes: shed.get(&s.id).copied().unwrap_or(0),
+            shared: inner
+                .storage
+                .link_count(&s.path)
+                .is_ok_and(|links| links > 1),
         })
         .collect();
     *inner.last_census.lock() = usage.clone();

@@ -5,7 +5,8 @@
 //! only live values are read) the oldest sealed segments whose garbage
 //! ratio reaches the threshold — a lower threshold when the disk is
 //! filling; any ratio when the relocation filter drops some of their
-//! entries (a split group shedding the other half's keys) — at a limited
+//! entries (a split group shedding the other half's keys) and no other
+//! engine shares the file (while one does, relocating frees nothing) — at a limited
 //! rate so foreground writes keep their throughput. Setting a filter asks
 //! for a census at the next pass.
 
@@ -96,7 +97,7 @@ fn pass(
     };
     let wanted: Vec<_> = usage
         .iter()
-        .filter(|u| u.sealed && (u.garbage_ratio() >= threshold || u.shed_bytes > 0))
+        .filter(|u| u.sealed && (u.garbage_ratio() >= threshold || u.to_shed()))
         .map(|u| u.segment)
         .collect();
     let candidates: Vec<_> = inner

@@ -108,6 +108,12 @@ impl Storage for FileStorage {
         std::fs::hard_link(from, to)
     }
 
+    fn link_count(&self, path: &Path) -> io::Result<u64> {
+        Ok(std::os::unix::fs::MetadataExt::nlink(&std::fs::metadata(
+            path,
+        )?))
+    }
+
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         std::fs::rename(from, to)
     }

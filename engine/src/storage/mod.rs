@@ -65,6 +65,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
         let _ = (from, to);
         Err(io::Error::from(io::ErrorKind::Unsupported))
     }
+    /// How many names the file has (more than one: another engine holds a
+    /// hard link to it, and deleting this name frees no space). Storages
+    /// without hard links answer 1.
+    fn link_count(&self, path: &Path) -> io::Result<u64> {
+        let _ = path;
+        Ok(1)
+    }
     /// Renames a file, replacing `to` if it exists.
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Names of the files in a directory (not recursive), sorted.
