@@ -165,6 +165,8 @@ pub struct Options {
     pub split_mib: u64,
     /// The nodes' `engine.relocation_interval_ms` (`None`: their default).
     pub relocation_interval_ms: Option<u64>,
+    /// The nodes' `raft.compact_log_entries` (`None`: their default).
+    pub compact_log_entries: Option<u64>,
 }
 
 impl Default for Options {
@@ -177,6 +179,7 @@ impl Default for Options {
             down_grace_ms: 60_000,
             split_mib: 0,
             relocation_interval_ms: None,
+            compact_log_entries: None,
         }
     }
 }
@@ -224,6 +227,9 @@ impl Cluster {
                 "[engine]\n",
                 &format!("[engine]\nrelocation_interval_ms = {ms}\n"),
             );
+        }
+        if let Some(entries) = options.compact_log_entries {
+            node_config.push_str(&format!("[raft]\ncompact_log_entries = {entries}\n"));
         }
         std::fs::write(&config, node_config).expect("node config");
         let mut cluster = Cluster {

@@ -361,3 +361,90 @@ async fn split_of_a_shard_being_moved_while_epochs_drop() {
         .await;
     finish_checks(&cluster, &report, &[child]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_behind_the_split_gets_the_new_shard_by_snapshot() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options {
+        compact_log_entries: Some(64),
+        ..Options::default()
+    })
+    .await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let parent = busiest_shard(&cluster).await;
+    let leader = cluster
+        .status()
+        .await
+        .and_then(|s| s.map)
+        .and_then(|m| m.shards.into_iter().find(|s| s.shard_id == parent))
+        .map(|s| s.leader_hint)
+        .expect("the parent has a leader");
+    // A follower of the parent is down through the split, and the parent's
+    // log compacts past the split entry while it is: it comes back to a
+    // snapshot of the parent taken after the split, so it never applies the
+    // split itself.
+    let victim = (leader as usize) % 3;
+    run.fault_begins();
+    cluster.kill_node(victim);
+    let client = cluster.client().await;
+    let (child, at) = client.split_shard(parent, 0).await.expect("split");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cluster.status().await.and_then(|s| s.map).is_some_and(|m| {
+        m.shards
+            .iter()
+            .any(|s| s.shard_id == child && s.hash_start == at)
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "the split was not published with a node down"
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+    run.run_for(Duration::from_secs(6)).await;
+    cluster.start_node(victim);
+    // The node opens the new shard empty and gets it from its leader.
+    let victim_id = victim as u64 + 1;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let caught_up = cluster.status().await.is_some_and(|status| {
+            let leader_commit = status
+                .nodes
+                .iter()
+                .flat_map(|n| &n.replicas)
+                .find(|r| r.shard_id == child && r.is_leader)
+                .map(|r| r.commit_index);
+            let mine = status
+                .nodes
+                .iter()
+                .filter(|n| n.node_id == victim_id)
+                .flat_map(|n| &n.replicas)
+                .find(|r| r.shard_id == child)
+                .map(|r| r.applied_index);
+            matches!((leader_commit, mine), (Some(c), Some(a)) if a > 1 && a + 64 >= c)
+                && tidepool_e2e::cluster::settled(&status)
+        });
+        if caught_up {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {victim_id} did not catch up with shard {child}:\n{}",
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+    run.fault_ends();
+    let log = cluster.nodes[victim]
+        .process
+        .as_ref()
+        .map(|p| p.log())
+        .unwrap_or_default();
+    assert!(
+        log.contains("opened a split-off group's replica") && !log.contains("split applied"),
+        "node {victim_id} opened the new shard without applying the split:\n{log}"
+    );
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("a node behind the split").await;
+    finish_checks(&cluster, &report, &[child]).await;
+}

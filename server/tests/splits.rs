@@ -320,10 +320,13 @@ async fn the_sides_of_a_split_share_their_files_and_shed_once_apart() {
         node.write(round * 20..round * 20 + 20, 3).await;
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    // Allowed: the copied tail segment, the child's own active segment
+    // (16 MiB each, allocated as written) and the writes; shedding both
+    // halves would add the whole 80 MB again.
     let written = 160 * value(0, 3).len() as u64;
     let volume_split = allocated_once(&shards);
     assert!(
-        volume_split < volume_before + volume_before / 4 + 3 * written,
+        volume_split < volume_before + (48 << 20) + 3 * written,
         "the split copied no more than the tail, and nothing was shed while shared: {volume_split} B of {volume_before} B"
     );
     // The child goes away (as when its replica moves to another node):
