@@ -57,6 +57,8 @@ pub struct ListPage {
 /// One shard's side of a listing.
 struct ShardCursor {
     shard_id: u32,
+    /// Its range in the map the listing was planned from.
+    range: (u64, u64),
     buffer: VecDeque<ListEntry>,
     /// The shard has nothing after `buffer`.
     done: bool,
@@ -106,6 +108,23 @@ impl Lister {
                 let (shard_id, page) = joined
                     .map_err(|e| Error::new(ErrorCode::Internal, format!("list task: {e}")))?;
                 let page = page?;
+                let planned = self
+                    .shards
+                    .iter()
+                    .find(|c| c.shard_id == shard_id)
+                    .map(|c| c.range);
+                if let (Some(now), Some(planned)) = (page.range, planned)
+                    && (now.start > planned.0 || now.end < planned.1)
+                {
+                    // The shard split since the listing read the map: its
+                    // pages no longer cover the rest. List again from the
+                    // last key returned, over a map that shows the new
+                    // shard (nothing is lost or repeated: keys come out in
+                    // order, and every shard starts after that key).
+                    pending.abort_all();
+                    self.replan(shard_id, (now.start, now.end)).await?;
+                    return Box::pin(self.next()).await;
+                }
                 self.incomplete |= page.incomplete;
                 let cursor = self
                     .shards
@@ -194,6 +213,7 @@ impl Lister {
             .iter()
             .map(|shard| ShardCursor {
                 shard_id: shard.shard_id,
+                range: (shard.hash_start, shard.hash_end),
                 buffer: VecDeque::new(),
                 done: false,
                 resume_after: start_after.clone(),
@@ -201,6 +221,33 @@ impl Lister {
             .collect();
         self.started = true;
         Ok(())
+    }
+}
+
+impl Lister {
+    /// Plans the listing again once the map shows `shard_id` with the
+    /// narrower `range` it answered with (the coordinator publishes a split
+    /// once the new shard has a leader: a moment after the split applies).
+    async fn replan(&mut self, shard_id: u32, range: (u64, u64)) -> Result<()> {
+        const ATTEMPTS: u32 = 100;
+        for _ in 0..ATTEMPTS {
+            let map = self.client.refresh_map().await?;
+            let shown = map
+                .shards
+                .iter()
+                .find(|s| s.shard_id == shard_id)
+                .is_none_or(|s| s.hash_start >= range.0 && s.hash_end <= range.1);
+            if shown {
+                return self.start().await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Err(Error::new(
+            ErrorCode::StaleMap,
+            format!(
+                "shard {shard_id} split during the listing and the cluster map does not show it yet; list again after the last key returned"
+            ),
+        ))
     }
 }
 

@@ -590,3 +590,46 @@ async fn listing_merges_every_shard_in_key_order() {
     assert_eq!(error.code(), ErrorCode::NamespaceNotFound);
     cluster.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_continues_over_both_sides_of_a_split() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..200).map(|i| format!("k{i:04}").into_bytes()).collect();
+    for key in &keys {
+        client.put("default", key, b"x").await.unwrap();
+    }
+    let mut lister = client.list(
+        "default",
+        tidepool_client::ListOptions {
+            page_size: 5,
+            ..Default::default()
+        },
+    );
+    let mut listed = Vec::new();
+    for _ in 0..50 {
+        listed.push(lister.next().await.unwrap().expect("an entry").key);
+    }
+    // Shard 1 splits under the listing: its later pages cover only its
+    // lower half, the rest is the new shard's.
+    let (child, _) = client.split_shard(1, 0).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !client
+        .refresh_map()
+        .await
+        .unwrap()
+        .shards
+        .iter()
+        .any(|s| s.shard_id == child)
+    {
+        assert!(std::time::Instant::now() < deadline, "split not published");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while let Some(entry) = lister.next().await.unwrap() {
+        listed.push(entry.key);
+    }
+    let text = |keys: &[Vec<u8>]| -> Vec<String> {
+        keys.iter().map(|k| String::from_utf8_lossy(k).into_owned()).collect()
+    };
+    assert_eq!(text(&listed), text(&keys), "every key once, in order");
+}

@@ -824,6 +824,7 @@ impl BlobApi {
             examined: limit.saturating_mul(4) + 1024,
             owned: target.shard.range(),
         };
+        let owned = limits.owned;
         let (prefix, start_after) = (request.prefix, request.start_after);
         let (page, complete) = self
             .engine_read(&target, move |engine, blobs| {
@@ -856,6 +857,7 @@ impl BlobApi {
             done: page.done,
             resume_after: page.resume_after,
             incomplete: !complete,
+            range: owned.map(|(start, end)| tidepool_proto::v1::HashRange { start, end }),
             map_version: self.node.map().version,
         })
     }
