@@ -629,7 +629,9 @@ async fn a_listing_continues_over_both_sides_of_a_split() {
         listed.push(entry.key);
     }
     let text = |keys: &[Vec<u8>]| -> Vec<String> {
-        keys.iter().map(|k| String::from_utf8_lossy(k).into_owned()).collect()
+        keys.iter()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect()
     };
     assert_eq!(text(&listed), text(&keys), "every key once, in order");
 }
