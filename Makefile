@@ -25,7 +25,7 @@ DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
 HELM_DIR ?= /usr/local/bin
 HELM ?= $(shell command -v helm 2>/dev/null || echo $(HELM_DIR)/helm)
 
-.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-gateway bench-backup bench-node bench-scale bench-split e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
+.PHONY: observe help deps build run test ci fmt-check clippy doc depcheck bench bench-cluster bench-gateway bench-backup bench-node bench-scale bench-split e2e e2e-soak bench-engine image image-test fuzz chart-check k8s-manifests k8s-test k8s-smoke
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | column -t -s $$'\t'
@@ -112,6 +112,19 @@ bench-split: ## A growing cluster: tidepool dev with 4 shards receives SPLIT_TOT
 	$(CARGO) build --release -p tidepool --bin tidepool
 	$(CARGO) build --release -p tidepool-benchmarks --bin split-bench
 	./target/release/split-bench --total-mib $(SPLIT_TOTAL_MIB) --limit-mib $(SPLIT_LIMIT_MIB)
+
+CLUSTER_SIZES ?= 1024,65536,1048576
+CLUSTER_CLIENTS ?= 16,64
+CLUSTER_SCALE ?= 1
+WEED ?= $(CURDIR)/target/seaweedfs/weed
+
+bench-cluster: ## Tidepool (etcd, coordinator, 3 nodes as processes) next to SeaweedFS (master, 3 volume servers, replication 002; built from the Go module proxy) at CLUSTER_SIZES x CLUSTER_CLIENTS: puts synced/fsync and buffered, gets, the disk's limit; NO_PEER=1: Tidepool alone.
+	$(CARGO) build --release -p tidepool --bin tidepool -p tidectl --bin tidectl
+	$(CARGO) build --release -p tidepool-benchmarks --bin cluster-bench
+ifndef NO_PEER
+	@test -x $(WEED) || (echo "building SeaweedFS's weed (benchmarks/peers/seaweedfs) into $(WEED)" && cd benchmarks/peers/seaweedfs && go build -o $(WEED) github.com/seaweedfs/seaweedfs/weed)
+endif
+	./target/release/cluster-bench --sizes $(CLUSTER_SIZES) --clients $(CLUSTER_CLIENTS) --scale $(CLUSTER_SCALE) $(if $(NO_PEER),,--weed $(WEED))
 
 bench: ## Benchmarks: engine puts vs the memcpy limit; delete-heavy reclaim on/off; a 3-replica shard vs one engine.
 	$(CARGO) build --release -p tidepool-benchmarks

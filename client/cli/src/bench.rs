@@ -80,22 +80,27 @@ pub enum Distribution {
     Uniform,
     /// Key `i` (from 1) with probability proportional to `1 / i^s`.
     Zipf(f64),
+    /// Every operation takes the next key, from the first, wrapping after
+    /// the last: `--count N --keys N` writes (or reads) each key once, as
+    /// `weed benchmark` does.
+    Sequential,
 }
 
 impl std::str::FromStr for Distribution {
     type Err = String;
 
-    /// `uniform`, `zipf` (s = 1.0) or `zipf:S`.
+    /// `uniform`, `sequential`, `zipf` (s = 1.0) or `zipf:S`.
     fn from_str(text: &str) -> Result<Distribution, String> {
         match text.split_once(':') {
             None if text == "uniform" => Ok(Distribution::Uniform),
+            None if text == "sequential" => Ok(Distribution::Sequential),
             None if text == "zipf" => Ok(Distribution::Zipf(1.0)),
             Some(("zipf", s)) => match s.parse::<f64>() {
                 Ok(s) if s > 0.0 && s.is_finite() => Ok(Distribution::Zipf(s)),
                 _ => Err(format!("bad Zipf exponent {s:?}")),
             },
             _ => Err(format!(
-                "unknown distribution {text:?} (uniform, zipf, zipf:S)"
+                "unknown distribution {text:?} (uniform, sequential, zipf, zipf:S)"
             )),
         }
     }
@@ -109,12 +114,15 @@ enum Keys {
     Uniform(u64),
     /// Cumulative probabilities.
     Zipf(Arc<[f64]>),
+    /// The next key to take, and how many there are.
+    Sequential(AtomicU64, u64),
 }
 
 impl Keys {
     fn new(keys: u64, distribution: Distribution) -> Keys {
         match distribution {
             Distribution::Uniform => Keys::Uniform(keys),
+            Distribution::Sequential => Keys::Sequential(AtomicU64::new(0), keys),
             Distribution::Zipf(s) => {
                 let mut cdf = Vec::with_capacity(keys as usize);
                 let mut sum = 0.0;
@@ -135,6 +143,7 @@ impl Keys {
                 let u: f64 = rng.random();
                 cdf.partition_point(|c| *c < u).min(cdf.len() - 1) as u64
             }
+            Keys::Sequential(next, n) => next.fetch_add(1, Ordering::Relaxed) % n,
         }
     }
 }
@@ -480,6 +489,14 @@ mod tests {
         );
         assert!("zipf:-1".parse::<Distribution>().is_err());
         assert!("pareto".parse::<Distribution>().is_err());
+        assert_eq!(
+            "sequential".parse::<Distribution>().unwrap(),
+            Distribution::Sequential
+        );
+        let keys = Keys::new(3, Distribution::Sequential);
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        let taken: Vec<u64> = (0..7).map(|_| keys.pick(&mut rng)).collect();
+        assert_eq!(taken, [0, 1, 2, 0, 1, 2, 0]);
     }
 
     #[test]

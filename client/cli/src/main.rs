@@ -124,7 +124,8 @@ enum Command {
         /// Keys the operations pick from (`<prefix>-0` ...).
         #[arg(long, default_value_t = 10_000)]
         keys: u64,
-        /// Key distribution: `uniform`, `zipf` or `zipf:S`.
+        /// Key distribution: `uniform`, `sequential` (each key in turn) or
+        /// `zipf` / `zipf:S`.
         #[arg(long, default_value = "uniform")]
         distribution: bench::Distribution,
         /// Key prefix (default: `bench-<size>`).
