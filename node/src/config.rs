@@ -13,6 +13,7 @@
 //! tick_ms = 100
 //! durability = "synced"                # or "buffered"
 //! max_value_bytes = 4194304            # largest blob content per put
+//! lease_reads = true                   # linearizable reads on the leader's lease
 //!
 //! [engine]                             # per shard replica
 //! wal_segment_mib = 64
@@ -148,6 +149,10 @@ pub struct RaftSettings {
     pub max_batch_ops: usize,
     /// Most value bytes group-committed into one entry.
     pub max_batch_bytes: usize,
+    /// Serve linearizable reads on the leader's lease (no heartbeat round
+    /// per read batch) for `(election_ticks - 2) x tick_ms x 0.9` after a
+    /// majority confirmed the leadership; `false`: a round per batch.
+    pub lease_reads: bool,
 }
 
 impl Default for RaftSettings {
@@ -161,6 +166,7 @@ impl Default for RaftSettings {
             compact_log_entries: 10_000,
             max_batch_ops: 256,
             max_batch_bytes: 4 << 20,
+            lease_reads: true,
         }
     }
 }
@@ -668,6 +674,12 @@ impl NodeConfig {
         config.max_command_bytes = self.max_record_bytes() as usize;
         config.compact_log_entries = self.raft.compact_log_entries;
         config.early_campaign = true;
+        if self.raft.lease_reads {
+            config.lease = crate::replica::safe_lease(
+                Duration::from_millis(self.raft.tick_ms),
+                self.raft.election_ticks,
+            );
+        }
         Ok(config)
     }
 

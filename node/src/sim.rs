@@ -20,8 +20,12 @@ use tidepool_engine::{CellLayout, Config, Durability, KeySpaceConfig};
 
 use crate::command::{Command, WriteOp};
 use crate::replica::{
-    BLOB_KEY_SPACE, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig,
+    BLOB_KEY_SPACE, LeaseClock, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig,
 };
+
+/// The time one simulated tick stands for, on a replica's
+/// [`LeaseClock::Manual`] clock (the simulator advances it every tick).
+pub const SIM_TICK: std::time::Duration = std::time::Duration::from_millis(100);
 use crate::snapshot::{Outbox, Receiver, manifest_of};
 use crate::store::ReplicaStore;
 
@@ -399,6 +403,12 @@ impl SimCluster {
     /// network is quiet for this tick.
     pub fn tick(&mut self) -> crate::Result<()> {
         self.now += 1;
+        if let LeaseClock::Manual(nanos) = &self.template.lease_clock {
+            nanos.fetch_add(
+                SIM_TICK.as_nanos() as u64,
+                std::sync::atomic::Ordering::AcqRel,
+            );
+        }
         let mut failed = Vec::new();
         for (id, node) in &mut self.nodes {
             if let Some(replica) = node.replica.as_mut()

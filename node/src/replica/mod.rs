@@ -18,7 +18,7 @@ mod transfer;
 
 use std::sync::Arc;
 
-use raft::eraftpb::{ConfChangeV2, Message};
+use raft::eraftpb::{ConfChangeV2, Message, MessageType};
 use raft::{RawNode, StateRole};
 use tidepool_engine::{Durability, Engine, KeySpace};
 use tidepool_proto::v1::NodeAddress;
@@ -34,7 +34,7 @@ pub const BLOB_KEY_SPACE: &str = "blobs";
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 use read::Reads;
-pub use read::{ReadCompletion, ReadOutcome};
+pub use read::{LeaseClock, ReadCompletion, ReadOutcome, safe_lease};
 pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
 use transfer::TransferState;
 pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
@@ -85,6 +85,13 @@ pub struct ReplicaConfig {
     /// before any read completes after the change: a node routing and
     /// serving reads by it never reads a key the group gave away.
     pub range_cell: Option<RangeCell>,
+    /// Serve linearizable reads on the leader's lease for this long after
+    /// a majority confirmed its leadership (at most [`read::safe_lease`]
+    /// of the Raft timings: `read.rs` says why that is safe). `None`: every
+    /// read batch costs a heartbeat round.
+    pub lease: Option<std::time::Duration>,
+    /// The clock the lease runs on.
+    pub lease_clock: LeaseClock,
 }
 
 /// A replica's current range, shared with whoever routes to it.
@@ -109,6 +116,8 @@ impl ReplicaConfig {
             early_campaign: false,
             range: None,
             range_cell: None,
+            lease: None,
+            lease_clock: LeaseClock::Monotonic,
         }
     }
 }
@@ -243,9 +252,14 @@ impl Replica {
                 .contains(replica.config.node_id)
         {
             // Between 2 ticks and half an election timeout, spread so
-            // replicas of one shard rarely campaign together.
-            let latest = (replica.config.election_ticks as u64 / 2).max(3);
-            replica.transfer.campaign_at = Some(rand::random_range(2..latest));
+            // replicas of one shard rarely campaign together; with leases,
+            // after the quiet ticks that follow an opening (`read.rs`).
+            let ticks = replica.config.election_ticks as u64;
+            let (earliest, latest) = match replica.config.lease {
+                Some(_) => (ticks, ticks + (ticks / 2).max(2)),
+                None => (2, (ticks / 2).max(3)),
+            };
+            replica.transfer.campaign_at = Some(rand::random_range(earliest..latest));
         }
         Ok(replica)
     }
@@ -352,6 +366,14 @@ impl Replica {
     pub fn step(&mut self, message: Message) -> Result<()> {
         self.guarded(|r| {
             r.note_heard(&message);
+            let vote = matches!(
+                message.get_msg_type(),
+                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+            );
+            if vote && message.context != raft::CAMPAIGN_TRANSFER && r.quiet_after_open() {
+                // Not yet: a lease this voter helped confirm may still run.
+                return Ok(());
+            }
             match r.raw.step(message) {
                 // Messages from peers outside the configuration are dropped.
                 Err(raft::Error::StepPeerNotFound) => {}

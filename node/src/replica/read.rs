@@ -8,8 +8,34 @@
 //! yet committed an entry of its term; such requests, and those a leader
 //! loses with its leadership, expire after `election_ticks` and answer
 //! `NotLeader` (the caller retries).
+//!
+//! Leader lease (`ReplicaConfig::lease`). A confirmed ReadIndex request
+//! asked at time `t` proves that a majority heard from this leader after
+//! `t`. With check-quorum on, a voter that heard from a leader refuses
+//! every vote (and does not campaign) until `election_ticks` of its own
+//! ticks have passed, and ticks never come faster than one per tick plus
+//! one catch-up tick: no other leader can exist before
+//! `t + (election_ticks - 2) x tick`. The lease runs until `t + lease`, `lease` being that bound
+//! less a margin for clock-rate drift; while it runs, a read is served at
+//! the leader's commit index with no heartbeat round. The lease is given
+//! up when the term changes and when this replica stops leading; a leader
+//! that began a leadership transfer takes no lease for the rest of its term
+//! (the transferee campaigns ignoring the voters' promises, whenever the
+//! leader's `TimeoutNow` reaches it, even after the transfer was given up).
+//! It is renewed by a ReadIndex round (carrying no read) once half of it
+//! has run, and by every round the reads need anyway.
+//!
+//! A voter that restarts forgets whom it heard from; while leases are on,
+//! a replica of a group with other voters therefore neither grants votes
+//! nor campaigns during its first `election_ticks` ticks after opening
+//! (longer than any lease its previous life helped confirm), except in a
+//! leadership transfer.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use raft::ReadState;
 use raft::StateRole;
@@ -35,23 +61,62 @@ pub enum ReadOutcome {
 /// Called once with a read's outcome.
 pub type ReadCompletion = Box<dyn FnOnce(ReadOutcome) + Send>;
 
+/// Where a replica reads the time its leader lease runs on.
+#[derive(Clone, Debug, Default)]
+pub enum LeaseClock {
+    /// The monotonic clock.
+    #[default]
+    Monotonic,
+    /// Nanoseconds a test advances (the simulator: its ticks).
+    Manual(Arc<AtomicU64>),
+}
+
+impl LeaseClock {
+    /// Time since an arbitrary fixed origin.
+    pub fn now(&self) -> Duration {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        match self {
+            LeaseClock::Monotonic => ORIGIN.get_or_init(Instant::now).elapsed(),
+            LeaseClock::Manual(nanos) => Duration::from_nanos(nanos.load(Ordering::Acquire)),
+        }
+    }
+}
+
+/// The longest safe lease for these Raft timings (see the module docs),
+/// `None` when they leave none: `(election_ticks - 2) x tick`, less a
+/// tenth for clock-rate drift.
+pub fn safe_lease(tick: Duration, election_ticks: usize) -> Option<Duration> {
+    let ticks = u32::try_from(election_ticks.checked_sub(2)?).ok()?;
+    (ticks > 0).then(|| tick * ticks * 9 / 10)
+}
+
 /// Reads waiting for confirmation or for the apply index to catch up.
 #[derive(Default)]
 pub(crate) struct Reads {
     next_context: u64,
-    /// Asked, not yet confirmed: by context, with the tick they were asked.
-    asked: BTreeMap<u64, (u64, Vec<ReadCompletion>)>,
+    /// Asked, not yet confirmed: by context, with the tick and the lease
+    /// clock's time they were asked.
+    asked: BTreeMap<u64, (u64, Duration, Vec<ReadCompletion>)>,
     /// Confirmed at a read index, waiting for it to be applied.
     confirmed: Vec<(u64, Vec<ReadCompletion>)>,
     /// Ticks so far.
     now: u64,
+    /// The leader lease: the term it belongs to and when it ends.
+    lease: Option<(u64, Duration)>,
+    /// The context of a ReadIndex round asked only to renew the lease.
+    renewing: Option<u64>,
+    /// A term in which this replica, leading, began a leadership transfer:
+    /// no lease in it.
+    transferred_in: Option<u64>,
+    /// Reads served by the lease (no heartbeat round).
+    pub(crate) lease_reads: u64,
 }
 
 impl Reads {
     pub fn fail_all(&mut self, outcome: &ReadOutcome) {
         let asked = std::mem::take(&mut self.asked)
             .into_values()
-            .map(|(_, b)| b);
+            .map(|(_, _, b)| b);
         let confirmed = std::mem::take(&mut self.confirmed)
             .into_iter()
             .map(|(_, b)| b);
@@ -81,11 +146,58 @@ impl Replica {
             batch.into_iter().for_each(|done| done(outcome.clone()));
             return;
         }
+        if let Some(index) = self.lease_read_index() {
+            self.reads.lease_reads += batch.len() as u64;
+            self.reads.confirmed.push((index, batch));
+            self.serve_reads();
+            self.renew_lease_if_due();
+            return;
+        }
+        self.ask_read_index(batch);
+    }
+
+    /// Steps a ReadIndex request for `batch` (empty: a lease renewal).
+    fn ask_read_index(&mut self, batch: Vec<ReadCompletion>) -> u64 {
+        let at = self.config.lease_clock.now();
         let reads = &mut self.reads;
         reads.next_context += 1;
         let context = reads.next_context;
-        reads.asked.insert(context, (reads.now, batch));
+        reads.asked.insert(context, (reads.now, at, batch));
         self.raw.read_index(context.to_le_bytes().to_vec());
+        context
+    }
+
+    /// The index a read may be served at without a heartbeat round: the
+    /// commit index, while this leader's lease runs and it is not handing
+    /// its leadership over.
+    fn lease_read_index(&mut self) -> Option<u64> {
+        self.config.lease?;
+        self.note_transfer();
+        let raft = &self.raw.raft;
+        let (term, until) = self.reads.lease?;
+        let valid = raft.state == StateRole::Leader
+            && raft.term == term
+            && raft.commit_to_current_term()
+            && self.config.lease_clock.now() < until;
+        if !valid {
+            self.reads.lease = None;
+            return None;
+        }
+        Some(raft.raft_log.committed)
+    }
+
+    /// Asks for a renewal once half the lease has run (one at a time).
+    fn renew_lease_if_due(&mut self) {
+        let (Some(length), Some((_, until))) = (self.config.lease, self.reads.lease) else {
+            return;
+        };
+        let renewing = self
+            .reads
+            .renewing
+            .is_some_and(|context| self.reads.asked.contains_key(&context));
+        if !renewing && until.saturating_sub(self.config.lease_clock.now()) < length / 2 {
+            self.reads.renewing = Some(self.ask_read_index(Vec::new()));
+        }
     }
 
     /// Moves confirmed read points out of a Ready.
@@ -94,11 +206,27 @@ impl Replica {
             let Ok(bytes) = <[u8; 8]>::try_from(&state.request_ctx[..]) else {
                 continue;
             };
-            if let Some((_, batch)) = self.reads.asked.remove(&u64::from_le_bytes(bytes)) {
-                self.reads.confirmed.push((state.index, batch));
+            if let Some((_, at, batch)) = self.reads.asked.remove(&u64::from_le_bytes(bytes)) {
+                self.extend_lease(at);
+                if !batch.is_empty() {
+                    self.reads.confirmed.push((state.index, batch));
+                }
             }
         }
         self.serve_reads();
+    }
+
+    /// Whether this replica, just opened, must not help elect a leader
+    /// yet (see the module docs).
+    pub(crate) fn quiet_after_open(&self) -> bool {
+        self.config.lease.is_some()
+            && self.reads.now < self.config.election_ticks as u64
+            && !self.raw.raft.prs().conf().voters().is_singleton()
+    }
+
+    /// Reads this replica served on its lease, without a heartbeat round.
+    pub fn lease_reads(&self) -> u64 {
+        self.reads.lease_reads
     }
 
     /// Completes every confirmed read whose index is applied.
@@ -113,6 +241,35 @@ impl Replica {
         }
     }
 
+    /// Gives the lease up for good in this term if a leadership transfer
+    /// is under way (see the module docs).
+    fn note_transfer(&mut self) {
+        let raft = &self.raw.raft;
+        if raft.state == StateRole::Leader && raft.lead_transferee.is_some() {
+            self.reads.transferred_in = Some(raft.term);
+        }
+        if self.reads.transferred_in == Some(raft.term) {
+            self.reads.lease = None;
+        }
+    }
+
+    /// A ReadIndex round asked at `at` was confirmed by a majority.
+    fn extend_lease(&mut self, at: Duration) {
+        let Some(length) = self.config.lease else {
+            return;
+        };
+        self.note_transfer();
+        let raft = &self.raw.raft;
+        if raft.state != StateRole::Leader || self.reads.transferred_in == Some(raft.term) {
+            return;
+        }
+        let until = at + length;
+        self.reads.lease = match self.reads.lease {
+            Some((term, current)) if term == raft.term => Some((term, current.max(until))),
+            _ => Some((raft.term, until)),
+        };
+    }
+
     /// Per tick: expires unconfirmed reads that waited an election timeout,
     /// and all of them when this replica no longer leads.
     pub(crate) fn expire_reads(&mut self) {
@@ -120,6 +277,10 @@ impl Replica {
         let leader = self.raw.raft.leader_id;
         let outcome = ReadOutcome::NotLeader { leader };
         let leads = self.raw.raft.state == StateRole::Leader;
+        self.note_transfer();
+        if !leads {
+            self.reads.lease = None;
+        }
         let oldest = self
             .reads
             .now
@@ -128,11 +289,11 @@ impl Replica {
             .reads
             .asked
             .iter()
-            .filter(|(_, (asked_at, _))| !leads || *asked_at < oldest)
+            .filter(|(_, (asked_at, _, _))| !leads || *asked_at < oldest)
             .map(|(context, _)| *context)
             .collect();
         for context in expired {
-            if let Some((_, batch)) = self.reads.asked.remove(&context) {
+            if let Some((_, _, batch)) = self.reads.asked.remove(&context) {
                 batch.into_iter().for_each(|done| done(outcome.clone()));
             }
         }
