@@ -499,6 +499,17 @@ impl Client {
                             if redirect.as_deref() == Some(address.as_str()) {
                                 redirect = None;
                             }
+                            // A follower still names the leader it last
+                            // heard from: one that just failed to answer
+                            // (frozen, cut off) is not tried again before
+                            // the others, which will elect a new one.
+                            if redirect
+                                .as_deref()
+                                .and_then(|a| Cluster::node_at(&map, a))
+                                .is_some_and(|id| self.cluster.is_unreachable(id))
+                            {
+                                redirect = None;
+                            }
                             if redirect.is_none() {
                                 tokio::time::sleep(backoff(attempt)).await;
                             }

@@ -20,6 +20,19 @@ use crate::error::{Error, Result};
 /// per message; manifests and maps are small).
 pub(crate) const MAX_MESSAGE: usize = 64 << 20;
 
+/// While calls are in flight on a connection, the SDK pings its server
+/// this often (an HTTP/2 PING, answered by the server process itself, not
+/// by its kernel)...
+const PING_INTERVAL: Duration = Duration::from_millis(500);
+/// ... and a server that answers none for this long is taken for frozen:
+/// the connection is closed, its calls fail as unreachable and are retried
+/// on another replica (writes keep their session, so they apply once). A
+/// node stopped mid-call (SIGSTOP, a stalled VM, a wedged process) costs a
+/// call about this plus an election, not its whole deadline. A busy node
+/// still answers: pings are served by the connection's task, not queued
+/// behind requests.
+const PING_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Shared state behind every clone of a `Client`.
 pub(crate) struct Cluster {
     pub seeds: Vec<String>,
@@ -100,6 +113,14 @@ impl Cluster {
         }
     }
 
+    /// Whether `node` failed to answer within the last few seconds.
+    pub fn is_unreachable(&self, node: u64) -> bool {
+        self.unreachable
+            .lock()
+            .get(&node)
+            .is_some_and(|at| at.elapsed() < UNREACHABLE_FOR)
+    }
+
     /// `node` did not answer at all.
     pub fn unreachable(&self, node: u64) {
         self.unreachable
@@ -147,7 +168,9 @@ impl Cluster {
                 )
             })?
             .connect_timeout(self.connect_timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(PING_INTERVAL)
+            .keep_alive_timeout(PING_TIMEOUT);
         let channel = self.security.connect_lazy(&endpoint);
         channels.insert(address.to_string(), channel.clone());
         Ok(channel)

@@ -269,9 +269,12 @@ async fn frozen_follower() {
     run.run_for(Duration::from_secs(2)).await;
     let report = run.finish("frozen node (SIGSTOP 8 s)").await;
     finish_checks(&cluster, &report, &[]);
+    // The SDK's pings find the frozen node in about 1.5 s, about when
+    // the others elect a new leader; before them, a call on the frozen
+    // shard waited out its 5 s deadline (e2e/RESULTS.md).
     assert!(
-        report.write_gap_s < 10.0,
-        "the others kept serving: {report:?}"
+        report.write_gap_s < 3.0,
+        "writes stalled while a node was frozen: {report:?}"
     );
 }
 
