@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use prost::bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
@@ -592,6 +593,11 @@ impl Client {
         kind: BlobKind,
     ) -> Result<PutOutcome> {
         let digest = sha256(content);
+        // Copied once; every attempt sends the same buffers.
+        let pieces: Vec<Bytes> = content
+            .chunks(1 << 20)
+            .map(Bytes::copy_from_slice)
+            .collect();
         let response = self
             .write_once(namespace, key, |channel, map_version, session| {
                 let mut messages = vec![PutRequest {
@@ -605,8 +611,8 @@ impl Client {
                         ..PutHeader::default()
                     })),
                 }];
-                messages.extend(content.chunks(1 << 20).map(|c| PutRequest {
-                    msg: Some(put_request::Msg::Data(c.to_vec())),
+                messages.extend(pieces.iter().map(|piece| PutRequest {
+                    msg: Some(put_request::Msg::Data(piece.clone())),
                 }));
                 async move {
                     BlobServiceClient::new(channel)
@@ -685,8 +691,15 @@ impl Client {
     /// replica for content-addressed blobs).
     #[tracing::instrument(name = "tidepool.get", level = "info", skip_all, fields(namespace = %namespace))]
     pub async fn get(&self, namespace: &str, key: &[u8]) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
-        self.get_stream(namespace, key, &mut out).await?;
+        let mut reader = self.open_range(namespace, key, 0, None).await?;
+        if let Some(content) = reader.take_plain() {
+            return Ok(content);
+        }
+        // The size comes from a node: reserve no more than a few chunks.
+        let mut out = Vec::with_capacity(reader.size().min(64 << 20) as usize);
+        while let Some(piece) = reader.next_piece().await? {
+            out.extend_from_slice(&piece);
+        }
         Ok(out)
     }
 
@@ -976,7 +989,7 @@ mod tests {
                 })),
             };
             let data = GetResponse {
-                msg: Some(get_response::Msg::Data(vec![7; self.sent])),
+                msg: Some(get_response::Msg::Data(vec![7; self.sent].into())),
             };
             Ok(Response::new(tokio_stream::iter(vec![Ok(info), Ok(data)])))
         }

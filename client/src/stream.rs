@@ -193,7 +193,7 @@ impl Client {
         limit: Option<u64>,
     ) -> Result<BlobReader> {
         let cas = self.content_addressed(namespace).await?;
-        let (info, content) = self.get_verified(namespace, key, cas).await?;
+        let (info, mut content) = self.get_verified(namespace, key, cas).await?;
         let mut reader = BlobReader {
             client: self.clone(),
             namespace: namespace.to_string(),
@@ -210,7 +210,8 @@ impl Client {
             remaining: limit.unwrap_or(u64::MAX),
         };
         if info.kind != BlobKind::Manifest as i32 {
-            let digest = sha256(&content);
+            // `get_verified` checked the bytes against this digest.
+            let digest = digest_of(&info.sha256)?;
             if cas && digest[..] != key[..] {
                 return Err(corrupt(format!(
                     "the content read under {} does not hash to it",
@@ -220,7 +221,8 @@ impl Client {
             reader.size = content.len() as u64;
             reader.sha256 = digest;
             let start = offset.min(reader.size) as usize;
-            reader.plain = Some(content[start..].to_vec());
+            content.drain(..start);
+            reader.plain = Some(content);
             return Ok(reader);
         }
         let manifest = ChunkManifest::decode(&content[..])
@@ -559,6 +561,15 @@ impl BlobReader {
             .collect()
     }
 
+    /// The whole range at once if the blob is plain (one stored blob,
+    /// already read and verified); `None` for a chunked one.
+    pub(crate) fn take_plain(&mut self) -> Option<Vec<u8>> {
+        let mut content = self.plain.take()?;
+        content.truncate(self.remaining.min(content.len() as u64) as usize);
+        self.remaining -= content.len() as u64;
+        Some(content)
+    }
+
     /// The next verified piece; `None` at the end of the range.
     pub async fn next_piece(&mut self) -> Result<Option<Vec<u8>>> {
         if let Some(mut content) = self.plain.take() {
@@ -586,7 +597,7 @@ impl BlobReader {
         }
         let chunk = self.manifest.chunks[self.next_chunk].clone();
         self.next_chunk += 1;
-        let (_, bytes) = self
+        let (_, mut bytes) = self
             .client
             .get_verified(&self.namespace, &chunk.key, self.cas)
             .await?;
@@ -606,7 +617,9 @@ impl BlobReader {
             .saturating_add(self.remaining)
             .min(bytes.len() as u64) as usize;
         self.remaining -= (end - start) as u64;
-        Ok(Some(bytes[start..end].to_vec()))
+        bytes.truncate(end);
+        bytes.drain(..start);
+        Ok(Some(bytes))
     }
 }
 

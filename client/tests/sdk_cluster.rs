@@ -414,7 +414,7 @@ async fn a_forged_manifest_cannot_make_delete_remove_other_blobs() {
                     msg: Some(put_request::Msg::Header(header)),
                 },
                 PutRequest {
-                    msg: Some(put_request::Msg::Data(forged)),
+                    msg: Some(put_request::Msg::Data(forged.into())),
                 },
             ];
             tidepool_testkit::grpc::client(&url)

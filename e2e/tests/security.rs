@@ -458,7 +458,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
             })),
         };
         let data = pb::PutRequest {
-            msg: Some(pb::put_request::Msg::Data(bytes)),
+            msg: Some(pb::put_request::Msg::Data(bytes.into())),
         };
         tokio_stream::iter(vec![header, data])
     };

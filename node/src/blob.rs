@@ -24,10 +24,19 @@ pub fn sha256(content: &[u8]) -> [u8; 32] {
 /// The engine value for `content` with the given digest.
 pub fn encode(kind: BlobKind, digest: &[u8; 32], content: &[u8]) -> Vec<u8> {
     let mut value = Vec::with_capacity(HEADER_BYTES + content.len());
-    value.push(VERSION);
-    value.push(kind as u8);
-    value.extend_from_slice(digest);
+    value.resize(HEADER_BYTES, 0);
     value.extend_from_slice(content);
+    seal(kind, digest, value)
+}
+
+/// The engine value for a buffer holding [`HEADER_BYTES`] of room and then
+/// the content with the given digest: the header is written into the room,
+/// the content is not moved.
+pub fn seal(kind: BlobKind, digest: &[u8; 32], mut value: Vec<u8>) -> Vec<u8> {
+    assert!(value.len() >= HEADER_BYTES, "no room for the header");
+    value[0] = VERSION;
+    value[1] = kind as u8;
+    value[2..HEADER_BYTES].copy_from_slice(digest);
     value
 }
 
@@ -86,6 +95,9 @@ mod tests {
         let value = encode(BlobKind::Manifest, &digest, b"hello");
         let (header, content) = decode(&value).unwrap();
         assert_eq!(content, b"hello");
+        let mut room = vec![0xee; HEADER_BYTES];
+        room.extend_from_slice(b"hello");
+        assert_eq!(seal(BlobKind::Manifest, &digest, room), value);
         assert_eq!(header.kind, BlobKind::Manifest);
         assert_eq!(header.size, 5);
         assert_eq!(header.sha256, digest);

@@ -139,7 +139,7 @@ async fn every_operation_and_every_client_error() {
             })),
         },
         PutRequest {
-            msg: Some(put_request::Msg::Data(vec![1; 5])),
+            msg: Some(put_request::Msg::Data(vec![1; 5].into())),
         },
     ];
     let status = client.put(tokio_stream::iter(lying)).await.unwrap_err();
@@ -155,7 +155,7 @@ async fn every_operation_and_every_client_error() {
             })),
         },
         PutRequest {
-            msg: Some(put_request::Msg::Data(b"abc".to_vec())),
+            msg: Some(put_request::Msg::Data(b"abc".to_vec().into())),
         },
     ];
     let status = client
@@ -285,7 +285,7 @@ async fn session_put(
             msg: Some(put_request::Msg::Header(header)),
         },
         PutRequest {
-            msg: Some(put_request::Msg::Data(content.to_vec())),
+            msg: Some(put_request::Msg::Data(content.to_vec().into())),
         },
     ];
     cluster

@@ -71,7 +71,7 @@ pub async fn put_at(
     }];
     for chunk in content.chunks(1 << 20) {
         messages.push(PutRequest {
-            msg: Some(put_request::Msg::Data(chunk.to_vec())),
+            msg: Some(put_request::Msg::Data(chunk.to_vec().into())),
         });
     }
     try_client(url)

@@ -293,7 +293,7 @@ async fn put_once(
             })),
         },
         PutRequest {
-            msg: Some(put_request::Msg::Data(value.to_vec())),
+            msg: Some(put_request::Msg::Data(value.to_vec().into())),
         },
     ];
     client.put(tokio_stream::iter(messages)).await.map(|_| ())

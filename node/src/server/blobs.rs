@@ -386,8 +386,10 @@ impl BlobApi {
         self.require_leader(&target)?;
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size)?;
-        let content = self.receive(&mut stream, header.size).await?;
-        let digest = blob::sha256(&content);
+        // The engine value: header room, then the content as received.
+        let value = self.receive(&mut stream, header.size).await?;
+        let content = &value[blob::HEADER_BYTES..];
+        let digest = blob::sha256(content);
         self.check_digest(&target, &header, &digest)?;
         let engine = target.shard.engine();
         let epoch = engine.epoch().0;
@@ -415,7 +417,7 @@ impl BlobApi {
                         blob::Header {
                             kind,
                             sha256: digest,
-                            size: content.len() as u64,
+                            size: header.size,
                         }
                         .info(epoch),
                     ),
@@ -425,12 +427,12 @@ impl BlobApi {
         }
         if target.namespace.content_addressed && kind == BlobKind::Manifest {
             let key = &header.blob.as_ref().expect("checked").key;
-            super::manifests::verify(&self.node, &target.namespace, key, &content).await?;
+            super::manifests::verify(&self.node, &target.namespace, key, content).await?;
         }
         self.check_space(&target)?;
-        let size = content.len() as u64;
+        let size = header.size;
         let op = WriteOp {
-            value: Some(blob::encode(kind, &digest, &content)),
+            value: Some(blob::seal(kind, &digest, value)),
             namespace: target.namespace.id,
             epoch,
             key: target.key,
@@ -443,7 +445,6 @@ impl BlobApi {
             session,
             if_absent,
         };
-        drop(content);
         self.commit(&target, Proposal::Write(op)).await?;
         self.extra_durability(&target, header.durability, &engine)
             .await?;
@@ -489,10 +490,14 @@ impl BlobApi {
         Ok(())
     }
 
-    /// The content of a put stream: exactly `size` bytes, in chunks of at
-    /// most 1 MiB, none more than the idle timeout after the last.
+    /// The content of a put stream — exactly `size` bytes, in chunks of at
+    /// most 1 MiB, none more than the idle timeout after the last — after
+    /// [`blob::HEADER_BYTES`] of room for the header ([`blob::seal`]), so
+    /// the content is copied once, into the value the engine stores.
     async fn receive(&self, stream: &mut Streaming<PutRequest>, size: u64) -> ApiResult<Vec<u8>> {
-        let mut content = Vec::with_capacity(size as usize);
+        let mut value = Vec::with_capacity(blob::HEADER_BYTES + size as usize);
+        value.resize(blob::HEADER_BYTES, 0);
+        let received = |value: &Vec<u8>| (value.len() - blob::HEADER_BYTES) as u64;
         let idle = Duration::from_millis(self.node.config.limits.put_idle_timeout_ms);
         loop {
             let Ok(next) = tokio::time::timeout(idle, stream.next()).await else {
@@ -500,7 +505,7 @@ impl BlobApi {
                     ErrorCode::Timeout,
                     format!(
                         "the put stream sent nothing for {idle:?} ({} of {size} bytes received); nothing was stored",
-                        content.len()
+                        received(&value)
                     ),
                 ));
             };
@@ -514,13 +519,13 @@ impl BlobApi {
                             format!("a put chunk carries at most {CHUNK_BYTES} bytes"),
                         ));
                     }
-                    if content.len() as u64 + data.len() as u64 > size {
+                    if received(&value) + data.len() as u64 > size {
                         return Err(self.node.error(
                             ErrorCode::SizeMismatch,
                             format!("the stream carries more than the {size} bytes announced"),
                         ));
                     }
-                    content.extend_from_slice(&data);
+                    value.extend_from_slice(&data);
                 }
                 Some(put_request::Msg::Header(_)) => {
                     return Err(invalid(&self.node, "a second header in one put stream"));
@@ -528,16 +533,16 @@ impl BlobApi {
                 None => {}
             }
         }
-        if content.len() as u64 != size {
+        if received(&value) != size {
             return Err(self.node.error(
                 ErrorCode::SizeMismatch,
                 format!(
                     "the stream carried {} bytes, {size} were announced",
-                    content.len()
+                    received(&value)
                 ),
             ));
         }
-        Ok(content)
+        Ok(value)
     }
 
     fn check_digest(
@@ -600,12 +605,13 @@ impl BlobApi {
             if tx.send(Ok(first)).await.is_err() {
                 return;
             }
-            let content = &stored.value[blob::HEADER_BYTES..];
+            // Slices of the stored value: no copy until gRPC encodes them.
+            let content = stored.value.slice(blob::HEADER_BYTES..);
             let mut at = start as usize;
             while at < end as usize {
                 let next = (at + CHUNK_BYTES).min(end as usize);
                 let message = GetResponse {
-                    msg: Some(get_response::Msg::Data(content[at..next].to_vec())),
+                    msg: Some(get_response::Msg::Data(content.slice(at..next))),
                 };
                 if tx.send(Ok(message)).await.is_err() {
                     return;
