@@ -24,9 +24,8 @@ use tidepool_proto::v1::{
 };
 use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
 use tidepool_security::Caller;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument as _;
 
@@ -39,6 +38,29 @@ use crate::{blob, names};
 
 /// Largest piece of content per stream message.
 const CHUNK_BYTES: usize = 1 << 20;
+
+/// A `Get` answer: its messages, made before the first is sent, and the
+/// read's hold on the node's in-flight budget, let go when the stream is
+/// sent or dropped.
+pub struct GetStream {
+    messages: std::vec::IntoIter<GetResponse>,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tokio_stream::Stream for GetStream {
+    type Item = std::result::Result<GetResponse, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::task::Poll::Ready(self.messages.next().map(Ok))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.messages.size_hint()
+    }
+}
 /// Most keys per `BatchExists`.
 const MAX_BATCH_KEYS: usize = 100_000;
 /// Entries in a list page when the request names no limit.
@@ -571,10 +593,7 @@ impl BlobApi {
         Ok(())
     }
 
-    async fn get_inner(
-        &self,
-        request: GetRequest,
-    ) -> ApiResult<ReceiverStream<std::result::Result<GetResponse, Status>>> {
+    async fn get_inner(&self, request: GetRequest) -> ApiResult<GetStream> {
         let target = self.target(request.blob.as_ref())?;
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
@@ -596,30 +615,25 @@ impl BlobApi {
         };
         self.node.metrics.get_bytes.inc_by(end - start);
         tracing::Span::current().record("bytes", end - start);
-        let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(async move {
-            let _budget = budget;
-            let first = GetResponse {
-                msg: Some(get_response::Msg::Info(info)),
-            };
-            if tx.send(Ok(first)).await.is_err() {
-                return;
-            }
-            // Slices of the stored value: no copy until gRPC encodes them.
-            let content = stored.value.slice(blob::HEADER_BYTES..);
-            let mut at = start as usize;
-            while at < end as usize {
-                let next = (at + CHUNK_BYTES).min(end as usize);
-                let message = GetResponse {
-                    msg: Some(get_response::Msg::Data(content.slice(at..next))),
-                };
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-                at = next;
-            }
-        });
-        Ok(ReceiverStream::new(rx))
+        // Every message up front: the content ones are slices of the stored
+        // value (no copy, no task, no channel per read); gRPC sends them as
+        // the connection's flow control allows.
+        let content = stored.value.slice(blob::HEADER_BYTES..);
+        let mut messages = vec![GetResponse {
+            msg: Some(get_response::Msg::Info(info)),
+        }];
+        let mut at = start as usize;
+        while at < end as usize {
+            let next = (at + CHUNK_BYTES).min(end as usize);
+            messages.push(GetResponse {
+                msg: Some(get_response::Msg::Data(content.slice(at..next))),
+            });
+            at = next;
+        }
+        Ok(GetStream {
+            messages: messages.into_iter(),
+            _budget: budget,
+        })
     }
 
     async fn head_inner(&self, request: HeadRequest) -> ApiResult<HeadResponse> {
@@ -973,7 +987,7 @@ impl BlobService for BlobApi {
             .await
     }
 
-    type GetStream = ReceiverStream<std::result::Result<GetResponse, Status>>;
+    type GetStream = GetStream;
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
         let caller = Caller::of(&request);
