@@ -217,6 +217,41 @@ impl Engine {
         }))
     }
 
+    /// [`Engine::get_stored`] if it can be answered from memory — the index
+    /// in memory and the value in the value cache or the page cache —
+    /// without waiting for a disk or a lock: for callers on threads that
+    /// must not block (an async runtime's). `Ok(None)`: it would wait; ask
+    /// `get_stored` where blocking is fine.
+    pub fn get_stored_now(&self, space: KeySpace, key: &[u8]) -> Result<Option<Option<Stored>>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let start = Instant::now();
+        let (space_table, key) = inner.key(space, key)?;
+        let Some(found) = inner.get_entry_value_now(space_table, &key)? else {
+            return Ok(None);
+        };
+        Metrics::add(&inner.metrics.counters().gets, 1);
+        inner.metrics.get_latency().record_since(start);
+        Ok(Some(found.map(|(value, entry)| Stored {
+            value,
+            epoch: entry.epoch,
+            tag: entry.tag,
+        })))
+    }
+
+    /// [`Engine::epoch_of`] from the index in memory alone; `Ok(None)`
+    /// where it would wait (see [`Engine::get_stored_now`]).
+    pub fn epoch_of_now(&self, space: KeySpace, key: &[u8]) -> Result<Option<Option<Epoch>>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (space_table, key) = inner.key(space, key)?;
+        let Some(found) = inner.lookup_now(space_table, &key) else {
+            return Ok(None);
+        };
+        Metrics::add(&inner.metrics.counters().exists_checks, 1);
+        Ok(Some(found.map(|entry| entry.epoch)))
+    }
+
     /// The epoch of `key`'s last write or touch, if it has a value. Never
     /// reads the value.
     pub fn epoch_of(&self, space: KeySpace, key: &[u8]) -> Result<Option<Epoch>> {
@@ -535,6 +570,21 @@ impl Inner {
         })
     }
 
+    /// [`Inner::lookup`] from memory alone: `None` where it would read the
+    /// on-disk index or wait for a cell's lock.
+    pub fn lookup_now(&self, space: &SpaceTable, key: &Key) -> Option<Option<Entry>> {
+        let id = space.cell_of(key);
+        match space.try_with_cell(&id, |cell| cell.probe(key, space.key_len()))? {
+            None => Some(None),
+            Some(Probe::Found(entry)) => Some(self.live(entry)),
+            Some(Probe::Filtered) => {
+                Metrics::add(&self.metrics.counters().bloom_negatives, 1);
+                Some(None)
+            }
+            Some(Probe::Disk(_)) => None,
+        }
+    }
+
     /// Looks `key` up in the cell's on-disk index: loads the whole cell if
     /// the memory budget allows, else searches its blobs newest first (one
     /// window each, for the blobs whose bloom filters let the key through).
@@ -624,22 +674,73 @@ impl Inner {
         })
     }
 
+    /// [`Inner::get_entry_value`] from memory alone: `None` where it would
+    /// wait (for the disk or a lock), or the value's segment just went (the
+    /// waiting read looks again).
+    pub fn get_entry_value_now(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+    ) -> Result<Option<Option<(Bytes, Entry)>>> {
+        let Some(found) = self.lookup_now(space, key) else {
+            return Ok(None);
+        };
+        let Some(entry) = found else {
+            return Ok(Some(None));
+        };
+        match self.read_value_now(space, key, &entry) {
+            Ok(Some(value)) => Ok(Some(Some((value, entry)))),
+            Ok(None) | Err(Error::NoRecord(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Reads and verifies the value an entry points at; `NoRecord` if its
     /// segment is gone.
     pub fn read_value(&self, space: &SpaceTable, key: &Key, entry: &Entry) -> Result<Bytes> {
+        self.read_value_with(space, key, entry, true)
+            .map(|value| value.expect("a waiting read returns the value"))
+    }
+
+    /// [`Inner::read_value`] if the value is in memory (the value cache or
+    /// the page cache); `Ok(None)` where reading it would wait for the disk.
+    pub fn read_value_now(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+        entry: &Entry,
+    ) -> Result<Option<Bytes>> {
+        self.read_value_with(space, key, entry, false)
+    }
+
+    fn read_value_with(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+        entry: &Entry,
+        wait: bool,
+    ) -> Result<Option<Bytes>> {
         let counters = &self.metrics.counters();
         if let Some(value) = self.cache.get(entry.location) {
             Metrics::add(&counters.cache_hits, 1);
-            return Ok(value);
+            return Ok(Some(value));
         }
-        Metrics::add(&counters.cache_misses, 1);
         let position = WalPosition(entry.location);
+        let bytes = if wait {
+            self.values.read(position, entry.len as usize)?
+        } else {
+            match self.values.read_if_cached(position, entry.len as usize)? {
+                Some(bytes) => bytes,
+                // Counted as a miss by the waiting read that follows.
+                None => return Ok(None),
+            }
+        };
+        Metrics::add(&counters.cache_misses, 1);
         let corrupt = |detail: String| Error::Corrupt {
             file: "value WAL".into(),
             position,
             detail,
         };
-        let bytes = self.values.read(position, entry.len as usize)?;
         let item = format::decode_item(position, &bytes).map_err(|m| corrupt(m.0))?;
         if item.key != &key[..space.key_len()] || item.op != Op::Put {
             return Err(corrupt("the index points at another item".into()));
@@ -649,6 +750,6 @@ impl Inner {
         let value_start = value_end - item.value.len();
         let value = Bytes::from(bytes).slice(value_start..value_end);
         self.cache.insert(entry.location, value.clone());
-        Ok(value)
+        Ok(Some(value))
     }
 }

@@ -474,6 +474,9 @@ struct FaultFile {
     volatile: Arc<Buffer>,
     durable: Mutex<Vec<u8>>,
     mapped: Arc<AtomicBool>,
+    /// The page cache, modelled for the whole file: `evict_cache` drops it
+    /// (reads that must not wait then fail) and a read brings it back.
+    evicted: AtomicBool,
 }
 
 /// Keeps a mapped buffer alive and marks the file unmapped when dropped.
@@ -500,6 +503,7 @@ impl FaultFile {
             durable: Mutex::new(bytes.clone()),
             volatile: Arc::new(Buffer::from_vec(bytes)),
             mapped: Arc::new(AtomicBool::new(false)),
+            evicted: AtomicBool::new(false),
         }
     }
 
@@ -581,7 +585,16 @@ impl StorageFile for FaultFile {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.volatile.read(buf, offset)
+        self.volatile.read(buf, offset)?;
+        self.evicted.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn read_at_if_cached(&self, buf: &mut [u8], offset: u64) -> io::Result<bool> {
+        if self.evicted.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        self.volatile.read(buf, offset).map(|()| true)
     }
 
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
@@ -636,6 +649,7 @@ impl StorageFile for FaultFile {
             self.volatile.read(&mut volatile, 0)?;
             durable.len() != volatile.len() || *durable != volatile
         };
+        self.evicted.store(true, Ordering::SeqCst);
         if let Some(inner) = self.storage.upgrade() {
             inner.evictions.fetch_add(1, Ordering::SeqCst);
             if unsynced {

@@ -213,6 +213,31 @@ impl StorageFile for DiskFile {
         self.file.read_exact_at(buf, offset)
     }
 
+    fn read_at_if_cached(&self, buf: &mut [u8], offset: u64) -> io::Result<bool> {
+        // `preadv2(RWF_NOWAIT)` reads what the page cache holds and fails
+        // with EAGAIN where it would have to wait for the disk (a short
+        // count: the pages after it are not in memory).
+        let mut done = 0;
+        while done < buf.len() {
+            let mut piece = [io::IoSliceMut::new(&mut buf[done..])];
+            match rustix::io::preadv2(
+                &self.file,
+                &mut piece,
+                offset + done as u64,
+                rustix::io::ReadWriteFlags::NOWAIT,
+            ) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => done += n,
+                Err(rustix::io::Errno::AGAIN) => return Ok(false),
+                // A kernel or file system without it: say it would wait.
+                Err(rustix::io::Errno::OPNOTSUPP) => return Ok(false),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(true)
+    }
+
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         self.file.write_all_at(data, offset)
     }

@@ -140,6 +140,13 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     }
     /// Reads exactly `buf.len()` bytes at `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// [`StorageFile::read_at`] if the bytes are in memory (the page
+    /// cache): `Ok(false)` where reading them would wait for the disk
+    /// (`buf` then holds nothing useful). A storage that never waits for a
+    /// disk reads.
+    fn read_at_if_cached(&self, buf: &mut [u8], offset: u64) -> io::Result<bool> {
+        self.read_at(buf, offset).map(|()| true)
+    }
     /// Writes all of `data` at `offset` (for small files; logs are appended
     /// through [`StorageFile::map`]). The file must be long enough.
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;

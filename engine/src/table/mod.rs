@@ -189,6 +189,31 @@ impl SpaceTable {
         }
     }
 
+    /// [`SpaceTable::with_cell`] if no lock it takes is held: `None` where
+    /// it would wait for one (a cell being loaded or flushed), else what
+    /// `with_cell` returns.
+    pub fn try_with_cell<R>(
+        &self,
+        id: &CellId,
+        f: impl FnOnce(&mut Cell) -> R,
+    ) -> Option<Option<R>> {
+        match (&self.cells, id) {
+            (Cells::Uniform { rows, .. }, CellId::Uniform(i)) => {
+                let (row, at) = row_and_slot(*i);
+                let mut row = rows[row].try_lock()?;
+                Some(Some(f(&mut row[at])))
+            }
+            (Cells::Prefixed { map, .. }, CellId::Prefixed(prefix)) => {
+                let Some(cell) = map.try_read()?.get(prefix).cloned() else {
+                    return Some(None);
+                };
+                let mut guard = cell.try_lock()?;
+                Some(Some(f(&mut guard)))
+            }
+            _ => unreachable!("cell id of another layout"),
+        }
+    }
+
     /// Runs `f` on a cell under its lock, creating a prefixed cell first if
     /// needed.
     pub fn with_cell_or_create<R>(&self, id: &CellId, f: impl FnOnce(&mut Cell) -> R) -> R {

@@ -241,6 +241,21 @@ impl Log {
         Ok(buf)
     }
 
+    /// [`Log::read`] if the bytes are in the page cache; `Ok(None)` where
+    /// reading them would wait for the disk (or fault on a mapping).
+    pub fn read_if_cached(&self, position: WalPosition, len: usize) -> Result<Option<Vec<u8>>> {
+        if self.shared.opts.mapped_reads {
+            return Ok(None);
+        }
+        let (segment, offset) = self.shared.segment_of(position, len)?;
+        let mut buf = vec![0; len];
+        let cached = segment
+            .file
+            .read_at_if_cached(&mut buf, offset)
+            .map_err(|e| Error::io(&segment.path, e))?;
+        Ok(cached.then_some(buf))
+    }
+
     /// Largest record that fits in a segment.
     pub fn max_record_bytes(&self) -> u64 {
         self.shared.opts.max_record_bytes()

@@ -352,6 +352,32 @@ impl BlobApi {
         }
     }
 
+    /// [`Self::engine_read`] answered on this thread when `now` can — the
+    /// engine's `*_now` reads, from memory with no waiting — else `f` on a
+    /// blocking thread. Most reads of a warm node skip the hand-over to
+    /// another thread and back.
+    fn engine_read_now<T: Send + 'static>(
+        &self,
+        target: &Target,
+        now: impl FnOnce(&Engine, KeySpace) -> tidepool_engine::Result<Option<T>>,
+        f: impl FnOnce(&Engine, KeySpace) -> tidepool_engine::Result<T> + Send + 'static,
+    ) -> impl std::future::Future<Output = ApiResult<T>> + Send + 'static {
+        let engine = target.shard.engine();
+        let ready = engine
+            .key_space(BLOB_KEY_SPACE)
+            .and_then(|space| now(&engine, space));
+        let node = self.node.clone();
+        let shard_id = target.info.shard_id;
+        let blocking = self.engine_read(target, f);
+        async move {
+            match ready {
+                Ok(Some(value)) => Ok(value),
+                Ok(None) => blocking.await,
+                Err(e) => Err(node.internal_error(shard_id, e.into())),
+            }
+        }
+    }
+
     /// `PERMISSION_DENIED` unless the caller holds `role` in `namespace`.
     fn allow(&self, caller: &Caller, namespace: Option<&str>, role: Role) -> ApiResult<()> {
         caller
@@ -598,7 +624,11 @@ impl BlobApi {
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
         let stored = self
-            .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
+            .engine_read_now(
+                &target,
+                |engine, space| engine.get_stored_now(space, &key),
+                move |engine, space| engine.get_stored(space, &key),
+            )
             .await?;
         self.check_owned(&target, &key)?;
         let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
@@ -641,7 +671,11 @@ impl BlobApi {
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
         let stored = self
-            .engine_read(&target, move |engine, space| engine.get_stored(space, &key))
+            .engine_read_now(
+                &target,
+                |engine, space| engine.get_stored_now(space, &key),
+                move |engine, space| engine.get_stored(space, &key),
+            )
             .await?;
         self.check_owned(&target, &key)?;
         let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
@@ -698,17 +732,27 @@ impl BlobApi {
             if self.read_point(&target, request.consistency).await.is_err() {
                 continue; // NOT_HERE: ask the leader
             }
-            let keys: Vec<StorageKey> = indexes
-                .iter()
-                .map(|i| storage_key(namespace.id, &request.keys[*i]))
-                .collect();
-
+            let keys: Arc<Vec<StorageKey>> = Arc::new(
+                indexes
+                    .iter()
+                    .map(|i| storage_key(namespace.id, &request.keys[*i]))
+                    .collect(),
+            );
+            let all = keys.clone();
             let epochs = self
-                .engine_read(&target, move |engine, space| {
-                    keys.iter()
-                        .map(|k| engine.epoch_of(space, k))
-                        .collect::<tidepool_engine::Result<Vec<_>>>()
-                })
+                .engine_read_now(
+                    &target,
+                    |engine, space| {
+                        keys.iter()
+                            .map(|k| engine.epoch_of_now(space, k))
+                            .collect::<tidepool_engine::Result<Option<Vec<_>>>>()
+                    },
+                    move |engine, space| {
+                        all.iter()
+                            .map(|k| engine.epoch_of(space, k))
+                            .collect::<tidepool_engine::Result<Vec<_>>>()
+                    },
+                )
                 .await?;
             let current = target.shard.engine().epoch().0;
             // Keys a split gave away meanwhile stay NOT_HERE (the client
@@ -892,7 +936,11 @@ impl BlobApi {
             .await?;
         let key = target.key;
         let stored_epoch = self
-            .engine_read(&target, move |engine, space| engine.epoch_of(space, &key))
+            .engine_read_now(
+                &target,
+                |engine, space| engine.epoch_of_now(space, &key),
+                move |engine, space| engine.epoch_of(space, &key),
+            )
             .await?;
         self.check_owned(&target, &key)?;
         let stored_epoch =
