@@ -11,9 +11,9 @@ use prost::bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
-    BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, ErrorCode,
-    GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency, TouchRequest,
-    WriteSession, get_response, put_request,
+    BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, Durability,
+    ErrorCode, GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency,
+    TouchRequest, WriteSession, get_response, put_request,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -138,6 +138,8 @@ pub struct Client {
     /// The token blob calls carry instead of the client's own
     /// ([`Client::acting_as`]).
     pub(crate) caller_token: Option<Arc<str>>,
+    /// What puts and deletes wait for ([`Client::with_durability`]).
+    pub(crate) durability: Durability,
 }
 
 impl std::fmt::Debug for Client {
@@ -277,6 +279,7 @@ impl Client {
             sessions: Arc::default(),
             attempts: None,
             caller_token: None,
+            durability: Durability::Default,
         })
     }
 
@@ -286,6 +289,18 @@ impl Client {
     pub fn with_timeout(&self, timeout: Duration) -> Client {
         Client {
             timeout,
+            ..self.clone()
+        }
+    }
+
+    /// The same client with puts and deletes acknowledged once `durability`
+    /// holds: `Synced` waits for the leader's WAL to be synced also on a
+    /// cluster configured `buffered`; `Buffered` on a synced cluster gets
+    /// the cluster's stronger guarantee anyway; `Default` (a new client's)
+    /// is the cluster's setting.
+    pub fn with_durability(&self, durability: Durability) -> Client {
+        Client {
+            durability,
             ..self.clone()
         }
     }
@@ -608,6 +623,7 @@ impl Client {
                         kind: kind as i32,
                         map_version,
                         session: Some(session),
+                        durability: self.durability as i32,
                         ..PutHeader::default()
                     })),
                 }];
@@ -897,7 +913,7 @@ impl Client {
                     blob: blob_ref(namespace, key),
                     map_version,
                     session: Some(session),
-                    ..DeleteRequest::default()
+                    durability: self.durability as i32,
                 })
                 .await
                 .map(|r| r.into_inner().existed)

@@ -64,7 +64,7 @@ pub use error::{Error, Result};
 pub use list::{ListEntry, ListOptions, ListPage, Lister};
 pub use stream::{BlobReader, Upload, hex};
 pub use tidepool_proto as proto;
-pub use tidepool_proto::v1::ErrorCode;
+pub use tidepool_proto::v1::{Durability, ErrorCode};
 pub use tidepool_security::TlsFiles;
 pub use tidepool_security::guard::{role_name, role_of};
 pub use tidepool_security::token::read_file as read_token_file;

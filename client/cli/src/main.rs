@@ -20,8 +20,8 @@ use tidepool_client::proto::v1::{
     ClusterStatus, MoveStep, Namespace, NodeState, TokenGrant, retention,
 };
 use tidepool_client::{
-    Client, ClientConfig, ErrorCode, ListOptions, RetentionPolicy, TlsFiles, hex, read_token_file,
-    role_name, role_of,
+    Client, ClientConfig, Durability, ErrorCode, ListOptions, RetentionPolicy, TlsFiles, hex,
+    read_token_file, role_name, role_of,
 };
 
 /// Command-line interface to a Tidepool cluster.
@@ -137,6 +137,10 @@ enum Command {
         /// Seed of the operation and key choices (printed when not given).
         #[arg(long)]
         seed: Option<u64>,
+        /// What puts and deletes wait for: `default` (the cluster's
+        /// setting), `buffered` or `synced`.
+        #[arg(long, default_value = "default", value_parser = parse_durability)]
+        durability: Durability,
     },
     /// Read back every blob of a `load --record` file and check its
     /// content (exit 1 if any is missing or wrong).
@@ -322,6 +326,17 @@ enum ShardCommand {
 }
 
 /// A hash position: decimal, or hexadecimal after `0x`.
+fn parse_durability(text: &str) -> Result<Durability, String> {
+    match text {
+        "default" => Ok(Durability::Default),
+        "buffered" => Ok(Durability::Buffered),
+        "synced" => Ok(Durability::Synced),
+        other => Err(format!(
+            "{other:?}: the durability is `default`, `buffered` or `synced`"
+        )),
+    }
+}
+
 fn parse_position(text: &str) -> Result<u64, String> {
     let parsed = match text.strip_prefix("0x") {
         Some(hex) => u64::from_str_radix(hex, 16),
@@ -852,6 +867,7 @@ async fn run(cli: &Cli) -> Outcome {
             prefix,
             no_prefill,
             seed,
+            durability,
         } => {
             let seed = seed.unwrap_or_else(|| {
                 let seed = std::time::SystemTime::now()
@@ -874,7 +890,7 @@ async fn run(cli: &Cli) -> Outcome {
                 prefill: !no_prefill,
                 seed,
             };
-            bench::bench(cli.json, &client, settings).await
+            bench::bench(cli.json, &client.with_durability(*durability), settings).await
         }
         Command::Verify { namespace, record } => {
             load::verify(cli.json, &client, namespace, record).await

@@ -347,6 +347,23 @@ async fn bench_reports_rates_latencies_and_errors_by_code() {
         expect(&out, 0);
         let table = text(&out.stdout);
         assert!(table.contains("| put | 40 |"), "{table}");
+        // Puts at a durability of their own.
+        let out = run(
+            &url,
+            &[
+                "bench",
+                "default",
+                "--seconds",
+                "0",
+                "--count",
+                "20",
+                "--durability",
+                "synced",
+            ],
+            b"",
+        );
+        expect(&out, 0);
+        assert!(text(&out.stdout).contains("| put | 20 |"), "{out:?}");
 
         // An unknown namespace: every op fails with its code, exit 1.
         let out = run(
@@ -379,6 +396,16 @@ async fn bench_reports_rates_latencies_and_errors_by_code() {
         // Bad settings: usage errors.
         expect(&run(&url, &["bench", "default", "--mix", "scan=1"], b""), 2);
         expect(&run(&url, &["bench", "default", "--keys", "0"], b""), 2);
+        let out = run(
+            &url,
+            &["bench", "default", "--durability", "sometimes"],
+            b"",
+        );
+        expect(&out, 2);
+        assert!(
+            text(&out.stderr).contains("`buffered` or `synced`"),
+            "{out:?}"
+        );
     })
     .await
     .unwrap();
