@@ -27,13 +27,16 @@ use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::storage::{FileStorage, Storage};
 use crate::table::cell::{BASE_ENTRY_BYTES, CellState, Probe};
 use crate::table::{CellId, LargeTable, SpaceTable};
-use crate::types::{Durability, Epoch, KeySpace, Tag, WalPosition};
+use crate::types::{Durability, Epoch, KeySpace, MAX_KEY_BYTES, Tag, WalPosition};
 use crate::wal::Log;
 use crate::wal::format::{self, FLAG_APPLIED, ItemSpec, Op};
 
 /// Times a lookup retries when the index blob it read was replaced and
 /// collected under it.
 const LOOKUP_ATTEMPTS: usize = 8;
+/// A value at most this much longer than the prefix [`Engine::get_head`]
+/// asks for is read whole (and verified).
+const HEAD_WHOLE_BYTES: usize = 16 << 10;
 
 /// A write prefetches the index cells of at most this many of its items
 /// (one cell's lock and fields per item; a large batch would only evict).
@@ -91,6 +94,20 @@ pub(crate) struct Inner {
 pub struct Stored {
     /// The value.
     pub value: Bytes,
+    /// Epoch of the key's last write or touch.
+    pub epoch: Epoch,
+    /// Application tag of the write.
+    pub tag: Tag,
+}
+
+/// The start of a value read with [`Engine::get_head`], its length and its
+/// entry's metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredHead {
+    /// The value's first bytes (all of it if it is shorter than asked).
+    pub prefix: Bytes,
+    /// The value's length, bytes.
+    pub len: u64,
     /// Epoch of the key's last write or touch.
     pub epoch: Epoch,
     /// Application tag of the write.
@@ -237,6 +254,77 @@ impl Engine {
             epoch: entry.epoch,
             tag: entry.tag,
         })))
+    }
+
+    /// The first `n` bytes of the value under `key` and its length, without
+    /// reading the rest: for a header stored at the start of large values.
+    /// A value up to 16 KiB longer than `n` (or in the value cache) is read
+    /// whole and verified; of a longer one only the item's header, key and
+    /// the `n` bytes are read — checked for consistency with the index
+    /// (length, key), but not by the item's CRC, which covers the whole
+    /// item: a reader of the whole value gets it verified.
+    pub fn get_head(&self, space: KeySpace, key: &[u8], n: usize) -> Result<Option<StoredHead>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters().gets, 1);
+        for _ in 0..LOOKUP_ATTEMPTS {
+            let Some(entry) = inner.lookup(space_table, &key)? else {
+                return Ok(None);
+            };
+            match inner.read_value_head(space_table, &key, &entry, n, true) {
+                Err(Error::NoRecord(_)) => continue,
+                result => {
+                    return result.map(|head| {
+                        let (prefix, len) = head.expect("a waiting read returns the value");
+                        Some(StoredHead {
+                            prefix,
+                            len,
+                            epoch: entry.epoch,
+                            tag: entry.tag,
+                        })
+                    });
+                }
+            }
+        }
+        Err(Error::Corrupt {
+            file: "value WAL".into(),
+            position: WalPosition(0),
+            detail: "the index keeps pointing at a missing segment".into(),
+        })
+    }
+
+    /// [`Engine::get_head`] from memory alone; `Ok(None)` where it would
+    /// wait (see [`Engine::get_stored_now`]).
+    pub fn get_head_now(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        n: usize,
+    ) -> Result<Option<Option<StoredHead>>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let (space_table, key) = inner.key(space, key)?;
+        let Some(found) = inner.lookup_now(space_table, &key) else {
+            return Ok(None);
+        };
+        let Some(entry) = found else {
+            Metrics::add(&inner.metrics.counters().gets, 1);
+            return Ok(Some(None));
+        };
+        match inner.read_value_head(space_table, &key, &entry, n, false) {
+            Ok(Some((prefix, len))) => {
+                Metrics::add(&inner.metrics.counters().gets, 1);
+                Ok(Some(Some(StoredHead {
+                    prefix,
+                    len,
+                    epoch: entry.epoch,
+                    tag: entry.tag,
+                })))
+            }
+            Ok(None) | Err(Error::NoRecord(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// [`Engine::epoch_of`] from the index in memory alone; `Ok(None)`
@@ -711,6 +799,61 @@ impl Inner {
         entry: &Entry,
     ) -> Result<Option<Bytes>> {
         self.read_value_with(space, key, entry, false)
+    }
+
+    /// The first `n` bytes of the value an entry points at and its length
+    /// (see [`Engine::get_head`]); `Ok(None)` if `wait` is false and that
+    /// would wait for the disk.
+    fn read_value_head(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+        entry: &Entry,
+        n: usize,
+        wait: bool,
+    ) -> Result<Option<(Bytes, u64)>> {
+        let head = |value: Bytes| {
+            let len = value.len() as u64;
+            (value.slice(..n.min(value.len())), len)
+        };
+        let len = entry.len as usize;
+        if len <= HEAD_WHOLE_BYTES + n || self.cache.get(entry.location).is_some() {
+            return Ok(self.read_value_with(space, key, entry, wait)?.map(head));
+        }
+        let position = WalPosition(entry.location);
+        let read = |want: usize| {
+            if wait {
+                self.values.read(position, want.min(len)).map(Some)
+            } else {
+                self.values.read_if_cached(position, want.min(len))
+            }
+        };
+        let Some(mut bytes) = read(format::ITEM_HEADER_BYTES + MAX_KEY_BYTES + n)? else {
+            return Ok(None);
+        };
+        let corrupt = |detail: String| Error::Corrupt {
+            file: "value WAL".into(),
+            position,
+            detail,
+        };
+        let span = format::item_span(&bytes).map_err(|m| corrupt(m.0))?;
+        let need = span.value_at + n.min(span.value_len);
+        if span.len() != len || span.op != Op::Put {
+            return Err(corrupt("the index points at another item".into()));
+        }
+        if bytes.len() < need {
+            // A long metadata block before the key.
+            bytes = match read(need)? {
+                Some(bytes) => bytes,
+                None => return Ok(None),
+            };
+        }
+        if bytes[span.key_at..span.key_at + span.key_len] != key[..space.key_len()] {
+            return Err(corrupt("the index points at another item".into()));
+        }
+        Metrics::add(&self.metrics.counters().cache_misses, 1);
+        let prefix = Bytes::from(bytes).slice(span.value_at..need);
+        Ok(Some((prefix, span.value_len as u64)))
     }
 
     fn read_value_with(

@@ -96,7 +96,7 @@ mod wal;
 pub use batch::WriteBatch;
 pub use checkpoint::{Checkpoint, CheckpointFile, remove_engine_files};
 pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
-pub use engine::{Engine, Stored};
+pub use engine::{Engine, Stored, StoredHead};
 pub use error::{Error, Result};
 pub use memory::{Host, MemoryBudget};
 pub use metrics::{CounterSnapshot, LatencySnapshot, MetricsSnapshot};

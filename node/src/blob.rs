@@ -65,24 +65,26 @@ impl Header {
 
 /// Splits an engine value into header and content.
 pub fn decode(value: &[u8]) -> Result<(Header, &[u8])> {
-    if value.len() < HEADER_BYTES || value[0] != VERSION {
+    let header = decode_head(value, value.len() as u64)?;
+    Ok((header, &value[HEADER_BYTES..]))
+}
+
+/// The header of a stored blob of `len` bytes (header included) from its
+/// first bytes (at least [`HEADER_BYTES`]).
+pub fn decode_head(prefix: &[u8], len: u64) -> Result<Header> {
+    if prefix.len() < HEADER_BYTES || len < HEADER_BYTES as u64 || prefix[0] != VERSION {
         return Err(NodeError::Malformed(format!(
-            "stored blob of {} bytes has no valid header",
-            value.len()
+            "stored blob of {len} bytes has no valid header"
         )));
     }
-    let kind = BlobKind::try_from(i32::from(value[1]))
-        .map_err(|_| NodeError::Malformed(format!("stored blob of kind {}", value[1])))?;
-    let sha256 = value[2..HEADER_BYTES].try_into().expect("32 bytes");
-    let content = &value[HEADER_BYTES..];
-    Ok((
-        Header {
-            kind,
-            sha256,
-            size: content.len() as u64,
-        },
-        content,
-    ))
+    let kind = BlobKind::try_from(i32::from(prefix[1]))
+        .map_err(|_| NodeError::Malformed(format!("stored blob of kind {}", prefix[1])))?;
+    let sha256 = prefix[2..HEADER_BYTES].try_into().expect("32 bytes");
+    Ok(Header {
+        kind,
+        sha256,
+        size: len.saturating_sub(HEADER_BYTES as u64),
+    })
 }
 
 #[cfg(test)]
@@ -95,6 +97,11 @@ mod tests {
         let value = encode(BlobKind::Manifest, &digest, b"hello");
         let (header, content) = decode(&value).unwrap();
         assert_eq!(content, b"hello");
+        assert_eq!(
+            decode_head(&value[..HEADER_BYTES], value.len() as u64).unwrap(),
+            header
+        );
+        assert!(decode_head(&value[..HEADER_BYTES - 1], value.len() as u64).is_err());
         let mut room = vec![0xee; HEADER_BYTES];
         room.extend_from_slice(b"hello");
         assert_eq!(seal(BlobKind::Manifest, &digest, room), value);

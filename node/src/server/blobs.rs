@@ -673,13 +673,14 @@ impl BlobApi {
         let stored = self
             .engine_read_now(
                 &target,
-                |engine, space| engine.get_stored_now(space, &key),
-                move |engine, space| engine.get_stored(space, &key),
+                |engine, space| engine.get_head_now(space, &key, blob::HEADER_BYTES),
+                move |engine, space| engine.get_head(space, &key, blob::HEADER_BYTES),
             )
             .await?;
         self.check_owned(&target, &key)?;
         let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
-        let (header, _) = blob::decode(&stored.value)
+        // The header alone: a large blob's content is not read.
+        let header = blob::decode_head(&stored.prefix, stored.len)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         Ok(HeadResponse {
             info: Some(header.info(stored.epoch.0)),

@@ -401,6 +401,74 @@ pub(crate) fn decode_item(position: WalPosition, bytes: &[u8]) -> Result<Item<'_
     }
 }
 
+/// Where an item's key and value lie, read from its header alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ItemSpan {
+    pub op: Op,
+    /// Offset of the key from the item's location.
+    pub key_at: usize,
+    pub key_len: usize,
+    /// Offset of the value from the item's location.
+    pub value_at: usize,
+    pub value_len: usize,
+}
+
+impl ItemSpan {
+    /// Bytes from the item's location to the end of its value.
+    pub fn len(&self) -> usize {
+        self.value_at + self.value_len
+    }
+}
+
+/// The span of the item (or single entry) at the start of `bytes`, from
+/// its header alone: `bytes` need not hold the value, and nothing is
+/// verified but that the lengths are possible (a caller reading part of an
+/// item cannot check its CRC).
+pub(crate) fn item_span(bytes: &[u8]) -> Result<ItemSpan, Malformed> {
+    let (op, key_at, key_len, value_at, value_len) = match bytes.first() {
+        Some(1..=3) if bytes.len() >= ITEM_HEADER_BYTES => {
+            let key_len = usize::from(bytes[2]);
+            let value_at = ITEM_HEADER_BYTES + key_len;
+            (
+                bytes[0],
+                ITEM_HEADER_BYTES,
+                key_len,
+                value_at,
+                get_u32(bytes, 4) as usize,
+            )
+        }
+        Some(_) if bytes.len() >= SINGLE_HEADER_BYTES && bytes[4] == SINGLE_KIND => {
+            let body_len = get_u32(bytes, 0) as usize;
+            let key_len = usize::from(bytes[12]);
+            let pad = usize::from(bytes[13]);
+            let meta_len = usize::from(u16::from_le_bytes([bytes[14], bytes[15]]));
+            let key_at = SINGLE_HEADER_BYTES + meta_len;
+            let value_at = key_at + key_len;
+            let value_len = (RECORD_HEADER_BYTES + body_len)
+                .checked_sub(pad + value_at)
+                .ok_or_else(|| Malformed(format!("single entry of body {body_len}")))?;
+            (bytes[6], key_at, key_len, value_at, value_len)
+        }
+        _ => return Err(Malformed("no item header".into())),
+    };
+    let op = match op {
+        1 => Op::Put,
+        2 => Op::Delete,
+        3 => Op::Touch,
+        other => return Err(Malformed(format!("unknown item op {other}"))),
+    };
+    if key_len == 0 || key_len > MAX_KEY_BYTES {
+        return Err(Malformed(format!("item key length {key_len}")));
+    }
+    Ok(ItemSpan {
+        op,
+        key_at,
+        key_len,
+        value_at,
+        value_len,
+    })
+}
+
 /// Decodes and verifies one item of a multi-item entry from `bytes` (which
 /// may extend past it).
 fn decode_listed_item(bytes: &[u8]) -> Result<Item<'_>, Malformed> {

@@ -43,6 +43,13 @@ fn round_trip(at: u64, meta: &[u8], items: &[ItemSpec<'_>]) -> RecordHeader {
         // An item can be read and verified alone, at its location.
         let alone = &buf[*offset..*offset + item.len];
         assert_eq!(decode_item(loc.position, alone).expect("valid item"), *item);
+        // Its span, from the bytes before its value alone.
+        let head = &alone[..alone.len() - item.value.len()];
+        let span = item_span(head).expect("span");
+        assert_eq!(span.op, item.op);
+        assert_eq!(&alone[span.key_at..span.key_at + span.key_len], item.key);
+        assert_eq!(&alone[span.value_at..span.len()], item.value);
+        assert_eq!(span.len(), item.len);
         assert!(
             decode_item(loc.position.plus(8), alone).is_ok() != view.header.single,
             "a single entry's item checks its position"
