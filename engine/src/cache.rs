@@ -5,6 +5,13 @@
 //! entries never go stale; a relocated or deleted value, or one of an
 //! engine that was closed, simply stops being asked for and ages out (an
 //! engine's tag is never reused).
+//!
+//! Admission: a value of [`LARGE_BYTES`] or more is cached only when it is
+//! read a second time while its first read is still remembered (the last
+//! [`SEEN_PER_SHARD`] large misses of each shard). A large value read once
+//! — a scan, a stream of new blobs — would otherwise take fresh memory for
+//! every read and push out what is read often; its pages are in the page
+//! cache anyway, and its read buffer goes back to `crate::buffers`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,6 +21,10 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 const SHARDS: usize = 16;
+/// Values this large are cached on their second read (see the module docs).
+pub(crate) const LARGE_BYTES: usize = crate::buffers::MIN_BYTES;
+/// Large values whose first read a shard remembers.
+const SEEN_PER_SHARD: usize = 4096;
 const NIL: usize = usize::MAX;
 /// Per-entry bookkeeping counted against the budget.
 const ENTRY_OVERHEAD_BYTES: usize = 64;
@@ -41,6 +52,9 @@ struct Shard {
     tail: usize,
     bytes: usize,
     budget: usize,
+    /// Large values read once and not cached, oldest first.
+    seen: std::collections::VecDeque<CacheKey>,
+    seen_set: std::collections::HashSet<CacheKey>,
 }
 
 impl Shard {
@@ -53,7 +67,28 @@ impl Shard {
             tail: NIL,
             bytes: 0,
             budget,
+            seen: std::collections::VecDeque::new(),
+            seen_set: std::collections::HashSet::new(),
         }
+    }
+
+    /// Whether a large value read now may be cached: its second read while
+    /// the first is remembered; a first read is remembered instead.
+    fn admit_large(&mut self, key: CacheKey) -> bool {
+        if self.seen_set.remove(&key) {
+            return true;
+        }
+        if self.seen.len() >= SEEN_PER_SHARD
+            && let Some(oldest) = self.seen.pop_front()
+        {
+            self.seen_set.remove(&oldest);
+        }
+        // A key whose entry was taken above is still queued: harmless (a
+        // stale queue entry only ages out, removing nothing or a re-added
+        // key early).
+        self.seen.push_back(key);
+        self.seen_set.insert(key);
+        false
     }
 
     fn unlink(&mut self, i: usize) {
@@ -92,6 +127,9 @@ impl Shard {
     fn insert(&mut self, key: CacheKey, value: Bytes, owner: &Arc<AtomicI64>) {
         let cost = value.len() + ENTRY_OVERHEAD_BYTES;
         if cost > self.budget || self.map.contains_key(&key) {
+            return;
+        }
+        if value.len() >= LARGE_BYTES && !self.admit_large(key) {
             return;
         }
         while self.bytes + cost > self.budget && self.tail != NIL {
@@ -256,6 +294,29 @@ mod tests {
         assert!(cache.shared.bytes() <= 16 * 1024);
         assert_eq!(cache.bytes(), cache.shared.bytes());
         assert!(cache.get(9_999 * 8).is_some());
+    }
+
+    #[test]
+    fn a_large_value_is_cached_on_its_second_read() {
+        let cache = EngineCache::new(Arc::new(ValueCache::new(64 << 20)));
+        let large = || Bytes::from(vec![5; LARGE_BYTES]);
+        cache.insert(8, large());
+        assert!(cache.get(8).is_none(), "read once: not cached");
+        cache.insert(8, large());
+        assert_eq!(cache.get(8).unwrap(), large(), "read again: cached");
+        // Small values at once.
+        cache.insert(16, Bytes::from(vec![6; LARGE_BYTES - 1]));
+        assert!(cache.get(16).is_some());
+        // A first read forgotten (many large reads since) counts as new.
+        cache.insert(24, large());
+        for location in 100..100 + (SHARDS * SEEN_PER_SHARD * 2) as u64 {
+            cache.insert(location * 8, Bytes::from(vec![7; LARGE_BYTES]));
+        }
+        cache.insert(24, large());
+        assert!(cache.get(24).is_none(), "its first read was forgotten");
+        let shard = cache.shared.shard((cache.tag, 24)).lock();
+        assert!(shard.seen.len() <= SEEN_PER_SHARD);
+        assert!(shard.seen_set.len() <= SEEN_PER_SHARD);
     }
 
     #[test]

@@ -852,7 +852,7 @@ impl Inner {
             return Err(corrupt("the index points at another item".into()));
         }
         Metrics::add(&self.metrics.counters().cache_misses, 1);
-        let prefix = Bytes::from(bytes).slice(span.value_at..need);
+        let prefix = Bytes::from(bytes[span.value_at..need].to_vec());
         Ok(Some((prefix, span.value_len as u64)))
     }
 
@@ -891,7 +891,7 @@ impl Inner {
         // The value is the end of the item.
         let value_end = item.len;
         let value_start = value_end - item.value.len();
-        let value = Bytes::from(bytes).slice(value_start..value_end);
+        let value = crate::buffers::freeze(bytes).slice(value_start..value_end);
         self.cache.insert(entry.location, value.clone());
         Ok(Some(value))
     }

@@ -65,6 +65,7 @@
 //! replica's disk once (see the `replication` module docs).
 
 mod batch;
+mod buffers;
 mod cache;
 mod checkpoint;
 mod config;

@@ -251,7 +251,8 @@ impl Engine {
             HeaderRead::Header(h) if h.kind == Kind::Entry => h,
             _ => return Err(Error::NoRecord(position)),
         };
-        let bytes = inner.values.read(position, header.record_len())?;
+        // Its buffer goes back to the read buffers once the items are copied.
+        let bytes = crate::buffers::freeze(inner.values.read(position, header.record_len())?);
         let view = RecordView::verify(position, &bytes).map_err(|m| corrupt(m.0))?;
         let items = view
             .items()

@@ -236,7 +236,7 @@ impl Log {
 
     /// Reads `len` bytes at `position`.
     pub fn read(&self, position: WalPosition, len: usize) -> Result<Vec<u8>> {
-        let mut buf = vec![0; len];
+        let mut buf = crate::buffers::take(len);
         self.read_into(position, &mut buf)?;
         Ok(buf)
     }
@@ -248,7 +248,7 @@ impl Log {
             return Ok(None);
         }
         let (segment, offset) = self.shared.segment_of(position, len)?;
-        let mut buf = vec![0; len];
+        let mut buf = crate::buffers::take(len);
         let cached = segment
             .file
             .read_at_if_cached(&mut buf, offset)
