@@ -15,6 +15,15 @@ use crate::CoordinatorError;
 /// threads and memory (`docs/design/scale-out.md`).
 pub const DEFAULT_SPLIT_MIB: u64 = 4096;
 
+/// The default `split_rps`: a shard whose leader serves more than 10,000
+/// requests a second for a minute splits. A whole three-node cluster on
+/// the two-core test host serves about 18,000 1 KiB gets a second
+/// (`benchmarks/RESULTS.md`), so under a spread load no shard of a
+/// default 16 comes near it; a shard that does is a hot spot worth a
+/// leader of its own on another node. Splits never merge, so the limit
+/// errs high and the load must last.
+pub const DEFAULT_SPLIT_RPS: u64 = 10_000;
+
 /// Everything a coordinator is configured with.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -68,6 +77,14 @@ pub struct CoordinatorConfig {
     /// values is split in two (`docs/design/splits.md`); 0: never split
     /// automatically.
     pub split_mib: u64,
+    /// A shard whose leader serves more than this many requests per second
+    /// (keys read, written or checked; a moving average over about five
+    /// seconds) for `split_load_secs` is split where its recent requests
+    /// divide evenly (`docs/design/splits.md`, splits by load); 0: never
+    /// split by load.
+    pub split_rps: u64,
+    /// How long a shard must stay over `split_rps` before it splits.
+    pub split_load_secs: u64,
     /// Mutual TLS for the coordinator's gRPC listener and its calls to
     /// nodes (`[tls]`: `cert`, `key`, `ca`; re-read when they change).
     /// Without it the coordinator speaks plaintext and admits every caller
@@ -137,6 +154,8 @@ impl Default for CoordinatorConfig {
             transfer_backoff_ms: 30_000,
             balance_settle_ms: 10_000,
             split_mib: DEFAULT_SPLIT_MIB,
+            split_rps: DEFAULT_SPLIT_RPS,
+            split_load_secs: 60,
             tls: None,
             etcd_tls: None,
             bootstrap_token_file: None,
@@ -177,6 +196,9 @@ impl CoordinatorConfig {
         }
         if self.reconcile_interval_ms == 0 || self.max_concurrent_moves == 0 {
             return bad("reconcile_interval_ms and max_concurrent_moves must be positive");
+        }
+        if self.split_rps > 0 && self.split_load_secs == 0 {
+            return bad("split_load_secs must be positive when split_rps is set");
         }
         if !self.etcd.is_empty() && self.embedded_path.is_some() {
             return bad("give either etcd endpoints or an embedded_path, not both");

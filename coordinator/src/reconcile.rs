@@ -31,6 +31,7 @@ use crate::epochs::drop_target;
 use crate::nodes::NodeClients;
 use crate::placement::{NodeView, Placement, place};
 use crate::plan::{ShardView, Step, Wait, next_step, shard_views};
+use crate::splits::Hot;
 use crate::transfers::Transfers;
 
 /// Deadline of a status poll.
@@ -159,6 +160,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         targets: Placement::new(),
         transfers: shared.config.transfers(),
         unsplittable: Default::default(),
+        hot: Default::default(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -174,6 +176,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             reconciler.targets.clear();
             reconciler.transfers.clear();
             reconciler.unsplittable.clear();
+            reconciler.hot.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -200,6 +203,8 @@ struct Reconciler {
     transfers: Transfers,
     /// Shards that cannot split (this term): not split automatically.
     unsplittable: std::collections::BTreeSet<u32>,
+    /// Shards over the load limit, and since when (splits by load).
+    hot: crate::splits::HotShards,
 }
 
 /// Most automatic splits decided per round.
@@ -748,7 +753,8 @@ impl Reconciler {
         }
     }
 
-    /// Decides splits of shards over `split_mib` (a few per round), then
+    /// Decides splits of shards over `split_mib` or hot over `split_rps`
+    /// for `split_load_secs` (a few per round), then
     /// carries decided splits on (`splits.rs`): publishes those whose new
     /// group has a leader, and has the leader of the others propose the
     /// split entry (again, if no replica reports it applied: a repeated
@@ -775,6 +781,48 @@ impl Reconciler {
                         tracing::warn!(shard_id, %error, "cannot decide a split");
                         self.unsplittable.insert(shard_id);
                     }
+                }
+            }
+        }
+        let rps = self.shared.config.split_rps;
+        if rps > 0 {
+            let sustain = Duration::from_secs(self.shared.config.split_load_secs);
+            let hot = self.hot.round(
+                map,
+                views,
+                rps as f64,
+                sustain,
+                Instant::now(),
+                &self.unsplittable,
+            );
+            for hot in hot.into_iter().take(SPLITS_PER_ROUND) {
+                match hot {
+                    Hot::Split {
+                        shard_id,
+                        at,
+                        requests_per_second,
+                    } => match self.shared.split_shard(shard_id, at).await {
+                        Ok((child, at)) => tracing::info!(
+                            shard_id,
+                            requests_per_second,
+                            child_shard_id = child,
+                            at,
+                            "shard over the load limit; split decided"
+                        ),
+                        Err(error) => {
+                            tracing::warn!(shard_id, %error, "cannot decide a split");
+                            self.unsplittable.insert(shard_id);
+                        }
+                    },
+                    Hot::NoCut {
+                        shard_id,
+                        requests_per_second,
+                    } => tracing::warn!(
+                        shard_id,
+                        requests_per_second,
+                        "shard over the load limit, but its load sits on a few keys \
+                         that no split would spread; not split"
+                    ),
                 }
             }
         }

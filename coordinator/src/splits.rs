@@ -6,7 +6,8 @@
 //! the map and the nodes' reports say, so a coordinator that takes over
 //! halfway carries on from there.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
 use tidepool_proto::v1::{ClusterMap, ReplicaStatus, ShardInfo, SplitIntent};
 
@@ -140,6 +141,122 @@ pub fn over_limit(
     over
 }
 
+/// What a hot shard's load allows (from [`HotShards::round`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Hot {
+    /// Hot for long enough: split at `at`, where its leader's recent
+    /// requests divide most evenly.
+    Split {
+        /// The shard.
+        shard_id: u32,
+        /// The first hash position of the upper half.
+        at: u64,
+        /// Its leader's requests per second.
+        requests_per_second: f64,
+    },
+    /// Hot for long enough, but its load sits on a few keys that no cut
+    /// spreads (reported once per shard and range).
+    NoCut {
+        /// The shard.
+        shard_id: u32,
+        /// Its leader's requests per second.
+        requests_per_second: f64,
+    },
+}
+
+/// Shards whose leader has reported more than the load limit in every
+/// round since some moment (splits by load, `docs/design/splits.md`).
+/// Keyed by shard and range end, so a shard whose range narrowed (it split)
+/// starts its clock again.
+#[derive(Debug, Default)]
+pub struct HotShards {
+    since: BTreeMap<(u32, u64), (Instant, bool)>,
+}
+
+impl HotShards {
+    /// Forgets every shard (a new coordinator term).
+    pub fn clear(&mut self) {
+        self.since.clear();
+    }
+
+    /// Takes this round's reports at `now`: a shard stays hot while its
+    /// leader reports more than `limit` requests per second (not one with a
+    /// split under way, learners, a single hash position, or in
+    /// `unsplittable`); one hot for `sustain` is returned to split at its
+    /// leader's balanced cut, busiest first, and its clock starts again.
+    pub fn round(
+        &mut self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        limit: f64,
+        sustain: Duration,
+        now: Instant,
+        unsplittable: &BTreeSet<u32>,
+    ) -> Vec<Hot> {
+        let mut hot_now = BTreeMap::new();
+        for view in views {
+            let Some(shard) = map.shards.iter().find(|s| s.shard_id == view.shard_id) else {
+                continue;
+            };
+            let eligible = view.learners.is_empty()
+                && shard.split.is_none()
+                && shard.hash_start < shard.hash_end
+                && !unsplittable.contains(&view.shard_id);
+            let Some(status) = view.leader_status() else {
+                continue;
+            };
+            if eligible && status.requests_per_second > limit {
+                hot_now.insert((view.shard_id, shard.hash_end), status);
+            }
+        }
+        self.since.retain(|key, _| hot_now.contains_key(key));
+        let mut due = Vec::new();
+        for (key, status) in hot_now {
+            let (since, warned) = self.since.entry(key).or_insert((now, false));
+            if now.saturating_duration_since(*since) < sustain {
+                continue;
+            }
+            let (shard_id, end) = key;
+            let requests_per_second = status.requests_per_second;
+            let range_start = map
+                .shards
+                .iter()
+                .find(|s| s.shard_id == shard_id)
+                .map_or(0, |s| s.hash_start);
+            match status.load_split_at {
+                Some(at) if range_start < at && at <= end => {
+                    *since = now;
+                    due.push(Hot::Split {
+                        shard_id,
+                        at,
+                        requests_per_second,
+                    });
+                }
+                _ if !*warned => {
+                    *warned = true;
+                    due.push(Hot::NoCut {
+                        shard_id,
+                        requests_per_second,
+                    });
+                }
+                _ => {}
+            }
+        }
+        let load = |hot: &Hot| match hot {
+            Hot::Split {
+                requests_per_second,
+                ..
+            }
+            | Hot::NoCut {
+                requests_per_second,
+                ..
+            } => *requests_per_second,
+        };
+        due.sort_by(|a, b| load(b).total_cmp(&load(a)));
+        due
+    }
+}
+
 impl Shared {
     /// Decides a split of `shard_id` at `at` (0: the middle); the
     /// reconciler carries it out. Returns the new shard's id and the cut.
@@ -185,6 +302,23 @@ mod tests {
         }
     }
 
+    /// A shard whose leader, on node 1, reports `status`.
+    fn led_by_node_1(status: ReplicaStatus) -> ShardView {
+        let mut view = ShardView {
+            shard_id: status.shard_id,
+            leader: Some(1),
+            ..ShardView::default()
+        };
+        view.replicas.insert(
+            1,
+            ReplicaStatus {
+                is_leader: true,
+                ..status
+            },
+        );
+        view
+    }
+
     #[test]
     fn the_middle_cuts_a_range_in_two_non_empty_halves() {
         assert_eq!(middle(0, u64::MAX), Some(1 << 63));
@@ -215,21 +349,11 @@ mod tests {
     fn shards_over_the_limit_split_largest_first_once_their_size_is_known() {
         let mut map = map_of(&[(1, 0, 99), (2, 100, 199), (3, 200, 299), (4, 300, 300)]);
         let view = |shard_id: u32, data_bytes: Option<u64>| {
-            let mut view = ShardView {
+            led_by_node_1(ReplicaStatus {
                 shard_id,
-                leader: Some(1),
-                ..ShardView::default()
-            };
-            view.replicas.insert(
-                1,
-                ReplicaStatus {
-                    shard_id,
-                    is_leader: true,
-                    data_bytes,
-                    ..ReplicaStatus::default()
-                },
-            );
-            view
+                data_bytes,
+                ..ReplicaStatus::default()
+            })
         };
         let views = vec![
             view(1, Some(150)),
@@ -258,6 +382,92 @@ mod tests {
         assert!(withdraw(&mut map, 1, child));
         assert!(!withdraw(&mut map, 1, child), "once");
         assert!(map.shards[0].split.is_none());
+    }
+
+    #[test]
+    fn a_shard_splits_by_load_once_hot_for_long_enough_and_only_where_a_cut_spreads_it() {
+        let view = |shard_id: u32, rps: f64, at: Option<u64>| {
+            led_by_node_1(ReplicaStatus {
+                shard_id,
+                requests_per_second: rps,
+                load_split_at: at,
+                ..ReplicaStatus::default()
+            })
+        };
+        let t0 = Instant::now();
+        // A round at second `s` with a limit of 500/s held for 10 s.
+        let round = |hot: &mut HotShards,
+                     map: &ClusterMap,
+                     views: &[ShardView],
+                     s: u64,
+                     unsplittable: &BTreeSet<u32>| {
+            let at = t0 + Duration::from_secs(s);
+            hot.round(map, views, 500.0, Duration::from_secs(10), at, unsplittable)
+        };
+        let none = BTreeSet::new();
+        let mut map = map_of(&[(1, 0, 999), (2, 1000, 1999), (3, 2000, 2999)]);
+        let mut hot = HotShards::default();
+        // Shard 1 hot with a cut, 2 hot on one key, 3 cool.
+        let views = [
+            view(1, 900.0, Some(400)),
+            view(2, 1200.0, None),
+            view(3, 100.0, Some(2500)),
+        ];
+        for s in [0, 9] {
+            assert!(round(&mut hot, &map, &views, s, &none).is_empty());
+        }
+        let due = round(&mut hot, &map, &views, 10, &none);
+        let expected = [
+            Hot::NoCut {
+                shard_id: 2,
+                requests_per_second: 1200.0,
+            },
+            Hot::Split {
+                shard_id: 1,
+                at: 400,
+                requests_per_second: 900.0,
+            },
+        ];
+        assert_eq!(due, expected, "busiest first");
+        // The shard without a cut is reported once; the split one's clock
+        // started again.
+        assert!(round(&mut hot, &map, &views, 11, &none).is_empty());
+        // A round below the limit starts a shard's clock again.
+        let mut cooled = views.clone();
+        cooled[0] = view(1, 100.0, Some(400));
+        for (views, s) in [(&cooled, 12), (&views, 13), (&views, 22)] {
+            assert!(round(&mut hot, &map, views, s, &none).is_empty());
+        }
+        assert_eq!(round(&mut hot, &map, &views, 23, &none).len(), 1);
+        // A split under way, learners, or an unsplittable shard: not hot.
+        decide(&mut map, 1, 400).unwrap();
+        for s in [24, 40] {
+            assert!(round(&mut hot, &map, &views, s, &none).is_empty());
+        }
+        let mut map = map_of(&[(1, 0, 999)]);
+        let mut moving = [view(1, 900.0, Some(400))];
+        moving[0].learners.insert(4);
+        let alone = [view(1, 900.0, Some(400))];
+        let blocked = BTreeSet::from([1]);
+        for (views, unsplittable) in [(&moving, &none), (&alone, &blocked)] {
+            let mut hot = HotShards::default();
+            for s in [0, 20] {
+                assert!(round(&mut hot, &map, views, s, unsplittable).is_empty());
+            }
+        }
+        // A cut outside the range (a stale report): no split.
+        let mut hot = HotShards::default();
+        let stale = [view(1, 900.0, Some(1500))];
+        assert!(round(&mut hot, &map, &stale, 0, &none).is_empty());
+        assert!(matches!(
+            round(&mut hot, &map, &stale, 20, &none)[..],
+            [Hot::NoCut { shard_id: 1, .. }]
+        ));
+        // Once the range narrows the clock starts again.
+        map.shards[0].hash_end = 399;
+        let narrowed = [view(1, 900.0, Some(200))];
+        assert!(round(&mut hot, &map, &narrowed, 21, &none).is_empty());
+        assert_eq!(round(&mut hot, &map, &narrowed, 31, &none).len(), 1);
     }
 
     #[test]

@@ -163,6 +163,11 @@ pub struct Options {
     pub down_grace_ms: u64,
     /// The coordinator's `--split-mib` (0: no automatic splits).
     pub split_mib: u64,
+    /// The coordinator's `--split-rps` (0: no splits by load) and
+    /// `--split-load-secs`.
+    pub split_rps: u64,
+    /// How long a shard stays over `split_rps` before it splits, seconds.
+    pub split_load_secs: u64,
     /// The nodes' `engine.relocation_interval_ms` (`None`: their default).
     pub relocation_interval_ms: Option<u64>,
     /// The nodes' `raft.compact_log_entries` (`None`: their default).
@@ -178,6 +183,8 @@ impl Default for Options {
             small_disk: None,
             down_grace_ms: 60_000,
             split_mib: 0,
+            split_rps: 0,
+            split_load_secs: 60,
             relocation_interval_ms: None,
             compact_log_entries: None,
         }
@@ -278,6 +285,10 @@ impl Cluster {
                 "200".into(),
                 "--split-mib".into(),
                 options.split_mib.to_string(),
+                "--split-rps".into(),
+                options.split_rps.to_string(),
+                "--split-load-secs".into(),
+                options.split_load_secs.to_string(),
             ];
             args.extend(cluster.credentials.flags(&format!("coordinator-{i}")));
             cluster.coordinators.push(CoordinatorProcess {
@@ -567,6 +578,20 @@ impl Cluster {
             .iter()
             .flat_map(|c| c.logs.clone())
             .chain(self.nodes.iter().flat_map(|n| n.logs.clone()))
+            .collect()
+    }
+
+    /// Lines of every log (coordinators', then nodes') containing `needle`.
+    pub fn log_lines_with(&self, needle: &str) -> Vec<String> {
+        self.all_logs()
+            .iter()
+            .flat_map(|path| {
+                let text = std::fs::read_to_string(path).unwrap_or_default();
+                text.lines()
+                    .filter(|line| line.contains(needle))
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
             .collect()
     }
 

@@ -178,6 +178,226 @@ async fn split_with_the_coordinator_killed() {
     finish_checks(&cluster, &report, &[child]).await;
 }
 
+/// Names in namespace `default` whose hash position lies in `shard`
+/// (`count` of them, `prefix-0`, `prefix-1`, ...: the first that do).
+fn names_in(map: &ClusterMap, shard: &ShardInfo, prefix: &str, count: usize) -> Vec<Vec<u8>> {
+    let ns = map
+        .namespaces
+        .iter()
+        .find(|n| n.name == "default")
+        .expect("default")
+        .id;
+    (0..)
+        .map(|i| format!("{prefix}-{i}").into_bytes())
+        .filter(|name| {
+            let p = hash_position(&storage_key(ns, name));
+            shard.hash_start <= p && p <= shard.hash_end
+        })
+        .take(count)
+        .collect()
+}
+
+/// Gets of `names` from `tasks` concurrent loops until `stop` is set;
+/// returns the number of gets done.
+fn hammer(
+    client: &tidepool_client::Client,
+    names: Vec<Vec<u8>>,
+    tasks: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinSet<u64> {
+    use std::sync::atomic::Ordering;
+    let names = std::sync::Arc::new(names);
+    let mut set = tokio::task::JoinSet::new();
+    for t in 0..tasks {
+        let (client, names, stop) = (client.clone(), names.clone(), stop.clone());
+        set.spawn(async move {
+            let mut done = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let name = &names[(done as usize * 7 + t) % names.len()];
+                // A get may fail over a split (retried inside the SDK) or
+                // time out under load; only the count matters here.
+                let _ = client.get("default", name).await;
+                done += 1;
+            }
+            done
+        });
+    }
+    set
+}
+
+/// The leader-reported requests per second of each shard.
+fn shard_rates(status: &tidepool_client::proto::v1::ClusterStatus) -> Vec<(u32, f64)> {
+    let mut rates: Vec<(u32, f64)> = status
+        .nodes
+        .iter()
+        .flat_map(|n| n.replicas.iter())
+        .filter(|r| r.is_leader)
+        .map(|r| (r.shard_id, r.requests_per_second))
+        .collect();
+    rates.sort_by_key(|(id, _)| *id);
+    rates
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_shard_splits_by_load_and_a_hot_key_does_not() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const LIMIT: u64 = 400;
+    const SUSTAIN_SECS: u64 = 3;
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        shards: 2,
+        split_rps: LIMIT,
+        split_load_secs: SUSTAIN_SECS,
+        ..Options::default()
+    })
+    .await;
+    // Two checked clients: their own load (about 100-200 requests per
+    // second per shard in a debug build) stays well under the limit; the
+    // hammers below reach about twice it.
+    let mut run = start(
+        &cluster,
+        Workload {
+            clients: 2,
+            ..workload()
+        },
+    )
+    .await;
+    run.run_for(Duration::from_secs(8)).await;
+    let status = cluster.status().await.expect("status");
+    let before = shard_rates(&status);
+    eprintln!("requests per second with the checked workload alone: {before:?}");
+    let map = status.map.expect("map");
+    assert_eq!(map.shards.len(), 2, "no split under the workload alone");
+    // Many keys of shard 1, spread over its range.
+    let hot_shard = map.shards[0].clone();
+    let names = names_in(&map, &hot_shard, "hot", 256);
+    let client = cluster.client().await;
+    for name in &names {
+        client.put("default", name, b"hot").await.expect("put");
+    }
+    run.fault_begins();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut gets = hammer(&client, names, 12, &stop);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(90);
+    let child = loop {
+        let status = cluster.status().await;
+        let child = status.as_ref().and_then(|s| s.map.as_ref()).and_then(|m| {
+            m.shards
+                .iter()
+                .find(|s| {
+                    s.shard_id > 2
+                        && hot_shard.hash_start < s.hash_start
+                        && s.hash_end <= hot_shard.hash_end
+                })
+                .map(|s| s.shard_id)
+        });
+        if let Some(child) = child {
+            break child;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the hot shard did not split; rates {:?}\n{}",
+            status.as_ref().map(shard_rates),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    };
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let mut done = 0;
+    while let Some(n) = gets.join_next().await {
+        done += n.expect("hammer task");
+    }
+    eprintln!(
+        "shard {} split into {child} by load after {took:?} ({done} gets)",
+        hot_shard.shard_id
+    );
+    assert!(
+        took >= Duration::from_secs(SUSTAIN_SECS),
+        "a split by load waits for the load to last"
+    );
+    // Where the leader's cut was: both halves took a fair part of the
+    // spread keys (the cut balances the recent requests, within a quarter).
+    let status = cluster.status().await.expect("status");
+    let map = status.map.expect("map");
+    let parent = map
+        .shards
+        .iter()
+        .find(|s| s.shard_id == hot_shard.shard_id)
+        .expect("parent");
+    let spread = names_in(&map, &hot_shard, "hot", 256);
+    let below = spread
+        .iter()
+        .filter(|n| {
+            let ns = map
+                .namespaces
+                .iter()
+                .find(|n| n.name == "default")
+                .unwrap()
+                .id;
+            hash_position(&storage_key(ns, n)) <= parent.hash_end
+        })
+        .count();
+    assert!(
+        (64..=192).contains(&below),
+        "the cut divides the hot keys: {below} of 256 below it"
+    );
+    cluster.wait_settled(Duration::from_secs(90)).await;
+    // One hot key in shard 2: over the limit, but no cut spreads it.
+    let cold = map
+        .shards
+        .iter()
+        .find(|s| s.shard_id == 2)
+        .expect("shard 2")
+        .clone();
+    let key = names_in(&map, &cold, "hotkey", 1);
+    client.put("default", &key[0], b"hot").await.expect("put");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut gets = hammer(&client, key, 12, &stop);
+    let watched = Instant::now();
+    let mut peak = 0.0f64;
+    while watched.elapsed() < Duration::from_secs(SUSTAIN_SECS * 4) {
+        run.run_for(Duration::from_millis(500)).await;
+        if let Some(status) = cluster.status().await {
+            let rate = shard_rates(&status)
+                .into_iter()
+                .find(|(id, _)| *id == 2)
+                .map_or(0.0, |(_, r)| r);
+            peak = peak.max(rate);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    while let Some(n) = gets.join_next().await {
+        n.expect("hammer task");
+    }
+    let map = cluster.status().await.and_then(|s| s.map).expect("map");
+    let shard2 = map
+        .shards
+        .iter()
+        .find(|s| s.shard_id == 2)
+        .expect("shard 2");
+    eprintln!("one hot key in shard 2: peak {peak:.0} requests per second");
+    assert!(
+        peak > LIMIT as f64,
+        "the hot key took shard 2 over the limit ({peak:.0} <= {LIMIT})"
+    );
+    assert!(
+        shard2.split.is_none()
+            && (shard2.hash_start, shard2.hash_end) == (cold.hash_start, cold.hash_end),
+        "a shard hot on one key does not split: {shard2:?}"
+    );
+    assert!(
+        !cluster.log_lines_with("no split would spread").is_empty(),
+        "the coordinator says why it does not split shard 2"
+    );
+    run.fault_ends();
+    run.run_for(Duration::from_secs(2)).await;
+    let report = run.finish("splits by load").await;
+    finish_checks(&cluster, &report, &[child]).await;
+}
+
 /// The value of bulk key `i`: 64 KiB, cheap to check.
 fn bulk(i: u32) -> Vec<u8> {
     format!("bulk value {i:08} ")

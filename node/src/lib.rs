@@ -10,7 +10,8 @@
 //! [`replica`] (one raft-rs `RawNode` and the Ready checklist), [`snapshot`]
 //! and [`store`] (snapshots as files, the replica's two engine slots),
 //! [`session`] (client write sessions: exactly-once application),
-//! [`shard`] (the owner task: group commit, ReadIndex batching),
+//! [`shard`] (the owner task: group commit, ReadIndex batching), [`load`]
+//! (a replica's requests a second, for splits by load),
 //! [`server`] (the node: gRPC services, transport, metrics), [`sim`] (a
 //! simulated network for tests). See `docs/design/replication.md`.
 //!
@@ -29,6 +30,7 @@ pub mod config;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod load;
 pub mod names;
 pub mod raftlog;
 pub mod replica;

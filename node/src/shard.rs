@@ -207,6 +207,9 @@ pub struct ShardState {
     pub data_bytes: Option<u64>,
     /// Whether a snapshot is being received.
     pub receiving_snapshot: bool,
+    /// Requests routed to the replica, and where a split would divide
+    /// them (`crate::load`).
+    pub load: crate::load::LoadReport,
 }
 
 /// What the owner counts for metrics (shared handles: clones count
@@ -274,6 +277,8 @@ pub struct ShardHandle {
     /// not recorded), shown by the replica itself (`ReplicaConfig::
     /// range_cell`).
     range: crate::replica::RangeCell,
+    /// Requests the node routed here (`crate::load`).
+    load: crate::load::Load,
 }
 
 impl std::fmt::Debug for ShardHandle {
@@ -335,6 +340,7 @@ impl ShardHandle {
             task: Mutex::new(None),
             stats: ShardStats::default(),
             range,
+            load: crate::load::Load::default(),
         });
         let mut owner = Owner {
             handle: handle.clone(),
@@ -443,6 +449,11 @@ impl ShardHandle {
     /// (`None`: not recorded).
     pub fn range(&self) -> Option<(u64, u64)> {
         *self.range.read()
+    }
+
+    /// Counts the requests routed to this replica.
+    pub fn load(&self) -> &crate::load::Load {
+        &self.load
     }
 
     /// What the owner last published.
@@ -794,6 +805,10 @@ impl Owner {
                 state.epoch = engine.epoch().0;
                 state.disk_bytes = engine.disk_bytes();
                 state.data_bytes = engine.data_bytes();
+                state.load = self
+                    .handle
+                    .load
+                    .observe(Instant::now(), self.handle.range());
                 if !Arc::ptr_eq(engine, &self.handle.engine.load()) {
                     self.handle.engine.store(engine.clone());
                 }

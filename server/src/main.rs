@@ -277,6 +277,10 @@ struct DevArgs {
     /// Split a shard whose values pass this many MiB (0: never).
     #[arg(long, default_value_t = tidepool_coordinator::config::DEFAULT_SPLIT_MIB)]
     split_mib: u64,
+    /// Split a shard whose leader serves more than this many requests per
+    /// second for a minute (0: never split by load).
+    #[arg(long, default_value_t = tidepool_coordinator::config::DEFAULT_SPLIT_RPS)]
+    split_rps: u64,
     /// Without TLS and tokens (plaintext; every caller may do anything).
     #[arg(long)]
     insecure: bool,
@@ -399,6 +403,15 @@ struct CoordinatorArgs {
     /// automatically; default 4096).
     #[arg(long)]
     split_mib: Option<u64>,
+    /// Split a shard whose leader serves more than this many requests per
+    /// second for --split-load-secs (0: never split by load; default
+    /// 10000).
+    #[arg(long)]
+    split_rps: Option<u64>,
+    /// How long a shard must stay over --split-rps before it splits
+    /// (default 60).
+    #[arg(long)]
+    split_load_secs: Option<u64>,
     #[command(flatten)]
     tls: TlsArgs,
     /// Client certificate for etcd (with --etcd-key and --etcd-ca).
@@ -458,6 +471,8 @@ impl CoordinatorArgs {
         set!(reconcile_interval_ms = self.reconcile_interval_ms);
         set!(epoch_interval_s = self.epoch_interval_s);
         set!(split_mib = self.split_mib);
+        set!(split_rps = self.split_rps);
+        set!(split_load_secs = self.split_load_secs);
         c.tls = self.tls.require(c.tls.take(), c.insecure)?;
         if let (Some(cert), Some(key), Some(ca)) = (self.etcd_cert, self.etcd_key, self.etcd_ca) {
             c.etcd_tls = Some(tidepool_security::TlsFiles { cert, key, ca });
@@ -695,6 +710,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], port(DEV_METRICS_OFFSET)))),
             node_lease_ms: 3_000,
             split_mib: args.split_mib,
+            split_rps: args.split_rps,
             ..CoordinatorConfig::default()
         };
         config.cluster.shards = args.shards;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidepool_client::proto::v1::{
-    ClusterStatus, MoveStep, Namespace, NodeState, TokenGrant, retention,
+    ClusterStatus, MoveStep, Namespace, NodeState, ReplicaStatus, ShardInfo, TokenGrant, retention,
 };
 use tidepool_client::{
     Client, ClientConfig, Durability, ErrorCode, ListOptions, RetentionPolicy, TlsFiles, hex,
@@ -641,6 +641,12 @@ fn status_text(status: &ClusterStatus) -> String {
             shard.leader_hint,
             replicas.join(",")
         );
+        if let Some(leader) = leader_report(status, shard) {
+            if let Some(bytes) = leader.data_bytes {
+                out += &format!(" data {} MiB", bytes >> 20);
+            }
+            out += &format!(" {:.0} req/s", leader.requests_per_second);
+        }
         if let Some(split) = &shard.split {
             out += &format!(
                 " splitting at {:#018x} into shard {}",
@@ -675,6 +681,15 @@ fn status_text(status: &ClusterStatus) -> String {
     out
 }
 
+/// The shard's leader's own report of it, if its node reported one.
+fn leader_report<'a>(status: &'a ClusterStatus, shard: &ShardInfo) -> Option<&'a ReplicaStatus> {
+    status
+        .nodes
+        .iter()
+        .flat_map(|n| n.replicas.iter())
+        .find(|r| r.shard_id == shard.shard_id && r.is_leader)
+}
+
 fn status_json(status: &ClusterStatus) -> serde_json::Value {
     let map = status.map.clone().unwrap_or_default();
     json!({
@@ -692,6 +707,8 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
             "leader": s.leader_hint,
             "replicas": s.replicas.iter().map(|r| r.node_id).collect::<Vec<_>>(),
             "split": s.split.as_ref().map(|p| json!({"child": p.child_shard_id, "at": p.at})),
+            "data_bytes": leader_report(status, s).and_then(|r| r.data_bytes),
+            "requests_per_second": leader_report(status, s).map(|r| r.requests_per_second),
         })).collect::<Vec<_>>(),
         "moves": status.moves.iter().map(|m| json!({
             "shard": m.shard_id, "from": m.from_node, "to": m.to_node, "step": m.step,

@@ -409,6 +409,8 @@ impl Node {
                     epoch: u64::from(state.epoch),
                     disk_used_bytes: state.disk_bytes,
                     data_bytes: state.data_bytes,
+                    requests_per_second: state.load.requests_per_second,
+                    load_split_at: state.load.split_at,
                     receiving_snapshot: state.receiving_snapshot,
                     drops: status
                         .drops

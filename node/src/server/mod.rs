@@ -530,7 +530,10 @@ impl Node {
             start <= position && position <= end
         });
         match found {
-            Some(hosted) => Ok((hosted.info(), hosted.handle.clone())),
+            Some(hosted) => {
+                hosted.handle.load().record(position);
+                Ok((hosted.info(), hosted.handle.clone()))
+            }
             None => Err(self.error(
                 ErrorCode::WrongShard,
                 format!(
