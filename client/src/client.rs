@@ -294,8 +294,9 @@ impl Client {
     }
 
     /// The same client with puts and deletes acknowledged once `durability`
-    /// holds: `Synced` waits for the leader's WAL to be synced also on a
-    /// cluster configured `buffered`; `Buffered` on a synced cluster gets
+    /// holds: `Synced` waits until a majority of replicas has synced the
+    /// write also on a cluster configured `buffered` (its entry is marked
+    /// for every replica to sync); `Buffered` on a synced cluster gets
     /// the cluster's stronger guarantee anyway; `Default` (a new client's)
     /// is the cluster's setting.
     pub fn with_durability(&self, durability: Durability) -> Client {

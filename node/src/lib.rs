@@ -27,6 +27,7 @@
 pub mod blob;
 pub mod command;
 pub mod config;
+pub mod entry_context;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;

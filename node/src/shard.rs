@@ -33,6 +33,7 @@ use tidepool_engine::Engine;
 use tidepool_engine::pool::{Lane, Next, Task, Waker, WorkerPool};
 
 use crate::command::{Command, WriteOp};
+use crate::entry_context::EntrySync;
 use crate::error::{NodeError, Result};
 use crate::replica::{
     Completion, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig, ReplicaStatus,
@@ -92,11 +93,12 @@ pub enum Event {
     /// A snapshot message whose files are in the spare slot: step it and
     /// install it now.
     SnapshotReceived(Box<Message>),
-    /// A put or delete, group-committed with others, with the span of the
+    /// A put or delete, group-committed with others (the batch's entry is
+    /// synced everywhere if any of its writes asks), with the span of the
     /// request that asked for it (a disabled span when not traced).
-    Write(Box<WriteOp>, Completion, tracing::Span),
+    Write(Box<WriteOp>, EntrySync, Completion, tracing::Span),
     /// Any other command, proposed alone.
-    Propose(Command, Completion),
+    Propose(Command, EntrySync, Completion),
     /// A linearizable read point, batched with others.
     Read(ReadCompletion),
     /// A membership change.
@@ -354,6 +356,7 @@ impl ShardHandle {
             writes: Vec::new(),
             write_spans: Vec::new(),
             write_bytes: 0,
+            write_sync: EntrySync::AsConfigured,
             reads: Vec::new(),
             batch: VecDeque::new(),
             next_tick: Instant::now(),
@@ -397,13 +400,15 @@ impl ShardHandle {
     /// Queues a put or delete; its completion gets `Failed` if refused.
     /// When spans are exported, the caller's current span follows the
     /// write into its Raft entry.
-    pub fn write(&self, op: WriteOp, done: Completion) {
+    pub fn write(&self, op: WriteOp, sync: EntrySync, done: Completion) {
         let span = if tidepool_security::trace_context::exporting() {
             tracing::Span::current()
         } else {
             tracing::Span::none()
         };
-        if let Err(Event::Write(_, done, _)) = self.send(Event::Write(Box::new(op), done, span)) {
+        if let Err(Event::Write(_, _, done, _)) =
+            self.send(Event::Write(Box::new(op), sync, done, span))
+        {
             done(Outcome::Overloaded);
         }
     }
@@ -414,8 +419,8 @@ impl ShardHandle {
     }
 
     /// Queues a command.
-    pub fn propose(&self, command: Command, done: Completion) {
-        if let Err(Event::Propose(_, done)) = self.send(Event::Propose(command, done)) {
+    pub fn propose(&self, command: Command, sync: EntrySync, done: Completion) {
+        if let Err(Event::Propose(_, _, done)) = self.send(Event::Propose(command, sync, done)) {
             done(Outcome::Overloaded);
         }
     }
@@ -521,6 +526,8 @@ struct Owner {
     /// The spans of the queued writes that are traced.
     write_spans: Vec<tracing::Span>,
     write_bytes: usize,
+    /// Whether an op of the batch asked for its entry synced everywhere.
+    write_sync: EntrySync,
     reads: Vec<ReadCompletion>,
     /// Events taken from the queue and not handled yet.
     batch: VecDeque<Event>,
@@ -574,12 +581,15 @@ impl Owner {
 
     fn handle_event(&mut self, event: Event) {
         match event {
-            Event::Write(op, done, span) => {
+            Event::Write(op, sync, done, span) => {
                 let bytes = op.value.as_ref().map_or(0, Vec::len);
                 if self.write_bytes + bytes > self.driver.max_batch_bytes {
                     self.flush_writes();
                 }
                 self.write_bytes += bytes;
+                if sync == EntrySync::Always {
+                    self.write_sync = EntrySync::Always;
+                }
                 self.writes.push((*op, done));
                 if !span.is_none() {
                     self.write_spans.push(span);
@@ -601,7 +611,7 @@ impl Owner {
         let failure = self.failure();
         let Some(replica) = self.replica.as_mut() else {
             match event {
-                Event::Propose(_, done) | Event::ConfChange(_, done) => {
+                Event::Propose(_, _, done) | Event::ConfChange(_, done) => {
                     done(Outcome::Failed(failure))
                 }
                 Event::SnapshotReceived(_) => self.handle.abort_snapshot(),
@@ -627,8 +637,9 @@ impl Owner {
                 }
                 result
             }
-            Event::Propose(command, done) => {
-                replica.propose(&command, self.handle.stats.counted(done))
+            Event::Propose(command, sync, done) => {
+                let done = self.handle.stats.counted(done);
+                replica.propose_traced(&command, sync, Vec::new(), done)
             }
             Event::ConfChange(change, done) => replica.propose_conf_change(change, done),
             Event::TransferLeader(to, reply) => {
@@ -661,6 +672,7 @@ impl Owner {
         }
         let batch = std::mem::take(&mut self.writes);
         self.write_bytes = 0;
+        let sync = std::mem::take(&mut self.write_sync);
         let (ops, completions): (Vec<WriteOp>, Vec<Completion>) = batch.into_iter().unzip();
         let (span, traceparent) = crate::tracing_context::propose_span(
             &std::mem::take(&mut self.write_spans),
@@ -678,7 +690,7 @@ impl Owner {
         let done = self.handle.stats.counted(done);
         match self.replica.as_mut() {
             Some(replica) => {
-                let result = replica.propose_traced(&Command::Write(ops), traceparent, done);
+                let result = replica.propose_traced(&Command::Write(ops), sync, traceparent, done);
                 self.check(result);
             }
             None => done(Outcome::Failed(self.failure())),

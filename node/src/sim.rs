@@ -19,6 +19,7 @@ use tidepool_engine::storage::{FaultStorage, Storage};
 use tidepool_engine::{CellLayout, Config, Durability, KeySpaceConfig};
 
 use crate::command::{Command, WriteOp};
+use crate::entry_context::EntrySync;
 use crate::replica::{
     BLOB_KEY_SPACE, LeaseClock, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig,
 };
@@ -327,11 +328,18 @@ impl SimCluster {
     /// Proposes a command on node `id`; the outcome appears in the returned
     /// slot.
     pub fn propose(&mut self, id: u64, command: &Command) -> Pending {
+        self.propose_with(id, command, EntrySync::AsConfigured)
+    }
+
+    /// [`SimCluster::propose`], its entry synced as `sync` says.
+    pub fn propose_with(&mut self, id: u64, command: &Command, sync: EntrySync) -> Pending {
         let slot: Pending = Arc::new(Mutex::new(None));
         let done = slot.clone();
         let completion = Box::new(move |outcome| *done.lock().expect("slot") = Some(outcome));
         match self.replica(id) {
-            Some(replica) => replica.propose(command, completion).expect("propose"),
+            Some(replica) => replica
+                .propose_traced(command, sync, Vec::new(), completion)
+                .expect("propose"),
             None => completion(Outcome::Failed("node is down".into())),
         }
         slot

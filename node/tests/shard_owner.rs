@@ -13,6 +13,7 @@ use parking_lot::RwLock;
 use raft::eraftpb::Message;
 use tidepool_engine::storage::FaultStorage;
 use tidepool_node::command::WriteOp;
+use tidepool_node::entry_context::EntrySync;
 use tidepool_node::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome, ReplicaConfig};
 use tidepool_node::shard::{DriverConfig, Outgoing, ShardHandle};
 use tidepool_node::sim::{engine_config, replica_store};
@@ -50,7 +51,11 @@ fn put(handle: &ShardHandle, i: u64) -> Outcome {
         session: None,
         if_absent: false,
     };
-    handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
+    handle.write(
+        op,
+        EntrySync::AsConfigured,
+        Box::new(move |outcome| tx.send(outcome).unwrap()),
+    );
     rx.recv_timeout(Duration::from_secs(20))
         .expect("write completes")
 }
@@ -256,7 +261,11 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
             session: None,
             if_absent: false,
         };
-        leader_handle.write(op, Box::new(move |outcome| tx.send(outcome).unwrap()));
+        leader_handle.write(
+            op,
+            EntrySync::AsConfigured,
+            Box::new(move |outcome| tx.send(outcome).unwrap()),
+        );
         rx.recv_timeout(Duration::from_secs(20)).unwrap()
     };
     let mut acknowledged = Vec::new();

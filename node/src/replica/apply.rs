@@ -22,6 +22,7 @@ use tidepool_proto::v1::BlobKind;
 
 use crate::blob;
 use crate::command::{Command, KEY_BYTES, WriteOp};
+use crate::entry_context::traceparent;
 use crate::error::{NodeError, Result};
 use crate::names::{Meta, NameBatch};
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
@@ -46,7 +47,13 @@ impl Replica {
         for entry in entries {
             let index = entry.index;
             let node = self.config.node_id;
-            let span = entry_span(Step::Apply, &entry.context, node, self.shard_id(), index);
+            let span = entry_span(
+                Step::Apply,
+                traceparent(&entry.context),
+                node,
+                self.shard_id(),
+                index,
+            );
             let _entered = span.enter();
             let mut results = Vec::new();
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {

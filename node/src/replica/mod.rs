@@ -24,6 +24,7 @@ use tidepool_engine::{Durability, Engine, KeySpace};
 use tidepool_proto::v1::NodeAddress;
 
 use crate::command::Command;
+use crate::entry_context::EntrySync;
 use crate::error::{NodeError, Result};
 use crate::raftlog::{RaftLog, SnapshotSender, SplitChild};
 use crate::snapshot::Outbox;
@@ -405,15 +406,17 @@ impl Replica {
     /// Proposes a command; `done` is called once it is applied, or with the
     /// reason it will not be. Fails at once if this replica does not lead.
     pub fn propose(&mut self, command: &Command, done: Completion) -> Result<()> {
-        self.propose_traced(command, Vec::new(), done)
+        self.propose_traced(command, EntrySync::AsConfigured, Vec::new(), done)
     }
 
-    /// [`Replica::propose`], the entry carrying `traceparent` (the W3C
-    /// trace context of its span, or empty) in its context, so followers
-    /// trace their append and apply as children of it.
+    /// [`Replica::propose`], the entry synced by every replica before it
+    /// counts if `sync` says so, and carrying `traceparent` (the W3C trace
+    /// context of its span, or empty) in its context, so followers trace
+    /// their append and apply as children of it (`entry_context`).
     pub fn propose_traced(
         &mut self,
         command: &Command,
+        sync: EntrySync,
         traceparent: Vec<u8>,
         done: Completion,
     ) -> Result<()> {
@@ -429,7 +432,10 @@ impl Replica {
             return Ok(());
         }
         match self.hold_if_transferring(data, done) {
-            Some((data, done)) => self.propose_encoded(data, traceparent, done),
+            Some((data, done)) => {
+                let context = crate::entry_context::encode(sync, traceparent);
+                self.propose_encoded(data, context, done)
+            }
             None => Ok(()),
         }
     }

@@ -15,8 +15,10 @@
 
 use raft::StateRole;
 use raft::eraftpb::{Message, Snapshot};
+use tidepool_engine::Durability;
 
 use super::Replica;
+use crate::entry_context::{must_sync, traceparent};
 use crate::error::{NodeError, Result};
 use crate::raftlog::RaftLog;
 use crate::snapshot::manifest_of;
@@ -61,7 +63,14 @@ impl Replica {
             self.install_snapshot(ready.snapshot())?;
         }
         self.apply_entries(ready.take_committed_entries())?;
-        let durability = self.config.durability;
+        // An entry marked for it is synced whatever the configuration, by
+        // the leader before raft-rs counts its own copy and by a follower
+        // before it answers (`entry_context`).
+        let durability = if ready.entries().iter().any(|e| must_sync(&e.context)) {
+            Durability::Synced
+        } else {
+            self.config.durability
+        };
         // A follower traces the append of traced entries until durable.
         let append_spans: Vec<tracing::Span> = if self.raw.raft.state == StateRole::Leader {
             Vec::new()
@@ -69,10 +78,11 @@ impl Replica {
             ready
                 .entries()
                 .iter()
-                .filter(|e| !e.context.is_empty())
+                .filter(|e| !traceparent(&e.context).is_empty())
                 .map(|e| {
                     let node = self.config.node_id;
-                    entry_span(Step::Append, &e.context, node, self.shard_id(), e.index)
+                    let parent = traceparent(&e.context);
+                    entry_span(Step::Append, parent, node, self.shard_id(), e.index)
                 })
                 .collect()
         };

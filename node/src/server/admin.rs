@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 
 use super::Node;
 use crate::command::Command;
+use crate::entry_context::EntrySync;
 use crate::replica::{Outcome, ReplicaStatus};
 use crate::shard::{Event, ShardHandle};
 
@@ -333,6 +334,7 @@ impl AdminApi {
         let (tx, rx) = oneshot::channel();
         shard.propose(
             command,
+            EntrySync::AsConfigured,
             Box::new(move |outcome| {
                 let _ = tx.send(outcome);
             }),

@@ -31,6 +31,7 @@ use tracing::Instrument as _;
 
 use super::Node;
 use crate::command::{Command, WriteOp};
+use crate::entry_context::EntrySync;
 use crate::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome};
 use crate::session::{OpResult, Refusal, SessionTag};
 use crate::shard::ShardHandle;
@@ -431,6 +432,7 @@ impl BlobApi {
         let kind = BlobKind::try_from(header.kind)
             .map_err(|_| invalid(&self.node, format!("unknown blob kind {}", header.kind)))?;
         let session = self.session(header.session.as_ref())?;
+        let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size)?;
@@ -450,7 +452,10 @@ impl BlobApi {
                 .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
             if let Some(stored_epoch) = present {
                 // The same key can only hold the same content: refresh its
-                // epoch, write nothing else.
+                // epoch, write nothing else. A put asked synced on a
+                // buffered cluster commits a marked entry anyway: once it
+                // commits, a majority has synced its log through it, the
+                // stored blob included.
                 if stored_epoch.0 < epoch {
                     let touch = Command::Touch {
                         namespace: target.namespace.id,
@@ -458,7 +463,10 @@ impl BlobApi {
                         key: target.key,
                         session,
                     };
-                    self.commit(&target, Proposal::Command(touch)).await?;
+                    self.commit(&target, Proposal::Command(touch, sync)).await?;
+                } else if sync == EntrySync::Always {
+                    self.commit(&target, Proposal::Command(Command::Noop, sync))
+                        .await?;
                 }
                 return Ok(PutResponse {
                     info: Some(
@@ -493,9 +501,7 @@ impl BlobApi {
             session,
             if_absent,
         };
-        self.commit(&target, Proposal::Write(op)).await?;
-        self.extra_durability(&target, header.durability, &engine)
-            .await?;
+        self.commit(&target, Proposal::Write(op, sync)).await?;
         self.node.metrics.put_bytes.inc_by(size);
         tracing::Span::current().record("bytes", size);
         Ok(PutResponse {
@@ -511,31 +517,22 @@ impl BlobApi {
         })
     }
 
-    /// A `SYNCED` request on a cluster configured `buffered` also waits for
-    /// the leader's own WAL to be synced (followers follow the cluster's
-    /// setting). A `BUFFERED` request on a synced cluster gets the stronger
-    /// guarantee anyway.
-    async fn extra_durability(
-        &self,
-        target: &Target,
-        requested: i32,
-        engine: &Arc<Engine>,
-    ) -> ApiResult<()> {
-        let cluster = self
+    /// How durable a write's entry must be: a `SYNCED` request on a node
+    /// configured `buffered` marks its entry, which every replica then
+    /// syncs before acknowledging it, so it commits on the disks of a
+    /// majority (`entry_context`). A `BUFFERED` request on a synced cluster
+    /// gets the stronger guarantee anyway.
+    fn entry_sync(&self, requested: i32) -> EntrySync {
+        let configured = self
             .node
             .config
             .durability()
             .unwrap_or(EngineDurability::Synced);
-        if requested == Durability::Synced as i32 && cluster == EngineDurability::Buffered {
-            let engine = engine.clone();
-            let node = self.node.clone();
-            let shard_id = target.info.shard_id;
-            tokio::task::spawn_blocking(move || engine.wait_synced(engine.processed_position()))
-                .await
-                .map_err(|e| node.error(ErrorCode::Internal, e.to_string()))?
-                .map_err(|e| node.internal_error(shard_id, e.into()))?;
+        if requested == Durability::Synced as i32 && configured == EngineDurability::Buffered {
+            EntrySync::Always
+        } else {
+            EntrySync::AsConfigured
         }
-        Ok(())
     }
 
     /// The content of a put stream — exactly `size` bytes, in chunks of at
@@ -787,7 +784,7 @@ impl BlobApi {
                             key: storage_key(namespace.id, &request.keys[*i]),
                             session: None,
                         };
-                        submit(&target, Proposal::Command(touch))
+                        submit(&target, Proposal::Command(touch, EntrySync::AsConfigured))
                     })
                     .collect();
                 for rx in pending {
@@ -817,13 +814,11 @@ impl BlobApi {
             session,
             if_absent: false,
         };
-        let existed = match self.commit(&target, Proposal::Write(op)).await? {
+        let sync = self.entry_sync(request.durability);
+        let existed = match self.commit(&target, Proposal::Write(op, sync)).await? {
             OpResult::Done { existed } => existed,
             OpResult::Refused(why) => return Err(self.refused(&target, why)),
         };
-        let engine = target.shard.engine();
-        self.extra_durability(&target, request.durability, &engine)
-            .await?;
         Ok(DeleteResponse { existed })
     }
 
@@ -954,7 +949,8 @@ impl BlobApi {
                 key: target.key,
                 session,
             };
-            self.commit(&target, Proposal::Command(touch)).await?;
+            let touch = Proposal::Command(touch, EntrySync::AsConfigured);
+            self.commit(&target, touch).await?;
         }
         Ok(TouchResponse {
             epoch: u64::from(epoch),
@@ -1007,8 +1003,8 @@ fn remote_parent<T>(request: &Request<T>) -> Option<opentelemetry::Context> {
 }
 
 enum Proposal {
-    Write(WriteOp),
-    Command(Command),
+    Write(WriteOp, EntrySync),
+    Command(Command, EntrySync),
 }
 
 /// Queues a proposal (or a write for group commit) without waiting.
@@ -1018,8 +1014,8 @@ fn submit(target: &Target, proposal: Proposal) -> oneshot::Receiver<Outcome> {
         let _ = tx.send(outcome);
     });
     match proposal {
-        Proposal::Write(op) => target.shard.write(op, done),
-        Proposal::Command(command) => target.shard.propose(command, done),
+        Proposal::Write(op, sync) => target.shard.write(op, sync, done),
+        Proposal::Command(command, sync) => target.shard.propose(command, sync, done),
     }
     rx
 }
