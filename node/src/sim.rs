@@ -124,6 +124,20 @@ pub fn replica_store(storage: &FaultStorage) -> ReplicaStore {
     ReplicaStore::new(storage, "/replica", engine_config())
 }
 
+/// A plain put of `value` under `key` (namespace 1, epoch 1, no session,
+/// not indexed by name), as tests write.
+pub fn put_op(key: [u8; 32], value: Vec<u8>) -> WriteOp {
+    WriteOp {
+        value: Some(value),
+        namespace: 1,
+        epoch: 1,
+        key,
+        name: Vec::new(),
+        session: None,
+        if_absent: false,
+    }
+}
+
 /// How a simulated cluster is built.
 #[derive(Clone, Debug)]
 pub struct SimOptions {
@@ -395,16 +409,7 @@ impl SimCluster {
 
     /// Proposes a put on node `id`, leader or not.
     pub fn put_on(&mut self, id: u64, key: [u8; 32], value: Vec<u8>) -> Pending {
-        let op = WriteOp {
-            value: Some(value),
-            namespace: 1,
-            epoch: 1,
-            key,
-            name: Vec::new(),
-            session: None,
-            if_absent: false,
-        };
-        self.propose(id, &Command::Write(vec![op]))
+        self.propose(id, &Command::Write(vec![put_op(key, value)]))
     }
 
     /// One tick: every running replica ticks, then messages flow until the

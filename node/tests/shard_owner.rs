@@ -12,11 +12,10 @@ use std::time::Duration;
 use parking_lot::RwLock;
 use raft::eraftpb::Message;
 use tidepool_engine::storage::FaultStorage;
-use tidepool_node::command::WriteOp;
 use tidepool_node::entry_context::EntrySync;
 use tidepool_node::replica::{BLOB_KEY_SPACE, Outcome, ReadOutcome, ReplicaConfig};
 use tidepool_node::shard::{DriverConfig, Outgoing, ShardHandle};
-use tidepool_node::sim::{engine_config, replica_store};
+use tidepool_node::sim::{engine_config, put_op, replica_store};
 use tidepool_node::snapshot::Outbox;
 use tidepool_node::store::ReplicaStore;
 
@@ -42,15 +41,7 @@ fn key(i: u64) -> [u8; 32] {
 
 fn put(handle: &ShardHandle, i: u64) -> Outcome {
     let (tx, rx) = mpsc::channel();
-    let op = WriteOp {
-        value: Some(format!("value {i}").into_bytes()),
-        namespace: 1,
-        epoch: 1,
-        key: key(i),
-        name: Vec::new(),
-        session: None,
-        if_absent: false,
-    };
+    let op = put_op(key(i), format!("value {i}").into_bytes());
     handle.write(
         op,
         EntrySync::AsConfigured,
@@ -252,15 +243,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
     let value = |i: u64| format!("{i:>1000}").into_bytes();
     let put_value = |i: u64| {
         let (tx, rx) = mpsc::channel();
-        let op = WriteOp {
-            value: Some(value(i)),
-            namespace: 1,
-            epoch: 1,
-            key: key(i),
-            name: Vec::new(),
-            session: None,
-            if_absent: false,
-        };
+        let op = put_op(key(i), value(i));
         leader_handle.write(
             op,
             EntrySync::AsConfigured,

@@ -161,10 +161,10 @@ fn leader_holds(cluster: &mut SimCluster, key: &[u8; 32], value: &[u8]) -> bool 
 
 #[test]
 fn an_entry_marked_synced_survives_every_replica_losing_power_in_a_buffered_group() {
-    use crate::command::{Command, WriteOp};
+    use crate::command::Command;
     use crate::entry_context::EntrySync;
     use crate::replica::ReplicaConfig;
-    use crate::sim::SimOptions;
+    use crate::sim::{SimOptions, put_op};
 
     let first = tidepool_testkit::seed_from_env("SIM_SEED");
     let mut unmarked_lost = 0;
@@ -180,17 +180,7 @@ fn an_entry_marked_synced_survives_every_replica_losing_power_in_a_buffered_grou
         let mut cluster = SimCluster::with_options(seed, 3, options);
         assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
         let leader = cluster.leader().unwrap();
-        let put = |i: u64, value: &[u8]| {
-            Command::Write(vec![WriteOp {
-                value: Some(value.to_vec()),
-                namespace: 1,
-                epoch: 1,
-                key: key(i),
-                name: Vec::new(),
-                session: None,
-                if_absent: false,
-            }])
-        };
+        let put = |i: u64, value: &[u8]| Command::Write(vec![put_op(key(i), value.to_vec())]);
         // 16 KiB each: a value torn by the power loss (each unsynced
         // sector kept with probability one half) cannot pass its CRC.
         let marked = vec![0xAB; 16 << 10];
