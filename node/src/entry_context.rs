@@ -4,7 +4,7 @@
 //! toward the commit, and the trace context of its span
 //! (`tracing_context`).
 //!
-//! Layout: an optional marker byte [`SYNC`], then the `traceparent` (W3C,
+//! Layout: an optional marker byte (`S`), then the `traceparent` (W3C,
 //! ASCII beginning with its version `00`) or nothing. An untraced entry
 //! that needs no sync has an empty context, as before the marker existed;
 //! a node that predates it reads a marked context as an unreadable trace

@@ -31,11 +31,11 @@ const OBSERVE_EVERY: Duration = Duration::from_secs(1);
 /// What [`Load::observe`] reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LoadReport {
-    /// Requests per second, averaged over about [`WINDOW`].
+    /// Requests per second, averaged over about five seconds.
     pub requests_per_second: f64,
     /// The first hash position of the upper half of the most even cut of
     /// the recent requests within the range (`None`: too few, or no cut
-    /// leaves both sides at most [`MAX_SIDE_SHARE`]).
+    /// leaves both sides at most three quarters).
     pub split_at: Option<u64>,
 }
 
@@ -136,7 +136,7 @@ impl Load {
 
 /// The cut of `[start, end]` (the first position of its upper half) that
 /// divides `positions` most evenly, if there are enough of them and it
-/// leaves neither side more than [`MAX_SIDE_SHARE`] of them. Sorts
+/// leaves neither side more than three quarters of them. Sorts
 /// `positions`.
 pub fn balanced_cut(positions: &mut [u64], start: u64, end: u64) -> Option<u64> {
     let total = positions.len();
