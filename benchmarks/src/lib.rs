@@ -273,3 +273,29 @@ mod tests {
         assert_eq!(Latencies::default().quantile(0.5), Duration::ZERO);
     }
 }
+
+/// Fields of `/proc/<pid>/stat` after the command name (which may hold
+/// spaces), as numbers of clock ticks (100 a second on Linux): the user and
+/// system CPU of the process (fields 14, 15 of the line) or of its
+/// waited-for children (16, 17).
+fn stat_seconds(pid: &str, fields: [usize; 2]) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let all: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields
+        .iter()
+        .filter_map(|i| all.get(*i).and_then(|f| f.parse::<f64>().ok()))
+        .sum();
+    ticks / 100.0
+}
+
+/// CPU seconds (user + system) process `pid` has used so far.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    stat_seconds(&pid.to_string(), [11, 12])
+}
+
+/// CPU seconds (user + system) this process's children used, counting
+/// those it has waited for.
+pub fn children_cpu_seconds() -> f64 {
+    stat_seconds("self", [13, 14])
+}

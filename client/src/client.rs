@@ -608,7 +608,21 @@ impl Client {
         content: &[u8],
         kind: BlobKind,
     ) -> Result<PutOutcome> {
-        let digest = sha256(content);
+        self.put_hashed(namespace, key, content, kind, sha256(content))
+            .await
+    }
+
+    /// [`Client::put_one`] of content whose SHA-256 the caller computed
+    /// (`digest`; the node checks it against the bytes it receives, so a
+    /// wrong one stores nothing: `DIGEST_MISMATCH`).
+    pub(crate) async fn put_hashed(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+        kind: BlobKind,
+        digest: [u8; 32],
+    ) -> Result<PutOutcome> {
         // Copied once; every attempt sends the same buffers.
         let pieces: Vec<Bytes> = content
             .chunks(1 << 20)

@@ -177,6 +177,7 @@ impl Client {
                 ..ChunkManifest::default()
             },
             whole: Sha256::new(),
+            expected: None,
             written: 0,
             failed: false,
         })
@@ -379,6 +380,8 @@ pub struct Upload {
     pending: Vec<u8>,
     manifest: ChunkManifest,
     whole: Sha256,
+    /// The SHA-256 the content must have ([`Upload::expect_sha256`]).
+    expected: Option<[u8; 32]>,
     written: u64,
     failed: bool,
 }
@@ -394,6 +397,15 @@ impl std::fmt::Debug for Upload {
 }
 
 impl Upload {
+    /// Makes [`Upload::finish`] store nothing under the key unless the
+    /// content's SHA-256 is `digest` (`DIGEST_MISMATCH`; chunks already
+    /// stored stay, to retention or garbage collection). The upload hashes
+    /// the content anyway, so a caller that needs it checked (an object
+    /// named by its digest) need not hash it again.
+    pub fn expect_sha256(&mut self, digest: [u8; 32]) {
+        self.expected = Some(digest);
+    }
+
     /// Bytes written so far.
     pub fn written(&self) -> u64 {
         self.written
@@ -439,7 +451,7 @@ impl Upload {
             BlobKind::Chunk
         };
         self.client
-            .put_one(&self.namespace, &chunk_key, &chunk, kind)
+            .put_hashed(&self.namespace, &chunk_key, &chunk, kind, digest)
             .await?;
         self.manifest.chunks.push(ChunkRef {
             key: chunk_key.to_vec(),
@@ -465,16 +477,30 @@ impl Upload {
             self.namespace.clone(),
             self.key.clone(),
         );
+        let digest: [u8; 32] = self.whole.clone().finalize().into();
+        if let Some(expected) = self.expected
+            && expected != digest
+        {
+            return Err(Error::new(
+                ErrorCode::DigestMismatch,
+                format!(
+                    "the content's SHA-256 is {}, not the expected {}; nothing was stored under the key",
+                    hex(&digest),
+                    hex(&expected)
+                ),
+            ));
+        }
         if self.manifest.chunks.is_empty() {
+            // A plain blob: the node checks the digest (and, in a
+            // content-addressed namespace, that it is the key).
             return client
-                .put_one(&namespace, &key, &self.pending, BlobKind::Data)
+                .put_hashed(&namespace, &key, &self.pending, BlobKind::Data, digest)
                 .await;
         }
         let last = std::mem::take(&mut self.pending);
         if !last.is_empty() {
             self.store_chunk(last).await?;
         }
-        let digest: [u8; 32] = self.whole.clone().finalize().into();
         if self.cas && key[..] != digest[..] {
             return Err(Error::new(
                 ErrorCode::DigestMismatch,

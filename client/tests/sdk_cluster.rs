@@ -86,6 +86,27 @@ async fn every_operation_routes_to_its_shard() {
     assert_eq!(e.code(), ErrorCode::DigestMismatch);
     let e = client.put("chunks", b"short", b"x").await.unwrap_err();
     assert_eq!(e.code(), ErrorCode::InvalidArgument);
+
+    // An upload told the digest to expect stores nothing under its key
+    // unless the content hashes to it, as a plain blob or chunked.
+    for size in [1000usize, (4 << 20) + 1000] {
+        let content: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let key = format!("expected-{size}").into_bytes();
+        let mut upload = client.upload("default", &key).await.unwrap();
+        upload.expect_sha256(sha256(b"something else"));
+        upload.write(&content).await.unwrap();
+        let e = upload.finish().await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::DigestMismatch, "{size} bytes: {e}");
+        assert!(!client.exists("default", &key).await.unwrap(), "{size}");
+        let mut upload = client.upload("default", &key).await.unwrap();
+        upload.expect_sha256(sha256(&content));
+        upload.write(&content).await.unwrap();
+        assert_eq!(upload.finish().await.unwrap().sha256, sha256(&content));
+        assert!(
+            client.get("default", &key).await.unwrap() == content,
+            "{size}"
+        );
+    }
     assert!(map.shards.len() == 4);
     cluster.stop().await;
 }

@@ -82,14 +82,6 @@ impl BlobDigest {
         }
     }
 
-    /// The digest of `bytes`.
-    pub fn of(bytes: &[u8]) -> BlobDigest {
-        BlobDigest {
-            hash: tidepool_client::sha256(bytes),
-            size: bytes.len() as u64,
-        }
-    }
-
     /// Whether this is the empty blob (always present, never stored).
     pub fn is_empty_blob(&self) -> bool {
         self.size == 0 && self.hash == EMPTY_SHA256
@@ -235,7 +227,7 @@ mod tests {
         let d = BlobDigest::from_proto(Some(&ok)).unwrap();
         assert!(d.is_empty_blob());
         assert_eq!(d.to_proto(), ok);
-        assert_eq!(BlobDigest::of(b""), d);
+        assert_eq!(d.hash, tidepool_client::sha256(b""));
         for bad in [
             Digest {
                 hash: H.to_uppercase(),

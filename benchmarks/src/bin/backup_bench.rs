@@ -35,7 +35,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
-use tidepool_benchmarks::{Latencies, human};
+use tidepool_benchmarks::{Latencies, children_cpu_seconds, cpu_seconds, human};
 use tidepool_client::{Client, ListOptions};
 
 #[derive(Debug, Parser)]
@@ -289,10 +289,15 @@ fn restic_backups(dev: &Dev, args: &Args) -> anyhow::Result<()> {
     ] {
         let cache = args.dir.join(format!("cache-{}", rows.len()));
         restic(repo, &cache, &["init"])?;
+        let dev_pid = dev.process.child.id();
+        let (dev_before, restic_before) = (cpu_seconds(dev_pid), children_cpu_seconds());
         let secs = restic(repo, &cache, &["backup", tree_arg])?;
+        let dev_cpu = cpu_seconds(dev_pid) - dev_before;
+        let restic_cpu = children_cpu_seconds() - restic_before;
         println!(
-            "restic backup of {mib:.0} MiB into {name}: {secs:.1} s ({:.0} MiB/s)",
-            mib / secs
+            "restic backup of {mib:.0} MiB into {name}: {secs:.1} s ({:.0} MiB/s); CPU seconds: restic {restic_cpu:.1}, tidepool dev (nodes, coordinator, gateway) {dev_cpu:.1}, of {:.1} for two cores",
+            mib / secs,
+            2.0 * secs
         );
         rows.push(secs);
     }

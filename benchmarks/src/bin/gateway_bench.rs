@@ -34,7 +34,7 @@ use bazel_remote_apis::google::bytestream::{ReadRequest, WriteRequest};
 use clap::Parser;
 use rand::{Rng, SeedableRng as _};
 use re::content_addressable_storage_client::ContentAddressableStorageClient;
-use tidepool_benchmarks::{Latencies, human};
+use tidepool_benchmarks::{Latencies, cpu_seconds, human};
 use tidepool_client::{Client, hex, sha256};
 use tonic::transport::Channel;
 
@@ -267,20 +267,6 @@ struct Phase {
     /// CPU seconds used during the phase by the cluster process (nodes,
     /// coordinator), the gateway process and this one (the clients).
     cpu: [f64; 3],
-}
-
-/// CPU seconds (user + system) a process has used so far.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces): utime and
-    // stime are the 14th and 15th fields of the line.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = [11, 12]
-        .iter()
-        .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<f64>().ok()))
-        .sum();
-    ticks / 100.0
 }
 
 /// CPU seconds so far of the cluster, the gateway and this process.
