@@ -161,6 +161,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         transfers: shared.config.transfers(),
         unsplittable: Default::default(),
         hot: Default::default(),
+        awaiting_upgrade: Default::default(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -205,6 +206,8 @@ struct Reconciler {
     unsplittable: std::collections::BTreeSet<u32>,
     /// Shards over the load limit, and since when (splits by load).
     hot: crate::splits::HotShards,
+    /// Shards last seen with a replica on a node that cannot split.
+    awaiting_upgrade: BTreeSet<u32>,
 }
 
 /// Most automatic splits decided per round.
@@ -765,9 +768,32 @@ impl Reconciler {
         views: &[ShardView],
         reports: &BTreeMap<u64, NodeStatus>,
     ) {
+        // Shards with a replica on a node that cannot apply a split (an
+        // older version, or not heard from this round): neither decided
+        // nor proposed until it can; said once per shard.
+        let waiting: BTreeSet<u32> = map
+            .shards
+            .iter()
+            .filter_map(|shard| {
+                let unable = crate::splits::unable_to_split(map, shard.shard_id, reports);
+                if unable.is_empty() {
+                    return None;
+                }
+                if !self.awaiting_upgrade.contains(&shard.shard_id) {
+                    tracing::info!(
+                        shard_id = shard.shard_id,
+                        nodes = ?unable,
+                        "shard not split while these nodes cannot apply a split (older version, or not reporting)"
+                    );
+                }
+                Some(shard.shard_id)
+            })
+            .collect();
+        self.awaiting_upgrade = waiting.clone();
+        let excluded: BTreeSet<u32> = waiting.union(&self.unsplittable).copied().collect();
         let limit = self.shared.config.split_mib.saturating_mul(1 << 20);
         if limit > 0 {
-            let over = crate::splits::over_limit(map, views, limit, &self.unsplittable);
+            let over = crate::splits::over_limit(map, views, limit, &excluded);
             for (shard_id, bytes) in over.into_iter().take(SPLITS_PER_ROUND) {
                 match self.shared.split_shard(shard_id, 0).await {
                     Ok((child, at)) => tracing::info!(
@@ -787,14 +813,9 @@ impl Reconciler {
         let rps = self.shared.config.split_rps;
         if rps > 0 {
             let sustain = Duration::from_secs(self.shared.config.split_load_secs);
-            let hot = self.hot.round(
-                map,
-                views,
-                rps as f64,
-                sustain,
-                Instant::now(),
-                &self.unsplittable,
-            );
+            let hot = self
+                .hot
+                .round(map, views, rps as f64, sustain, Instant::now(), &excluded);
             for hot in hot.into_iter().take(SPLITS_PER_ROUND) {
                 match hot {
                     Hot::Split {
@@ -865,6 +886,9 @@ impl Reconciler {
             let Some(status) = view.leader_status() else {
                 continue;
             };
+            if waiting.contains(&shard.shard_id) {
+                continue; // a node would refuse the entry
+            }
             if status.split_off.contains(&child) || !view.learners.is_empty() {
                 continue; // the new group is electing, or a move is under way
             }

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use tidepool_proto::v1::{ClusterMap, ReplicaStatus, ShardInfo, SplitIntent};
+use tidepool_proto::v1::{ClusterMap, NodeStatus, ReplicaStatus, ShardInfo, SplitIntent};
 
 use crate::CoordinatorError;
 use crate::core::Shared;
@@ -111,6 +111,33 @@ pub fn withdraw(map: &mut ClusterMap, parent: u32, child: u32) -> bool {
     }
     shard.split = None;
     true
+}
+
+/// Nodes holding a replica of `shard_id` (as the map says) that have not
+/// reported the split capability in `reports`: a node running a version
+/// that cannot apply the split entry, or one not heard from (whose version
+/// is unknown). A split waits until there are none.
+pub fn unable_to_split(
+    map: &ClusterMap,
+    shard_id: u32,
+    reports: &BTreeMap<u64, NodeStatus>,
+) -> Vec<u64> {
+    let Some(shard) = map.shards.iter().find(|s| s.shard_id == shard_id) else {
+        return Vec::new();
+    };
+    shard
+        .replicas
+        .iter()
+        .map(|r| r.node_id)
+        .filter(|node| {
+            !reports.get(node).is_some_and(|status| {
+                status
+                    .capabilities
+                    .iter()
+                    .any(|c| c == tidepool_proto::capabilities::SPLIT)
+            })
+        })
+        .collect()
 }
 
 /// Shards to split because their leader's engine holds more than `limit`
@@ -265,6 +292,13 @@ impl Shared {
         shard_id: u32,
         at: u64,
     ) -> Result<(u32, u64), CoordinatorError> {
+        let reports = crate::reconcile::alive(self).await?;
+        let unable = unable_to_split(&self.map(), shard_id, &reports);
+        if !unable.is_empty() {
+            return Err(CoordinatorError::Conflict(format!(
+                "shard {shard_id} cannot split while nodes {unable:?} hold its replicas: each runs a version that cannot apply a split, or has not reported since it started; upgrade them (or wait for them) first"
+            )));
+        }
         let mut decided = (0, 0);
         self.update_map(|map| {
             let (split, changed) = decide(map, shard_id, at)?;
@@ -468,6 +502,33 @@ mod tests {
         let narrowed = [view(1, 900.0, Some(200))];
         assert!(round(&mut hot, &map, &narrowed, 21, &none).is_empty());
         assert_eq!(round(&mut hot, &map, &narrowed, 31, &none).len(), 1);
+    }
+
+    #[test]
+    fn a_shard_waits_for_every_replicas_node_to_report_it_can_split() {
+        let mut map = map_of(&[(1, 0, 99), (2, 100, u64::MAX)]);
+        for shard in &mut map.shards {
+            shard.replicas = [1, 2, 3]
+                .map(|node_id| ReplicaInfo { node_id, role: 1 })
+                .to_vec();
+        }
+        let report = |capabilities: &[&str]| NodeStatus {
+            capabilities: capabilities.iter().map(|c| c.to_string()).collect(),
+            ..NodeStatus::default()
+        };
+        let now = tidepool_proto::capabilities::ALL;
+        // Node 2 runs an older version; node 3 has not reported.
+        let mut reports = BTreeMap::from([(1, report(now)), (2, report(&[]))]);
+        assert_eq!(unable_to_split(&map, 1, &reports), [2, 3]);
+        reports.insert(3, report(&["something-else"]));
+        assert_eq!(unable_to_split(&map, 2, &reports), [2, 3]);
+        reports.insert(2, report(now));
+        reports.insert(3, report(now));
+        assert!(unable_to_split(&map, 1, &reports).is_empty());
+        assert!(
+            unable_to_split(&map, 9, &reports).is_empty(),
+            "no such shard"
+        );
     }
 
     #[test]

@@ -31,6 +31,19 @@
 mod error;
 mod keys;
 
+/// What a node's version can apply, reported in `NodeStatus.capabilities`:
+/// features whose Raft entries a node without them would refuse, so the
+/// coordinator proposes them only when the node of every replica of the
+/// shard reports them (a rolling upgrade never makes an old node fail on
+/// an entry it cannot read).
+pub mod capabilities {
+    /// Shard splits: the split entry (command kind 6) and the groups split
+    /// off in the replicated state (app state version 5).
+    pub const SPLIT: &str = "split";
+    /// Every capability of this version.
+    pub const ALL: &[&str] = &[SPLIT];
+}
+
 /// Generated types and services of `tidepool.v1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod v1 {

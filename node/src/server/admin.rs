@@ -438,6 +438,10 @@ impl Node {
             disk_capacity_bytes: capacity,
             replicas,
             map_version: self.map().version,
+            capabilities: tidepool_proto::capabilities::ALL
+                .iter()
+                .map(|c| c.to_string())
+                .collect(),
         }
     }
 }
