@@ -255,25 +255,6 @@ impl Drop for DevProcess {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quantiles_are_exact_ranks() {
-        let mut l = Latencies::default();
-        for ms in (1..=100).rev() {
-            l.record(Duration::from_millis(ms));
-        }
-        assert_eq!(l.count(), 100);
-        assert_eq!(l.quantile(0.0), Duration::from_millis(1));
-        assert_eq!(l.quantile(0.5), Duration::from_millis(51));
-        assert_eq!(l.quantile(0.99), Duration::from_millis(99));
-        assert_eq!(l.quantile(1.0), Duration::from_millis(100));
-        assert_eq!(Latencies::default().quantile(0.5), Duration::ZERO);
-    }
-}
-
 /// Fields of `/proc/<pid>/stat` after the command name (which may hold
 /// spaces), as numbers of clock ticks (100 a second on Linux): the user and
 /// system CPU of the process (fields 14, 15 of the line) or of its
@@ -298,4 +279,23 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 /// those it has waited for.
 pub fn children_cpu_seconds() -> f64 {
     stat_seconds("self", [13, 14])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_exact_ranks() {
+        let mut l = Latencies::default();
+        for ms in (1..=100).rev() {
+            l.record(Duration::from_millis(ms));
+        }
+        assert_eq!(l.count(), 100);
+        assert_eq!(l.quantile(0.0), Duration::from_millis(1));
+        assert_eq!(l.quantile(0.5), Duration::from_millis(51));
+        assert_eq!(l.quantile(0.99), Duration::from_millis(99));
+        assert_eq!(l.quantile(1.0), Duration::from_millis(100));
+        assert_eq!(Latencies::default().quantile(0.5), Duration::ZERO);
+    }
 }
