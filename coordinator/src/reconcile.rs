@@ -768,9 +768,9 @@ impl Reconciler {
         views: &[ShardView],
         reports: &BTreeMap<u64, NodeStatus>,
     ) {
-        // Shards with a replica on a node that cannot apply a split (an
-        // older version, or not heard from this round): neither decided
-        // nor proposed until it can; said once per shard.
+        // Shards with a replica on a node that reports it cannot apply a
+        // split (an older version): neither decided nor proposed until it
+        // can; said once per shard.
         let waiting: BTreeSet<u32> = map
             .shards
             .iter()
@@ -783,7 +783,7 @@ impl Reconciler {
                     tracing::info!(
                         shard_id = shard.shard_id,
                         nodes = ?unable,
-                        "shard not split while these nodes cannot apply a split (older version, or not reporting)"
+                        "shard not split while these nodes run a version that cannot apply a split"
                     );
                 }
                 Some(shard.shard_id)

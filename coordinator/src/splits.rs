@@ -113,10 +113,12 @@ pub fn withdraw(map: &mut ClusterMap, parent: u32, child: u32) -> bool {
     true
 }
 
-/// Nodes holding a replica of `shard_id` (as the map says) that have not
-/// reported the split capability in `reports`: a node running a version
-/// that cannot apply the split entry, or one not heard from (whose version
-/// is unknown). A split waits until there are none.
+/// Nodes holding a replica of `shard_id` (as the map says) whose report in
+/// `reports` lacks the split capability: they run a version that cannot
+/// apply the split entry. A split waits until there are none. A node not
+/// heard from does not hold it up: splits go on while a node is down (it
+/// catches up from the log or a snapshot when it returns, normally
+/// upgraded, or is replaced), and it counts again once it reports.
 pub fn unable_to_split(
     map: &ClusterMap,
     shard_id: u32,
@@ -130,8 +132,8 @@ pub fn unable_to_split(
         .iter()
         .map(|r| r.node_id)
         .filter(|node| {
-            !reports.get(node).is_some_and(|status| {
-                status
+            reports.get(node).is_some_and(|status| {
+                !status
                     .capabilities
                     .iter()
                     .any(|c| c == tidepool_proto::capabilities::SPLIT)
@@ -296,7 +298,7 @@ impl Shared {
         let unable = unable_to_split(&self.map(), shard_id, &reports);
         if !unable.is_empty() {
             return Err(CoordinatorError::Conflict(format!(
-                "shard {shard_id} cannot split while nodes {unable:?} hold its replicas: each runs a version that cannot apply a split, or has not reported since it started; upgrade them (or wait for them) first"
+                "shard {shard_id} cannot split while nodes {unable:?} hold its replicas: they run a version that cannot apply a split; upgrade them first"
             )));
         }
         let mut decided = (0, 0);
@@ -517,9 +519,10 @@ mod tests {
             ..NodeStatus::default()
         };
         let now = tidepool_proto::capabilities::ALL;
-        // Node 2 runs an older version; node 3 has not reported.
+        // Node 2 runs an older version; node 3 is down (not heard from:
+        // splits go on without it).
         let mut reports = BTreeMap::from([(1, report(now)), (2, report(&[]))]);
-        assert_eq!(unable_to_split(&map, 1, &reports), [2, 3]);
+        assert_eq!(unable_to_split(&map, 1, &reports), [2]);
         reports.insert(3, report(&["something-else"]));
         assert_eq!(unable_to_split(&map, 2, &reports), [2, 3]);
         reports.insert(2, report(now));
