@@ -486,6 +486,16 @@ impl Client {
                         }
                     };
                     let mut disposition = classify(&status);
+                    // The node knows a newer map: routes may have moved
+                    // (its hint gets this call there; the map gets the
+                    // next ones there without a detour).
+                    let node_version =
+                        tidepool_proto::error_detail(&status).map_or(0, |d| d.map_version);
+                    if node_version > map.version
+                        && !matches!(disposition, Disposition::Fail(_) | Disposition::Refresh(_))
+                    {
+                        let _ = self.cluster.catch_up(node_version).await;
+                    }
                     // A node whose map is older than ours has not heard of
                     // a namespace created since: it will.
                     if let Disposition::Fail(error) = &disposition

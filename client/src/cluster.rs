@@ -49,6 +49,10 @@ pub(crate) struct Cluster {
     /// `UNREACHABLE_FOR`, since dialling a pod that is gone costs the
     /// whole connect timeout.
     unreachable: Mutex<HashMap<u64, std::time::Instant>>,
+    /// Held while a refresh asked for by a newer map version runs, so
+    /// that the calls which all hear of that version at once fetch the
+    /// map once.
+    catching_up: tokio::sync::Mutex<()>,
 }
 
 /// How long a node that did not answer is tried after the others.
@@ -69,6 +73,7 @@ impl Cluster {
             channels: Mutex::new(HashMap::new()),
             leaders: Mutex::new(HashMap::new()),
             unreachable: Mutex::new(HashMap::new()),
+            catching_up: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -221,6 +226,20 @@ impl Cluster {
                 last.unwrap_or_default()
             ),
         ))
+    }
+
+    /// Refreshes the map unless it is already at `version` or newer (a
+    /// node answered with that map version). Concurrent callers wait for
+    /// one fetch instead of each making their own.
+    pub async fn catch_up(&self, version: u64) -> Result<()> {
+        if self.map().version >= version {
+            return Ok(());
+        }
+        let _one = self.catching_up.lock().await;
+        if self.map().version >= version {
+            return Ok(());
+        }
+        self.refresh().await.map(|_| ())
     }
 
     /// Follows map versions until the last `Client` is dropped.

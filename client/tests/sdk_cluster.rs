@@ -289,6 +289,45 @@ async fn a_stale_map_is_refreshed_after_replicas_move() {
     cluster.stop().await;
 }
 
+/// A node that no longer leads answers with the leader's address and its
+/// own map version: the SDK follows the hint and, that version being newer
+/// than its map, fetches the map (without the watch) so that later calls
+/// go to the leader directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_from_a_newer_map_refreshes_the_client() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let mut config = ClientConfig::new(&[cluster.url.as_str()]);
+    config.watch = false;
+    let client = Client::with_config(config).await.unwrap();
+    client.put("default", b"k", b"v").await.unwrap();
+    let before = client.map().version;
+    let old_leader = cluster.map().shards[0].leader_hint;
+    move_leaders(&cluster).await;
+    // Every node has a map in which another node leads.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let moved = cluster.map().shards[0].leader_hint;
+        let newest = cluster.map().version;
+        let known = cluster
+            .nodes
+            .iter()
+            .flatten()
+            .all(|n| n.node.map().version >= newest);
+        if moved != 0 && moved != old_leader && known {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the leader moved");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(client.map().version, before, "the client has not looked");
+    assert_eq!(client.get("default", b"k").await.unwrap(), b"v");
+    assert!(
+        client.map().version > before,
+        "the not-leader answer's newer map version made the client fetch the map"
+    );
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blobs_larger_than_64_mib_stream_in_chunks() {
     let cluster = LocalCluster::start(3, 2, 3).await;
