@@ -640,6 +640,7 @@ pub(crate) async fn serve(
         )
         .traced();
     let router = tonic::transport::Server::builder()
+        .max_frame_size(Some(tidepool_security::MAX_FRAME_BYTES))
         .layer(counted)
         .add_service(CapabilitiesServer::new(reapi.clone()))
         .add_service(

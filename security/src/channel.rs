@@ -32,7 +32,7 @@ impl Security {
             (Some(_), Some(rest)) => format!("http://{rest}"),
             _ => url.to_string(),
         };
-        Endpoint::from_shared(url)
+        Endpoint::from_shared(url).map(|e| e.max_frame_size(crate::MAX_FRAME_BYTES))
     }
 
     /// Connects lazily (on first use; reconnects as needed).

@@ -71,3 +71,8 @@ pub fn provider() -> std::sync::Arc<rustls::crypto::CryptoProvider> {
     ];
     std::sync::Arc::new(provider)
 }
+
+/// Largest HTTP/2 frame a Tidepool process accepts (it advertises it in its
+/// settings, so peers may send a blob's megabyte pieces in one frame
+/// instead of sixty-four of the protocol's default 16 KiB).
+pub const MAX_FRAME_BYTES: u32 = 1 << 20;

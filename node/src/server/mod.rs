@@ -845,6 +845,7 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         let keepalive = Duration::from_millis(limits.keepalive_ms);
         let router = tonic::transport::Server::builder()
             .max_concurrent_streams(Some(limits.max_streams_per_connection))
+            .max_frame_size(Some(tidepool_security::MAX_FRAME_BYTES))
             .http2_keepalive_interval(Some(keepalive))
             .http2_keepalive_timeout(Some(keepalive))
             .layer(counted)
