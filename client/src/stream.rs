@@ -176,6 +176,7 @@ impl Client {
                 nonce: if cas { 0 } else { rand::random() },
                 ..ChunkManifest::default()
             },
+            storing: std::collections::VecDeque::new(),
             whole: Sha256::new(),
             expected: None,
             written: 0,
@@ -366,8 +367,9 @@ impl Client {
 }
 
 /// A blob being written piece by piece ([`Client::upload`]): every full
-/// chunk is stored as soon as it is complete (so memory stays at one
-/// chunk), and [`Upload::finish`] stores the blob — a plain blob when it
+/// chunk is stored as soon as it is complete, while the next fills (at
+/// most [`UPLOAD_DEPTH`] chunks being stored at once, so memory stays
+/// under `UPLOAD_DEPTH + 1` chunks), and [`Upload::finish`] stores the blob — a plain blob when it
 /// fits one node entry, else the manifest of its chunks. Nothing is
 /// visible under the key before `finish`. A failed write poisons the
 /// upload (start again).
@@ -379,6 +381,9 @@ pub struct Upload {
     chunk_size: usize,
     pending: Vec<u8>,
     manifest: ChunkManifest,
+    /// Chunks being stored, oldest first (each task hashes and stores
+    /// one; their references join the manifest in this order).
+    storing: std::collections::VecDeque<tokio::task::JoinHandle<Result<ChunkRef>>>,
     whole: Sha256,
     /// The SHA-256 the content must have ([`Upload::expect_sha256`]).
     expected: Option<[u8; 32]>,
@@ -435,14 +440,14 @@ impl Upload {
         Ok(())
     }
 
+    /// Starts storing `chunk` (after waiting for the oldest chunk being
+    /// stored if [`UPLOAD_DEPTH`] are).
     async fn store_chunk(&mut self, chunk: Vec<u8>) -> Result<()> {
-        let digest = sha256(&chunk);
-        let index = self.manifest.chunks.len() as u64;
-        let chunk_key = if self.cas {
-            digest
-        } else {
-            chunk_key(&self.key, self.manifest.nonce, index)
-        };
+        if self.storing.len() >= UPLOAD_DEPTH {
+            self.stored_oldest().await?;
+        }
+        let index = (self.manifest.chunks.len() + self.storing.len()) as u64;
+        let named = (!self.cas).then(|| chunk_key(&self.key, self.manifest.nonce, index));
         // Outside content-addressed namespaces a chunk is no blob of its
         // own: it is not listed (the blob is, by its manifest).
         let kind = if self.cas {
@@ -450,15 +455,44 @@ impl Upload {
         } else {
             BlobKind::Chunk
         };
-        self.client
-            .put_hashed(&self.namespace, &chunk_key, &chunk, kind, digest)
-            .await?;
-        self.manifest.chunks.push(ChunkRef {
-            key: chunk_key.to_vec(),
-            size: chunk.len() as u64,
-            sha256: digest.to_vec(),
-        });
+        let (client, namespace) = (self.client.clone(), self.namespace.clone());
+        let store = async move {
+            let digest = sha256(&chunk);
+            let key = named.unwrap_or(digest);
+            client
+                .put_hashed(&namespace, &key, &chunk, kind, digest)
+                .await?;
+            Ok(ChunkRef {
+                key: key.to_vec(),
+                size: chunk.len() as u64,
+                sha256: digest.to_vec(),
+            })
+        };
+        self.storing
+            .push_back(tokio::spawn(tracing::Instrument::in_current_span(store)));
         Ok(())
+    }
+
+    /// Waits for the oldest chunk being stored and adds it to the
+    /// manifest.
+    async fn stored_oldest(&mut self) -> Result<()> {
+        let Some(task) = self.storing.pop_front() else {
+            return Ok(());
+        };
+        let stored = task
+            .await
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("a chunk's store failed: {e}")))
+            .and_then(|r| r);
+        match stored {
+            Ok(chunk) => {
+                self.manifest.chunks.push(chunk);
+                Ok(())
+            }
+            Err(e) => {
+                self.failed = true;
+                Err(e)
+            }
+        }
     }
 
     /// Stores the blob. In a content-addressed namespace the content must
@@ -490,7 +524,7 @@ impl Upload {
                 ),
             ));
         }
-        if self.manifest.chunks.is_empty() {
+        if self.manifest.chunks.is_empty() && self.storing.is_empty() {
             // A plain blob: the node checks the digest (and, in a
             // content-addressed namespace, that it is the key).
             return client
@@ -500,6 +534,9 @@ impl Upload {
         let last = std::mem::take(&mut self.pending);
         if !last.is_empty() {
             self.store_chunk(last).await?;
+        }
+        while !self.storing.is_empty() {
+            self.stored_oldest().await?;
         }
         if self.cas && key[..] != digest[..] {
             return Err(Error::new(
@@ -532,6 +569,21 @@ impl Upload {
         Ok(outcome)
     }
 }
+
+impl Drop for Upload {
+    /// An upload dropped unfinished stops storing its chunks (those stored
+    /// already stay, to retention or garbage collection, as before).
+    fn drop(&mut self) {
+        for task in &self.storing {
+            task.abort();
+        }
+    }
+}
+
+/// Chunks an [`Upload`] stores at once: one in flight while the next
+/// fills keeps a single stream's disk and network busy through each
+/// chunk's commit round.
+pub const UPLOAD_DEPTH: usize = 2;
 
 /// A blob opened for reading ([`Client::open_range`]): its size and
 /// digest, and its bytes in pieces (a chunk at a time), each verified

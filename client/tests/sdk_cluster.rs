@@ -328,6 +328,40 @@ async fn an_answer_from_a_newer_map_refreshes_the_client() {
     cluster.stop().await;
 }
 
+/// Chunks are stored in the background while the next fills: one that
+/// fails (here: two of three replicas gone, so no quorum) fails a later
+/// write, and poisons the upload: every write and `finish` after it refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_fails_for_good_after_a_chunk_failed() {
+    let mut cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()])
+        .await
+        .unwrap()
+        .with_timeout(Duration::from_secs(2));
+    let chunk = client.chunk_size();
+    let mut upload = client.upload("default", b"doomed").await.unwrap();
+    cluster.stop_node(1).await;
+    cluster.stop_node(2).await;
+    // Chunks go to the background; by the third write the first has failed.
+    let mut first_error = None;
+    for i in 0..4u8 {
+        if let Err(e) = upload.write(&vec![i; chunk + 1]).await {
+            first_error = Some(e);
+            break;
+        }
+    }
+    let error = first_error.expect("a write reports the failed chunk");
+    assert!(
+        matches!(error.code(), ErrorCode::Timeout | ErrorCode::NoQuorum),
+        "{error}"
+    );
+    let again = upload.write(b"more").await.expect_err("poisoned");
+    assert_eq!(again.code(), ErrorCode::InvalidArgument, "{again}");
+    let finished = upload.finish().await.expect_err("poisoned");
+    assert_eq!(finished.code(), ErrorCode::InvalidArgument, "{finished}");
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blobs_larger_than_64_mib_stream_in_chunks() {
     let cluster = LocalCluster::start(3, 2, 3).await;
