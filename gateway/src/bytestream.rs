@@ -32,9 +32,10 @@ use crate::names::{Compression, Resource, parse_resource};
 use crate::reapi::{Reapi, status};
 use crate::{Gateway, cache};
 
-/// Paused uploads kept at most (each may hold up to one chunk, 4 MiB by
-/// default: 256 MiB in all); uploads being written are bounded by the
-/// connections.
+/// Paused uploads kept at most (each holds up to one chunk not yet
+/// stored, 4 MiB by default: 256 MiB in all, plus chunks whose stores were
+/// still running when it paused, freed as they finish); uploads being
+/// written are bounded by the connections.
 const MAX_PAUSED: usize = 64;
 
 /// Largest `data` of one `ReadResponse` (gRPC clients commonly accept 4
