@@ -242,7 +242,7 @@ fn shard_rates(status: &tidepool_client::proto::v1::ClusterStatus) -> Vec<(u32, 
 async fn a_hot_shard_splits_by_load_and_a_hot_key_does_not() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
-    const LIMIT: u64 = 300;
+    const LIMIT: u64 = 500;
     const SUSTAIN_SECS: u64 = 3;
     let _serial = SERIAL.lock().await;
     let cluster = Cluster::start(Options {
@@ -252,13 +252,14 @@ async fn a_hot_shard_splits_by_load_and_a_hot_key_does_not() {
         ..Options::default()
     })
     .await;
-    // Two checked clients: their own load (about 100-200 requests per
-    // second per shard in a debug build) stays well under the limit; the
-    // hammers below reach two to three times it.
+    // One checked client: its own load (150-220 requests per second per
+    // shard in a debug build; two clients once reached 302 on one shard,
+    // over the 300 this test used then) stays well under the limit; the
+    // hammers below reach two to three times it (one hot key: 800-1,900).
     let mut run = start(
         &cluster,
         Workload {
-            clients: 2,
+            clients: 1,
             ..workload()
         },
     )
