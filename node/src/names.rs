@@ -583,6 +583,91 @@ pub fn sweep(engine: &Engine, names: KeySpace, blobs: KeySpace, namespace: u32) 
     }
 }
 
+/// The key recording the range namespace `namespace`'s names were last
+/// found to lie in (see [`shed_step`]). Not a trie key: no walk reaches
+/// it, and binaries that predate it never read it.
+fn shed_key(namespace: u32) -> NameKey {
+    let mut h = Sha256::new();
+    h.update(b"tidepool.v1.names.shed");
+    h.update(namespace.to_le_bytes());
+    key(
+        &h.finalize()[..SCOPE_BYTES].try_into().expect("16 bytes"),
+        STATE_LABEL,
+    )
+}
+
+/// The range every name of namespace `namespace` was found inside by the
+/// last shedding walk that finished (`None`: none finished).
+pub fn shed_range(engine: &Engine, names: KeySpace, namespace: u32) -> Result<Option<(u64, u64)>> {
+    let Some(value) = engine.get(names, &shed_key(namespace))? else {
+        return Ok(None);
+    };
+    match <[u8; 16]>::try_from(&value[..]) {
+        Ok(bytes) => Ok(Some((
+            u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes")),
+        ))),
+        Err(_) => Err(NodeError::Malformed(format!(
+            "name index: a shed record of {} bytes",
+            value.len()
+        ))),
+    }
+}
+
+/// Where a shedding walk stands after a step.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Shed {
+    /// Leaves removed by the step.
+    pub removed: u64,
+    /// How the walk ended: `Done` once every name was examined (and the
+    /// range recorded), else the name to go on after.
+    pub walked: Walked,
+}
+
+/// One step of shedding the names of namespace `namespace` whose blobs'
+/// hash positions lie outside `range` (after a split, the other group's
+/// half): examines leaves after `after`, removing those outside, until
+/// `max_leaves` were examined or `until` passed, and once the walk reaches
+/// the end records `range` as the one every remaining name lies in
+/// ([`shed_range`]). One engine record per step; a walk cut short (a
+/// crash) is redone from the start, removing nothing twice.
+pub fn shed_step(
+    engine: &Engine,
+    names: KeySpace,
+    namespace: u32,
+    (start, end): (u64, u64),
+    after: Option<&[u8]>,
+    max_leaves: usize,
+    until: std::time::Instant,
+) -> Result<Shed> {
+    // Removals go to the batch as the walk goes (it reads the engine, not
+    // the batch), so the time bound covers them too.
+    let mut batch = NameBatch::new(engine, names);
+    let (mut examined, mut removed) = (0, 0);
+    let walked = walk(engine, names, namespace, &[], after, |name, _| {
+        examined += 1;
+        let position = tidepool_proto::hash_position(&tidepool_proto::storage_key(namespace, name));
+        if (position < start || position > end) && batch.remove(namespace, name)? {
+            removed += 1;
+        }
+        Ok(
+            if examined >= max_leaves || std::time::Instant::now() >= until {
+                Step::Stop
+            } else {
+                Step::Continue
+            },
+        )
+    })?;
+    if walked == Walked::Done {
+        let mut record = Vec::with_capacity(16);
+        record.extend_from_slice(&start.to_le_bytes());
+        record.extend_from_slice(&end.to_le_bytes());
+        batch.set(shed_key(namespace), Some(record));
+    }
+    batch.commit(Durability::Buffered)?;
+    Ok(Shed { removed, walked })
+}
+
 /// Whether the index is missing blobs stored before it existed: decided
 /// the first time a replica's engine is opened with the index (not
 /// missing if the replica held no blob then), and kept.

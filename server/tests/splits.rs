@@ -375,3 +375,91 @@ async fn the_sides_of_a_split_share_their_files_and_shed_once_apart() {
         assert!(got == big(i), "b{i} read back wrong after shedding");
     }
 }
+
+/// The names namespace `default`'s index holds in shard `shard`'s engine,
+/// read from its files (the node stopped).
+fn indexed_names(node: &Node, shard: u32) -> Vec<String> {
+    let config = tidepool_node::config::NodeConfig::from_toml(
+        &std::fs::read_to_string(&node.config).unwrap(),
+    )
+    .unwrap();
+    let dir = node.dir.join("data/shards").join(shard.to_string());
+    let store =
+        tidepool_node::store::ReplicaStore::on_files(&dir, config.engine_config(dir.clone()));
+    let engine = store.open_live().unwrap();
+    let space = engine
+        .key_space(tidepool_node::names::NAMES_KEY_SPACE)
+        .unwrap();
+    let mut names = Vec::new();
+    tidepool_node::names::walk(&engine, space, 1, &[], None, |name, _| {
+        names.push(String::from_utf8(name.to_vec()).unwrap());
+        Ok(tidepool_node::names::Step::Continue)
+    })
+    .unwrap();
+    engine.close().unwrap();
+    names.sort();
+    names
+}
+
+/// After a split each side's name index sheds the other half's names (a
+/// listing skips them, but left there they would make every page examine
+/// twice the leaves per split, and the index never shrink), and keeps its
+/// own, through a kill -9 and later writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_side_of_a_split_sheds_the_other_halfs_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), None);
+    node.wait_ranges(1).await;
+    node.write(0..KEYS, 1).await;
+    let all: Vec<String> = {
+        let mut all: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+        all.sort();
+        all
+    };
+    let below: Vec<String> = all.iter().filter(|k| position(k) < AT).cloned().collect();
+    let above: Vec<String> = all.iter().filter(|k| position(k) >= AT).cloned().collect();
+    assert!(!below.is_empty() && !above.is_empty());
+    let mut admin = NodeAdminClient::connect(node.url.clone()).await.unwrap();
+    admin
+        .propose_admin(ProposeAdminRequest {
+            shard_id: 1,
+            op: Some(Op::Split(SplitOp {
+                child_shard_id: CHILD,
+                at: AT,
+            })),
+        })
+        .await
+        .unwrap();
+    node.wait_ranges(2).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node
+        .process
+        .log()
+        .matches(tidepool_node::replica::SHED_LOG)
+        .count()
+        < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "both sides did not finish shedding within 30 s:\n{}",
+            node.process.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Killed (kill -9) right after shedding (its removals and records are
+    // buffered writes, recovered from the log), restarted, more writes on
+    // both sides, a graceful stop: each index holds exactly its side's
+    // names, and nothing is shed twice or put back.
+    node.process.kill();
+    node.restart(None);
+    node.wait_ranges(2).await;
+    node.write(KEYS..KEYS + 20, 2).await;
+    node.check(0..KEYS, 1, "after the restart").await;
+    node.process.terminate();
+    let mut all: Vec<String> = (0..KEYS + 20).map(|i| format!("k{i}")).collect();
+    all.sort();
+    let below: Vec<String> = all.iter().filter(|k| position(k) < AT).cloned().collect();
+    let above: Vec<String> = all.iter().filter(|k| position(k) >= AT).cloned().collect();
+    assert_eq!(indexed_names(&node, 1), below, "the parent's index");
+    assert_eq!(indexed_names(&node, CHILD), above, "the child's index");
+}

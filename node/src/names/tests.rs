@@ -3,6 +3,7 @@
 //! page sizes.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -287,4 +288,88 @@ fn an_engine_with_blobs_before_the_index_is_marked_incomplete() {
     assert!(!is_complete(&engine, names).unwrap());
     // Decided once: later checks keep the answer.
     assert!(!check_complete(&engine, names, blobs).unwrap());
+}
+
+fn far() -> Instant {
+    Instant::now() + std::time::Duration::from_secs(3600)
+}
+
+/// Shedding in small steps leaves exactly the names inside the range, of
+/// that namespace only, records the range once the walk ends, and a walk
+/// begun again finds nothing more to remove.
+#[test]
+fn shedding_keeps_exactly_the_names_inside_the_range() {
+    let seed: u64 = std::env::var("TIDEPOOL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    println!("seed {seed} (TIDEPOOL_SEED reruns it)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(config(dir.path())).unwrap();
+    let names = engine.key_space(NAMES_KEY_SPACE).unwrap();
+    let mut model = Model {
+        names: BTreeMap::new(),
+    };
+    let mut batch = NameBatch::new(&engine, names);
+    for i in 0..600u64 {
+        let namespace = 1 + (i % 2) as u32;
+        let name = random_name(&mut rng);
+        batch.insert(namespace, &name, &meta(i)).unwrap();
+        model.names.entry(namespace).or_default().insert(name, i);
+    }
+    batch.commit(Durability::Buffered).unwrap();
+    let range = (u64::MAX / 3, u64::MAX / 3 * 2);
+    let inside = |name: &[u8]| {
+        let position = tidepool_proto::hash_position(&tidepool_proto::storage_key(1, name));
+        range.0 <= position && position <= range.1
+    };
+    assert_eq!(shed_range(&engine, names, 1).unwrap(), None);
+    let (mut after, mut removed, mut steps) = (None::<Vec<u8>>, 0, 0);
+    loop {
+        // The first step's time is up at once: it examines one leaf.
+        let until = if steps == 0 { Instant::now() } else { far() };
+        let step = shed_step(&engine, names, 1, range, after.as_deref(), 7, until).unwrap();
+        if steps == 0 {
+            assert!(step.removed <= 1, "seed {seed}");
+            assert!(
+                matches!(&step.walked, Walked::StoppedAfter(name) if Some(name) == model.names[&1].keys().next()),
+                "seed {seed}"
+            );
+        }
+        removed += step.removed;
+        steps += 1;
+        match step.walked {
+            Walked::Done => break,
+            Walked::StoppedAfter(name) => {
+                // Not recorded before the walk ends.
+                assert_eq!(shed_range(&engine, names, 1).unwrap(), None);
+                after = Some(name);
+            }
+        }
+    }
+    let before = model.names[&1].clone();
+    model
+        .names
+        .get_mut(&1)
+        .unwrap()
+        .retain(|name, _| inside(name));
+    assert!(steps > 10, "{steps} steps, seed {seed}");
+    assert_eq!(
+        removed as usize,
+        before.len() - model.names[&1].len(),
+        "seed {seed}"
+    );
+    assert!(!model.names[&1].is_empty() && removed > 0, "seed {seed}");
+    assert_eq!(shed_range(&engine, names, 1).unwrap(), Some(range));
+    assert_eq!(shed_range(&engine, names, 2).unwrap(), None);
+    check(&engine, names, &model, &mut rng, seed);
+    // Again: nothing left to remove; and the record survives a reopen.
+    let again = shed_step(&engine, names, 1, range, None, 10_000, far()).unwrap();
+    assert_eq!((again.removed, again.walked), (0, Walked::Done));
+    engine.close().unwrap();
+    drop(engine);
+    let engine = Engine::open(config(dir.path())).unwrap();
+    assert_eq!(shed_range(&engine, names, 1).unwrap(), Some(range));
+    check(&engine, names, &model, &mut rng, seed);
 }

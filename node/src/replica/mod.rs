@@ -36,7 +36,8 @@ use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 use read::Reads;
 pub use read::{LeaseClock, ReadCompletion, ReadOutcome, safe_lease};
-pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
+use split::NameShedding;
+pub use split::{CRASH_POINT_VAR, SHED_LOG, SPLIT_TEMP_PREFIX};
 use transfer::TransferState;
 pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
 
@@ -86,6 +87,11 @@ pub struct ReplicaConfig {
     /// before any read completes after the change: a node routing and
     /// serving reads by it never reads a key the group gave away.
     pub range_cell: Option<RangeCell>,
+    /// The ids of the namespaces the node's map names (shared by the
+    /// node's replicas): a replica of a split group sheds from its name
+    /// index the names of those namespaces outside its range. `None`:
+    /// names are not shed (listings filter by range anyway).
+    pub namespaces: Option<NamespaceIds>,
     /// Serve linearizable reads on the leader's lease for this long after
     /// a majority confirmed its leadership (at most [`read::safe_lease`]
     /// of the Raft timings: `read.rs` says why that is safe). `None`: every
@@ -97,6 +103,9 @@ pub struct ReplicaConfig {
 
 /// A replica's current range, shared with whoever routes to it.
 pub type RangeCell = Arc<parking_lot::RwLock<Option<(u64, u64)>>>;
+
+/// The ids of the namespaces a node's cluster map names.
+pub type NamespaceIds = Arc<arc_swap::ArcSwap<Vec<u32>>>;
 
 impl ReplicaConfig {
     /// Defaults for `shard_id` on node `node_id`.
@@ -117,6 +126,7 @@ impl ReplicaConfig {
             early_campaign: false,
             range: None,
             range_cell: None,
+            namespaces: None,
             lease: None,
             lease_clock: LeaseClock::Monotonic,
         }
@@ -142,6 +152,8 @@ pub struct Replica {
     /// Followers being sent a snapshot: chunks pulled when last looked at,
     /// and ticks since that changed.
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
+    /// Removing the names outside the group's range from the name index.
+    shedding: NameShedding,
 }
 
 impl std::fmt::Debug for Replica {
@@ -240,6 +252,7 @@ impl Replica {
             reads: Reads::default(),
             transfer: TransferState::default(),
             snapshot_watch: Default::default(),
+            shedding: NameShedding::default(),
         };
         replica.reapply_after_restart()?;
         replica.show_range();
@@ -273,6 +286,8 @@ impl Replica {
         if let Some(cell) = &self.config.range_cell {
             *cell.write() = range;
         }
+        // A new range, or a new engine (a snapshot): look again.
+        self.shedding = NameShedding::default();
         if let Some(range) = range {
             let shed = split::OutsideRange {
                 blobs: self.space,
@@ -326,6 +341,7 @@ impl Replica {
             r.maybe_campaign_early()?;
             r.expire_reads();
             r.watch_snapshots();
+            r.shed_names();
             // An aborted transfer ends in a tick.
             r.release_held()
         })

@@ -118,6 +118,9 @@ pub struct Node {
     /// where an owner ran on whichever thread was free, measured about 20%
     /// fewer puts on a 4-shard dev cluster.
     owners: Vec<tidepool_engine::WorkerPool>,
+    /// The ids of the current map's namespaces, shown to the replicas
+    /// (`ReplicaConfig::namespaces`).
+    namespace_ids: crate::replica::NamespaceIds,
 }
 
 /// The tokens a node accepts: those of its current map.
@@ -199,6 +202,7 @@ impl Node {
                 in_flight_kib.min(u64::from(u32::MAX)) as usize,
             )),
             stopping: tokio::sync::watch::Sender::new(false),
+            namespace_ids: Arc::default(),
         });
         node.transport.set_node(Arc::downgrade(&node));
         node.set_map(map.clone());
@@ -436,6 +440,8 @@ impl Node {
         }
         drop(shards);
         self.tokens.0.store(Arc::new(TokenTable::of(&map.tokens)));
+        self.namespace_ids
+            .store(Arc::new(map.namespaces.iter().map(|n| n.id).collect()));
         if self.config.coordinator.is_some() && map.version != 0 {
             coordination::save_map(&self.config.data_dir, &map);
         }
@@ -473,6 +479,7 @@ impl Node {
         driver.pool = Some(self.owners[shard_id as usize % self.owners.len()].clone());
         let mut replica_config = self.config.replica_config(shard_id)?;
         replica_config.range = Some((info.hash_start, info.hash_end));
+        replica_config.namespaces = Some(self.namespace_ids.clone());
         let handle = ShardHandle::start(
             replica_config,
             driver,
