@@ -272,7 +272,8 @@ const SHED_LEAVES_PER_TICK: usize = 512;
 /// leaf and 30 µs to remove one (100,000 names, release build).
 const SHED_TIME_PER_TICK: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// What [`Replica::shed_names`] logs when a namespace's walk ends.
+/// What a replica logs when it finished shedding a namespace's names
+/// outside its range (`docs/design/splits.md`).
 pub const SHED_LOG: &str = "names outside the group's range shed";
 
 /// A replica's shedding of the names outside its group's range.
