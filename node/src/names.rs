@@ -28,8 +28,10 @@
 //! of a named blob inserts (or refreshes) its leaf with the blob's kind, size
 //! and SHA-256, every applied delete removes it and removes nodes left empty;
 //! one Raft entry's changes are one engine record (atomic). Blobs expired by
-//! an epoch drop leave their leaves behind: listing checks each leaf's blob
-//! and skips dead ones, and the drop's apply sweeps them out. Interior
+//! an epoch drop leave their leaves behind, and after a split both groups
+//! hold the parent's names: listing checks each leaf's blob and range and
+//! skips the others, and each replica sweeps them out in the background
+//! ([`sweep_step`]). Interior
 //! nodes never move a name to a place a concurrent walk already passed, so
 //! a listing needs no lock: it sees every name present throughout it. See
 //! `docs/design/listing.md`.
@@ -471,7 +473,7 @@ pub struct PageLimits {
     pub examined: usize,
     /// Only names whose blob's hash position is in this range (the
     /// replica's group's: after a split, the other group's names stay in
-    /// the index until shed, and are not this group's to list); `None`:
+    /// the index until swept, and are not this group's to list); `None`:
     /// every name.
     pub owned: Option<(u64, u64)>,
 }
@@ -544,51 +546,45 @@ pub fn list_page(
     })
 }
 
-/// Removes namespace `namespace`'s leaves whose blobs are gone (after an
-/// epoch drop), a few thousand per record. Returns how many.
-pub fn sweep(engine: &Engine, names: KeySpace, blobs: KeySpace, namespace: u32) -> Result<u64> {
-    let mut after: Option<Vec<u8>> = None;
-    let mut removed = 0;
-    loop {
-        let mut dead = Vec::new();
-        let mut examined = 0;
-        let walked = walk(
-            engine,
-            names,
-            namespace,
-            &[],
-            after.as_deref(),
-            |name, _| {
-                examined += 1;
-                if blob_epoch(engine, blobs, namespace, name, None)?.is_none() {
-                    dead.push(name.to_vec());
-                }
-                Ok(if examined >= 4096 {
-                    Step::Stop
-                } else {
-                    Step::Continue
-                })
-            },
-        )?;
-        let mut batch = NameBatch::new(engine, names);
-        for name in &dead {
-            batch.remove(namespace, name)?;
-        }
-        batch.commit(Durability::Buffered)?;
-        removed += dead.len() as u64;
-        match walked {
-            Walked::Done => return Ok(removed),
-            Walked::StoppedAfter(name) => after = Some(name),
-        }
+/// What the last finished sweep of a namespace's names left in the
+/// index: every name inside `range`, and none of a blob dropped below
+/// epoch `below` (nor any other whose blob was gone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Swept {
+    /// Every name's blob lies in this hash range.
+    pub range: (u64, u64),
+    /// No name of a blob dropped by a drop below this epoch.
+    pub below: u32,
+}
+
+impl Swept {
+    /// An index never swept: no split or drop has left anything to sweep
+    /// (a put outside the range is refused, a delete removes its name).
+    pub const NEVER: Swept = Swept {
+        range: (0, u64::MAX),
+        below: 0,
+    };
+
+    /// Whether an index swept to `self` needs no sweep to be `want`.
+    pub fn covers(&self, want: &Swept) -> bool {
+        self.range == want.range && self.below >= want.below
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut record = Vec::with_capacity(20);
+        record.extend_from_slice(&self.range.0.to_le_bytes());
+        record.extend_from_slice(&self.range.1.to_le_bytes());
+        record.extend_from_slice(&self.below.to_le_bytes());
+        record
     }
 }
 
-/// The key recording the range namespace `namespace`'s names were last
-/// found to lie in (see [`shed_step`]). Not a trie key: no walk reaches
-/// it, and binaries that predate it never read it.
-fn shed_key(namespace: u32) -> NameKey {
+/// The key recording what namespace `namespace`'s last finished sweep
+/// left ([`Swept`]). Not a trie key: no walk reaches it, and binaries that
+/// predate it never read it.
+fn swept_key(namespace: u32) -> NameKey {
     let mut h = Sha256::new();
-    h.update(b"tidepool.v1.names.shed");
+    h.update(b"tidepool.v1.names.swept");
     h.update(namespace.to_le_bytes());
     key(
         &h.finalize()[..SCOPE_BYTES].try_into().expect("16 bytes"),
@@ -596,58 +592,62 @@ fn shed_key(namespace: u32) -> NameKey {
     )
 }
 
-/// The range every name of namespace `namespace` was found inside by the
-/// last shedding walk that finished (`None`: none finished).
-pub fn shed_range(engine: &Engine, names: KeySpace, namespace: u32) -> Result<Option<(u64, u64)>> {
-    let Some(value) = engine.get(names, &shed_key(namespace))? else {
-        return Ok(None);
+/// What namespace `namespace`'s last finished sweep left
+/// ([`Swept::NEVER`] if none finished).
+pub fn swept(engine: &Engine, names: KeySpace, namespace: u32) -> Result<Swept> {
+    let Some(value) = engine.get(names, &swept_key(namespace))? else {
+        return Ok(Swept::NEVER);
     };
-    match <[u8; 16]>::try_from(&value[..]) {
-        Ok(bytes) => Ok(Some((
-            u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
-            u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes")),
-        ))),
-        Err(_) => Err(NodeError::Malformed(format!(
-            "name index: a shed record of {} bytes",
+    if value.len() != 20 {
+        return Err(NodeError::Malformed(format!(
+            "name index: a sweep record of {} bytes",
             value.len()
-        ))),
+        )));
     }
+    let u64_at = |at: usize| u64::from_le_bytes(value[at..at + 8].try_into().expect("8 bytes"));
+    Ok(Swept {
+        range: (u64_at(0), u64_at(8)),
+        below: u32::from_le_bytes(value[16..20].try_into().expect("4 bytes")),
+    })
 }
 
-/// Where a shedding walk stands after a step.
+/// Where a sweep stands after a step.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Shed {
+pub struct SweepStep {
     /// Leaves removed by the step.
     pub removed: u64,
-    /// How the walk ended: `Done` once every name was examined (and the
-    /// range recorded), else the name to go on after.
+    /// How the walk ended: `Done` once every name was examined (and
+    /// the sweep recorded), else the name to go on after.
     pub walked: Walked,
 }
 
-/// One step of shedding the names of namespace `namespace` whose blobs'
-/// hash positions lie outside `range` (after a split, the other group's
-/// half): examines leaves after `after`, removing those outside, until
-/// `max_leaves` were examined or `until` passed, and once the walk reaches
-/// the end records `range` as the one every remaining name lies in
-/// ([`shed_range`]). One engine record per step; a walk cut short (a
-/// crash) is redone from the start, removing nothing twice.
-pub fn shed_step(
+/// One step of sweeping namespace `namespace`'s names to `want`: examines
+/// the leaves after `after`, removing those whose blob's hash position
+/// lies outside `want.range` (after a split, the other group's half) and
+/// those whose blob is gone (dropped with its epoch), until `max_leaves`
+/// were examined or `until` passed; once the walk reaches the end it
+/// records `want` ([`swept`]). One engine record per step; a walk cut
+/// short (a crash) is redone from the start, removing nothing twice.
+pub fn sweep_step(
     engine: &Engine,
     names: KeySpace,
+    blobs: KeySpace,
     namespace: u32,
-    (start, end): (u64, u64),
+    want: Swept,
     after: Option<&[u8]>,
-    max_leaves: usize,
-    until: std::time::Instant,
-) -> Result<Shed> {
+    (max_leaves, until): (usize, std::time::Instant),
+) -> Result<SweepStep> {
+    let (start, end) = want.range;
     // Removals go to the batch as the walk goes (it reads the engine, not
     // the batch), so the time bound covers them too.
     let mut batch = NameBatch::new(engine, names);
     let (mut examined, mut removed) = (0, 0);
     let walked = walk(engine, names, namespace, &[], after, |name, _| {
         examined += 1;
-        let position = tidepool_proto::hash_position(&tidepool_proto::storage_key(namespace, name));
-        if (position < start || position > end) && batch.remove(namespace, name)? {
+        let key = tidepool_proto::storage_key(namespace, name);
+        let position = tidepool_proto::hash_position(&key);
+        let gone = position < start || position > end || engine.epoch_of(blobs, &key)?.is_none();
+        if gone && batch.remove(namespace, name)? {
             removed += 1;
         }
         Ok(
@@ -659,13 +659,10 @@ pub fn shed_step(
         )
     })?;
     if walked == Walked::Done {
-        let mut record = Vec::with_capacity(16);
-        record.extend_from_slice(&start.to_le_bytes());
-        record.extend_from_slice(&end.to_le_bytes());
-        batch.set(shed_key(namespace), Some(record));
+        batch.set(swept_key(namespace), Some(want.encode()));
     }
     batch.commit(Durability::Buffered)?;
-    Ok(Shed { removed, walked })
+    Ok(SweepStep { removed, walked })
 }
 
 /// Whether the index is missing blobs stored before it existed: decided

@@ -435,7 +435,7 @@ async fn each_side_of_a_split_sheds_the_other_halfs_names() {
     while node
         .process
         .log()
-        .matches(tidepool_node::replica::SHED_LOG)
+        .matches(tidepool_node::replica::SWEPT_LOG)
         .count()
         < 2
     {

@@ -266,7 +266,11 @@ fn pages_skip_dead_leaves_and_a_sweep_removes_them() {
     let page = list_page(&engine, names, blobs, 7, b"key-0", Some(b"key-003"), small).unwrap();
     assert!(page.entries.is_empty());
     assert_eq!(page.resume_after, b"key-005");
-    assert_eq!(sweep(&engine, names, blobs, 7).unwrap(), 66);
+    let dropped = Swept {
+        below: 1,
+        ..Swept::NEVER
+    };
+    assert_eq!(sweep_all(&engine, names, blobs, 7, dropped), 66);
     let left = all(&engine, names, 7);
     assert_eq!(left.len(), 34);
     let _ = Epoch(0);
@@ -294,11 +298,39 @@ fn far() -> Instant {
     Instant::now() + std::time::Duration::from_secs(3600)
 }
 
-/// Shedding in small steps leaves exactly the names inside the range, of
-/// that namespace only, records the range once the walk ends, and a walk
-/// begun again finds nothing more to remove.
+/// Sweeps `namespace` to `want` in one go; returns how many it removed.
+fn sweep_all(
+    engine: &Engine,
+    names: KeySpace,
+    blobs: KeySpace,
+    namespace: u32,
+    want: Swept,
+) -> u64 {
+    let (mut after, mut removed) = (None::<Vec<u8>>, 0);
+    loop {
+        let step = sweep_step(
+            engine,
+            names,
+            blobs,
+            namespace,
+            want,
+            after.as_deref(),
+            (100, far()),
+        )
+        .unwrap();
+        removed += step.removed;
+        match step.walked {
+            Walked::Done => return removed,
+            Walked::StoppedAfter(name) => after = Some(name),
+        }
+    }
+}
+
+/// Sweeping in small steps leaves exactly the names inside the range whose
+/// blobs exist, of that namespace only, records what it swept to once the
+/// walk ends, and a walk begun again finds nothing more to remove.
 #[test]
-fn shedding_keeps_exactly_the_names_inside_the_range() {
+fn sweeping_keeps_exactly_the_live_names_inside_the_range() {
     let seed: u64 = std::env::var("TIDEPOOL_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -307,29 +339,50 @@ fn shedding_keeps_exactly_the_names_inside_the_range() {
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(config(dir.path())).unwrap();
-    let names = engine.key_space(NAMES_KEY_SPACE).unwrap();
+    let (names, blobs) = (
+        engine.key_space(NAMES_KEY_SPACE).unwrap(),
+        engine.key_space("blobs").unwrap(),
+    );
     let mut model = Model {
         names: BTreeMap::new(),
     };
+    // One name in eight has no blob (as if dropped with its epoch).
+    let mut dead = std::collections::BTreeSet::new();
     let mut batch = NameBatch::new(&engine, names);
     for i in 0..600u64 {
         let namespace = 1 + (i % 2) as u32;
         let name = random_name(&mut rng);
         batch.insert(namespace, &name, &meta(i)).unwrap();
-        model.names.entry(namespace).or_default().insert(name, i);
+        model
+            .names
+            .entry(namespace)
+            .or_default()
+            .insert(name.clone(), i);
+        let key = tidepool_proto::storage_key(namespace, &name);
+        if rng.random_bool(0.125) {
+            engine.delete(blobs, &key, Durability::Buffered).unwrap();
+            dead.insert((namespace, name));
+        } else {
+            engine.put(blobs, &key, b"x", Durability::Buffered).unwrap();
+            dead.remove(&(namespace, name));
+        }
     }
     batch.commit(Durability::Buffered).unwrap();
-    let range = (u64::MAX / 3, u64::MAX / 3 * 2);
-    let inside = |name: &[u8]| {
-        let position = tidepool_proto::hash_position(&tidepool_proto::storage_key(1, name));
-        range.0 <= position && position <= range.1
+    let want = Swept {
+        range: (u64::MAX / 3, u64::MAX / 3 * 2),
+        below: 3,
     };
-    assert_eq!(shed_range(&engine, names, 1).unwrap(), None);
+    let kept = |name: &[u8]| {
+        let position = tidepool_proto::hash_position(&tidepool_proto::storage_key(1, name));
+        want.range.0 <= position && position <= want.range.1 && !dead.contains(&(1, name.to_vec()))
+    };
+    assert_eq!(swept(&engine, names, 1).unwrap(), Swept::NEVER);
     let (mut after, mut removed, mut steps) = (None::<Vec<u8>>, 0, 0);
     loop {
         // The first step's time is up at once: it examines one leaf.
         let until = if steps == 0 { Instant::now() } else { far() };
-        let step = shed_step(&engine, names, 1, range, after.as_deref(), 7, until).unwrap();
+        let step =
+            sweep_step(&engine, names, blobs, 1, want, after.as_deref(), (7, until)).unwrap();
         if steps == 0 {
             assert!(step.removed <= 1, "seed {seed}");
             assert!(
@@ -343,7 +396,7 @@ fn shedding_keeps_exactly_the_names_inside_the_range() {
             Walked::Done => break,
             Walked::StoppedAfter(name) => {
                 // Not recorded before the walk ends.
-                assert_eq!(shed_range(&engine, names, 1).unwrap(), None);
+                assert_eq!(swept(&engine, names, 1).unwrap(), Swept::NEVER);
                 after = Some(name);
             }
         }
@@ -353,7 +406,7 @@ fn shedding_keeps_exactly_the_names_inside_the_range() {
         .names
         .get_mut(&1)
         .unwrap()
-        .retain(|name, _| inside(name));
+        .retain(|name, _| kept(name));
     assert!(steps > 10, "{steps} steps, seed {seed}");
     assert_eq!(
         removed as usize,
@@ -361,15 +414,24 @@ fn shedding_keeps_exactly_the_names_inside_the_range() {
         "seed {seed}"
     );
     assert!(!model.names[&1].is_empty() && removed > 0, "seed {seed}");
-    assert_eq!(shed_range(&engine, names, 1).unwrap(), Some(range));
-    assert_eq!(shed_range(&engine, names, 2).unwrap(), None);
+    assert!(
+        before
+            .keys()
+            .any(|n| dead.contains(&(1, n.clone())) && !kept(n)),
+        "seed {seed}: no dead name inside the range"
+    );
+    assert_eq!(swept(&engine, names, 1).unwrap(), want);
+    assert_eq!(swept(&engine, names, 2).unwrap(), Swept::NEVER);
     check(&engine, names, &model, &mut rng, seed);
+    // What covers what: the same range and a drop at or below the record's.
+    assert!(want.covers(&Swept { below: 2, ..want }));
+    assert!(!want.covers(&Swept { below: 4, ..want }));
+    assert!(!want.covers(&Swept::NEVER));
     // Again: nothing left to remove; and the record survives a reopen.
-    let again = shed_step(&engine, names, 1, range, None, 10_000, far()).unwrap();
-    assert_eq!((again.removed, again.walked), (0, Walked::Done));
+    assert_eq!(sweep_all(&engine, names, blobs, 1, want), 0);
     engine.close().unwrap();
     drop(engine);
     let engine = Engine::open(config(dir.path())).unwrap();
-    assert_eq!(shed_range(&engine, names, 1).unwrap(), Some(range));
+    assert_eq!(swept(&engine, names, 1).unwrap(), want);
     check(&engine, names, &model, &mut rng, seed);
 }

@@ -133,10 +133,9 @@ impl Replica {
                 // alike: nothing to do.
                 if Epoch(below) <= engine.epoch() {
                     engine.drop_epochs_below(Epoch(below), &Namespace(namespace))?;
-                    // The dropped blobs' names leave the index (a listing
-                    // skips them meanwhile; a restart before the sweep
-                    // re-applies the drop, and sweeps).
-                    crate::names::sweep(&engine, names, space, namespace)?;
+                    // The dropped blobs' names leave the index in the
+                    // background (`sweep.rs`: the recorded drop is what it
+                    // sweeps to); a listing skips them meanwhile.
                     self.log().record_drop(namespace, below);
                 }
             }
@@ -226,7 +225,7 @@ fn apply_write(
             skipped.push(ordinal as u32);
         } else if !op.name.is_empty() && owns(target.range, &op.key) {
             // Never a name outside the range as it is now, so a finished
-            // shedding walk's record (`names::shed_range`) stays true even
+            // sweep's record (`names::swept`) stays true even
             // if an entry from before a split were applied again after a
             // restart (today the split's checkpoint flushes the engine, so
             // none is).

@@ -14,6 +14,7 @@ mod proposals;
 mod read;
 mod ready;
 mod split;
+mod sweep;
 mod transfer;
 
 use std::sync::Arc;
@@ -36,8 +37,9 @@ use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
 use read::Reads;
 pub use read::{LeaseClock, ReadCompletion, ReadOutcome, safe_lease};
-use split::NameShedding;
-pub use split::{CRASH_POINT_VAR, SHED_LOG, SPLIT_TEMP_PREFIX};
+pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
+pub use sweep::SWEPT_LOG;
+use sweep::Sweeping;
 use transfer::TransferState;
 pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
 
@@ -88,9 +90,10 @@ pub struct ReplicaConfig {
     /// serving reads by it never reads a key the group gave away.
     pub range_cell: Option<RangeCell>,
     /// The ids of the namespaces the node's map names (shared by the
-    /// node's replicas): a replica of a split group sheds from its name
-    /// index the names of those namespaces outside its range. `None`:
-    /// names are not shed (listings filter by range anyway).
+    /// node's replicas): after a split, the replica sweeps those
+    /// namespaces' names outside its range from its name index (the index
+    /// cannot name its namespaces). `None`: only namespaces with an epoch
+    /// drop applied are swept.
     pub namespaces: Option<NamespaceIds>,
     /// Serve linearizable reads on the leader's lease for this long after
     /// a majority confirmed its leadership (at most [`read::safe_lease`]
@@ -152,8 +155,8 @@ pub struct Replica {
     /// Followers being sent a snapshot: chunks pulled when last looked at,
     /// and ticks since that changed.
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
-    /// Removing the names outside the group's range from the name index.
-    shedding: NameShedding,
+    /// Sweeping the name index (names outside the range, dropped ones).
+    sweeping: Sweeping,
 }
 
 impl std::fmt::Debug for Replica {
@@ -252,7 +255,7 @@ impl Replica {
             reads: Reads::default(),
             transfer: TransferState::default(),
             snapshot_watch: Default::default(),
-            shedding: NameShedding::default(),
+            sweeping: Sweeping::default(),
         };
         replica.reapply_after_restart()?;
         replica.show_range();
@@ -287,7 +290,7 @@ impl Replica {
             *cell.write() = range;
         }
         // A new range, or a new engine (a snapshot): look again.
-        self.shedding = NameShedding::default();
+        self.sweeping = Sweeping::default();
         if let Some(range) = range {
             let shed = split::OutsideRange {
                 blobs: self.space,
@@ -341,7 +344,7 @@ impl Replica {
             r.maybe_campaign_early()?;
             r.expire_reads();
             r.watch_snapshots();
-            r.shed_names();
+            r.sweep_names();
             // An aborted transfer ends in a tick.
             r.release_held()
         })

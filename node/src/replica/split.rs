@@ -11,7 +11,6 @@
 //! record the split in its own state.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use prost::Message as _;
 use tidepool_engine::storage::{FileStorage, write_file_atomically};
@@ -261,120 +260,5 @@ mod tests {
         let mut joint = voters();
         joint.voters_outgoing = vec![1, 2, 4];
         assert!(refusal(range, &joint, &[], 9, 150).is_some());
-    }
-}
-
-/// Most leaves of the name index a replica examines per tick while it
-/// sheds...
-const SHED_LEAVES_PER_TICK: usize = 512;
-/// ... and most of its owner's time per tick (the owner's thread is shared
-/// with other replicas' rounds): about 40-100 leaves, at 9 µs to examine a
-/// leaf and 30 µs to remove one (100,000 names, release build).
-const SHED_TIME_PER_TICK: std::time::Duration = std::time::Duration::from_millis(1);
-
-/// What a replica logs when it finished shedding a namespace's names
-/// outside its range (`docs/design/splits.md`).
-pub const SHED_LOG: &str = "names outside the group's range shed";
-
-/// A replica's shedding of the names outside its group's range.
-#[derive(Debug, Default)]
-pub(crate) struct NameShedding {
-    /// What every name was last found inside for: nothing to do until it
-    /// changes.
-    clean: Option<Clean>,
-    /// The walk under way: its namespace, the last name examined, and the
-    /// names it removed so far.
-    walk: Option<(u32, Option<Vec<u8>>, u64)>,
-}
-
-/// A range and the namespaces whose names were all found inside it.
-#[derive(Debug, PartialEq, Eq)]
-struct Clean {
-    range: (u64, u64),
-    namespaces: Arc<Vec<u32>>,
-}
-
-impl Replica {
-    /// In a tick: a step of removing from the name index the names whose
-    /// blobs lie outside the group's range (after a split both groups
-    /// start with the parent's whole index). Serialized with apply (both
-    /// run on the owner), so no index change races a walk's removals; the
-    /// index is each replica's own, so replicas need not agree on when. A
-    /// namespace's walk that reaches the end records the range in the
-    /// index (`names::shed_range`), so a restart does not walk again.
-    /// Failures are logged and end shedding until the range or the
-    /// namespaces change: listings filter by range anyway.
-    pub(crate) fn shed_names(&mut self) {
-        let Some(range) = self.log().range() else {
-            return;
-        };
-        let Some(cell) = &self.config.namespaces else {
-            return;
-        };
-        if range == (0, u64::MAX) {
-            return;
-        }
-        let ids = cell.load_full();
-        let now = Clean {
-            range,
-            namespaces: ids,
-        };
-        if self.shedding.clean.as_ref() == Some(&now) {
-            return;
-        }
-        if let Err(error) = self.shed_step(&now) {
-            tracing::warn!(shard = self.config.shard_id, %error, "shedding names stopped");
-            self.shedding = NameShedding {
-                clean: Some(now),
-                walk: None,
-            };
-        }
-    }
-
-    fn shed_step(&mut self, now: &Clean) -> Result<()> {
-        let (range, ids) = (now.range, &now.namespaces);
-        let engine = self.engine().clone();
-        let (namespace, after, removed) = match self.shedding.walk.take() {
-            Some(walk) => walk,
-            None => {
-                let mut next = None;
-                for &id in ids.iter() {
-                    if crate::names::shed_range(&engine, self.names, id)? != Some(range) {
-                        next = Some(id);
-                        break;
-                    }
-                }
-                let Some(id) = next else {
-                    self.shedding.clean = Some(Clean {
-                        range,
-                        namespaces: ids.clone(),
-                    });
-                    return Ok(());
-                };
-                (id, None, 0)
-            }
-        };
-        let step = crate::names::shed_step(
-            &engine,
-            self.names,
-            namespace,
-            range,
-            after.as_deref(),
-            SHED_LEAVES_PER_TICK,
-            std::time::Instant::now() + SHED_TIME_PER_TICK,
-        )?;
-        let removed = removed + step.removed;
-        match step.walked {
-            crate::names::Walked::Done => tracing::info!(
-                shard = self.config.shard_id,
-                namespace,
-                removed,
-                "{SHED_LOG}"
-            ),
-            crate::names::Walked::StoppedAfter(name) => {
-                self.shedding.walk = Some((namespace, Some(name), removed));
-            }
-        }
-        Ok(())
     }
 }
