@@ -296,6 +296,26 @@ impl<'a> NameBatch<'a> {
         Ok(true)
     }
 
+    /// Removes the leaf of `name` a walk found where `located` says (the
+    /// index unchanged since, but for this batch's own removals of other
+    /// names), and the nodes it leaves empty: [`NameBatch::remove`]
+    /// without descending from the root again.
+    fn remove_located(&mut self, name: &[u8], located: &Located<'_>) -> Result<()> {
+        self.set(located.at, None);
+        let frames = located.frames;
+        for depth in (1..frames.len()).rev() {
+            debug_assert_eq!(frames[depth].path.as_slice(), &name[..depth]);
+            if !self.node_is_empty(&frames[depth].scope)? {
+                break;
+            }
+            self.set(
+                key(&frames[depth - 1].scope, child_label(name[depth - 1])),
+                None,
+            );
+        }
+        Ok(())
+    }
+
     /// Writes the batch as one record.
     pub fn commit(self, durability: Durability) -> Result<()> {
         if self.overlay.is_empty() {
@@ -391,6 +411,33 @@ pub fn walk(
     start_after: Option<&[u8]>,
     mut visit: impl FnMut(&[u8], &Meta) -> Result<Step>,
 ) -> Result<Walked> {
+    walk_located(
+        engine,
+        space,
+        namespace,
+        prefix,
+        start_after,
+        |name, meta, _| visit(name, meta),
+    )
+}
+
+/// Where a visited leaf is: its index key, and the walk's frames from the
+/// namespace's root down to the node holding it (frame `i`'s node is the
+/// one of the name's first `i` bytes).
+struct Located<'a> {
+    at: NameKey,
+    frames: &'a [Frame],
+}
+
+/// [`walk`], telling the visitor where each leaf is.
+fn walk_located(
+    engine: &Engine,
+    space: KeySpace,
+    namespace: u32,
+    prefix: &[u8],
+    start_after: Option<&[u8]>,
+    mut visit: impl FnMut(&[u8], &Meta, Located<'_>) -> Result<Step>,
+) -> Result<Walked> {
     let mut stack: Vec<Frame> = Vec::new();
     let push = |stack: &mut Vec<Frame>, scope: Scope, path: Vec<u8>| -> Result<()> {
         if let Some(range) = label_range(&path, prefix, start_after) {
@@ -418,7 +465,13 @@ pub fn walk(
                 if !name.starts_with(prefix) || start_after.is_some_and(|after| name <= after) {
                     continue;
                 }
-                if let Step::Stop = visit(name, &meta)? {
+                let located = Located {
+                    at: at.as_slice().try_into().map_err(|_| {
+                        NodeError::Malformed(format!("name index: a key of {} bytes", at.len()))
+                    })?,
+                    frames: &stack,
+                };
+                if let Step::Stop = visit(name, &meta, located)? {
                     return Ok(Walked::StoppedAfter(name.to_vec()));
                 }
             }
@@ -642,12 +695,13 @@ pub fn sweep_step(
     // the batch), so the time bound covers them too.
     let mut batch = NameBatch::new(engine, names);
     let (mut examined, mut removed) = (0, 0);
-    let walked = walk(engine, names, namespace, &[], after, |name, _| {
+    let walked = walk_located(engine, names, namespace, &[], after, |name, _, located| {
         examined += 1;
         let key = tidepool_proto::storage_key(namespace, name);
         let position = tidepool_proto::hash_position(&key);
         let gone = position < start || position > end || engine.epoch_of(blobs, &key)?.is_none();
-        if gone && batch.remove(namespace, name)? {
+        if gone {
+            batch.remove_located(name, &located)?;
             removed += 1;
         }
         Ok(

@@ -435,3 +435,53 @@ fn sweeping_keeps_exactly_the_live_names_inside_the_range() {
     assert_eq!(swept(&engine, names, 1).unwrap(), want);
     check(&engine, names, &model, &mut rng, seed);
 }
+
+/// A sweep that removes every name leaves no node behind: the key space
+/// holds only the sweep's record (removals delete emptied nodes upward).
+#[test]
+fn sweeping_every_name_out_leaves_no_node_behind() {
+    let seed: u64 = std::env::var("TIDEPOOL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    println!("seed {seed} (TIDEPOOL_SEED reruns it)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(config(dir.path())).unwrap();
+    let (names, blobs) = (
+        engine.key_space(NAMES_KEY_SPACE).unwrap(),
+        engine.key_space("blobs").unwrap(),
+    );
+    let mut batch = NameBatch::new(&engine, names);
+    for i in 0..400u64 {
+        let name = random_name(&mut rng);
+        batch.insert(3, &name, &meta(i)).unwrap();
+        let key = tidepool_proto::storage_key(3, &name);
+        engine.put(blobs, &key, b"x", Durability::Buffered).unwrap();
+    }
+    batch.commit(Durability::Buffered).unwrap();
+    let nowhere = Swept {
+        range: (0, 0),
+        below: 0,
+    };
+    assert!(
+        sweep_all(&engine, names, blobs, 3, nowhere) > 100,
+        "seed {seed}"
+    );
+    assert!(all(&engine, names, 3).is_empty(), "seed {seed}");
+    let mut keys = engine
+        .scan(
+            names,
+            Bound::Unbounded,
+            Bound::Unbounded,
+            tidepool_engine::Direction::Forward,
+        )
+        .unwrap();
+    let mut left = 0;
+    while let Some(key) = keys.next_key() {
+        key.unwrap();
+        left += 1;
+    }
+    assert_eq!(left, 1, "seed {seed}: only the sweep's record is left");
+    assert_eq!(swept(&engine, names, 3).unwrap(), nowhere);
+}

@@ -16,8 +16,8 @@ use crate::names::{Swept, Walked};
 /// sweeps...
 const LEAVES_PER_TICK: usize = 512;
 /// ... and most of its owner's time per tick (the owner's thread also runs
-/// other replicas' rounds): about 60-180 leaves, at about 6 µs to examine
-/// a leaf and 20 µs more to remove one (`docs/design/listing.md`).
+/// other replicas' rounds): about 170 leaves, at about 6 µs a leaf
+/// examined or removed (`docs/design/listing.md`).
 const TIME_PER_TICK: Duration = Duration::from_millis(1);
 
 /// What a replica logs when it finished sweeping a namespace's names.
