@@ -22,6 +22,11 @@ use crate::cluster::{Cluster, MAX_MESSAGE};
 use crate::error::{Disposition, Error, Result, classify};
 use crate::session::SessionPool;
 
+/// [`ClientConfig::hedge_after`] of a new configuration: several times a
+/// healthy call's latency (1 MiB puts under load: p99 about 350 ms), well
+/// under an election (1-2 s).
+pub const DEFAULT_HEDGE_AFTER: Duration = Duration::from_millis(500);
+
 /// Settings of a [`Client`].
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
@@ -29,11 +34,16 @@ pub struct ClientConfig {
     pub seeds: Vec<String>,
     /// Deadline of one SDK call, retries included.
     pub timeout: Duration,
-    /// Deadline of one attempt of a call: a node that has not answered by
-    /// then is given up and the call retried (on the next replica, and for
-    /// writes with the same session number, so it still applies once).
-    /// `None`: an attempt may take the whole call deadline.
-    pub attempt_timeout: Option<Duration>,
+    /// Hedge delay: an attempt of a call that has not answered after this
+    /// long is no longer waited for alone. It keeps running, and the call
+    /// also tries the next replica (a write with the same session number,
+    /// so it still applies once); whichever succeeds first is the answer.
+    /// While attempts run unanswered the call starts at most one more per
+    /// delay, and never a second one at the same node. A frozen or cut-off
+    /// leader so costs a call about this delay plus the others' election,
+    /// whatever the state of its connection. `None`: an attempt may take
+    /// the whole call deadline alone. Default 500 ms.
+    pub hedge_after: Option<Duration>,
     /// Deadline of connecting to one server.
     pub connect_timeout: Duration,
     /// Keep the map current with a watch on a coordinator. Without it (a
@@ -55,7 +65,7 @@ impl ClientConfig {
         Self {
             seeds: seeds.iter().map(|s| s.as_ref().to_string()).collect(),
             timeout: Duration::from_secs(30),
-            attempt_timeout: None,
+            hedge_after: Some(DEFAULT_HEDGE_AFTER),
             connect_timeout: Duration::from_secs(3),
             watch: true,
             tls: None,
@@ -130,7 +140,7 @@ pub struct BlobMeta {
 pub struct Client {
     pub(crate) cluster: Arc<Cluster>,
     pub(crate) timeout: Duration,
-    pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) hedge_after: Option<Duration>,
     /// Write sessions (exactly-once writes), shared by clones.
     pub(crate) sessions: Arc<SessionPool>,
     /// Counts the attempts this client (or clone) makes, if set.
@@ -167,6 +177,62 @@ fn no_answer(status: &Status) -> bool {
 
 /// Keys per `BatchExists` request.
 const BATCH_EXISTS_KEYS: usize = 10_000;
+
+/// Longest pause before asking a shard's replicas again when none named
+/// a leader to go to (an election is under way: it takes about a second).
+const ELECTION_POLL: Duration = Duration::from_millis(160);
+
+/// A call's attempts that are still running while it tries others.
+struct Hedged<F> {
+    running: Vec<(Option<u64>, String, std::pin::Pin<Box<F>>)>,
+}
+
+impl<F> Default for Hedged<F> {
+    fn default() -> Self {
+        Self {
+            running: Vec::new(),
+        }
+    }
+}
+
+impl<F: Future> Hedged<F> {
+    fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    /// Whether an attempt at `address` is running.
+    fn at(&self, address: &str) -> bool {
+        self.running.iter().any(|(_, a, _)| a == address)
+    }
+
+    fn push(&mut self, node: Option<u64>, address: String, attempt: std::pin::Pin<Box<F>>) {
+        self.running.push((node, address, attempt));
+    }
+
+    /// The first running attempt to end (its node and outcome); never
+    /// ready when none runs.
+    fn next(&mut self) -> impl Future<Output = (Option<u64>, F::Output)> + '_ {
+        std::future::poll_fn(move |cx| {
+            for i in 0..self.running.len() {
+                if let std::task::Poll::Ready(output) = self.running[i].2.as_mut().poll(cx) {
+                    let (node, _, _) = self.running.swap_remove(i);
+                    return std::task::Poll::Ready((node, output));
+                }
+            }
+            std::task::Poll::Pending
+        })
+    }
+}
+
+/// How a wait beside running attempts ended.
+enum Waited<T> {
+    /// One of them succeeded: the call's answer.
+    Answer(T),
+    /// One of them failed (the call moves on at once).
+    Failed(Error),
+    /// The time passed.
+    Slept,
+}
 
 fn backoff(attempt: usize) -> Duration {
     Duration::from_millis(20 << attempt.min(5))
@@ -275,7 +341,7 @@ impl Client {
         Ok(Client {
             cluster,
             timeout: config.timeout,
-            attempt_timeout: config.attempt_timeout,
+            hedge_after: config.hedge_after,
             sessions: Arc::default(),
             attempts: None,
             caller_token: None,
@@ -316,11 +382,11 @@ impl Client {
         }
     }
 
-    /// The same client with another deadline for each attempt of a call
-    /// (see [`ClientConfig::attempt_timeout`]).
-    pub fn with_attempt_timeout(&self, attempt_timeout: Option<Duration>) -> Client {
+    /// The same client with another hedge delay (see
+    /// [`ClientConfig::hedge_after`]).
+    pub fn with_hedge_after(&self, hedge_after: Option<Duration>) -> Client {
         Client {
-            attempt_timeout,
+            hedge_after,
             ..self.clone()
         }
     }
@@ -427,6 +493,9 @@ impl Client {
         let mut redirect: Option<String> = None;
         let mut attempt = 0usize;
         let mut refreshed = false;
+        // Attempts still running that the call no longer waits for alone
+        // (hedged): the first of them to succeed is the call's answer.
+        let mut pending = Hedged::<Fut>::default();
         loop {
             let map = self.cluster.map();
             let route = match locate(&map) {
@@ -438,47 +507,86 @@ impl Client {
                 route => route?,
             };
             let shard_id = route.shard.shard_id;
+            // The hinted leader, else the next replica in turn that has no
+            // attempt of this call running already.
+            let candidates = self.cluster.candidates(&route.shard);
             let address = redirect.take().or_else(|| {
-                let candidates = self.cluster.candidates(&route.shard);
-                let id = *candidates.get(attempt % candidates.len().max(1))?;
-                Cluster::address(&map, id)
+                let n = candidates.len();
+                (0..n)
+                    .filter_map(|i| Cluster::address(&map, candidates[(attempt + i) % n]))
+                    .find(|a| !pending.at(a))
             });
             let target = address.as_deref().and_then(|a| Cluster::node_at(&map, a));
             let last = match address {
-                None => Error::new(
-                    ErrorCode::NoQuorum,
-                    format!(
-                        "shard {} has no replica in the map yet",
-                        route.shard.shard_id
-                    ),
-                ),
+                None if !pending.is_empty() => {
+                    // Every replica has an attempt running: wait for them.
+                    match self.settle(shard_id, &mut pending, deadline).await {
+                        Waited::Answer(value) => return Ok(value),
+                        Waited::Failed(error) => error,
+                        Waited::Slept => {
+                            unreachable!("settle waits until an answer or the deadline")
+                        }
+                    }
+                }
+                None => {
+                    tokio::time::sleep(
+                        backoff(attempt).min(deadline.saturating_duration_since(Instant::now())),
+                    )
+                    .await;
+                    Error::new(
+                        ErrorCode::NoQuorum,
+                        format!(
+                            "shard {} has no replica in the map yet",
+                            route.shard.shard_id
+                        ),
+                    )
+                }
                 Some(address) => {
                     if let Some(counter) = &self.attempts {
                         counter.fetch_add(1, Ordering::Relaxed);
                     }
                     let channel = self.channel_as_caller(&address)?;
-                    let remaining = deadline.saturating_duration_since(Instant::now());
-                    let limit = self.attempt_timeout.map_or(remaining, |a| a.min(remaining));
-                    let attempt_future = op(channel, map.version, route.shard.shard_id);
-                    let status = match tokio::time::timeout(limit, attempt_future).await {
-                        Ok(Ok(value)) => {
+                    let started = Instant::now();
+                    let hedge_at = self
+                        .hedge_after
+                        .map(|h| started + h)
+                        .filter(|at| *at < deadline);
+                    let mut current = Box::pin(op(channel, map.version, route.shard.shard_id));
+                    // The current attempt answers, an earlier one does, or
+                    // the hedge delay passes.
+                    let answer = loop {
+                        tokio::select! {
+                            biased;
+                            answer = &mut current => break Some(answer),
+                            (id, answer) = pending.next() => match answer {
+                                Ok(value) => {
+                                    if let Some(id) = id {
+                                        self.cluster.answered(shard_id, id);
+                                    }
+                                    return Ok(value);
+                                }
+                                Err(status) => self.attempt_failed(shard_id, id, &status),
+                            },
+                            () = tokio::time::sleep_until(hedge_at.unwrap_or(deadline).into()) => break None,
+                        }
+                    };
+                    let status = match answer {
+                        Some(Ok(value)) => {
                             if let Some(id) = target {
                                 self.cluster.answered(shard_id, id);
                             }
                             return Ok(value);
                         }
-                        Ok(Err(status)) => status,
-                        Err(_) if limit < remaining => {
-                            // This attempt is given up; the next replica
-                            // is tried (the leader may be frozen).
-                            if let Some(id) = target {
-                                self.cluster.unreachable(id);
-                            }
-                            Status::deadline_exceeded(format!(
-                                "no answer from {address} within {limit:?}"
-                            ))
+                        Some(Err(status)) => status,
+                        None if hedge_at.is_some() => {
+                            // No answer yet (the node may be frozen, or
+                            // slow): the attempt keeps running, and the
+                            // call tries the next replica beside it.
+                            pending.push(target, address.clone(), current);
+                            attempt += 1;
+                            continue;
                         }
-                        Err(_) => {
+                        None => {
                             return Err(Error::new(
                                 ErrorCode::Timeout,
                                 format!("no answer from {address} within the deadline"),
@@ -508,50 +616,57 @@ impl Client {
                             error.to_string(),
                         ));
                     }
-                    if let Some(id) = target {
-                        if no_answer(&status) {
-                            self.cluster.unreachable(id);
-                        } else if !matches!(disposition, Disposition::Fail(_)) {
-                            // It answered, but did not serve as the
-                            // shard's leader (not leading, stopping,
-                            // overloaded): the next attempt tries another.
-                            self.cluster.not_leader(shard_id, id);
-                        }
+                    if !matches!(disposition, Disposition::Fail(_)) {
+                        self.attempt_failed(shard_id, target, &status);
                     }
-                    match disposition {
+                    let (error, pause) = match disposition {
                         Disposition::Fail(error) => return Err(error),
                         Disposition::Redirect(error, hinted, id) => {
                             redirect =
                                 hinted.or_else(|| id.and_then(|id| Cluster::address(&map, id)));
-                            if redirect.as_deref() == Some(address.as_str()) {
+                            // Not back to the node that sent us away, nor
+                            // to one this call already waits on, nor to
+                            // one that just failed to answer: a follower
+                            // still names the leader it last heard from
+                            // (frozen, cut off) until the others elect a
+                            // new one.
+                            if redirect.as_deref().is_some_and(|a| {
+                                a == address
+                                    || pending.at(a)
+                                    || Cluster::node_at(&map, a)
+                                        .is_some_and(|id| self.cluster.is_unreachable(id))
+                            }) {
                                 redirect = None;
                             }
-                            // A follower still names the leader it last
-                            // heard from: one that just failed to answer
-                            // (frozen, cut off) is not tried again before
-                            // the others, which will elect a new one.
-                            if redirect
-                                .as_deref()
-                                .and_then(|a| Cluster::node_at(&map, a))
-                                .is_some_and(|id| self.cluster.is_unreachable(id))
-                            {
-                                redirect = None;
-                            }
-                            if redirect.is_none() {
-                                tokio::time::sleep(backoff(attempt)).await;
-                            }
-                            error
+                            // An election is the usual reason: asked again
+                            // often enough to find its winner soon.
+                            let pause = redirect
+                                .is_none()
+                                .then(|| backoff(attempt).min(ELECTION_POLL));
+                            (error, pause)
                         }
                         Disposition::Refresh(error) => {
                             let _ = self.cluster.refresh().await;
-                            tokio::time::sleep(backoff(attempt.min(2))).await;
-                            error
+                            (error, Some(backoff(attempt.min(2))))
                         }
-                        Disposition::Backoff(error) => {
-                            tokio::time::sleep(backoff(attempt)).await;
-                            error
+                        Disposition::Backoff(error) => (error, Some(backoff(attempt))),
+                    };
+                    if let Some(pause) = pause {
+                        // Beside running attempts, the next one starts a
+                        // hedge delay after this one did (or as soon as
+                        // one of them fails).
+                        let until = match self.hedge_after {
+                            Some(h) if !pending.is_empty() => started + h.max(pause),
+                            _ => Instant::now() + pause,
+                        };
+                        if let Waited::Answer(value) = self
+                            .pause(shard_id, &mut pending, until.min(deadline))
+                            .await
+                        {
+                            return Ok(value);
                         }
                     }
+                    error
                 }
             };
             attempt += 1;
@@ -564,6 +679,72 @@ impl Client {
                     format!("gave up after {attempt} attempts; last error: {last}"),
                 ));
             }
+        }
+    }
+
+    /// What an attempt's failure teaches about its node (`id`): one that
+    /// did not answer at all is tried last for a while; one that answered
+    /// without serving as the shard's leader (not leading, stopping,
+    /// overloaded) is not taken for its leader.
+    fn attempt_failed(&self, shard_id: u32, id: Option<u64>, status: &Status) {
+        let Some(id) = id else { return };
+        if no_answer(status) {
+            self.cluster.unreachable(id);
+        } else {
+            self.cluster.not_leader(shard_id, id);
+        }
+    }
+
+    /// Waits until `until`, or less if a running attempt answers first:
+    /// its value, or its failure (which ends the wait, so that the call
+    /// moves on at once).
+    async fn pause<T, Fut>(
+        &self,
+        shard_id: u32,
+        pending: &mut Hedged<Fut>,
+        until: Instant,
+    ) -> Waited<T>
+    where
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        tokio::select! {
+            biased;
+            (id, answer) = pending.next() => match answer {
+                Ok(value) => {
+                    if let Some(id) = id {
+                        self.cluster.answered(shard_id, id);
+                    }
+                    Waited::Answer(value)
+                }
+                Err(status) => {
+                    self.attempt_failed(shard_id, id, &status);
+                    Waited::Failed(Error::new(
+                        ErrorCode::Timeout,
+                        format!("an earlier attempt failed: {}", status.message()),
+                    ))
+                }
+            },
+            () = tokio::time::sleep_until(until.into()) => Waited::Slept,
+        }
+    }
+
+    /// Waits on the running attempts alone (every replica has one), until
+    /// one answers or `deadline`.
+    async fn settle<T, Fut>(
+        &self,
+        shard_id: u32,
+        pending: &mut Hedged<Fut>,
+        deadline: Instant,
+    ) -> Waited<T>
+    where
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        match self.pause(shard_id, pending, deadline).await {
+            Waited::Slept => Waited::Failed(Error::new(
+                ErrorCode::Timeout,
+                "no replica answered within the deadline",
+            )),
+            other => other,
         }
     }
 
@@ -1127,5 +1308,283 @@ mod tests {
         .await
         .unwrap();
         assert_eq!((info.size, bytes.len()), (10, 10));
+    }
+
+    /// How a scripted replica answers `Head`, by time since the test began.
+    #[derive(Clone, Copy)]
+    enum Rule {
+        /// Leads: answers (its id as the size) after `delay`.
+        Lead { delay: Duration },
+        /// Names `before` as the leader until `switch`, then `after`; a
+        /// replica naming itself leads from then on.
+        Follow {
+            before: u64,
+            after: u64,
+            switch: Duration,
+        },
+    }
+
+    #[derive(Clone)]
+    struct Scripted {
+        id: u64,
+        rule: Rule,
+        began: Instant,
+        calls: Arc<AtomicU64>,
+        addresses: Arc<parking_lot::Mutex<BTreeMap<u64, String>>>,
+    }
+
+    #[tonic::async_trait]
+    impl BlobService for Scripted {
+        async fn put(
+            &self,
+            _: Request<Streaming<PutRequest>>,
+        ) -> std::result::Result<Response<PutResponse>, Status> {
+            Err(Status::unimplemented("put"))
+        }
+        type GetStream = GetStream;
+        async fn get(
+            &self,
+            _: Request<GetRequest>,
+        ) -> std::result::Result<Response<GetStream>, Status> {
+            Err(Status::unimplemented("get"))
+        }
+        async fn head(
+            &self,
+            _: Request<HeadRequest>,
+        ) -> std::result::Result<Response<HeadResponse>, Status> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let leader = match self.rule {
+                Rule::Lead { delay } => {
+                    tokio::time::sleep(delay).await;
+                    self.id
+                }
+                Rule::Follow {
+                    before,
+                    after,
+                    switch,
+                } => {
+                    if self.began.elapsed() < switch {
+                        before
+                    } else {
+                        after
+                    }
+                }
+            };
+            if leader == self.id {
+                return Ok(Response::new(HeadResponse {
+                    info: Some(BlobInfo {
+                        size: self.id,
+                        ..BlobInfo::default()
+                    }),
+                }));
+            }
+            let address = self.addresses.lock()[&leader].clone();
+            Err(tidepool_proto::status_with_detail(
+                tidepool_proto::v1::ErrorDetail {
+                    code: ErrorCode::NotLeader as i32,
+                    message: format!("node {leader} leads"),
+                    map_version: 1,
+                    leader_hint: Some(tidepool_proto::v1::NodeAddress {
+                        node_id: leader,
+                        address,
+                    }),
+                    ..tidepool_proto::v1::ErrorDetail::default()
+                },
+            ))
+        }
+        async fn batch_exists(
+            &self,
+            _: Request<BatchExistsRequest>,
+        ) -> std::result::Result<Response<BatchExistsResponse>, Status> {
+            Err(Status::unimplemented("batch_exists"))
+        }
+        async fn delete(
+            &self,
+            _: Request<Del>,
+        ) -> std::result::Result<Response<DeleteResponse>, Status> {
+            Err(Status::unimplemented("delete"))
+        }
+        async fn touch(
+            &self,
+            _: Request<TouchRequest>,
+        ) -> std::result::Result<Response<TouchResponse>, Status> {
+            Err(Status::unimplemented("touch"))
+        }
+        async fn list(
+            &self,
+            _: Request<tidepool_proto::v1::ListRequest>,
+        ) -> std::result::Result<Response<tidepool_proto::v1::ListResponse>, Status> {
+            Err(Status::unimplemented("list"))
+        }
+    }
+
+    /// Three replicas of one shard on real sockets, node 1 the map's
+    /// leader hint: `None` is a frozen process (its socket accepts
+    /// connections and never answers), else the rule. Returns a client
+    /// with hedge delay `hedge` and each replica's count of calls.
+    async fn three_replicas(
+        rules: [Option<Rule>; 3],
+        hedge: Option<Duration>,
+    ) -> (Client, Vec<Arc<AtomicU64>>) {
+        let began = Instant::now();
+        let addresses = Arc::new(parking_lot::Mutex::new(BTreeMap::new()));
+        let mut calls = Vec::new();
+        let mut nodes = Vec::new();
+        for (i, rule) in rules.into_iter().enumerate() {
+            let id = i as u64 + 1;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let address = format!("http://{}", listener.local_addr().unwrap());
+            addresses.lock().insert(id, address.clone());
+            nodes.push(tidepool_proto::v1::NodeInfo {
+                node_id: id,
+                address,
+                ..Default::default()
+            });
+            let count = Arc::new(AtomicU64::new(0));
+            calls.push(count.clone());
+            match rule {
+                None => {
+                    // Frozen: connections are accepted (by the kernel)
+                    // and held, never read.
+                    tokio::spawn(async move {
+                        let mut held = Vec::new();
+                        while let Ok((socket, _)) = listener.accept().await {
+                            count.fetch_add(1, Ordering::SeqCst);
+                            held.push(socket);
+                        }
+                    });
+                }
+                Some(rule) => {
+                    let service = Scripted {
+                        id,
+                        rule,
+                        began,
+                        calls: count,
+                        addresses: addresses.clone(),
+                    };
+                    tokio::spawn(
+                        tonic::transport::Server::builder()
+                            .add_service(BlobServiceServer::new(service))
+                            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+                                listener,
+                            )),
+                    );
+                }
+            }
+        }
+        let cluster = Cluster::new(
+            Vec::new(),
+            Duration::from_secs(3),
+            tidepool_security::Security::insecure(),
+        );
+        cluster.install(ClusterMap {
+            version: 1,
+            nodes,
+            namespaces: vec![tidepool_proto::v1::Namespace {
+                name: "ns".into(),
+                id: 1,
+                ..Default::default()
+            }],
+            shards: vec![tidepool_proto::v1::ShardInfo {
+                shard_id: 1,
+                hash_start: 0,
+                hash_end: u64::MAX,
+                leader_hint: 1,
+                replicas: (1..=3)
+                    .map(|node_id| tidepool_proto::v1::ReplicaInfo {
+                        node_id,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let client = Client {
+            cluster,
+            timeout: Duration::from_secs(10),
+            hedge_after: hedge,
+            sessions: Arc::default(),
+            attempts: None,
+            caller_token: None,
+            durability: Durability::Default,
+        };
+        (client, calls)
+    }
+
+    /// The id of the node that answered a `Head`, with how long it took.
+    async fn head_answered_by(client: &Client) -> (Result<u64>, Duration) {
+        let began = Instant::now();
+        let answer = client
+            .on_shard("ns", b"k", |channel, _, _| async move {
+                let mut blobs = BlobServiceClient::new(channel);
+                let response = blobs.head(HeadRequest::default()).await?;
+                Ok(response.into_inner().info.map_or(0, |i| i.size))
+            })
+            .await;
+        (answer, began.elapsed())
+    }
+
+    #[tokio::test]
+    async fn a_frozen_leader_is_hedged_around_before_its_connection_fails() {
+        // Node 1 is frozen; nodes 2 and 3 name it until, 300 ms in, they
+        // elect node 3. The connection to node 1 would be given up by its
+        // pings after 1.5 s; with hedged attempts the call gets to node 3
+        // soon after the election.
+        let election = Rule::Follow {
+            before: 1,
+            after: 3,
+            switch: Duration::from_millis(300),
+        };
+        let (client, calls) = three_replicas(
+            [None, Some(election), Some(election)],
+            Some(Duration::from_millis(100)),
+        )
+        .await;
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 3, "the new leader answered");
+        assert!(took < Duration::from_millis(1200), "took {took:?}");
+        assert_eq!(
+            calls[0].load(Ordering::SeqCst),
+            1,
+            "one connection to the frozen node"
+        );
+        // Without hedging the same call waits for the pings.
+        let (client, _) = three_replicas([None, Some(election), Some(election)], None).await;
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 3);
+        assert!(took >= Duration::from_millis(1000), "took {took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_slow_leader_gets_one_attempt_and_followers_a_probe_per_delay() {
+        // Node 1 leads and takes 800 ms; the followers name it. A hedge
+        // delay of 200 ms asks a follower about every 200 ms, never node 1
+        // twice, and node 1's answer is the call's.
+        let follow = Rule::Follow {
+            before: 1,
+            after: 1,
+            switch: Duration::ZERO,
+        };
+        let (client, calls) = three_replicas(
+            [
+                Some(Rule::Lead {
+                    delay: Duration::from_millis(800),
+                }),
+                Some(follow),
+                Some(follow),
+            ],
+            Some(Duration::from_millis(200)),
+        )
+        .await;
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 1);
+        assert!(took >= Duration::from_millis(800), "took {took:?}");
+        assert_eq!(calls[0].load(Ordering::SeqCst), 1, "node 1 asked once");
+        let probes = calls[1].load(Ordering::SeqCst) + calls[2].load(Ordering::SeqCst);
+        assert!(
+            (1..=4).contains(&probes),
+            "{probes} follower probes in 800 ms at one per 200 ms"
+        );
     }
 }

@@ -146,7 +146,7 @@ impl Cluster {
         self.map.borrow().clone()
     }
 
-    fn install(&self, map: ClusterMap) {
+    pub(crate) fn install(&self, map: ClusterMap) {
         self.map.send_if_modified(|current| {
             if map.version > current.version {
                 *current = Arc::new(map);

@@ -59,7 +59,7 @@ mod session;
 mod stream;
 
 pub use admin::RetentionPolicy;
-pub use client::{BlobMeta, Client, ClientConfig, PutOutcome, sha256};
+pub use client::{BlobMeta, Client, ClientConfig, DEFAULT_HEDGE_AFTER, PutOutcome, sha256};
 pub use error::{Error, Result};
 pub use list::{ListEntry, ListOptions, ListPage, Lister};
 pub use stream::{BlobReader, UPLOAD_DEPTH, Upload, hex};

@@ -24,9 +24,10 @@ pub struct Workload {
     pub keys: u32,
     /// Deadline of each operation (retries included).
     pub op_timeout: Duration,
-    /// Deadline of each attempt of an operation (the SDK then retries on
-    /// another replica); `None`: the whole operation deadline.
-    pub attempt_timeout: Option<Duration>,
+    /// The SDK's hedge delay (`ClientConfig::hedge_after`): an attempt
+    /// unanswered this long runs on while the operation tries another
+    /// replica. Default: the SDK's.
+    pub hedge_after: Option<Duration>,
     /// Seed of every client's choices.
     pub seed: u64,
 }
@@ -37,7 +38,7 @@ impl Default for Workload {
             clients: 6,
             keys: 24,
             op_timeout: Duration::from_secs(5),
-            attempt_timeout: None,
+            hedge_after: Some(tidepool_client::DEFAULT_HEDGE_AFTER),
             seed: 1,
         }
     }
@@ -156,7 +157,7 @@ pub async fn run(
 ) {
     let client = client
         .with_timeout(workload.op_timeout)
-        .with_attempt_timeout(workload.attempt_timeout);
+        .with_hedge_after(workload.hedge_after);
     let mut tasks = Vec::new();
     for c in 0..workload.clients {
         // Each client counts its own attempts.

@@ -4,12 +4,16 @@
 //! Every run prints its report row (and appends it to `$E2E_REPORT`);
 //! replay a seed with `E2E_SEED=<seed>`.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tidepool_client::Client;
 
 use tidepool_e2e::cluster::{Cluster, Options};
 use tidepool_e2e::history::{Op, Status};
 use tidepool_e2e::scenario::{Report, report_lines, shard_writes, start};
-use tidepool_e2e::workload::Workload;
+use tidepool_e2e::workload::{Workload, key_name};
 
 /// One scenario at a time: each runs a cluster of processes.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -165,7 +169,7 @@ async fn retried_writes_apply_once_across_one_node_peer_partitions() {
         clients: 8,
         keys: 2,
         op_timeout: Duration::from_secs(10),
-        attempt_timeout: Some(Duration::from_millis(250)),
+        hedge_after: Some(Duration::from_millis(250)),
         ..workload()
     };
     let mut run = start(&cluster, load).await;
@@ -208,7 +212,7 @@ async fn a_node_cut_off_from_its_peers_leaves_every_shard_writable() {
     let cluster = Cluster::start(Options::default()).await;
     let load = Workload {
         op_timeout: Duration::from_secs(10),
-        attempt_timeout: Some(Duration::from_millis(500)),
+        hedge_after: Some(Duration::from_millis(500)),
         ..workload()
     };
     let shard_of_key = cluster.shards_of_keys(load.keys).await;
@@ -275,6 +279,59 @@ async fn frozen_follower() {
     assert!(
         report.write_gap_s < 3.0,
         "writes stalled while a node was frozen: {report:?}"
+    );
+}
+
+/// A client meets a frozen leader on a new connection: the kernel still
+/// accepts the TCP connection, the TLS handshake never completes, and no
+/// HTTP/2 ping runs before it does. With a connect timeout longer than the
+/// call's deadline, only the SDK's hedged attempts (an unanswered attempt
+/// runs on while the next replica is tried) get the write to the leader
+/// the others elect; without them the call times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_is_hedged_around_on_a_new_connection() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let key = 0;
+    let leader = leader_of_key(&cluster, key).await;
+    assert!(leader > 0, "the map names the key's leader");
+    let seeds: Vec<String> = cluster.coordinators.iter().map(|c| c.url.clone()).collect();
+    let mut config = cluster.credentials.client_config(&seeds);
+    config.timeout = Duration::from_secs(8);
+    config.connect_timeout = Duration::from_secs(30);
+    config.watch = false;
+    let attempts = Arc::new(AtomicU64::new(0));
+    let client = Client::with_config(config)
+        .await
+        .expect("a client connects")
+        .counting_attempts(attempts.clone());
+    let victim = leader as usize - 1;
+    cluster.freeze_node(victim);
+    let frozen_at = Instant::now();
+    let put = client
+        .put(
+            "default",
+            &key_name(key),
+            b"written while its leader was frozen",
+        )
+        .await;
+    let took = frozen_at.elapsed();
+    cluster.thaw_node(victim);
+    let put = put.expect("the write reaches the new leader");
+    assert!(!put.already_present);
+    let attempts = attempts.load(Ordering::Relaxed);
+    eprintln!("put acknowledged {took:?} after the freeze, in {attempts} attempts");
+    assert!(attempts >= 2, "the frozen leader was tried and given up");
+    assert!(
+        took < Duration::from_secs(5),
+        "an election takes 1-2 s; the write took {took:?}"
+    );
+    assert_eq!(
+        client
+            .get("default", &key_name(key))
+            .await
+            .expect("read back"),
+        b"written while its leader was frozen"
     );
 }
 
@@ -494,7 +551,7 @@ async fn soak() {
     // Short attempts: writes are retried across every fault.
     let load = Workload {
         op_timeout: Duration::from_secs(10),
-        attempt_timeout: Some(Duration::from_millis(500)),
+        hedge_after: Some(Duration::from_millis(500)),
         ..workload()
     };
     let mut rng = rand::rngs::SmallRng::seed_from_u64(load.seed);

@@ -86,11 +86,7 @@ pub struct ServeTls {
 impl GatewayConfig {
     /// Defaults: gRPC on 127.0.0.1:7480, HTTP on 127.0.0.1:7481, blobs up
     /// to 64 GiB, batches up to 4 MiB.
-    pub fn new(mut client: ClientConfig) -> GatewayConfig {
-        // A node that does not answer one attempt within 10 s is left for
-        // another replica: build tools time out whole calls at 60 s, and a
-        // call here may take several SDK calls.
-        client.attempt_timeout = client.attempt_timeout.or(Some(Duration::from_secs(10)));
+    pub fn new(client: ClientConfig) -> GatewayConfig {
         GatewayConfig {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7480)),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 7481)),
