@@ -508,13 +508,21 @@ impl Client {
             };
             let shard_id = route.shard.shard_id;
             // The hinted leader, else the next replica in turn that has no
-            // attempt of this call running already.
+            // attempt of this call running already — one that answered of
+            // late before one that did not (a frozen node's new connection
+            // hangs until the connect timeout), whatever the turn.
             let candidates = self.cluster.candidates(&route.shard);
             let address = redirect.take().or_else(|| {
                 let n = candidates.len();
-                (0..n)
-                    .filter_map(|i| Cluster::address(&map, candidates[(attempt + i) % n]))
-                    .find(|a| !pending.at(a))
+                let free: Vec<(u64, String)> = (0..n)
+                    .map(|i| candidates[(attempt + i) % n])
+                    .filter_map(|id| Some((id, Cluster::address(&map, id)?)))
+                    .filter(|(_, a)| !pending.at(a))
+                    .collect();
+                free.iter()
+                    .find(|(id, _)| !self.cluster.is_unreachable(*id))
+                    .or(free.first())
+                    .map(|(_, a)| a.clone())
             });
             let target = address.as_deref().and_then(|a| Cluster::node_at(&map, a));
             let last = match address {
@@ -619,22 +627,32 @@ impl Client {
                     if !matches!(disposition, Disposition::Fail(_)) {
                         self.attempt_failed(shard_id, target, &status);
                     }
+                    // Whether the replicas are electing a leader (or are
+                    // about to): then the running attempts are not at a
+                    // live leader, and the replicas are asked again at the
+                    // election's pace, not the hedge delay's.
+                    let mut electing = false;
                     let (error, pause) = match disposition {
                         Disposition::Fail(error) => return Err(error),
-                        Disposition::Redirect(error, hinted, id) => {
+                        Disposition::Redirect(error, hinted, id, no_leader) => {
+                            electing = no_leader;
                             redirect =
                                 hinted.or_else(|| id.and_then(|id| Cluster::address(&map, id)));
                             // Not back to the node that sent us away, nor
                             // to one this call already waits on, nor to
-                            // one that just failed to answer: a follower
-                            // still names the leader it last heard from
+                            // one that failed to answer of late while the
+                            // follower no longer hears it either: a
+                            // follower names the leader it last heard from
                             // (frozen, cut off) until the others elect a
-                            // new one.
+                            // new one. A leader the follower hears is
+                            // alive, whatever this client saw of it before
+                            // (a node thawed, a connection re-made).
                             if redirect.as_deref().is_some_and(|a| {
                                 a == address
                                     || pending.at(a)
-                                    || Cluster::node_at(&map, a)
-                                        .is_some_and(|id| self.cluster.is_unreachable(id))
+                                    || (no_leader
+                                        && Cluster::node_at(&map, a)
+                                            .is_some_and(|id| self.cluster.is_unreachable(id)))
                             }) {
                                 redirect = None;
                             }
@@ -652,11 +670,11 @@ impl Client {
                         Disposition::Backoff(error) => (error, Some(backoff(attempt))),
                     };
                     if let Some(pause) = pause {
-                        // Beside running attempts, the next one starts a
-                        // hedge delay after this one did (or as soon as
-                        // one of them fails).
+                        // Beside running attempts at a live leader, the
+                        // next one starts a hedge delay after this one did
+                        // (or as soon as one of them fails).
                         let until = match self.hedge_after {
-                            Some(h) if !pending.is_empty() => started + h.max(pause),
+                            Some(h) if !pending.is_empty() && !electing => started + h.max(pause),
                             _ => Instant::now() + pause,
                         };
                         if let Waited::Answer(value) = self
@@ -1316,11 +1334,13 @@ mod tests {
         /// Leads: answers (its id as the size) after `delay`.
         Lead { delay: Duration },
         /// Names `before` as the leader until `switch`, then `after`; a
-        /// replica naming itself leads from then on.
+        /// replica naming itself leads from then on. `silent`: says it has
+        /// not heard from `before` for a while (`leader_silent_ms`).
         Follow {
             before: u64,
             after: u64,
             switch: Duration,
+            silent: bool,
         },
     }
 
@@ -1353,20 +1373,21 @@ mod tests {
             _: Request<HeadRequest>,
         ) -> std::result::Result<Response<HeadResponse>, Status> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let leader = match self.rule {
+            let (leader, silent) = match self.rule {
                 Rule::Lead { delay } => {
                     tokio::time::sleep(delay).await;
-                    self.id
+                    (self.id, false)
                 }
                 Rule::Follow {
                     before,
                     after,
                     switch,
+                    silent,
                 } => {
                     if self.began.elapsed() < switch {
-                        before
+                        (before, silent)
                     } else {
-                        after
+                        (after, false)
                     }
                 }
             };
@@ -1388,6 +1409,7 @@ mod tests {
                         node_id: leader,
                         address,
                     }),
+                    leader_silent_ms: silent.then_some(600),
                     ..tidepool_proto::v1::ErrorDetail::default()
                 },
             ))
@@ -1535,6 +1557,7 @@ mod tests {
             before: 1,
             after: 3,
             switch: Duration::from_millis(300),
+            silent: false,
         };
         let (client, calls) = three_replicas(
             [None, Some(election), Some(election)],
@@ -1565,6 +1588,7 @@ mod tests {
             before: 1,
             after: 1,
             switch: Duration::ZERO,
+            silent: false,
         };
         let (client, calls) = three_replicas(
             [
@@ -1586,5 +1610,106 @@ mod tests {
             (1..=4).contains(&probes),
             "{probes} follower probes in 800 ms at one per 200 ms"
         );
+    }
+
+    #[tokio::test]
+    async fn followers_that_no_longer_hear_the_leader_are_asked_at_the_elections_pace() {
+        // Node 1 is frozen; nodes 2 and 3 name it until, 1.1 s in, they
+        // elect node 3. When they say they have not heard from node 1 for
+        // a while, the call asks them again every election poll (160 ms at
+        // most) once its first hedge (500 ms) ran, and reaches node 3 soon
+        // after the election; when they do not say so (a slow leader, for
+        // all the call knows), it asks once per hedge delay and meets the
+        // new leader at the 1.5 s hedge at best.
+        let mut took_by_silence = Vec::new();
+        for silent in [true, false] {
+            let election = Rule::Follow {
+                before: 1,
+                after: 3,
+                switch: Duration::from_millis(1100),
+                silent,
+            };
+            let (client, _) = three_replicas(
+                [None, Some(election), Some(election)],
+                Some(Duration::from_millis(500)),
+            )
+            .await;
+            let (answer, took) = head_answered_by(&client).await;
+            assert_eq!(answer.unwrap(), 3, "the new leader answered");
+            took_by_silence.push(took);
+        }
+        let (silent, heard) = (took_by_silence[0], took_by_silence[1]);
+        eprintln!("new leader reached after {silent:?} with silence reported, {heard:?} without");
+        assert!(
+            silent < Duration::from_millis(1400),
+            "after the election at 1.1 s, with silence reported: {silent:?}"
+        );
+        assert!(
+            heard >= Duration::from_millis(1400),
+            "paced by the hedge delay without it: {heard:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_node_that_stopped_answering_is_not_dialled_again_while_others_answer() {
+        // Node 1 is frozen and the others elect node 3 only 2.5 s in. The
+        // pings give up on node 1's connection at about 1.5 s; from then
+        // the call keeps asking the followers (they no longer hear node 1)
+        // and never opens a new connection to node 1, which would hang
+        // until the connect timeout whenever its turn came.
+        let election = Rule::Follow {
+            before: 1,
+            after: 3,
+            switch: Duration::from_millis(2500),
+            silent: true,
+        };
+        let (client, calls) = three_replicas(
+            [None, Some(election), Some(election)],
+            Some(Duration::from_millis(500)),
+        )
+        .await;
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 3, "the new leader answered");
+        assert_eq!(
+            calls[0].load(Ordering::SeqCst),
+            1,
+            "one connection to the frozen node"
+        );
+        let probes = calls[1].load(Ordering::SeqCst) + calls[2].load(Ordering::SeqCst);
+        eprintln!("answered after {took:?}, {probes} follower attempts");
+        assert!(
+            took < Duration::from_millis(2800),
+            "answered {took:?} after the start, the election at 2.5 s"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_leader_its_followers_hear_is_followed_though_it_failed_this_client_before() {
+        // Node 3 leads; the client marked it unreachable (it was frozen a
+        // moment ago, say, and has been thawed). Its followers hear it and
+        // name it: the call follows them at once instead of avoiding node 3
+        // until the mark expires (5 s).
+        let follow = Rule::Follow {
+            before: 3,
+            after: 3,
+            switch: Duration::ZERO,
+            silent: false,
+        };
+        let (client, calls) = three_replicas(
+            [
+                Some(follow),
+                Some(follow),
+                Some(Rule::Lead {
+                    delay: Duration::ZERO,
+                }),
+            ],
+            Some(Duration::from_millis(500)),
+        )
+        .await;
+        client.cluster.unreachable(3);
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 3);
+        assert!(took < Duration::from_secs(1), "took {took:?}");
+        assert_eq!(calls[2].load(Ordering::SeqCst), 1, "node 3 asked once");
     }
 }

@@ -56,8 +56,11 @@ impl Error {
 pub(crate) enum Disposition {
     /// Final: give it to the caller.
     Fail(Error),
-    /// Try the node this one named as leader (by address), at once.
-    Redirect(Error, Option<String>, Option<u64>),
+    /// Try the node this one named as leader (by address, and id), at
+    /// once. The flag: no leader is to be had there for now — none was
+    /// named, or the follower has not heard from the one it names for a
+    /// while (`leader_silent_ms`) — so an election is under way or due.
+    Redirect(Error, Option<String>, Option<u64>, bool),
     /// The map is stale: refresh it, then try again.
     Refresh(Error),
     /// Transient: wait a little and try (another replica).
@@ -81,12 +84,16 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
     );
     match code {
         ErrorCode::NotLeader => {
+            let silent = detail
+                .as_ref()
+                .is_some_and(|d| d.leader_silent_ms.is_some());
             let hint = detail.and_then(|d| d.leader_hint);
             let address = hint
                 .as_ref()
                 .map(|h| h.address.clone())
                 .filter(|a| !a.is_empty());
-            Disposition::Redirect(error, address, hint.map(|h| h.node_id))
+            let electing = address.is_none() || silent;
+            Disposition::Redirect(error, address, hint.map(|h| h.node_id), electing)
         }
         ErrorCode::WrongShard | ErrorCode::StaleMap | ErrorCode::ShardNotFound => {
             Disposition::Refresh(error)
@@ -129,12 +136,37 @@ mod tests {
             legacy_status_with_detail(not_leader()),
         ] {
             match classify(&status) {
-                Disposition::Redirect(error, address, id) => {
+                Disposition::Redirect(error, address, id, electing) => {
                     assert_eq!(error.code(), ErrorCode::NotLeader);
                     assert_eq!(address.as_deref(), Some("http://10.0.0.3:7400"));
                     assert_eq!(id, Some(3));
+                    assert!(!electing, "the named leader is heard from");
                 }
                 _ => panic!("not a redirect: {status:?}"),
+            }
+        }
+    }
+
+    /// A follower that no longer hears the leader it names, or names none,
+    /// tells of an election: the retry loop then polls the replicas instead
+    /// of pacing its attempts by the hedge delay.
+    #[test]
+    fn a_silent_or_unknown_leader_means_an_election() {
+        let silent = ErrorDetail {
+            leader_silent_ms: Some(600),
+            ..not_leader()
+        };
+        let unknown = ErrorDetail {
+            leader_hint: None,
+            ..not_leader()
+        };
+        for (detail, address) in [(silent, Some("http://10.0.0.3:7400")), (unknown, None)] {
+            match classify(&status_with_detail(detail)) {
+                Disposition::Redirect(_, hinted, _, electing) => {
+                    assert_eq!(hinted.as_deref(), address);
+                    assert!(electing);
+                }
+                _ => panic!("not a redirect"),
             }
         }
     }

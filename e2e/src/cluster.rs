@@ -172,6 +172,8 @@ pub struct Options {
     pub relocation_interval_ms: Option<u64>,
     /// The nodes' `raft.compact_log_entries` (`None`: their default).
     pub compact_log_entries: Option<u64>,
+    /// The nodes' `raft.election_spread_ticks` (`None`: their default).
+    pub election_spread_ticks: Option<usize>,
 }
 
 impl Default for Options {
@@ -187,6 +189,7 @@ impl Default for Options {
             split_load_secs: 60,
             relocation_interval_ms: None,
             compact_log_entries: None,
+            election_spread_ticks: None,
         }
     }
 }
@@ -235,8 +238,15 @@ impl Cluster {
                 &format!("[engine]\nrelocation_interval_ms = {ms}\n"),
             );
         }
+        let mut raft = String::new();
         if let Some(entries) = options.compact_log_entries {
-            node_config.push_str(&format!("[raft]\ncompact_log_entries = {entries}\n"));
+            raft.push_str(&format!("compact_log_entries = {entries}\n"));
+        }
+        if let Some(ticks) = options.election_spread_ticks {
+            raft.push_str(&format!("election_spread_ticks = {ticks}\n"));
+        }
+        if !raft.is_empty() {
+            node_config.push_str(&format!("[raft]\n{raft}"));
         }
         std::fs::write(&config, node_config).expect("node config");
         let mut cluster = Cluster {

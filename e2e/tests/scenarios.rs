@@ -273,11 +273,13 @@ async fn frozen_follower() {
     run.run_for(Duration::from_secs(2)).await;
     let report = run.finish("frozen node (SIGSTOP 8 s)").await;
     finish_checks(&cluster, &report, &[]);
-    // The SDK's pings find the frozen node in about 1.5 s, about when
-    // the others elect a new leader; before them, a call on the frozen
-    // shard waited out its 5 s deadline (e2e/RESULTS.md).
+    // The others elect a new leader 0.9-1.2 s after the freeze, and the
+    // SDK (hedged attempts, followers reporting the leader's silence)
+    // reaches it within about 0.2 s of that; before the SDK's pings and
+    // hedges, a call on the frozen shard waited out its 5 s deadline
+    // (e2e/RESULTS.md; `frozen_leader_write_gaps` measures the gap).
     assert!(
-        report.write_gap_s < 3.0,
+        report.write_gap_s < 2.0,
         "writes stalled while a node was frozen: {report:?}"
     );
 }
@@ -333,6 +335,109 @@ async fn a_frozen_leader_is_hedged_around_on_a_new_connection() {
             .expect("read back"),
         b"written while its leader was frozen"
     );
+}
+
+/// The node leading `shard` and its term, by the last leadership change
+/// the nodes logged (each logs every change it sees).
+fn leader_in_logs(cluster: &Cluster, shard: u32) -> Option<(u64, u64)> {
+    let field = |line: &str, name: &str| -> Option<u64> {
+        let rest = &line[line.find(name)? + name.len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    let span = format!("shard_id={shard}}}");
+    cluster
+        .log_lines_with("leadership changed")
+        .iter()
+        .filter(|line| line.contains(&span) && line.contains("is_leader=true"))
+        .filter_map(|line| Some((field(line, "term=")?, field(line, "node_id=")?)))
+        .max()
+        .map(|(term, node)| (node, term))
+}
+
+/// A measurement, run by hand (`E2E_ROUNDS=5 cargo test -p tidepool-e2e
+/// --test scenarios frozen_leader_write_gaps -- --ignored --nocapture`):
+/// how long a write waits when its shard's leader freezes, with the nodes'
+/// election spread at raft-rs's default (10 ticks) and at the product's,
+/// clusters alternating. A client with warm connections to every node puts
+/// to a key, its leader is frozen (SIGSTOP), and the time from the freeze
+/// to the put's acknowledgement is the write gap a steady writer sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement (e2e/RESULTS.md), not a check"]
+async fn frozen_leader_write_gaps() {
+    let _serial = SERIAL.lock().await;
+    let rounds: usize = std::env::var("E2E_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(2);
+    // raft-rs's default spread (as many ticks as the timeout), then the
+    // nodes' own default.
+    let mut gaps: Vec<(Option<usize>, Vec<f64>)> = vec![(Some(10), Vec::new()), (None, Vec::new())];
+    for round in 0..rounds {
+        for (spread, seen) in gaps.iter_mut() {
+            let cluster = Cluster::start(Options {
+                election_spread_ticks: *spread,
+                ..Options::default()
+            })
+            .await;
+            let seeds: Vec<String> = cluster.coordinators.iter().map(|c| c.url.clone()).collect();
+            let mut config = cluster.credentials.client_config(&seeds);
+            config.timeout = Duration::from_secs(10);
+            let client = Client::with_config(config)
+                .await
+                .expect("a client connects");
+            for key in 0..8 {
+                client
+                    .put("default", &key_name(key), b"warm")
+                    .await
+                    .expect("warm-up put");
+            }
+            for key in 0..4 {
+                cluster.wait_settled(Duration::from_secs(60)).await;
+                // The leader by the nodes' own logs (the map's hint can
+                // trail a change by a reconcile round).
+                let shard = cluster.shards_of_keys(key + 1).await[key as usize];
+                let (leader, term) = leader_in_logs(&cluster, shard).expect("a leader logged");
+                let victim = leader as usize - 1;
+                cluster.freeze_node(victim);
+                let frozen_at = Instant::now();
+                let wall = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                let put = client
+                    .put(
+                        "default",
+                        &key_name(key),
+                        format!("round {round}").as_bytes(),
+                    )
+                    .await;
+                let took = frozen_at.elapsed();
+                cluster.thaw_node(victim);
+                put.expect("the write reaches the new leader");
+                let after = leader_in_logs(&cluster, shard).expect("a leader logged");
+                assert!(
+                    after.1 > term && after.0 != leader,
+                    "shard {shard}: node {leader} led in term {term} and was frozen; then {after:?}"
+                );
+                seen.push(took.as_secs_f64());
+                eprintln!(
+                    "spread {spread:?}: write acknowledged {took:?} after its leader (node {leader}, shard {shard}) froze at {:.3} (Unix time)",
+                    wall.as_secs_f64()
+                );
+            }
+        }
+    }
+    for (spread, seen) in &mut gaps {
+        seen.sort_by(f64::total_cmp);
+        let shown: Vec<String> = seen.iter().map(|s| format!("{s:.2}")).collect();
+        eprintln!(
+            "election spread {spread:?} ticks (None: the nodes' default): {} freezes, median {:.2} s, max {:.2} s: {}",
+            seen.len(),
+            seen[seen.len() / 2],
+            seen[seen.len() - 1],
+            shown.join(" ")
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

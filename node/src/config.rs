@@ -137,6 +137,11 @@ pub struct RaftSettings {
     pub tick_ms: u64,
     /// Ticks without a leader before an election.
     pub election_ticks: usize,
+    /// Each follower draws its election timeout from `election_ticks` to
+    /// `election_ticks + election_spread_ticks - 1` ticks: a narrow spread
+    /// bounds how long a shard whose leader froze stays without one (the
+    /// leader lease depends on `election_ticks` alone, not on this).
+    pub election_spread_ticks: usize,
     /// Ticks between heartbeats.
     pub heartbeat_ticks: usize,
     /// `synced` (fsync on a majority before an ack) or `buffered`.
@@ -160,6 +165,7 @@ impl Default for RaftSettings {
         Self {
             tick_ms: 100,
             election_ticks: 10,
+            election_spread_ticks: 3,
             heartbeat_ticks: 2,
             durability: "synced".into(),
             max_value_bytes: 4 << 20,
@@ -512,6 +518,9 @@ impl NodeConfig {
         if self.raft.election_ticks <= self.raft.heartbeat_ticks {
             return bad("raft.election_ticks must exceed raft.heartbeat_ticks".into());
         }
+        if self.raft.election_spread_ticks == 0 {
+            return bad("raft.election_spread_ticks must be at least 1".into());
+        }
         if self.raft.max_value_bytes == 0 || self.raft.max_value_bytes > 64 << 20 {
             return bad("raft.max_value_bytes must be between 1 and 64 MiB".into());
         }
@@ -669,6 +678,7 @@ impl NodeConfig {
         let mut config = ReplicaConfig::new(shard_id, self.node_id);
         config.address = self.advertise();
         config.election_ticks = self.raft.election_ticks;
+        config.election_spread_ticks = self.raft.election_spread_ticks;
         config.heartbeat_ticks = self.raft.heartbeat_ticks;
         config.durability = self.durability()?;
         config.max_command_bytes = self.max_record_bytes() as usize;
@@ -891,6 +901,36 @@ mod tests {
                 .to_string();
             assert!(error.contains(reason), "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn raft_timings_are_checked_and_the_election_spread_reaches_the_replicas() {
+        for (text, reason) in [
+            (
+                "[raft]\nelection_spread_ticks = 0\n",
+                "election_spread_ticks",
+            ),
+            (
+                "[raft]\nelection_ticks = 2\n",
+                "must exceed raft.heartbeat_ticks",
+            ),
+        ] {
+            let error = NodeConfig::from_toml(&format!("node_id = 1\n{text}"))
+                .and_then(|c| c.validate())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(reason), "{text}: {error}");
+        }
+        let config = NodeConfig::from_toml("node_id = 1\n[raft]\nelection_spread_ticks = 5\n")
+            .expect("parses");
+        config.validate().expect("valid");
+        let replica = config.replica_config(1).expect("replica config");
+        assert_eq!(
+            (replica.election_ticks, replica.election_spread_ticks),
+            (10, 5)
+        );
+        let default = NodeConfig::from_toml("node_id = 1\n").expect("parses");
+        assert_eq!(default.replica_config(1).unwrap().election_spread_ticks, 3);
     }
 
     #[test]

@@ -52,8 +52,14 @@ pub struct ReplicaConfig {
     pub node_id: u64,
     /// This node's gRPC address, where peers fetch its snapshots.
     pub address: String,
-    /// Ticks without a heartbeat before a follower campaigns.
+    /// Ticks without a heartbeat before a follower campaigns: at least
+    /// this many (what check-quorum and the leader lease count on) ...
     pub election_ticks: usize,
+    /// ... and fewer than this many more, drawn anew at every reset (Raft's
+    /// randomized election timeout; raft-rs's default spread is
+    /// `election_ticks`, which lets a frozen leader's shard wait up to twice
+    /// the timeout).
+    pub election_spread_ticks: usize,
     /// Ticks between a leader's heartbeats.
     pub heartbeat_ticks: usize,
     /// Durability an entry needs before this replica acknowledges it.
@@ -117,6 +123,7 @@ impl ReplicaConfig {
             shard_id,
             node_id,
             election_ticks: 10,
+            election_spread_ticks: 3,
             heartbeat_ticks: 2,
             durability: Durability::Synced,
             address: String::new(),
@@ -198,6 +205,9 @@ pub struct ReplicaStatus {
     /// On a leader: entries the slowest voter has yet to append (its
     /// matched index behind the last index); 0 on followers.
     pub append_lag: u64,
+    /// On a follower that knows its leader: ticks since it last heard from
+    /// it (an append or a heartbeat); 0 otherwise.
+    pub leader_silent_ticks: u64,
     /// The hash range the group owns, as replicated (`None`: not
     /// recorded).
     pub range: Option<(u64, u64)>,
@@ -233,6 +243,8 @@ impl Replica {
         let raft_config = raft::Config {
             id: config.node_id,
             election_tick: config.election_ticks,
+            min_election_tick: config.election_ticks,
+            max_election_tick: config.election_ticks + config.election_spread_ticks.max(1),
             heartbeat_tick: config.heartbeat_ticks,
             applied: log.applied(),
             max_size_per_msg: config.max_message_bytes,
@@ -546,8 +558,14 @@ impl Replica {
         } else {
             0
         };
+        let leader_silent_ticks = if raft.state == StateRole::Follower && raft.leader_id != 0 {
+            raft.election_elapsed as u64
+        } else {
+            0
+        };
         ReplicaStatus {
             append_lag,
+            leader_silent_ticks,
             is_leader: raft.state == StateRole::Leader,
             leader: raft.leader_id,
             term: raft.term,

@@ -231,3 +231,64 @@ fn an_entry_marked_synced_survives_every_replica_losing_power_in_a_buffered_grou
         RUNS - 1
     );
 }
+
+/// Ticks from cutting off a leader until a follower first campaigns (the
+/// start of its pre-vote), for the cluster of `seed`.
+fn ticks_to_first_campaign(seed: u64, spread: usize) -> u64 {
+    let mut template = crate::replica::ReplicaConfig::new(0, 0);
+    template.election_spread_ticks = spread;
+    let mut cluster = SimCluster::with_config(seed, 3, template);
+    assert!(
+        cluster.run_until(200, |c| c.leader().is_some()).unwrap(),
+        "seed {seed}: no leader elected"
+    );
+    // Heartbeats settle every follower's timer first.
+    cluster.run(20).unwrap();
+    let old = cluster.leader().expect("a leader");
+    cluster.partition(&[old]);
+    for tick in 1..=200 {
+        cluster.tick().unwrap();
+        for id in cluster.ids() {
+            if id != old
+                && cluster
+                    .replica(id)
+                    .is_some_and(|r| r.raw.raft.state != raft::StateRole::Follower)
+            {
+                return tick;
+            }
+        }
+    }
+    panic!("seed {seed}: nobody campaigned within 200 ticks of the leader's loss");
+}
+
+#[test]
+fn a_follower_campaigns_within_the_election_spread_after_its_leader_goes_silent() {
+    // The last heartbeat reached the followers at most `heartbeat_ticks`
+    // before the cut; each then waits `election_ticks` plus a draw below
+    // `election_spread_ticks`. With raft-rs's default spread (as many
+    // ticks again) the first campaign comes as late as tick 19: a frozen
+    // leader's shard would wait up to twice the election timeout.
+    let config = crate::replica::ReplicaConfig::new(0, 0);
+    let bound = (config.election_ticks + config.election_spread_ticks - 1) as u64;
+    let base = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut seen = Vec::new();
+    for seed in base..base.wrapping_add(12) {
+        let ticks = ticks_to_first_campaign(seed, config.election_spread_ticks);
+        assert!(
+            ticks <= bound,
+            "seed {seed}: first campaign {ticks} ticks after the leader's loss, bound {bound}"
+        );
+        seen.push(ticks);
+    }
+    let wide: Vec<u64> = (base..base.wrapping_add(12))
+        .map(|seed| ticks_to_first_campaign(seed, config.election_ticks))
+        .collect();
+    eprintln!(
+        "first campaign after the cut, in ticks: spread {} {seen:?}; spread {} {wide:?}",
+        config.election_spread_ticks, config.election_ticks
+    );
+    assert!(
+        wide.iter().any(|t| *t > bound),
+        "the control with raft-rs's default spread campaigns late in some cluster"
+    );
+}

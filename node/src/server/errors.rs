@@ -32,10 +32,21 @@ impl Node {
         info.detail.shard_id = Some(shard_id);
         if leader != 0 {
             info.detail.leader_hint = self.address_of(leader);
+            info.detail.leader_silent_ms = self.leader_silent_ms(shard_id, leader);
         } else {
             info.detail.retry_after_ms = self.config.raft.tick_ms as u32 * 5;
         }
         info
+    }
+
+    /// How long this node's replica of `shard_id` has not heard from
+    /// `leader`, in milliseconds, once that is more than two heartbeat
+    /// intervals: a hint to clients that the leader may be gone.
+    fn leader_silent_ms(&self, shard_id: u32, leader: u64) -> Option<u32> {
+        let status = self.shard(shard_id)?.state().status?;
+        let raft = &self.config.raft;
+        (status.leader == leader && status.leader_silent_ticks > 2 * raft.heartbeat_ticks as u64)
+            .then(|| u32::try_from(status.leader_silent_ticks * raft.tick_ms).unwrap_or(u32::MAX))
     }
 
     /// The error for a proposal that did not apply.
