@@ -209,6 +209,15 @@ impl RaftLog {
                 log.found(initial_voters, range)?;
             }
         }
+        // Entries are applied only once committed, but a Ready's committed
+        // entries are applied before its hard state (the new commit index)
+        // is written, and an engine snapshot between the two saves an
+        // applied index above the saved commit; a crash right there left
+        // `applied > commit`, which raft-rs refuses. What was applied was
+        // committed: say so.
+        if log.applied > log.hard_state.commit && log.applied <= log.last() {
+            log.hard_state.commit = log.applied;
+        }
         log.save_app_state();
         // Relocation must never delete a segment holding entries of the
         // log: keep everything from where the log's records start.

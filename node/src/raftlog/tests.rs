@@ -215,3 +215,45 @@ fn relocation_never_takes_segments_the_log_needs() {
     let log = RaftLog::open(engine(&storage.restart_process()), KeySpace::default(), &[]).unwrap();
     assert_eq!(summary(&all(&log)), summary(&entries));
 }
+
+/// Regression (e2e `split_with_the_leader_killed`, kill -9 during a
+/// split): a Ready's committed entries are applied before its hard state
+/// (with the new commit index) is written, and an engine snapshot taken
+/// between the two (a split's checkpoint, a background flush) saves an
+/// applied index above the saved commit. A process killed right there
+/// reopened with `applied > commit`, which raft-rs refuses with a panic.
+/// Applied entries were committed: the log raises its commit index to
+/// the applied one.
+#[test]
+fn a_commit_index_saved_behind_the_applied_index_is_raised_to_it() {
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
+    let end = log
+        .append(&(2..=6).map(|i| write_entry(i, 1, 1)).collect::<Vec<_>>())
+        .unwrap();
+    let hs = HardState {
+        term: 1,
+        vote: 1,
+        commit: 3,
+    };
+    log.set_state(Some(&hs), None).unwrap();
+    log.wait(end, Durability::Synced).unwrap();
+    // The next Ready commits through 5 and applies it; the engine
+    // snapshots; the process dies before the hard state is written.
+    log.set_applied(5);
+    log.engine().flush().unwrap();
+    log.engine().close().unwrap();
+    drop(log);
+    let log = RaftLog::open(engine(&storage), KeySpace::default(), &[]).unwrap();
+    assert_eq!(log.applied(), 5);
+    assert_eq!(log.hard_state().commit, 5);
+    assert_eq!((log.hard_state().term, log.hard_state().vote), (1, 1));
+    let config = raft::Config {
+        id: 1,
+        applied: log.applied(),
+        ..raft::Config::default()
+    };
+    let logger = slog::Logger::root(slog::Discard, slog::o!());
+    let node = raft::RawNode::new(&config, log, &logger).expect("raft-rs starts on it");
+    assert_eq!(node.raft.raft_log.committed, 5);
+}

@@ -152,9 +152,13 @@ impl Receiver {
                 self.storage()
                     .create_dir_all(&parent)
                     .map_err(|e| self.io(&parent, e))?;
+                // Disk reserved for the bytes copied only: past them the
+                // file is zeros, a hole here as in the sender's sparse
+                // segment, and the engine reserves ahead of its writes as
+                // it does in any segment it reopens.
                 let out = self
                     .storage()
-                    .create(&path, file.file_size)
+                    .create_sparse(&path, file.file_size, file.size)
                     .map_err(|e| self.io(&path, e))?;
                 self.out = Some(out);
                 self.hasher = Sha256::new();
