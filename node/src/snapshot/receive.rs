@@ -60,29 +60,46 @@ fn checked_path(path: &str) -> Result<PathBuf> {
 /// control data: far fewer).
 pub const MAX_SNAPSHOT_FILES: usize = 100_000;
 
+/// Largest file a snapshot may name (its length, holes included; a WAL
+/// segment is tens of MiB).
+pub const MAX_SNAPSHOT_FILE_BYTES: u64 = 1 << 40;
+
 /// What a manifest may ask this node to create: a bounded number of files
-/// whose total length fits the volume's free space. A manifest is data from
-/// the network; without this, one naming huge files made a node fill its
-/// disk before the first chunk arrived.
-fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) -> Result<()> {
+/// of bounded length whose copied bytes fit the volume's free space. A
+/// manifest is data from the network; without this, one naming huge files
+/// made a node fill its disk before the first chunk arrived. Only the
+/// copied bytes take disk: past them a file stays a hole (see `advance`),
+/// so a replica whose segments are mostly unwritten is not refused for
+/// their full length.
+pub(super) fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) -> Result<()> {
     if manifest.files.len() > MAX_SNAPSHOT_FILES {
         return Err(malformed(format!(
             "a snapshot of {} files (at most {MAX_SNAPSHOT_FILES})",
             manifest.files.len()
         )));
     }
-    let total = manifest
+    if let Some(file) = manifest
         .files
         .iter()
-        .try_fold(0u64, |sum, f| sum.checked_add(f.file_size))
+        .find(|f| f.file_size > MAX_SNAPSHOT_FILE_BYTES)
+    {
+        return Err(malformed(format!(
+            "snapshot file {} of {} bytes (at most {MAX_SNAPSHOT_FILE_BYTES})",
+            file.path, file.file_size
+        )));
+    }
+    let copied = manifest
+        .files
+        .iter()
+        .try_fold(0u64, |sum, f| sum.checked_add(f.size))
         .ok_or_else(|| malformed("snapshot file sizes overflow".into()))?;
     let free = store
         .storage()
         .available_bytes(store.dir())
         .map_err(|e| NodeError::Malformed(format!("cannot read the free space: {e}")))?;
-    if total > free {
+    if copied > free {
         return Err(malformed(format!(
-            "a snapshot of {total} bytes does not fit the {free} bytes free"
+            "a snapshot of {copied} bytes does not fit the {free} bytes free"
         )));
     }
     Ok(())

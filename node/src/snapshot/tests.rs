@@ -126,19 +126,30 @@ fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     let mut bad = manifest.clone();
     bad.files[0].file_size = bad.files[0].size - 1;
     assert!(Receiver::start(bad, &store).is_err());
-    // A manifest asking for more than the disk holds, or sizes that wrap,
-    // or too many files: refused before anything is created.
+    // A manifest asking for more than the disk holds, files longer than
+    // any engine makes, or sizes that wrap: refused before anything is
+    // created.
     disk.set_capacity_bytes(Some(1 << 40));
-    for file_size in [u64::MAX / 2 + 1, 1 << 40] {
+    for (size, file_size) in [
+        (1 << 40, 1 << 40),
+        (1, receive::MAX_SNAPSHOT_FILE_BYTES + 1),
+        (u64::MAX / 2 + 1, u64::MAX / 2 + 1),
+    ] {
         let mut bad = manifest.clone();
-        bad.files[0].file_size = file_size;
-        bad.files[1].file_size = file_size;
+        for file in &mut bad.files[..2] {
+            file.size = size;
+            file.file_size = file_size;
+        }
         let error = Receiver::start(bad, &store).unwrap_err().to_string();
         assert!(
-            error.contains("fit") || error.contains("overflow"),
+            error.contains("fit") || error.contains("at most") || error.contains("overflow"),
             "{error}"
         );
     }
+    // The same cap, met exactly, is accepted.
+    let mut big = manifest.clone();
+    big.files[0].file_size = receive::MAX_SNAPSHOT_FILE_BYTES;
+    assert!(receive::check_bounds(&big, &store).is_ok());
     let mut bad = manifest.clone();
     let one = bad.files[0].clone();
     bad.files = vec![one; receive::MAX_SNAPSHOT_FILES + 1];
@@ -180,14 +191,18 @@ fn a_received_snapshot_reserves_the_bytes_it_copied_not_whole_segments() {
     let disk = FaultStorage::default();
     let store = replica_store(&disk);
     let before = disk.used_bytes();
+    let pages = manifest.files.len() as u64 * 4096;
+    // A disk with room for the copied bytes but not the whole files: the
+    // snapshot is accepted (it was refused when the check summed lengths).
+    disk.set_capacity_bytes(Some(before + copied + pages));
     let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
     for chunk in prepared.chunks(3, 0, 0) {
         receiver.accept(&chunk.unwrap()).unwrap();
     }
     assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
+    disk.set_capacity_bytes(None);
     let used = disk.used_bytes() - before;
     eprintln!("received {copied} bytes of {whole}: {used} bytes reserved");
-    let pages = manifest.files.len() as u64 * 4096;
     assert!(
         used <= copied + pages,
         "{used} bytes reserved for {copied} copied ({whole} in whole files)"
