@@ -9,7 +9,8 @@
 //! 3. make the value WAL durable up to the current processed watermark
 //!    (every entry a flushed index points at lies below it);
 //! 4. make the index log durable (every blob the snapshot references);
-//! 5. replace the control file crash-safely;
+//! 5. replace the control file crash-safely (unless it already holds
+//!    exactly this data: nothing changed since the last snapshot);
 //! 6. delete index segments that neither this snapshot nor any cell
 //!    references.
 //!
@@ -77,10 +78,16 @@ pub(crate) fn write_snapshot_then<T>(
         app_state,
         spaces,
     };
-    let path = inner.config.dir.join(CONTROL_FILE);
-    write_file_atomically(&*inner.storage, &path, &data.encode())
-        .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
-    Metrics::add(&inner.metrics.counters().snapshots, 1);
+    // The control file holds the last snapshot written (or read at open):
+    // an engine with nothing new since keeps it instead of rewriting the
+    // same bytes (two fsyncs, and a node's idle replicas did that every
+    // interval).
+    if last.as_ref() != Some(&data) {
+        let path = inner.config.dir.join(CONTROL_FILE);
+        write_file_atomically(&*inner.storage, &path, &data.encode())
+            .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
+        Metrics::add(&inner.metrics.counters().snapshots, 1);
+    }
     collect_index_garbage(inner, &data)?;
     let result = then(&data);
     *last = Some(data);
