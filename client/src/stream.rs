@@ -11,6 +11,8 @@
 //! mix chunks, and a replaced or deleted blob's chunks are deleted after
 //! the new manifest is stored.
 
+use std::collections::VecDeque;
+
 use prost::Message as _;
 use sha2::{Digest, Sha256};
 use tidepool_proto::v1::{
@@ -210,6 +212,10 @@ impl Client {
             whole: None,
             skip: 0,
             remaining: limit.unwrap_or(u64::MAX),
+            fetching: VecDeque::new(),
+            fetch_next: 0,
+            wanted: 0,
+            requested: 0,
         };
         if info.kind != BlobKind::Manifest as i32 {
             // `get_verified` checked the bytes against this digest.
@@ -242,6 +248,8 @@ impl Client {
             reader.next_chunk += 1;
         }
         reader.skip = offset.saturating_sub(start);
+        reader.fetch_next = reader.next_chunk;
+        reader.wanted = reader.skip.saturating_add(reader.remaining);
         if offset == 0 && limit.is_none() {
             reader.whole = Some(Sha256::new());
         }
@@ -585,10 +593,21 @@ impl Drop for Upload {
 /// chunk's commit round.
 pub const UPLOAD_DEPTH: usize = 2;
 
+/// A chunk being fetched: its stored blob, verified against its stored
+/// digest.
+type ChunkFetch = tokio::task::JoinHandle<Result<(BlobInfo, Vec<u8>)>>;
+
+/// Chunks a [`BlobReader`] fetches beyond the one it hands out next: the
+/// next chunk's round trip overlaps the caller's use of this one (as
+/// [`UPLOAD_DEPTH`] overlaps a writer's), for at most one more chunk of
+/// memory per reader.
+pub const READ_AHEAD: usize = 1;
+
 /// A blob opened for reading ([`Client::open_range`]): its size and
 /// digest, and its bytes in pieces (a chunk at a time), each verified
 /// before it is handed out; a whole read is checked against the blob's
-/// digest at the end.
+/// digest at the end. Chunks are fetched [`READ_AHEAD`] ahead, never past
+/// the range.
 pub struct BlobReader {
     client: Client,
     namespace: String,
@@ -603,6 +622,23 @@ pub struct BlobReader {
     whole: Option<Sha256>,
     skip: u64,
     remaining: u64,
+    /// Fetches of chunks `next_chunk..fetch_next`, in order.
+    fetching: VecDeque<ChunkFetch>,
+    fetch_next: usize,
+    /// Bytes from the first chunk's start to the range's end, and from it
+    /// to the end of chunk `fetch_next - 1`: no chunk wholly past the
+    /// range is fetched ahead.
+    wanted: u64,
+    requested: u64,
+}
+
+impl Drop for BlobReader {
+    /// A reader dropped before its end stops the fetches it started.
+    fn drop(&mut self) {
+        for task in &self.fetching {
+            task.abort();
+        }
+    }
 }
 
 impl std::fmt::Debug for BlobReader {
@@ -673,12 +709,16 @@ impl BlobReader {
             }
             return Ok(None);
         }
+        self.fetch_ahead();
         let chunk = self.manifest.chunks[self.next_chunk].clone();
         self.next_chunk += 1;
-        let (_, mut bytes) = self
-            .client
-            .get_verified(&self.namespace, &chunk.key, self.cas)
-            .await?;
+        let task = self
+            .fetching
+            .pop_front()
+            .expect("the next chunk's fetch was started");
+        let (_, mut bytes) = task.await.map_err(|e| {
+            Error::new(ErrorCode::Internal, format!("a chunk's fetch failed: {e}"))
+        })??;
         if sha256(&bytes)[..] != chunk.sha256[..] || bytes.len() as u64 != chunk.size {
             return Err(corrupt(format!(
                 "chunk {} of {} does not match its manifest",
@@ -698,6 +738,28 @@ impl BlobReader {
         bytes.truncate(end);
         bytes.drain(..start);
         Ok(Some(bytes))
+    }
+
+    /// Starts fetching the next chunk if it is not under way, and up to
+    /// [`READ_AHEAD`] more while they hold bytes of the range.
+    fn fetch_ahead(&mut self) {
+        while self.fetch_next < self.manifest.chunks.len()
+            && (self.fetching.is_empty()
+                || (self.fetching.len() <= READ_AHEAD && self.requested < self.wanted))
+        {
+            let chunk = &self.manifest.chunks[self.fetch_next];
+            self.requested = self.requested.saturating_add(chunk.size);
+            let (client, namespace, key, cas) = (
+                self.client.clone(),
+                self.namespace.clone(),
+                chunk.key.clone(),
+                self.cas,
+            );
+            let fetch = async move { client.get_verified(&namespace, &key, cas).await };
+            self.fetching
+                .push_back(tokio::spawn(tracing::Instrument::in_current_span(fetch)));
+            self.fetch_next += 1;
+        }
     }
 }
 

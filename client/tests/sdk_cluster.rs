@@ -2,7 +2,8 @@
 //! loopback sockets (`tidepool_testkit::cluster`). Routing and every
 //! operation; calls that keep working while shard leaders move; a client
 //! whose map went stale while replicas moved; a blob larger than 64 MiB
-//! streamed in chunks; corrupted bytes on a replica never returned as data.
+//! streamed in chunks, read back in ranges with the next chunk fetched
+//! ahead; corrupted bytes on a replica never returned as data.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -390,6 +391,92 @@ async fn blobs_larger_than_64_mib_stream_in_chunks() {
     client.put("default", b"big", b"small now").await.unwrap();
     assert_eq!(client.get("default", b"big").await.unwrap(), b"small now");
     assert!(client.delete("default", b"big").await.unwrap());
+    cluster.stop().await;
+}
+
+/// Blob content bytes the cluster's nodes have returned so far.
+fn bytes_served(cluster: &LocalCluster) -> u64 {
+    cluster
+        .nodes
+        .iter()
+        .flatten()
+        .map(|n| n.node.metrics.get_bytes.get())
+        .sum()
+}
+
+/// A chunked blob read in pieces: every range comes back exact; a reader
+/// fetches the chunk after the one it handed out before it is asked for it
+/// (so the next round trip overlaps the caller's work), and never a chunk
+/// wholly past its range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_reads_fetch_ahead_within_their_range() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let chunk = client.chunk_size() as u64;
+    let seed = tidepool_testkit::seed_from_env("STREAM_SEED");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut blob = vec![0u8; (5 * chunk + 1_000) as usize];
+    rng.fill(&mut blob[..]);
+    client
+        .put_stream("default", b"six-chunks", &blob[..])
+        .await
+        .unwrap();
+
+    // Ranges: inside one chunk, across a boundary, to the end, random.
+    let mut ranges = vec![
+        (chunk + 10, 100),
+        (2 * chunk - 5, 10),
+        (5 * chunk, 1_000),
+        (0, 6 * chunk),
+    ];
+    for _ in 0..6 {
+        let offset = rng.random_range(0..blob.len() as u64);
+        ranges.push((offset, rng.random_range(1..3 * chunk)));
+    }
+    for (offset, len) in ranges {
+        let served = bytes_served(&cluster);
+        let mut reader = client
+            .open_range("default", b"six-chunks", offset, Some(len))
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        while let Some(piece) = reader.next_piece().await.unwrap() {
+            out.extend_from_slice(&piece);
+        }
+        let end = (offset + len).min(blob.len() as u64) as usize;
+        assert!(
+            out[..] == blob[offset as usize..end],
+            "range {offset}+{len} (seed {seed})"
+        );
+        // The manifest, and the chunks the range touches.
+        let touched = (end as u64).div_ceil(chunk) - offset / chunk;
+        let fetched = bytes_served(&cluster) - served;
+        assert!(
+            fetched < (touched + 1) * chunk,
+            "range {offset}+{len} touches {touched} chunks; {fetched} bytes fetched (seed {seed})"
+        );
+    }
+
+    // After the first piece, the second chunk is on its way unasked.
+    let served = bytes_served(&cluster);
+    let mut reader = client
+        .open_range("default", b"six-chunks", 0, None)
+        .await
+        .unwrap();
+    let first = reader.next_piece().await.unwrap().unwrap();
+    assert_eq!(first.len() as u64, chunk);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while bytes_served(&cluster) - served < 2 * chunk {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the next chunk was not fetched ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // And no further than one ahead while the caller holds back.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(bytes_served(&cluster) - served < 3 * chunk);
+    drop(reader);
     cluster.stop().await;
 }
 
