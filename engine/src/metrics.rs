@@ -141,6 +141,9 @@ counters! {
     delta_flushes,
     /// Control-region snapshots written.
     snapshots,
+    /// Snapshots that found the control file already holding what they
+    /// would write, and kept it.
+    snapshots_unchanged,
     /// Gets served from the value cache.
     cache_hits,
     /// Gets that read the value from disk.

@@ -87,6 +87,8 @@ pub(crate) fn write_snapshot_then<T>(
         write_file_atomically(&*inner.storage, &path, &data.encode())
             .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
         Metrics::add(&inner.metrics.counters().snapshots, 1);
+    } else {
+        Metrics::add(&inner.metrics.counters().snapshots_unchanged, 1);
     }
     collect_index_garbage(inner, &data)?;
     let result = then(&data);

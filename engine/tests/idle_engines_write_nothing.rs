@@ -40,7 +40,12 @@ fn an_idle_engine_keeps_its_control_file_and_a_changed_one_rewrites_it() {
     let (count, inode) = (snapshots(&engine), control_inode(&dir));
 
     // About thirty maintenance rounds with nothing new.
+    let kept = engine.metrics().counters.snapshots_unchanged;
     std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        engine.metrics().counters.snapshots_unchanged > kept,
+        "no maintenance round ran"
+    );
     assert_eq!(
         snapshots(&engine),
         count,

@@ -583,3 +583,60 @@ async fn an_oversized_raft_batch_is_refused() {
     put(&cluster, "default", b"after", b"v").await.unwrap();
     cluster.shutdown().await;
 }
+
+/// The request counter (`tidepool_rpc_requests`) takes a gRPC call's code
+/// from its trailers on a real server: successful streamed and unary calls
+/// count as `OK` once each, not as `CANCELLED` (a body dropped before its
+/// trailers) and not twice; a refusal in the response head as its code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_counted_by_the_status_they_end_with() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let count = |method: &'static str, code: &'static str| -> u64 {
+        let labels = tidepool_telemetry::requests::RequestLabels {
+            protocol: "grpc",
+            method,
+            code,
+        };
+        cluster
+            .running
+            .values()
+            .map(|n| n.node.metrics.rpc.count(&labels))
+            .sum()
+    };
+    let (gets, puts) = (count("Get", "OK"), count("Put", "OK"));
+    let content = vec![7u8; 300_000];
+    put(&cluster, "default", b"counted", &content)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        assert_eq!(get(&cluster, "default", b"counted").await.unwrap(), content);
+    }
+    // A linearizable get on every node: the followers refuse it in the head.
+    let mut refused = 0;
+    for id in 1..=3 {
+        if get_on(
+            &cluster,
+            id,
+            "default",
+            b"counted",
+            ReadConsistency::Linearizable,
+        )
+        .await
+        .is_err()
+        {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 2);
+    assert!(count("Put", "OK") > puts, "the put was not counted as OK");
+    assert!(
+        count("Get", "OK") >= gets + 4,
+        "the gets were not counted as OK"
+    );
+    assert_eq!(count("Get", "CANCELLED") + count("Put", "CANCELLED"), 0);
+    assert_eq!(count("Get", "UNKNOWN") + count("Put", "UNKNOWN"), 0);
+    assert!(
+        count("Get", "UNAVAILABLE") >= 2,
+        "NOT_LEADER is UNAVAILABLE"
+    );
+}

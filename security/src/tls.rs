@@ -361,7 +361,7 @@ pub async fn server_certificate(
 /// handshakes ([`incoming`]) when `tls` is given, else plaintext TCP. Small
 /// Raft and client messages must not wait for Nagle's algorithm (40 ms
 /// with delayed ACKs): every accepted socket has `TCP_NODELAY`.
-pub async fn serve<L>(
+pub async fn serve<L, ResBody>(
     router: tonic::transport::server::Router<L>,
     listener: TcpListener,
     tls: Option<Arc<Tls>>,
@@ -369,12 +369,12 @@ pub async fn serve<L>(
 ) -> std::result::Result<(), tonic::transport::Error>
 where
     L: tower::Layer<tonic::service::Routes>,
-    L::Service: tower::Service<
-            http::Request<tonic::body::Body>,
-            Response = http::Response<tonic::body::Body>,
-        > + Clone
+    L::Service: tower::Service<http::Request<tonic::body::Body>, Response = http::Response<ResBody>>
+        + Clone
         + Send
         + 'static,
+    ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     <L::Service as tower::Service<http::Request<tonic::body::Body>>>::Future: Send,
     <L::Service as tower::Service<http::Request<tonic::body::Body>>>::Error:
         Into<Box<dyn std::error::Error + Send + Sync>> + Send,

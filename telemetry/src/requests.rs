@@ -6,9 +6,11 @@
 //! declared (its gRPC paths, or HTTP verbs), anything else counts as
 //! `other`, so a client inventing paths cannot grow the series. The code is
 //! the gRPC status of a trailers-only response (how tonic answers an
-//! error), `OK` for a gRPC response whose status comes later in trailers,
-//! or the HTTP status code for plain HTTP. Latency runs until the response
-//! head: for streamed responses, until the stream starts.
+//! error); for a gRPC response whose status comes later, the status in its
+//! trailers, counted when they are sent (a stream that fails midway counts
+//! as its error, not `OK`; one the client abandons before its end counts
+//! as `CANCELLED`); for plain HTTP, the status code. Latency runs until the
+//! response head: for streamed responses, until the stream starts.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -83,13 +85,18 @@ impl RequestMetrics {
 
     /// Counts one request.
     pub fn record(&self, labels: RequestLabels, start: Instant) {
-        self.requests.get_or_create(&labels).inc();
+        self.observe_latency(labels.protocol, labels.method, start);
+        self.count_one(labels);
+    }
+
+    fn observe_latency(&self, protocol: &'static str, method: &'static str, start: Instant) {
         self.latency
-            .get_or_create(&MethodLabels {
-                protocol: labels.protocol,
-                method: labels.method,
-            })
+            .get_or_create(&MethodLabels { protocol, method })
             .observe(start.elapsed().as_secs_f64());
+    }
+
+    fn count_one(&self, labels: RequestLabels) {
+        self.requests.get_or_create(&labels).inc();
     }
 
     /// The count of one label set (tests).
@@ -209,20 +216,31 @@ const GRPC_CODES: [&str; 17] = [
     "UNAUTHENTICATED",
 ];
 
-/// The code label of a response head.
-fn code_of<B>(grpc: bool, response: &http::Response<B>) -> &'static str {
+/// The gRPC status name of a `grpc-status` value.
+fn grpc_code(value: &http::HeaderValue) -> &'static str {
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .and_then(|c| GRPC_CODES.get(c).copied())
+        .unwrap_or("UNKNOWN")
+}
+
+/// The code label of a response head; `None` for a gRPC response whose
+/// status is still to come (in its trailers).
+fn code_of<B>(grpc: bool, response: &http::Response<B>) -> Option<&'static str> {
     if grpc {
         return match response.headers().get("grpc-status") {
-            None if response.status().is_success() => "OK",
-            None => "UNKNOWN",
-            Some(value) => value
-                .to_str()
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .and_then(|c| GRPC_CODES.get(c).copied())
-                .unwrap_or("UNKNOWN"),
+            None if response.status().is_success() => None,
+            None => Some("UNKNOWN"),
+            Some(value) => Some(grpc_code(value)),
         };
     }
+    Some(http_code(response))
+}
+
+/// The label of an HTTP status code (a bounded set).
+fn http_code<B>(response: &http::Response<B>) -> &'static str {
     match response.status().as_u16() {
         200 => "200",
         201 => "201",
@@ -247,16 +265,95 @@ fn code_of<B>(grpc: bool, response: &http::Response<B>) -> &'static str {
     }
 }
 
+/// A request whose count waits for its status: the gRPC trailers at the
+/// end of its response body.
+#[derive(Debug)]
+struct Pending {
+    metrics: RequestMetrics,
+    protocol: &'static str,
+    method: &'static str,
+    span: tracing::Span,
+}
+
+impl Pending {
+    fn finish(self, code: &'static str) {
+        self.span.record("code", code);
+        self.metrics.count_one(RequestLabels {
+            protocol: self.protocol,
+            method: self.method,
+            code,
+        });
+    }
+}
+
+/// A response body that counts its request when its status is known: the
+/// trailers' `grpc-status`, or `CANCELLED` if the body is dropped before
+/// its end (the client went away, or the stream was reset).
+#[derive(Debug)]
+pub struct CountedBody<B> {
+    inner: B,
+    pending: Option<Pending>,
+}
+
+impl<B> CountedBody<B> {
+    fn finish(&mut self, code: &'static str) {
+        if let Some(pending) = self.pending.take() {
+            pending.finish(code);
+        }
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for CountedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(trailers) = frame.trailers_ref() {
+                    let code = trailers.get("grpc-status").map_or("UNKNOWN", grpc_code);
+                    this.finish(code);
+                }
+            }
+            // The body failed: the stream is reset without a status.
+            Poll::Ready(Some(Err(_))) => this.finish("UNKNOWN"),
+            // Ended without trailers: no status was sent.
+            Poll::Ready(None) => this.finish("UNKNOWN"),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B> Drop for CountedBody<B> {
+    fn drop(&mut self) {
+        self.finish("CANCELLED");
+    }
+}
+
 impl<S, B, R> tower::Service<http::Request<B>> for Counted<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<R>>,
     S::Future: Send + 'static,
     S::Error: 'static,
-    R: 'static,
+    R: http_body::Body + Unpin + 'static,
 {
-    type Response = S::Response;
+    type Response = http::Response<CountedBody<R>>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -288,21 +385,30 @@ where
         let future = span.in_scope(|| self.inner.call(request));
         Box::pin(async move {
             let result = future.instrument(span.clone()).await;
-            let code = match &result {
-                Ok(response) => code_of(grpc, response),
-                Err(_) if grpc => "UNAVAILABLE",
-                Err(_) => "500",
+            metrics.observe_latency(protocol, method, start);
+            let response = match result {
+                Ok(response) => response,
+                Err(error) => {
+                    let code = if grpc { "UNAVAILABLE" } else { "500" };
+                    span.record("code", code);
+                    metrics.count_one(RequestLabels {
+                        protocol,
+                        method,
+                        code,
+                    });
+                    return Err(error);
+                }
             };
-            span.record("code", code);
-            metrics.record(
-                RequestLabels {
-                    protocol,
-                    method,
-                    code,
-                },
-                start,
-            );
-            result
+            let mut pending = Some(Pending {
+                metrics,
+                protocol,
+                method,
+                span,
+            });
+            if let Some(code) = code_of(grpc, &response) {
+                pending.take().expect("just made").finish(code);
+            }
+            Ok(response.map(|inner| CountedBody { inner, pending }))
         })
     }
 }
@@ -310,33 +416,128 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
     use tower::{Layer, Service, ServiceExt};
+
+    /// A response body of these frames, then its end.
+    struct Frames(std::collections::VecDeque<http_body::Frame<bytes::Bytes>>);
+
+    impl Frames {
+        /// Some data, then trailers with `grpc-status` `status` (none:
+        /// no trailers).
+        fn grpc(status: Option<&'static str>) -> Frames {
+            let mut frames = std::collections::VecDeque::new();
+            frames.push_back(http_body::Frame::data(bytes::Bytes::from_static(b"piece")));
+            if let Some(status) = status {
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static(status));
+                frames.push_back(http_body::Frame::trailers(trailers));
+            }
+            Frames(frames)
+        }
+    }
+
+    impl http_body::Body for Frames {
+        type Data = bytes::Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+
+    /// Reads `body` to its end (as the server sends it).
+    async fn drain<B: http_body::Body + Unpin>(mut body: B) {
+        while std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx))
+            .await
+            .is_some()
+        {}
+    }
+
+    fn grpc_labels(method: &'static str, code: &'static str) -> RequestLabels {
+        RequestLabels {
+            protocol: "grpc",
+            method,
+            code,
+        }
+    }
 
     #[tokio::test]
     async fn counts_by_method_and_code_and_bounds_the_labels() {
         let metrics = RequestMetrics::default();
         let layer = metrics.layer("grpc", MethodNames::grpc(["/p.S/Get", "/p.S/Put"]));
         let mut service = layer.layer(tower::service_fn(|request: http::Request<()>| async move {
-            let mut response = http::Response::new(());
             if request.uri().path() == "/p.S/Put" {
+                // Trailers-only: the status in the head, no body.
+                let mut response = http::Response::new(Frames(Default::default()));
                 response
                     .headers_mut()
                     .insert("grpc-status", http::HeaderValue::from_static("5"));
+                return Ok::<_, std::convert::Infallible>(response);
             }
-            Ok::<_, std::convert::Infallible>(response)
+            Ok(http::Response::new(Frames::grpc(Some("0"))))
         }));
         for path in ["/p.S/Get", "/p.S/Put", "/p.S/Invented1", "/p.S/Invented2"] {
             let request = http::Request::builder().uri(path).body(()).unwrap();
-            service.ready().await.unwrap().call(request).await.unwrap();
+            let response = service.ready().await.unwrap().call(request).await.unwrap();
+            drain(response.into_body()).await;
         }
-        let labels = |method, code| RequestLabels {
-            protocol: "grpc",
-            method,
-            code,
+        assert_eq!(metrics.count(&grpc_labels("Get", "OK")), 1);
+        assert_eq!(metrics.count(&grpc_labels("Put", "NOT_FOUND")), 1);
+        assert_eq!(metrics.count(&grpc_labels("other", "OK")), 2);
+    }
+
+    /// A stream's status is in its trailers: one that fails after sending
+    /// data is counted as its error, not as the `OK` its head implied; one
+    /// dropped before its end (the client went away) as `CANCELLED`; each
+    /// exactly once.
+    #[tokio::test]
+    async fn a_stream_is_counted_by_the_status_it_ends_with() {
+        let metrics = RequestMetrics::default();
+        let layer = metrics.layer("grpc", MethodNames::grpc(["/p.S/Read"]));
+        let mut service = layer.layer(tower::service_fn(|request: http::Request<()>| async move {
+            let status = match request.uri().query() {
+                Some("fail") => Some("14"),
+                Some("bare") => None,
+                _ => Some("0"),
+            };
+            Ok::<_, std::convert::Infallible>(http::Response::new(Frames::grpc(status)))
+        }));
+        let mut call = async |uri: &str| {
+            let request = http::Request::builder().uri(uri).body(()).unwrap();
+            service.ready().await.unwrap().call(request).await.unwrap()
         };
-        assert_eq!(metrics.count(&labels("Get", "OK")), 1);
-        assert_eq!(metrics.count(&labels("Put", "NOT_FOUND")), 1);
-        assert_eq!(metrics.count(&labels("other", "OK")), 2);
+        let failed = call("/p.S/Read?fail").await;
+        assert_eq!(
+            metrics.count(&grpc_labels("Read", "OK")),
+            0,
+            "counted before its status was known"
+        );
+        drain(failed.into_body()).await;
+        assert_eq!(metrics.count(&grpc_labels("Read", "UNAVAILABLE")), 1);
+        assert_eq!(metrics.count(&grpc_labels("Read", "OK")), 0);
+
+        drain(call("/p.S/Read").await.into_body()).await;
+        assert_eq!(metrics.count(&grpc_labels("Read", "OK")), 1);
+
+        // Abandoned after its first piece.
+        let mut body = call("/p.S/Read").await.into_body();
+        std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx))
+            .await
+            .unwrap()
+            .unwrap();
+        drop(body);
+        assert_eq!(metrics.count(&grpc_labels("Read", "CANCELLED")), 1);
+
+        // Ended without any status.
+        drain(call("/p.S/Read?bare").await.into_body()).await;
+        assert_eq!(metrics.count(&grpc_labels("Read", "UNKNOWN")), 1);
+        // Nothing counted twice (every body is gone by now).
+        assert_eq!(metrics.count(&grpc_labels("Read", "OK")), 1);
+        assert_eq!(metrics.count(&grpc_labels("Read", "UNAVAILABLE")), 1);
     }
 
     #[test]
@@ -346,9 +547,11 @@ mod tests {
             *r.status_mut() = http::StatusCode::from_u16(s).unwrap();
             r
         };
-        assert_eq!(code_of(false, &response(404)), "404");
-        assert_eq!(code_of(false, &response(418)), "4xx");
-        assert_eq!(code_of(false, &response(599)), "5xx");
-        assert_eq!(code_of(true, &response(200)), "OK");
+        assert_eq!(code_of(false, &response(404)), Some("404"));
+        assert_eq!(code_of(false, &response(418)), Some("4xx"));
+        assert_eq!(code_of(false, &response(599)), Some("5xx"));
+        // A gRPC head without a status: the trailers will tell.
+        assert_eq!(code_of(true, &response(200)), None);
+        assert_eq!(code_of(true, &response(500)), Some("UNKNOWN"));
     }
 }
