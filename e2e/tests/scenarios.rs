@@ -337,6 +337,85 @@ async fn a_frozen_leader_is_hedged_around_on_a_new_connection() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_shard_whose_leader_froze_elects_with_no_request() {
+    // A quiesced group's followers count no ticks; their node sees the
+    // leader's node fall silent and wakes them (`docs/design/
+    // quiescence.md`): the shard elects on its own, with no client
+    // request to wake it, as fast as a ticking group would.
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options::default()).await;
+    let client = cluster.client().await;
+    client
+        .put("default", &key_name(0), b"before")
+        .await
+        .expect("a put");
+    let shard = cluster.shards_of_keys(1).await[0];
+    let quiesced_replicas = |status: &tidepool_client::proto::v1::ClusterStatus| {
+        status
+            .nodes
+            .iter()
+            .flat_map(|n| &n.replicas)
+            .filter(|r| r.shard_id == shard && r.quiesced)
+            .count()
+    };
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    loop {
+        let status = cluster.status().await.expect("status");
+        if quiesced_replicas(&status) == 3 {
+            eprintln!(
+                "shard {shard} quiesced {:?} after the put",
+                started.elapsed()
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shard {shard}: its replicas quiesce when idle ({} of 3 did)",
+            quiesced_replicas(&status)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (leader, term) = leader_in_logs(&cluster, shard).expect("a leader logged");
+    let victim = leader as usize - 1;
+    cluster.freeze_node(victim);
+    let frozen_at = Instant::now();
+    let elected = loop {
+        if let Some((node, new_term)) = leader_in_logs(&cluster, shard)
+            && new_term > term
+        {
+            break (node, frozen_at.elapsed());
+        }
+        if frozen_at.elapsed() > Duration::from_secs(10) {
+            cluster.thaw_node(victim);
+            panic!("shard {shard}: no new leader 10 s after its idle leader (node {leader}) froze");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    cluster.thaw_node(victim);
+    eprintln!(
+        "shard {shard}: node {} elected {:?} after the idle leader (node {leader}) froze",
+        elected.0, elected.1
+    );
+    assert_ne!(elected.0, leader);
+    // An election timeout of silence (1 s), the spread (0.3 s), an
+    // election; a split vote costs another timeout.
+    assert!(
+        elected.1 < Duration::from_secs(4),
+        "elected {:?} after the freeze",
+        elected.1
+    );
+    client
+        .put("default", &key_name(0), b"after")
+        .await
+        .expect("a put to the new leader");
+    assert_eq!(
+        client.get("default", &key_name(0)).await.expect("a get"),
+        b"after"
+    );
+}
+
 /// The node leading `shard` and its term, by the last leadership change
 /// the nodes logged (each logs every change it sees).
 fn leader_in_logs(cluster: &Cluster, shard: u32) -> Option<(u64, u64)> {

@@ -14,6 +14,7 @@
 //! durability = "synced"                # or "buffered"
 //! max_value_bytes = 4194304            # largest blob content per put
 //! lease_reads = true                   # linearizable reads on the leader's lease
+//! quiesce_ticks = 20                   # idle shards stop ticking after this many (0: never)
 //!
 //! [engine]                             # per shard replica
 //! wal_segment_mib = 64
@@ -158,6 +159,12 @@ pub struct RaftSettings {
     /// per read batch) for `(election_ticks - 2) x tick_ms x 0.9` after a
     /// majority confirmed the leadership; `false`: a round per batch.
     pub lease_reads: bool,
+    /// A shard whose leader had nothing in flight for this many ticks
+    /// stops ticking and heartbeating on every replica until a request or
+    /// message wakes it (`docs/design/quiescence.md`); the node wakes its
+    /// followers if the leader's node goes silent. 0: never. Set the same
+    /// on every node.
+    pub quiesce_ticks: u32,
 }
 
 impl Default for RaftSettings {
@@ -173,6 +180,7 @@ impl Default for RaftSettings {
             max_batch_ops: 256,
             max_batch_bytes: 4 << 20,
             lease_reads: true,
+            quiesce_ticks: 20,
         }
     }
 }
@@ -684,6 +692,7 @@ impl NodeConfig {
         config.max_command_bytes = self.max_record_bytes() as usize;
         config.compact_log_entries = self.raft.compact_log_entries;
         config.early_campaign = true;
+        config.quiesce_ticks = self.raft.quiesce_ticks;
         if self.raft.lease_reads {
             config.lease = crate::replica::safe_lease(
                 Duration::from_millis(self.raft.tick_ms),

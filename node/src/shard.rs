@@ -21,7 +21,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -106,6 +106,9 @@ pub enum Event {
     /// Hand leadership to this voter; answered with the refusal's reason
     /// if the leader does not see it reachable and caught up.
     TransferLeader(u64, TransferReply),
+    /// The node of this follower's leader went silent
+    /// (`Replica::leader_lost`).
+    LeaderLost(u64),
     /// Stop the owner (closing the replica).
     Stop,
 }
@@ -281,6 +284,8 @@ pub struct ShardHandle {
     range: crate::replica::RangeCell,
     /// Requests the node routed here (`crate::load`).
     load: crate::load::Load,
+    /// While the replica follows a known leader: that leader (else 0).
+    following: AtomicU64,
 }
 
 impl std::fmt::Debug for ShardHandle {
@@ -343,6 +348,7 @@ impl ShardHandle {
             stats: ShardStats::default(),
             range,
             load: crate::load::Load::default(),
+            following: AtomicU64::new(0),
         });
         let mut owner = Owner {
             handle: handle.clone(),
@@ -461,6 +467,21 @@ impl ShardHandle {
         &self.load
     }
 
+    /// The leader this replica follows, if it knows one (the node tells
+    /// it when that leader's node goes silent: a quiesced follower counts
+    /// no ticks toward an election).
+    pub fn following(&self) -> Option<u64> {
+        match self.following.load(Ordering::Acquire) {
+            0 => None,
+            leader => Some(leader),
+        }
+    }
+
+    /// Tells a follower that its leader's node went silent.
+    pub fn leader_lost(&self, leader: u64) {
+        let _ = self.send(Event::LeaderLost(leader));
+    }
+
     /// What the owner last published.
     pub fn state(&self) -> ShardState {
         let mut state = self.state.lock().clone();
@@ -494,6 +515,10 @@ impl ShardHandle {
 
 /// Longest wait before reopening a failed replica.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long a quiesced replica's owner sleeps if nothing wakes it (it
+/// then finds nothing to do and sleeps again).
+const QUIESCED_WAIT: Duration = Duration::from_secs(60);
 
 /// A replica that ran this long after a reopen failed afresh: its backoff
 /// starts again from the first wait.
@@ -576,6 +601,11 @@ impl Owner {
         }
         self.ready();
         self.publish();
+        if self.replica.as_ref().is_some_and(|r| !r.wants_ticks()) {
+            // Quiesced: only an event wakes it; the tick then due runs at
+            // once (at most one: `next_tick` moves past now).
+            return Next::After(QUIESCED_WAIT);
+        }
         Next::After(self.next_tick.saturating_duration_since(Instant::now()))
     }
 
@@ -644,6 +674,10 @@ impl Owner {
             Event::ConfChange(change, done) => replica.propose_conf_change(change, done),
             Event::TransferLeader(to, reply) => {
                 reply(replica.transfer_leader(to));
+                Ok(())
+            }
+            Event::LeaderLost(leader) => {
+                replica.leader_lost(leader);
                 Ok(())
             }
             Event::Write(..) | Event::Read(_) | Event::Stop => Ok(()),
@@ -807,6 +841,8 @@ impl Owner {
                         "leadership changed"
                     );
                 }
+                let following = if status.is_leader { 0 } else { status.leader };
+                self.handle.following.store(following, Ordering::Release);
                 let children_before = state.status.as_ref().map(|s| s.children.len());
                 let split_off =
                     !status.children.is_empty() && children_before != Some(status.children.len());
@@ -825,7 +861,10 @@ impl Owner {
                     self.handle.engine.store(engine.clone());
                 }
             }
-            None => state.status = None,
+            None => {
+                state.status = None;
+                self.handle.following.store(0, Ordering::Release);
+            }
         }
     }
 

@@ -12,7 +12,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use support::{Writes, assert_converged, elect, key, value, write_for};
+use support::{Writes, assert_converged, elect, key, value, watch_lease_reads, write_for};
 use tidepool_engine::Durability;
 
 use tidepool_node::replica::{LeaseClock, Outcome, ReadOutcome, ReplicaConfig, safe_lease};
@@ -211,28 +211,7 @@ fn an_isolated_leader_serves_lease_reads_only_while_no_other_can_lead() {
         Some(ReadOutcome::Ready),
         "seed {seed}: within its lease the leader answers without a round"
     );
-    let mut last_leased_tick = 0;
-    let mut elected_at = None;
-    for tick in 1..=300 {
-        cluster.tick().unwrap();
-        let other = cluster
-            .ids()
-            .into_iter()
-            .filter(|id| *id != old)
-            .find(|id| cluster.replica(*id).is_some_and(|r| r.status().is_leader));
-        if other.is_some() && elected_at.is_none() {
-            elected_at = Some(tick);
-        }
-        let read = cluster.read(old);
-        if *read.lock().unwrap() == Some(ReadOutcome::Ready) {
-            last_leased_tick = tick;
-            assert!(
-                other.is_none(),
-                "seed {seed}: node {old} served a read by its lease at tick {tick} while node {} led",
-                other.unwrap()
-            );
-        }
-    }
+    let (last_leased_tick, elected_at) = watch_lease_reads(&mut cluster, old, 300, |_, _| {});
     let elected_at = elected_at.expect("the majority elects a leader");
     assert!(
         last_leased_tick >= 3 && last_leased_tick < elected_at,

@@ -11,6 +11,7 @@
 
 mod apply;
 mod proposals;
+mod quiesce;
 mod read;
 mod ready;
 mod split;
@@ -35,6 +36,8 @@ use crate::store::ReplicaStore;
 pub const BLOB_KEY_SPACE: &str = "blobs";
 use proposals::Proposals;
 pub use proposals::{Completion, Outcome};
+pub use quiesce::QUIESCE_CONTEXT;
+use quiesce::Quiescence;
 use read::Reads;
 pub use read::{LeaseClock, ReadCompletion, ReadOutcome, safe_lease};
 pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
@@ -108,6 +111,11 @@ pub struct ReplicaConfig {
     pub lease: Option<std::time::Duration>,
     /// The clock the lease runs on.
     pub lease_clock: LeaseClock,
+    /// A leader with nothing in flight for this many ticks quiesces its
+    /// group: it and its followers stop ticking until something wakes them
+    /// (`quiesce.rs`). 0: never. Only where something wakes the followers
+    /// of a silent leader's node ([`Replica::leader_lost`]).
+    pub quiesce_ticks: u32,
 }
 
 /// A replica's current range, shared with whoever routes to it.
@@ -139,6 +147,7 @@ impl ReplicaConfig {
             namespaces: None,
             lease: None,
             lease_clock: LeaseClock::Monotonic,
+            quiesce_ticks: 0,
         }
     }
 }
@@ -164,6 +173,8 @@ pub struct Replica {
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
     /// Sweeping the name index (names outside the range, dropped ones).
     sweeping: Sweeping,
+    /// Whether the group stopped ticking, having nothing to do.
+    quiescence: Quiescence,
 }
 
 impl std::fmt::Debug for Replica {
@@ -213,6 +224,8 @@ pub struct ReplicaStatus {
     pub range: Option<(u64, u64)>,
     /// The groups split off this one.
     pub children: Vec<SplitChild>,
+    /// Whether the group is quiesced (not ticking; `quiesce.rs`).
+    pub quiesced: bool,
 }
 
 impl Replica {
@@ -268,6 +281,7 @@ impl Replica {
             transfer: TransferState::default(),
             snapshot_watch: Default::default(),
             sweeping: Sweeping::default(),
+            quiescence: Quiescence::default(),
         };
         replica.reapply_after_restart()?;
         replica.show_range();
@@ -348,8 +362,12 @@ impl Replica {
         NodeError::Failed(reason)
     }
 
-    /// Advances the logical clock by one tick.
+    /// Advances the logical clock by one tick (none passes for a
+    /// quiesced replica).
     pub fn tick(&mut self) -> Result<()> {
+        if self.is_quiesced() {
+            return Ok(());
+        }
         self.guarded(|r| {
             r.raw.tick();
             r.transfer_tick();
@@ -358,7 +376,9 @@ impl Replica {
             r.watch_snapshots();
             r.sweep_names();
             // An aborted transfer ends in a tick.
-            r.release_held()
+            r.release_held()?;
+            r.maybe_quiesce();
+            Ok(())
         })
     }
 
@@ -398,6 +418,7 @@ impl Replica {
     pub fn step(&mut self, message: Message) -> Result<()> {
         self.guarded(|r| {
             r.note_heard(&message);
+            r.before_step(&message);
             let vote = matches!(
                 message.get_msg_type(),
                 MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
@@ -406,10 +427,16 @@ impl Replica {
                 // Not yet: a lease this voter helped confirm may still run.
                 return Ok(());
             }
+            let quiesce = (message.msg_type() == MessageType::MsgHeartbeat
+                && message.context == QUIESCE_CONTEXT)
+                .then_some((message.from, message.term));
             match r.raw.step(message) {
                 // Messages from peers outside the configuration are dropped.
                 Err(raft::Error::StepPeerNotFound) => {}
                 other => other?,
+            }
+            if let Some((from, term)) = quiesce {
+                r.after_quiesce_heartbeat(from, term);
             }
             // A completed transfer ends when a message makes this replica
             // a follower.
@@ -420,7 +447,8 @@ impl Replica {
     /// Gives `done` back if this replica may propose; otherwise completes
     /// it (failed, or not the leader) and returns what the proposing call
     /// returns.
-    fn may_propose(&self, done: Completion) -> std::result::Result<Completion, Result<()>> {
+    fn may_propose(&mut self, done: Completion) -> std::result::Result<Completion, Result<()>> {
+        self.wake();
         if let Some(reason) = &self.failed {
             done(Outcome::Failed(reason.clone()));
             return Err(Err(NodeError::Failed(reason.clone())));
@@ -515,6 +543,7 @@ impl Replica {
 
     /// Starts an election now (tests and leader transfers).
     pub fn campaign(&mut self) -> Result<()> {
+        self.wake();
         self.guarded(|r| Ok(r.raw.campaign()?))
     }
 
@@ -564,6 +593,7 @@ impl Replica {
             0
         };
         ReplicaStatus {
+            quiesced: self.is_quiesced(),
             append_lag,
             leader_silent_ticks,
             is_leader: raft.state == StateRole::Leader,

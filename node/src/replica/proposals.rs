@@ -91,6 +91,11 @@ impl Proposals {
         }
     }
 
+    /// Whether no proposal waits.
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
     /// Fails every waiting proposal.
     pub fn fail_all(&mut self, reason: &str) {
         for (_, (_, done)) in std::mem::take(&mut self.pending) {

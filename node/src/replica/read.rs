@@ -134,6 +134,7 @@ impl Replica {
         if batch.is_empty() {
             return;
         }
+        self.wake();
         if let Some(reason) = &self.failed {
             let outcome = ReadOutcome::Failed(reason.clone());
             batch.into_iter().for_each(|done| done(outcome.clone()));
@@ -222,6 +223,11 @@ impl Replica {
         self.config.lease.is_some()
             && self.reads.now < self.config.election_ticks as u64
             && !self.raw.raft.prs().conf().voters().is_singleton()
+    }
+
+    /// No read waits for confirmation or for the apply index.
+    pub(crate) fn reads_idle(&self) -> bool {
+        self.reads.asked.is_empty() && self.reads.confirmed.is_empty()
     }
 
     /// Reads this replica served on its lease, without a heartbeat round.

@@ -100,6 +100,11 @@ impl Replica {
         }
     }
 
+    /// No walk under way, and the last tick found nothing left to sweep.
+    pub(crate) fn sweep_idle(&self) -> bool {
+        self.sweeping.walk.is_none() && self.sweeping.clean.is_some()
+    }
+
     fn sweep_step(&mut self, wanted: &Wanted) -> Result<()> {
         let engine = self.engine().clone();
         let walk = match self.sweeping.walk.take() {

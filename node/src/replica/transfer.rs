@@ -54,6 +54,7 @@ impl Replica {
     /// unless this replica leads and `to` is a voter it sees as reachable
     /// and caught up.
     pub fn transfer_leader(&mut self, to: u64) -> std::result::Result<(), String> {
+        self.wake();
         let raft = &self.raw.raft;
         if raft.state != StateRole::Leader {
             return Err(format!(
@@ -177,6 +178,11 @@ impl Replica {
     }
 
     /// Fails every held proposal (the replica closes or fails).
+    /// Nothing held, no transfer under way, no early campaign to come.
+    pub(crate) fn transfer_idle(&self) -> bool {
+        self.transfer.held.is_empty() && !self.transferring() && self.transfer.campaign_at.is_none()
+    }
+
     pub(crate) fn fail_held(&mut self, reason: &str) {
         self.transfer.held_bytes = 0;
         for (_, done) in std::mem::take(&mut self.transfer.held) {

@@ -414,6 +414,7 @@ impl Node {
                     requests_per_second: state.load.requests_per_second,
                     load_split_at: state.load.split_at,
                     receiving_snapshot: state.receiving_snapshot,
+                    quiesced: status.quiesced,
                     drops: status
                         .drops
                         .iter()

@@ -265,6 +265,11 @@ const SHARD_GAUGES: &[(&str, &str, Read)] = &[
         "1 while the replica knows a leader of its shard.",
         |s| s.state.status.as_ref().map(|r| u64::from(r.leader != 0)),
     ),
+    (
+        "tidepool_shard_quiesced",
+        "1 while the replica's group is quiesced (idle: no ticks, no heartbeats).",
+        |s| s.state.status.as_ref().map(|r| u64::from(r.quiesced)),
+    ),
     ("tidepool_shard_term", "Current Raft term.", |s| {
         s.state.status.as_ref().map(|r| r.term)
     }),

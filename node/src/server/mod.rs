@@ -14,6 +14,7 @@ mod admin;
 mod blobs;
 mod coordination;
 mod errors;
+mod liveness;
 mod manifests;
 mod metrics;
 mod raft_service;
@@ -121,6 +122,9 @@ pub struct Node {
     /// The ids of the current map's namespaces, shown to the replicas
     /// (`ReplicaConfig::namespaces`).
     namespace_ids: crate::replica::NamespaceIds,
+    /// When each peer node was last heard from (quiesced followers rely
+    /// on it instead of election timeouts).
+    pub(crate) liveness: liveness::PeerLiveness,
 }
 
 /// The tokens a node accepts: those of its current map.
@@ -189,7 +193,12 @@ impl Node {
             owners,
             opened: Default::default(),
             adopting: Default::default(),
-            transport: Transport::new(config.node_id, security.clone()),
+            transport: Transport::new(
+                config.node_id,
+                security.clone(),
+                Duration::from_millis(config.raft.tick_ms),
+            ),
+            liveness: Default::default(),
             security,
             tokens: Arc::default(),
             peer_channels: Default::default(),
@@ -205,6 +214,13 @@ impl Node {
             namespace_ids: Arc::default(),
         });
         node.transport.set_node(Arc::downgrade(&node));
+        if node.config.raft.quiesce_ticks > 0 {
+            // Quiesced followers count no ticks: wake those whose leader's
+            // node stays silent for an election timeout.
+            let tick = Duration::from_millis(node.config.raft.tick_ms);
+            let silence = tick * node.config.raft.election_ticks as u32;
+            tokio::spawn(liveness::watch(Arc::downgrade(&node), tick, silence));
+        }
         node.set_map(map.clone());
         if node.config.coordinator.is_some()
             && let Some(saved) = coordination::saved_map(&node.config.data_dir)?
@@ -509,6 +525,15 @@ impl Node {
                 .map_err(|e| NodeError::Config(format!("cannot delete {}: {e}", dir.display())))?;
         }
         Ok(true)
+    }
+
+    /// Every hosted replica.
+    pub(crate) fn hosted_shards(&self) -> Vec<Arc<ShardHandle>> {
+        self.shards
+            .read()
+            .values()
+            .map(|h| h.handle.clone())
+            .collect()
     }
 
     /// The hosted replica of `shard_id`.

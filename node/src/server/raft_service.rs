@@ -61,6 +61,10 @@ impl RaftTransport for RaftApi {
                 summary.dropped += batch.messages.len() as u64;
                 continue;
             }
+            if sender.speaks_for(&self.node, batch.from_node) {
+                // Empty batches too: the peer's keepalive (`liveness.rs`).
+                self.node.liveness.heard(batch.from_node);
+            }
             for envelope in batch.messages {
                 let delivered = Message::decode(&envelope.message[..])
                     .ok()

@@ -6,6 +6,10 @@
 //! so a slow or unreachable peer never blocks the shard owners or the
 //! other peers. A broken stream is reopened with backoff; messages queued
 //! while a peer is unreachable are discarded (they would be stale).
+//!
+//! A peer sent nothing for a whole tick gets an empty batch: the peer's
+//! quiesced followers learn from it that this node lives
+//! (`liveness.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -32,6 +36,8 @@ pub(crate) const BATCH_BYTES: usize = 16 << 20;
 /// Outgoing Raft traffic of a node.
 pub(crate) struct Transport {
     node_id: u64,
+    /// Most time between two batches to a connected peer.
+    keepalive: Duration,
     runtime: tokio::runtime::Handle,
     addresses: RwLock<HashMap<u64, String>>,
     peers: Mutex<HashMap<u64, (String, mpsc::Sender<RaftEnvelope>)>>,
@@ -40,11 +46,17 @@ pub(crate) struct Transport {
 }
 
 impl Transport {
-    /// A transport for node `node_id` dialling with `security`; must be
+    /// A transport for node `node_id` dialling with `security`, sending
+    /// each connected peer a batch at least every `keepalive`; must be
     /// created in a tokio runtime.
-    pub fn new(node_id: u64, security: tidepool_security::Security) -> Arc<Transport> {
+    pub fn new(
+        node_id: u64,
+        security: tidepool_security::Security,
+        keepalive: Duration,
+    ) -> Arc<Transport> {
         Arc::new(Transport {
             node_id,
+            keepalive,
             security,
             runtime: tokio::runtime::Handle::current(),
             addresses: RwLock::new(HashMap::new()),
@@ -80,10 +92,10 @@ impl Transport {
         // New peer, or its address changed: a new sender task.
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
         self.runtime.spawn(run_peer(
-            self.node_id,
-            to,
+            (self.node_id, to),
             address.clone(),
             self.security.clone(),
+            self.keepalive,
             rx,
         ));
         peers.insert(to, (address, tx.clone()));
@@ -126,12 +138,13 @@ impl Outgoing for Transport {
     }
 }
 
-/// Sends everything queued for peer `to`, reconnecting as needed.
+/// Sends everything queued for peer `to`, reconnecting as needed, and an
+/// empty batch after a `keepalive` with nothing sent.
 async fn run_peer(
-    from: u64,
-    to: u64,
+    (from, to): (u64, u64),
     address: String,
     security: tidepool_security::Security,
+    keepalive: Duration,
     mut queue: mpsc::Receiver<RaftEnvelope>,
 ) {
     let mut backoff = Duration::from_millis(50);
@@ -168,6 +181,9 @@ async fn run_peer(
         let (stream_tx, stream_rx) = mpsc::channel::<RaftBatch>(8);
         let call = client.send(tokio_stream::wrappers::ReceiverStream::new(stream_rx));
         tokio::pin!(call);
+        let mut ticks = tokio::time::interval(keepalive);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut sent = false;
         loop {
             tokio::select! {
                 result = &mut call => {
@@ -175,6 +191,15 @@ async fn run_peer(
                         tracing::debug!(to, %status, "raft stream ended");
                     }
                     break;
+                }
+                _ = ticks.tick() => {
+                    if !std::mem::take(&mut sent) {
+                        let batch = RaftBatch { from_node: from, to_node: to, messages: Vec::new() };
+                        // Full (the stream is backed up): a batch is on its way anyway.
+                        if let Err(mpsc::error::TrySendError::Closed(_)) = stream_tx.try_send(batch) {
+                            break;
+                        }
+                    }
                 }
                 first = queue.recv() => {
                     let Some(first) = first else { return };
@@ -193,6 +218,7 @@ async fn run_peer(
                     if stream_tx.send(batch).await.is_err() {
                         break;
                     }
+                    sent = true;
                 }
             }
         }

@@ -143,3 +143,41 @@ pub fn write_for(cluster: &mut SimCluster, writes: &mut Writes, ticks: u64) {
         cluster.tick().unwrap();
     }
 }
+
+/// Ticks `ticks` times, calling `before_tick` first each time and asking
+/// the cut-off leader `old` for a read after each tick; fails if `old`
+/// serves a read (by its lease: no round can confirm one) at a tick where
+/// another node leads. Returns the last tick it served one (0: none) and
+/// the first tick another node led.
+pub fn watch_lease_reads(
+    cluster: &mut SimCluster,
+    old: u64,
+    ticks: u64,
+    mut before_tick: impl FnMut(&mut SimCluster, u64),
+) -> (u64, Option<u64>) {
+    let seed = cluster.seed();
+    let mut last_leased_tick = 0;
+    let mut elected_at = None;
+    for tick in 1..=ticks {
+        before_tick(cluster, tick);
+        cluster.tick().unwrap();
+        let other = cluster
+            .ids()
+            .into_iter()
+            .filter(|id| *id != old)
+            .find(|id| cluster.replica(*id).is_some_and(|r| r.status().is_leader));
+        if other.is_some() && elected_at.is_none() {
+            elected_at = Some(tick);
+        }
+        let read = cluster.read(old);
+        if *read.lock().unwrap() == Some(tidepool_node::replica::ReadOutcome::Ready) {
+            last_leased_tick = tick;
+            assert!(
+                other.is_none(),
+                "seed {seed}: node {old} served a read by its lease at tick {tick} while node {} led",
+                other.unwrap()
+            );
+        }
+    }
+    (last_leased_tick, elected_at)
+}
