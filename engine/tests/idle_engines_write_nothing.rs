@@ -2,6 +2,7 @@
 //! its maintenance rounds go on (every `snapshot_interval_ms`) but do not
 //! rewrite the same bytes. A node hosting a thousand idle replicas used to
 //! replace a thousand control files (two fsyncs each) every interval.
+//! Its logs' syncers park too, and a buffered write wakes them.
 
 mod support;
 
@@ -75,5 +76,38 @@ fn an_idle_engine_keeps_its_control_file_and_a_changed_one_rewrites_it() {
     let ks = engine.key_space("default").unwrap();
     for i in (0..100).chain([1_000]) {
         assert_eq!(engine.get(ks, &key(i)).unwrap().unwrap(), value(i, 1, 500));
+    }
+}
+
+#[test]
+fn buffered_writes_after_idle_spells_are_synced_within_the_interval() {
+    // An idle log's syncer parks after ten runs with nothing to sync; the
+    // next writer wakes it. Writes land at random moments around the
+    // parking (a race the syncer and writers settle with fences): each must
+    // become durable by itself, as soon as a running syncer would make it.
+    let seed = tidepool_testkit::seed_from_env("IDLE_SYNC_SEED");
+    let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(seed);
+    let root = tempfile::tempdir().unwrap();
+    let mut config = Config::new(root.path().join("db"));
+    config.sync_interval_ms = 2;
+    let engine = Engine::open(config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for i in 0..60 {
+        // 0-120 ms idle: around the ten runs (of 2 ms or more each) after
+        // which the syncer parks.
+        let idle = rand::Rng::random_range(&mut rng, 0..120);
+        std::thread::sleep(Duration::from_millis(idle));
+        engine
+            .put(ks, &key(i), &value(i, 1, 100), Durability::Buffered)
+            .unwrap();
+        let written = engine.metrics().wal_processed;
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while engine.metrics().wal_synced < written {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "seed {seed}: write {i} after {idle} ms idle not durable 2 s later"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

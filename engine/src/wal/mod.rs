@@ -144,6 +144,7 @@ impl Drop for Claimed<'_> {
             ));
         }
         self.shared.tracker.done(self.start, self.end);
+        self.shared.wake_parked_syncer();
     }
 }
 
