@@ -285,3 +285,50 @@ fn restart_during_a_lease(seed: u64) {
     assert!(leased > 0, "seed {seed}: the cut-off leader used its lease");
     assert_converged(&mut cluster, &writes, "restart during a lease");
 }
+
+#[test]
+fn a_new_group_with_leases_elects_at_once_and_a_restarted_one_after_the_quiet_ticks() {
+    // A replica whose term is still the founding one never answered a
+    // leader, so no lease rests on it: a new group elects within a few
+    // ticks. Once it has led (a later term saved), a restart of every
+    // replica still waits out the quiet ticks.
+    let base = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    for seed in base..base.wrapping_add(4) {
+        let mut template = ReplicaConfig::new(0, 0);
+        template.lease = safe_lease(SIM_TICK, template.election_ticks);
+        template.lease_clock = LeaseClock::Manual(Arc::new(AtomicU64::new(0)));
+        template.early_campaign = true;
+        let quiet = template.election_ticks as u64;
+        let mut cluster = SimCluster::with_config(seed, 3, template);
+        let first = ticks_to_a_leader(&mut cluster, 300);
+        assert!(
+            first < quiet,
+            "seed {seed}: a new group elected only after {first} ticks (quiet ticks: {quiet})"
+        );
+        let mut writes = Writes::new();
+        write_for(&mut cluster, &mut writes, 5);
+        for id in cluster.ids() {
+            cluster.kill(id);
+        }
+        for id in cluster.ids() {
+            cluster.restart(id).unwrap();
+        }
+        let again = ticks_to_a_leader(&mut cluster, 300);
+        assert!(
+            again >= quiet,
+            "seed {seed}: restarted replicas elected after {again} ticks, inside the quiet ticks ({quiet})"
+        );
+        assert_converged(&mut cluster, &writes, "restart of a group that led");
+    }
+}
+
+/// Ticks until some replica leads; how many ticks that took.
+fn ticks_to_a_leader(cluster: &mut SimCluster, limit: u64) -> u64 {
+    for tick in 1..=limit {
+        cluster.tick().unwrap();
+        if cluster.leader().is_some() {
+            return tick;
+        }
+    }
+    panic!("seed {}: no leader in {limit} ticks", cluster.seed());
+}

@@ -285,24 +285,38 @@ impl Replica {
         };
         replica.reapply_after_restart()?;
         replica.show_range();
-        if replica.config.early_campaign
-            && replica
-                .raw
-                .raft
-                .prs()
-                .conf()
-                .voters()
-                .contains(replica.config.node_id)
-        {
-            // Between 2 ticks and half an election timeout, spread so
-            // replicas of one shard rarely campaign together; with leases,
-            // after the quiet ticks that follow an opening (`read.rs`).
+        replica.reads.never_answered = replica.config.durability == Durability::Synced
+            && replica.raw.raft.term <= crate::raftlog::FOUNDING_TERM;
+        let mut voters: Vec<u64> = replica
+            .raw
+            .raft
+            .prs()
+            .conf()
+            .voters()
+            .ids()
+            .iter()
+            .collect();
+        voters.sort_unstable();
+        let rank = voters.iter().position(|id| *id == replica.config.node_id);
+        if let Some(rank) = rank.filter(|_| replica.config.early_campaign) {
+            // Between 2 ticks and half an election timeout; with leases,
+            // after the quiet ticks that follow an opening, unless this
+            // replica never answered a leader (`read.rs`). Each voter of
+            // the group takes its own tick in that window, in a turn that
+            // rotates with the shard: voters that all campaigned in one
+            // tick would each vote for itself and wait a whole election
+            // timeout (one start in nine with three voters drawing from
+            // three ticks), and the first to campaign is the shard's
+            // leader, spread over the nodes.
             let ticks = replica.config.election_ticks as u64;
             let (earliest, latest) = match replica.config.lease {
-                Some(_) => (ticks, ticks + (ticks / 2).max(2)),
-                None => (2, (ticks / 2).max(3)),
+                Some(_) if !replica.reads.never_answered => (ticks, ticks + (ticks / 2).max(2)),
+                _ => (2, (ticks / 2).max(3)),
             };
-            replica.transfer.campaign_at = Some(rand::random_range(earliest..latest));
+            let count = voters.len() as u64;
+            let turn = (rank as u64 + u64::from(replica.config.shard_id)) % count;
+            let step = ((latest - earliest) / count).max(1);
+            replica.transfer.campaign_at = Some(earliest + turn * step);
         }
         Ok(replica)
     }

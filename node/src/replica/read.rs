@@ -29,7 +29,12 @@
 //! a replica of a group with other voters therefore neither grants votes
 //! nor campaigns during its first `election_ticks` ticks after opening
 //! (longer than any lease its previous life helped confirm), except in a
-//! leadership transfer.
+//! leadership transfer. A replica whose saved term is still the founding
+//! one, in synced mode, is spared: no leader ever had that term (the
+//! first election makes the next), and a follower persists a new term,
+//! synced, before it answers the leader of that term, so this replica
+//! never answered a leader and no lease rests on it. A new group
+//! therefore elects within a few ticks of opening.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -110,6 +115,10 @@ pub(crate) struct Reads {
     transferred_in: Option<u64>,
     /// Reads served by the lease (no heartbeat round).
     pub(crate) lease_reads: u64,
+    /// Opened with no term beyond the founding one, in synced mode: this
+    /// replica never answered a leader (see the module docs), so it need
+    /// not sit out the ticks after opening.
+    pub(crate) never_answered: bool,
 }
 
 impl Reads {
@@ -221,6 +230,7 @@ impl Replica {
     /// yet (see the module docs).
     pub(crate) fn quiet_after_open(&self) -> bool {
         self.config.lease.is_some()
+            && !self.reads.never_answered
             && self.reads.now < self.config.election_ticks as u64
             && !self.raw.raft.prs().conf().voters().is_singleton()
     }
