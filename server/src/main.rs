@@ -284,6 +284,28 @@ struct DevArgs {
     /// Without TLS and tokens (plaintext; every caller may do anything).
     #[arg(long)]
     insecure: bool,
+    /// What the nodes' writes wait for unless a request asks for more
+    /// (`raft.durability`): `synced` (fsync on a majority) or `buffered`
+    /// (written on a majority, synced within 100 ms: a crash of the
+    /// machine can lose the last acknowledged writes).
+    #[arg(long, value_enum, default_value_t = DevDurability::Synced)]
+    durability: DevDurability,
+}
+
+/// `tidepool dev --durability`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DevDurability {
+    Synced,
+    Buffered,
+}
+
+impl DevDurability {
+    fn name(self) -> &'static str {
+        match self {
+            DevDurability::Synced => "synced",
+            DevDurability::Buffered => "buffered",
+        }
+    }
 }
 
 /// Settings of `tidepool gateway`.
@@ -733,6 +755,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             node.data_dir = data_dir.join(format!("node-{i}"));
             node.engine.wal_segment_mib = 16;
             node.memory.budget_mib = DEV_MEMORY_MIB;
+            node.raft.durability = args.durability.name().into();
             node.tls = files(&format!("node-{i}"));
             node.coordinator = Some(CoordinatorLink {
                 addresses: vec![coordinator_url.clone()],
@@ -813,6 +836,13 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             } else {
                 format!("|bearer-token=$(cat {})", token_file.display())
             };
+            let writes = match args.durability {
+                DevDurability::Synced => "Writes acknowledged once fsynced on a majority (synced)",
+                DevDurability::Buffered => {
+                    "BUFFERED: writes acknowledged before they are fsynced (synced within 100 ms; \
+                     a crash of the machine can lose the last ones)"
+                }
+            };
             let mut metrics: Vec<String> = Vec::new();
             metrics.extend(coordinator.metrics_address.map(|a| format!("coordinator http://{a}/metrics")));
             for (i, node) in nodes.iter().enumerate() {
@@ -822,6 +852,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             println!(
                 "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
              {security}.\n\
+             {writes}.\n\
              Metrics (Prometheus):\n  {}\n\
              Build cache (instance `cache`, entries kept {DEV_CACHE_RETAIN} epochs after their last use):\n  \
                bazel build --remote_cache=grpc://{grpc}{header} //...\n  \

@@ -9,7 +9,7 @@ mod support;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use tidepool_client::{Client, ClientConfig, ErrorCode, TlsFiles};
+use tidepool_client::{Client, ClientConfig, Durability, ErrorCode, TlsFiles};
 
 fn start(dir: &std::path::Path) -> (Child, String) {
     support::start_dev(dir, &[])
@@ -58,6 +58,11 @@ async fn dev_mode_keeps_data_across_a_restart() {
     assert!(url.starts_with("https://"), "{url}");
     let client = connect(dir.path(), &url).await;
     assert_eq!(client.map().nodes.len(), 3);
+    assert_eq!(
+        reported_durabilities(&client).await,
+        vec![Durability::Synced; 3],
+        "dev mode's nodes sync by default"
+    );
     client.put("default", b"kept", &content).await.unwrap();
     // The same material without the token: refused, with its stable code.
     let mut tokenless = credentials(dir.path(), &url);
@@ -80,6 +85,68 @@ async fn dev_mode_keeps_data_across_a_restart() {
     assert_eq!(client.map().nodes.len(), 3, "the same three nodes");
     assert_eq!(client.get("default", b"kept").await.unwrap(), content);
     drop(client);
+    tokio::task::spawn_blocking(move || interrupt(child))
+        .await
+        .unwrap();
+}
+
+/// The durability every node of a dev cluster reports, once all three have
+/// reported (30 s at most).
+async fn reported_durabilities(client: &Client) -> Vec<Durability> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = client.cluster_status().await.unwrap();
+        if status.nodes.len() == 3 {
+            return status.nodes.iter().map(|n| n.durability()).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nodes did not report: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_mode_runs_buffered_when_asked_and_says_so() {
+    // A value clap does not know: refused before anything starts.
+    let dir = tempfile::tempdir().unwrap();
+    let refused = Command::new(support::BIN)
+        .args(["dev", "--port", "0", "--insecure", "--durability", "maybe"])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("synced") && stderr.contains("buffered"),
+        "{stderr}"
+    );
+
+    let (child, banner) =
+        support::start_dev_banner(dir.path(), &["--insecure", "--durability", "buffered"]);
+    assert!(
+        banner.iter().any(|l| l.starts_with("BUFFERED")),
+        "the banner warns: {banner:?}"
+    );
+    let url = support::banner_url(&banner);
+    let client = Client::connect(&[url.as_str()]).await.unwrap();
+    assert_eq!(
+        reported_durabilities(&client).await,
+        vec![Durability::Buffered; 3],
+        "every node runs buffered and reports it"
+    );
+    // Both kinds of write are acknowledged and read back; a request for
+    // synced writes is still honoured on buffered nodes (its entry is
+    // marked for every replica to sync first).
+    let content = vec![7u8; 50_000];
+    client.put("default", b"buffered", &content).await.unwrap();
+    let synced = client.with_durability(Durability::Synced);
+    synced.put("default", b"synced", &content).await.unwrap();
+    assert_eq!(client.get("default", b"buffered").await.unwrap(), content);
+    assert_eq!(client.get("default", b"synced").await.unwrap(), content);
+    drop((client, synced));
     tokio::task::spawn_blocking(move || interrupt(child))
         .await
         .unwrap();

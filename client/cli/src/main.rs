@@ -17,7 +17,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidepool_client::proto::v1::{
-    ClusterStatus, MoveStep, Namespace, NodeState, ReplicaStatus, ShardInfo, TokenGrant, retention,
+    ClusterStatus, MoveStep, Namespace, NodeState, NodeStatus, ReplicaStatus, ShardInfo,
+    TokenGrant, retention,
 };
 use tidepool_client::{
     Client, ClientConfig, Durability, ErrorCode, ListOptions, RetentionPolicy, TlsFiles, hex,
@@ -598,6 +599,17 @@ fn retention_text(ns: &Namespace) -> String {
     }
 }
 
+/// What a node's writes wait for, from its last report: `synced`,
+/// `buffered` (acknowledged before they are on disk), or `unknown` (no
+/// report yet, or a version that does not say).
+fn writes_name(report: Option<&NodeStatus>) -> &'static str {
+    match report.map(|r| r.durability()) {
+        Some(Durability::Synced) => "synced",
+        Some(Durability::Buffered) => "buffered",
+        _ => "unknown",
+    }
+}
+
 fn status_text(status: &ClusterStatus) -> String {
     let map = status.map.clone().unwrap_or_default();
     let mut out = format!(
@@ -612,11 +624,12 @@ fn status_text(status: &ClusterStatus) -> String {
     for node in &map.nodes {
         let report = status.nodes.iter().find(|n| n.node_id == node.node_id);
         out += &format!(
-            "  {:>3} {:<9} {} zone={:?} replicas={} data={} MiB\n",
+            "  {:>3} {:<9} {} zone={:?} writes={} replicas={} data={} MiB\n",
             node.node_id,
             state_name(node.state),
             node.address,
             node.zone,
+            writes_name(report),
             report.map_or(0, |r| r.replicas.len()),
             report.map_or(0, |r| r
                 .replicas
@@ -701,6 +714,7 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
         "is_leader": status.is_leader,
         "nodes": map.nodes.iter().map(|n| json!({
             "id": n.node_id, "address": n.address, "zone": n.zone, "state": state_name(n.state),
+            "writes": writes_name(status.nodes.iter().find(|r| r.node_id == n.node_id)),
         })).collect::<Vec<_>>(),
         "shards": map.shards.iter().map(|s| json!({
             "id": s.shard_id, "hash_start": s.hash_start, "hash_end": s.hash_end,

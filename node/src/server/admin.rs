@@ -10,10 +10,10 @@ use tidepool_proto::ErrorInfo;
 use tidepool_proto::v1::node_admin_server::NodeAdmin;
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    EpochDropApplied, ErrorCode, HashRange, MembershipChange, NodeStatus, NodeStatusRequest,
-    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
-    ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo, SplitOp,
-    TransferLeaderRequest, TransferLeaderResponse, propose_admin_request, retention,
+    Durability, EpochDropApplied, ErrorCode, HashRange, MembershipChange, NodeStatus,
+    NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest,
+    ProposeAdminResponse, ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo,
+    SplitOp, TransferLeaderRequest, TransferLeaderResponse, propose_admin_request, retention,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -443,6 +443,11 @@ impl Node {
                 .iter()
                 .map(|c| c.to_string())
                 .collect(),
+            durability: match self.config.durability() {
+                Ok(tidepool_engine::Durability::Buffered) => Durability::Buffered,
+                // Validated at start: anything else is synced.
+                _ => Durability::Synced,
+            } as i32,
         }
     }
 }
