@@ -10,15 +10,14 @@
 
 mod support;
 
-use std::process::Child;
-
 use rand::{Rng, SeedableRng};
 use support::{data_added, generate_tree, ok, require, restic, same_tree, text};
 use tidepool_client::proto::v1::{Role, TokenGrant};
 use tidepool_client::{Client, ClientConfig, ListOptions, TlsFiles};
 
 struct Dev {
-    child: Child,
+    /// Killed when dropped (first: before its directory goes).
+    _process: support::DevChild,
     dir: tempfile::TempDir,
     /// `host:port` of the restic endpoint.
     restic: String,
@@ -26,24 +25,9 @@ struct Dev {
     coordinator: String,
 }
 
-impl Drop for Dev {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            let log = std::fs::read_to_string(self.dir.path().join("dev.log")).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            eprintln!(
-                "--- the dev cluster's log (last lines)\n{}",
-                lines[lines.len().saturating_sub(60)..].join("\n")
-            );
-        }
-    }
-}
-
 fn start_dev() -> Dev {
     let dir = tempfile::tempdir().unwrap();
-    let (child, banner) = support::start_dev_banner(dir.path(), &[]);
+    let (process, banner) = support::start_dev_banner(dir.path(), &[]);
     let restic = banner
         .iter()
         .flat_map(|l| l.split_whitespace())
@@ -59,7 +43,7 @@ fn start_dev() -> Dev {
         .to_string();
     let token = tidepool_client::read_token_file(&dir.path().join("admin.token")).unwrap();
     Dev {
-        child,
+        _process: process,
         dir,
         restic,
         token,

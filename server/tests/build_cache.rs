@@ -11,7 +11,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidepool_client::proto::v1::{Role, TokenGrant};
@@ -21,7 +21,8 @@ use tidepool_client::{Client, ClientConfig, RetentionPolicy, TlsFiles};
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Dev {
-    child: Child,
+    /// Killed when dropped (first: before its directory goes).
+    _process: support::DevChild,
     dir: tempfile::TempDir,
     grpc: String,
     http: String,
@@ -29,25 +30,10 @@ struct Dev {
     coordinator: String,
 }
 
-impl Drop for Dev {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            let log = std::fs::read_to_string(self.dir.path().join("dev.log")).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            eprintln!(
-                "--- the dev cluster's log (last lines)\n{}",
-                lines[lines.len().saturating_sub(60)..].join("\n")
-            );
-        }
-    }
-}
-
 /// `tidepool dev`, and the gateway addresses its banner prints.
 fn start_dev() -> Dev {
     let dir = tempfile::tempdir().unwrap();
-    let (child, banner) = support::start_dev_banner(dir.path(), &[]);
+    let (process, banner) = support::start_dev_banner(dir.path(), &[]);
     let find = |prefix: &str| -> String {
         banner
             .iter()
@@ -65,7 +51,7 @@ fn start_dev() -> Dev {
         .to_string();
     let token = tidepool_client::read_token_file(&dir.path().join("admin.token")).unwrap();
     Dev {
-        child,
+        _process: process,
         dir,
         grpc,
         http,

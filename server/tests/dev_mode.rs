@@ -6,12 +6,12 @@
 
 mod support;
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidepool_client::{Client, ClientConfig, Durability, ErrorCode, TlsFiles};
 
-fn start(dir: &std::path::Path) -> (Child, String) {
+fn start(dir: &std::path::Path) -> (support::DevChild, String) {
     support::start_dev(dir, &[])
 }
 
@@ -32,7 +32,7 @@ async fn connect(dir: &std::path::Path, url: &str) -> Client {
     Client::with_config(credentials(dir, url)).await.unwrap()
 }
 
-fn interrupt(mut child: Child) {
+fn interrupt(mut child: support::DevChild) {
     let pid = child.id().to_string();
     Command::new("kill").args(["-INT", &pid]).status().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -176,7 +176,7 @@ fn metrics_alerts_and_dashboard_hold_with_promtool_and_prometheus() {
     support::require("promtool");
     support::require("prometheus");
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, banner) = support::start_dev_banner(dir.path(), &["--insecure"]);
+    let (child, banner) = support::start_dev_banner(dir.path(), &["--insecure"]);
     let url = support::banner_url(&banner);
     let targets = support::banner_metrics(&banner);
     assert_eq!(
@@ -280,8 +280,7 @@ fn metrics_alerts_and_dashboard_hold_with_promtool_and_prometheus() {
     );
 
     scrape_with_prometheus(dir.path(), &targets, &rules);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 }
 
 fn free_port() -> u16 {

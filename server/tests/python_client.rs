@@ -47,7 +47,7 @@ fn a_python_grpc_client_reads_every_error_of_the_contract() {
     std::fs::create_dir_all(&stubs).unwrap();
     generate_stubs(&stubs);
 
-    let (mut cluster, url) = support::start_dev(&dir.path().join("data"), &["--insecure"]);
+    let (cluster, url) = support::start_dev(&dir.path().join("data"), &["--insecure"]);
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/wire_contract.py");
     let output = Command::new(PYTHON)
@@ -56,8 +56,7 @@ fn a_python_grpc_client_reads_every_error_of_the_contract() {
         .arg(&url)
         .output()
         .expect("python3 runs (make deps installs python3-grpcio)");
-    let _ = cluster.kill();
-    let _ = cluster.wait();
+    drop(cluster);
     let stdout = String::from_utf8_lossy(&output.stdout);
     println!("{stdout}");
     assert!(

@@ -44,7 +44,7 @@ fn a_thousand_idle_replicas_open_and_serve() {
     let dir = tempfile::tempdir().unwrap();
     let started = Instant::now();
     let shards = SHARDS.to_string();
-    let (mut child, banner) = support::start_dev_banner_within(
+    let (child, banner) = support::start_dev_banner_within(
         dir.path(),
         &["--insecure", "--shards", &shards],
         Duration::from_secs(240),
@@ -80,8 +80,7 @@ fn a_thousand_idle_replicas_open_and_serve() {
     let threads = entries(&format!("/proc/{pid}/task"));
     let files = entries(&format!("/proc/{pid}/fd"));
     let disk = allocated_bytes(dir.path());
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
         "{REPLICAS} replicas: ready in {ready:.1?}; resident {:.0} MiB ({:.2} MiB per replica), \

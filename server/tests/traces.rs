@@ -167,11 +167,6 @@ fn named<'a>(spans: &'a [Received], name: &str, trace: &[u8]) -> Vec<&'a Receive
         .collect()
 }
 
-fn stop(mut child: std::process::Child) {
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 #[test]
 fn one_put_is_one_trace_through_the_leader_and_both_followers() {
     let (receiver, collector) = receiver();
@@ -396,7 +391,7 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
     assert!(leaked.is_empty(), "unsampled spans exported: {leaked:#?}");
     drop(client);
     drop(runtime);
-    stop(child);
+    drop(child);
 }
 
 /// A span whose (remote) parent decided not to sample.
@@ -484,7 +479,7 @@ fn a_collector_that_never_answers_holds_no_request() {
         "the exporter did connect to the collector"
     );
     drop(runtime);
-    stop(child);
+    drop(child);
     // Every log line is one JSON object; lines inside traced spans carry
     // the trace's ids.
     let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap();

@@ -14,14 +14,14 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_tidepool");
 
 /// Starts dev mode with its data in `dir`, on free ports; returns the
 /// process and the coordinator URL from its ready banner.
-pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (Child, String) {
+pub fn start_dev(dir: &std::path::Path, extra: &[&str]) -> (DevChild, String) {
     let (child, banner) = start_dev_banner(dir, extra);
     (child, banner_url(&banner))
 }
 
 /// Starts dev mode like [`start_dev`]; returns the process and every line
 /// of its ready banner.
-pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (Child, Vec<String>) {
+pub fn start_dev_banner(dir: &std::path::Path, extra: &[&str]) -> (DevChild, Vec<String>) {
     start_dev_banner_within(dir, extra, Duration::from_secs(60))
 }
 
@@ -30,7 +30,7 @@ pub fn start_dev_banner_within(
     dir: &std::path::Path,
     extra: &[&str],
     wait: Duration,
-) -> (Child, Vec<String>) {
+) -> (DevChild, Vec<String>) {
     std::fs::create_dir_all(dir).unwrap();
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
@@ -50,12 +50,57 @@ pub fn start_dev_banner_within(
     });
     let banner = read_banner(&rx, wait);
     match banner {
-        Ok(banner) => (child, banner),
+        Ok(banner) => (
+            DevChild {
+                child,
+                log: dir.join("dev.log"),
+            },
+            banner,
+        ),
         Err(problem) => {
             let _ = child.kill();
             let _ = child.wait();
             let log = std::fs::read_to_string(dir.join("dev.log")).unwrap_or_default();
             panic!("{problem}\n--- dev.log\n{log}");
+        }
+    }
+}
+
+/// A running `tidepool dev`, killed (SIGKILL) when dropped still running,
+/// so a failing test leaves no cluster behind to slow the tests after it;
+/// the last lines of its log are printed then if the test is failing.
+#[derive(Debug)]
+pub struct DevChild {
+    child: Child,
+    log: PathBuf,
+}
+
+impl std::ops::Deref for DevChild {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for DevChild {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+}
+
+impl Drop for DevChild {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- the dev cluster's log (last lines)\n{}",
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
         }
     }
 }
