@@ -89,7 +89,13 @@ pub struct Node {
     /// Its configuration.
     pub config: NodeConfig,
     map: ArcSwap<ClusterMap>,
+    /// The open replicas. Held only to look up, insert or remove: every
+    /// request takes it to find its replica.
     shards: RwLock<BTreeMap<u32, Hosted>>,
+    /// Held while a replica opens or closes, so two never open the same
+    /// shard and a close waits for an opening under way; the files are
+    /// made and synced under this lock, not under `shards`'s.
+    opening: parking_lot::Mutex<()>,
     outbox: Arc<Outbox>,
     transport: Arc<Transport>,
     /// Request counters and latencies.
@@ -205,6 +211,7 @@ impl Node {
             config,
             map: ArcSwap::from_pointee(ClusterMap::default()),
             shards: RwLock::new(BTreeMap::new()),
+            opening: parking_lot::Mutex::new(()),
             outbox: Arc::new(Outbox::default()),
             metrics: NodeMetrics::default(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(
@@ -469,12 +476,15 @@ impl Node {
     /// empty. Returns whether it was already open.
     pub fn open_replica(&self, info: ShardInfo, voters: &[u64]) -> Result<bool> {
         let shard_id = info.shard_id;
-        let mut shards = self.shards.write();
-        if shards.contains_key(&shard_id) {
+        let _opening = self.opening.lock();
+        if self.shards.read().contains_key(&shard_id) {
             return Ok(true);
         }
+        // Outside the table's lock: an opening creates and syncs files
+        // (and waits while a split moves a directory into place), which
+        // would hold every request of the node that long.
         let hosted = self.start_replica(info, voters)?;
-        shards.insert(shard_id, hosted);
+        self.shards.write().insert(shard_id, hosted);
         Ok(false)
     }
 
@@ -514,6 +524,7 @@ impl Node {
     /// Stops and forgets the replica of `shard_id`; with `delete`, removes
     /// its data. Returns whether it was open.
     pub fn close_replica(&self, shard_id: u32, delete: bool) -> Result<bool> {
+        let _opening = self.opening.lock();
         let Some(hosted) = self.shards.write().remove(&shard_id) else {
             return Ok(false);
         };
@@ -901,3 +912,6 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         server,
     })
 }
+
+#[cfg(test)]
+mod tests;

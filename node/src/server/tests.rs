@@ -1,0 +1,100 @@
+//! The node's table of replicas while replicas open.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tidepool_proto::v1::{ReplicaInfo, ReplicaRole, ShardInfo};
+
+use super::Node;
+use crate::config::NodeConfig;
+
+/// A one-node cluster of one shard in `dir`.
+fn one_node(dir: &std::path::Path) -> Arc<Node> {
+    let config = NodeConfig::from_toml(&format!(
+        "node_id = 1\n\
+         insecure = true\n\
+         data_dir = {:?}\n\
+         [engine]\nwal_segment_mib = 16\n\
+         [cluster]\nshards = 1\nreplicas = [1]\n\
+         peers = [{{ id = 1, address = \"http://127.0.0.1:1\" }}]\n",
+        dir.display().to_string()
+    ))
+    .unwrap();
+    Node::open(config).unwrap()
+}
+
+/// Runs `f` on a thread of its own; `None` if it has not returned within
+/// `wait` (the thread is left to finish).
+fn within<T: Send + 'static>(wait: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(wait).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_find_their_replicas_while_another_opens() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = one_node(dir.path());
+    assert!(
+        node.shard(1).is_some(),
+        "the shard of the static map is open"
+    );
+
+    // A replica whose opening cannot finish yet: a split is moving a
+    // directory into place (it holds the lock on making replica
+    // directories, as while it syncs the shards directory).
+    let making = crate::store::making_dirs();
+    let opening = {
+        let node = node.clone();
+        std::thread::spawn(move || {
+            let info = ShardInfo {
+                shard_id: 2,
+                hash_start: 0,
+                hash_end: u64::MAX,
+                replicas: vec![ReplicaInfo {
+                    node_id: 1,
+                    role: ReplicaRole::Voter as i32,
+                }],
+                ..ShardInfo::default()
+            };
+            node.open_replica(info, &[1])
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !opening.is_finished(),
+        "the opening waits for the directory lock"
+    );
+
+    // Meanwhile the request path still finds the open replicas, and the
+    // one still opening is not there yet.
+    let looking = node.clone();
+    let found = within(Duration::from_secs(5), move || {
+        (
+            looking.shard(1).is_some(),
+            looking.shard(2).is_some(),
+            looking.hosted().len(),
+        )
+    });
+    drop(making);
+    assert_eq!(
+        found,
+        Some((true, false, 1)),
+        "lookups answered while a replica opened"
+    );
+
+    // The opening completes, once; a second one finds it open.
+    assert!(!opening.join().unwrap().unwrap(), "newly opened");
+    assert!(node.shard(2).is_some());
+    let info = node
+        .hosted()
+        .into_iter()
+        .find(|(i, _)| i.shard_id == 2)
+        .unwrap()
+        .0;
+    assert!(node.open_replica(info, &[1]).unwrap(), "already open");
+    node.shutdown();
+}
