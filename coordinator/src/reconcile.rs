@@ -162,6 +162,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         unsplittable: Default::default(),
         hot: Default::default(),
         awaiting_upgrade: Default::default(),
+        founding: Founding::default(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -208,6 +209,19 @@ struct Reconciler {
     hot: crate::splits::HotShards,
     /// Shards last seen with a replica on a node that cannot split.
     awaiting_upgrade: BTreeSet<u32>,
+    /// Founding replicas being opened.
+    founding: Founding,
+}
+
+/// Calls opening founding replicas, which rounds do not wait for: a node
+/// that does not answer holds back neither the other nodes' openings nor
+/// the rounds after (which publish the leaders the answering nodes elect).
+/// Dropped with the reconciler, which aborts the calls.
+#[derive(Default)]
+struct Founding {
+    calls: tokio::task::JoinSet<()>,
+    /// (node, shard) of every opening under way: not asked again meanwhile.
+    in_flight: Arc<parking_lot::Mutex<BTreeSet<(u64, u32)>>>,
 }
 
 /// Most automatic splits decided per round.
@@ -393,7 +407,7 @@ impl Reconciler {
     /// The map is written first, so a coordinator that fails halfway is
     /// followed by one that founds the same shard on the same nodes.
     async fn found(
-        &self,
+        &mut self,
         map: &ClusterMap,
         views: &[ShardView],
         desired: &Placement,
@@ -434,6 +448,14 @@ impl Reconciler {
                 })
                 .await?
         };
+        // Each node's founding replicas in shard order, the nodes at once:
+        // a node opens one replica at a time (each creates and syncs its
+        // files), so a cluster of many new shards is ready in about the
+        // time its busiest node takes, not the sum over its nodes, and a
+        // slow node holds back only its own replicas (`Founding`).
+        while self.founding.calls.try_join_next().is_some() {}
+        let in_flight = self.founding.in_flight.lock().clone();
+        let mut per_node: BTreeMap<u64, Vec<ShardInfo>> = BTreeMap::new();
         for shard in map.shards.iter().filter(|s| founding(s)) {
             let view = views.iter().find(|v| v.shard_id == shard.shard_id);
             if view.is_some_and(|v| v.leader.is_some()) {
@@ -441,13 +463,48 @@ impl Reconciler {
             }
             for replica in &shard.replicas {
                 let reported = view.is_some_and(|v| v.replicas.contains_key(&replica.node_id));
-                if reported || !live.contains(&replica.node_id) {
+                if reported
+                    || !live.contains(&replica.node_id)
+                    || in_flight.contains(&(replica.node_id, shard.shard_id))
+                {
                     continue;
                 }
-                if let Err(error) = self.open(&map, replica.node_id, shard, true).await {
-                    tracing::warn!(shard_id = shard.shard_id, node_id = replica.node_id, %error, "cannot open a founding replica");
-                }
+                per_node
+                    .entry(replica.node_id)
+                    .or_default()
+                    .push(shard.clone());
             }
+        }
+        for (node_id, shards) in per_node {
+            let client = Self::address(&map, node_id)
+                .ok_or(CoordinatorError::UnknownNode(node_id))
+                .and_then(|address| self.nodes.admin(&address));
+            let client = match client {
+                Ok(client) => client,
+                Err(error) => {
+                    tracing::warn!(node_id, %error, "cannot open founding replicas");
+                    continue;
+                }
+            };
+            let in_flight = self.founding.in_flight.clone();
+            in_flight
+                .lock()
+                .extend(shards.iter().map(|s| (node_id, s.shard_id)));
+            self.founding.calls.spawn(async move {
+                for shard in shards {
+                    let request = OpenReplicaRequest {
+                        shard: Some(shard.clone()),
+                        bootstrap: true,
+                    };
+                    let mut client = client.clone();
+                    let call = client.open_replica(request);
+                    if let Err(error) = NodeClients::call("open replica", CHANGE_TIMEOUT, call).await
+                    {
+                        tracing::warn!(shard_id = shard.shard_id, node_id, %error, "cannot open a founding replica");
+                    }
+                    in_flight.lock().remove(&(node_id, shard.shard_id));
+                }
+            });
         }
         Ok(())
     }

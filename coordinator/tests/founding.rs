@@ -1,0 +1,206 @@
+//! Founding a new cluster's shards when one node does not answer: the
+//! coordinator opens each node's founding replicas apart from the other
+//! nodes', so the answering nodes get all of theirs at once (each shard
+//! then has a quorum and elects) instead of every shard waiting, one after
+//! another, for the silent node's call to time out.
+//!
+//! The nodes are scripted `NodeAdmin` servers on real sockets: they
+//! register and heartbeat like nodes, report no replicas, and record the
+//! replicas they are asked to open; one never answers an opening.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
+use tidepool_coordinator::{CoordinatorConfig, start_with_store};
+use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
+use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
+use tidepool_proto::v1::{
+    ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
+    HeartbeatRequest, NodeStatus, NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse,
+    ProposeAdminRequest, ProposeAdminResponse, RegisterNodeRequest, TransferLeaderRequest,
+    TransferLeaderResponse,
+};
+use tonic::{Request, Response, Status};
+
+const SHARDS: u32 = 6;
+
+/// A node that answers the coordinator from a script.
+struct Scripted {
+    node_id: Mutex<u64>,
+    address: String,
+    /// Shards it was asked to open.
+    opened: Arc<Mutex<BTreeSet<u32>>>,
+    /// Never answers an opening (a node that stopped mid-way).
+    silent: bool,
+    /// Openings asked of it, answered or not.
+    asked: Arc<Mutex<Vec<u32>>>,
+}
+
+#[tonic::async_trait]
+impl NodeAdmin for Scripted {
+    async fn open_replica(
+        &self,
+        request: Request<OpenReplicaRequest>,
+    ) -> Result<Response<OpenReplicaResponse>, Status> {
+        let shard = request.into_inner().shard.unwrap_or_default();
+        self.asked.lock().unwrap().push(shard.shard_id);
+        if self.silent {
+            std::future::pending::<()>().await;
+        }
+        self.opened.lock().unwrap().insert(shard.shard_id);
+        Ok(Response::new(OpenReplicaResponse::default()))
+    }
+
+    async fn change_membership(
+        &self,
+        _: Request<ChangeMembershipRequest>,
+    ) -> Result<Response<ChangeMembershipResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn transfer_leader(
+        &self,
+        _: Request<TransferLeaderRequest>,
+    ) -> Result<Response<TransferLeaderResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn close_replica(
+        &self,
+        _: Request<CloseReplicaRequest>,
+    ) -> Result<Response<CloseReplicaResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn propose_admin(
+        &self,
+        _: Request<ProposeAdminRequest>,
+    ) -> Result<Response<ProposeAdminResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn status(&self, _: Request<NodeStatusRequest>) -> Result<Response<NodeStatus>, Status> {
+        Ok(Response::new(NodeStatus {
+            node_id: *self.node_id.lock().unwrap(),
+            address: self.address.clone(),
+            ..NodeStatus::default()
+        }))
+    }
+}
+
+/// What a scripted node was asked: the shards it opened, and every
+/// opening asked of it.
+type Asked = (Arc<Mutex<BTreeSet<u32>>>, Arc<Mutex<Vec<u32>>>);
+
+/// Starts a scripted node, registers it with the coordinator at `url` and
+/// keeps its lease.
+async fn scripted_node(url: &str, silent: bool) -> Asked {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let opened = Arc::new(Mutex::new(BTreeSet::new()));
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let node = Arc::new(Scripted {
+        node_id: Mutex::new(0),
+        address: address.clone(),
+        opened: opened.clone(),
+        silent,
+        asked: asked.clone(),
+    });
+    let service = NodeAdminServer::from_arc(node.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let mut coordinator = CoordinatorServiceClient::connect(url.to_string())
+        .await
+        .unwrap();
+    let registered = coordinator
+        .register_node(RegisterNodeRequest {
+            node_id: 0,
+            address,
+            zone: String::new(),
+            capacity_bytes: 1 << 30,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let node_id = registered.node_id;
+    *node.node_id.lock().unwrap() = node_id;
+    tokio::spawn(async move {
+        loop {
+            let status = NodeStatus {
+                node_id,
+                ..NodeStatus::default()
+            };
+            let _ = coordinator
+                .heartbeat(HeartbeatRequest {
+                    status: Some(status),
+                })
+                .await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    (opened, asked)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_node_holds_back_only_its_own_founding_replicas() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let config = CoordinatorConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        leader_lease_ms: 1_000,
+        reconcile_interval_ms: 100,
+        cluster: tidepool_coordinator::config::ClusterSettings {
+            shards: SHARDS,
+            replication_factor: 3,
+            ..Default::default()
+        },
+        ..CoordinatorConfig::default()
+    };
+    let coordinator = start_with_store(config, store).await.unwrap();
+    let url = format!("http://{}", coordinator.address);
+    let (first, _) = scripted_node(&url, false).await;
+    let (second, _) = scripted_node(&url, false).await;
+    let (silent, asked) = scripted_node(&url, true).await;
+
+    // Every shard's replica is opened on both answering nodes, long before
+    // the silent node's first opening would time out (30 s): one at a
+    // time over all nodes, the second shard would wait for that.
+    let all: BTreeSet<u32> = (1..=SHARDS).collect();
+    let started = Instant::now();
+    while *first.lock().unwrap() != all || *second.lock().unwrap() != all {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "answering nodes opened {:?} and {:?} of {all:?}",
+            first.lock().unwrap(),
+            second.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "answering nodes had every shard after {:?}",
+        started.elapsed()
+    );
+    assert!(silent.lock().unwrap().is_empty());
+
+    // Rounds go on meanwhile (they publish what the answering nodes
+    // elect), and the silent node is not asked again while its first
+    // opening is under way.
+    let rounds = || coordinator.shared.progress.lock().rounds;
+    let before = rounds();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        rounds() >= before + 3,
+        "rounds every 100 ms: {before} -> {}",
+        rounds()
+    );
+    assert_eq!(
+        asked.lock().unwrap().len(),
+        1,
+        "one opening at a time on the silent node"
+    );
+    coordinator.stop().await.unwrap();
+}
