@@ -163,6 +163,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         hot: Default::default(),
         awaiting_upgrade: Default::default(),
         founding: Founding::default(),
+        unanswered: HashMap::new(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -211,6 +212,30 @@ struct Reconciler {
     awaiting_upgrade: BTreeSet<u32>,
     /// Founding replicas being opened.
     founding: Founding,
+    /// Status polls of nodes whose last poll went unanswered past its
+    /// deadline, still waiting for an answer: rounds do not wait for them.
+    unanswered: HashMap<u64, tokio::task::JoinHandle<Polled>>,
+}
+
+/// How a status poll ended.
+enum Polled {
+    Answered(NodeStatus),
+    Failed(CoordinatorError),
+    /// No answer within the deadline.
+    Silent,
+}
+
+impl Polled {
+    async fn ask(mut client: NodeAdminClient<Channel>, deadline: Duration) -> Polled {
+        match tokio::time::timeout(deadline, client.status(NodeStatusRequest {})).await {
+            Ok(Ok(status)) => Polled::Answered(status.into_inner()),
+            Ok(Err(status)) => Polled::Failed(CoordinatorError::Node(format!(
+                "status: {}",
+                status.message()
+            ))),
+            Err(_) => Polled::Silent,
+        }
+    }
 }
 
 /// Calls opening founding replicas, which rounds do not wait for: a node
@@ -307,37 +332,75 @@ impl Reconciler {
     }
 
     /// Fresh status from every live node that answers in time.
+    ///
+    /// A node that did not answer its last poll within `POLL_TIMEOUT` (a
+    /// frozen process keeps its lease until the lease runs out) is asked
+    /// again beside the rounds: the round does not wait for it, so one such
+    /// node costs one round `POLL_TIMEOUT`, not every round until its lease
+    /// ends. Once that poll answers, the next round polls the node afresh
+    /// and waits for it again (an answer that arrived between rounds is
+    /// not used as a report: it may be as old as the timeout).
     async fn poll(
-        &self,
+        &mut self,
         map: &ClusterMap,
         alive: &BTreeMap<u64, NodeStatus>,
     ) -> BTreeMap<u64, NodeStatus> {
+        self.unanswered.retain(|id, poll| {
+            let keep = alive.contains_key(id);
+            if !keep {
+                poll.abort();
+            }
+            keep
+        });
         let mut calls = tokio::task::JoinSet::new();
         for &id in alive.keys() {
-            let Some(mut client) = Self::address(map, id).and_then(|a| self.nodes.admin(&a).ok())
+            let Some(client) = Self::address(map, id).and_then(|a| self.nodes.admin(&a).ok())
             else {
                 continue;
             };
-            calls.spawn(async move {
-                let status =
-                    NodeClients::call("status", POLL_TIMEOUT, client.status(NodeStatusRequest {}))
-                        .await;
-                (id, status)
-            });
+            if let Some(poll) = self.unanswered.get(&id) {
+                if !poll.is_finished() {
+                    continue;
+                }
+                let finished = self.unanswered.remove(&id).expect("present");
+                let answered = matches!(finished.await, Ok(Polled::Answered(_)));
+                if !answered {
+                    self.unanswered
+                        .insert(id, tokio::spawn(Polled::ask(client, POLL_TIMEOUT)));
+                    continue;
+                }
+                tracing::info!(node_id = id, "node answers status polls again");
+            }
+            calls.spawn(async move { (id, Polled::ask(client, POLL_TIMEOUT).await) });
         }
         let mut reports = BTreeMap::new();
         while let Some(joined) = calls.join_next().await {
-            let Ok((id, status)) = joined else { continue };
-            match status {
-                Ok(status) if status.node_id == id => {
+            let Ok((id, polled)) = joined else { continue };
+            match polled {
+                Polled::Answered(status) if status.node_id == id => {
                     reports.insert(id, status);
                 }
-                Ok(status) => tracing::warn!(
+                Polled::Answered(status) => tracing::warn!(
                     node_id = id,
                     answered = status.node_id,
                     "a different node answers at this node's address"
                 ),
-                Err(error) => tracing::debug!(node_id = id, %error, "status poll failed"),
+                Polled::Failed(error) => {
+                    tracing::debug!(node_id = id, %error, "status poll failed")
+                }
+                Polled::Silent => {
+                    tracing::warn!(
+                        node_id = id,
+                        timeout_ms = POLL_TIMEOUT.as_millis() as u64,
+                        "node did not answer its status poll; rounds go on without waiting for it"
+                    );
+                    if let Some(client) =
+                        Self::address(map, id).and_then(|a| self.nodes.admin(&a).ok())
+                    {
+                        self.unanswered
+                            .insert(id, tokio::spawn(Polled::ask(client, POLL_TIMEOUT)));
+                    }
+                }
             }
         }
         reports

@@ -1,14 +1,21 @@
-//! Founding a new cluster's shards when one node does not answer: the
-//! coordinator opens each node's founding replicas apart from the other
-//! nodes', so the answering nodes get all of theirs at once (each shard
-//! then has a quorum and elects) instead of every shard waiting, one after
-//! another, for the silent node's call to time out.
+//! The coordinator when one node does not answer: its rounds and the
+//! other nodes' work go on.
+//!
+//! - Founding a new cluster's shards: each node's founding replicas are
+//!   opened apart from the other nodes', so the answering nodes get all of
+//!   theirs at once (each shard then has a quorum and elects) instead of
+//!   every shard waiting, one after another, for the silent node's call to
+//!   time out.
+//! - Status polls: a node that holds its lease but does not answer its poll
+//!   (a frozen process) costs one round the poll's deadline, not every round
+//!   until its lease ends; once it answers, every round polls it again.
 //!
 //! The nodes are scripted `NodeAdmin` servers on real sockets: they
-//! register and heartbeat like nodes, report no replicas, and record the
-//! replicas they are asked to open; one never answers an opening.
+//! register and heartbeat like nodes, report no replicas, and record what
+//! they are asked; one is silent (to openings, or to status polls).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,6 +43,10 @@ struct Scripted {
     silent: bool,
     /// Openings asked of it, answered or not.
     asked: Arc<Mutex<Vec<u32>>>,
+    /// Answers no status poll while set.
+    status_silent: Arc<AtomicBool>,
+    /// Status polls asked of it, answered or not.
+    status_asks: Arc<AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -82,6 +93,10 @@ impl NodeAdmin for Scripted {
     }
 
     async fn status(&self, _: Request<NodeStatusRequest>) -> Result<Response<NodeStatus>, Status> {
+        self.status_asks.fetch_add(1, Ordering::SeqCst);
+        if self.status_silent.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         Ok(Response::new(NodeStatus {
             node_id: *self.node_id.lock().unwrap(),
             address: self.address.clone(),
@@ -90,23 +105,37 @@ impl NodeAdmin for Scripted {
     }
 }
 
-/// What a scripted node was asked: the shards it opened, and every
-/// opening asked of it.
-type Asked = (Arc<Mutex<BTreeSet<u32>>>, Arc<Mutex<Vec<u32>>>);
+/// A scripted node's record, and its switch.
+struct Asked {
+    /// Shards it opened.
+    opened: Arc<Mutex<BTreeSet<u32>>>,
+    /// Every opening asked of it.
+    openings: Arc<Mutex<Vec<u32>>>,
+    /// Set: it answers no status poll.
+    status_silent: Arc<AtomicBool>,
+    /// Status polls asked of it.
+    status_asks: Arc<AtomicUsize>,
+}
 
 /// Starts a scripted node, registers it with the coordinator at `url` and
-/// keeps its lease.
+/// keeps its lease. `silent`: it never answers an opening.
 async fn scripted_node(url: &str, silent: bool) -> Asked {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", listener.local_addr().unwrap());
-    let opened = Arc::new(Mutex::new(BTreeSet::new()));
-    let asked = Arc::new(Mutex::new(Vec::new()));
+    let asked = Asked {
+        opened: Arc::new(Mutex::new(BTreeSet::new())),
+        openings: Arc::new(Mutex::new(Vec::new())),
+        status_silent: Arc::new(AtomicBool::new(false)),
+        status_asks: Arc::new(AtomicUsize::new(0)),
+    };
     let node = Arc::new(Scripted {
         node_id: Mutex::new(0),
         address: address.clone(),
-        opened: opened.clone(),
+        opened: asked.opened.clone(),
         silent,
-        asked: asked.clone(),
+        asked: asked.openings.clone(),
+        status_silent: asked.status_silent.clone(),
+        status_asks: asked.status_asks.clone(),
     });
     let service = NodeAdminServer::from_arc(node.clone());
     tokio::spawn(
@@ -143,11 +172,12 @@ async fn scripted_node(url: &str, silent: bool) -> Asked {
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     });
-    (opened, asked)
+    asked
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_node_holds_back_only_its_own_founding_replicas() {
+/// A coordinator on an in-memory store, rounds every 100 ms, for a
+/// cluster of `SHARDS` shards of 3 replicas; and its URL.
+async fn coordinator() -> (tidepool_coordinator::RunningCoordinator, String) {
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
     let config = CoordinatorConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -162,9 +192,19 @@ async fn a_silent_node_holds_back_only_its_own_founding_replicas() {
     };
     let coordinator = start_with_store(config, store).await.unwrap();
     let url = format!("http://{}", coordinator.address);
-    let (first, _) = scripted_node(&url, false).await;
-    let (second, _) = scripted_node(&url, false).await;
-    let (silent, asked) = scripted_node(&url, true).await;
+    (coordinator, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_node_holds_back_only_its_own_founding_replicas() {
+    let (coordinator, url) = coordinator().await;
+    let first = scripted_node(&url, false).await.opened;
+    let second = scripted_node(&url, false).await.opened;
+    let Asked {
+        opened: silent,
+        openings: asked,
+        ..
+    } = scripted_node(&url, true).await;
 
     // Every shard's replica is opened on both answering nodes, long before
     // the silent node's first opening would time out (30 s): one at a
@@ -201,6 +241,47 @@ async fn a_silent_node_holds_back_only_its_own_founding_replicas() {
         asked.lock().unwrap().len(),
         1,
         "one opening at a time on the silent node"
+    );
+    coordinator.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_does_not_answer_its_status_poll_does_not_slow_every_round() {
+    let (coordinator, url) = coordinator().await;
+    scripted_node(&url, false).await;
+    scripted_node(&url, false).await;
+    let frozen = scripted_node(&url, false).await;
+    let rounds = || coordinator.shared.progress.lock().rounds;
+    let asks = || frozen.status_asks.load(Ordering::SeqCst) as u64;
+    let started = Instant::now();
+    while asks() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(10), "polls begin");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // It stops answering (its lease goes on). The round that finds it
+    // silent waits out the poll's 2 s deadline; the rounds after go on
+    // every 100 ms. Waiting for it in every round, 5 s would hold three.
+    frozen.status_silent.store(true, Ordering::SeqCst);
+    let (before, asked_before) = (rounds(), asks());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (during, asked_during) = (rounds() - before, asks() - asked_before);
+    println!("silent for 5 s: {during} rounds, {asked_during} polls of the silent node");
+    assert!(during >= 10, "rounds went on: {during} in 5 s");
+    assert!(
+        asked_during <= 4,
+        "one unanswered poll at a time, each for its deadline: {asked_during} in 5 s"
+    );
+
+    // It answers again: rounds poll it, and wait for it, every round.
+    frozen.status_silent.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let (before, asked_before) = (rounds(), asks());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (after, asked_after) = (rounds() - before, asks() - asked_before);
+    assert!(
+        asked_after + 1 >= after && after >= 3,
+        "polled in every round again: {asked_after} polls in {after} rounds"
     );
     coordinator.stop().await.unwrap();
 }
