@@ -209,18 +209,23 @@ fn check_read(read: &Event, seen: Option<u64>, writes: &[Write<'_>]) -> Option<S
     // the read; an acknowledged one is superseded by another acknowledged
     // write that began after it completed and completed before the read
     // began.
-    let superseded = |c: &Write<'_>| {
-        writes.iter().any(|w| {
+    //
+    // A candidate is superseded exactly when it completed before the
+    // latest invocation among the acknowledged, different writes that
+    // completed before the read began: one pass over the writes per read,
+    // not one per candidate (long soaks have thousands of writes a key).
+    let latest_superseding = writes
+        .iter()
+        .filter(|w| {
             let different = match (seen, w.value) {
                 (Some(u64::MAX), Some(_)) => false,
                 (a, b) => a != b,
             };
-            different
-                && w.acked
-                && c.event.completed < w.event.invoked
-                && w.event.completed < read.invoked
+            different && w.acked && w.event.completed < read.invoked
         })
-    };
+        .map(|w| w.event.invoked)
+        .max();
+    let superseded = |c: &Write<'_>| latest_superseding.is_some_and(|t| c.event.completed < t);
     let explained = candidates.iter().any(|c| !c.acked || !superseded(c));
     if explained {
         return None;

@@ -14,6 +14,7 @@
 //!
 //! The scenarios are `e2e/tests/scenarios.rs`; figures in `e2e/RESULTS.md`.
 
+pub mod churn;
 pub mod cluster;
 pub mod history;
 pub mod linearizable;

@@ -288,3 +288,95 @@ impl Run {
         }
     }
 }
+
+/// Checks that a listing of namespace `default` names exactly the workload
+/// keys that hold a value, each with its value's size and SHA-256: the
+/// name index (kept beside the blobs, `docs/design/listing.md`) agrees with
+/// the blobs after whatever the cluster went through. Run it once the
+/// workload has stopped; a linearizable get of each key is the truth.
+pub async fn check_listing(cluster: &Cluster, keys: u32) -> Result<(), String> {
+    let client = cluster.client().await;
+    let mut stored = BTreeMap::new();
+    for key in 0..keys {
+        let name = crate::workload::key_name(key);
+        match client.get("default", &name).await {
+            Ok(value) => {
+                let sha = tidepool_client::sha256(&value);
+                stored.insert(name, (value.len() as u64, sha));
+            }
+            Err(e) if e.code() == tidepool_client::ErrorCode::NotFound => {}
+            Err(e) => return Err(format!("get of key {key}: {e}")),
+        }
+    }
+    let mut lister = client.list(
+        "default",
+        tidepool_client::ListOptions {
+            prefix: b"e2e-key-".to_vec(),
+            ..Default::default()
+        },
+    );
+    let mut listed = BTreeMap::new();
+    while let Some(entry) = lister.next().await.map_err(|e| format!("listing: {e}"))? {
+        if listed
+            .insert(entry.key.clone(), (entry.size, entry.sha256))
+            .is_some()
+        {
+            return Err(format!(
+                "listing names {} twice",
+                String::from_utf8_lossy(&entry.key)
+            ));
+        }
+    }
+    if listed == stored {
+        eprintln!(
+            "listing: the {} keys holding values, and no other",
+            listed.len()
+        );
+        return Ok(());
+    }
+    let show = |m: &BTreeMap<Vec<u8>, (u64, [u8; 32])>| {
+        m.iter()
+            .map(|(k, (size, sha))| {
+                format!(
+                    "{} {size} {:02x}{:02x}..",
+                    String::from_utf8_lossy(k),
+                    sha[0],
+                    sha[1]
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Err(format!(
+        "the listing disagrees with the blobs:\n listed: {}\n stored: {}",
+        show(&listed),
+        show(&stored)
+    ))
+}
+
+/// Runs the workload until the map publishes the split of `parent` into
+/// `child` at `at`: both in the map, the parent ending before the cut and
+/// the child starting at it, the split intent cleared.
+pub async fn wait_split_published(cluster: &Cluster, run: &Run, parent: u32, child: u32, at: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(map) = cluster.status().await.and_then(|s| s.map) {
+            let p = map.shards.iter().find(|s| s.shard_id == parent);
+            let c = map.shards.iter().find(|s| s.shard_id == child);
+            if let (Some(p), Some(c)) = (p, c)
+                && p.split.is_none()
+            {
+                assert_eq!(p.hash_end, at - 1, "the parent ends before the cut");
+                assert_eq!(c.hash_start, at, "the child starts at the cut");
+                return;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the split of shard {parent} into {child} was not published; map {:?}\n{}",
+            cluster.status().await.and_then(|s| s.map),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+}

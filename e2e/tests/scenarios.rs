@@ -719,9 +719,16 @@ async fn disk_full_on_one_node() {
     );
 }
 
-/// A long run with a random fault every few seconds (kill -9 and restart,
-/// minority partition, frozen node), all healed at the end:
-/// `make e2e-soak DURATION=<seconds>` (default 300).
+/// A long run with a random fault every few seconds, each followed by a
+/// return to a settled cluster: kill -9 and restart of a node, isolation of
+/// one node, one node's peer traffic cut one way or both, a frozen node
+/// (SIGSTOP), kill -9 of the leading coordinator, and a split of a random
+/// shard (alone, or with a node killed while it runs). Nodes compact their
+/// logs often, so nodes that were away catch up by snapshot; a second
+/// writer keeps overwriting larger blobs, so relocation reclaims segments
+/// throughout. Then both history checks, a listing of the workload's keys
+/// against their values, and every churned blob's last acknowledged
+/// version: `make e2e-soak DURATION=<seconds>` (default 300).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "soak: make e2e-soak"]
 async fn soak() {
@@ -731,7 +738,13 @@ async fn soak() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
-    let mut cluster = Cluster::start(Options::default()).await;
+    let mut cluster = Cluster::start(Options {
+        coordinators: 2,
+        compact_log_entries: Some(SOAK_COMPACT_ENTRIES),
+        relocation_interval_ms: Some(1_000),
+        ..Options::default()
+    })
+    .await;
     // Short attempts: writes are retried across every fault.
     let load = Workload {
         op_timeout: Duration::from_secs(10),
@@ -740,17 +753,27 @@ async fn soak() {
     };
     let mut rng = rand::rngs::SmallRng::seed_from_u64(load.seed);
     let mut run = start(&cluster, load).await;
+    let admin = cluster.client().await;
+    // Larger values overwritten all along: segments fill with dead values
+    // and relocation reclaims them under the faults.
+    let churn = tidepool_e2e::churn::Churn::start(
+        admin.with_hedge_after(Some(Duration::from_millis(500))),
+        SOAK_CHURN_KEYS,
+        SOAK_CHURN_BYTES,
+        SOAK_CHURN_PUTS_PER_SECOND,
+        Duration::from_secs(10),
+    );
     run.fault_begins();
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
     while std::time::Instant::now() < end {
         let node = rng.random_range(0..3usize);
-        match rng.random_range(0..4) {
+        let pause = Duration::from_secs(rng.random_range(2..6));
+        match rng.random_range(0..6) {
             0 => {
                 faults.push(format!("kill -9 node {}", node + 1));
                 cluster.kill_node(node);
-                run.run_for(Duration::from_secs(rng.random_range(2..6)))
-                    .await;
+                run.run_for(pause).await;
                 cluster.start_node(node);
             }
             1 => {
@@ -758,8 +781,7 @@ async fn soak() {
                 let rest: Vec<u64> = (1..=3).filter(|n| *n != id).collect();
                 faults.push(format!("isolate node {id}"));
                 cluster.partition(&[&[id], &rest]);
-                run.run_for(Duration::from_secs(rng.random_range(2..6)))
-                    .await;
+                run.run_for(pause).await;
                 cluster.heal();
             }
             2 => {
@@ -773,16 +795,59 @@ async fn soak() {
                     "cut node {id}'s peer traffic (out {outbound}, in {inbound})"
                 ));
                 cluster.cut_peer_traffic(id, outbound, inbound);
-                run.run_for(Duration::from_secs(rng.random_range(2..6)))
-                    .await;
+                run.run_for(pause).await;
                 cluster.heal();
             }
-            _ => {
+            3 => {
                 faults.push(format!("freeze node {}", node + 1));
                 cluster.freeze_node(node);
-                run.run_for(Duration::from_secs(rng.random_range(2..6)))
-                    .await;
+                run.run_for(pause).await;
                 cluster.thaw_node(node);
+            }
+            4 => {
+                let Some((leading, _)) = cluster.leader_status().await else {
+                    faults.push("kill -9 the leading coordinator: none leads".into());
+                    continue;
+                };
+                faults.push(format!("kill -9 coordinator {leading}"));
+                cluster.kill_coordinator(leading);
+                run.run_for(pause).await;
+                cluster.start_coordinator(leading);
+            }
+            _ => {
+                let shards = cluster
+                    .status()
+                    .await
+                    .and_then(|s| s.map)
+                    .map(|m| m.shards)
+                    .unwrap_or_default();
+                if shards.is_empty() || shards.len() >= SOAK_MAX_SHARDS {
+                    continue;
+                }
+                let parent = shards[rng.random_range(0..shards.len())].shard_id;
+                let kill = rng.random_bool(0.5);
+                let (child, at) = match admin.split_shard(parent, 0).await {
+                    Ok(split) => split,
+                    Err(error) => {
+                        faults.push(format!("split shard {parent}: refused ({error})"));
+                        continue;
+                    }
+                };
+                if kill {
+                    faults.push(format!(
+                        "split shard {parent} into {child} with node {} killed",
+                        node + 1
+                    ));
+                    run.run_for(Duration::from_millis(rng.random_range(0..1000)))
+                        .await;
+                    cluster.kill_node(node);
+                    run.run_for(pause).await;
+                    cluster.start_node(node);
+                } else {
+                    faults.push(format!("split shard {parent} into {child}"));
+                }
+                tidepool_e2e::scenario::wait_split_published(&cluster, &run, parent, child, at)
+                    .await;
             }
         }
         cluster.wait_settled(Duration::from_secs(90)).await;
@@ -790,10 +855,59 @@ async fn soak() {
             .await;
     }
     run.fault_ends();
+    let churned = churn.stop().await;
     run.run_for(Duration::from_secs(2)).await;
     let report = run
         .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
         .await;
     eprintln!("faults: {}", faults.join(", "));
     finish_checks(&cluster, &report, &[]);
+    tidepool_e2e::scenario::check_listing(&cluster, Workload::default().keys)
+        .await
+        .expect("the listing agrees with the blobs");
+    let written = churned.puts * SOAK_CHURN_BYTES as u64;
+    eprintln!(
+        "churn: {} puts of {} KiB acknowledged ({} MiB), {} failed; node data now {} MiB",
+        churned.puts,
+        SOAK_CHURN_BYTES >> 10,
+        written >> 20,
+        churned.failed,
+        cluster
+            .nodes
+            .iter()
+            .map(|n| allocated_bytes(&n.dir))
+            .sum::<u64>()
+            >> 20
+    );
+    churned
+        .verify(&admin)
+        .await
+        .expect("every churn key holds its last acknowledged version or a later one");
 }
+
+/// Bytes allocated on disk under `dir` (`du`).
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    let out = std::process::Command::new("du")
+        .args(["-s", "-B1"])
+        .arg(dir)
+        .output()
+        .expect("du runs");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The soak's nodes compact their Raft logs past this many entries (the
+/// default is 10,000), so a node back from a fault often needs a snapshot.
+const SOAK_COMPACT_ENTRIES: u64 = 500;
+
+/// The soak's churn: this many keys of this many bytes, overwritten in
+/// turn at this rate (2.5 MiB a second; relocation runs every second).
+const SOAK_CHURN_KEYS: u32 = 16;
+const SOAK_CHURN_BYTES: usize = 64 << 10;
+const SOAK_CHURN_PUTS_PER_SECOND: u32 = 40;
+
+/// The soak splits shards until the map has this many.
+const SOAK_MAX_SHARDS: usize = 24;

@@ -43,33 +43,13 @@ async fn busiest_shard(cluster: &Cluster) -> u32 {
 /// Waits (running the workload) until the map has published the split of
 /// `parent` into `child` at `at`, and the cluster has settled.
 async fn wait_published(cluster: &Cluster, run: &Run, parent: u32, child: u32, at: u64) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        if let Some(status) = cluster.status().await
-            && let Some(map) = &status.map
-        {
-            let parent_info = map.shards.iter().find(|s| s.shard_id == parent);
-            let child_info = map.shards.iter().find(|s| s.shard_id == child);
-            if let (Some(p), Some(c)) = (parent_info, child_info) {
-                assert_eq!(p.hash_end, at - 1, "the parent ends before the cut");
-                assert_eq!(c.hash_start, at, "the child starts at the cut");
-                assert!(p.split.is_none(), "intent cleared");
-                break;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the split of shard {parent} was not published; status {:?}\n{}",
-            cluster.status().await.and_then(|s| s.map),
-            cluster.log_tails()
-        );
-        run.run_for(Duration::from_millis(300)).await;
-    }
+    tidepool_e2e::scenario::wait_split_published(cluster, run, parent, child, at).await;
     cluster.wait_settled(Duration::from_secs(90)).await;
 }
 
 /// The checks every split scenario ends with: a clean history, workload
-/// keys served by the new shards, and no unexpected log line.
+/// keys served by the new shards, a listing that names exactly the keys
+/// holding values, and no unexpected log line.
 async fn finish_checks(cluster: &Cluster, report: &Report, new: &[u32]) {
     report.assert_clean();
     assert!(report.acknowledged > 50, "the workload ran: {report:?}");
@@ -78,6 +58,9 @@ async fn finish_checks(cluster: &Cluster, report: &Report, new: &[u32]) {
         shards.iter().any(|s| new.contains(s)),
         "some workload keys belong to the new shards {new:?}: {shards:?}"
     );
+    tidepool_e2e::scenario::check_listing(cluster, KEYS)
+        .await
+        .expect("the listing agrees with the blobs");
     let unexpected = cluster.unexpected_log_lines(&[]);
     assert!(
         unexpected.is_empty(),
