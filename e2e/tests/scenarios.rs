@@ -719,8 +719,9 @@ async fn disk_full_on_one_node() {
     );
 }
 
-/// A long run with a random fault every few seconds, each followed by a
-/// return to a settled cluster: kill -9 and restart of a node, isolation of
+/// A long run on four nodes (shards of three replicas; a node down for
+/// 3 s has its replicas moved) with a random fault every few seconds, each
+/// followed by a return to a settled cluster: kill -9 and restart of a node, isolation of
 /// one node, one node's peer traffic cut one way or both, a frozen node
 /// (SIGSTOP), kill -9 of the leading coordinator, and a split of a random
 /// shard (alone, or with a node killed while it runs). Nodes compact their
@@ -739,7 +740,9 @@ async fn soak() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
     let mut cluster = Cluster::start(Options {
+        nodes: SOAK_NODES,
         coordinators: 2,
+        down_grace_ms: SOAK_DOWN_GRACE_MS,
         compact_log_entries: Some(SOAK_COMPACT_ENTRIES),
         relocation_interval_ms: Some(1_000),
         ..Options::default()
@@ -767,7 +770,7 @@ async fn soak() {
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
     while std::time::Instant::now() < end {
-        let node = rng.random_range(0..3usize);
+        let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
         match rng.random_range(0..6) {
             0 => {
@@ -778,7 +781,7 @@ async fn soak() {
             }
             1 => {
                 let id = node as u64 + 1;
-                let rest: Vec<u64> = (1..=3).filter(|n| *n != id).collect();
+                let rest: Vec<u64> = (1..=SOAK_NODES as u64).filter(|n| *n != id).collect();
                 faults.push(format!("isolate node {id}"));
                 cluster.partition(&[&[id], &rest]);
                 run.run_for(pause).await;
@@ -898,6 +901,15 @@ fn allocated_bytes(dir: &std::path::Path) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
+
+/// The soak's nodes: one more than a shard's replicas, so replicas move.
+const SOAK_NODES: usize = 4;
+
+/// The soak's coordinators re-replicate a node's shards once it has been
+/// down this long (the default is a minute): a node killed or cut off for a
+/// few seconds often has its replicas moved to the spare node, and back
+/// when placement balances.
+const SOAK_DOWN_GRACE_MS: u64 = 3_000;
 
 /// The soak's nodes compact their Raft logs past this many entries (the
 /// default is 10,000), so a node back from a fault often needs a snapshot.
