@@ -87,23 +87,7 @@ impl Recorder {
     /// The longest stretch in `[from, to]` without a completed
     /// acknowledged write, in seconds.
     pub fn longest_write_gap(&self, from: Nanos, to: Nanos) -> f64 {
-        let mut done: Vec<Nanos> = self
-            .events
-            .lock()
-            .iter()
-            .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete(_)) && e.status == Status::Ok)
-            .map(|e| e.completed)
-            .filter(|t| *t >= from && *t <= to)
-            .collect();
-        done.sort_unstable();
-        let mut last = from;
-        let mut gap = 0;
-        for t in done {
-            gap = gap.max(t - last);
-            last = t;
-        }
-        gap = gap.max(to.saturating_sub(last));
-        gap as f64 / 1e9
+        longest_write_gap(&self.events.lock(), from, to)
     }
 
     /// Acknowledged operations.
@@ -114,6 +98,26 @@ impl Recorder {
             .filter(|e| e.status == Status::Ok)
             .count()
     }
+}
+
+/// The longest stretch in `[from, to]` of `history` without a completed
+/// acknowledged write (put or delete), in seconds.
+pub fn longest_write_gap(history: &[Event], from: Nanos, to: Nanos) -> f64 {
+    let mut done: Vec<Nanos> = history
+        .iter()
+        .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete(_)) && e.status == Status::Ok)
+        .map(|e| e.completed)
+        .filter(|t| *t >= from && *t <= to)
+        .collect();
+    done.sort_unstable();
+    let mut last = from;
+    let mut gap = 0;
+    for t in done {
+        gap = gap.max(t - last);
+        last = t;
+    }
+    gap = gap.max(to.saturating_sub(last));
+    gap as f64 / 1e9
 }
 
 /// The content a put of value `id` writes: the id, then bytes derived from

@@ -769,7 +769,10 @@ async fn soak() {
     run.fault_begins();
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
+    // Each fault done: its kind, and from its start to the settled cluster.
+    let mut windows = Vec::new();
     while std::time::Instant::now() < end {
+        let began = run.now();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
         match rng.random_range(0..6) {
@@ -854,6 +857,11 @@ async fn soak() {
             }
         }
         cluster.wait_settled(Duration::from_secs(90)).await;
+        windows.push((
+            fault_kind(faults.last().expect("a fault")),
+            began,
+            run.now(),
+        ));
         run.run_for(Duration::from_secs(rng.random_range(1..4)))
             .await;
     }
@@ -864,6 +872,22 @@ async fn soak() {
         .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
         .await;
     eprintln!("faults: {}", faults.join(", "));
+    eprintln!("| fault | times | longest write gap, median (s) | longest write gap, most (s) |");
+    eprintln!("|---|---|---|---|");
+    let mut by_kind: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for (kind, from, to) in windows {
+        let gap = tidepool_e2e::workload::longest_write_gap(&report.history, from, to);
+        by_kind.entry(kind).or_default().push(gap);
+    }
+    for (kind, mut gaps) in by_kind {
+        gaps.sort_by(f64::total_cmp);
+        eprintln!(
+            "| {kind} | {} | {:.2} | {:.2} |",
+            gaps.len(),
+            gaps[gaps.len() / 2],
+            gaps[gaps.len() - 1]
+        );
+    }
     finish_checks(&cluster, &report, &[]);
     tidepool_e2e::scenario::check_listing(&cluster, Workload::default().keys)
         .await
@@ -923,3 +947,20 @@ const SOAK_CHURN_PUTS_PER_SECOND: u32 = 40;
 
 /// The soak splits shards until the map has this many.
 const SOAK_MAX_SHARDS: usize = 24;
+
+/// A soak fault's kind: its description with every word-initial number
+/// replaced by `N` ("kill -9 node 2" and "kill -9 node 3" are one kind).
+fn fault_kind(fault: &str) -> String {
+    fault
+        .split(' ')
+        .map(|word| {
+            let digits = word.len() - word.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            if digits > 0 {
+                format!("N{}", &word[digits..])
+            } else {
+                word.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
