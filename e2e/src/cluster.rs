@@ -400,6 +400,24 @@ impl Cluster {
         ));
     }
 
+    /// How many shards each node (by index) leads, as the map says.
+    pub async fn shards_led(&self) -> Vec<usize> {
+        let map = self.status().await.expect("status").map.expect("map");
+        let mut led = vec![0usize; self.nodes.len()];
+        for s in &map.shards {
+            if s.leader_hint > 0 {
+                led[s.leader_hint as usize - 1] += 1;
+            }
+        }
+        led
+    }
+
+    /// The node (index) leading the most shards.
+    pub async fn busiest_leader(&self) -> usize {
+        let led = self.shards_led().await;
+        (0..led.len()).max_by_key(|i| led[*i]).expect("nodes")
+    }
+
     /// kill -9 node index `i`.
     pub fn kill_node(&mut self, i: usize) {
         if let Some(mut p) = self.nodes[i].process.take() {

@@ -10,12 +10,15 @@
 //! - [`history`]: the history and its fast per-key checks;
 //! - [`linearizable`]: the strict checker (one linearization point per
 //!   operation, Wing–Gong search with memoisation);
-//! - [`scenario`]: run a workload through a fault and report.
+//! - [`scenario`]: run a workload through a fault and report;
+//! - [`gateway`]: a `tidepool gateway` process and an HTTP cache load
+//!   whose every acknowledged blob is checked, byte for byte.
 //!
 //! The scenarios are `e2e/tests/scenarios.rs`; figures in `e2e/RESULTS.md`.
 
 pub mod churn;
 pub mod cluster;
+pub mod gateway;
 pub mod history;
 pub mod linearizable;
 pub mod proxy;

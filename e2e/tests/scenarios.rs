@@ -25,18 +25,6 @@ fn workload() -> Workload {
     }
 }
 
-/// The node (index) leading the most shards.
-async fn busiest_leader(cluster: &Cluster) -> usize {
-    let map = cluster.status().await.expect("status").map.expect("map");
-    let mut led = vec![0usize; cluster.nodes.len()];
-    for s in &map.shards {
-        if s.leader_hint > 0 {
-            led[s.leader_hint as usize - 1] += 1;
-        }
-    }
-    (0..led.len()).max_by_key(|i| led[*i]).expect("nodes")
-}
-
 /// The node id leading the shard that holds workload key `key` (in the
 /// namespace `default`); 0 when the map names none.
 async fn leader_of_key(cluster: &Cluster, key: u32) -> u64 {
@@ -50,13 +38,7 @@ async fn leader_of_key(cluster: &Cluster, key: u32) -> u64 {
 
 /// The node (index) leading the fewest shards.
 async fn idlest_node(cluster: &Cluster) -> usize {
-    let map = cluster.status().await.expect("status").map.expect("map");
-    let mut led = vec![0usize; cluster.nodes.len()];
-    for s in &map.shards {
-        if s.leader_hint > 0 {
-            led[s.leader_hint as usize - 1] += 1;
-        }
-    }
+    let led = cluster.shards_led().await;
     (0..led.len()).min_by_key(|i| led[*i]).expect("nodes")
 }
 
@@ -77,7 +59,7 @@ async fn leader_kill_under_load() {
     let mut cluster = Cluster::start(Options::default()).await;
     let mut run = start(&cluster, workload()).await;
     run.run_for(Duration::from_secs(3)).await;
-    let victim = busiest_leader(&cluster).await;
+    let victim = cluster.busiest_leader().await;
     run.fault_begins();
     cluster.kill_node(victim);
     run.run_for(Duration::from_secs(6)).await;
@@ -96,7 +78,7 @@ async fn minority_partition_and_heal() {
     let cluster = Cluster::start(Options::default()).await;
     let mut run = start(&cluster, workload()).await;
     run.run_for(Duration::from_secs(3)).await;
-    let isolated = busiest_leader(&cluster).await as u64 + 1;
+    let isolated = cluster.busiest_leader().await as u64 + 1;
     let rest: Vec<u64> = (1..=3).filter(|n| *n != isolated).collect();
     run.fault_begins();
     cluster.partition(&[&[isolated], &rest]);
@@ -182,7 +164,7 @@ async fn retried_writes_apply_once_across_one_node_peer_partitions() {
     for (round, (outbound, inbound)) in cuts.into_iter().enumerate() {
         // The leader of one of the two keys, so that its clients retry.
         let victim = match leader_of_key(&cluster, round as u32 % 2).await {
-            0 => busiest_leader(&cluster).await as u64 + 1,
+            0 => cluster.busiest_leader().await as u64 + 1,
             id => id,
         };
         cluster.cut_peer_traffic(victim, outbound, inbound);
@@ -225,7 +207,7 @@ async fn a_node_cut_off_from_its_peers_leaves_every_shard_writable() {
     ];
     let mut gaps = Vec::new();
     for (phase, outbound, inbound) in [("both ways", true, true), ("outbound only", true, false)] {
-        let victim = busiest_leader(&cluster).await as u64 + 1;
+        let victim = cluster.busiest_leader().await as u64 + 1;
         let from = run.now();
         cluster.cut_peer_traffic(victim, outbound, inbound);
         run.run_for(Duration::from_secs(8)).await;
@@ -723,13 +705,16 @@ async fn disk_full_on_one_node() {
 /// 3 s has its replicas moved) with a random fault every few seconds, each
 /// followed by a return to a settled cluster: kill -9 and restart of a node, isolation of
 /// one node, one node's peer traffic cut one way or both, a frozen node
-/// (SIGSTOP), kill -9 of the leading coordinator, and a split of a random
-/// shard (alone, or with a node killed while it runs). Nodes compact their
+/// (SIGSTOP), kill -9 of the leading coordinator, a split of a random
+/// shard (alone, or with a node killed while it runs), and kill -9 of the
+/// build-cache gateway that HTTP cache clients use all along
+/// (`tidepool_e2e::gateway`). Nodes compact their
 /// logs often, so nodes that were away catch up by snapshot; a second
 /// writer keeps overwriting larger blobs, so relocation reclaims segments
 /// throughout. Then both history checks, a listing of the workload's keys
-/// against their values, and every churned blob's last acknowledged
-/// version: `make e2e-soak DURATION=<seconds>` (default 300).
+/// against their values, every churned blob's last acknowledged version,
+/// and every blob stored through the gateway: `make e2e-soak
+/// DURATION=<seconds>` (default 300).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "soak: make e2e-soak"]
 async fn soak() {
@@ -766,6 +751,18 @@ async fn soak() {
         SOAK_CHURN_PUTS_PER_SECOND,
         Duration::from_secs(10),
     );
+    // Build-cache clients through a gateway process, all along.
+    let mut gateway = tidepool_e2e::gateway::GatewayProcess::start(&cluster).await;
+    let cache = tidepool_e2e::gateway::CacheLoad::start(
+        &gateway,
+        tidepool_e2e::gateway::CacheLoadOptions {
+            seed: rng.random(),
+            writers: 2,
+            readers: 2,
+            writes_per_second: 10,
+            ..Default::default()
+        },
+    );
     run.fault_begins();
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
@@ -773,9 +770,16 @@ async fn soak() {
     let mut windows = Vec::new();
     while std::time::Instant::now() < end {
         let began = run.now();
+        let failed_before = cache.failures();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
-        match rng.random_range(0..6) {
+        match rng.random_range(0..7) {
+            6 => {
+                faults.push("kill -9 the gateway".into());
+                gateway.kill();
+                run.run_for(pause).await;
+                gateway.restart().await;
+            }
             0 => {
                 faults.push(format!("kill -9 node {}", node + 1));
                 cluster.kill_node(node);
@@ -861,28 +865,34 @@ async fn soak() {
             fault_kind(faults.last().expect("a fault")),
             began,
             run.now(),
+            cache.failures() - failed_before,
         ));
         run.run_for(Duration::from_secs(rng.random_range(1..4)))
             .await;
     }
     run.fault_ends();
     let churned = churn.stop().await;
+    let cached = cache.stop().await;
     run.run_for(Duration::from_secs(2)).await;
     let report = run
         .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
         .await;
     eprintln!("faults: {}", faults.join(", "));
-    eprintln!("| fault | times | longest write gap, median (s) | longest write gap, most (s) |");
-    eprintln!("|---|---|---|---|");
-    let mut by_kind: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
-    for (kind, from, to) in windows {
+    eprintln!(
+        "| fault | times | longest write gap, median (s) | longest write gap, most (s) | gateway requests failed |"
+    );
+    eprintln!("|---|---|---|---|---|");
+    let mut by_kind: std::collections::BTreeMap<String, (Vec<f64>, u64)> = Default::default();
+    for (kind, from, to, failed) in windows {
         let gap = tidepool_e2e::workload::longest_write_gap(&report.history, from, to);
-        by_kind.entry(kind).or_default().push(gap);
+        let entry = by_kind.entry(kind).or_default();
+        entry.0.push(gap);
+        entry.1 += failed;
     }
-    for (kind, mut gaps) in by_kind {
+    for (kind, (mut gaps, failed)) in by_kind {
         gaps.sort_by(f64::total_cmp);
         eprintln!(
-            "| {kind} | {} | {:.2} | {:.2} |",
+            "| {kind} | {} | {:.2} | {:.2} | {failed} |",
             gaps.len(),
             gaps[gaps.len() / 2],
             gaps[gaps.len() - 1]
@@ -910,6 +920,21 @@ async fn soak() {
         .verify(&admin)
         .await
         .expect("every churn key holds its last acknowledged version or a later one");
+    eprintln!(
+        "gateway: {} PUTs acknowledged ({} MiB), {} reads answered whole; failed PUTs {:?}, failed reads {:?}",
+        cached.puts_acknowledged,
+        cached.bytes_acknowledged >> 20,
+        cached.reads_ok,
+        cached.puts_failed,
+        cached.reads_failed
+    );
+    cached.assert_intact();
+    let gateway_errors = gateway.error_lines();
+    assert!(
+        gateway_errors.is_empty(),
+        "gateway errors:\n{}",
+        gateway_errors.join("\n")
+    );
 }
 
 /// Bytes allocated on disk under `dir` (`du`).
