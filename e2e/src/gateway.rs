@@ -1,8 +1,12 @@
 //! The build-cache gateway under faults: a `tidepool gateway` process on a
 //! cluster (its own token, mutual TLS to the nodes, like a deployment),
 //! driven over its HTTP cache protocol the way ccache and Bazel's HTTP
-//! cache use it: `PUT /cas/<sha256>` of new blobs, `GET` and `HEAD` of
-//! blobs stored before, each client on one kept-alive connection.
+//! cache use it (`PUT /<instance>/cas/<sha256>` of new blobs, `GET` and
+//! `HEAD` of blobs stored before, each client on one kept-alive
+//! connection), and over the REAPI the way Bazel's `--remote_cache=grpc://`
+//! does (outputs uploaded with `BatchUpdateBlobs` or a ByteStream `Write`,
+//! `FindMissingBlobs`, `UpdateActionResult`; hits with `GetActionResult`,
+//! `BatchReadBlobs` and ByteStream `Read`).
 //!
 //! What is recorded and checked (`CacheReport`):
 //! - a blob whose PUT was answered 200 is found afterwards, whole: every
@@ -13,6 +17,9 @@
 //!   first byte can only cut the response short);
 //! - a blob whose PUT failed (error status, or the connection lost) is at
 //!   the end either absent or whole — never partly stored;
+//! - an action whose result was recorded is found, with every output
+//!   whole, whenever fetched and at the end; `FindMissingBlobs` never
+//!   reports an acknowledged upload missing;
 //! - every failed request, by status and the gateway's error code, and the
 //!   longest stretch without an acknowledged PUT.
 
@@ -291,6 +298,11 @@ pub struct CacheLoadOptions {
     pub readers: usize,
     /// Requests a second per writer, at most.
     pub writes_per_second: u32,
+    /// REAPI clients (as Bazel with `--remote_cache=grpc://`): each in
+    /// turn stores a new action (its outputs, then its result) or fetches
+    /// a stored one (its result, then its outputs), at most
+    /// `writes_per_second` a second.
+    pub builders: usize,
     /// A request unanswered after this has failed (the client's timeout).
     pub timeout: Duration,
 }
@@ -302,6 +314,7 @@ impl Default for CacheLoadOptions {
             writers: 3,
             readers: 3,
             writes_per_second: 20,
+            builders: 2,
             timeout: Duration::from_secs(10),
         }
     }
@@ -338,6 +351,13 @@ pub struct CacheReport {
     pub failed_but_stored: u64,
     /// Bytes acknowledged.
     pub bytes_acknowledged: u64,
+    /// REAPI actions stored (outputs uploaded, result recorded).
+    pub actions_stored: u64,
+    /// REAPI cache hits served whole (result and every output).
+    pub actions_fetched: u64,
+    /// Uploads that `FindMissingBlobs` reported missing right after they
+    /// were acknowledged.
+    pub missing_after_upload: u64,
     /// When each acknowledged PUT completed.
     completions: Vec<Instant>,
 }
@@ -378,9 +398,16 @@ impl CacheReport {
             self.partial
         );
         assert!(
-            !self.reads_failed.keys().any(|k| k.starts_with("404")),
-            "an acknowledged blob was not found: {:?}",
+            !self
+                .reads_failed
+                .keys()
+                .any(|k| k.starts_with("404") || k.contains("NotFound")),
+            "an acknowledged blob or action result was not found: {:?}",
             self.reads_failed
+        );
+        assert_eq!(
+            self.missing_after_upload, 0,
+            "FindMissingBlobs reported acknowledged uploads missing"
         );
     }
 
@@ -394,6 +421,7 @@ impl CacheReport {
 struct Shared {
     acknowledged: Vec<Stored>,
     failed: Vec<Stored>,
+    actions: Vec<reapi::Action>,
     report: CacheReport,
 }
 
@@ -403,6 +431,7 @@ pub struct CacheLoad {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     shared: Arc<Mutex<Shared>>,
     gateway: SocketAddr,
+    reapi: reapi::Reapi,
     token: String,
     timeout: Duration,
 }
@@ -555,10 +584,21 @@ impl CacheLoad {
                 }
             }));
         }
+        let client = reapi::Reapi::new(gateway.grpc, &gateway.token);
+        for b in 0..options.builders {
+            let shared = shared.clone();
+            let stopped = stopped.clone();
+            let options = options.clone();
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                build(b, client, shared, stopped, options).await;
+            }));
+        }
         CacheLoad {
             stop,
             tasks,
             shared,
+            reapi: client,
             gateway: gateway.http,
             token: gateway.token.clone(),
             timeout: options.timeout,
@@ -601,7 +641,125 @@ impl CacheLoad {
                 _ => shared.report.partial.push(name),
             }
         }
+        for action in &shared.actions {
+            let mut whole = false;
+            for _ in 0..5 {
+                match tokio::time::timeout(self.timeout, self.reapi.fetch(action)).await {
+                    Ok(Ok(intact)) => {
+                        whole = intact;
+                        break;
+                    }
+                    Ok(Err(e)) if e.contains("NotFound") => break,
+                    _ => tokio::time::sleep(Duration::from_millis(500)).await,
+                }
+            }
+            if !whole {
+                shared
+                    .report
+                    .lost
+                    .push(format!("action {}", hex(&action.digest)));
+            }
+        }
         shared.report
+    }
+}
+
+/// One REAPI client: stores a new action or fetches a stored one, in turn.
+async fn build(
+    b: usize,
+    client: reapi::Reapi,
+    shared: Arc<Mutex<Shared>>,
+    stopped: watch::Receiver<bool>,
+    options: CacheLoadOptions,
+) {
+    let mut rng = SmallRng::seed_from_u64(options.seed ^ 0xb1d ^ (b as u64) << 32);
+    let pause = Duration::from_secs(1) / options.writes_per_second.max(1);
+    let mut n = 0u64;
+    while !*stopped.borrow() {
+        let started = Instant::now();
+        let stored = {
+            let s = shared.lock();
+            (!s.actions.is_empty() && rng.random_bool(0.5))
+                .then(|| s.actions[rng.random_range(0..s.actions.len())].clone())
+        };
+        let failed = match stored {
+            Some(action) => {
+                let outcome = tokio::time::timeout(options.timeout, client.fetch(&action)).await;
+                let mut s = shared.lock();
+                match outcome {
+                    Ok(Ok(true)) => {
+                        s.report.actions_fetched += 1;
+                        false
+                    }
+                    Ok(Ok(false)) => {
+                        s.report.wrong_bytes += 1;
+                        false
+                    }
+                    Ok(Err(e)) => {
+                        *s.report.reads_failed.entry(e).or_default() += 1;
+                        true
+                    }
+                    Err(_) => {
+                        *s.report
+                            .reads_failed
+                            .entry("REAPI client timeout".into())
+                            .or_default() += 1;
+                        true
+                    }
+                }
+            }
+            None => {
+                n += 1;
+                let seed = options.seed.wrapping_mul(7_000_003) ^ ((b as u64) << 44) ^ n;
+                let outputs = (0..rng.random_range(1..=3u64))
+                    .map(|i| {
+                        let seed = seed.wrapping_mul(31) ^ (i << 56);
+                        let len = blob_size(&mut rng);
+                        reapi::Output {
+                            seed,
+                            len,
+                            digest: blob(seed, len).1,
+                        }
+                    })
+                    .collect();
+                let action = reapi::Action {
+                    digest: blob(seed ^ 0xac7, 64).1,
+                    outputs,
+                };
+                let upload = format!("{seed:016x}");
+                let outcome =
+                    tokio::time::timeout(options.timeout, client.store(&action, &upload)).await;
+                let mut s = shared.lock();
+                match outcome {
+                    Ok(Ok(())) => {
+                        s.report.actions_stored += 1;
+                        s.report.completions.push(Instant::now());
+                        s.actions.push(action);
+                        false
+                    }
+                    Ok(Err(e)) if e == "missing" => {
+                        s.report.missing_after_upload += 1;
+                        false
+                    }
+                    Ok(Err(e)) => {
+                        *s.report.puts_failed.entry(e).or_default() += 1;
+                        true
+                    }
+                    Err(_) => {
+                        *s.report
+                            .puts_failed
+                            .entry("REAPI client timeout".into())
+                            .or_default() += 1;
+                        true
+                    }
+                }
+            }
+        };
+        if failed {
+            tokio::time::sleep(UNANSWERED_PAUSE).await;
+        } else if let Some(rest) = pause.checked_sub(started.elapsed()) {
+            tokio::time::sleep(rest).await;
+        }
     }
 }
 
@@ -620,4 +778,281 @@ async fn sweep_get(
         }
     }
     None
+}
+
+/// Bazel's side of the REAPI, reduced to what a build does with a remote
+/// cache: after running an action, upload its outputs (small ones in
+/// `BatchUpdateBlobs`, larger ones with a ByteStream `Write`), ask
+/// `FindMissingBlobs` (nothing may be missing once uploaded), then
+/// `UpdateActionResult`; on a later build, `GetActionResult` and read the
+/// outputs back (`BatchReadBlobs`, ByteStream `Read`).
+mod reapi {
+    use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
+    use bazel_remote_apis::google::bytestream::byte_stream_client::ByteStreamClient;
+    use bazel_remote_apis::google::bytestream::{ReadRequest, WriteRequest};
+    use re::action_cache_client::ActionCacheClient;
+    use re::content_addressable_storage_client::ContentAddressableStorageClient;
+    use tonic::transport::Channel;
+
+    use super::{INSTANCE, blob, hex};
+
+    /// Largest message either side sends.
+    const MESSAGE_BYTES: usize = 16 << 20;
+    /// Outputs at least this large go through ByteStream.
+    pub(super) const STREAMED: usize = 1 << 20;
+    /// Bytes per ByteStream write message (Bazel's default chunk is 16 KiB;
+    /// larger here to keep the debug build's CPU for the cluster).
+    const WRITE_PIECE: usize = 256 << 10;
+
+    /// One output of an action: the blob's seed, size and SHA-256.
+    #[derive(Clone, Debug)]
+    pub(super) struct Output {
+        pub seed: u64,
+        pub len: usize,
+        pub digest: [u8; 32],
+    }
+
+    /// An action and its outputs.
+    #[derive(Clone, Debug)]
+    pub(super) struct Action {
+        pub digest: [u8; 32],
+        pub outputs: Vec<Output>,
+    }
+
+    pub(super) fn digest(hash: &[u8; 32], len: usize) -> re::Digest {
+        re::Digest {
+            hash: hex(hash),
+            size_bytes: len as i64,
+        }
+    }
+
+    /// A gRPC client of the gateway with the bearer token on every call.
+    #[derive(Clone)]
+    pub(super) struct Reapi {
+        channel: Channel,
+        authorization: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
+    }
+
+    fn step(name: &str, status: &tonic::Status) -> String {
+        format!("{name} {:?}", status.code())
+    }
+
+    impl Reapi {
+        pub fn new(address: std::net::SocketAddr, token: &str) -> Reapi {
+            let channel = Channel::from_shared(format!("http://{address}"))
+                .expect("uri")
+                .connect_lazy();
+            Reapi {
+                channel,
+                authorization: format!("Bearer {token}").parse().expect("header"),
+            }
+        }
+
+        fn request<T>(&self, message: T) -> tonic::Request<T> {
+            let mut request = tonic::Request::new(message);
+            request
+                .metadata_mut()
+                .insert("authorization", self.authorization.clone());
+            request
+        }
+
+        fn cas(&self) -> ContentAddressableStorageClient<Channel> {
+            ContentAddressableStorageClient::new(self.channel.clone())
+                .max_decoding_message_size(MESSAGE_BYTES)
+                .max_encoding_message_size(MESSAGE_BYTES)
+        }
+
+        fn bytestream(&self) -> ByteStreamClient<Channel> {
+            ByteStreamClient::new(self.channel.clone())
+                .max_decoding_message_size(MESSAGE_BYTES)
+                .max_encoding_message_size(MESSAGE_BYTES)
+        }
+
+        fn action_cache(&self) -> ActionCacheClient<Channel> {
+            ActionCacheClient::new(self.channel.clone())
+                .max_decoding_message_size(MESSAGE_BYTES)
+                .max_encoding_message_size(MESSAGE_BYTES)
+        }
+
+        /// Uploads `action`'s outputs and records its result. `Err` names
+        /// the step that failed and its code; "missing" is a violation
+        /// (an uploaded blob reported missing).
+        pub async fn store(&self, action: &Action, upload: &str) -> Result<(), String> {
+            let mut batch = Vec::new();
+            for output in &action.outputs {
+                let (bytes, _) = blob(output.seed, output.len);
+                if output.len >= STREAMED {
+                    let name = format!(
+                        "{INSTANCE}/uploads/{upload}/blobs/{}/{}",
+                        hex(&output.digest),
+                        output.len
+                    );
+                    let mut requests: Vec<WriteRequest> = bytes
+                        .chunks(WRITE_PIECE)
+                        .enumerate()
+                        .map(|(i, piece)| WriteRequest {
+                            resource_name: if i == 0 { name.clone() } else { String::new() },
+                            write_offset: (i * WRITE_PIECE) as i64,
+                            finish_write: false,
+                            data: piece.to_vec(),
+                        })
+                        .collect();
+                    requests.last_mut().expect("bytes").finish_write = true;
+                    let committed = self
+                        .bytestream()
+                        .write(self.request(tokio_stream::iter(requests)))
+                        .await
+                        .map_err(|s| step("Write", &s))?
+                        .into_inner()
+                        .committed_size;
+                    if committed != output.len as i64 {
+                        return Err(format!("Write committed {committed} of {}", output.len));
+                    }
+                } else {
+                    batch.push(re::batch_update_blobs_request::Request {
+                        digest: Some(digest(&output.digest, output.len)),
+                        data: bytes.to_vec(),
+                        ..Default::default()
+                    });
+                }
+            }
+            if !batch.is_empty() {
+                let answer = self
+                    .cas()
+                    .batch_update_blobs(self.request(re::BatchUpdateBlobsRequest {
+                        instance_name: INSTANCE.into(),
+                        requests: batch,
+                        ..Default::default()
+                    }))
+                    .await
+                    .map_err(|s| step("BatchUpdateBlobs", &s))?
+                    .into_inner();
+                if let Some(failed) = answer
+                    .responses
+                    .iter()
+                    .find_map(|r| r.status.as_ref().filter(|s| s.code != 0))
+                {
+                    return Err(format!("BatchUpdateBlobs item {}", failed.code));
+                }
+            }
+            let missing = self
+                .cas()
+                .find_missing_blobs(
+                    self.request(re::FindMissingBlobsRequest {
+                        instance_name: INSTANCE.into(),
+                        blob_digests: action
+                            .outputs
+                            .iter()
+                            .map(|o| digest(&o.digest, o.len))
+                            .collect(),
+                        ..Default::default()
+                    }),
+                )
+                .await
+                .map_err(|s| step("FindMissingBlobs", &s))?
+                .into_inner()
+                .missing_blob_digests;
+            if !missing.is_empty() {
+                return Err("missing".into());
+            }
+            self.action_cache()
+                .update_action_result(
+                    self.request(re::UpdateActionResultRequest {
+                        instance_name: INSTANCE.into(),
+                        action_digest: Some(digest(&action.digest, 64)),
+                        action_result: Some(re::ActionResult {
+                            output_files: action
+                                .outputs
+                                .iter()
+                                .enumerate()
+                                .map(|(i, o)| re::OutputFile {
+                                    path: format!("out/{i}"),
+                                    digest: Some(digest(&o.digest, o.len)),
+                                    ..Default::default()
+                                })
+                                .collect(),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                )
+                .await
+                .map_err(|s| step("UpdateActionResult", &s))?;
+            Ok(())
+        }
+
+        /// A cache hit: the action's result, then every output read back.
+        /// `Ok(false)`: some bytes read were not the output's (a
+        /// violation); `Err` names the step that failed ("GetActionResult
+        /// NotFound" is a violation for a stored action).
+        pub async fn fetch(&self, action: &Action) -> Result<bool, String> {
+            let result = self
+                .action_cache()
+                .get_action_result(self.request(re::GetActionResultRequest {
+                    instance_name: INSTANCE.into(),
+                    action_digest: Some(digest(&action.digest, 64)),
+                    ..Default::default()
+                }))
+                .await
+                .map_err(|s| step("GetActionResult", &s))?
+                .into_inner();
+            let mut intact = result.output_files.len() == action.outputs.len();
+            let mut batch = Vec::new();
+            for output in &action.outputs {
+                if output.len >= STREAMED {
+                    let mut stream = self
+                        .bytestream()
+                        .read(self.request(ReadRequest {
+                            resource_name: format!(
+                                "{INSTANCE}/blobs/{}/{}",
+                                hex(&output.digest),
+                                output.len
+                            ),
+                            read_offset: 0,
+                            read_limit: 0,
+                        }))
+                        .await
+                        .map_err(|s| step("Read", &s))?
+                        .into_inner();
+                    let mut bytes = Vec::with_capacity(output.len);
+                    while let Some(message) =
+                        stream.message().await.map_err(|s| step("Read", &s))?
+                    {
+                        bytes.extend_from_slice(&message.data);
+                    }
+                    intact &= <sha2::Sha256 as sha2::Digest>::digest(&bytes)[..] == output.digest;
+                } else {
+                    batch.push(digest(&output.digest, output.len));
+                }
+            }
+            if !batch.is_empty() {
+                let answer = self
+                    .cas()
+                    .batch_read_blobs(self.request(re::BatchReadBlobsRequest {
+                        instance_name: INSTANCE.into(),
+                        digests: batch.clone(),
+                        ..Default::default()
+                    }))
+                    .await
+                    .map_err(|s| step("BatchReadBlobs", &s))?
+                    .into_inner();
+                if let Some(failed) = answer
+                    .responses
+                    .iter()
+                    .find_map(|r| r.status.as_ref().filter(|s| s.code != 0))
+                {
+                    return Err(format!("BatchReadBlobs item {}", failed.code));
+                }
+                intact &= answer.responses.len() == batch.len();
+                for response in &answer.responses {
+                    let hash = <sha2::Sha256 as sha2::Digest>::digest(&response.data);
+                    intact &= response
+                        .digest
+                        .as_ref()
+                        .is_some_and(|d| d.hash == hex(&hash) && batch.contains(d));
+                }
+            }
+            Ok(intact)
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! The build-cache gateway under faults (`tidepool_e2e::gateway`): a
 //! `tidepool gateway` process in front of a cluster of real processes,
 //! driven over the HTTP cache protocol by clients that store new blobs and
-//! read stored ones, while a node is killed (-9), frozen and cut off, and
+//! read stored ones, and over the REAPI by clients that store actions and
+//! fetch them as Bazel does, while a node is killed (-9), frozen and cut off, and
 //! while the gateway itself is killed (-9) and restarted. Every
 //! acknowledged blob must be readable whole during and after the faults,
 //! no read may return other bytes, and no failed upload may leave part of
@@ -84,6 +85,10 @@ async fn the_gateway_serves_through_node_and_gateway_faults() {
         report.bytes_acknowledged >> 20,
         report.reads_ok
     );
+    println!(
+        "REAPI: {} actions stored, {} fetched whole (result and outputs)",
+        report.actions_stored, report.actions_fetched
+    );
     println!("failed PUTs: {:?}", report.puts_failed);
     println!("failed reads: {:?}", report.reads_failed);
     println!(
@@ -103,6 +108,10 @@ async fn the_gateway_serves_through_node_and_gateway_faults() {
 
     report.assert_intact();
     assert!(report.puts_acknowledged > 100, "the load ran");
+    assert!(
+        report.actions_stored > 20 && report.actions_fetched > 20,
+        "the builds ran"
+    );
     // The node faults leave a majority of every shard's replicas; the SDK
     // under the gateway retries through them, so its clients see no error.
     // Only the gateway's own death breaks their connections.

@@ -759,6 +759,7 @@ async fn soak() {
             seed: rng.random(),
             writers: 2,
             readers: 2,
+            builders: 1,
             writes_per_second: 10,
             ..Default::default()
         },
@@ -921,10 +922,12 @@ async fn soak() {
         .await
         .expect("every churn key holds its last acknowledged version or a later one");
     eprintln!(
-        "gateway: {} PUTs acknowledged ({} MiB), {} reads answered whole; failed PUTs {:?}, failed reads {:?}",
+        "gateway: {} PUTs acknowledged ({} MiB), {} reads answered whole, {} REAPI actions stored, {} fetched whole; failed PUTs {:?}, failed reads {:?}",
         cached.puts_acknowledged,
         cached.bytes_acknowledged >> 20,
         cached.reads_ok,
+        cached.actions_stored,
+        cached.actions_fetched,
         cached.puts_failed,
         cached.reads_failed
     );
