@@ -79,6 +79,10 @@ impl GatewayProcess {
             cluster.credentials.token_file.display().to_string(),
             "--create-instance".into(),
             INSTANCE.into(),
+            // Kept as long as any run lasts: scenarios that advance the
+            // epoch expire other namespaces, not the checked cache.
+            "--retain".into(),
+            "1000".into(),
         ]);
         args.extend(cluster.credentials.flags("client"));
         let mut gateway = GatewayProcess {

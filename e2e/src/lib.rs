@@ -11,6 +11,9 @@
 //! - [`linearizable`]: the strict checker (one linearization point per
 //!   operation, Wing–Gong search with memoisation);
 //! - [`scenario`]: run a workload through a fault and report;
+//! - [`churn`]: a writer overwriting larger blobs (relocation);
+//! - [`expiring`]: a writer into a namespace that keeps one epoch, and
+//!   advancing the epoch until its drop is applied everywhere;
 //! - [`gateway`]: a `tidepool gateway` process and an HTTP cache load
 //!   whose every acknowledged blob is checked, byte for byte.
 //!
@@ -18,6 +21,7 @@
 
 pub mod churn;
 pub mod cluster;
+pub mod expiring;
 pub mod gateway;
 pub mod history;
 pub mod linearizable;

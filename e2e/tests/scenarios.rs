@@ -706,14 +706,17 @@ async fn disk_full_on_one_node() {
 /// followed by a return to a settled cluster: kill -9 and restart of a node, isolation of
 /// one node, one node's peer traffic cut one way or both, a frozen node
 /// (SIGSTOP), kill -9 of the leading coordinator, a split of a random
-/// shard (alone, or with a node killed while it runs), and kill -9 of the
-/// build-cache gateway that HTTP cache clients use all along
-/// (`tidepool_e2e::gateway`). Nodes compact their
+/// shard (alone, or with a node killed while it runs), kill -9 of the
+/// build-cache gateway that HTTP cache and REAPI clients use all along
+/// (`tidepool_e2e::gateway`), and an advance of the cluster epoch, whose
+/// drop of a namespace keeping one epoch (`tidepool_e2e::expiring`) must
+/// be applied everywhere and delete nothing else. Nodes compact their
 /// logs often, so nodes that were away catch up by snapshot; a second
 /// writer keeps overwriting larger blobs, so relocation reclaims segments
 /// throughout. Then both history checks, a listing of the workload's keys
 /// against their values, every churned blob's last acknowledged version,
-/// and every blob stored through the gateway: `make e2e-soak
+/// every blob stored through the gateway, and every expiring blob written
+/// since the last drop: `make e2e-soak
 /// DURATION=<seconds>` (default 300).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "soak: make e2e-soak"]
@@ -751,6 +754,15 @@ async fn soak() {
         SOAK_CHURN_PUTS_PER_SECOND,
         Duration::from_secs(10),
     );
+    // Blobs that expire: advancing the epoch drops them from segments
+    // they share with the durable data.
+    let expiring = tidepool_e2e::expiring::Expiring::start(
+        admin.with_hedge_after(Some(Duration::from_millis(500))),
+        SOAK_EXPIRING_BYTES,
+        SOAK_EXPIRING_PUTS_PER_SECOND,
+        Duration::from_secs(10),
+    )
+    .await;
     // Build-cache clients through a gateway process, all along.
     let mut gateway = tidepool_e2e::gateway::GatewayProcess::start(&cluster).await;
     let cache = tidepool_e2e::gateway::CacheLoad::start(
@@ -774,7 +786,17 @@ async fn soak() {
         let failed_before = cache.failures();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
-        match rng.random_range(0..7) {
+        match rng.random_range(0..8) {
+            7 => {
+                let epoch = tidepool_e2e::expiring::advance_and_drop(
+                    &cluster,
+                    &admin,
+                    &expiring,
+                    Duration::from_secs(90),
+                )
+                .await;
+                faults.push(format!("advance the epoch to {epoch}"));
+            }
             6 => {
                 faults.push("kill -9 the gateway".into());
                 gateway.kill();
@@ -874,6 +896,7 @@ async fn soak() {
     run.fault_ends();
     let churned = churn.stop().await;
     let cached = cache.stop().await;
+    let expired = expiring.stop().await;
     run.run_for(Duration::from_secs(2)).await;
     let report = run
         .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
@@ -921,6 +944,16 @@ async fn soak() {
         .verify(&admin)
         .await
         .expect("every churn key holds its last acknowledged version or a later one");
+    eprintln!(
+        "expiring: {} puts acknowledged, {} failed; {} written since the last drop, all read back",
+        expired.puts,
+        expired.failed,
+        expired.current.len()
+    );
+    expired
+        .verify(&admin)
+        .await
+        .expect("every expiring blob written since the last drop is there");
     eprintln!(
         "gateway: {} PUTs acknowledged ({} MiB), {} reads answered whole, {} REAPI actions stored, {} fetched whole; failed PUTs {:?}, failed reads {:?}",
         cached.puts_acknowledged,
@@ -972,6 +1005,11 @@ const SOAK_COMPACT_ENTRIES: u64 = 500;
 const SOAK_CHURN_KEYS: u32 = 16;
 const SOAK_CHURN_BYTES: usize = 64 << 10;
 const SOAK_CHURN_PUTS_PER_SECOND: u32 = 40;
+
+/// The soak's expiring writer (namespace `scratch`, one epoch kept): blobs
+/// of this many bytes at this rate, dropped at each epoch advance.
+const SOAK_EXPIRING_BYTES: usize = 16 << 10;
+const SOAK_EXPIRING_PUTS_PER_SECOND: u32 = 20;
 
 /// The soak splits shards until the map has this many.
 const SOAK_MAX_SHARDS: usize = 24;

@@ -1,0 +1,192 @@
+//! Expiring writes: one writer storing new blobs in a namespace that keeps
+//! one epoch (`scratch`), so that advancing the cluster epoch orders drops
+//! (`docs/design/epochs-cluster.md`) that delete its blobs from segments
+//! they share with durable data — under whatever faults a scenario
+//! injects. The durable data is checked by the scenario's own checks (the
+//! histories, the listing, the churn); this writer checks its own side:
+//! every blob written since the last drop was applied everywhere is there.
+//!
+//! Why that is exact: once every shard has applied the drop below epoch
+//! `c` (the scenario waits for it, `Expiring::applied`), every shard is at
+//! epoch `c`, so a put that begins afterwards is stamped `c` or later, and
+//! in a namespace that keeps one epoch it is dropped only once the cluster
+//! reaches `c + 1` — which the scenario announces first
+//! (`Expiring::advancing`). Puts under way across either call are not
+//! counted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tidepool_client::{Client, ErrorCode, RetentionPolicy};
+use tokio::sync::watch;
+
+/// The namespace (one epoch kept).
+pub const NAMESPACE: &str = "scratch";
+
+#[derive(Debug, Default)]
+struct State {
+    /// Changes at every `advancing` and `applied`.
+    generation: u64,
+    /// Between `advancing` and `applied`: a drop may be under way.
+    dropping: bool,
+    /// Keys acknowledged in the current generation, outside a drop.
+    current: Vec<Vec<u8>>,
+    puts: u64,
+    failed: u64,
+}
+
+/// What the writer did.
+#[derive(Debug)]
+pub struct ExpiringLog {
+    /// Puts acknowledged.
+    pub puts: u64,
+    /// Puts that failed.
+    pub failed: u64,
+    /// Keys acknowledged since the last drop was applied: all must be
+    /// readable.
+    pub current: Vec<Vec<u8>>,
+}
+
+/// The writer, running.
+pub struct Expiring {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    state: Arc<Mutex<State>>,
+}
+
+impl Expiring {
+    /// Creates the namespace and starts writing blobs of `size` bytes, at
+    /// most `per_second` a second, each put with `timeout`.
+    pub async fn start(
+        client: Client,
+        size: usize,
+        per_second: u32,
+        timeout: Duration,
+    ) -> Expiring {
+        client
+            .create_namespace(NAMESPACE, false, RetentionPolicy::Epochs(1))
+            .await
+            .expect("the expiring namespace");
+        let (stop, stopped) = watch::channel(false);
+        let state = Arc::new(Mutex::new(State::default()));
+        let client = client.with_timeout(timeout);
+        let pace = Duration::from_secs(1) / per_second.max(1);
+        let shared = state.clone();
+        let task = tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(pace);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let value = vec![0x5c; size];
+            for n in 0u64.. {
+                ticker.tick().await;
+                if *stopped.borrow() {
+                    break;
+                }
+                let key = format!("scratch-{n}").into_bytes();
+                let began = {
+                    let s = shared.lock();
+                    (s.generation, s.dropping)
+                };
+                let result = client.put(NAMESPACE, &key, &value).await;
+                let mut s = shared.lock();
+                match result {
+                    Ok(_) => {
+                        s.puts += 1;
+                        if began == (s.generation, false) {
+                            s.current.push(key);
+                        }
+                    }
+                    Err(_) => s.failed += 1,
+                }
+            }
+        });
+        Expiring { stop, task, state }
+    }
+
+    /// The cluster epoch is about to advance: what is written from now on
+    /// may be dropped.
+    pub fn advancing(&self) {
+        let mut s = self.state.lock();
+        s.generation += 1;
+        s.dropping = true;
+        s.current.clear();
+    }
+
+    /// Every shard has applied the drop that followed the advance.
+    pub fn applied(&self) {
+        let mut s = self.state.lock();
+        s.generation += 1;
+        s.dropping = false;
+        s.current.clear();
+    }
+
+    /// Stops the writer after its put in progress.
+    pub async fn stop(self) -> ExpiringLog {
+        let _ = self.stop.send(true);
+        self.task.await.expect("the expiring writer does not panic");
+        let mut s = self.state.lock();
+        ExpiringLog {
+            puts: s.puts,
+            failed: s.failed,
+            current: std::mem::take(&mut s.current),
+        }
+    }
+}
+
+impl ExpiringLog {
+    /// Every blob written since the last drop was applied is readable.
+    pub async fn verify(&self, client: &Client) -> Result<(), String> {
+        for key in &self.current {
+            match client.get(NAMESPACE, key).await {
+                Ok(_) => {}
+                Err(e) if e.code() == ErrorCode::NotFound => {
+                    return Err(format!(
+                        "{} was written after the last drop and is gone",
+                        String::from_utf8_lossy(key)
+                    ));
+                }
+                Err(e) => return Err(format!("{}: {e}", String::from_utf8_lossy(key))),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Advances the cluster epoch (announcing it to `expiring` first) and
+/// waits until every shard has applied the drop of [`NAMESPACE`] that
+/// follows, at most `timeout`; then tells `expiring`. Returns the new
+/// epoch.
+pub async fn advance_and_drop(
+    cluster: &crate::cluster::Cluster,
+    admin: &Client,
+    expiring: &Expiring,
+    timeout: Duration,
+) -> u64 {
+    expiring.advancing();
+    let epoch = admin.advance_epoch(None).await.expect("advance the epoch");
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let status = cluster.status().await;
+        let done = status
+            .as_ref()
+            .and_then(|s| s.epochs.as_ref())
+            .is_some_and(|e| {
+                e.namespaces.iter().any(|n| {
+                    n.namespace == NAMESPACE
+                        && n.drop_below >= epoch
+                        && n.shards_done == n.shards_total
+                })
+            });
+        if done {
+            expiring.applied();
+            return epoch;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drop below epoch {epoch} was not applied everywhere in {timeout:?}: {:?}\n{}",
+            status.and_then(|s| s.epochs),
+            cluster.log_tails()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
