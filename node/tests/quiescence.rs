@@ -142,6 +142,43 @@ fn followers_of_a_lost_quiesced_leader_elect_once_told_and_not_before() {
 }
 
 #[test]
+fn followers_told_of_a_lost_leader_in_one_tick_elect_without_a_split_vote() {
+    // The node's watcher tells every follower of the lost leader in the
+    // same tick. Drawing their timeouts at random, they campaigned in one
+    // tick one time in `election_spread_ticks` and split the vote (each
+    // voting for itself: a whole timeout more, the term up by two). Each
+    // takes its own tick now: one election, the term up by one.
+    let base = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let config = ReplicaConfig::new(0, 0);
+    let attempt = (config.election_ticks + config.election_spread_ticks) as u64;
+    for seed in base..base + 12 {
+        let mut cluster = SimCluster::with_config(seed, 3, quiescing(5));
+        let mut writes = Writes::new();
+        let old = elect(&mut cluster);
+        write_for(&mut cluster, &mut writes, 10);
+        assert!(cluster.run_until(50, all_quiesced).unwrap(), "seed {seed}");
+        let term = cluster.replica(old).unwrap().status().term;
+        cluster.kill(old);
+        let followers: Vec<u64> = cluster.ids().into_iter().filter(|id| *id != old).collect();
+        for id in &followers {
+            cluster.replica(*id).unwrap().leader_lost(old);
+        }
+        assert!(
+            cluster
+                .run_until(attempt, |c| c.leader().is_some())
+                .unwrap(),
+            "seed {seed}: a leader within one election's ticks"
+        );
+        let leader = cluster.leader().unwrap();
+        assert_eq!(
+            cluster.replica(leader).unwrap().status().term,
+            term + 1,
+            "seed {seed}: one election, no split vote"
+        );
+    }
+}
+
+#[test]
 fn a_cut_off_quiesced_leader_serves_lease_reads_only_while_no_other_can_lead() {
     // The lease argument with quiescence: the watcher wakes the followers
     // an election timeout after it last heard the leader's node (here:

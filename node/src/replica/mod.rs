@@ -287,16 +287,7 @@ impl Replica {
         replica.show_range();
         replica.reads.never_answered = replica.config.durability == Durability::Synced
             && replica.raw.raft.term <= crate::raftlog::FOUNDING_TERM;
-        let mut voters: Vec<u64> = replica
-            .raw
-            .raft
-            .prs()
-            .conf()
-            .voters()
-            .ids()
-            .iter()
-            .collect();
-        voters.sort_unstable();
+        let voters = replica.voters_sorted();
         let rank = voters.iter().position(|id| *id == replica.config.node_id);
         if let Some(rank) = rank.filter(|_| replica.config.early_campaign) {
             // Between 2 ticks and half an election timeout; with leases,
@@ -319,6 +310,13 @@ impl Replica {
             replica.transfer.campaign_at = Some(earliest + turn * step);
         }
         Ok(replica)
+    }
+
+    /// The group's voters, by id.
+    pub(crate) fn voters_sorted(&self) -> Vec<u64> {
+        let mut voters: Vec<u64> = self.raw.raft.prs().conf().voters().ids().iter().collect();
+        voters.sort_unstable();
+        voters
     }
 
     /// Shows the group's range in the configured cell, and has the engine's

@@ -112,8 +112,28 @@ impl Replica {
             return;
         }
         self.wake();
+        // Every follower of the lost leader is told in the same tick: with
+        // timeouts drawn at random they would often campaign in one tick,
+        // each vote for itself, and wait a whole timeout more (a split
+        // vote). Each takes its own tick instead, in a turn that rotates
+        // with the shard; the first to campaign wins the other's vote.
+        let mut followers = self.voters_sorted();
+        followers.retain(|id| *id != leader);
+        let ticks = self.config.election_ticks;
         let raft = &mut self.raw.raft;
-        raft.election_elapsed = raft.election_elapsed.max(self.config.election_ticks);
+        // Elapsed counts the timeout as passed, so votes are granted; a
+        // follower campaigns at the tick where elapsed reaches its timeout
+        // (ticks + 1 .. ticks + spread - 1 are distinct ticks after this).
+        raft.election_elapsed = raft.election_elapsed.max(ticks);
+        let slots = self.config.election_spread_ticks.saturating_sub(1);
+        if let Some(rank) = followers.iter().position(|id| *id == self.config.node_id)
+            && slots > 0
+        {
+            let count = followers.len();
+            let turn = (rank + self.config.shard_id as usize) % count;
+            let step = (slots / count).max(1);
+            raft.set_randomized_election_timeout(ticks + 1 + (turn * step) % slots);
+        }
     }
 
     /// At the end of a tick, on a leader: counts idle ticks, and quiesces
