@@ -760,21 +760,31 @@ async fn expired_epochs_are_dropped_on_every_replica() {
             assert_eq!(kept, big);
         }
     }
-    // Disk space comes back on every node: at least one whole segment per
-    // shard.
+    // Disk space comes back on every node: every segment the drop doomed is
+    // deleted, so each replica keeps only its active WAL segment (where
+    // the surviving backup blobs now are) and its one spare, both wholly
+    // reserved, plus its index log. Comparing with the bytes before is
+    // not exact: the active segment and the spare were only partly
+    // reserved then (sparse files), and CI once saw a whole 16 MiB per
+    // shard returned and the comparison fail by 256 KiB.
+    const SEGMENT: u64 = 16 << 20;
+    const INDEX_SLACK: u64 = 4 << 20;
+    // Three nodes, three replicas per shard: every node holds every shard.
+    let replicas = map.shards.len() as u64;
+    let bound = replicas * 2 * SEGMENT + INDEX_SLACK;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let after = disk_by_node(&map).await;
-        let returned = before
-            .iter()
-            .all(|(id, b)| after.get(id).is_some_and(|a| a + (32 << 20) <= *b));
+        let returned = after.values().all(|a| *a <= bound);
         if returned {
-            eprintln!("engine disk bytes per node: before {before:?}, after {after:?}");
+            eprintln!(
+                "engine disk bytes per node: before {before:?}, after {after:?} (bound {bound})"
+            );
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "disk not returned: before {before:?}, after {after:?}\n{}",
+            "disk not returned: before {before:?}, after {after:?}, bound {bound}\n{}",
             cluster.logs()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
