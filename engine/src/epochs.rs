@@ -4,8 +4,9 @@
 //! (advancing the epoch rolls the segment), and every entry carries the
 //! epoch of its last write or touch. `drop_epochs_below(E)` removes the
 //! entries of epochs below `E` that the filter does not keep — an index
-//! walk, no value read — moves forward whatever live entries the old
-//! segments still hold, and deletes those segments whole. `touch` moves an
+//! walk, no value read — and deletes whole the old segments left with no
+//! live entry; background relocation reclaims the others by their garbage
+//! ratio, like any segment. `touch` moves an
 //! entry into the current epoch with a tiny WAL record and no value copy.
 //!
 //! Both are deterministic in what they leave visible: given the same
@@ -14,6 +15,7 @@
 //! epochs, whatever its physical layout. See `docs/design/epochs.md`.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
 
 use crate::engine::Engine;
 use crate::entry_update::DiskAccess;
@@ -27,9 +29,14 @@ use crate::wal::format::{self, FLAG_APPLIED, ItemSpec, Op};
 
 impl Engine {
     /// Drops every entry whose epoch is below `below` unless `filter` keeps
-    /// it, then deletes the segments of those epochs whole — after copying
-    /// forward the live entries they still hold (kept entries, entries
-    /// touched into later epochs). The drop is durable when this returns.
+    /// it — an index walk, no value read — then deletes whole the segments
+    /// of those epochs left holding no live entry. The others (holding
+    /// kept entries, or entries touched into later epochs) are left to
+    /// background relocation, which copies their live entries forward
+    /// and deletes them once their garbage ratio calls for it, as for any
+    /// segment, at its rate limit: a drop never copies a value, so it does
+    /// not stall the writer that applies it, and data kept for good is not
+    /// rewritten at every drop. The drop is durable when this returns.
     ///
     /// A `Stop` from the filter keeps that entry and every one after it (in
     /// key-space and key order).
@@ -56,6 +63,7 @@ impl Engine {
             .map(|s| s.id.0)
             .collect();
         let in_doomed = |entry: &Entry| doomed.contains(&(entry.location / size));
+        let mut holding_live: BTreeSet<u64> = BTreeSet::new();
         let mut mover = Mover::new(inner, None);
         let mut stopped = false;
         for (space_index, space) in inner.table.spaces.iter().enumerate() {
@@ -73,8 +81,7 @@ impl Engine {
                         Decision::Keep | Decision::Stop => {
                             stopped |= decision == Decision::Stop;
                             if in_doomed(&entry) {
-                                let value = inner.read_value(space, &key, &entry)?;
-                                mover.relocate(space_index, key, entry, value.to_vec())?;
+                                holding_live.insert(entry.location / size);
                             }
                         }
                     }
@@ -84,8 +91,16 @@ impl Engine {
         mover.finish()?;
         let mut report = std::mem::take(&mut mover.report);
         report.stopped = stopped;
-        let doomed: Vec<_> = doomed.into_iter().map(crate::types::SegmentId).collect();
-        inner.reclaim(&doomed, &mut report)?;
+        let emptied: Vec<_> = doomed
+            .difference(&holding_live)
+            .map(|id| crate::types::SegmentId(*id))
+            .collect();
+        inner.reclaim(&emptied, &mut report)?;
+        if !holding_live.is_empty() {
+            // Their garbage is new: the next background pass takes a
+            // census and relocates them by their garbage ratio.
+            inner.census_processed.store(0, Ordering::Release);
+        }
         Ok(report)
     }
 
