@@ -275,6 +275,11 @@ pub struct ShardHandle {
     engine: ArcSwap<Engine>,
     state: Mutex<ShardState>,
     fetching: AtomicBool,
+    /// Snapshot transfers writing into the replica's spare slot.
+    transfers: Mutex<Transfers>,
+    transfer_ended: Condvar,
+    /// Turns true when the replica stops: a transfer then ends.
+    stopping: tokio::sync::watch::Sender<bool>,
     /// The owner's task in the pool.
     task: Mutex<Option<Task>>,
     stats: ShardStats,
@@ -344,6 +349,9 @@ impl ShardHandle {
             engine: ArcSwap::new(replica.engine().clone()),
             state: Mutex::new(ShardState::default()),
             fetching: AtomicBool::new(false),
+            transfers: Mutex::new(Transfers::default()),
+            transfer_ended: Condvar::new(),
+            stopping: tokio::sync::watch::Sender::new(false),
             task: Mutex::new(None),
             stats: ShardStats::default(),
             range,
@@ -489,10 +497,22 @@ impl ShardHandle {
         state
     }
 
-    /// Claims the right to receive a snapshot (one at a time); `false` if a
-    /// transfer is already running.
-    pub fn begin_snapshot(&self) -> bool {
-        !self.fetching.swap(true, Ordering::AcqRel)
+    /// Claims the right to receive a snapshot (one at a time): `None` if a
+    /// transfer is already running or the replica has stopped. The
+    /// transfer writes into the replica's directory until the returned
+    /// guard is dropped, and must end when [`SnapshotTransfer::stopped`]
+    /// resolves: [`ShardHandle::stop`] waits for that, so a replica's
+    /// directory is deleted only once nothing writes into it.
+    pub fn begin_snapshot(self: &Arc<Self>) -> Option<SnapshotTransfer> {
+        let mut transfers = self.transfers.lock();
+        if transfers.stopped || self.fetching.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        transfers.running = true;
+        Some(SnapshotTransfer {
+            shard: self.clone(),
+            stopping: self.stopping.subscribe(),
+        })
     }
 
     /// Ends a transfer that failed (a successful one ends when the owner
@@ -501,8 +521,33 @@ impl ShardHandle {
         self.fetching.store(false, Ordering::Release);
     }
 
-    /// Stops the owner and waits for it; the replica's engine is closed.
+    /// Whether the replica is stopping: a snapshot transfer into it ends.
+    pub fn is_stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
+    /// Stops the owner and waits for it; the replica's engine is closed,
+    /// and no snapshot transfer writes into its directory (one under way
+    /// is told to end and waited for, up to [`TRANSFER_END_WAIT`]).
     pub fn stop(&self) {
+        self.transfers.lock().stopped = true;
+        self.stopping.send_replace(true);
+        {
+            let deadline = Instant::now() + TRANSFER_END_WAIT;
+            let mut transfers = self.transfers.lock();
+            while transfers.running {
+                if (self.transfer_ended)
+                    .wait_until(&mut transfers, deadline)
+                    .timed_out()
+                {
+                    tracing::warn!(
+                        shard_id = self.shard_id,
+                        "a snapshot transfer did not end when the replica stopped"
+                    );
+                    break;
+                }
+            }
+        }
         // A full queue still gets the stop.
         let _ = self.queue.push(Event::Stop, true);
         let Some(task) = self.task.lock().take() else {
@@ -510,6 +555,41 @@ impl ShardHandle {
         };
         self.queue.wait_closed();
         drop(task);
+    }
+}
+
+/// Longest a stopping replica waits for a snapshot transfer to notice: one
+/// chunk's write into the spare slot.
+const TRANSFER_END_WAIT: Duration = Duration::from_secs(10);
+
+/// Whether a snapshot transfer writes into the replica's directory, and
+/// whether the replica stopped (no transfer starts then).
+#[derive(Debug, Default)]
+struct Transfers {
+    running: bool,
+    stopped: bool,
+}
+
+/// A snapshot transfer into a replica's spare slot
+/// ([`ShardHandle::begin_snapshot`]); dropping it says the transfer wrote
+/// its last byte.
+#[derive(Debug)]
+pub struct SnapshotTransfer {
+    shard: Arc<ShardHandle>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+impl SnapshotTransfer {
+    /// Resolves once the replica is stopping: the transfer must end.
+    pub async fn stopped(&mut self) {
+        let _ = self.stopping.wait_for(|stopping| *stopping).await;
+    }
+}
+
+impl Drop for SnapshotTransfer {
+    fn drop(&mut self) {
+        self.shard.transfers.lock().running = false;
+        self.shard.transfer_ended.notify_all();
     }
 }
 

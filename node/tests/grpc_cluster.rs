@@ -502,3 +502,72 @@ async fn a_stopping_leader_hands_leadership_over() {
     assert_replica_holds(&cluster, new, &written).await;
     cluster.shutdown().await;
 }
+
+/// A replica closed (and deleted) while a snapshot streams into it: the
+/// transfer ends first, so the close succeeds and nothing of the replica is
+/// left on disk, then or later. (The e2e soak once saw the deletion fail
+/// with "Directory not empty": the transfer kept writing into the spare
+/// slot while the directory was removed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_deleted_while_a_snapshot_streams_into_it_leaves_nothing() {
+    let cluster = TestCluster::start(4, 1, |c| {
+        c.raft.compact_log_entries = 16;
+        if let Some(static_cluster) = c.cluster.as_mut() {
+            static_cluster.replicas = vec![1, 2, 3];
+        }
+    })
+    .await;
+    // Enough that the transfer takes a while: 48 MiB.
+    write_keys(&cluster, "big", 48, 0, 1 << 20).await;
+    let leader = wait_leader(&cluster, 1).await;
+    let info = cluster.running[&leader].node.map().shards[0].clone();
+    cluster
+        .admin(4)
+        .await
+        .open_replica(OpenReplicaRequest {
+            shard: Some(info),
+            bootstrap: false,
+        })
+        .await
+        .unwrap();
+    let conf = replica_status(&cluster, leader, 1)
+        .await
+        .unwrap()
+        .conf_version;
+    cluster
+        .admin(leader)
+        .await
+        .change_membership(ChangeMembershipRequest {
+            shard_id: 1,
+            change: MembershipChange::AddLearner as i32,
+            node_id: 4,
+            expected_conf_version: conf,
+        })
+        .await
+        .unwrap();
+    // The first chunk has arrived: the transfer is under way.
+    let node = cluster.running[&4].node.clone();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while node.metrics.snapshot_bytes_received.get() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no snapshot came");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let dir = cluster.configs[&4].data_dir.join("shards").join("1");
+    assert!(dir.exists());
+    let before = node.metrics.snapshot_bytes_received.get();
+    let closed = tokio::task::block_in_place(|| node.close_replica(1, true));
+    let received = node.metrics.snapshot_bytes_received.get();
+    eprintln!(
+        "snapshot bytes received: {before} when the close began, {received} when it returned"
+    );
+    assert!(matches!(closed, Ok(true)), "{closed:?}");
+    assert!(!dir.exists(), "{} left", dir.display());
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(!dir.exists(), "{} made again", dir.display());
+    assert_eq!(
+        node.metrics.snapshot_bytes_received.get(),
+        received,
+        "the transfer went on after the close"
+    );
+    cluster.shutdown().await;
+}

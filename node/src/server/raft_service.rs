@@ -193,12 +193,19 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
     if message.get_snapshot().get_metadata().index <= commit {
         return shard.step(message);
     }
-    if !shard.begin_snapshot() {
+    let Some(mut transfer) = shard.begin_snapshot() else {
         return false;
-    }
+    };
     let (node, shard) = (node.clone(), shard.clone());
     tokio::spawn(async move {
-        match fetch_snapshot(&node, &shard, &message).await {
+        // A replica stopping (closed, moved away, deleted) ends the
+        // transfer at its next await, before its directory goes.
+        let fetched = tokio::select! {
+            fetched = fetch_snapshot(&node, &shard, &message) => fetched,
+            () = transfer.stopped() => Err(NodeError::Failed("the replica stopped".into())),
+        };
+        drop(transfer);
+        match fetched {
             Ok(()) => {
                 if shard
                     .send(Event::SnapshotReceived(Box::new(message)))
@@ -206,6 +213,10 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
                 {
                     shard.abort_snapshot();
                 }
+            }
+            Err(error) if shard.is_stopping() => {
+                tracing::info!(shard_id = shard.shard_id, %error, "snapshot transfer ended: the replica stopped");
+                shard.abort_snapshot();
             }
             Err(error) => {
                 tracing::warn!(shard_id = shard.shard_id, %error, "snapshot transfer failed");
@@ -248,7 +259,7 @@ async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> 
             offset,
             to_node: node.config.node_id,
         };
-        match pull(&source.address, request, &mut receiver, node).await {
+        match pull(&source.address, request, &mut receiver, node, shard).await {
             Ok(()) => {}
             Err(PullError::Gone(status)) => {
                 return Err(NodeError::Network(format!("snapshot {id}: {status}")));
@@ -285,6 +296,7 @@ async fn pull(
     request: FetchSnapshotRequest,
     receiver: &mut Receiver,
     node: &Node,
+    shard: &ShardHandle,
 ) -> std::result::Result<(), PullError> {
     let endpoint = node
         .security
@@ -308,6 +320,13 @@ async fn pull(
     };
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|s| PullError::Broken(s.to_string()))?;
+        // Chunks already buffered come without a pause in which the
+        // caller's `select!` could end the transfer.
+        if shard.is_stopping() {
+            return Err(PullError::Bad(NodeError::Failed(
+                "the replica stopped".into(),
+            )));
+        }
         let len = chunk.data.len() as u64;
         tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
         node.metrics.snapshot_bytes_received.inc_by(len);
