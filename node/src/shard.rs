@@ -528,7 +528,7 @@ impl ShardHandle {
 
     /// Stops the owner and waits for it; the replica's engine is closed,
     /// and no snapshot transfer writes into its directory (one under way
-    /// is told to end and waited for, up to [`TRANSFER_END_WAIT`]).
+    /// is told to end and waited for, up to 10 s).
     pub fn stop(&self) {
         self.transfers.lock().stopped = true;
         self.stopping.send_replace(true);
