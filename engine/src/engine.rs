@@ -8,11 +8,10 @@
 //! `pread`, verifying its checksum and key.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use bytes::Bytes;
-use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::cache::EngineCache;
@@ -62,29 +61,11 @@ pub(crate) struct Inner {
     /// Readers of index blobs hold it shared; index garbage collection holds
     /// it exclusively while deleting segments.
     pub index_gc: crate::striped::StripedRwLock,
-    pub flush_tx: Sender<(u8, CellId)>,
-    pub flush_rx: Receiver<(u8, CellId)>,
-    /// Wake the flusher tasks (set once they are registered).
-    pub flushers: std::sync::OnceLock<Vec<crate::pool::Waker>>,
-    /// Picks the flusher the next queued cell wakes.
-    pub next_flusher: std::sync::atomic::AtomicUsize,
+    /// Cells waiting for a flusher.
+    pub flush_queue: crate::flush::FlushQueue,
     pub shutdown: AtomicBool,
-    /// One relocation pass or epoch drop at a time.
-    pub relocation_lock: Mutex<()>,
-    /// The filter background relocation uses.
-    pub filter: crate::relocation::FilterSlot,
-    /// Segments holding positions at or after this are never deleted.
-    pub retention: std::sync::atomic::AtomicU64,
-    /// The last census.
-    pub last_census: Mutex<Vec<crate::relocation::SegmentUsage>>,
-    /// The processed watermark when `last_census` began (0: no census
-    /// since the engine opened or its relocation filter changed).
-    pub census_at: std::sync::atomic::AtomicU64,
-    /// The bytes relocation had written when `last_census` began.
-    pub census_relocated: std::sync::atomic::AtomicU64,
-    /// The processed watermark when background relocation last took a
-    /// census.
-    pub census_processed: std::sync::atomic::AtomicU64,
+    /// Relocation's turn, filter, log retention and census.
+    pub relocation: crate::relocation::RelocationState,
     /// The hold on the directory, let go when the engine stops.
     pub dir_lock: Mutex<Option<crate::storage::DirLock>>,
 }
@@ -404,7 +385,7 @@ impl Engine {
         snapshot.wal_processed = inner.values.processed().0;
         snapshot.wal_synced = inner.values.synced().0;
         snapshot.wal_released_bytes = inner.values.released_bytes();
-        snapshot.segments = inner.last_census.lock().clone();
+        snapshot.segments = inner.relocation.last_census();
         snapshot.relocation_lag_bytes = snapshot
             .segments
             .iter()
@@ -618,12 +599,7 @@ impl Inner {
             queue
         });
         if queue {
-            // Unbounded, but each cell is queued at most once at a time.
-            let _ = self.flush_tx.send((space, id));
-            if let Some(flushers) = self.flushers.get().filter(|f| !f.is_empty()) {
-                let next = self.next_flusher.fetch_add(1, Ordering::Relaxed);
-                flushers[next % flushers.len()].wake();
-            }
+            self.flush_queue.push_and_wake(space, id);
         }
     }
 

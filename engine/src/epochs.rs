@@ -15,7 +15,6 @@
 //! epochs, whatever its physical layout. See `docs/design/epochs.md`.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
 
 use crate::engine::Engine;
 use crate::entry_update::DiskAccess;
@@ -54,7 +53,7 @@ impl Engine {
                 self.epoch().0
             )));
         }
-        let _one_at_a_time = inner.relocation_lock.lock();
+        let _turn = inner.relocation.take_turn();
         let size = inner.config.wal_segment_bytes;
         let doomed: BTreeSet<u64> = inner
             .sealed_segments()
@@ -99,7 +98,7 @@ impl Engine {
         if !holding_live.is_empty() {
             // Their garbage is new: the next background pass takes a
             // census and relocates them by their garbage ratio.
-            inner.census_processed.store(0, Ordering::Release);
+            inner.relocation.request_census();
         }
         Ok(report)
     }

@@ -16,8 +16,8 @@
 //! Readers see the old layers plus all changes until step 3, and the new
 //! layers plus the remaining changes after it: never a partial view.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::engine::Inner;
@@ -26,7 +26,9 @@ use crate::index::blob::BlobKind;
 use crate::index::entry::{Entry, Key};
 use crate::index::layers::{FlushKind, Layer, Layers, flush_kind, merge};
 use crate::metrics::Metrics;
-use crate::pool::Next;
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::pool::{Next, Waker};
 use crate::table::cell::{BaseEntries, Change};
 use crate::table::{CellId, SpaceTable};
 
@@ -183,13 +185,70 @@ pub(crate) const FLUSHER_LOOK: Duration = Duration::from_secs(1);
 /// Cells a flusher task flushes per run before giving its thread back.
 const FLUSHES_PER_RUN: usize = 16;
 
+/// The cells waiting for a flusher, and the flushers to wake. Each cell
+/// is queued at most once at a time (its `queued` flag, set by whoever
+/// queues it), so the unbounded channel holds at most one item per cell.
+#[derive(Debug)]
+pub(crate) struct FlushQueue {
+    sender: Sender<(u8, CellId)>,
+    receiver: Receiver<(u8, CellId)>,
+    /// Set once the flusher tasks are registered.
+    flushers: OnceLock<Vec<Waker>>,
+    /// Picks the flusher the next queued cell wakes.
+    next: AtomicUsize,
+}
+
+impl FlushQueue {
+    pub fn new() -> FlushQueue {
+        let (sender, receiver) = crossbeam_channel::unbounded();
+        FlushQueue {
+            sender,
+            receiver,
+            flushers: OnceLock::new(),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Gives the queue the flusher tasks it wakes (once, at open).
+    pub fn set_flushers(&self, flushers: Vec<Waker>) {
+        let _ = self.flushers.set(flushers);
+    }
+
+    /// Queues a cell whose `queued` flag the caller set, and wakes one
+    /// flusher (in turn) for it.
+    pub fn push_and_wake(&self, space: u8, id: CellId) {
+        self.push(space, id);
+        if let Some(flushers) = self.flushers.get().filter(|f| !f.is_empty()) {
+            let next = self.next.fetch_add(1, Ordering::Relaxed);
+            flushers[next % flushers.len()].wake();
+        }
+    }
+
+    /// Queues a cell whose `queued` flag the caller set; a flusher finds
+    /// it at its next look (within [`FLUSHER_LOOK`]) or wake.
+    fn push(&self, space: u8, id: CellId) {
+        // The receiver lives as long as the sender: sending cannot fail.
+        let _ = self.sender.send((space, id));
+    }
+
+    fn pop(&self) -> Option<(u8, CellId)> {
+        self.receiver.try_recv().ok()
+    }
+
+    fn wake_all(&self) {
+        for flusher in self.flushers.get().into_iter().flatten() {
+            flusher.wake();
+        }
+    }
+}
+
 /// A flusher task's run: flushes queued cells.
 pub(crate) fn run_flusher(inner: &Inner) -> Next {
     for _ in 0..FLUSHES_PER_RUN {
         if inner.shutdown.load(Ordering::Acquire) || inner.health.is_poisoned() {
             return Next::Stop;
         }
-        let Ok((space, id)) = inner.flush_rx.try_recv() else {
+        let Some((space, id)) = inner.flush_queue.pop() else {
             return Next::After(FLUSHER_LOOK);
         };
         match flush_cell(inner, space, &id) {
@@ -237,7 +296,7 @@ fn schedule_flushes(inner: &Inner) -> Result<()> {
             old.push((space as u8, *id));
         } else if cell.changes.len() >= threshold && !cell.queued && !cell.flushing {
             cell.queued = true;
-            let _ = inner.flush_tx.send((space as u8, *id));
+            inner.flush_queue.push(space as u8, *id);
         }
     });
     for (space, id) in old {
@@ -273,12 +332,10 @@ fn unload_under_pressure(inner: &Inner) {
     inner.table.for_each_cell(|space, id, cell| {
         if !cell.changes.is_empty() && !cell.queued && !cell.flushing {
             cell.queued = true;
-            let _ = inner.flush_tx.send((space as u8, *id));
+            inner.flush_queue.push(space as u8, *id);
         }
     });
-    for flusher in inner.flushers.get().into_iter().flatten() {
-        flusher.wake();
-    }
+    inner.flush_queue.wake_all();
 }
 
 /// Asks every background task of the engine to stop (the engine then

@@ -126,7 +126,6 @@ pub(crate) fn open(
             )
         },
     )?;
-    let (flush_tx, flush_rx) = crossbeam_channel::unbounded();
     let cache = EngineCache::new(memory.cache().clone());
     let inner = Arc::new(Inner {
         storage,
@@ -146,18 +145,9 @@ pub(crate) fn open(
         )),
         last_snapshot: Mutex::new(Some(control)),
         index_gc: Default::default(),
-        flush_tx,
-        flush_rx,
-        flushers: std::sync::OnceLock::new(),
-        next_flusher: Default::default(),
+        flush_queue: crate::flush::FlushQueue::new(),
         shutdown: AtomicBool::new(false),
-        relocation_lock: Mutex::new(()),
-        filter: crate::relocation::FilterSlot::new(),
-        retention: std::sync::atomic::AtomicU64::new(u64::MAX),
-        last_census: Mutex::new(Vec::new()),
-        census_at: std::sync::atomic::AtomicU64::new(0),
-        census_relocated: std::sync::atomic::AtomicU64::new(0),
-        census_processed: std::sync::atomic::AtomicU64::new(0),
+        relocation: crate::relocation::RelocationState::new(),
         dir_lock: Mutex::new(Some(dir_lock)),
         config,
     });
@@ -499,6 +489,6 @@ fn spawn_tasks(inner: &Arc<Inner>, pool: &WorkerPool) -> Vec<Task> {
         wakers.push(flusher.waker());
         tasks.push(flusher);
     }
-    let _ = inner.flushers.set(wakers);
+    inner.flush_queue.set_flushers(wakers);
     tasks
 }

@@ -56,7 +56,8 @@ pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
     let size = inner.config.wal_segment_bytes;
     let began_at = inner.values.processed().0;
     let relocated = relocated_bytes(inner);
-    let filter = inner.filter.get();
+    let state = &inner.relocation;
+    let filter = state.filter();
     let mut live: BTreeMap<SegmentId, u64> = BTreeMap::new();
     let mut shed: BTreeMap<SegmentId, u64> = BTreeMap::new();
     for (index, space) in inner.table.spaces.iter().enumerate() {
@@ -91,14 +92,14 @@ pub(crate) fn census(inner: &Inner) -> Result<Vec<SegmentUsage>> {
                 .is_ok_and(|links| links > 1),
         })
         .collect();
-    *inner.last_census.lock() = usage.clone();
+    *state.census.lock() = usage.clone();
     // A census taken under a filter replaced meanwhile counts what the new
     // one may drop: it does not tell the engine's size.
-    if std::sync::Arc::ptr_eq(&filter, &inner.filter.get()) {
-        inner
+    if std::sync::Arc::ptr_eq(&filter, &state.filter()) {
+        state
             .census_relocated
             .store(relocated, std::sync::atomic::Ordering::Release);
-        inner
+        state
             .census_at
             .store(began_at, std::sync::atomic::Ordering::Release);
     }

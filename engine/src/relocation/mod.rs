@@ -18,7 +18,9 @@ mod policy;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::engine::{Engine, Inner};
 use crate::error::{Error, Result};
@@ -80,26 +82,77 @@ impl RelocationFilter for KeepAll {
     }
 }
 
-/// Holds the filter background relocation uses.
-pub(crate) struct FilterSlot(parking_lot::RwLock<Arc<dyn RelocationFilter>>);
+/// What relocation keeps in the engine, and only this module reaches
+/// into: the turn that relocation passes, epoch drops and checkpoints
+/// take one at a time, the filter, the log retention, and the last census
+/// (which background passes, the metrics and [`Engine::data_bytes`] read).
+pub(crate) struct RelocationState {
+    /// One relocation pass, epoch drop or checkpoint at a time.
+    turn: Mutex<()>,
+    /// The filter background relocation and its census use.
+    filter: parking_lot::RwLock<Arc<dyn RelocationFilter>>,
+    /// Segments holding positions at or after this are never deleted.
+    retention: AtomicU64,
+    /// The last census.
+    census: Mutex<Vec<SegmentUsage>>,
+    /// The processed watermark when `census` began (0: no census since the
+    /// engine opened or its filter changed).
+    census_at: AtomicU64,
+    /// The bytes relocation had written when `census` began.
+    census_relocated: AtomicU64,
+    /// The processed watermark when background relocation last took a
+    /// census (0: take one at the next pass).
+    census_processed: AtomicU64,
+}
 
-impl FilterSlot {
-    pub fn new() -> Self {
-        Self(parking_lot::RwLock::new(Arc::new(KeepAll)))
+impl RelocationState {
+    pub fn new() -> RelocationState {
+        RelocationState {
+            turn: Mutex::new(()),
+            filter: parking_lot::RwLock::new(Arc::new(KeepAll)),
+            retention: AtomicU64::new(u64::MAX),
+            census: Mutex::new(Vec::new()),
+            census_at: AtomicU64::new(0),
+            census_relocated: AtomicU64::new(0),
+            census_processed: AtomicU64::new(0),
+        }
     }
 
-    pub fn get(&self) -> Arc<dyn RelocationFilter> {
-        self.0.read().clone()
+    /// Waits for the running relocation pass, epoch drop or checkpoint to
+    /// end; none starts while the guard is held.
+    pub fn take_turn(&self) -> MutexGuard<'_, ()> {
+        self.turn.lock()
     }
 
-    pub fn set(&self, filter: Arc<dyn RelocationFilter>) {
-        *self.0.write() = filter;
+    /// The filter in force.
+    pub fn filter(&self) -> Arc<dyn RelocationFilter> {
+        self.filter.read().clone()
+    }
+
+    /// Asks the next background pass for a census, however little was
+    /// written since the last one (new garbage that came without writes).
+    pub fn request_census(&self) {
+        self.census_processed.store(0, Ordering::Release);
+    }
+
+    /// The last census (empty before the first).
+    pub fn last_census(&self) -> Vec<SegmentUsage> {
+        self.census.lock().clone()
+    }
+
+    /// Segments holding positions at or after this are never deleted.
+    fn retention(&self) -> u64 {
+        self.retention.load(Ordering::Acquire)
     }
 }
 
-impl std::fmt::Debug for FilterSlot {
+impl std::fmt::Debug for RelocationState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("FilterSlot")
+        f.debug_struct("RelocationState")
+            .field("retention", &self.retention)
+            .field("census_at", &self.census_at)
+            .field("census_processed", &self.census_processed)
+            .finish_non_exhaustive()
     }
 }
 
@@ -143,7 +196,7 @@ impl Inner {
     pub(crate) fn sealed_segments(&self) -> Vec<Arc<crate::wal::segment::SegmentFile>> {
         let active = self.values.active_segment();
         let size = self.config.wal_segment_bytes;
-        let retention = self.retention.load(Ordering::Acquire);
+        let retention = self.relocation.retention();
         self.values
             .segments()
             .into_iter()
@@ -354,7 +407,7 @@ impl Inner {
             .map_or(0, |c| c.replay_from.0);
         let limit = replay_from
             .min(self.values.synced().0)
-            .min(self.retention.load(Ordering::Acquire));
+            .min(self.relocation.retention());
         let active = self.values.active_segment();
         let size = self.config.wal_segment_bytes;
         let mut deleted = 0;
@@ -392,9 +445,10 @@ impl Engine {
     /// (default: keep all). The next background pass takes a census, so
     /// entries the new filter drops are found without waiting for writes.
     pub fn set_relocation_filter(&self, filter: Arc<dyn RelocationFilter>) {
-        self.inner.filter.set(filter);
-        self.inner.census_processed.store(0, Ordering::Release);
-        self.inner.census_at.store(0, Ordering::Release);
+        let state = &self.inner.relocation;
+        *state.filter.write() = filter;
+        state.census_processed.store(0, Ordering::Release);
+        state.census_at.store(0, Ordering::Release);
     }
 
     /// Runs one relocation pass now, with the configured filter and no rate
@@ -402,8 +456,8 @@ impl Engine {
     pub fn relocate(&self, strategy: Strategy) -> Result<RelocationReport> {
         let inner = &*self.inner;
         inner.health.check()?;
-        let _one_at_a_time = inner.relocation_lock.lock();
-        let filter = inner.filter.get();
+        let _turn = inner.relocation.take_turn();
+        let filter = inner.relocation.filter();
         let report = match strategy {
             Strategy::Wal { segments } => {
                 let oldest: Vec<_> = inner.sealed_segments().into_iter().take(segments).collect();
@@ -429,14 +483,15 @@ impl Engine {
     /// relocation filter changed (values the filter drops are not counted).
     pub fn data_bytes(&self) -> Option<u64> {
         let inner = &*self.inner;
-        let at = inner.census_at.load(Ordering::Acquire);
+        let state = &inner.relocation;
+        let at = state.census_at.load(Ordering::Acquire);
         if at == 0 {
             return None;
         }
         let relocated = census::relocated_bytes(inner)
-            .saturating_sub(inner.census_relocated.load(Ordering::Acquire));
+            .saturating_sub(state.census_relocated.load(Ordering::Acquire));
         let written = inner.values.processed().0.saturating_sub(at);
-        let live: u64 = inner.last_census.lock().iter().map(|u| u.live_bytes).sum();
+        let live: u64 = state.census.lock().iter().map(|u| u.live_bytes).sum();
         Some(live + written.saturating_sub(relocated))
     }
 
@@ -444,7 +499,10 @@ impl Engine {
     /// replication layer keeps its uncompacted log this way); `u64::MAX`
     /// (the default) keeps nothing extra.
     pub fn set_log_retention(&self, from: WalPosition) {
-        self.inner.retention.store(from.0, Ordering::Release);
+        self.inner
+            .relocation
+            .retention
+            .store(from.0, Ordering::Release);
     }
 }
 

@@ -73,7 +73,8 @@ fn pass(
     interval: Duration,
     more: bool,
 ) -> Result<bool> {
-    let _one_at_a_time = inner.relocation_lock.lock();
+    let state = &inner.relocation;
+    let _turn = state.take_turn();
     let config = &inner.config;
     let free = inner
         .storage
@@ -81,13 +82,13 @@ fn pass(
         .unwrap_or(u64::MAX);
     let pressure = free < config.relocation_pressure_free_bytes;
     let processed = inner.values.processed().0;
-    let last = inner.census_processed.load(Ordering::Acquire);
+    let last = state.census_processed.load(Ordering::Acquire);
     let grown = processed.saturating_sub(last);
     let stale = grown > 0 && last_census.elapsed() >= interval * STALE_CENSUS_PASSES;
     if !pressure && grown < config.wal_segment_bytes && !stale && !more {
         return Ok(false);
     }
-    inner.census_processed.store(processed, Ordering::Release);
+    state.census_processed.store(processed, Ordering::Release);
     *last_census = std::time::Instant::now();
     let usage = super::census(inner)?;
     let threshold = if pressure {
@@ -111,7 +112,7 @@ fn pass(
         return Ok(false);
     }
     let full = candidates.len() == config.relocation_segments_per_pass as usize;
-    let filter = inner.filter.get();
+    let filter = state.filter();
     inner.relocate_out_of(&candidates, &*filter, Some(config.relocation_bytes_per_sec))?;
     Metrics::add(&inner.metrics.counters().relocation_passes, 1);
     Ok(full)
