@@ -142,6 +142,14 @@ pub struct Config {
     pub relocation_bytes_per_sec: u64,
     /// Segments one background pass processes at most.
     pub relocation_segments_per_pass: u32,
+    /// Keep every WAL segment from the moment the engine opens until the
+    /// application first calls [`Engine::set_log_retention`](crate::Engine::set_log_retention).
+    /// For a replication layer whose log is records appended and not yet
+    /// applied ([`Engine::append`](crate::Engine::append)): until it has
+    /// read its log back, nothing in the index refers to those records,
+    /// so relocation would count their segments as garbage and delete
+    /// them. Without it (the default) an engine keeps nothing extra.
+    pub retain_log_until_set: bool,
     /// The key spaces, in a fixed order: never remove or reorder one (new
     /// ones may be appended).
     pub key_spaces: Vec<KeySpaceConfig>,
@@ -175,6 +183,7 @@ impl Default for Config {
             relocation_pressure_garbage_ratio: 0.1,
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
+            retain_log_until_set: false,
             key_spaces: vec![KeySpaceConfig {
                 name: "default".into(),
                 key_bytes: 32,
@@ -222,6 +231,7 @@ impl Config {
             relocation_pressure_garbage_ratio: 0.1,
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
+            retain_log_until_set: false,
             key_spaces: vec![
                 KeySpaceConfig {
                     name: "default".into(),

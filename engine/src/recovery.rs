@@ -147,7 +147,7 @@ pub(crate) fn open(
         index_gc: Default::default(),
         flush_queue: crate::flush::FlushQueue::new(),
         shutdown: AtomicBool::new(false),
-        relocation: crate::relocation::RelocationState::new(),
+        relocation: crate::relocation::RelocationState::new(config.retain_log_until_set),
         dir_lock: Mutex::new(Some(dir_lock)),
         config,
     });

@@ -669,6 +669,9 @@ impl NodeConfig {
             spare_segments: 1,
             relocation_enabled: e.relocation,
             relocation_interval_ms: e.relocation_interval_ms,
+            // The Raft log is records appended before they are applied:
+            // nothing may delete them before the log has read itself back.
+            retain_log_until_set: true,
             key_spaces: vec![
                 KeySpaceConfig {
                     name: BLOB_KEY_SPACE.into(),

@@ -106,11 +106,14 @@ pub(crate) struct RelocationState {
 }
 
 impl RelocationState {
-    pub fn new() -> RelocationState {
+    /// The state of an engine opening; `retain_log` keeps every segment
+    /// until the application sets the log retention
+    /// ([`Config::retain_log_until_set`](crate::Config::retain_log_until_set)).
+    pub fn new(retain_log: bool) -> RelocationState {
         RelocationState {
             turn: Mutex::new(()),
             filter: parking_lot::RwLock::new(Arc::new(KeepAll)),
-            retention: AtomicU64::new(u64::MAX),
+            retention: AtomicU64::new(if retain_log { 0 } else { u64::MAX }),
             census: Mutex::new(Vec::new()),
             census_at: AtomicU64::new(0),
             census_relocated: AtomicU64::new(0),
@@ -497,7 +500,8 @@ impl Engine {
 
     /// Keeps every WAL segment holding a position at or after `from` (a
     /// replication layer keeps its uncompacted log this way); `u64::MAX`
-    /// (the default) keeps nothing extra.
+    /// keeps nothing extra. Until the first call an engine keeps nothing
+    /// extra, or everything with [`Config::retain_log_until_set`](crate::Config::retain_log_until_set).
     pub fn set_log_retention(&self, from: WalPosition) {
         self.inner
             .relocation
