@@ -505,7 +505,7 @@ impl ShardHandle {
     /// directory is deleted only once nothing writes into it.
     pub fn begin_snapshot(self: &Arc<Self>) -> Option<SnapshotTransfer> {
         let mut transfers = self.transfers.lock();
-        if transfers.stopped || self.fetching.swap(true, Ordering::AcqRel) {
+        if transfers.stopped || transfers.reopening || self.fetching.swap(true, Ordering::AcqRel) {
             return None;
         }
         transfers.running = true;
@@ -513,6 +513,24 @@ impl ShardHandle {
             shard: self.clone(),
             stopping: self.stopping.subscribe(),
         })
+    }
+
+    /// Marks the failed replica as reopening unless a snapshot transfer
+    /// writes into its spare slot (which the opening empties: the transfer
+    /// would go on writing the rest of its files and mark the slot
+    /// complete without the ones deleted under it). While marked, no
+    /// transfer starts; [`ShardHandle::end_reopen`] clears the mark.
+    fn begin_reopen(&self) -> bool {
+        let mut transfers = self.transfers.lock();
+        if transfers.running {
+            return false;
+        }
+        transfers.reopening = true;
+        true
+    }
+
+    fn end_reopen(&self) {
+        self.transfers.lock().reopening = false;
     }
 
     /// Ends a transfer that failed (a successful one ends when the owner
@@ -563,11 +581,15 @@ impl ShardHandle {
 const TRANSFER_END_WAIT: Duration = Duration::from_secs(10);
 
 /// Whether a snapshot transfer writes into the replica's directory, and
-/// whether the replica stopped (no transfer starts then).
+/// whether the replica stopped or is being reopened (no transfer starts
+/// then).
 #[derive(Debug, Default)]
 struct Transfers {
     running: bool,
     stopped: bool,
+    /// A failed replica is being reopened: its opening empties the spare
+    /// slot, where a transfer writes.
+    reopening: bool,
 }
 
 /// A snapshot transfer into a replica's spare slot
@@ -884,7 +906,14 @@ impl Owner {
         if since.elapsed() < self.backoff {
             return;
         }
-        match self.opener.open(&[]) {
+        // A transfer under way ends within a chunk or a few seconds (it
+        // completes, or its stream fails): try again at a later tick.
+        if !self.handle.begin_reopen() {
+            return;
+        }
+        let opened = self.opener.open(&[]);
+        self.handle.end_reopen();
+        match opened {
             Ok(replica) => {
                 tracing::info!("replica reopened");
                 self.handle.engine.store(replica.engine().clone());

@@ -571,3 +571,61 @@ async fn a_replica_deleted_while_a_snapshot_streams_into_it_leaves_nothing() {
     );
     cluster.shutdown().await;
 }
+
+/// A replica that fails while a snapshot streams into its spare slot is
+/// reopened only once the transfer ended: the opening empties the spare
+/// slot, and a transfer going on under it used to write the rest of its
+/// files and mark the slot complete without the ones deleted, so the
+/// replica installed a snapshot missing segments (values then read
+/// CORRUPT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_failing_while_a_snapshot_streams_into_it_installs_it_whole() {
+    let cluster = TestCluster::start(4, 1, |c| {
+        c.raft.compact_log_entries = 16;
+        if let Some(static_cluster) = c.cluster.as_mut() {
+            static_cluster.replicas = vec![1, 2, 3];
+        }
+    })
+    .await;
+    // Enough that the transfer takes a while: 48 MiB over 1 MiB chunks.
+    let written = write_keys(&cluster, "big", 48, 0, 1 << 20).await;
+    let leader = wait_leader(&cluster, 1).await;
+    let info = cluster.running[&leader].node.map().shards[0].clone();
+    cluster
+        .admin(4)
+        .await
+        .open_replica(OpenReplicaRequest {
+            shard: Some(info),
+            bootstrap: false,
+        })
+        .await
+        .unwrap();
+    let conf = replica_status(&cluster, leader, 1)
+        .await
+        .unwrap()
+        .conf_version;
+    cluster
+        .admin(leader)
+        .await
+        .change_membership(ChangeMembershipRequest {
+            shard_id: 1,
+            change: MembershipChange::AddLearner as i32,
+            node_id: 4,
+            expected_conf_version: conf,
+        })
+        .await
+        .unwrap();
+    let node = cluster.running[&4].node.clone();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while node.metrics.snapshot_bytes_received.get() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no snapshot came");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    // The replica fails under the transfer: its engine stops (every call
+    // then fails), and the owner reopens it from disk.
+    node.shard(1).unwrap().engine().shutdown();
+    wait_caught_up(&cluster, 4, 1).await;
+    assert!(node.metrics.snapshots_received.get() >= 1);
+    assert_replica_holds(&cluster, 4, &written).await;
+    cluster.shutdown().await;
+}
