@@ -240,6 +240,18 @@ impl Receiver {
                 self.manifest.snapshot_id, self.file, self.offset
             )));
         }
+        // Every file must still be in the slot: something emptying it under
+        // the transfer (a replica reopening did) would otherwise leave a
+        // slot marked complete without the files written before.
+        for file in &self.manifest.files {
+            let path = self.dir.join(&file.path);
+            if !self.storage().exists(&path) {
+                return Err(NodeError::Failed(format!(
+                    "snapshot {}: file {} left the spare slot before the snapshot was complete",
+                    self.manifest.snapshot_id, file.path
+                )));
+            }
+        }
         let mut dirs: Vec<PathBuf> = self
             .manifest
             .files

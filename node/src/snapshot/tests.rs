@@ -76,6 +76,29 @@ fn a_broken_stream_resumes_where_it_stopped() {
     assert_eq!(engine.get(space, &key).unwrap().unwrap().len(), 3_000);
 }
 
+/// A slot emptied under a transfer (defence in depth: a reopening replica
+/// did that) is never marked complete.
+#[test]
+fn a_file_removed_from_the_slot_during_the_transfer_fails_it() {
+    let prepared = prepared();
+    let manifest = manifest(&prepared);
+    let disk = FaultStorage::default();
+    let store = replica_store(&disk);
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    for chunk in prepared.chunks(1, 0, 0) {
+        receiver.accept(&chunk.unwrap()).unwrap();
+    }
+    assert!(receiver.is_complete());
+    let first = store.spare_dir().unwrap().join(&manifest.files[0].path);
+    tidepool_engine::storage::Storage::remove(&disk, &first).unwrap();
+    let finished = receiver.finish();
+    assert!(
+        matches!(&finished, Err(NodeError::Failed(m)) if m.contains("left the spare slot")),
+        "{finished:?}"
+    );
+    assert_eq!(store.spare_snapshot().unwrap(), None);
+}
+
 #[test]
 fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     let prepared = prepared();
