@@ -21,12 +21,16 @@
 //! traced and exported (100% sampling: each client operation is the root
 //! span of a trace that the nodes continue through Raft, exported over
 //! OTLP/gRPC to a receiver in this process that counts the spans), N pairs
-//! in alternating order; the median of the traced/off ratios is printed.
-//! Child processes, because the tracing subscriber is process-wide.
+//! in alternating order; the median of the traced/off ratios is printed,
+//! with the CPU seconds of each child and of the receiver (which shares
+//! the cores: `--receiver count`, the default, walks the exports' wire
+//! format to count spans without building them; `decode` decodes them
+//! whole, as a collector does). Child processes, because the tracing
+//! subscriber is process-wide.
 //!
 //! Usage: `cargo run --release -p tidepool-benchmarks --bin node-shard --
 //! [--seconds 10] [--clients 32] [--value-bytes 1024,65536]
-//! [--dir target/bench-node] [--trace-pairs 3]`
+//! [--dir target/bench-node] [--trace-pairs 3] [--receiver count|decode]`
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,7 +41,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use rand::{Rng, SeedableRng as _};
-use tidepool_benchmarks::{Latencies, human};
+use tidepool_benchmarks::{Latencies, children_cpu_seconds, cpu_seconds, human};
 use tidepool_engine::{Durability, Engine};
 use tidepool_node::config::{NamespaceSpec, NodeConfig, Peer, StaticCluster, StaticToken};
 use tidepool_node::server::{RunningNode, start};
@@ -70,6 +74,12 @@ struct Args {
     /// pairs of child processes (plaintext shard, `--value-bytes`).
     #[arg(long)]
     trace_pairs: Option<usize>,
+    /// The span receiver of `--trace-pairs`: `count` walks each export's
+    /// wire format to the spans and counts them without building them (it
+    /// takes as little as it can of the cores the shard shares with it);
+    /// `decode` decodes every export whole, as a collector would.
+    #[arg(long, default_value = "count", value_parser = ["count", "decode"])]
+    receiver: String,
     /// (Child process) one plaintext shard run, exporting every request's
     /// trace to this OTLP endpoint, or none with `off`.
     #[arg(long, hide = true)]
@@ -564,6 +574,80 @@ impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::Tra
     }
 }
 
+/// What the counting receiver reads of an OTLP `ExportTraceServiceRequest`:
+/// `resource_spans` (1) → `scope_spans` (2) → `spans` (2). Every other
+/// field, and every field of a span, is skipped unread.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SpanTally {
+    #[prost(message, repeated, tag = "1")]
+    resource_spans: Vec<ResourceTally>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ResourceTally {
+    #[prost(message, repeated, tag = "2")]
+    scope_spans: Vec<ScopeTally>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ScopeTally {
+    #[prost(message, repeated, tag = "2")]
+    spans: Vec<Skipped>,
+}
+
+/// A message whose fields are all skipped.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Skipped {}
+
+/// The OTLP trace service, counting the spans of each export from
+/// [`SpanTally`] (tonic's unary machinery with a codec for that type; the
+/// generated server would decode every span whole).
+#[derive(Clone)]
+struct TallyService(Arc<std::sync::atomic::AtomicU64>);
+
+impl tonic::server::NamedService for TallyService {
+    const NAME: &'static str = "opentelemetry.proto.collector.trace.v1.TraceService";
+}
+
+type ExportResponse = opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
+
+impl tower::Service<http::Request<tonic::body::Body>> for TallyService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let counter = self.0.clone();
+        Box::pin(async move {
+            let codec = tonic_prost::ProstCodec::<ExportResponse, SpanTally>::default();
+            let mut grpc = tonic::server::Grpc::new(codec).max_decoding_message_size(64 << 20);
+            let count = tower::service_fn(move |export: tonic::Request<SpanTally>| {
+                let spans: usize = export
+                    .get_ref()
+                    .resource_spans
+                    .iter()
+                    .flat_map(|r| &r.scope_spans)
+                    .map(|s| s.spans.len())
+                    .sum();
+                counter.fetch_add(spans as u64, Ordering::Relaxed);
+                std::future::ready(Ok::<_, tonic::Status>(tonic::Response::new(
+                    ExportResponse::default(),
+                )))
+            });
+            Ok(grpc.unary(count, request).await)
+        })
+    }
+}
+
 /// One child run: (put/s, get/s).
 fn child_run(args: &Args, endpoint: &str) -> anyhow::Result<(f64, f64)> {
     let output = std::process::Command::new(std::env::current_exe()?)
@@ -614,21 +698,40 @@ fn tracing_compare(args: &Args, pairs: usize) -> anyhow::Result<()> {
     let counter = SpanCounter::default();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let endpoint = format!("http://{}", listener.local_addr()?);
-    let service = counter.clone();
-    runtime.spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(
-                opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer::new(service)
-                    .max_decoding_message_size(64 << 20),
-            )
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
-            .await;
-    });
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let mut server = tonic::transport::Server::builder();
+    if args.receiver == "decode" {
+        let service = counter.clone();
+        runtime.spawn(async move {
+            let _ = server
+                .add_service(
+                    opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer::new(service)
+                        .max_decoding_message_size(64 << 20),
+                )
+                .serve_with_incoming(incoming)
+                .await;
+        });
+    } else {
+        let service = TallyService(counter.0.clone());
+        runtime.spawn(async move {
+            let _ = server
+                .add_service(service)
+                .serve_with_incoming(incoming)
+                .await;
+        });
+    }
     println!(
         "node-shard tracing: 3-replica shard (plaintext), {} B values, {} clients, {} s per phase; \
          traced = every operation the root of a sampled trace, exported over OTLP/gRPC to a \
-         span counter in the parent process",
-        args.value_bytes[0], args.clients, args.seconds
+         span receiver in the parent process ({})",
+        args.value_bytes[0],
+        args.clients,
+        args.seconds,
+        if args.receiver == "decode" {
+            "decoding every export whole"
+        } else {
+            "counting spans without decoding them"
+        }
     );
     println!("| system | op | value | clients | ops/s | MiB/s | p50 | p99 |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -644,10 +747,19 @@ fn tracing_compare(args: &Args, pairs: usize) -> anyhow::Result<()> {
         let mut results = BTreeMap::new();
         for endpoint in order {
             let before = counter.0.load(Ordering::Relaxed);
+            let cpu_before = (cpu_seconds(std::process::id()), children_cpu_seconds());
             let rates = child_run(args, endpoint)?;
             // Spans still queued in the child are flushed when it exits.
             std::thread::sleep(Duration::from_secs(1));
             let spans = counter.0.load(Ordering::Relaxed) - before;
+            // The receiver shares the machine's cores with the child (the
+            // shard and its clients): what each used, CPU seconds.
+            println!(
+                "  tracing {}: child (shard + clients) {:.1} CPU s, receiver {:.1} CPU s",
+                if endpoint == "off" { "off" } else { "traced" },
+                children_cpu_seconds() - cpu_before.1,
+                cpu_seconds(std::process::id()) - cpu_before.0
+            );
             results.insert(endpoint == "off", (rates, spans));
         }
         let ((off_put, off_get), _) = results[&true];
