@@ -8,7 +8,13 @@
 //!    (P0 if none is lower);
 //! 3. make the value WAL durable up to the current processed watermark
 //!    (every entry a flushed index points at lies below it);
-//! 4. make the index log durable (every blob the snapshot references);
+//! 4. make the index log durable up to the end of every blob the snapshot
+//!    references — waiting, if need be, for appends claimed before them
+//!    that are still being copied: a flush on another thread may have
+//!    installed a blob behind such a claim, past the processed prefix a
+//!    plain sync covers (a snapshot that did not wait referenced bytes
+//!    that were not durable, and a checkpoint, copying the index log up to
+//!    its synced watermark, shipped zeros where the blob was);
 //! 5. replace the control file crash-safely (unless it already holds
 //!    exactly this data: nothing changed since the last snapshot);
 //! 6. delete index segments that neither this snapshot nor any cell
@@ -45,11 +51,17 @@ pub(crate) fn write_snapshot_then<T>(
     let p0 = inner.values.processed().0;
     let app_state = crate::replication::current_app_state(inner);
     let mut replay_from = p0;
+    let mut index_end = 0u64;
     let mut spaces = Vec::new();
     for space in &inner.table.spaces {
         let mut cells = Vec::new();
+        let key_len = space.key_len();
         for id in space.cell_ids() {
             space.with_cell(&id, |cell| {
+                for layer in cell.layers.iter() {
+                    let end = layer.disk.position.0 + layer.disk.record_len(key_len) as u64;
+                    index_end = index_end.max(end);
+                }
                 if !cell.layers.is_empty() || !cell.changes.is_empty() {
                     let cell_replay = cell.dirty_since.min(p0);
                     replay_from = replay_from.min(cell_replay);
@@ -67,6 +79,7 @@ pub(crate) fn write_snapshot_then<T>(
         });
     }
     inner.values.wait_synced(inner.values.processed())?;
+    inner.index.log.wait_synced(WalPosition(index_end))?;
     inner.index.log.sync_now()?;
     let data = ControlData {
         log_id: inner.log_id,
@@ -120,4 +133,82 @@ fn collect_index_garbage(inner: &Inner, durable: &ControlData) -> Result<()> {
         Metrics::add(&inner.metrics.counters().index_segments_deleted, deleted);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use crate::wal::format::{self, Kind};
+    use crate::{Config, Durability, Engine, KeySpace};
+
+    /// Regression (e2e soak: a learner's index log read "unwritten" right
+    /// after it installed a snapshot). Index appends are claimed in order
+    /// and copied concurrently; a flush on one thread can install a blob
+    /// that lies after another thread's claim still being copied. A
+    /// snapshot then synced only the processed prefix, below that blob:
+    /// its control region referenced bytes that were not durable, and a
+    /// checkpoint (which copies the index log up to its synced watermark)
+    /// shipped zeros where the blob was. Every blob a snapshot references
+    /// now starts below the synced watermark when the control is written.
+    #[test]
+    fn a_snapshot_makes_every_blob_it_references_durable_behind_an_append_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::for_tests(dir.path());
+        config.snapshot_interval_ms = 60_000;
+        config.relocation_enabled = false;
+        let engine = Engine::open(config).unwrap();
+        for i in 0..100u8 {
+            engine
+                .put(
+                    KeySpace::default(),
+                    &[i; 32],
+                    b"value",
+                    Durability::Buffered,
+                )
+                .unwrap();
+        }
+        let inner = &*engine.inner;
+        let (claimed_tx, claimed_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            // An index append claimed and still being copied (a flusher
+            // descheduled in the middle of its copy).
+            s.spawn(move || {
+                let body = [0u8; 64];
+                inner
+                    .index
+                    .log
+                    .append(format::record_len(body.len()), |buf, position| {
+                        claimed_tx.send(()).unwrap();
+                        release_rx.recv().unwrap();
+                        format::write_plain(buf, position, Kind::IndexBlob, &body);
+                    })
+                    .unwrap();
+            });
+            claimed_rx.recv().unwrap();
+            // Flushed on this thread: the blobs land after the claim.
+            crate::flush::flush_all(inner).unwrap();
+            let snapshot = s.spawn(|| {
+                super::write_snapshot_then(inner, |control| {
+                    let synced = inner.index.log.synced().0;
+                    let mut layers = control
+                        .spaces
+                        .iter()
+                        .flat_map(|s| &s.cells)
+                        .flat_map(|c| &c.layers)
+                        .peekable();
+                    assert!(layers.peek().is_some(), "nothing was flushed");
+                    Ok(layers.all(|d| d.position.0 < synced))
+                })
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            release_tx.send(()).unwrap();
+            assert!(
+                snapshot.join().unwrap().unwrap(),
+                "the control region references index blobs past the synced watermark"
+            );
+        });
+    }
 }
