@@ -30,6 +30,10 @@ pub struct Workload {
     pub hedge_after: Option<Duration>,
     /// Seed of every client's choices.
     pub seed: u64,
+    /// Least time between the starts of one client's operations (`None`:
+    /// back to back). A paced workload's load does not depend on how fast
+    /// the host is.
+    pub pace: Option<Duration>,
 }
 
 impl Default for Workload {
@@ -40,6 +44,7 @@ impl Default for Workload {
             op_timeout: Duration::from_secs(5),
             hedge_after: Some(tidepool_client::DEFAULT_HEDGE_AFTER),
             seed: 1,
+            pace: None,
         }
     }
 }
@@ -174,7 +179,14 @@ pub async fn run(
             let mut rng =
                 SmallRng::seed_from_u64(workload.seed ^ (c as u64).wrapping_mul(0x9e37_79b9));
             let mut seq = 0u64;
+            let mut last_start: Option<tokio::time::Instant> = None;
             while !*stop.borrow() {
+                if let Some(pace) = workload.pace {
+                    if let Some(last) = last_start {
+                        tokio::time::sleep_until(last + pace).await;
+                    }
+                    last_start = Some(tokio::time::Instant::now());
+                }
                 let key = rng.random_range(0..workload.keys);
                 let name = key_name(key);
                 let invoked = recorder.now();
