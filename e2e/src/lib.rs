@@ -25,6 +25,6 @@ pub mod expiring;
 pub mod gateway;
 pub mod history;
 pub mod linearizable;
-pub mod proxy;
+pub use tidepool_testkit::proxy;
 pub mod scenario;
 pub mod workload;

@@ -88,6 +88,36 @@ async fn drop_epochs(cluster: &TestCluster, leader: u64, epoch: u64, namespace: 
     }
 }
 
+/// Opens an empty replica of shard 1 on node `id` and has `leader` add it
+/// as a learner (caught up by a snapshot once the log is compacted).
+async fn add_learner(cluster: &TestCluster, leader: u64, id: u64) {
+    let info = cluster.running[&leader].node.map().shards[0].clone();
+    cluster
+        .admin(id)
+        .await
+        .open_replica(OpenReplicaRequest {
+            shard: Some(info),
+            bootstrap: false,
+        })
+        .await
+        .unwrap();
+    let conf = replica_status(cluster, leader, 1)
+        .await
+        .unwrap()
+        .conf_version;
+    cluster
+        .admin(leader)
+        .await
+        .change_membership(ChangeMembershipRequest {
+            shard_id: 1,
+            change: MembershipChange::AddLearner as i32,
+            node_id: id,
+            expected_conf_version: conf,
+        })
+        .await
+        .unwrap();
+}
+
 fn drop_bounds(status: &tidepool_proto::v1::ReplicaStatus) -> Vec<(u32, u64)> {
     status
         .drops
@@ -520,31 +550,7 @@ async fn a_replica_deleted_while_a_snapshot_streams_into_it_leaves_nothing() {
     // Enough that the transfer takes a while: 48 MiB.
     write_keys(&cluster, "big", 48, 0, 1 << 20).await;
     let leader = wait_leader(&cluster, 1).await;
-    let info = cluster.running[&leader].node.map().shards[0].clone();
-    cluster
-        .admin(4)
-        .await
-        .open_replica(OpenReplicaRequest {
-            shard: Some(info),
-            bootstrap: false,
-        })
-        .await
-        .unwrap();
-    let conf = replica_status(&cluster, leader, 1)
-        .await
-        .unwrap()
-        .conf_version;
-    cluster
-        .admin(leader)
-        .await
-        .change_membership(ChangeMembershipRequest {
-            shard_id: 1,
-            change: MembershipChange::AddLearner as i32,
-            node_id: 4,
-            expected_conf_version: conf,
-        })
-        .await
-        .unwrap();
+    add_learner(&cluster, leader, 4).await;
     // The first chunk has arrived: the transfer is under way.
     let node = cluster.running[&4].node.clone();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -590,31 +596,7 @@ async fn a_replica_failing_while_a_snapshot_streams_into_it_installs_it_whole() 
     // Enough that the transfer takes a while: 48 MiB over 1 MiB chunks.
     let written = write_keys(&cluster, "big", 48, 0, 1 << 20).await;
     let leader = wait_leader(&cluster, 1).await;
-    let info = cluster.running[&leader].node.map().shards[0].clone();
-    cluster
-        .admin(4)
-        .await
-        .open_replica(OpenReplicaRequest {
-            shard: Some(info),
-            bootstrap: false,
-        })
-        .await
-        .unwrap();
-    let conf = replica_status(&cluster, leader, 1)
-        .await
-        .unwrap()
-        .conf_version;
-    cluster
-        .admin(leader)
-        .await
-        .change_membership(ChangeMembershipRequest {
-            shard_id: 1,
-            change: MembershipChange::AddLearner as i32,
-            node_id: 4,
-            expected_conf_version: conf,
-        })
-        .await
-        .unwrap();
+    add_learner(&cluster, leader, 4).await;
     let node = cluster.running[&4].node.clone();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while node.metrics.snapshot_bytes_received.get() == 0 {
@@ -625,6 +607,53 @@ async fn a_replica_failing_while_a_snapshot_streams_into_it_installs_it_whole() 
     // then fails), and the owner reopens it from disk.
     node.shard(1).unwrap().engine().shutdown();
     wait_caught_up(&cluster, 4, 1).await;
+    assert!(node.metrics.snapshots_received.get() >= 1);
+    assert_replica_holds(&cluster, 4, &written).await;
+    cluster.shutdown().await;
+}
+
+/// A snapshot stream whose connection goes silent mid-transfer (open, but
+/// nothing more arrives: the source's host froze, or a middlebox lost the
+/// flow) does not hold the learner's only transfer slot for ever: after
+/// the idle bound the pull resumes on a new connection and the learner
+/// catches up. Before the bound the transfer waited on the dead stream
+/// until the replica closed, and every later snapshot was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_stream_gone_silent_is_resumed_on_a_new_connection() {
+    use tidepool_testkit::proxy::Proxy;
+    // Each node advertises (names as a snapshot's source) a proxy in front
+    // of it; Raft traffic goes straight to the peers' ports.
+    let ports: Vec<u16> = (0..4).map(|_| grpc_support::free_port()).collect();
+    let mut proxies = Vec::new();
+    for port in &ports {
+        proxies.push(Proxy::start(format!("127.0.0.1:{port}").parse().unwrap()).await);
+    }
+    let advertised: Vec<String> = proxies
+        .iter()
+        .map(|p| format!("http://{}", p.address))
+        .collect();
+    let cluster = TestCluster::start(4, 1, |c| {
+        let i = c.node_id as usize - 1;
+        c.listen = format!("127.0.0.1:{}", ports[i]).parse().unwrap();
+        c.advertise = Some(advertised[i].clone());
+        c.raft.compact_log_entries = 16;
+        if let Some(static_cluster) = c.cluster.as_mut() {
+            static_cluster.replicas = vec![1, 2, 3];
+            for peer in &mut static_cluster.peers {
+                peer.address = format!("http://127.0.0.1:{}", ports[peer.id as usize - 1]);
+            }
+        }
+    })
+    .await;
+    let written = write_keys(&cluster, "big", 24, 0, 1 << 20).await;
+    let leader = wait_leader(&cluster, 1).await;
+    // The first connection to carry 4 MiB from the leader goes silent.
+    let source = &proxies[leader as usize - 1];
+    source.black_hole_after(4 << 20);
+    add_learner(&cluster, leader, 4).await;
+    wait_caught_up(&cluster, 4, 1).await;
+    assert_eq!(source.black_holed(), 1, "the transfer never went silent");
+    let node = &cluster.running[&4].node;
     assert!(node.metrics.snapshots_received.get() >= 1);
     assert_replica_holds(&cluster, 4, &written).await;
     cluster.shutdown().await;

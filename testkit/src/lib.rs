@@ -18,6 +18,8 @@ pub mod fuzz;
 pub mod grpc;
 mod io;
 mod process;
+#[cfg(feature = "grpc")]
+pub mod proxy;
 mod seed;
 
 pub use etcd::EtcdServer;

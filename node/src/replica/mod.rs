@@ -118,6 +118,11 @@ pub struct ReplicaConfig {
     pub quiesce_ticks: u32,
 }
 
+/// Ticks without a snapshot chunk pulled after which a transfer counts as
+/// failed: the leader sends a new snapshot, and a receiver gives up its
+/// stream (`ReplicaConfig::snapshot_idle_ticks` by default).
+pub const SNAPSHOT_IDLE_TICKS: u32 = 50;
+
 /// A replica's current range, shared with whoever routes to it.
 pub type RangeCell = Arc<parking_lot::RwLock<Option<(u64, u64)>>>;
 
@@ -139,7 +144,7 @@ impl ReplicaConfig {
             max_message_bytes: 1 << 20,
             compact_log_entries: 10_000,
             compact_log_bytes: 512 << 20,
-            snapshot_idle_ticks: 50,
+            snapshot_idle_ticks: SNAPSHOT_IDLE_TICKS,
             hash_snapshots_inline: false,
             early_campaign: false,
             range: None,

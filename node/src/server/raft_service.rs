@@ -25,6 +25,10 @@ use crate::snapshot::{Receiver, manifest_of};
 
 /// Times a snapshot transfer resumes after a broken stream.
 const SNAPSHOT_ATTEMPTS: usize = 8;
+/// Silent attempts in a row after which a transfer ends: one is resumed on
+/// a new connection (the old one may be dead while the source is well); a
+/// second means the source itself does not answer.
+const SILENT_ATTEMPTS: usize = 2;
 
 /// The `RaftTransport` service.
 pub(crate) struct RaftApi {
@@ -228,7 +232,8 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
 }
 
 /// Pulls a snapshot's files into the shard's spare slot, resuming after
-/// broken streams.
+/// broken or silent streams, and giving up on a source silent twice in a
+/// row (the leader then sends a new snapshot).
 async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> Result<()> {
     let manifest = manifest_of(message.get_snapshot())?;
     let source = manifest
@@ -246,7 +251,14 @@ async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> 
     );
     let store = shard.store().clone();
     let mut receiver = tokio::task::block_in_place(|| Receiver::start(manifest, &store))?;
+    // The leader gives a transfer up after as long without a chunk pulled
+    // (`Replica::watch_snapshots`); the receiver waits no longer for one.
+    let idle = Duration::from_millis(
+        node.config.raft.tick_ms * u64::from(crate::replica::SNAPSHOT_IDLE_TICKS),
+    );
+    let pulling = Pulling { node, shard, idle };
     let mut last_error = None;
+    let mut silent = 0;
     for _ in 0..SNAPSHOT_ATTEMPTS {
         if receiver.is_complete() {
             break;
@@ -259,14 +271,30 @@ async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> 
             offset,
             to_node: node.config.node_id,
         };
-        match pull(&source.address, request, &mut receiver, node, shard).await {
+        match pulling.pull(&source.address, request, &mut receiver).await {
             Ok(()) => {}
             Err(PullError::Gone(status)) => {
                 return Err(NodeError::Network(format!("snapshot {id}: {status}")));
             }
             Err(PullError::Broken(error)) => {
+                silent = 0;
                 last_error = Some(error);
                 tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(PullError::Silent { received }) => {
+                silent = if received { 1 } else { silent + 1 };
+                let error = format!("the source sent nothing for {idle:?}");
+                if silent >= SILENT_ATTEMPTS {
+                    return Err(NodeError::Network(format!(
+                        "snapshot {id}: {error}, {silent} attempts in a row"
+                    )));
+                }
+                tracing::info!(
+                    shard_id = shard.shard_id,
+                    snapshot = id,
+                    "{error}: resuming on a new connection"
+                );
+                last_error = Some(error);
             }
             Err(PullError::Bad(error)) => return Err(error),
         }
@@ -287,49 +315,79 @@ enum PullError {
     Gone(Status),
     /// The stream broke: resume.
     Broken(String),
+    /// Nothing came for the idle bound (a frozen source, or a connection
+    /// that went dead without a reset); `received`: chunks came before the
+    /// silence in this attempt.
+    Silent { received: bool },
     /// The data is wrong: give up.
     Bad(NodeError),
 }
 
-async fn pull(
-    address: &str,
-    request: FetchSnapshotRequest,
-    receiver: &mut Receiver,
-    node: &Node,
-    shard: &ShardHandle,
-) -> std::result::Result<(), PullError> {
-    let endpoint = node
-        .security
-        .endpoint(address)
-        .map_err(|e| PullError::Bad(NodeError::Network(format!("bad address {address}: {e}"))))?
-        .connect_timeout(Duration::from_secs(2));
-    let channel = node
-        .security
-        .connect(&endpoint)
-        .await
-        .map_err(|e| PullError::Broken(e.to_string()))?;
-    // Snapshot chunks carry at most `CHUNK_BYTES` of data.
-    let mut client = RaftTransportClient::new(channel)
-        .max_decoding_message_size(crate::snapshot::CHUNK_BYTES + (64 << 10));
-    let mut stream = match client.fetch_snapshot(request).await {
-        Ok(response) => response.into_inner(),
-        Err(status) if status.code() == tonic::Code::NotFound => {
-            return Err(PullError::Gone(status));
+/// One attempt at a transfer's files, from one connection.
+struct Pulling<'a> {
+    node: &'a Node,
+    shard: &'a ShardHandle,
+    /// Longest wait for the connection, the stream or its next chunk.
+    idle: Duration,
+}
+
+impl Pulling<'_> {
+    async fn pull(
+        &self,
+        address: &str,
+        request: FetchSnapshotRequest,
+        receiver: &mut Receiver,
+    ) -> std::result::Result<(), PullError> {
+        let silent = PullError::Silent { received: false };
+        let mut stream = tokio::time::timeout(self.idle, self.open(address, request))
+            .await
+            .map_err(|_| silent)??;
+        let mut received = false;
+        loop {
+            let chunk = match tokio::time::timeout(self.idle, stream.next()).await {
+                Err(_) => return Err(PullError::Silent { received }),
+                Ok(None) => return Ok(()),
+                Ok(Some(chunk)) => chunk.map_err(|s| PullError::Broken(s.to_string()))?,
+            };
+            received = true;
+            // Chunks already buffered come without a pause in which the
+            // caller's `select!` could end the transfer.
+            if self.shard.is_stopping() {
+                return Err(PullError::Bad(NodeError::Failed(
+                    "the replica stopped".into(),
+                )));
+            }
+            let len = chunk.data.len() as u64;
+            tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
+            self.node.metrics.snapshot_bytes_received.inc_by(len);
         }
-        Err(status) => return Err(PullError::Broken(status.to_string())),
-    };
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|s| PullError::Broken(s.to_string()))?;
-        // Chunks already buffered come without a pause in which the
-        // caller's `select!` could end the transfer.
-        if shard.is_stopping() {
-            return Err(PullError::Bad(NodeError::Failed(
-                "the replica stopped".into(),
-            )));
-        }
-        let len = chunk.data.len() as u64;
-        tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
-        node.metrics.snapshot_bytes_received.inc_by(len);
     }
-    Ok(())
+
+    /// Connects to the source and asks for the stream.
+    async fn open(
+        &self,
+        address: &str,
+        request: FetchSnapshotRequest,
+    ) -> std::result::Result<Streaming<SnapshotChunk>, PullError> {
+        let endpoint = self
+            .node
+            .security
+            .endpoint(address)
+            .map_err(|e| PullError::Bad(NodeError::Network(format!("bad address {address}: {e}"))))?
+            .connect_timeout(Duration::from_secs(2));
+        let channel = self
+            .node
+            .security
+            .connect(&endpoint)
+            .await
+            .map_err(|e| PullError::Broken(e.to_string()))?;
+        // Snapshot chunks carry at most `CHUNK_BYTES` of data.
+        let mut client = RaftTransportClient::new(channel)
+            .max_decoding_message_size(crate::snapshot::CHUNK_BYTES + (64 << 10));
+        match client.fetch_snapshot(request).await {
+            Ok(response) => Ok(response.into_inner()),
+            Err(status) if status.code() == tonic::Code::NotFound => Err(PullError::Gone(status)),
+            Err(status) => Err(PullError::Broken(status.to_string())),
+        }
+    }
 }
