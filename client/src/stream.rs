@@ -206,6 +206,7 @@ impl Client {
             size: 0,
             sha256: [0; 32],
             epoch: info.epoch,
+            current_epoch: info.current_epoch,
             plain: None,
             manifest: ChunkManifest::default(),
             next_chunk: 0,
@@ -616,6 +617,7 @@ pub struct BlobReader {
     size: u64,
     sha256: [u8; 32],
     epoch: u64,
+    current_epoch: u64,
     plain: Option<Vec<u8>>,
     manifest: ChunkManifest,
     next_chunk: usize,
@@ -665,6 +667,20 @@ impl BlobReader {
     /// Epoch of the blob's last write or touch.
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The epoch the replica that answered is in (0 if it did not say:
+    /// an older node).
+    pub fn current_epoch(&self) -> u64 {
+        self.current_epoch
+    }
+
+    /// Whether the blob was last written or touched before the current
+    /// epoch — the later of the answering replica's and the client's map's
+    /// (which lags the cluster's for a moment after an advance) — so a
+    /// reader keeping it alive must touch it.
+    pub fn touch_due(&self) -> bool {
+        self.epoch < self.current_epoch.max(self.client.map().epoch)
     }
 
     /// The stored keys the blob is made of: its own and its chunks'

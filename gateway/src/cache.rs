@@ -77,7 +77,7 @@ pub(crate) async fn keep_alive(
     namespace: &str,
     reader: &tidepool_client::BlobReader,
 ) {
-    if reader.epoch() >= client.map().epoch {
+    if !reader.touch_due() {
         return;
     }
     if let Err(e) = client.find_missing(namespace, &reader.stored_keys()).await {

@@ -59,6 +59,7 @@ impl Header {
             sha256: self.sha256.to_vec(),
             epoch: u64::from(epoch),
             kind: self.kind as i32,
+            current_epoch: 0,
         }
     }
 }

@@ -633,7 +633,8 @@ impl BlobApi {
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         // Held until the stream is sent (or abandoned).
         let budget = self.node.reserve(stored.value.len() as u64)?;
-        let info = header.info(stored.epoch.0);
+        let mut info = header.info(stored.epoch.0);
+        info.current_epoch = u64::from(target.shard.engine().epoch().0);
         let size = header.size;
         let start = request.offset.min(size);
         let end = match request.length {
@@ -679,9 +680,9 @@ impl BlobApi {
         // The header alone: a large blob's content is not read.
         let header = blob::decode_head(&stored.prefix, stored.len)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
-        Ok(HeadResponse {
-            info: Some(header.info(stored.epoch.0)),
-        })
+        let mut info = header.info(stored.epoch.0);
+        info.current_epoch = u64::from(target.shard.engine().epoch().0);
+        Ok(HeadResponse { info: Some(info) })
     }
 
     async fn batch_exists_inner(
@@ -911,6 +912,7 @@ impl BlobApi {
                         sha256: listed.meta.sha256.to_vec(),
                         epoch: u64::from(listed.epoch),
                         kind: i32::from(listed.meta.kind),
+                        current_epoch: 0,
                     }),
                 })
                 .collect(),
