@@ -52,6 +52,13 @@ async fn wait_published(cluster: &Cluster, run: &Run, parent: u32, child: u32, a
 /// holding values, and no unexpected log line.
 async fn finish_checks(cluster: &Cluster, report: &Report, new: &[u32]) {
     report.assert_clean();
+    // The SDK retries through the split (WRONG_SHARD, a leader lost): no
+    // operation may fail after its retries.
+    assert!(
+        report.errors.is_empty(),
+        "operations failed through the split: {:?}",
+        report.errors
+    );
     assert!(report.acknowledged > 50, "the workload ran: {report:?}");
     let shards = cluster.shards_of_keys(KEYS).await;
     assert!(
