@@ -47,10 +47,22 @@ struct Headers<'a>(&'a mut http::HeaderMap);
 
 impl Injector for Headers<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (
-            http::header::HeaderName::from_bytes(key.as_bytes()),
-            http::HeaderValue::from_str(&value),
-        ) {
+        use http::header::HeaderName;
+        // The propagator sets `tracestate` even when it is empty, which says
+        // nothing (W3C: a missing header is the same): not sent.
+        if value.is_empty() {
+            return;
+        }
+        let name = match key {
+            "traceparent" => HeaderName::from_static("traceparent"),
+            "tracestate" => HeaderName::from_static("tracestate"),
+            other => match HeaderName::from_bytes(other.as_bytes()) {
+                Ok(name) => name,
+                Err(_) => return,
+            },
+        };
+        // Takes the string's buffer as it is (checked, not copied).
+        if let Ok(value) = http::HeaderValue::try_from(value) {
             self.0.insert(name, value);
         }
     }

@@ -441,7 +441,8 @@ fn a_collector_that_never_answers_holds_no_request() {
     });
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("http://{address}");
-    let (child, banner) = support::start_dev_banner(
+    // Every answered request is logged (at debug) inside its span.
+    let (child, banner) = support::start_dev_banner_with(
         dir.path(),
         &[
             "--insecure",
@@ -450,6 +451,8 @@ fn a_collector_that_never_answers_holds_no_request() {
             "--log-format",
             "json",
         ],
+        &[("RUST_LOG", "info,tidepool_node::server::blobs=debug")],
+        Duration::from_secs(60),
     );
     let url = support::banner_url(&banner);
     let runtime = runtime();
@@ -480,26 +483,43 @@ fn a_collector_that_never_answers_holds_no_request() {
     );
     drop(runtime);
     drop(child);
-    // Every log line is one JSON object; lines inside traced spans carry
-    // the trace's ids.
+    // Every log line is one JSON object; a line logged inside a request
+    // (the access line) carries the ids of the request's trace, and lines
+    // outside any trace (the shard owners', whose span only scopes their
+    // lines) carry none.
     let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap();
-    let mut with_ids = 0;
+    let (mut answered, mut traces) = (0, std::collections::HashSet::new());
     for line in log.lines() {
         let value: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         for field in ["timestamp", "level", "target", "fields"] {
             assert!(value.get(field).is_some(), "{field} missing: {line}");
         }
-        if let Some(trace_id) = value.get("trace_id").and_then(|v| v.as_str()) {
+        let spans: Vec<&str> = value["spans"]
+            .as_array()
+            .map(|s| s.iter().filter_map(|s| s["name"].as_str()).collect())
+            .unwrap_or_default();
+        let trace_id = value.get("trace_id").and_then(|v| v.as_str());
+        if value["fields"]["message"] == "request answered" {
+            let trace_id = trace_id.unwrap_or_else(|| panic!("no trace id: {line}"));
             let span_id = value["span_id"].as_str().unwrap();
             assert_eq!(trace_id.len(), 32, "{line}");
             assert_eq!(span_id.len(), 16, "{line}");
+            assert_eq!(spans.last(), Some(&"request"), "{line}");
+            traces.insert(trace_id.to_string());
+            answered += 1;
+        } else if spans == ["shard"] {
             assert!(
-                value["spans"].as_array().is_some_and(|s| !s.is_empty()),
-                "{line}"
+                trace_id.is_none(),
+                "a shard owner's line in a trace: {line}"
             );
-            with_ids += 1;
         }
     }
-    assert!(with_ids > 0, "no line carries trace ids:\n{log}");
+    // Puts and the SDK's own calls (its map, leader lookups) were logged.
+    assert!(answered >= 300, "{answered} requests logged:\n{log}");
+    assert!(
+        traces.len() >= 300,
+        "each put is a trace of its own: {}",
+        traces.len()
+    );
 }

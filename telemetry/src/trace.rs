@@ -26,7 +26,7 @@ use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider,
 };
 use tracing_subscriber::EnvFilter;
-use tracing_subscriber::filter::{FilterExt as _, Targets, filter_fn};
+use tracing_subscriber::filter::{FilterExt as _, LevelFilter, Targets, filter_fn};
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, Registry};
@@ -173,10 +173,18 @@ fn provider(config: &TelemetryConfig, endpoint: Option<&str>) -> anyhow::Result<
     })
 }
 
+/// Spans that only scope log lines (their fields go on every line logged
+/// inside them) and are no part of a trace: the shard owner's, entered and
+/// left on every round of its loop and open for the replica's whole life.
+/// As OpenTelemetry spans they cost every round an enter and an exit with
+/// a clock read, gave every line the owner logs the trace id of a trace
+/// that is one span long, and were exported when their replica closed.
+const LOG_SCOPES: &[&str] = &["shard"];
+
 /// Only our own spans become OpenTelemetry spans (not those of the
-/// libraries underneath).
-fn ours(metadata: &tracing::Metadata<'_>) -> bool {
-    metadata.target().starts_with("tidepool")
+/// libraries underneath), and not the [`LOG_SCOPES`].
+fn traced(metadata: &tracing::Metadata<'_>) -> bool {
+    !(metadata.is_span() && LOG_SCOPES.contains(&metadata.name()))
 }
 
 /// Installs the global subscriber; keep the guard for the process's life.
@@ -209,14 +217,25 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
     };
     let otel = guard.provider.as_ref().map(|provider| {
         let tracer = provider.tracer("tidepool");
-        let level = Targets::new().with_default(tracing::Level::INFO);
+        // Targets match by prefix: every `tidepool*` crate, at INFO. Both
+        // filters state their level, so the process's `tracing` level stays
+        // what the filters need (a filter without a hint makes it TRACE).
+        let ours = Targets::new().with_target("tidepool", tracing::Level::INFO);
+        let spans = filter_fn(traced).with_max_level_hint(LevelFilter::INFO);
         tracing_opentelemetry::layer()
             .with_tracer(tracer)
             .with_location(false)
             .with_threads(false)
             .with_target(false)
             .with_level(false)
-            .with_filter(level.and(filter_fn(ours)))
+            // Nothing reads OpenTelemetry's current context (contexts are
+            // taken from the `tracing` span at hand: `trace_context`), and
+            // a span's duration is what a trace shows: no context switched
+            // in and out, no busy/idle clock reads, on every poll of an
+            // instrumented future.
+            .with_context_activation(false)
+            .with_tracked_inactivity(false)
+            .with_filter(ours.and(spans))
     });
     Registry::default()
         .with(logs)

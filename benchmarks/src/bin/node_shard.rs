@@ -17,16 +17,18 @@
 //! single engine's puts use `Durability::Synced` (fsynced locally).
 //!
 //! Tracing (`--trace-pairs N`): the plaintext shard at `--value-bytes`
-//! in child processes, alternately with tracing off and with every request
-//! traced and exported (100% sampling: each client operation is the root
-//! span of a trace that the nodes continue through Raft, exported over
-//! OTLP/gRPC to a receiver in this process that counts the spans), N pairs
-//! in alternating order; the median of the traced/off ratios is printed,
-//! with the CPU seconds of each child and of the receiver (which shares
-//! the cores: `--receiver count`, the default, walks the exports' wire
-//! format to count spans without building them; `decode` decodes them
-//! whole, as a collector does). Child processes, because the tracing
-//! subscriber is process-wide.
+//! in child processes, N rounds of three variants in rotating order:
+//! tracing off as a `tidepool` process runs it (its telemetry installed,
+//! logs at `info`, no export), every request traced and exported (100%
+//! sampling: each client operation is the root span of a trace that the
+//! nodes continue through Raft, exported over OTLP/gRPC to a receiver in
+//! this process that counts the spans), and no subscriber at all (a floor
+//! no `tidepool` process runs at). The medians of traced/off (the goal),
+//! traced/none and off/none are printed, with the CPU seconds of each
+//! child and of the receiver (which shares the cores: `--receiver count`,
+//! the default, walks the exports' wire format to count spans without
+//! building them; `decode` decodes them whole, as a collector does). Child
+//! processes, because the tracing subscriber is process-wide.
 //!
 //! Usage: `cargo run --release -p tidepool-benchmarks --bin node-shard --
 //! [--seconds 10] [--clients 32] [--value-bytes 1024,65536]
@@ -70,8 +72,9 @@ struct Args {
     /// Scratch directory (emptied first).
     #[arg(long, default_value = "target/bench-node")]
     dir: PathBuf,
-    /// Only compare tracing exported at 100% with tracing off: this many
-    /// pairs of child processes (plaintext shard, `--value-bytes`).
+    /// Only compare tracing exported at 100% with tracing off (and with no
+    /// subscriber): this many rounds of child processes (plaintext shard,
+    /// `--value-bytes`).
     #[arg(long)]
     trace_pairs: Option<usize>,
     /// The span receiver of `--trace-pairs`: `count` walks each export's
@@ -81,7 +84,8 @@ struct Args {
     #[arg(long, default_value = "count", value_parser = ["count", "decode"])]
     receiver: String,
     /// (Child process) one plaintext shard run, exporting every request's
-    /// trace to this OTLP endpoint, or none with `off`.
+    /// trace to this OTLP endpoint; `off`: telemetry installed, no export;
+    /// `none`: no subscriber.
     #[arg(long, hide = true)]
     trace_child: Option<String>,
 }
@@ -94,9 +98,17 @@ struct Run {
     ops: u64,
     elapsed: Duration,
     latencies: Latencies,
+    /// CPU seconds this process used during the phase (the shard's
+    /// phases only; the machine runs nothing else of the benchmark's).
+    cpu_s: f64,
 }
 
 impl Run {
+    /// CPU microseconds per operation.
+    fn cpu_us_per_op(&self) -> f64 {
+        self.cpu_s * 1e6 / self.ops.max(1) as f64
+    }
+
     fn row(&mut self, clients: usize) -> String {
         let rate = self.ops as f64 / self.elapsed.as_secs_f64();
         format!(
@@ -271,6 +283,7 @@ fn threaded_run(
         ops: 0,
         elapsed: start.elapsed(),
         latencies: Latencies::default(),
+        cpu_s: 0.0,
     };
     let mut per_client = Vec::new();
     for (n, latencies) in results {
@@ -389,6 +402,7 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
         let stop = Arc::new(AtomicBool::new(false));
         let written_now = Arc::new(written.clone());
         let start = Instant::now();
+        let cpu_start = cpu_seconds(std::process::id());
         let tasks: Vec<_> = (0..args.clients)
             .map(|client| {
                 let mut grpc = BlobServiceClient::new(channels[client % channels.len()].clone())
@@ -444,6 +458,7 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
             ops: 0,
             elapsed: Duration::ZERO,
             latencies: Latencies::default(),
+            cpu_s: 0.0,
         };
         for (client, task) in tasks.into_iter().enumerate() {
             let (n, latencies) = task
@@ -456,6 +471,7 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
             run.latencies.merge(latencies);
         }
         run.elapsed = start.elapsed();
+        run.cpu_s = cpu_seconds(std::process::id()) - cpu_start;
         runs.push(run);
     }
     for node in nodes {
@@ -513,34 +529,70 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A child process: one plaintext shard run, traced and exported to
-/// `endpoint` (or not, with `off`); prints its rows and then
+/// A child process: one plaintext shard run with tracing as `variant`
+/// says (see [`Variant`]); prints its rows and then
 /// `RESULT <put/s> <get/s>`.
-fn trace_child(args: &Args, endpoint: &str) -> anyhow::Result<()> {
-    let _telemetry = if endpoint == "off" {
-        None
-    } else {
-        Some(tidepool_telemetry::init(
-            &tidepool_telemetry::TelemetryConfig {
-                service_name: "node-shard".into(),
-                otlp_endpoint: Some(endpoint.to_string()),
-                sampling_ratio: Some(1.0),
-                default_filter: "warn".into(),
-                ..Default::default()
-            },
-        )?)
+fn trace_child(args: &Args, variant: &str) -> anyhow::Result<()> {
+    // The log filter a `tidepool` process starts with.
+    let config = |otlp_endpoint: Option<String>| tidepool_telemetry::TelemetryConfig {
+        service_name: "node-shard".into(),
+        sampling_ratio: otlp_endpoint.as_ref().map(|_| 1.0),
+        otlp_endpoint,
+        default_filter: "info".into(),
+        ..Default::default()
+    };
+    let _telemetry = match Variant::of(variant) {
+        Variant::NoSubscriber => None,
+        Variant::Off => Some(tidepool_telemetry::init(&config(None))?),
+        Variant::Traced => Some(tidepool_telemetry::init(&config(Some(variant.into())))?),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let mut runs = runtime.block_on(shard_runs(args, args.value_bytes[0], false))?;
-    let mut rates = Vec::new();
+    let mut results = Vec::new();
     for run in &mut runs {
         println!("{}", run.row(args.clients));
-        rates.push(run.ops as f64 / run.elapsed.as_secs_f64());
+        results.push(run.ops as f64 / run.elapsed.as_secs_f64());
     }
-    println!("RESULT {} {}", rates[0], rates[1]);
+    for run in &runs {
+        results.push(run.cpu_us_per_op());
+    }
+    let results: Vec<String> = results.iter().map(f64::to_string).collect();
+    println!("RESULT {}", results.join(" "));
     Ok(())
+}
+
+/// What a tracing child runs with (`--trace-child`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Variant {
+    /// `none`: no subscriber at all; every span and event is a no-op (no
+    /// `tidepool` process runs like this).
+    NoSubscriber,
+    /// `off`: the telemetry a `tidepool` process installs with export off
+    /// (logs at `info`, no OpenTelemetry layer): tracing off in production.
+    Off,
+    /// An OTLP endpoint: the same, exporting every request's trace there
+    /// (100% sampling).
+    Traced,
+}
+
+impl Variant {
+    fn of(argument: &str) -> Variant {
+        match argument {
+            "none" => Variant::NoSubscriber,
+            "off" => Variant::Off,
+            _ => Variant::Traced,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Variant::NoSubscriber => "no subscriber",
+            Variant::Off => "off",
+            Variant::Traced => "traced",
+        }
+    }
 }
 
 /// Counts the spans exported to it.
@@ -648,8 +700,16 @@ impl tower::Service<http::Request<tonic::body::Body>> for TallyService {
     }
 }
 
-/// One child run: (put/s, get/s).
-fn child_run(args: &Args, endpoint: &str) -> anyhow::Result<(f64, f64)> {
+/// What one child run measured: operations a second and CPU microseconds
+/// per operation, puts then gets.
+#[derive(Clone, Copy, Debug)]
+struct ChildResult {
+    rates: [f64; 2],
+    cpu_us: [f64; 2],
+}
+
+/// One child run.
+fn child_run(args: &Args, endpoint: &str) -> anyhow::Result<ChildResult> {
     let output = std::process::Command::new(std::env::current_exe()?)
         .arg("--seconds")
         .arg(args.seconds.to_string())
@@ -670,18 +730,28 @@ fn child_run(args: &Args, endpoint: &str) -> anyhow::Result<(f64, f64)> {
         );
     }
     for line in stdout.lines().filter(|l| l.starts_with('|')) {
-        let label = if endpoint == "off" { "off" } else { "traced" };
-        println!("{} (tracing {label})", line.trim_end());
+        println!(
+            "{} (tracing {})",
+            line.trim_end(),
+            Variant::of(endpoint).label()
+        );
     }
     let result = stdout
         .lines()
         .find_map(|l| l.strip_prefix("RESULT "))
         .context("no RESULT line")?;
-    let mut numbers = result.split_whitespace().map(str::parse::<f64>);
-    match (numbers.next(), numbers.next()) {
-        (Some(Ok(put)), Some(Ok(get))) => Ok((put, get)),
-        _ => bail!("bad RESULT line {result:?}"),
-    }
+    let numbers: Vec<f64> = result
+        .split_whitespace()
+        .map(str::parse::<f64>)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad RESULT line {result:?}"))?;
+    let [put, get, put_cpu, get_cpu] = numbers[..] else {
+        bail!("bad RESULT line {result:?}");
+    };
+    Ok(ChildResult {
+        rates: [put, get],
+        cpu_us: [put_cpu, get_cpu],
+    })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -735,49 +805,76 @@ fn tracing_compare(args: &Args, pairs: usize) -> anyhow::Result<()> {
     );
     println!("| system | op | value | clients | ops/s | MiB/s | p50 | p99 |");
     println!("|---|---|---|---|---|---|---|---|");
-    let (mut put_ratios, mut get_ratios) = (Vec::new(), Vec::new());
-    for pair in 0..pairs {
-        // Alternate which runs first, so drift (page cache, disk) does not
-        // favour one side.
-        let order: [&str; 2] = if pair % 2 == 0 {
-            ["off", &endpoint]
-        } else {
-            [&endpoint, "off"]
-        };
+    // Per pair of variants — traced/off (the goal), traced/none and
+    // off/none — the throughput ratios and the CPU-per-operation ratios,
+    // puts then gets.
+    let comparisons = [
+        (Variant::Traced, Variant::Off),
+        (Variant::Traced, Variant::NoSubscriber),
+        (Variant::Off, Variant::NoSubscriber),
+    ];
+    let mut ratios: Vec<[Vec<f64>; 4]> = vec![Default::default(); comparisons.len()];
+    for round in 0..pairs {
+        // Rotate which runs first, so drift (page cache, disk) does not
+        // favour one variant.
+        let mut order = ["none", "off", endpoint.as_str()];
+        order.rotate_left(round % 3);
         let mut results = BTreeMap::new();
-        for endpoint in order {
+        for argument in order {
             let before = counter.0.load(Ordering::Relaxed);
             let cpu_before = (cpu_seconds(std::process::id()), children_cpu_seconds());
-            let rates = child_run(args, endpoint)?;
+            let result = child_run(args, argument)?;
             // Spans still queued in the child are flushed when it exits.
             std::thread::sleep(Duration::from_secs(1));
             let spans = counter.0.load(Ordering::Relaxed) - before;
             // The receiver shares the machine's cores with the child (the
             // shard and its clients): what each used, CPU seconds.
+            let variant = Variant::of(argument);
             println!(
-                "  tracing {}: child (shard + clients) {:.1} CPU s, receiver {:.1} CPU s",
-                if endpoint == "off" { "off" } else { "traced" },
+                "  tracing {}: child (shard + clients) {:.1} CPU s ({:.0} µs a put, {:.0} µs a get), \
+                 receiver {:.1} CPU s, spans exported {spans}",
+                variant.label(),
                 children_cpu_seconds() - cpu_before.1,
+                result.cpu_us[0],
+                result.cpu_us[1],
                 cpu_seconds(std::process::id()) - cpu_before.0
             );
-            results.insert(endpoint == "off", (rates, spans));
+            results.insert(variant, result);
         }
-        let ((off_put, off_get), _) = results[&true];
-        let ((on_put, on_get), spans) = results[&false];
-        println!(
-            "pair {}: traced/off put {:.2}, get {:.2}; spans exported by the traced run: {spans}",
-            pair + 1,
-            on_put / off_put,
-            on_get / off_get
-        );
-        put_ratios.push(on_put / off_put);
-        get_ratios.push(on_get / off_get);
+        let mut line = format!("round {}:", round + 1);
+        for ((a, b), series) in comparisons.iter().zip(ratios.iter_mut()) {
+            let (a, b, label) = (
+                results[a],
+                results[b],
+                format!("{}/{}", a.label(), b.label()),
+            );
+            let round_ratios = [
+                a.rates[0] / b.rates[0],
+                a.rates[1] / b.rates[1],
+                a.cpu_us[0] / b.cpu_us[0],
+                a.cpu_us[1] / b.cpu_us[1],
+            ];
+            for (series, ratio) in series.iter_mut().zip(round_ratios) {
+                series.push(ratio);
+            }
+            line += &format!(
+                " {label} put {:.2}, get {:.2} (CPU/op {:.2}, {:.2});",
+                round_ratios[0], round_ratios[1], round_ratios[2], round_ratios[3]
+            );
+        }
+        println!("{}", line.trim_end_matches(';'));
     }
     println!();
     println!(
-        "traced (100% sampling, exported) / off, median of {pairs} pairs: put {:.2}, get {:.2}",
-        median(put_ratios),
-        median(get_ratios)
+        "median of {pairs} rounds, throughput (goal: traced/off >= 0.9 at 1 KiB puts) and CPU per operation:"
     );
+    for ((a, b), series) in comparisons.iter().zip(ratios) {
+        let [puts, gets, put_cpu, get_cpu] = series.map(median);
+        println!(
+            "  {}/{}: put {puts:.2}, get {gets:.2}; CPU per put {put_cpu:.2}, per get {get_cpu:.2}",
+            a.label(),
+            b.label(),
+        );
+    }
     Ok(())
 }

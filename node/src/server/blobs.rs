@@ -991,6 +991,14 @@ impl BlobApi {
         if let Some(code) = code {
             span.record("error_code", code);
         }
+        // An access log line at debug, inside the request's span (so in
+        // its trace: JSON lines carry its ids).
+        tracing::debug!(
+            parent: &span,
+            code = code.unwrap_or("OK"),
+            micros = start.elapsed().as_micros() as u64,
+            "request answered"
+        );
         self.node.metrics.finished(operation, start, code);
         result.map(Response::new).map_err(Status::from)
     }

@@ -31,11 +31,22 @@ pub fn start_dev_banner_within(
     extra: &[&str],
     wait: Duration,
 ) -> (DevChild, Vec<String>) {
+    start_dev_banner_with(dir, extra, &[], wait)
+}
+
+/// [`start_dev_banner_within`] with environment variables `env` set.
+pub fn start_dev_banner_with(
+    dir: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    wait: Duration,
+) -> (DevChild, Vec<String>) {
     std::fs::create_dir_all(dir).unwrap();
     let mut child = Command::new(BIN)
         .args(["dev", "--port", "0", "--data-dir"])
         .arg(dir)
         .args(extra)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         // Its log, for a failing test to show.
         .stderr(std::fs::File::create(dir.join("dev.log")).unwrap())
