@@ -1,7 +1,8 @@
 //! The name index on a simulated 3-replica shard against a `BTreeMap`
 //! model: random named puts and deletes in two namespaces, touches, epoch
 //! advances and drops of the expiring one, replicas killed and restarted,
-//! and a replica replaced by one rebuilt from a snapshot. After each round
+//! every live entry relocated, and a replica replaced by one rebuilt from a
+//! snapshot. After each round
 //! every replica's listing (in pages of random sizes) must equal the model.
 //!
 //! Prints its seed; replay with `CLUSTER_SEED=<seed>`.
@@ -214,6 +215,7 @@ fn listings_match_a_model_through_drops_restarts_and_a_snapshot() {
     let mut epoch = 1u32;
     let mut next_node = 4u64;
     let mut expired = 0;
+    let mut relocated = 0;
     elect(&mut cluster);
     for round in 0..12 {
         for _ in 0..25 {
@@ -260,7 +262,7 @@ fn listings_match_a_model_through_drops_restarts_and_a_snapshot() {
             }
         }
         check(&mut cluster, &model, &mut rng, &format!("round {round}"));
-        match round % 4 {
+        match round % 5 {
             // A new epoch, and the expiring namespace drops the one before.
             0 | 2 => {
                 epoch += 1;
@@ -287,6 +289,23 @@ fn listings_match_a_model_through_drops_restarts_and_a_snapshot() {
                 cluster.kill(victim);
                 cluster.run(20).unwrap();
                 cluster.restart(victim).unwrap();
+            }
+            // Every replica relocates every entry below its processed
+            // position (the index walk): each live name and blob moves to
+            // a new place in the WAL, and the segments left behind go.
+            4 => {
+                for id in cluster.ids() {
+                    let engine = cluster.replica(id).unwrap().engine().clone();
+                    let below = engine.processed_position();
+                    let report = engine
+                        .relocate(tidepool_engine::Strategy::Index { below })
+                        .unwrap();
+                    assert!(
+                        report.entries_relocated > 0,
+                        "seed {seed}: node {id} relocated nothing: {report:?}"
+                    );
+                    relocated += report.entries_relocated;
+                }
             }
             // A replica replaced by a new one, rebuilt from a snapshot.
             _ => {
@@ -323,4 +342,5 @@ fn listings_match_a_model_through_drops_restarts_and_a_snapshot() {
         );
     }
     assert!(expired > 0, "seed {seed}: no drop expired a name");
+    assert!(relocated > 0, "seed {seed}: nothing was relocated");
 }

@@ -1,0 +1,188 @@
+//! What the main protocol tests leave out: the HTTP cache's DELETE of CAS
+//! and action cache entries, HEAD of an action cache entry, the empty blob
+//! over HTTP, a body above the size limit, a body shorter than its
+//! Content-Length; and an unknown instance in every REAPI call that names
+//! one.
+
+use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
+use sha2::{Digest as _, Sha256};
+use tonic::Code;
+
+mod support;
+use support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_deletes_heads_the_empty_blob_and_sizes() {
+    let s = setup(true).await;
+    let at = s.gateway.http_address;
+    let content = blob(60, 5_000);
+    let h = hex(&Sha256::digest(&content));
+    let cas = format!("/cas/{h}");
+    assert_eq!(http(at, "PUT", &cas, None, content.clone()).await.0, 200);
+    let (status, headers, _) = http_with(at, "HEAD", &cas, &[], vec![]).await;
+    assert_eq!(
+        (status, headers["content-length"].to_str().unwrap()),
+        (200, "5000")
+    );
+    // DELETE of a CAS entry: gone, and a second DELETE finds nothing.
+    assert_eq!(http(at, "DELETE", &cas, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "GET", &cas, None, vec![]).await.0, 404);
+    assert_eq!(http(at, "HEAD", &cas, None, vec![]).await.0, 404);
+    assert_eq!(http(at, "DELETE", &cas, None, vec![]).await.0, 404);
+    assert!(
+        !s.client
+            .exists("cache", &Sha256::digest(&content))
+            .await
+            .unwrap()
+    );
+
+    // The action cache: HEAD gives the entry's size; DELETE removes it.
+    let action = hex(&Sha256::digest(b"an entry to delete"));
+    let ac = format!("/ac/{action}");
+    assert_eq!(http(at, "HEAD", &ac, None, vec![]).await.0, 404);
+    assert_eq!(http(at, "PUT", &ac, None, b"opaque".to_vec()).await.0, 200);
+    let (status, headers, _) = http_with(at, "HEAD", &ac, &[], vec![]).await;
+    assert_eq!(
+        (status, headers["content-length"].to_str().unwrap()),
+        (200, "6")
+    );
+    assert_eq!(http(at, "DELETE", &ac, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "GET", &ac, None, vec![]).await.0, 404);
+    assert_eq!(http(at, "DELETE", &ac, None, vec![]).await.0, 404);
+
+    // The empty blob is always there, and storing it is a no-op.
+    let empty = format!("/cas/{}", hex(&Sha256::digest(b"")));
+    assert_eq!(http(at, "GET", &empty, None, vec![]).await, (200, vec![]));
+    let (status, headers, _) = http_with(at, "HEAD", &empty, &[], vec![]).await;
+    assert_eq!(
+        (status, headers["content-length"].to_str().unwrap()),
+        (200, "0")
+    );
+    assert_eq!(http(at, "PUT", &empty, None, vec![]).await.0, 200);
+
+    // Above the gateway's 8 MiB limit: 413 (the gateway answers from the
+    // Content-Length, without reading the body), and nothing stored.
+    let big = vec![7u8; (8 << 20) + 1];
+    let big_path = format!("/cas/{}", hex(&Sha256::digest(&big)));
+    let answer = raw_put(at, &big_path, &big, big.len()).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert_eq!(http(at, "HEAD", &big_path, None, vec![]).await.0, 404);
+    // A body shorter than its Content-Length (the connection ends
+    // mid-body) is not stored.
+    let short = blob(61, 1_000);
+    let short_path = format!("/cas/{}", hex(&Sha256::digest(&short)));
+    let answer = raw_put(at, &short_path, &short[..500], short.len()).await;
+    assert!(
+        !answer.starts_with("HTTP/1.1 200"),
+        "a short body was accepted: {answer}"
+    );
+    assert_eq!(http(at, "HEAD", &short_path, None, vec![]).await.0, 404);
+    s.stop().await;
+}
+
+/// Sends a PUT whose Content-Length says `declared` and whose body is
+/// `body` (possibly shorter), ends the connection's sending side, and
+/// returns what the gateway answered (empty if it only closed). The
+/// gateway may answer and close before the body is all sent: write errors
+/// are the gateway's refusal, not the test's failure.
+async fn raw_put(at: std::net::SocketAddr, path: &str, body: &[u8], declared: usize) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let stream = tokio::net::TcpStream::connect(at).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    let head =
+        format!("PUT {path} HTTP/1.1\r\nhost: gateway\r\ncontent-length: {declared}\r\n\r\n");
+    let body = body.to_vec();
+    let sending = tokio::spawn(async move {
+        if writer.write_all(head.as_bytes()).await.is_ok() && writer.write_all(&body).await.is_ok()
+        {
+            let _ = writer.shutdown().await;
+        }
+    });
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        reader.read_to_end(&mut answer),
+    )
+    .await;
+    sending.abort();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_reapi_call_refuses_an_unknown_instance() {
+    let s = setup(true).await;
+    let instance = "nosuch";
+    let bytes = blob(62, 100);
+    let find = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: instance.into(),
+            blob_digests: vec![digest(&bytes)],
+            digest_function: 0,
+        })
+        .await;
+    let update = s
+        .cas()
+        .batch_update_blobs(re::BatchUpdateBlobsRequest {
+            instance_name: instance.into(),
+            requests: vec![re::batch_update_blobs_request::Request {
+                digest: Some(digest(&bytes)),
+                data: bytes.clone(),
+                compressor: 0,
+            }],
+            digest_function: 0,
+        })
+        .await
+        .map(|_| ());
+    let read = s
+        .cas()
+        .batch_read_blobs(re::BatchReadBlobsRequest {
+            instance_name: instance.into(),
+            digests: vec![digest(&bytes)],
+            ..Default::default()
+        })
+        .await
+        .map(|_| ());
+    let get_result = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            instance_name: instance.into(),
+            action_digest: Some(digest(b"action")),
+            ..Default::default()
+        })
+        .await
+        .map(|_| ());
+    let update_result = s
+        .ac()
+        .update_action_result(re::UpdateActionResultRequest {
+            instance_name: instance.into(),
+            action_digest: Some(digest(b"action")),
+            action_result: Some(re::ActionResult::default()),
+            ..Default::default()
+        })
+        .await
+        .map(|_| ());
+    let read_stream = bytestream_read(&s, &format!("{instance}/{}", blob_name(&bytes)), 0, 0)
+        .await
+        .map(|_| ());
+    for (call, result) in [
+        ("FindMissingBlobs", find.map(|_| ())),
+        ("BatchUpdateBlobs", update),
+        ("BatchReadBlobs", read),
+        ("GetActionResult", get_result),
+        ("UpdateActionResult", update_result),
+        ("ByteStream.Read", read_stream),
+    ] {
+        let e = result.expect_err(call);
+        assert_eq!(e.code(), Code::InvalidArgument, "{call}: {e:?}");
+        assert!(e.message().contains("unknown instance"), "{call}: {e:?}");
+    }
+    assert!(
+        !s.client
+            .exists("cache", &Sha256::digest(&bytes))
+            .await
+            .unwrap(),
+        "nothing was stored anywhere else"
+    );
+    s.stop().await;
+}
