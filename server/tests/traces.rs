@@ -230,6 +230,14 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
         Some("put")
     );
     let leader: u64 = request.attributes["node_id"].parse().unwrap();
+    // Routed: the shard (raft.propose's), its term, the namespace.
+    assert_eq!(
+        request.attributes["shard_id"],
+        propose.attributes["shard_id"]
+    );
+    assert_eq!(request.attributes["namespace"], "default");
+    let term: u64 = request.attributes["term"].parse().unwrap();
+    assert!(term > 0, "{request:#?}");
     let client_side: BTreeSet<&[u8]> = spans
         .iter()
         .filter(|s| s.service == "traces-test" && s.trace_id == trace)
@@ -413,13 +421,18 @@ fn unsampled_span() -> tracing::Span {
 }
 
 fn http_get(address: SocketAddr, path: &str) -> String {
+    http_get_with(address, path, "")
+}
+
+/// [`http_get`] with extra header lines (each ending in CRLF).
+fn http_get_with(address: SocketAddr, path: &str, headers: &str) -> String {
     let mut socket = std::net::TcpStream::connect(address).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     write!(
         socket,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\n{headers}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();
@@ -522,4 +535,65 @@ fn a_collector_that_never_answers_holds_no_request() {
         "each put is a trace of its own: {}",
         traces.len()
     );
+}
+
+/// Export configured by the standard `OTEL_*` variables alone (no flag),
+/// and a process sampling none of the traces it starts: requests that come
+/// without a sampled `traceparent` leave no span, a request whose caller
+/// sampled it is still traced (parent-based) — which also shows export is
+/// on in that process.
+#[test]
+fn with_sampling_off_only_callers_sampled_traces_are_exported() {
+    let (receiver, collector) = receiver();
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://{collector}");
+    let service = "sampling-off";
+    let (child, banner) = support::start_dev_banner_with(
+        dir.path(),
+        &["--insecure", "--trace-sampling", "0"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_SERVICE_NAME", service),
+        ],
+        Duration::from_secs(60),
+    );
+    let http_cache = support::banner_http_cache(&banner);
+    // Requests no caller sampled: the gateway starts their traces, and
+    // samples none.
+    for i in 0..20 {
+        let missing = format!("{i:064x}");
+        let response = http_get(http_cache, &format!("/cas/{missing}"));
+        assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+    }
+    // One whose caller sampled it.
+    let trace: [u8; 16] = rand::random();
+    let parent: [u8; 8] = rand::random();
+    let traceparent = format!(
+        "traceparent: 00-{}-{}-01\r\n",
+        tidepool_client::hex(&trace),
+        tidepool_client::hex(&parent)
+    );
+    let missing = "f".repeat(64);
+    let response = http_get_with(http_cache, &format!("/cas/{missing}"), &traceparent);
+    assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+    let spans = receiver.wait("the sampled request's spans, gateway and node", |spans| {
+        let ours: Vec<&Received> = spans
+            .iter()
+            .filter(|s| s.service == service && s.trace_id == trace)
+            .collect();
+        ours.iter().any(|s| s.attributes.contains_key("protocol"))
+            && ours
+                .iter()
+                .any(|s| s.name == "request" && s.attributes.contains_key("node_id"))
+    });
+    // Exports are batched: give any straggler of the 20 time to arrive.
+    std::thread::sleep(Duration::from_secs(2));
+    let others: Vec<Received> = receiver
+        .all()
+        .into_iter()
+        .filter(|s| s.service == service && s.trace_id != trace)
+        .collect();
+    assert!(others.is_empty(), "unsampled traces exported: {others:#?}");
+    assert!(spans.iter().any(|s| s.service == service));
+    drop(child);
 }
