@@ -269,6 +269,36 @@ async fn every_command_and_its_errors() {
         );
         expect(&run(&url, &["token", "revoke", "ci"], b""), 0);
         expect(&run(&url, &["token", "revoke", "ci"], b""), 3);
+
+        // A split by hand: the new shard takes the upper half and is
+        // published in the map; a bad position is a usage error.
+        expect(&run(&url, &["shard", "split", "1", "--at", "zz"], b""), 2);
+        let out = run(&url, &["--json", "shard", "split", "1"], b"");
+        expect(&out, 0);
+        let split: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(split["shard"], 1, "{split}");
+        let child = split["child"].as_u64().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let out = run(&url, &["--json", "cluster", "status"], b"");
+            expect(&out, 0);
+            let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let ids: Vec<u64> = status["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|s| s["id"].as_u64())
+                .collect();
+            if ids.contains(&child) {
+                assert_eq!(ids.len(), 3, "{status}");
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "shard {child} not published: {status}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
     })
     .await
     .unwrap();
