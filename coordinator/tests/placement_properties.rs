@@ -174,6 +174,52 @@ fn a_leaving_node_only_moves_its_own_replicas() {
     println!("seed {seed}: 200 departures");
 }
 
+/// A split's new shard starts on its parent's nodes (the same group split
+/// in two): placement then spreads it, and the shards split before it,
+/// with a move at most per replica the split added.
+#[test]
+fn split_shards_are_spread_from_their_parents_nodes() {
+    let seed = tidepool_testkit::seed_from_env("PLACEMENT_SEED");
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for round in 0..200 {
+        let n = rng.random_range(3..=10u64);
+        let zones = rng.random_range(1..=3u64);
+        let nodes: Vec<NodeView> = (1..=n)
+            .map(|i| node(i, &format!("z{}", i % zones)))
+            .collect();
+        let mut shards: Vec<u32> = (1..=rng.random_range(1..=32u32)).collect();
+        let r = 3;
+        let mut placement = place(&nodes, &Placement::new(), &shards, r);
+        let context = format!(
+            "seed {seed} round {round}: {n} nodes in {zones} zones, {} shards",
+            shards.len()
+        );
+        // Several splits in a row, each placed before the next.
+        for split in 0..rng.random_range(1..=8usize) {
+            let parent = shards[rng.random_range(0..shards.len())];
+            let child = shards.iter().max().expect("shards") + 1;
+            shards.push(child);
+            let mut current = placement.clone();
+            current.insert(child, placement[&parent].clone());
+            let after = place(&nodes, &current, &shards, r);
+            let context = format!("{context}, split {split}: {parent} -> {child}");
+            check_valid(&after, &nodes, &shards, r, &context);
+            let moved = moves(&current, &after);
+            assert!(
+                moved <= current[&child].len(),
+                "{context}: moved {moved} for one split"
+            );
+            // Equal zones (or one): every node within one of the others.
+            if n % zones == 0 {
+                let c = counts(&after, &nodes);
+                assert!(spread(&c) <= 1, "{context}: counts {c:?}");
+            }
+            placement = after;
+        }
+    }
+    println!("seed {seed}: 200 clusters split");
+}
+
 #[test]
 fn fuller_disks_get_new_replicas_last_and_a_lone_zone_is_still_used() {
     let mut nodes: Vec<NodeView> = (1..=4).map(|i| node(i, "a")).collect();

@@ -1,6 +1,7 @@
 //! Shard splits under a checked workload, on clusters of real processes
 //! with real etcd (`docs/design/splits.md`): the split completes, clients
-//! follow the new map, and the history checker finds nothing, also when
+//! follow the new map, the coordinator spreads the new shards' replicas and
+//! leaders, and the history checker finds nothing, also when
 //! the parent's leader or the coordinator is killed (-9) mid-split. Replay
 //! a seed with `E2E_SEED=<seed>`.
 
@@ -87,10 +88,60 @@ fn child_writes_after(report: &Report, shards: &[u32], child: u32, from: u64) ->
         .count()
 }
 
+/// How far apart the up nodes of `map` are in replicas held and in
+/// shards led: (most - fewest) of each.
+fn spread_of(map: &ClusterMap) -> (usize, usize) {
+    use std::collections::BTreeMap;
+    use tidepool_client::proto::v1::NodeState;
+    let up = map.nodes.iter().filter(|n| n.state == NodeState::Up as i32);
+    let mut held: BTreeMap<u64, usize> = up.map(|n| (n.node_id, 0)).collect();
+    let mut led = held.clone();
+    for shard in &map.shards {
+        for replica in &shard.replicas {
+            held.entry(replica.node_id).and_modify(|c| *c += 1);
+        }
+        led.entry(shard.leader_hint).and_modify(|c| *c += 1);
+    }
+    let gap = |counts: &BTreeMap<u64, usize>| {
+        counts.values().max().unwrap_or(&0) - counts.values().min().unwrap_or(&0)
+    };
+    (gap(&held), gap(&led))
+}
+
+/// Waits (running the workload) until the coordinator has spread the
+/// shards a split made: every up node holds and leads within one of every
+/// other, with no move under way.
+async fn wait_spread(cluster: &Cluster, run: &Run) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = cluster.status().await
+            && let Some(map) = &status.map
+            && status.moves.is_empty()
+            && tidepool_e2e::cluster::settled(&status)
+            && spread_of(map) <= (1, 1)
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the shards were not spread over the nodes; map {:?}\n{}",
+            cluster.status().await.and_then(|s| s.map),
+            cluster.log_tails()
+        );
+        run.run_for(Duration::from_millis(300)).await;
+    }
+}
+
+/// Four nodes, so that the new shards' replicas move as well as their
+/// leaders: a split leaves the new group on its parent's three nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_under_load() {
     let _serial = SERIAL.lock().await;
-    let cluster = Cluster::start(Options::default()).await;
+    let cluster = Cluster::start(Options {
+        nodes: 4,
+        ..Options::default()
+    })
+    .await;
     let mut run = start(&cluster, workload()).await;
     run.run_for(Duration::from_secs(3)).await;
     let parent = busiest_shard(&cluster).await;
@@ -104,6 +155,9 @@ async fn split_under_load() {
     // A second split of the new shard: splits compose.
     let (grandchild, at2) = client.split_shard(child, 0).await.expect("split again");
     wait_published(&cluster, &run, child, grandchild, at2).await;
+    // The coordinator spreads the six shards' 18 replicas and leaders over
+    // the four nodes (placement moves replicas, the balancer leaders).
+    wait_spread(&cluster, &run).await;
     run.run_for(Duration::from_secs(2)).await;
     let report = run.finish("split under load (twice)").await;
     let shards = cluster.shards_of_keys(KEYS).await;
