@@ -546,7 +546,9 @@ impl ShardHandle {
 
     /// Stops the owner and waits for it; the replica's engine is closed,
     /// and no snapshot transfer writes into its directory (one under way
-    /// is told to end and waited for, up to 10 s).
+    /// is told to end and waited for, up to 10 s; one that outlives the
+    /// wait cannot make the directory again once it is deleted: the
+    /// receiver makes nothing above the spare slot).
     pub fn stop(&self) {
         self.transfers.lock().stopped = true;
         self.stopping.send_replace(true);

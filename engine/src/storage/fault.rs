@@ -357,6 +357,18 @@ impl Storage for FaultStorage {
         Ok(())
     }
 
+    fn create_dir(&self, dir: &Path) -> io::Result<()> {
+        let mut state = self.inner.state.lock();
+        if state.dirs.contains(dir) || state.live.contains_key(dir) {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, "exists"));
+        }
+        if !state.dirs.contains(&parent(dir)) {
+            return Err(not_found());
+        }
+        state.dirs.insert(dir.to_path_buf());
+        Ok(())
+    }
+
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         self.inner.op()?;
         let mut state = self.inner.state.lock();

@@ -134,6 +134,10 @@ impl Storage for FileStorage {
         std::fs::create_dir_all(dir)
     }
 
+    fn create_dir(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir(dir)
+    }
+
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         File::open(dir)?.sync_all()
     }

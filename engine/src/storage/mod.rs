@@ -78,6 +78,11 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
     /// Creates a directory and its parents.
     fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+    /// Creates one directory whose parent exists: fails with
+    /// [`io::ErrorKind::NotFound`] if the parent does not (so a writer
+    /// whose directory was deleted under it cannot make it again), and
+    /// with [`io::ErrorKind::AlreadyExists`] if `dir` exists.
+    fn create_dir(&self, dir: &Path) -> io::Result<()>;
     /// Makes the directory's entries (creates, renames, removes) durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Whether a file exists.

@@ -105,6 +105,15 @@ pub(super) fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) ->
     Ok(())
 }
 
+/// Makes `dir`, whose parent must exist; one already there is fine.
+fn make_dir(storage: &dyn Storage, dir: &Path) -> Result<()> {
+    match storage.create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(NodeError::Engine(tidepool_engine::Error::io(dir, e))),
+    }
+}
+
 impl Receiver {
     /// Starts receiving `manifest` into `store`'s spare slot, emptying it
     /// first.
@@ -123,8 +132,12 @@ impl Receiver {
             }
         }
         store.clear_spare()?;
+        let dir = store.spare_dir()?;
+        // The slot, never the replica's directory above it: a replica
+        // deleted before its transfer began is not made again.
+        make_dir(&**store.storage(), &dir)?;
         let mut receiver = Receiver {
-            dir: store.spare_dir()?,
+            dir,
             store: store.clone(),
             manifest,
             file: 0,
@@ -159,6 +172,25 @@ impl Receiver {
         NodeError::Engine(tidepool_engine::Error::io(path, error))
     }
 
+    /// Makes the directories from the slot down to `parent` (inside it),
+    /// never the slot itself nor anything above it. A replica that stops
+    /// waits only so long for its transfer to notice
+    /// ([`crate::shard::ShardHandle::stop`]); should one outlive that wait
+    /// (a write stuck on the disk), its next file fails with `NotFound`
+    /// once the replica's directory is deleted, instead of making it again
+    /// and leaving files no replica owns.
+    fn make_dirs_below(&self, parent: &Path) -> Result<()> {
+        let below = parent
+            .strip_prefix(&self.dir)
+            .map_err(|_| malformed(format!("{} is outside the slot", parent.display())))?;
+        let mut at = self.dir.clone();
+        for component in below.components() {
+            at.push(component);
+            make_dir(&**self.storage(), &at)?;
+        }
+        Ok(())
+    }
+
     /// Opens the current file if needed, and finishes every file whose
     /// bytes are all written (verifying and syncing it).
     fn advance(&mut self) -> Result<()> {
@@ -166,9 +198,7 @@ impl Receiver {
             let path = self.dir.join(checked_path(&file.path)?);
             if self.out.is_none() {
                 let parent = path.parent().unwrap_or(&self.dir).to_path_buf();
-                self.storage()
-                    .create_dir_all(&parent)
-                    .map_err(|e| self.io(&parent, e))?;
+                self.make_dirs_below(&parent)?;
                 // Disk reserved for the bytes copied only: past them the
                 // file is zeros, a hole here as in the sender's sparse
                 // segment, and the engine reserves ahead of its writes as

@@ -10,6 +10,7 @@ use tidepool_proto::v1::NodeAddress;
 use super::*;
 use crate::replica::BLOB_KEY_SPACE;
 use crate::sim::replica_store;
+use crate::store::ReplicaStore;
 
 fn prepared() -> Arc<Prepared> {
     let prepared = unhashed();
@@ -44,6 +45,14 @@ fn unhashed_with(values: u32) -> Arc<Prepared> {
     ))
 }
 
+/// A replica's store as a replica receiving a snapshot has it: with its
+/// directory (the open replica's engine made it).
+fn receiving_store(disk: &FaultStorage) -> ReplicaStore {
+    let store = replica_store(disk);
+    tidepool_engine::storage::Storage::create_dir_all(disk, store.dir()).unwrap();
+    store
+}
+
 fn manifest(prepared: &Prepared) -> SnapshotManifest {
     manifest_of(&prepared.raft_snapshot().unwrap().unwrap()).unwrap()
 }
@@ -53,7 +62,7 @@ fn a_broken_stream_resumes_where_it_stopped() {
     let prepared = prepared();
     let manifest = manifest(&prepared);
     assert!(manifest.files.len() > 3, "{manifest:?}");
-    let store = replica_store(&FaultStorage::default());
+    let store = receiving_store(&FaultStorage::default());
     let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
     let mut streams = 0;
     while !receiver.is_complete() {
@@ -83,7 +92,7 @@ fn a_file_removed_from_the_slot_during_the_transfer_fails_it() {
     let prepared = prepared();
     let manifest = manifest(&prepared);
     let disk = FaultStorage::default();
-    let store = replica_store(&disk);
+    let store = receiving_store(&disk);
     let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
     for chunk in prepared.chunks(1, 0, 0) {
         receiver.accept(&chunk.unwrap()).unwrap();
@@ -99,12 +108,51 @@ fn a_file_removed_from_the_slot_during_the_transfer_fails_it() {
     assert_eq!(store.spare_snapshot().unwrap(), None);
 }
 
+/// A replica stops and its directory is deleted while a transfer into it
+/// is stuck (`ShardHandle::stop` waits only so long): the transfer's later
+/// files fail, and nothing makes the deleted directory again.
+#[test]
+fn a_transfer_outliving_its_deleted_replica_makes_nothing_again() {
+    let prepared = prepared();
+    let manifest = manifest(&prepared);
+    let root = tempfile::tempdir().unwrap();
+    let replica = root.path().join("shards").join("7");
+    let storage: Arc<dyn tidepool_engine::storage::Storage> =
+        Arc::new(tidepool_engine::storage::FileStorage::new());
+    std::fs::create_dir_all(&replica).unwrap();
+    let store = ReplicaStore::new(storage, &replica, crate::sim::engine_config());
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    let mut chunks = prepared.chunks(1, 0, 0);
+    // The first file, and into the second.
+    while receiver.resume_point().0 == 0 {
+        receiver.accept(&chunks.next().unwrap().unwrap()).unwrap();
+    }
+    // The replica is closed and deleted (`Node::close_replica`).
+    std::fs::remove_dir_all(&replica).unwrap();
+    let mut failed = None;
+    for chunk in chunks {
+        if let Err(error) = receiver.accept(&chunk.unwrap()) {
+            failed = Some(error);
+            break;
+        }
+    }
+    let failed = failed.expect("a later file fails");
+    assert!(failed.to_string().contains("No such file"), "{failed}");
+    assert!(
+        !replica.exists(),
+        "the deleted replica's directory was made again"
+    );
+    // Nor can a transfer begin into a deleted replica.
+    assert!(Receiver::start(manifest, &store).is_err());
+    assert!(!replica.exists());
+}
+
 #[test]
 fn damaged_or_misplaced_chunks_are_refused_and_nothing_is_marked_complete() {
     let prepared = prepared();
     let manifest = manifest(&prepared);
     let disk = FaultStorage::default();
-    let store = replica_store(&disk);
+    let store = receiving_store(&disk);
 
     // A chunk whose bytes changed in flight.
     let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
@@ -212,7 +260,7 @@ fn a_received_snapshot_reserves_the_bytes_it_copied_not_whole_segments() {
         "the test needs segments mostly unwritten: {copied} of {whole} bytes"
     );
     let disk = FaultStorage::default();
-    let store = replica_store(&disk);
+    let store = receiving_store(&disk);
     let before = disk.used_bytes();
     let pages = manifest.files.len() as u64 * 4096;
     // A disk with room for the copied bytes but not the whole files: the
