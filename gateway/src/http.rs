@@ -14,7 +14,15 @@
 //!
 //! `GET`, `HEAD`, `PUT` (200), `DELETE` (200, or 404 when absent).
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
 use tidepool_telemetry::MethodNames;
 
 use axum::Router;
@@ -24,12 +32,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use tidepool_client::{Client, Error, ErrorCode};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_stream::StreamExt as _;
 
 use crate::names::{BlobDigest, Instance, parse_hash};
-use crate::{Credential, Gateway, cache};
+use crate::{Credential, Gateway, HttpLimits, cache};
 
 /// Entries of `/ac/` up to this size are checked as action results.
 const AC_CHECK_BYTES: u64 = 4 << 20;
@@ -54,33 +63,38 @@ pub(crate) async fn serve(
         .metrics
         .layer("http_cache", MethodNames::Http(crate::HTTP_METHODS))
         .traced();
+    let limits = gateway.config.http_limits.clone();
     let app = Router::new()
         .fallback(handle)
         .with_state(gateway)
         .layer(counted);
-    serve_app(app, listener, tls, stop).await;
+    serve_app(app, listener, tls, limits, stop).await;
 }
 
-/// Serves `app` on `listener` until `stop` (TLS when `tls` is given).
+/// HTTP/2 connections are pinged this often when quiet, and closed when a
+/// ping goes unanswered for as long (a peer gone without a FIN).
+const H2_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// How long a stopping endpoint lets requests under way finish.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `stop` (TLS when `tls` is given),
+/// within `limits`.
 pub(crate) async fn serve_app(
     app: Router,
     listener: TcpListener,
     tls: Option<Arc<rustls::ServerConfig>>,
-    mut stop: watch::Receiver<bool>,
+    limits: HttpLimits,
+    stop: watch::Receiver<bool>,
 ) {
-    let stopped = async move {
-        let _ = stop.wait_for(|s| *s).await;
-    };
-    let result = match tls {
+    match tls {
         None => {
             use axum::serve::ListenerExt as _;
             // Small responses must not wait for Nagle's algorithm.
             let listener = listener.tap_io(|tcp| {
                 let _ = tcp.set_nodelay(true);
             });
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stopped)
-                .await
+            serve_connections(app, listener, limits, stop).await;
         }
         Some(config) => {
             let address = listener.local_addr();
@@ -88,13 +102,151 @@ pub(crate) async fn serve_app(
                 address,
                 incoming: tidepool_security::tls::incoming_with(listener, move || config.clone()),
             };
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stopped)
-                .await
+            serve_connections(app, listener, limits, stop).await;
         }
-    };
-    if let Err(e) = result {
-        tracing::error!(error = %e, "the gateway's HTTP server stopped");
+    }
+}
+
+/// The accept loop: hyper's server with the [`HttpLimits`]
+/// (`axum::serve` applies none of them: it gives hyper no timer, and
+/// hyper's header timeout needs one — a client sending its headers a byte
+/// at a time, or nothing, held its connection, task and buffer for ever).
+async fn serve_connections<L: axum::serve::Listener>(
+    app: Router,
+    mut listener: L,
+    limits: HttpLimits,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEPALIVE)
+        .keep_alive_timeout(H2_KEEPALIVE);
+    let builder = Arc::new(builder);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    loop {
+        let permit = tokio::select! {
+            () = stopped(&mut stop) => break,
+            permit = slots.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let io = tokio::select! {
+            () = stopped(&mut stop) => break,
+            (io, _) = listener.accept() => io,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let builder = builder.clone();
+        let mut stop = stop.clone();
+        let header_timeout = limits.header_timeout;
+        tokio::spawn(async move {
+            // hyper reads a connection's first bytes to tell HTTP/1 from
+            // HTTP/2 before any of its timeouts applies: a connection that
+            // sends nothing is closed here instead.
+            let heard = Arc::new(AtomicBool::new(false));
+            let io = Heard {
+                io,
+                heard: heard.clone(),
+            };
+            let silent = async move {
+                tokio::time::sleep(header_timeout).await;
+                if heard.load(Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let connection = builder.serve_connection(TokioIo::new(io), service);
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = silent => {}
+                () = stopped(&mut stop) => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(DRAIN_TIMEOUT, connection).await;
+                }
+            }
+            drop(permit);
+        });
+    }
+    // Requests under way finish (or the drain times out on each).
+    let _ = slots.acquire_many(limits.max_connections as u32).await;
+}
+
+/// A connection that notes when its client first sent a byte.
+struct Heard<I> {
+    io: I,
+    heard: Arc<AtomicBool>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Heard<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Heard<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, data)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// The next piece of a request's body (`None` at its end); an error once
+/// the client has sent nothing for `idle`, since a stalled upload holds
+/// its connection and what the upload buffered.
+pub(crate) async fn next_piece(
+    stream: &mut axum::body::BodyDataStream,
+    idle: Duration,
+) -> tidepool_client::Result<Option<Bytes>> {
+    match tokio::time::timeout(idle, stream.next()).await {
+        Err(_) => Err(Error::new(
+            ErrorCode::Timeout,
+            format!("the request body sent nothing for {idle:?}"),
+        )),
+        Ok(None) => Ok(None),
+        Ok(Some(Err(e))) => Err(Error::new(
+            ErrorCode::InvalidArgument,
+            format!("reading the body: {e}"),
+        )),
+        Ok(Some(Ok(piece))) => Ok(Some(piece)),
     }
 }
 
@@ -373,10 +525,8 @@ async fn put(
     }
     let mut upload = client.upload(namespace, key).await?;
     let mut stream = body.into_data_stream();
-    while let Some(frame) = stream.next().await {
-        let frame = frame.map_err(|e| {
-            Error::new(ErrorCode::InvalidArgument, format!("reading the body: {e}"))
-        })?;
+    let idle = gateway.config.http_limits.body_idle;
+    while let Some(frame) = next_piece(&mut stream, idle).await? {
         if upload.written() + frame.len() as u64 > max {
             return Err(Error::new(
                 ErrorCode::ValueTooLarge,

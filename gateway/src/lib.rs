@@ -72,6 +72,36 @@ pub struct GatewayConfig {
     pub restic: Option<ResticConfig>,
     /// Serve `/metrics`, `/healthz` and `/readyz` here (plain HTTP).
     pub metrics_listen: Option<SocketAddr>,
+    /// What a client of the HTTP endpoints (the cache, restic) may hold.
+    pub http_limits: HttpLimits,
+}
+
+/// Bounds on what clients of an HTTP endpoint may hold, against slow,
+/// idle and hostile clients (each endpoint counts its own connections).
+#[derive(Clone, Debug)]
+pub struct HttpLimits {
+    /// Longest wait for a request's headers, counted from when the
+    /// connection is ready for its next request: a client trickling its
+    /// headers in, and an idle keep-alive connection, are closed after it.
+    pub header_timeout: Duration,
+    /// Longest wait for the next piece of a request's body: the request
+    /// then fails (`TIMEOUT`) and nothing of it is stored.
+    pub body_idle: Duration,
+    /// Connections served at once; more wait in the listen backlog until
+    /// one closes.
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    /// 30 s for headers (hyper's own default, which `axum::serve` leaves
+    /// unarmed), 60 s between pieces of a body, 4,096 connections.
+    fn default() -> Self {
+        HttpLimits {
+            header_timeout: Duration::from_secs(30),
+            body_idle: Duration::from_secs(60),
+            max_connections: 4096,
+        }
+    }
 }
 
 /// The gateway's own certificate (`grpcs://`, `https://`).
@@ -98,6 +128,7 @@ impl GatewayConfig {
             serve_tls: None,
             restic: None,
             metrics_listen: None,
+            http_limits: HttpLimits::default(),
         }
     }
 }

@@ -32,7 +32,6 @@ use http::{HeaderMap, Method, StatusCode, Uri, header};
 use tidepool_client::{Client, Error, ErrorCode, ListOptions};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::StreamExt as _;
 
 use crate::{Credential, Gateway};
 
@@ -240,11 +239,12 @@ pub(crate) async fn serve(
         .metrics
         .layer("restic", MethodNames::Http(crate::HTTP_METHODS))
         .traced();
+    let limits = gateway.config.http_limits.clone();
     let app = Router::new()
         .fallback(handle)
         .with_state(gateway)
         .layer(counted);
-    crate::http::serve_app(app, listener, tls, stop).await;
+    crate::http::serve_app(app, listener, tls, limits, stop).await;
 }
 
 async fn handle(
@@ -564,8 +564,8 @@ async fn put(
         upload.expect_sha256(crate::names::parse_hash(name).map_err(bad)?);
     }
     let mut stream = body.into_data_stream();
-    while let Some(frame) = stream.next().await {
-        let frame = frame.map_err(|e| bad(format!("reading the body: {e}")))?;
+    let idle = gateway.config.http_limits.body_idle;
+    while let Some(frame) = crate::http::next_piece(&mut stream, idle).await? {
         if upload.written() + frame.len() as u64 > max {
             return Err(Error::new(
                 ErrorCode::ValueTooLarge,

@@ -1,8 +1,8 @@
 //! What the main protocol tests leave out: the HTTP cache's DELETE of CAS
 //! and action cache entries, HEAD of an action cache entry, the empty blob
 //! over HTTP, a body above the size limit, a body shorter than its
-//! Content-Length; and an unknown instance in every REAPI call that names
-//! one.
+//! Content-Length; an unknown instance in every REAPI call that names
+//! one; and slow, idle and too many HTTP clients.
 
 use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
 use sha2::{Digest as _, Sha256};
@@ -184,5 +184,115 @@ async fn every_reapi_call_refuses_an_unknown_instance() {
             .unwrap(),
         "nothing was stored anywhere else"
     );
+    s.stop().await;
+}
+
+/// Reads from `reader` until the server closes the connection (or 10 s
+/// pass): what it sent, and how long after `since` it closed (`None`:
+/// still open).
+async fn until_closed(
+    reader: &mut tokio::net::tcp::OwnedReadHalf,
+    since: std::time::Instant,
+) -> (String, Option<std::time::Duration>) {
+    use tokio::io::AsyncReadExt as _;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        reader.read_to_end(&mut answer),
+    )
+    .await;
+    let closed = read.is_ok().then(|| since.elapsed());
+    (String::from_utf8_lossy(&answer).into_owned(), closed)
+}
+
+/// What `HttpLimits` bound: a client trickling its headers in and an idle
+/// keep-alive connection are closed after the header timeout; a body that
+/// stalls fails the request with nothing stored; past the connection bound
+/// a new connection is served only once another closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_idle_and_surplus_http_clients_are_bounded() {
+    use std::time::{Duration, Instant};
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(true, |config| {
+        config.http_limits = tidepool_gateway::HttpLimits {
+            header_timeout: Duration::from_secs(1),
+            body_idle: Duration::from_secs(1),
+            max_connections: 4,
+        };
+    })
+    .await;
+    let at = s.gateway.http_address;
+    let connect = || async move {
+        tokio::net::TcpStream::connect(at)
+            .await
+            .unwrap()
+            .into_split()
+    };
+
+    // Headers trickled in a byte every 100 ms, never finished: closed after
+    // the timeout (the bytes do not restart it), with no answer.
+    let (mut reader, mut writer) = connect().await;
+    let start = Instant::now();
+    let trickle = tokio::spawn(async move {
+        for byte in b"GET /cas/0 HTTP/1.1\r\nhost: gateway\r\nx-slow: "
+            .iter()
+            .cycle()
+        {
+            if writer.write_all(&[*byte]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let (answer, closed) = until_closed(&mut reader, start).await;
+    trickle.abort();
+    let closed = closed.expect("a connection trickling its headers is closed");
+    assert!(
+        closed >= Duration::from_millis(900) && answer.is_empty(),
+        "closed after {closed:?}, answering {answer:?}"
+    );
+
+    // An idle keep-alive connection: one request answered, then closed.
+    let (mut reader, mut writer) = connect().await;
+    let key = format!("/cas/{}", hex(&Sha256::digest(b"not stored")));
+    let head = format!("GET {key} HTTP/1.1\r\nhost: gateway\r\n\r\n");
+    writer.write_all(head.as_bytes()).await.unwrap();
+    let (answer, closed) = until_closed(&mut reader, Instant::now()).await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    assert!(closed.is_some(), "an idle keep-alive connection is closed");
+
+    // A body that stops halfway: the request fails, nothing is stored.
+    let content = blob(62, 1_000);
+    let path = format!("/cas/{}", hex(&Sha256::digest(&content)));
+    let (mut reader, mut writer) = connect().await;
+    let head = format!("PUT {path} HTTP/1.1\r\nhost: gateway\r\ncontent-length: 1000\r\n\r\n");
+    writer.write_all(head.as_bytes()).await.unwrap();
+    writer.write_all(&content[..500]).await.unwrap();
+    let (answer, _) = until_closed(&mut reader, Instant::now()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "a stalled body: {answer:?}"
+    );
+    drop(writer);
+    assert_eq!(http(at, "HEAD", &path, None, vec![]).await.0, 404);
+
+    // Four connections held open with nothing sent fill the bound: a fifth
+    // is answered only once the header timeout has closed them.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(connect().await);
+    }
+    let start = Instant::now();
+    let (mut reader, mut writer) = connect().await;
+    let head = format!("GET {key} HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n");
+    writer.write_all(head.as_bytes()).await.unwrap();
+    let (answer, closed) = until_closed(&mut reader, start).await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer:?}");
+    let waited = closed.expect("answered and closed");
+    assert!(
+        waited >= Duration::from_millis(700),
+        "the fifth connection was served after {waited:?}, before a slot freed"
+    );
+    drop(held);
     s.stop().await;
 }

@@ -28,6 +28,11 @@ pub struct Setup {
 }
 
 pub async fn setup(anonymous: bool) -> Setup {
+    setup_with(anonymous, |_| {}).await
+}
+
+/// [`setup`] with `adjust` applied to the gateway's configuration.
+pub async fn setup_with(anonymous: bool, adjust: impl FnOnce(&mut GatewayConfig)) -> Setup {
     let cluster = LocalCluster::start(3, 4, 3).await;
     let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&cluster.url)));
     config.grpc_listen = "127.0.0.1:0".parse().unwrap();
@@ -35,6 +40,7 @@ pub async fn setup(anonymous: bool) -> Setup {
     config.anonymous = anonymous;
     config.max_blob_bytes = 8 << 20;
     config.max_batch_bytes = 2 << 20;
+    adjust(&mut config);
     let gateway = tidepool_gateway::start(config)
         .await
         .expect("the gateway starts");
