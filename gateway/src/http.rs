@@ -14,10 +14,7 @@
 //!
 //! `GET`, `HEAD`, `PUT` (200), `DELETE` (200, or 404 when absent).
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -32,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use tidepool_client::{Client, Error, ErrorCode};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tidepool_security::first_byte::FirstByteDeadline;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_stream::StreamExt as _;
@@ -145,23 +142,12 @@ async fn serve_connections<L: axum::serve::Listener>(
         tokio::spawn(async move {
             // hyper reads a connection's first bytes to tell HTTP/1 from
             // HTTP/2 before any of its timeouts applies: a connection that
-            // sends nothing is closed here instead.
-            let heard = Arc::new(AtomicBool::new(false));
-            let io = Heard {
-                io,
-                heard: heard.clone(),
-            };
-            let silent = async move {
-                tokio::time::sleep(header_timeout).await;
-                if heard.load(Ordering::Relaxed) {
-                    std::future::pending::<()>().await;
-                }
-            };
+            // sends nothing is closed by this deadline instead.
+            let io = FirstByteDeadline::new(io, header_timeout);
             let connection = builder.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
                 _ = connection.as_mut() => {}
-                () = silent => {}
                 () = stopped(&mut stop) => {
                     connection.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(DRAIN_TIMEOUT, connection).await;
@@ -172,57 +158,6 @@ async fn serve_connections<L: axum::serve::Listener>(
     }
     // Requests under way finish (or the drain times out on each).
     let _ = slots.acquire_many(limits.max_connections as u32).await;
-}
-
-/// A connection that notes when its client first sent a byte.
-struct Heard<I> {
-    io: I,
-    heard: Arc<AtomicBool>,
-}
-
-impl<I: AsyncRead + Unpin> AsyncRead for Heard<I> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.heard.store(true, Ordering::Relaxed);
-        }
-        polled
-    }
-}
-
-impl<I: AsyncWrite + Unpin> AsyncWrite for Heard<I> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, data)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, data)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
 }
 
 async fn stopped(stop: &mut watch::Receiver<bool>) {

@@ -658,16 +658,15 @@ pub(crate) async fn serve(
         let _ = stop.wait_for(|s| *s).await;
     };
     let result = match tls {
+        // A client that sends nothing is disconnected after a while
+        // (`tidepool_security::first_byte`).
         Some(config) => {
-            let incoming = tidepool_security::tls::incoming_with(listener, move || config.clone());
+            let incoming =
+                tidepool_security::tls::grpc_incoming_tls(listener, move || config.clone());
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
         None => {
-            // Small messages must not wait for Nagle's algorithm (40 ms
-            // with delayed ACKs).
-            let incoming = tonic::transport::server::TcpIncoming::from(listener)
-                .with_nodelay(Some(true))
-                .with_keepalive(Some(std::time::Duration::from_secs(30)));
+            let incoming = tidepool_security::tls::grpc_incoming_plain(listener);
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
     };

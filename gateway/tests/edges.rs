@@ -187,22 +187,27 @@ async fn every_reapi_call_refuses_an_unknown_instance() {
     s.stop().await;
 }
 
-/// Reads from `reader` until the server closes the connection (or 10 s
-/// pass): what it sent, and how long after `since` it closed (`None`:
-/// still open).
+/// Reads from `reader` until the server closes the connection (or
+/// `patience` passes): what it sent, and how long after `since` it closed
+/// (`None`: still open).
+async fn until_closed_within(
+    reader: &mut tokio::net::tcp::OwnedReadHalf,
+    since: std::time::Instant,
+    patience: std::time::Duration,
+) -> (String, Option<std::time::Duration>) {
+    use tokio::io::AsyncReadExt as _;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(patience, reader.read_to_end(&mut answer)).await;
+    let closed = read.is_ok().then(|| since.elapsed());
+    (String::from_utf8_lossy(&answer).into_owned(), closed)
+}
+
+/// [`until_closed_within`] 10 s.
 async fn until_closed(
     reader: &mut tokio::net::tcp::OwnedReadHalf,
     since: std::time::Instant,
 ) -> (String, Option<std::time::Duration>) {
-    use tokio::io::AsyncReadExt as _;
-    let mut answer = Vec::new();
-    let read = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        reader.read_to_end(&mut answer),
-    )
-    .await;
-    let closed = read.is_ok().then(|| since.elapsed());
-    (String::from_utf8_lossy(&answer).into_owned(), closed)
+    until_closed_within(reader, since, std::time::Duration::from_secs(10)).await
 }
 
 /// What `HttpLimits` bound: a client trickling its headers in and an idle
@@ -294,5 +299,49 @@ async fn slow_idle_and_surplus_http_clients_are_bounded() {
         "the fifth connection was served after {waited:?}, before a slot freed"
     );
     drop(held);
+    s.stop().await;
+}
+
+/// gRPC servers (the gateway's REAPI and ByteStream, the coordinator's,
+/// like every node's) disconnect a client that connects and sends nothing:
+/// HTTP/2 waits for a client's preface with no timeout of its own
+/// (`tidepool_security::first_byte`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grpc_servers_disconnect_clients_that_send_nothing() {
+    use std::time::{Duration, Instant};
+    use tidepool_security::first_byte::FIRST_BYTE_TIMEOUT;
+    let s = setup(true).await;
+    let coordinator: std::net::SocketAddr =
+        s.cluster.url.trim_start_matches("http://").parse().unwrap();
+    let mut silent = Vec::new();
+    for at in [s.gateway.grpc_address, coordinator] {
+        let (reader, writer) = tokio::net::TcpStream::connect(at)
+            .await
+            .unwrap()
+            .into_split();
+        silent.push((at, reader, writer));
+    }
+    let start = Instant::now();
+    for (at, reader, _writer) in &mut silent {
+        // The server's SETTINGS come at once; then it waits for ours.
+        let patience = FIRST_BYTE_TIMEOUT + Duration::from_secs(10);
+        let (_, closed) = until_closed_within(reader, start, patience).await;
+        let closed = closed.unwrap_or_else(|| panic!("{at}: a silent client kept its connection"));
+        assert!(
+            closed >= FIRST_BYTE_TIMEOUT - Duration::from_millis(200),
+            "{at}: closed after {closed:?}"
+        );
+    }
+    // A client that speaks is served as before.
+    let mut cas = s.cas();
+    let found = cas
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: "cache".into(),
+            blob_digests: vec![digest(b"absent")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(found.into_inner().missing_blob_digests.len(), 1);
     s.stop().await;
 }

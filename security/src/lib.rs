@@ -22,6 +22,7 @@
 
 pub mod certs;
 pub mod channel;
+pub mod first_byte;
 pub mod guard;
 pub mod identity;
 pub mod planes;

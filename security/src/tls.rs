@@ -33,6 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::first_byte::{FIRST_BYTE_TIMEOUT, FirstByteDeadline};
 use crate::{Error, Result};
 
 /// How often at most the files are checked for changes.
@@ -290,6 +291,33 @@ pub fn incoming_with(
     ReceiverStream::new(rx)
 }
 
+/// A gRPC server's TLS connections ([`incoming_with`]), each of whose
+/// clients must send a byte within [`FIRST_BYTE_TIMEOUT`] of its
+/// handshake ([`crate::first_byte`]).
+pub fn grpc_incoming_tls(
+    listener: TcpListener,
+    config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
+) -> impl tokio_stream::Stream<Item = io::Result<FirstByteDeadline<ServerStream>>> + Send + 'static
+{
+    use tokio_stream::StreamExt as _;
+    incoming_with(listener, config)
+        .map(|stream| stream.map(|s| FirstByteDeadline::new(s, FIRST_BYTE_TIMEOUT)))
+}
+
+/// A gRPC server's plaintext connections: `TCP_NODELAY` (small Raft and
+/// client messages must not wait for Nagle's algorithm, 40 ms with delayed
+/// ACKs), TCP keep-alive, and a client that must send a byte within
+/// [`FIRST_BYTE_TIMEOUT`] ([`crate::first_byte`]).
+pub fn grpc_incoming_plain(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = io::Result<FirstByteDeadline<TcpStream>>> + Send + 'static {
+    use tokio_stream::StreamExt as _;
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(30)))
+        .map(|stream| stream.map(|s| FirstByteDeadline::new(s, FIRST_BYTE_TIMEOUT)))
+}
+
 /// Dials TLS connections for a tonic endpoint, with the files current at
 /// each connection; the server is verified against the URI's host.
 #[derive(Clone, Debug)]
@@ -360,7 +388,8 @@ pub async fn server_certificate(
 /// Serves `router` on `listener` until `stopped` resolves: through TLS
 /// handshakes ([`incoming`]) when `tls` is given, else plaintext TCP. Small
 /// Raft and client messages must not wait for Nagle's algorithm (40 ms
-/// with delayed ACKs): every accepted socket has `TCP_NODELAY`.
+/// with delayed ACKs): every accepted socket has `TCP_NODELAY`. A client
+/// that sends nothing is disconnected after [`FIRST_BYTE_TIMEOUT`].
 pub async fn serve<L, ResBody>(
     router: tonic::transport::server::Router<L>,
     listener: TcpListener,
@@ -381,15 +410,13 @@ where
 {
     match tls {
         Some(tls) => {
-            router
-                .serve_with_incoming_shutdown(incoming(listener, tls), stopped)
-                .await
+            let incoming = grpc_incoming_tls(listener, move || tls.server_config());
+            router.serve_with_incoming_shutdown(incoming, stopped).await
         }
         None => {
-            let incoming = tonic::transport::server::TcpIncoming::from(listener)
-                .with_nodelay(Some(true))
-                .with_keepalive(Some(Duration::from_secs(30)));
-            router.serve_with_incoming_shutdown(incoming, stopped).await
+            router
+                .serve_with_incoming_shutdown(grpc_incoming_plain(listener), stopped)
+                .await
         }
     }
 }

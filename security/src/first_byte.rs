@@ -1,0 +1,147 @@
+//! Server connections whose clients must say something first.
+//!
+//! An HTTP/2 server (every gRPC endpoint) waits for the client's preface
+//! with no timeout of its own, and an HTTP/1 server under hyper's
+//! automatic version detection reads the first bytes before its header
+//! timeout applies: a client that connects (and completes its TLS
+//! handshake) and then sends nothing held its connection and task for
+//! ever. [`FirstByteDeadline`] wraps an accepted connection so that a read
+//! fails with [`std::io::ErrorKind::TimedOut`] if no byte arrived within
+//! its deadline; after the first byte the server's own timeouts (HTTP/1
+//! header timeout, HTTP/2 keep-alive) take over.
+
+use std::future::Future as _;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
+
+/// How long a gRPC client may take to send its first byte (its HTTP/2
+/// preface, which a client sends as soon as it connects).
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// An accepted connection that fails its reads once `timeout` passed
+/// without a byte from the client (see the module docs).
+#[derive(Debug)]
+pub struct FirstByteDeadline<I> {
+    io: I,
+    /// Until the first byte arrives.
+    deadline: Option<Pin<Box<Sleep>>>,
+}
+
+impl<I> FirstByteDeadline<I> {
+    /// Wraps `io`, accepted now, giving its client `timeout` to send a byte.
+    pub fn new(io: I, timeout: Duration) -> Self {
+        FirstByteDeadline {
+            io,
+            deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+        }
+    }
+
+    /// The wrapped connection.
+    pub fn get_ref(&self) -> &I {
+        &self.io
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for FirstByteDeadline<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(result) => {
+                if buf.filled().len() > before {
+                    self.deadline = None;
+                }
+                Poll::Ready(result)
+            }
+            Poll::Pending => {
+                let expired = self
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if expired {
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client sent nothing",
+                    )))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for FirstByteDeadline<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, data)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<I: tonic::transport::server::Connected> tonic::transport::server::Connected
+    for FirstByteDeadline<I>
+{
+    type ConnectInfo = I::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    #[tokio::test]
+    async fn a_silent_client_times_out_and_one_that_spoke_does_not() {
+        let (client, server) = tokio::io::duplex(64);
+        let mut server = FirstByteDeadline::new(server, Duration::from_millis(200));
+        let mut byte = [0u8; 1];
+        let started = std::time::Instant::now();
+        let error = server.read(&mut byte).await.unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        drop(client);
+
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = FirstByteDeadline::new(server, Duration::from_millis(200));
+        client.write_all(b"x").await.unwrap();
+        assert_eq!(server.read(&mut byte).await.unwrap(), 1);
+        // Silent after its first byte: waits past the deadline (the
+        // server's own timeouts apply from here).
+        let waited = tokio::time::timeout(Duration::from_millis(400), server.read(&mut byte)).await;
+        assert!(waited.is_err(), "{waited:?}");
+    }
+}
