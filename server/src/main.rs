@@ -364,6 +364,19 @@ struct GatewayArgs {
     /// Serve `/metrics`, `/healthz` and `/readyz` here.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// HTTP endpoints (cache, restic): seconds a connection may take to
+    /// send a request's headers, counted from when it is ready for one
+    /// (an idle keep-alive connection is closed after as long).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_header_timeout_s: u64,
+    /// HTTP endpoints: seconds a request's body may send nothing before
+    /// the request fails (`TIMEOUT`) and nothing of it is stored.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_body_idle_s: u64,
+    /// HTTP endpoints: connections served at once by each; more wait in
+    /// the listen backlog.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    http_max_connections: u64,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -904,6 +917,11 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     config.anonymous = args.anonymous;
     config.max_blob_bytes = args.max_blob_bytes;
     config.metrics_listen = args.metrics_listen;
+    config.http_limits = tidepool_gateway::HttpLimits {
+        header_timeout: std::time::Duration::from_secs(args.http_header_timeout_s),
+        body_idle: std::time::Duration::from_secs(args.http_body_idle_s),
+        max_connections: args.http_max_connections as usize,
+    };
     if let Some(listen) = args.restic_listen {
         let mut restic = tidepool_gateway::ResticConfig::new(listen);
         restic.namespace = args.restic_namespace.clone();

@@ -806,6 +806,13 @@ async fn start_restic_gateway(cluster: &Cluster) -> (TestProcess, String) {
         format!("127.0.0.1:{}", free_port()),
         "--restic-listen".into(),
         restic.clone(),
+        // The HTTP limits' flags (restic's requests are well within them).
+        "--http-header-timeout-s".into(),
+        "20".into(),
+        "--http-body-idle-s".into(),
+        "20".into(),
+        "--http-max-connections".into(),
+        "256".into(),
     ];
     for (url, _) in &cluster.coordinators {
         args.push("--coordinator".into());

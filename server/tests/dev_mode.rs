@@ -151,3 +151,28 @@ async fn dev_mode_runs_buffered_when_asked_and_says_so() {
         .await
         .unwrap();
 }
+
+/// `tidepool gateway`'s HTTP limits refuse zero (a bound of no
+/// connections, a timeout of nothing) before anything starts.
+#[test]
+fn gateway_http_limits_refuse_zero() {
+    for flag in [
+        "--http-header-timeout-s",
+        "--http-body-idle-s",
+        "--http-max-connections",
+    ] {
+        let refused = Command::new(support::BIN)
+            .args([
+                "gateway",
+                "--insecure",
+                "--coordinator",
+                "http://127.0.0.1:1",
+            ])
+            .args([flag, "0"])
+            .output()
+            .unwrap();
+        assert_eq!(refused.status.code(), Some(2), "{flag}: {refused:?}");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains(flag), "{flag}: {stderr}");
+    }
+}
