@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
-# `make observe`: `tidepool dev` (on its default ports) with a Prometheus
-# from Debian's `prometheus` package scraping its five processes and
-# evaluating the alert rules, at http://127.0.0.1:9090. Ctrl-C stops both.
+# `make observe`: `tidepool dev` (on its default ports, or those of a
+# `--port` given after the binary) with a Prometheus from Debian's
+# `prometheus` package scraping its five processes and evaluating the alert
+# rules, at http://127.0.0.1:9090. Ctrl-C stops both.
 # Prometheus' data lives in a temporary directory removed on exit.
 set -euo pipefail
 bin=${1:-./target/release/tidepool}
 root=$(cd "$(dirname "$0")/.." && pwd)
 command -v prometheus >/dev/null || { echo "observe: prometheus not found: run make deps" >&2; exit 1; }
+# The dev cluster serves metrics on its --port + 90 (coordinator), + 91..93
+# (nodes), + 94 (gateway).
+port=7400
+prev=""
+for arg in "${@:2}"; do
+  case "$arg" in
+    --port=*) port=${arg#--port=} ;;
+    *) if [ "$prev" = --port ]; then port=$arg; fi ;;
+  esac
+  prev=$arg
+done
+targets=""
+for offset in 90 91 92 93 94; do
+  targets="$targets'127.0.0.1:$((port + offset))', "
+done
 work=$(mktemp -d)
 cat > "$work/prometheus.yml" <<YAML
 global:
@@ -17,7 +33,7 @@ rule_files:
 scrape_configs:
   - job_name: tidepool-dev
     static_configs:
-      - targets: ['127.0.0.1:7490', '127.0.0.1:7491', '127.0.0.1:7492', '127.0.0.1:7493', '127.0.0.1:7494']
+      - targets: [${targets%, }]
 YAML
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
   --web.listen-address=127.0.0.1:9090 > "$work/prometheus.log" 2>&1 &

@@ -19,7 +19,7 @@ use tidepool_security::Channel;
 use tonic::Status;
 
 use crate::cluster::{Cluster, MAX_MESSAGE};
-use crate::error::{Disposition, Error, Result, classify};
+use crate::error::{Disposition, Error, Result, Traced as _, classify};
 use crate::session::SessionPool;
 
 /// [`ClientConfig::hedge_after`] of a new configuration: several times a
@@ -907,13 +907,17 @@ impl Client {
 
     /// Stores `content` under `key` (in chunks if it is larger than one
     /// node entry). Overwrites what the key held.
-    #[tracing::instrument(name = "tidepool.put", level = "info", skip_all, fields(namespace = %namespace, bytes = content.len()))]
+    #[tracing::instrument(name = "tidepool.put", level = "info", skip_all, fields(namespace = %namespace, bytes = content.len(), error_code = tracing::field::Empty))]
     pub async fn put(&self, namespace: &str, key: &[u8], content: &[u8]) -> Result<PutOutcome> {
-        let limit = self.chunk_size();
-        if content.len() <= limit {
-            return self.put_one(namespace, key, content, BlobKind::Data).await;
+        let result: Result<PutOutcome> = async {
+            let limit = self.chunk_size();
+            if content.len() <= limit {
+                return self.put_one(namespace, key, content, BlobKind::Data).await;
+            }
+            self.put_stream(namespace, key, content).await
         }
-        self.put_stream(namespace, key, content).await
+        .await;
+        result.traced()
     }
 
     /// Stores `content` under its SHA-256 and returns the digest (the key).
@@ -929,39 +933,47 @@ impl Client {
     /// content-addressed namespace against the key; a replica that returns
     /// bad bytes is not believed (`CORRUPT`, or the bytes of a healthy
     /// replica for content-addressed blobs).
-    #[tracing::instrument(name = "tidepool.get", level = "info", skip_all, fields(namespace = %namespace))]
+    #[tracing::instrument(name = "tidepool.get", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn get(&self, namespace: &str, key: &[u8]) -> Result<Vec<u8>> {
-        let mut reader = self.open_range(namespace, key, 0, None).await?;
-        if let Some(content) = reader.take_plain() {
-            return Ok(content);
+        let result: Result<Vec<u8>> = async {
+            let mut reader = self.open_range(namespace, key, 0, None).await?;
+            if let Some(content) = reader.take_plain() {
+                return Ok(content);
+            }
+            // The size comes from a node: reserve no more than a few chunks.
+            let mut out = Vec::with_capacity(reader.size().min(64 << 20) as usize);
+            while let Some(piece) = reader.next_piece().await? {
+                out.extend_from_slice(&piece);
+            }
+            Ok(out)
         }
-        // The size comes from a node: reserve no more than a few chunks.
-        let mut out = Vec::with_capacity(reader.size().min(64 << 20) as usize);
-        while let Some(piece) = reader.next_piece().await? {
-            out.extend_from_slice(&piece);
-        }
-        Ok(out)
+        .await;
+        result.traced()
     }
 
     /// Size, digest and epoch of a blob.
-    #[tracing::instrument(name = "tidepool.head", level = "info", skip_all, fields(namespace = %namespace))]
+    #[tracing::instrument(name = "tidepool.head", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn head(&self, namespace: &str, key: &[u8]) -> Result<BlobMeta> {
-        let info = self.head_info(namespace, key).await?;
-        if info.kind == BlobKind::Manifest as i32 {
-            let manifest = self.manifest(namespace, key).await?;
-            return Ok(BlobMeta {
-                size: manifest.size,
-                sha256: digest_of(&manifest.sha256)?,
+        let result: Result<BlobMeta> = async {
+            let info = self.head_info(namespace, key).await?;
+            if info.kind == BlobKind::Manifest as i32 {
+                let manifest = self.manifest(namespace, key).await?;
+                return Ok(BlobMeta {
+                    size: manifest.size,
+                    sha256: digest_of(&manifest.sha256)?,
+                    epoch: info.epoch,
+                    chunked: true,
+                });
+            }
+            Ok(BlobMeta {
+                size: info.size,
+                sha256: digest_of(&info.sha256)?,
                 epoch: info.epoch,
-                chunked: true,
-            });
+                chunked: false,
+            })
         }
-        Ok(BlobMeta {
-            size: info.size,
-            sha256: digest_of(&info.sha256)?,
-            epoch: info.epoch,
-            chunked: false,
-        })
+        .await;
+        result.traced()
     }
 
     /// The stored blob's own info (a manifest's, for a chunked blob).
@@ -986,22 +998,28 @@ impl Client {
 
     /// For each key, whether it exists: one call per shard, answered by the
     /// shard's leader (so the answer is exact, not a replica's guess).
-    #[tracing::instrument(name = "tidepool.batch_exists", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len()))]
+    #[tracing::instrument(name = "tidepool.batch_exists", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len(), error_code = tracing::field::Empty))]
     pub async fn batch_exists(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<bool>> {
-        self.batch_exists_touch(namespace, keys, false).await
+        let result: Result<Vec<bool>> =
+            async { self.batch_exists_touch(namespace, keys, false).await }.await;
+        result.traced()
     }
 
     /// Like [`Client::batch_exists`], and moves every present blob into
     /// the current epoch (what build caches expect of "find missing").
-    #[tracing::instrument(name = "tidepool.find_missing", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len()))]
+    #[tracing::instrument(name = "tidepool.find_missing", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len(), error_code = tracing::field::Empty))]
     pub async fn find_missing(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
-        let present = self.batch_exists_touch(namespace, keys, true).await?;
-        Ok(keys
-            .iter()
-            .zip(present)
-            .filter(|(_, p)| !p)
-            .map(|(k, _)| k.clone())
-            .collect())
+        let result: Result<Vec<Vec<u8>>> = async {
+            let present = self.batch_exists_touch(namespace, keys, true).await?;
+            Ok(keys
+                .iter()
+                .zip(present)
+                .filter(|(_, p)| !p)
+                .map(|(k, _)| k.clone())
+                .collect())
+        }
+        .await;
+        result.traced()
     }
 
     async fn batch_exists_touch(
@@ -1115,19 +1133,23 @@ impl Client {
     /// Deletes a blob (and the chunks of a chunked one, outside
     /// content-addressed namespaces, where chunks may be shared). Returns
     /// whether it existed.
-    #[tracing::instrument(name = "tidepool.delete", level = "info", skip_all, fields(namespace = %namespace))]
+    #[tracing::instrument(name = "tidepool.delete", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn delete(&self, namespace: &str, key: &[u8]) -> Result<bool> {
-        let chunks = match self.manifest_if_chunked(namespace, key).await? {
-            Some(manifest) if !self.content_addressed(namespace).await? => {
-                crate::stream::own_chunks(key, &manifest)
+        let result: Result<bool> = async {
+            let chunks = match self.manifest_if_chunked(namespace, key).await? {
+                Some(manifest) if !self.content_addressed(namespace).await? => {
+                    crate::stream::own_chunks(key, &manifest)
+                }
+                _ => Vec::new(),
+            };
+            let existed = self.delete_one(namespace, key).await?;
+            for chunk in chunks {
+                self.delete_one(namespace, &chunk).await?;
             }
-            _ => Vec::new(),
-        };
-        let existed = self.delete_one(namespace, key).await?;
-        for chunk in chunks {
-            self.delete_one(namespace, &chunk).await?;
+            Ok(existed)
         }
-        Ok(existed)
+        .await;
+        result.traced()
     }
 
     pub(crate) async fn delete_one(&self, namespace: &str, key: &[u8]) -> Result<bool> {
@@ -1147,15 +1169,19 @@ impl Client {
 
     /// Moves a blob (and its chunks) into the current epoch. Returns the
     /// epoch; `NOT_FOUND` if it does not exist.
-    #[tracing::instrument(name = "tidepool.touch", level = "info", skip_all, fields(namespace = %namespace))]
+    #[tracing::instrument(name = "tidepool.touch", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn touch(&self, namespace: &str, key: &[u8]) -> Result<u64> {
-        let epoch = self.touch_one(namespace, key).await?;
-        if let Some(manifest) = self.manifest_if_chunked(namespace, key).await? {
-            for chunk in manifest.chunks {
-                self.touch_one(namespace, &chunk.key).await?;
+        let result: Result<u64> = async {
+            let epoch = self.touch_one(namespace, key).await?;
+            if let Some(manifest) = self.manifest_if_chunked(namespace, key).await? {
+                for chunk in manifest.chunks {
+                    self.touch_one(namespace, &chunk.key).await?;
+                }
             }
+            Ok(epoch)
         }
-        Ok(epoch)
+        .await;
+        result.traced()
     }
 
     async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {

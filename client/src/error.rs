@@ -52,6 +52,21 @@ impl Error {
     }
 }
 
+/// Records a failed call's code as `error_code` on the current span (the
+/// SDK call's own, which declares the field).
+pub(crate) trait Traced {
+    fn traced(self) -> Self;
+}
+
+impl<T> Traced for Result<T> {
+    fn traced(self) -> Self {
+        if let Err(error) = &self {
+            tracing::Span::current().record("error_code", error.code().as_str_name());
+        }
+        self
+    }
+}
+
 /// What a failed call means for the retry loop.
 pub(crate) enum Disposition {
     /// Final: give it to the caller.

@@ -22,7 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::client::{Client, PutOutcome, blob_ref, digest_of, read_blob, sha256};
 use crate::cluster::Cluster;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Traced as _};
 
 /// Reads until `buf` holds `limit` bytes or the input ends.
 async fn read_up_to<R: AsyncRead + Unpin>(reader: &mut R, limit: usize) -> Result<Vec<u8>> {
@@ -63,7 +63,7 @@ impl Client {
 
     /// [`Client::put_stream`], calling `progress` with the bytes stored so
     /// far after each chunk.
-    #[tracing::instrument(name = "tidepool.put_stream", level = "info", skip_all, fields(namespace = %namespace))]
+    #[tracing::instrument(name = "tidepool.put_stream", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn put_stream_progress<R: AsyncRead + Unpin>(
         &self,
         namespace: &str,
@@ -71,17 +71,21 @@ impl Client {
         mut reader: R,
         mut progress: impl FnMut(u64),
     ) -> Result<PutOutcome> {
-        let mut upload = self.upload(namespace, key).await?;
-        let limit = self.chunk_size();
-        loop {
-            let piece = read_up_to(&mut reader, limit).await?;
-            if piece.is_empty() {
-                break;
+        let result: Result<PutOutcome> = async {
+            let mut upload = self.upload(namespace, key).await?;
+            let limit = self.chunk_size();
+            loop {
+                let piece = read_up_to(&mut reader, limit).await?;
+                if piece.is_empty() {
+                    break;
+                }
+                upload.write(&piece).await?;
+                progress(upload.written());
             }
-            upload.write(&piece).await?;
-            progress(upload.written());
+            upload.finish().await
         }
-        upload.finish().await
+        .await;
+        result.traced()
     }
 
     /// The chunks a blob is stored as, in order: a chunked blob's from its
@@ -188,7 +192,7 @@ impl Client {
 
     /// Opens a blob for reading in verified pieces ([`BlobReader`]),
     /// from `offset`, at most `limit` bytes (`None`: to the end).
-    #[tracing::instrument(name = "tidepool.open_range", level = "info", skip_all, fields(namespace = %namespace, offset))]
+    #[tracing::instrument(name = "tidepool.open_range", level = "info", skip_all, fields(namespace = %namespace, offset, error_code = tracing::field::Empty))]
     pub async fn open_range(
         &self,
         namespace: &str,
@@ -196,66 +200,70 @@ impl Client {
         offset: u64,
         limit: Option<u64>,
     ) -> Result<BlobReader> {
-        let cas = self.content_addressed(namespace).await?;
-        let (info, mut content) = self.get_verified(namespace, key, cas).await?;
-        let mut reader = BlobReader {
-            client: self.clone(),
-            namespace: namespace.to_string(),
-            key: key.to_vec(),
-            cas,
-            size: 0,
-            sha256: [0; 32],
-            epoch: info.epoch,
-            current_epoch: info.current_epoch,
-            plain: None,
-            manifest: ChunkManifest::default(),
-            next_chunk: 0,
-            whole: None,
-            skip: 0,
-            remaining: limit.unwrap_or(u64::MAX),
-            fetching: VecDeque::new(),
-            fetch_next: 0,
-            wanted: 0,
-            requested: 0,
-        };
-        if info.kind != BlobKind::Manifest as i32 {
-            // `get_verified` checked the bytes against this digest.
-            let digest = digest_of(&info.sha256)?;
-            if cas && digest[..] != key[..] {
-                return Err(corrupt(format!(
-                    "the content read under {} does not hash to it",
-                    hex(key)
-                )));
+        let result: Result<BlobReader> = async {
+            let cas = self.content_addressed(namespace).await?;
+            let (info, mut content) = self.get_verified(namespace, key, cas).await?;
+            let mut reader = BlobReader {
+                client: self.clone(),
+                namespace: namespace.to_string(),
+                key: key.to_vec(),
+                cas,
+                size: 0,
+                sha256: [0; 32],
+                epoch: info.epoch,
+                current_epoch: info.current_epoch,
+                plain: None,
+                manifest: ChunkManifest::default(),
+                next_chunk: 0,
+                whole: None,
+                skip: 0,
+                remaining: limit.unwrap_or(u64::MAX),
+                fetching: VecDeque::new(),
+                fetch_next: 0,
+                wanted: 0,
+                requested: 0,
+            };
+            if info.kind != BlobKind::Manifest as i32 {
+                // `get_verified` checked the bytes against this digest.
+                let digest = digest_of(&info.sha256)?;
+                if cas && digest[..] != key[..] {
+                    return Err(corrupt(format!(
+                        "the content read under {} does not hash to it",
+                        hex(key)
+                    )));
+                }
+                reader.size = content.len() as u64;
+                reader.sha256 = digest;
+                let start = offset.min(reader.size) as usize;
+                content.drain(..start);
+                reader.plain = Some(content);
+                return Ok(reader);
             }
-            reader.size = content.len() as u64;
-            reader.sha256 = digest;
-            let start = offset.min(reader.size) as usize;
-            content.drain(..start);
-            reader.plain = Some(content);
-            return Ok(reader);
+            let manifest = ChunkManifest::decode(&content[..])
+                .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))?;
+            reader.size = manifest.size;
+            reader.sha256 = digest_of(&manifest.sha256)
+                .map_err(|_| corrupt(format!("the manifest of {} has no digest", hex(key))))?;
+            // The first chunk holding `offset`; the whole blob's digest is
+            // checked only when it is read whole.
+            let mut start = 0u64;
+            while reader.next_chunk < manifest.chunks.len()
+                && start + manifest.chunks[reader.next_chunk].size <= offset
+            {
+                start += manifest.chunks[reader.next_chunk].size;
+                reader.next_chunk += 1;
+            }
+            reader.skip = offset.saturating_sub(start);
+            reader.fetch_next = reader.next_chunk;
+            reader.wanted = reader.skip.saturating_add(reader.remaining);
+            if offset == 0 && limit.is_none() {
+                reader.whole = Some(Sha256::new());
+            }
+            reader.manifest = manifest;
+            Ok(reader)
         }
-        let manifest = ChunkManifest::decode(&content[..])
-            .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))?;
-        reader.size = manifest.size;
-        reader.sha256 = digest_of(&manifest.sha256)
-            .map_err(|_| corrupt(format!("the manifest of {} has no digest", hex(key))))?;
-        // The first chunk holding `offset`; the whole blob's digest is
-        // checked only when it is read whole.
-        let mut start = 0u64;
-        while reader.next_chunk < manifest.chunks.len()
-            && start + manifest.chunks[reader.next_chunk].size <= offset
-        {
-            start += manifest.chunks[reader.next_chunk].size;
-            reader.next_chunk += 1;
-        }
-        reader.skip = offset.saturating_sub(start);
-        reader.fetch_next = reader.next_chunk;
-        reader.wanted = reader.skip.saturating_add(reader.remaining);
-        if offset == 0 && limit.is_none() {
-            reader.whole = Some(Sha256::new());
-        }
-        reader.manifest = manifest;
-        Ok(reader)
+        .await;
+        result.traced()
     }
 
     async fn delete_chunk(&self, namespace: &str, key: &[u8]) -> Result<()> {

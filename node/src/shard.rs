@@ -374,7 +374,9 @@ impl ShardHandle {
             reads: Vec::new(),
             batch: VecDeque::new(),
             next_tick: Instant::now(),
+            // A root: its lines belong to no request that opened it.
             span: tracing::info_span!(
+                parent: None,
                 "shard",
                 node_id = opener_node_id,
                 shard_id = handle.shard_id
@@ -812,9 +814,14 @@ impl Owner {
         self.write_bytes = 0;
         let sync = std::mem::take(&mut self.write_sync);
         let (ops, completions): (Vec<WriteOp>, Vec<Completion>) = batch.into_iter().unzip();
+        let place = crate::tracing_context::Place {
+            node_id: self.opener.config.node_id,
+            shard_id: self.handle.shard_id,
+            term: self.replica.as_ref().map_or(0, |r| r.term()),
+        };
         let (span, traceparent) = crate::tracing_context::propose_span(
             &std::mem::take(&mut self.write_spans),
-            self.handle.shard_id,
+            place,
             ops.len(),
         );
         // Each op's caller learns its own op's result; the entry's span

@@ -19,10 +19,18 @@
 use tidepool_security::trace_context;
 use tracing::Span;
 
-/// The span of an entry proposed for `spans` (the traced requests of its
-/// batch) and the `traceparent` the entry carries; a disabled span and no
-/// context when nothing in the batch is sampled.
-pub(crate) fn propose_span(spans: &[Span], shard_id: u32, ops: usize) -> (Span, Vec<u8>) {
+/// Where a replica's span happens: its node, shard and the Raft term.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place {
+    pub node_id: u64,
+    pub shard_id: u32,
+    pub term: u64,
+}
+
+/// The span of an entry proposed at `place` for `spans` (the traced
+/// requests of its batch) and the `traceparent` the entry carries; a
+/// disabled span and no context when nothing in the batch is sampled.
+pub(crate) fn propose_span(spans: &[Span], place: Place, ops: usize) -> (Span, Vec<u8>) {
     let Some(first) = spans.first() else {
         return (Span::none(), Vec::new());
     };
@@ -30,8 +38,10 @@ pub(crate) fn propose_span(spans: &[Span], shard_id: u32, ops: usize) -> (Span, 
         target: "tidepool_node::raft",
         parent: first,
         "raft.propose",
+        node_id = place.node_id,
+        shard_id = place.shard_id,
+        term = place.term,
         ops,
-        shard_id,
         traced_requests = spans.len()
     );
     for other in &spans[1..] {
@@ -52,18 +62,18 @@ pub(crate) enum Step {
     Apply,
 }
 
-/// The span of `step` for an entry whose context is `traceparent` (a
-/// disabled span for an untraced entry).
-pub(crate) fn entry_span(
-    step: Step,
-    traceparent: &[u8],
-    node_id: u64,
-    shard_id: u32,
-    index: u64,
-) -> Span {
+/// The span of `step` at `place` for the entry at `index` whose context
+/// is `traceparent` (a disabled span for an untraced entry); `place.term`
+/// is the entry's term.
+pub(crate) fn entry_span(step: Step, traceparent: &[u8], place: Place, index: u64) -> Span {
     if traceparent.is_empty() || !trace_context::exporting() {
         return Span::none();
     }
+    let Place {
+        node_id,
+        shard_id,
+        term,
+    } = place;
     let span = match step {
         Step::Append => tracing::info_span!(
             target: "tidepool_node::raft",
@@ -71,6 +81,7 @@ pub(crate) fn entry_span(
             "raft.append",
             node_id,
             shard_id,
+            term,
             index
         ),
         Step::Apply => tracing::info_span!(
@@ -79,6 +90,7 @@ pub(crate) fn entry_span(
             "raft.apply",
             node_id,
             shard_id,
+            term,
             index
         ),
     };

@@ -187,17 +187,7 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
     // binary runs at the same time and its SDK spans reach this receiver
     // too, so the trace is told by its id, not by its name.
     let caller = tracing::info_span!(target: "tidepool_test", "traced caller");
-    let trace = {
-        use opentelemetry::trace::TraceContextExt as _;
-        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-        caller
-            .context()
-            .span()
-            .span_context()
-            .trace_id()
-            .to_bytes()
-            .to_vec()
-    };
+    let trace = trace_of(&caller);
     runtime
         .block_on(
             client
@@ -264,9 +254,14 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
         .map(|s| s.attributes["node_id"].parse().unwrap())
         .collect();
     assert_eq!(appliers.len(), 3, "{applies:#?}");
+    // The proposing node and term are the leader's; each replica's append
+    // and apply name the entry's term, the one it was proposed in.
+    assert_eq!(propose.attributes["node_id"], leader.to_string());
+    assert_eq!(propose.attributes["term"], term.to_string());
     for span in appends.iter().chain(&applies) {
         assert_eq!(span.parent, propose.span_id, "{span:#?}");
         assert_eq!(span.attributes["shard_id"], propose.attributes["shard_id"]);
+        assert_eq!(span.attributes["term"], term.to_string(), "{span:#?}");
     }
     // Every span of the trace is parented inside it (one tree).
     let ids: BTreeSet<&[u8]> = spans
@@ -360,19 +355,31 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
     assert!(sdk.name.starts_with("tidepool."), "{sdk:#?}");
     assert_eq!(sdk.parent, gateway.span_id);
 
+    // A failed SDK call: its span names the code, as the node's does.
+    let failed = tracing::info_span!(target: "tidepool_test", "failing caller");
+    let failed_trace = trace_of(&failed);
+    let error = runtime
+        .block_on(client.get("default", b"never written").instrument(failed))
+        .unwrap_err();
+    assert!(error.is_not_found(), "{error}");
+    let spans = receiver.wait("the failed get's SDK span", |spans| {
+        spans
+            .iter()
+            .any(|s| s.trace_id == failed_trace && s.name == "tidepool.get")
+    });
+    let get = spans
+        .iter()
+        .find(|s| s.trace_id == failed_trace && s.name == "tidepool.get")
+        .unwrap();
+    assert_eq!(
+        get.attributes.get("error_code").map(String::as_str),
+        Some("NOT_FOUND"),
+        "{get:#?}"
+    );
+
     // A caller that decided not to sample: nothing anywhere.
     let unsampled = unsampled_span();
-    let unsampled_trace = {
-        use opentelemetry::trace::TraceContextExt as _;
-        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-        unsampled
-            .context()
-            .span()
-            .span_context()
-            .trace_id()
-            .to_bytes()
-            .to_vec()
-    };
+    let unsampled_trace = trace_of(&unsampled);
     runtime
         .block_on(
             client
@@ -400,6 +407,18 @@ fn one_put_is_one_trace_through_the_leader_and_both_followers() {
     drop(client);
     drop(runtime);
     drop(child);
+}
+
+/// The trace id of a span of this process.
+fn trace_of(span: &tracing::Span) -> Vec<u8> {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    span.context()
+        .span()
+        .span_context()
+        .trace_id()
+        .to_bytes()
+        .to_vec()
 }
 
 /// A span whose (remote) parent decided not to sample.

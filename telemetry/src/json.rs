@@ -1,10 +1,13 @@
 //! `--log-format json`: one JSON object per line, with the trace and span
-//! ids of the OpenTelemetry span the line was logged in.
+//! ids of the innermost span around the line that belongs to a trace (a
+//! line logged inside a request, or inside a span of a library or a debug
+//! span within it, carries the request's trace; a line outside every trace
+//! carries no ids).
 //!
 //! ```json
-//! {"timestamp":"2026-11-27T07:00:00.000000Z","level":"INFO","target":"tidepool_node::shard",
-//!  "fields":{"message":"leadership changed","term":3},
-//!  "spans":[{"name":"shard","node_id":1,"shard_id":0}],
+//! {"timestamp":"2026-11-27T07:00:00.000000Z","level":"DEBUG","target":"tidepool_node::server::blobs",
+//!  "fields":{"message":"request answered","code":"OK","micros":812},
+//!  "spans":[{"name":"request","node_id":1,"op":"put","shard_id":0,"term":3,"namespace":"default"}],
 //!  "trace_id":"4bf92f3577b34da6a3ce929d0e0e4736","span_id":"00f067aa0ba902b7"}
 //! ```
 
@@ -82,13 +85,19 @@ where
         let mut fields = Fields(Map::new());
         event.record(&mut fields);
         line.insert("fields".into(), Value::Object(fields.0));
-        // The ids first: looking them up takes the span's extensions.
-        let leaf = ctx
-            .event_scope()
-            .and_then(|mut scope| scope.next().map(|s| s.id()));
-        if tidepool_security::trace_context::tracking()
-            && let Some((trace_id, span_id)) = leaf.as_ref().and_then(trace_ids)
-        {
+        // The ids first: looking them up takes the span's extensions. The
+        // innermost span that belongs to a trace: spans the OpenTelemetry
+        // layer does not see (libraries', debug ones) have no context.
+        let traced = if tidepool_security::trace_context::tracking() {
+            let ids: Vec<tracing::span::Id> = ctx
+                .event_scope()
+                .map(|scope| scope.map(|span| span.id()).collect())
+                .unwrap_or_default();
+            ids.iter().find_map(trace_ids)
+        } else {
+            None
+        };
+        if let Some((trace_id, span_id)) = traced {
             line.insert("trace_id".into(), trace_id.into());
             line.insert("span_id".into(), span_id.into());
         }
@@ -110,5 +119,93 @@ where
         }
         let text = serde_json::to_string(&line).map_err(|_| std::fmt::Error)?;
         writeln!(writer, "{text}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::filter::filter_fn;
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    use super::*;
+
+    /// A writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn parsed(lines: &Lines) -> Vec<Value> {
+        let bytes = lines.0.lock().unwrap().clone();
+        String::from_utf8(bytes)
+            .unwrap()
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    }
+
+    /// A line logged inside a span OpenTelemetry does not see (a library's,
+    /// or one kept out as the shard owner's is) that is itself inside a
+    /// traced request carries the request's ids; a line outside every trace
+    /// carries none.
+    #[test]
+    fn lines_carry_the_ids_of_the_innermost_traced_span() {
+        tidepool_security::trace_context::set_tracking(true);
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .event_format(JsonLines)
+                    .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                    .with_writer(move || writer.clone())
+                    // Only this test's lines (others in the binary log too).
+                    .with_filter(filter_fn(|m| m.target().starts_with(module_path!()))),
+            )
+            .with(
+                tracing_opentelemetry::layer()
+                    .with_tracer(provider.tracer("test"))
+                    .with_filter(filter_fn(|m| !(m.is_span() && m.name() == "untraced"))),
+            );
+        // Global, as a process installs it: inside an event's dispatch a
+        // scoped dispatcher is not found again (tracing-core guards against
+        // re-entry), so the ids could not be looked up.
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        let request = tracing::info_span!("request", op = "get");
+        let request_ids = request.id().and_then(|id| trace_ids(&id)).unwrap();
+        request.in_scope(|| {
+            tracing::info!("in the request");
+            tracing::info_span!("untraced", library = true)
+                .in_scope(|| tracing::info!("in a library span inside the request"));
+        });
+        let root = tracing::info_span!("untraced", scope = "owner");
+        root.in_scope(|| tracing::info!("outside every trace"));
+        let untraced_root = root.id().and_then(|id| trace_ids(&id));
+        assert!(untraced_root.is_none());
+        let lines = parsed(&lines);
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        for line in &lines[..2] {
+            assert_eq!(line["trace_id"], request_ids.0.as_str(), "{line}");
+            assert_eq!(line["span_id"], request_ids.1.as_str(), "{line}");
+            assert_eq!(line["spans"][0]["name"], "request", "{line}");
+            assert_eq!(line["spans"][0]["op"], "get", "{line}");
+        }
+        assert_eq!(lines[1]["spans"][1]["name"], "untraced");
+        assert!(lines[2].get("trace_id").is_none(), "{}", lines[2]);
+        assert!(lines[2].get("span_id").is_none(), "{}", lines[2]);
+        assert_eq!(lines[2]["fields"]["message"], "outside every trace");
     }
 }

@@ -26,7 +26,7 @@ use crate::entry_context::traceparent;
 use crate::error::{NodeError, Result};
 use crate::names::{Meta, NameBatch};
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
-use crate::tracing_context::{Step, entry_span};
+use crate::tracing_context::{Place, Step, entry_span};
 
 /// Drops one namespace's entries, keeps the rest.
 struct Namespace(u32);
@@ -46,14 +46,12 @@ impl Replica {
     pub(crate) fn apply_entries(&mut self, entries: Vec<Entry>) -> Result<()> {
         for entry in entries {
             let index = entry.index;
-            let node = self.config.node_id;
-            let span = entry_span(
-                Step::Apply,
-                traceparent(&entry.context),
-                node,
-                self.shard_id(),
-                index,
-            );
+            let place = Place {
+                node_id: self.config.node_id,
+                shard_id: self.shard_id(),
+                term: entry.term,
+            };
+            let span = entry_span(Step::Apply, traceparent(&entry.context), place, index);
             let _entered = span.enter();
             let mut results = Vec::new();
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {

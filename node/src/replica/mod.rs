@@ -589,6 +589,11 @@ impl Replica {
         }
     }
 
+    /// The replica's current Raft term.
+    pub fn term(&self) -> u64 {
+        self.raw.raft.term
+    }
+
     /// The replica's Raft state.
     pub fn status(&self) -> ReplicaStatus {
         let raft = &self.raw.raft;

@@ -22,7 +22,7 @@ use crate::entry_context::{must_sync, traceparent};
 use crate::error::{NodeError, Result};
 use crate::raftlog::RaftLog;
 use crate::snapshot::manifest_of;
-use crate::tracing_context::{Step, entry_span};
+use crate::tracing_context::{Place, Step, entry_span};
 
 impl Replica {
     /// Runs the Ready checklist if raft-rs has anything ready. Returns the
@@ -80,9 +80,12 @@ impl Replica {
                 .iter()
                 .filter(|e| !traceparent(&e.context).is_empty())
                 .map(|e| {
-                    let node = self.config.node_id;
-                    let parent = traceparent(&e.context);
-                    entry_span(Step::Append, parent, node, self.shard_id(), e.index)
+                    let place = Place {
+                        node_id: self.config.node_id,
+                        shard_id: self.shard_id(),
+                        term: e.term,
+                    };
+                    entry_span(Step::Append, traceparent(&e.context), place, e.index)
                 })
                 .collect()
         };
