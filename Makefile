@@ -163,7 +163,7 @@ bench-engine: ## Tidepool's engine vs RocksDB and BlobDB in one process: 4 GiB s
 
 TRACE_PAIRS ?= 3
 
-bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine; then 1 KiB puts and gets traced at 100% next to tracing off and no subscriber (TRACE_PAIRS rounds).
+bench-node: ## Benchmark: a 3-replica shard over gRPC next to a single engine; then 1 KiB puts and gets traced at 100% next to tracing off, a collector that never answers and no subscriber (TRACE_PAIRS rounds).
 	$(CARGO) build --release -p tidepool-benchmarks
 	./target/release/node-shard --seconds $(BENCH_SECONDS)
 	./target/release/node-shard --seconds $(BENCH_SECONDS) --value-bytes 1024 --trace-pairs $(TRACE_PAIRS)
