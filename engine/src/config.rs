@@ -150,10 +150,21 @@ pub struct Config {
     /// so relocation would count their segments as garbage and delete
     /// them. Without it (the default) an engine keeps nothing extra.
     pub retain_log_until_set: bool,
+    /// Records of [`Engine::append`](crate::Engine::append) at least this
+    /// long are written to their segment with one `pwritev` instead of
+    /// being copied into its mapping (0: never). A copy into a mapping
+    /// makes the kernel zero-fill every fresh page before the copy
+    /// overwrites it, and takes a fault per page; a write of whole pages
+    /// through the file does neither (`docs/design/wal-format.md`,
+    /// "Large records through the file").
+    pub append_pwrite_min_bytes: u64,
     /// The key spaces, in a fixed order: never remove or reorder one (new
     /// ones may be appended).
     pub key_spaces: Vec<KeySpaceConfig>,
 }
+
+/// Default of [`Config::append_pwrite_min_bytes`].
+pub const DEFAULT_APPEND_PWRITE_MIN_BYTES: u64 = 32 << 10;
 
 impl Default for Config {
     fn default() -> Self {
@@ -184,6 +195,7 @@ impl Default for Config {
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
             retain_log_until_set: false,
+            append_pwrite_min_bytes: DEFAULT_APPEND_PWRITE_MIN_BYTES,
             key_spaces: vec![KeySpaceConfig {
                 name: "default".into(),
                 key_bytes: 32,
@@ -232,6 +244,7 @@ impl Config {
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
             retain_log_until_set: false,
+            append_pwrite_min_bytes: DEFAULT_APPEND_PWRITE_MIN_BYTES,
             key_spaces: vec![
                 KeySpaceConfig {
                     name: "default".into(),

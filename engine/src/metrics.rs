@@ -132,6 +132,9 @@ counters! {
     batches,
     /// Bytes of records appended to the value WAL.
     wal_bytes_written,
+    /// Of those, bytes of records written through the file (`pwritev`)
+    /// rather than copied into a mapping (`Config::append_pwrite_min_bytes`).
+    wal_bytes_pwritten,
     /// Bytes of index blobs appended to the index log.
     index_bytes_written,
     /// Cell flushes completed (deltas and merges).

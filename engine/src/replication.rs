@@ -188,9 +188,20 @@ impl Engine {
             });
         }
         let len = format::entry_record_len(meta.len(), &specs);
-        let (position, locations) = inner.values.append(len, |buf, position| {
-            format::write_entry(buf, position, 0, meta, &specs)
-        })?;
+        // Large records through the file (no zero-filled pages, no faults);
+        // nothing reads them before the caller applies them.
+        let pwrite_min = inner.config.append_pwrite_min_bytes;
+        let (position, locations) = if pwrite_min > 0 && len as u64 >= pwrite_min {
+            let (position, gathered) = inner.values.append_gathered(len, |position| {
+                format::gather_entry(position, 0, meta, &specs)
+            })?;
+            crate::metrics::Metrics::add(&inner.metrics.counters().wal_bytes_pwritten, len as u64);
+            (position, gathered.locations)
+        } else {
+            inner.values.append(len, |buf, position| {
+                format::write_entry(buf, position, 0, meta, &specs)
+            })?
+        };
         let end = position.plus(len as u64);
         inner.values.wait_processed(end)?;
         crate::metrics::Metrics::add(&inner.metrics.counters().wal_bytes_written, len as u64);

@@ -5,7 +5,9 @@
 //! log made writable ahead of its data would be written back as zeros at
 //! every sync, then again once filled) and for a burst of buffered writes
 //! (where the log makes pages writable ahead and may use large folios,
-//! each bounded per sync).
+//! each bounded per sync), and for large records a replication layer
+//! appends, each synced (written through the file, `pwritev`: its folios
+//! are the kernel's choice, not the mapping's).
 //! Skipped where the directory is not on a block device.
 
 mod support;
@@ -70,6 +72,7 @@ fn synced_and_buffered_writes_are_dirtied_about_once() {
     synced_writes_are_dirtied_once();
     a_burst_of_buffered_writes_is_dirtied_about_once();
     synced_writes_after_a_burst_are_dirtied_once();
+    synced_large_appends_are_dirtied_once();
 }
 
 fn synced_writes_are_dirtied_once() {
@@ -150,6 +153,53 @@ fn synced_writes_after_a_burst_are_dirtied_once() {
     // 12 KiB a put), plus control files; with a large tail folio it was
     // 2 MiB a put.
     let overhead = (2 << 20) + puts * (12 << 10);
+    assert!(
+        dirtied <= appended + overhead,
+        "the kernel counted {dirtied} bytes for {appended} appended"
+    );
+}
+
+/// A Raft log's large entries: 1 MiB records appended (through the file,
+/// `append_pwrite_min_bytes`) and synced one at a time. The folio holding
+/// a record's end is the only one the next record dirties again.
+fn synced_large_appends_are_dirtied_once() {
+    let Some((_root, engine)) = open(100) else {
+        return;
+    };
+    let ks = engine.key_space("default").unwrap();
+    let io_before = tidepool_testkit::process_write_bytes();
+    let before = engine_bytes(&engine);
+    let records = 48u64;
+    for i in 0..records {
+        let value = value(i, 1, 1 << 20);
+        let appended = engine
+            .append(
+                b"raft entry",
+                &[tidepool_engine::ItemInput {
+                    space: ks,
+                    op: tidepool_engine::ItemOp::Put,
+                    key: &key(i),
+                    value: &value,
+                    epoch: tidepool_engine::Epoch(1),
+                    tag: tidepool_engine::Tag(0),
+                }],
+            )
+            .unwrap();
+        engine.wait_synced(appended.end).unwrap();
+    }
+    let appended = engine_bytes(&engine) - before;
+    assert!(
+        engine.metrics().counters.wal_bytes_pwritten >= records << 20,
+        "the records went through the file"
+    );
+    drop(engine);
+    let dirtied = tidepool_testkit::process_write_bytes() - io_before;
+    println!(
+        "{records} synced 1 MiB appends: engine appended {appended}, kernel counted {dirtied} ({:.3}x)",
+        dirtied as f64 / appended as f64
+    );
+    // Each sync's tail page and sync mark again, plus control files.
+    let overhead = (2 << 20) + records * (12 << 10);
     assert!(
         dirtied <= appended + overhead,
         "the kernel counted {dirtied} bytes for {appended} appended"

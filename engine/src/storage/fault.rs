@@ -442,8 +442,10 @@ impl Buffer {
     fn write(&self, data: &[u8], offset: u64) -> io::Result<()> {
         let start = self.check(offset, data.len())?;
         // SAFETY: the range is inside the buffer (checked); `write_at` is
-        // refused on mapped files, and the engine never writes one range of
-        // an unmapped file from two threads at once.
+        // refused on mapped files, `write_vectored_at` writes only ranges a
+        // log claimed (which no writer reaches through the mapping), and
+        // the engine never writes one range of a file from two threads at
+        // once.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(start), data.len())
         };
@@ -617,6 +619,26 @@ impl StorageFile for FaultFile {
         // Writing into a hole allocates it (or fails: disk full).
         self.reserve(offset + data.len() as u64)?;
         self.volatile.write(data, offset)
+    }
+
+    fn write_vectored_at(&self, pieces: &[io::IoSlice<'_>], offset: u64) -> io::Result<()> {
+        self.op()?;
+        // As through a mapping: into reserved bytes only (a write into a
+        // hole would allocate; the logs claim below the reserved end).
+        let len: u64 = pieces.iter().map(|p| p.len() as u64).sum();
+        if offset + len > self.reserved() {
+            return Err(io::Error::other(format!(
+                "vectored write of [{offset}, {}) past the reserved end {}",
+                offset + len,
+                self.reserved()
+            )));
+        }
+        let mut at = offset;
+        for piece in pieces {
+            self.volatile.write(piece, at)?;
+            at += piece.len() as u64;
+        }
+        Ok(())
     }
 
     fn map(&self, _page_folios: bool) -> io::Result<Mapping> {

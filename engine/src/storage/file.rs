@@ -246,6 +246,50 @@ impl StorageFile for DiskFile {
         self.file.write_all_at(data, offset)
     }
 
+    fn write_vectored_at(&self, pieces: &[io::IoSlice<'_>], offset: u64) -> io::Result<()> {
+        // At most IOV_MAX pieces a call; a short write goes on from where
+        // it stopped.
+        const MOST_PIECES: usize = 1024;
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        let mut done = 0usize;
+        let (mut first, mut skip) = (0usize, 0usize);
+        while done < total {
+            let mut batch: Vec<io::IoSlice<'_>> = Vec::with_capacity(MOST_PIECES.min(pieces.len()));
+            batch.push(io::IoSlice::new(&pieces[first][skip..]));
+            batch.extend(
+                pieces[first + 1..]
+                    .iter()
+                    .take(MOST_PIECES - 1)
+                    .map(|p| io::IoSlice::new(p)),
+            );
+            let written = match rustix::io::pwritev(&self.file, &batch, offset + done as u64) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            done += written;
+            // Move past what was written.
+            let mut left = written;
+            while left > 0 {
+                let rest = pieces[first].len() - skip;
+                if left < rest {
+                    skip += left;
+                    left = 0;
+                } else {
+                    left -= rest;
+                    first += 1;
+                    skip = 0;
+                }
+            }
+            while first < pieces.len() && pieces[first].len() == skip {
+                first += 1;
+                skip = 0;
+            }
+        }
+        Ok(())
+    }
+
     fn map(&self, page_folios: bool) -> io::Result<Mapping> {
         let len = self.mappable_len()?;
         // SAFETY: the engine owns its data directory; no other process is

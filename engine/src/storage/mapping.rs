@@ -130,7 +130,8 @@ impl Mapping {
     /// `base` must point to `len` bytes that are valid for reads and writes
     /// for as long as `owner` lives, and nothing else may write those bytes
     /// while the mapping exists (reads through the file, such as `pread` by
-    /// the kernel, are fine).
+    /// the kernel, are fine), except the ranges taken by
+    /// [`Mapping::claim_range`], which no region covers.
     pub(crate) unsafe fn from_raw(
         base: NonNull<u8>,
         len: u64,
@@ -197,6 +198,13 @@ impl Mapping {
 
     /// Claims the next `len` bytes.
     pub fn claim(&self, len: u64) -> Result<RegionMut<'_>, ClaimError> {
+        self.claim_range(len).map(|start| self.region(start, len))
+    }
+
+    /// Claims the next `len` bytes for a writer that writes them through
+    /// the file (`pwritev`), not through the mapping: their offset, and no
+    /// region over them.
+    pub fn claim_range(&self, len: u64) -> Result<u64, ClaimError> {
         let mut start = self.cursor.0.load(Ordering::Relaxed);
         loop {
             let end = start + len;
@@ -214,7 +222,7 @@ impl Mapping {
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return Ok(self.region(start, len)),
+                Ok(_) => return Ok(start),
                 Err(actual) => start = actual,
             }
         }
@@ -242,11 +250,22 @@ impl Mapping {
     /// ahead of their writers sized to their write rate instead (the log's
     /// allocator). Bytes are not changed. Returns the new watermark.
     pub fn populate_to(&self, end: u64) -> u64 {
+        self.populate_ahead(0, end)
+    }
+
+    /// [`Mapping::populate_to`] `end`, skipping what lies below `from`
+    /// (bytes already claimed: written, or being written, by their
+    /// writers, through the mapping or through the file).
+    pub fn populate_ahead(&self, from: u64, end: u64) -> u64 {
         let end = end
             .div_ceil(PAGE_BYTES)
             .saturating_mul(PAGE_BYTES)
             .min(self.limit());
-        let start = self.populated.0.fetch_max(end, Ordering::AcqRel);
+        let start = self
+            .populated
+            .0
+            .fetch_max(end, Ordering::AcqRel)
+            .max(from / PAGE_BYTES * PAGE_BYTES);
         if start < end {
             self._owner.populate(start as usize, (end - start) as usize);
         }

@@ -155,6 +155,12 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     /// Writes all of `data` at `offset` (for small files; logs are appended
     /// through [`StorageFile::map`]). The file must be long enough.
     fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes the bytes of `pieces`, in order, at `offset` (`pwritev`):
+    /// how a log appends a large record without copying it into its
+    /// mapping. Also on a mapped file, into a range the caller claimed
+    /// (no writer goes through the mapping there) and below the reserved
+    /// end.
+    fn write_vectored_at(&self, pieces: &[io::IoSlice<'_>], offset: u64) -> io::Result<()>;
     /// A writable mapping of the whole file, its pages faulted in (read-only
     /// until written) where the storage can. At most one per file.
     /// `page_folios` asks for page-sized page-cache folios (see

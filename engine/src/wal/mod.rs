@@ -92,6 +92,11 @@ pub(crate) struct Shared {
     released_bytes: AtomicU64,
     /// Syncs that made new bytes durable.
     syncs: AtomicU64,
+    /// Bytes processed that no writer wrote through the mapping: records
+    /// appended through the file (see [`Log::append_gathered`]) and the
+    /// unwritten rest of each segment behind its pad. The allocator
+    /// populates ahead only for the others.
+    unmapped_bytes: AtomicU64,
     /// When the last sync that made new bytes durable ended (by any
     /// thread), as `tracker::since_start` nanoseconds.
     last_sync: AtomicU64,
@@ -124,6 +129,13 @@ pub(crate) struct Log {
     shared: Arc<Shared>,
     /// The allocator and the periodic syncer.
     tasks: Mutex<Vec<Task>>,
+}
+
+/// What a writer claimed: a region of the mapping to copy into, or the
+/// offset of a range it writes through the file.
+enum Claim<'m> {
+    Mapped(RegionMut<'m>),
+    Direct(u64),
 }
 
 /// Marks a claimed range processed when dropped; if the writer did not
@@ -164,8 +176,14 @@ impl Log {
     ) -> Result<Log> {
         replay::remove_segments_from(&*storage, &opts, next)?;
         let base = next.0 * opts.segment_size;
-        let first =
-            workers::create_spare(&*storage, &opts, next, true, workers::POPULATE_MIN_BYTES)?;
+        let first = workers::create_spare(
+            &*storage,
+            &opts,
+            next,
+            true,
+            workers::POPULATE_MIN_BYTES,
+            workers::POPULATE_MIN_BYTES,
+        )?;
         let mut files = existing;
         let active = activate(&opts, first, epoch);
         files.insert(next, active.segment.clone());
@@ -185,6 +203,7 @@ impl Log {
             released_below: Mutex::new(0),
             released_bytes: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            unmapped_bytes: AtomicU64::new(0),
             last_sync: AtomicU64::new(tracker::since_start()),
             shutdown: AtomicBool::new(false),
         });
@@ -206,6 +225,22 @@ impl Log {
         write: impl FnOnce(&mut [u8], WalPosition) -> R,
     ) -> Result<(WalPosition, R)> {
         self.shared.append(len, write)
+    }
+
+    /// Appends a record of `len` bytes (a multiple of 8, at most
+    /// [`LogOptions::max_record_bytes`]) through the file instead of the
+    /// mapping: `gather` lays it out, knowing its position, and it is
+    /// written with one `pwritev` (no page faults, and no zero-filling of
+    /// the pages it covers whole). The range counts as processed once
+    /// written, so the caller must not make readers expect it before this
+    /// returns (the Raft log applies its entries after). A failed write
+    /// poisons the log.
+    pub fn append_gathered<'a>(
+        &self,
+        len: usize,
+        gather: impl FnOnce(WalPosition) -> format::Gathered<'a>,
+    ) -> Result<(WalPosition, format::Gathered<'a>)> {
+        self.shared.append_gathered(len, gather)
     }
 
     /// Reads `buf.len()` bytes at `position`.
@@ -400,6 +435,61 @@ impl Shared {
         len: usize,
         write: impl FnOnce(&mut [u8], WalPosition) -> R,
     ) -> Result<(WalPosition, R)> {
+        self.claim(len, false, |active, claim| {
+            let Claim::Mapped(region) = claim else {
+                unreachable!("a mapped claim was asked for")
+            };
+            let offset = region.offset();
+            let (position, result) = self.fill(active, region, write);
+            self.fault_in_ahead(&active.mapping, offset, position.0, len as u64);
+            Ok((position, result))
+        })
+    }
+
+    fn append_gathered<'a>(
+        &self,
+        len: usize,
+        gather: impl FnOnce(WalPosition) -> format::Gathered<'a>,
+    ) -> Result<(WalPosition, format::Gathered<'a>)> {
+        self.claim(len, true, |active, claim| {
+            let Claim::Direct(offset) = claim else {
+                unreachable!("a direct claim was asked for")
+            };
+            let start = active.base + offset;
+            // Processed when dropped; the log is poisoned unless finished.
+            let mut claimed = Claimed {
+                shared: self,
+                start,
+                end: start + len as u64,
+                finished: false,
+            };
+            let gathered = gather(WalPosition(start));
+            debug_assert_eq!(gathered.len(), len);
+            if let Err(error) = active
+                .segment
+                .file
+                .write_vectored_at(&gathered.slices(), offset)
+            {
+                let error = Error::io(&active.segment.path, error);
+                self.health
+                    .poison(format!("appending at @{start}: {error}"));
+                return Err(error);
+            }
+            claimed.finished = true;
+            self.unmapped_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            Ok((WalPosition(start), gathered))
+        })
+    }
+
+    /// Claims `len` bytes of the active segment (rotating to the next one,
+    /// or reserving disk space ahead, as needed) and hands them to `with`:
+    /// a region of the mapping, or with `direct` the range's offset alone.
+    fn claim<R>(
+        &self,
+        len: usize,
+        direct: bool,
+        with: impl FnOnce(&Active, Claim<'_>) -> Result<R>,
+    ) -> Result<R> {
         debug_assert_eq!(len % 8, 0);
         if len as u64 > self.opts.max_record_bytes() {
             return Err(Error::TooLarge {
@@ -414,13 +504,13 @@ impl Shared {
             let Some(active) = guard.as_ref() else {
                 return Err(Error::Closed);
             };
-            match active.mapping.claim(len as u64) {
-                Ok(region) => {
-                    let offset = region.offset();
-                    let (position, result) = self.fill(active, region, write);
-                    self.fault_in_ahead(&active.mapping, offset, position.0, len as u64);
-                    return Ok((position, result));
-                }
+            let claim = if direct {
+                active.mapping.claim_range(len as u64).map(Claim::Direct)
+            } else {
+                active.mapping.claim(len as u64).map(Claim::Mapped)
+            };
+            match claim {
+                Ok(claim) => return with(active, claim),
                 Err(ClaimError::Full { .. }) => {
                     let full = active.segment.id;
                     drop(guard);
@@ -550,6 +640,11 @@ impl Shared {
             if rest.len() >= format::RECORD_HEADER_BYTES {
                 format::write_pad(&mut rest, WalPosition(start));
             }
+            // Nothing is written past the pad's header: no page to populate.
+            self.unmapped_bytes.fetch_add(
+                (rest.len() as u64).saturating_sub(format::RECORD_HEADER_BYTES as u64),
+                Ordering::Relaxed,
+            );
             self.tracker.done(start, end);
         }
         let epoch = epoch.unwrap_or(Epoch(self.epoch.load(Ordering::Acquire)));

@@ -28,9 +28,10 @@ pub(crate) struct SpareQueue {
     state: Mutex<SpareState>,
     /// Signals rotators: a spare being made is ready (or failed).
     available: Condvar,
-    /// The allocator's populate window, which a spare made by a rotation
-    /// populates too.
+    /// The allocator's windows, which a spare made by a rotation reserves
+    /// and populates too: (reserve, populate).
     window: AtomicU64,
+    populate: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -51,6 +52,7 @@ impl SpareQueue {
             }),
             available: Condvar::new(),
             window: AtomicU64::new(POPULATE_MIN_BYTES),
+            populate: AtomicU64::new(POPULATE_MIN_BYTES),
         }
     }
 
@@ -77,8 +79,9 @@ impl SpareQueue {
             debug_assert_eq!(state.next_id, id.0, "spares are made in order");
             state.making = true;
             let window = self.window.load(Ordering::Relaxed);
+            let populate = self.populate.load(Ordering::Relaxed);
             let made = parking_lot::MutexGuard::unlocked(&mut state, || {
-                create_spare(&*shared.storage, &shared.opts, id, true, window)
+                create_spare(&*shared.storage, &shared.opts, id, true, window, populate)
             });
             state.making = false;
             self.available.notify_all();
@@ -198,10 +201,16 @@ const ALLOCATOR_IDLE_LOOK: Duration = Duration::from_millis(500);
 /// failed to make meets the failure itself.
 struct Allocator {
     shared: Arc<Shared>,
-    /// When and at what processed watermark the write rate was last
+    /// When, at what processed watermark and with how many bytes processed
+    /// but not written through the mapping the write rate was last
     /// measured.
-    rate_since: (std::time::Instant, u64),
+    rate_since: (std::time::Instant, u64, u64),
+    /// How far ahead of the writers the active segment is reserved, and
+    /// how far populated: the same window for bytes written through the
+    /// mapping; bytes appended through the file need no populated pages
+    /// (they would only be zero-filled to be overwritten).
     window: u64,
+    populate: u64,
     /// The log's progress (processed bytes, syncs) when the previous spare
     /// was made: what it did since picks the next one's folios.
     since: (u64, u64),
@@ -214,8 +223,13 @@ impl Allocator {
     fn new(shared: Arc<Shared>) -> Allocator {
         let since = Self::progress(&shared);
         Allocator {
-            rate_since: (std::time::Instant::now(), since.0),
+            rate_since: (
+                std::time::Instant::now(),
+                since.0,
+                shared.unmapped_bytes.load(Ordering::Relaxed),
+            ),
             window: POPULATE_MIN_BYTES,
+            populate: POPULATE_MIN_BYTES,
             since,
             looks: VecDeque::new(),
             shared,
@@ -236,14 +250,24 @@ impl Allocator {
             return Next::Stop;
         }
         let queue = &shared.spares;
-        // The log's write rate, from the bytes processed since the last look.
-        let now = (std::time::Instant::now(), shared.tracker.processed());
+        // The log's write rate, from the bytes processed since the last look
+        // (and, for populating, of those the ones written through the
+        // mapping).
+        let now = (
+            std::time::Instant::now(),
+            shared.tracker.processed(),
+            shared.unmapped_bytes.load(Ordering::Relaxed),
+        );
         let wrote = now.1 > self.rate_since.1;
         let elapsed = now.0 - self.rate_since.0;
         if elapsed >= Duration::from_millis(50) {
             let segment = shared.opts.segment_size;
-            self.window = populate_window(now.1 - self.rate_since.1, elapsed, segment);
+            let processed = now.1 - self.rate_since.1;
+            let mapped = processed.saturating_sub(now.2 - self.rate_since.2);
+            self.window = populate_window(processed, elapsed, segment);
+            self.populate = populate_window(mapped, elapsed, segment);
             queue.window.store(self.window, Ordering::Relaxed);
+            queue.populate.store(self.populate, Ordering::Relaxed);
             self.rate_since = now;
         }
         let window = self.window;
@@ -270,7 +294,8 @@ impl Allocator {
             if mapping.limit() < ahead - window / 2 {
                 let _ = shared.reserve(&active, ahead);
             }
-            mapping.populate_to(ahead);
+            let claimed = mapping.claimed();
+            mapping.populate_ahead(claimed, claimed.saturating_add(self.populate));
         }
         let Some(id) = id else {
             self.judge_folios();
@@ -283,7 +308,14 @@ impl Allocator {
         let progress = Self::progress(shared);
         let small = page_folios(progress.0 - self.since.0, progress.1 - self.since.1);
         self.since = progress;
-        let result = create_spare(&*shared.storage, &shared.opts, id, small, window);
+        let result = create_spare(
+            &*shared.storage,
+            &shared.opts,
+            id,
+            small,
+            window,
+            self.populate,
+        );
         let mut state = queue.state.lock();
         state.making = false;
         if let Ok(spare) = result {
@@ -351,11 +383,15 @@ pub(crate) fn spawn_tasks(shared: &Arc<Shared>, pool: &WorkerPool) -> Vec<Task> 
 /// 3. sync the directory (its name becomes durable);
 /// 4. map it (page folios or large ones, see [`page_folios`]), and
 ///    populate its first `populate` bytes.
+///
+/// Its first `reserve` bytes (at least, rounded up to
+/// [`RESERVE_MIN_BYTES`]) are reserved.
 pub(crate) fn create_spare(
     storage: &dyn Storage,
     opts: &LogOptions,
     id: SegmentId,
     page_folios: bool,
+    reserve: u64,
     populate: u64,
 ) -> Result<Spare> {
     let path = segment_path(&opts.dir, opts.kind, id);
@@ -364,7 +400,7 @@ pub(crate) fn create_spare(
         storage.remove(&path).map_err(|e| Error::io(&path, e))?;
     }
     let step = RESERVE_MIN_BYTES;
-    let reserve = populate.max(step).div_ceil(step).saturating_mul(step);
+    let reserve = reserve.max(step).div_ceil(step).saturating_mul(step);
     let file = storage
         .create_sparse(&path, opts.segment_size, reserve)
         .map_err(|e| Error::io(&path, e))?;

@@ -54,10 +54,12 @@
 //! its item location is the record's position. It spends 24 bytes of
 //! headers on a value instead of 48.
 
+mod gather;
 mod single;
 
 use crate::types::{Epoch, MAX_KEY_BYTES, Tag, WalPosition};
 
+pub(crate) use gather::{Gathered, gather_entry};
 pub(crate) use single::SINGLE_HEADER_BYTES;
 use single::SINGLE_KIND;
 
@@ -315,18 +317,8 @@ pub(crate) fn write_entry(
     if let Some(item) = single::as_single(meta.len(), items) {
         return vec![single::write(buf, position, flags, meta, item)];
     }
-    let body_len = entry_body_len(meta.len(), items);
-    let header = RecordHeader {
-        body_len: body_len as u32,
-        kind: Kind::Entry,
-        flags,
-        item_count: items.len() as u16,
-        crc: 0,
-        meta_len: meta.len() as u32,
-        single: false,
-    };
     let (head, body) = buf.split_at_mut(RECORD_HEADER_BYTES);
-    header.encode_without_crc(head);
+    head.copy_from_slice(&entry_header(flags, meta.len(), items));
     let mut record_crc = crc_start(position, head);
     let meta_padded = align8(meta.len());
     body[..meta.len()].copy_from_slice(meta);
@@ -350,20 +342,41 @@ pub(crate) fn write_entry(
     locations
 }
 
+/// The header of `item`, its crc field zero.
+fn item_header(item: &ItemSpec<'_>) -> [u8; ITEM_HEADER_BYTES] {
+    let mut head = [0u8; ITEM_HEADER_BYTES];
+    head[0] = item.op as u8;
+    head[1] = item.key_space;
+    head[2] = item.key.len() as u8;
+    put_u32(&mut head, 4, item.value.len() as u32);
+    put_u32(&mut head, 8, item.epoch.0);
+    put_u32(&mut head, 12, item.tag.0);
+    put_u64(&mut head, 16, item.version);
+    head
+}
+
+/// The header of a multi-item entry (crc field zero) with this metadata
+/// and these items.
+fn entry_header(flags: u8, meta_len: usize, items: &[ItemSpec<'_>]) -> [u8; RECORD_HEADER_BYTES] {
+    let header = RecordHeader {
+        body_len: entry_body_len(meta_len, items) as u32,
+        kind: Kind::Entry,
+        flags,
+        item_count: items.len() as u16,
+        crc: 0,
+        meta_len: meta_len as u32,
+        single: false,
+    };
+    let mut head = [0u8; RECORD_HEADER_BYTES];
+    header.encode_without_crc(&mut head);
+    head
+}
+
 /// Writes one item (header, key, value, zero padding) into `slot`.
 fn write_item(slot: &mut [u8], item: &ItemSpec<'_>) {
     let key_end = ITEM_HEADER_BYTES + item.key.len();
     let value_end = key_end + item.value.len();
-    slot[0] = item.op as u8;
-    slot[1] = item.key_space;
-    slot[2] = item.key.len() as u8;
-    slot[3] = 0;
-    put_u32(slot, 4, item.value.len() as u32);
-    put_u32(slot, 8, item.epoch.0);
-    put_u32(slot, 12, item.tag.0);
-    put_u64(slot, 16, item.version);
-    put_u32(slot, 24, 0);
-    put_u32(slot, 28, 0);
+    slot[..ITEM_HEADER_BYTES].copy_from_slice(&item_header(item));
     slot[ITEM_HEADER_BYTES..key_end].copy_from_slice(item.key);
     slot[key_end..value_end].copy_from_slice(item.value);
     slot[value_end..].fill(0);

@@ -33,6 +33,30 @@ pub(super) fn record_len(meta_len: usize, item: &ItemSpec<'_>) -> usize {
     align8(SINGLE_HEADER_BYTES + meta_len + item.key.len() + item.value.len())
 }
 
+/// The header of the single entry of `item` (its crc field zero) whose
+/// record is `record_len` bytes with `meta_len` bytes of metadata; also
+/// where its value ends (record bytes before the padding).
+pub(super) fn header(
+    record_len: usize,
+    flags: u8,
+    meta_len: usize,
+    item: &ItemSpec<'_>,
+) -> ([u8; SINGLE_HEADER_BYTES], usize) {
+    let end = SINGLE_HEADER_BYTES + meta_len + item.key.len() + item.value.len();
+    let mut head = [0u8; SINGLE_HEADER_BYTES];
+    put_u32(&mut head, 0, (record_len - RECORD_HEADER_BYTES) as u32);
+    head[4] = SINGLE_KIND;
+    head[5] = flags;
+    head[6] = item.op as u8;
+    head[7] = item.key_space;
+    head[12] = item.key.len() as u8;
+    head[13] = (record_len - end) as u8;
+    head[14..16].copy_from_slice(&(meta_len as u16).to_le_bytes());
+    put_u32(&mut head, 16, item.epoch.0);
+    put_u32(&mut head, 20, item.tag.0);
+    (head, end)
+}
+
 /// Writes a single entry into `buf` (exactly its record length): its
 /// header, `meta`, the item's key and value, zero padding.
 pub(super) fn write(
@@ -42,19 +66,10 @@ pub(super) fn write(
     meta: &[u8],
     item: &ItemSpec<'_>,
 ) -> ItemLocation {
+    let (head, end) = header(buf.len(), flags, meta.len(), item);
     let key_at = SINGLE_HEADER_BYTES + meta.len();
     let value_at = key_at + item.key.len();
-    let end = value_at + item.value.len();
-    put_u32(buf, 0, (buf.len() - RECORD_HEADER_BYTES) as u32);
-    buf[4] = SINGLE_KIND;
-    buf[5] = flags;
-    buf[6] = item.op as u8;
-    buf[7] = item.key_space;
-    buf[12] = item.key.len() as u8;
-    buf[13] = (buf.len() - end) as u8;
-    buf[14..16].copy_from_slice(&(meta.len() as u16).to_le_bytes());
-    put_u32(buf, 16, item.epoch.0);
-    put_u32(buf, 20, item.tag.0);
+    buf[..SINGLE_HEADER_BYTES].copy_from_slice(&head);
     buf[SINGLE_HEADER_BYTES..key_at].copy_from_slice(meta);
     buf[key_at..value_at].copy_from_slice(item.key);
     buf[value_at..end].copy_from_slice(item.value);
@@ -66,13 +81,21 @@ pub(super) fn write(
     }
 }
 
+/// Starts the CRC of a single entry at `position` from its header (the
+/// crc field skipped); metadata, key and value follow.
+pub(super) fn crc_start(position: WalPosition, head: &[u8]) -> crc32fast::Hasher {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&position.0.to_le_bytes());
+    hasher.update(&head[..8]);
+    hasher.update(&head[12..SINGLE_HEADER_BYTES]);
+    hasher
+}
+
 /// The CRC of a single entry at `position` whose bytes up to the end of
 /// its value are `bytes`.
 fn crc(position: WalPosition, bytes: &[u8]) -> u32 {
-    let mut hasher = crc32fast::Hasher::new();
-    hasher.update(&position.0.to_le_bytes());
-    hasher.update(&bytes[..8]);
-    hasher.update(&bytes[12..]);
+    let mut hasher = crc_start(position, bytes);
+    hasher.update(&bytes[SINGLE_HEADER_BYTES..]);
     hasher.finalize()
 }
 
