@@ -42,6 +42,10 @@ pub struct NetworkFaults {
     /// Probability that a snapshot file stream breaks before a chunk (the
     /// receiver resumes from where it stopped).
     pub snapshot_break: f64,
+    /// A snapshot reaches its follower this many ticks after the leader
+    /// sent it (its files take that long to transfer), while the leader
+    /// goes on; at most the leader's snapshot idle bound.
+    pub snapshot_transfer_ticks: u64,
 }
 
 /// What snapshot transfers did.
@@ -527,8 +531,13 @@ impl SimCluster {
         } else {
             1
         };
+        let transfer = if message.msg_type() == MessageType::MsgSnapshot {
+            self.faults.snapshot_transfer_ticks
+        } else {
+            0
+        };
         for _ in 0..copies {
-            let delay = self.rng.random_range(0..=self.faults.max_delay_ticks);
+            let delay = self.rng.random_range(0..=self.faults.max_delay_ticks) + transfer;
             self.in_flight.push(InFlight {
                 deliver_at: self.now + delay,
                 to: message.to,

@@ -148,6 +148,7 @@ fn a_faulty_network_with_crashes_converges() {
         duplicate: 0.05,
         max_delay_ticks: 3,
         snapshot_break: 0.2,
+        snapshot_transfer_ticks: 0,
     };
     let mut writes = Writes::new();
     elect(&mut cluster);

@@ -204,3 +204,58 @@ fn a_second_replica_added_right_after_the_first_gets_a_current_snapshot() {
     write_for(&mut cluster, &mut writes, 10);
     assert_converged(&mut cluster, &writes, "two learners added back to back");
 }
+
+/// A snapshot that takes longer to reach its follower than the leader's
+/// log keeps entries for a follower behind (here 20 ticks of transfer, 3
+/// puts a tick, against the 16 entries kept): the leader keeps the entries
+/// after the snapshot while it is being taken, so the follower goes on from
+/// the log once it installed it. Compacting them instead sends it another
+/// snapshot, further on, that arrives as late — a chase it never wins while
+/// the writes go on (the e2e soak's learner took a new 450 MB snapshot every
+/// 15 s for as long as the clients wrote).
+#[test]
+fn a_follower_whose_snapshot_outlasts_the_log_catches_up_while_writes_go_on() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(32));
+    cluster.faults = NetworkFaults {
+        snapshot_transfer_ticks: 20,
+        ..NetworkFaults::default()
+    };
+    let mut writes = Writes::new();
+    let leader = elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 10);
+    let lagging = leader % 3 + 1;
+    cluster.partition(&[lagging]);
+    write_for(&mut cluster, &mut writes, 60);
+    cluster.heal();
+    // How far behind the leader's commit the follower is (u64::MAX: no
+    // leader).
+    let lag = |cluster: &mut SimCluster| {
+        let Some(leader) = cluster.leader() else {
+            return u64::MAX;
+        };
+        let commit = cluster.replica(leader).unwrap().status().commit;
+        let applied = cluster.replica(lagging).unwrap().status().applied;
+        commit.saturating_sub(applied)
+    };
+    let mut least = u64::MAX;
+    for _ in 0..200 {
+        write_for(&mut cluster, &mut writes, 1);
+        least = least.min(lag(&mut cluster));
+    }
+    println!(
+        "seed {seed}: least lag while writing {least} entries; snapshots {:?}",
+        cluster.snapshots
+    );
+    assert!(
+        least <= 12,
+        "seed {seed}: the follower never came within 12 entries of the leader while the writes went on (least {least}); snapshots {:?}",
+        cluster.snapshots
+    );
+    assert!(
+        cluster.snapshots.received <= 2,
+        "seed {seed}: snapshot after snapshot: {:?}",
+        cluster.snapshots
+    );
+    assert_converged(&mut cluster, &writes, "a follower behind a slow snapshot");
+}

@@ -139,7 +139,8 @@ impl Replica {
     /// Compacts the log in steps of a quarter of its limits: to the
     /// applied index, except that a leader keeps what followers still need,
     /// up to half the entry limit (a follower further behind gets a
-    /// snapshot).
+    /// snapshot), and, whatever the limit, the entries after a snapshot a
+    /// follower is being sent.
     fn maybe_compact(&mut self) -> Result<()> {
         let applied = self.raw.raft.raft_log.applied;
         let (max_entries, max_bytes) = (
@@ -148,12 +149,22 @@ impl Replica {
         );
         let mut to = applied;
         if self.raw.raft.state == StateRole::Leader {
+            let mut snapshots = u64::MAX;
             for (id, progress) in self.raw.raft.prs().iter() {
                 if *id != self.config.node_id {
                     to = to.min(progress.matched);
+                    if progress.state == raft::ProgressState::Snapshot {
+                        snapshots = snapshots.min(progress.pending_snapshot);
+                    }
                 }
             }
             to = to.max(applied.saturating_sub(max_entries / 2));
+            // A follower taking a snapshot goes on from the entry after it:
+            // compacted, that entry would earn it another snapshot, as late
+            // as this one (never caught up while a transfer outlasts the
+            // entries kept). Kept only while the transfer moves: a stalled
+            // one is given up (`watch_snapshots`) and the limit applies.
+            to = to.min(snapshots);
         }
         let log = self.raw.store();
         if to < log.first() {
