@@ -43,20 +43,29 @@ fn caught_up(cluster: &mut SimCluster, id: u64) -> bool {
         .is_some_and(|r| r.status().applied >= commit)
 }
 
-#[test]
-fn lagging_follower_is_caught_up_by_a_snapshot() {
+/// A 3-replica cluster on `faults` (32 entries before the log compacts)
+/// whose leader wrote 10 ticks, then 60 more with one follower cut off;
+/// returns it, the writes, the leader and the follower (still cut off).
+fn a_follower_left_behind(faults: NetworkFaults) -> (SimCluster, Writes, u64, u64) {
     let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
     let mut cluster = SimCluster::with_config(seed, 3, short_log_config(32));
-    cluster.faults = NetworkFaults {
-        snapshot_break: 0.3,
-        ..NetworkFaults::default()
-    };
+    cluster.faults = faults;
     let mut writes = Writes::new();
     let leader = elect(&mut cluster);
     write_for(&mut cluster, &mut writes, 10);
     let lagging = leader % 3 + 1;
     cluster.partition(&[lagging]);
     write_for(&mut cluster, &mut writes, 60);
+    (cluster, writes, leader, lagging)
+}
+
+#[test]
+fn lagging_follower_is_caught_up_by_a_snapshot() {
+    let (mut cluster, mut writes, leader, lagging) = a_follower_left_behind(NetworkFaults {
+        snapshot_break: 0.3,
+        ..NetworkFaults::default()
+    });
+    let seed = cluster.seed();
     let status = cluster.replica(leader).unwrap().status();
     assert!(
         status.first_index > cluster.replica(lagging).unwrap().status().last_index + 1,
@@ -215,18 +224,11 @@ fn a_second_replica_added_right_after_the_first_gets_a_current_snapshot() {
 /// 15 s for as long as the clients wrote).
 #[test]
 fn a_follower_whose_snapshot_outlasts_the_log_catches_up_while_writes_go_on() {
-    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
-    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(32));
-    cluster.faults = NetworkFaults {
+    let (mut cluster, mut writes, _, lagging) = a_follower_left_behind(NetworkFaults {
         snapshot_transfer_ticks: 20,
         ..NetworkFaults::default()
-    };
-    let mut writes = Writes::new();
-    let leader = elect(&mut cluster);
-    write_for(&mut cluster, &mut writes, 10);
-    let lagging = leader % 3 + 1;
-    cluster.partition(&[lagging]);
-    write_for(&mut cluster, &mut writes, 60);
+    });
+    let seed = cluster.seed();
     cluster.heal();
     // How far behind the leader's commit the follower is (u64::MAX: no
     // leader).
