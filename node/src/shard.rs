@@ -415,10 +415,12 @@ impl ShardHandle {
 
     /// Queues a put or delete; its completion gets `Failed` if refused.
     /// When spans are exported, the caller's current span follows the
-    /// write into its Raft entry.
+    /// write into its Raft entry if its trace is sampled.
     pub fn write(&self, op: WriteOp, sync: EntrySync, done: Completion) {
         let span = if tidepool_security::trace_context::exporting() {
-            tracing::Span::current()
+            Some(tracing::Span::current())
+                .filter(tidepool_security::trace_context::sampled)
+                .unwrap_or_else(tracing::Span::none)
         } else {
             tracing::Span::none()
         };

@@ -74,7 +74,8 @@ pub(crate) fn entry_span(step: Step, traceparent: &[u8], place: Place, index: u6
         shard_id,
         term,
     } = place;
-    let span = match step {
+    let parent = trace_context::from_traceparent(traceparent);
+    trace_context::continued(parent, || match step {
         Step::Append => tracing::info_span!(
             target: "tidepool_node::raft",
             parent: None,
@@ -93,7 +94,5 @@ pub(crate) fn entry_span(step: Step, traceparent: &[u8], place: Place, index: u6
             term,
             index
         ),
-    };
-    trace_context::set_parent_from(&span, traceparent);
-    span
+    })
 }

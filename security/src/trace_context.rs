@@ -120,9 +120,29 @@ pub fn inject(span: &tracing::Span, headers: &mut http::HeaderMap) {
     if span.is_none() {
         return;
     }
+    let name = http::header::HeaderName::from_static("traceparent");
     let context = span.context();
-    if context.span().span_context().is_valid() {
-        TraceContextPropagator::new().inject_context(&context, &mut Headers(headers));
+    let span_context = context.span().span_context().clone();
+    if span_context.is_valid() {
+        if span_context.trace_state().header().is_empty() {
+            let bytes = traceparent_bytes(
+                &span_context.trace_id().to_bytes(),
+                &span_context.span_id().to_bytes(),
+                span_context.is_sampled(),
+            );
+            if let Ok(value) = http::HeaderValue::from_bytes(&bytes) {
+                headers.insert(name, value);
+            }
+        } else {
+            TraceContextPropagator::new().inject_context(&context, &mut Headers(headers));
+        }
+    } else if let Some(ids) = untraced(span) {
+        // The caller's decision travels on: the next process does not
+        // start a trace of its own for this request.
+        let bytes = traceparent_bytes(&ids.trace_id, &ids.span_id, false);
+        if let Ok(value) = http::HeaderValue::from_bytes(&bytes) {
+            headers.insert(name, value);
+        }
     }
 }
 
@@ -133,23 +153,118 @@ pub fn extract(metadata: &tonic::metadata::MetadataMap) -> Option<Context> {
     context.span().span_context().is_valid().then_some(context)
 }
 
-/// Makes `span` a child of the caller's span named in `metadata` (a
-/// request without one leaves `span` a root).
-pub fn set_remote_parent(span: &tracing::Span, metadata: &tonic::metadata::MetadataMap) {
-    if let Some(context) = extract(metadata) {
-        let _ = span.set_parent(context);
+/// The caller's trace context in plain HTTP headers, if it sent one.
+pub fn extract_from_headers(headers: &http::HeaderMap) -> Option<Context> {
+    headers.get("traceparent")?;
+    let context = TraceContextPropagator::new().extract(&HeaderReader(headers));
+    context.span().span_context().is_valid().then_some(context)
+}
+
+/// The caller's trace a span made on this thread continues, as the
+/// sampling layer of the process's subscriber reads it when that span is
+/// made (`tidepool_telemetry`): the caller's trace id and whether the
+/// caller sampled it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteParent {
+    /// The caller's trace id.
+    pub trace_id: [u8; 16],
+    /// Whether the caller sampled the trace (the `traceparent` flag).
+    pub sampled: bool,
+}
+
+thread_local! {
+    static NEXT_ROOT: std::cell::Cell<Option<RemoteParent>> = const { std::cell::Cell::new(None) };
+}
+
+/// The span `make` makes, continuing the caller's trace `parent` (`None`:
+/// the caller sent none, the span starts a trace). The sampling decision
+/// is taken as the span is made, from the caller's flag (or, for a new
+/// trace, the process's ratio): a span not sampled never reaches the
+/// OpenTelemetry layer, nor do the spans made inside it. `make` must make
+/// the span with `parent: None` (or where no traced span is current).
+pub fn continued(parent: Option<Context>, make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    let Some(parent) = parent else {
+        return make();
+    };
+    let span_context = parent.span().span_context().clone();
+    NEXT_ROOT.set(Some(RemoteParent {
+        trace_id: span_context.trace_id().to_bytes(),
+        sampled: span_context.is_sampled(),
+    }));
+    let span = make();
+    // Nothing took it if the span is disabled.
+    NEXT_ROOT.set(None);
+    // A span the sampling layer kept from OpenTelemetry has no context to
+    // set: a no-op.
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// What [`continued`] says of the span being made on this thread (taken:
+/// a later span gets `None`). For the sampling layer.
+pub fn take_remote_parent() -> Option<RemoteParent> {
+    NEXT_ROOT.take()
+}
+
+/// Whether `span` is part of a sampled trace (its spans are exported).
+pub fn sampled(span: &tracing::Span) -> bool {
+    !span.is_none() && span.context().span().span_context().is_sampled()
+}
+
+/// The ids of a span the sampling layer kept from OpenTelemetry (its
+/// trace was not sampled): the trace it belongs to — the caller's, its
+/// parent's or a new one — and an id of its own. What log lines inside it
+/// carry, and what it passes on (`traceparent` with the sampled flag
+/// clear), as an unsampled OpenTelemetry span would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Untraced {
+    /// The trace.
+    pub trace_id: [u8; 16],
+    /// The span.
+    pub span_id: [u8; 8],
+}
+
+/// How the sampling layer answers "is this span kept back, and with which
+/// ids": found through the subscriber (`Dispatch::downcast_ref`), as
+/// `tracing-opentelemetry` finds its contexts.
+#[derive(Clone, Copy, Debug)]
+pub struct UntracedLookup(pub fn(&tracing::Dispatch, &tracing::span::Id) -> Option<Untraced>);
+
+/// The ids of `span` if the sampling layer kept it back.
+pub fn untraced(span: &tracing::Span) -> Option<Untraced> {
+    span.with_subscriber(|(id, dispatch)| {
+        let lookup = dispatch.downcast_ref::<UntracedLookup>()?;
+        (lookup.0)(dispatch, id)
+    })
+    .flatten()
+}
+
+/// Writes `bytes` into `out` (twice as long) in lower-case hex.
+fn write_hex(out: &mut [u8], bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0xf)];
     }
 }
 
-/// [`set_remote_parent`] for plain HTTP headers.
-pub fn set_remote_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
-    if !headers.contains_key("traceparent") {
-        return;
-    }
-    let context = TraceContextPropagator::new().extract(&HeaderReader(headers));
-    if context.span().span_context().is_valid() {
-        let _ = span.set_parent(context);
-    }
+/// `bytes` in lower-case hex, as trace and span ids are written.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut out = vec![0; bytes.len() * 2];
+    write_hex(&mut out, bytes);
+    String::from_utf8(out).expect("hex digits are ASCII")
+}
+
+/// The W3C `traceparent` value (version 00) of these ids: 55 ASCII bytes,
+/// written without the propagator's string formatting (every request of
+/// an exporting process sends one).
+fn traceparent_bytes(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> [u8; 55] {
+    let mut out = [b'-'; 55];
+    out[..2].copy_from_slice(b"00");
+    write_hex(&mut out[3..35], trace_id);
+    write_hex(&mut out[36..52], span_id);
+    out[53..].copy_from_slice(if sampled { b"01" } else { b"00" });
+    out
 }
 
 /// The `traceparent` of `span` if it is sampled (what travels in a Raft
@@ -172,13 +287,6 @@ pub fn from_traceparent(bytes: &[u8]) -> Option<Context> {
     let value = std::str::from_utf8(bytes).ok()?;
     let context = TraceContextPropagator::new().extract(&Single(value));
     context.span().span_context().is_valid().then_some(context)
-}
-
-/// Makes `span` a child of the span named by `traceparent`.
-pub fn set_parent_from(span: &tracing::Span, traceparent: &[u8]) {
-    if let Some(context) = from_traceparent(traceparent) {
-        let _ = span.set_parent(context);
-    }
 }
 
 /// Links `span` to the span `other` (both in traces).
@@ -204,6 +312,37 @@ mod tests {
             context.span().span_context().trace_id().to_string(),
             "4bf92f3577b34da6a3ce929d0e0e4736"
         );
+    }
+
+    #[test]
+    fn traceparent_bytes_are_what_the_propagator_writes() {
+        use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+        for sampled in [false, true] {
+            let (trace_id, span_id) = (
+                [
+                    0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6, 0xa3, 0xce, 0x92, 0x9d, 0x0e,
+                    0x0e, 0x47, 0x36,
+                ],
+                [0, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7],
+            );
+            let flags = if sampled {
+                TraceFlags::SAMPLED
+            } else {
+                TraceFlags::default()
+            };
+            let context = Context::new().with_remote_span_context(SpanContext::new(
+                TraceId::from_bytes(trace_id),
+                SpanId::from_bytes(span_id),
+                flags,
+                true,
+                TraceState::default(),
+            ));
+            let mut one = One(None);
+            TraceContextPropagator::new().inject_context(&context, &mut one);
+            let ours = traceparent_bytes(&trace_id, &span_id, sampled);
+            assert_eq!(std::str::from_utf8(&ours).unwrap(), one.0.unwrap());
+        }
+        assert_eq!(hex(&[0x00, 0xab, 0xff]), "00abff");
     }
 
     #[test]

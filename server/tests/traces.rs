@@ -445,15 +445,28 @@ fn http_get(address: SocketAddr, path: &str) -> String {
 
 /// [`http_get`] with extra header lines (each ending in CRLF).
 fn http_get_with(address: SocketAddr, path: &str, headers: &str) -> String {
+    http_request(address, "GET", path, headers, b"")
+}
+
+/// One HTTP/1.1 request on a connection of its own; the whole response.
+fn http_request(
+    address: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> String {
     let mut socket = std::net::TcpStream::connect(address).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     write!(
         socket,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\n{headers}Connection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
     )
     .unwrap();
+    socket.write_all(body).unwrap();
     let mut out = String::new();
     socket.read_to_string(&mut out).unwrap();
     out
@@ -560,7 +573,8 @@ fn a_collector_that_never_answers_holds_no_request() {
 /// and a process sampling none of the traces it starts: requests that come
 /// without a sampled `traceparent` leave no span, a request whose caller
 /// sampled it is still traced (parent-based) — which also shows export is
-/// on in that process.
+/// on in that process — and a sampled write group-committed with
+/// unsampled ones is traced through Raft on every replica.
 #[test]
 fn with_sampling_off_only_callers_sampled_traces_are_exported() {
     let (receiver, collector) = receiver();
@@ -605,12 +619,59 @@ fn with_sampling_off_only_callers_sampled_traces_are_exported() {
                 .iter()
                 .any(|s| s.name == "request" && s.attributes.contains_key("node_id"))
     });
-    // Exports are batched: give any straggler of the 20 time to arrive.
+    // Writes at once, a few sampled among many that are not: whatever
+    // batch a sampled write is group-committed in, and wherever it stands
+    // in it, its trace goes through Raft on every replica.
+    let mut sampled_writes = Vec::new();
+    for round in 0..5 {
+        let writers: Vec<_> = (0..17)
+            .map(|i| {
+                let sampled = i == 8;
+                let trace: [u8; 16] = rand::random();
+                let header = format!(
+                    "traceparent: 00-{}-{}-{}\r\n",
+                    tidepool_client::hex(&trace),
+                    tidepool_client::hex(&rand::random::<[u8; 8]>()),
+                    if sampled { "01" } else { "00" }
+                );
+                let key = format!("{:064x}", round * 100 + i);
+                std::thread::spawn(move || {
+                    let response =
+                        http_request(http_cache, "PUT", &format!("/ac/{key}"), &header, b"value");
+                    assert!(response.starts_with("HTTP/1.1 2"), "{response}");
+                    (sampled, trace)
+                })
+            })
+            .collect();
+        for writer in writers {
+            let (sampled, trace) = writer.join().unwrap();
+            if sampled {
+                sampled_writes.push(trace);
+            }
+        }
+    }
+    for trace in &sampled_writes {
+        receiver.wait("a sampled write's spans through Raft", |spans| {
+            let count = |name: &str| {
+                spans
+                    .iter()
+                    .filter(|s| s.service == service && s.trace_id == *trace && s.name == name)
+                    .count()
+            };
+            count("raft.propose") == 1 && count("raft.append") == 2 && count("raft.apply") == 3
+        });
+    }
+    // Exports are batched: give any straggler of the unsampled requests
+    // time to arrive.
     std::thread::sleep(Duration::from_secs(2));
     let others: Vec<Received> = receiver
         .all()
         .into_iter()
-        .filter(|s| s.service == service && s.trace_id != trace)
+        .filter(|s| {
+            s.service == service
+                && s.trace_id != trace
+                && !sampled_writes.iter().any(|t| s.trace_id == *t)
+        })
         .collect();
     assert!(others.is_empty(), "unsampled traces exported: {others:#?}");
     assert!(spans.iter().any(|s| s.service == service));

@@ -13,6 +13,7 @@
 
 use opentelemetry::trace::TraceContextExt as _;
 use serde_json::{Map, Value};
+use tidepool_security::trace_context::{Untraced, hex};
 use tracing::field::{Field, Visit};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::fmt::format::Writer;
@@ -88,12 +89,21 @@ where
         // The ids first: looking them up takes the span's extensions. The
         // innermost span that belongs to a trace: spans the OpenTelemetry
         // layer does not see (libraries', debug ones) have no context.
+        // A span the sampling layer kept back (its trace not sampled)
+        // carries its ids itself.
         let traced = if tidepool_security::trace_context::tracking() {
-            let ids: Vec<tracing::span::Id> = ctx
+            let ids: Vec<(tracing::span::Id, Option<Untraced>)> = ctx
                 .event_scope()
-                .map(|scope| scope.map(|span| span.id()).collect())
+                .map(|scope| {
+                    scope
+                        .map(|span| (span.id(), span.extensions().get::<Untraced>().copied()))
+                        .collect()
+                })
                 .unwrap_or_default();
-            ids.iter().find_map(trace_ids)
+            ids.iter().find_map(|(id, untraced)| match untraced {
+                Some(untraced) => Some((hex(&untraced.trace_id), hex(&untraced.span_id))),
+                None => trace_ids(id),
+            })
         } else {
             None
         };
@@ -159,7 +169,8 @@ mod tests {
     /// A line logged inside a span OpenTelemetry does not see (a library's,
     /// or one kept out as the shard owner's is) that is itself inside a
     /// traced request carries the request's ids; a line outside every trace
-    /// carries none.
+    /// carries none; a line inside a request whose caller did not sample it
+    /// carries the caller's trace id.
     #[test]
     fn lines_carry_the_ids_of_the_innermost_traced_span() {
         tidepool_security::trace_context::set_tracking(true);
@@ -176,9 +187,11 @@ mod tests {
                     .with_filter(filter_fn(|m| m.target().starts_with(module_path!()))),
             )
             .with(
-                tracing_opentelemetry::layer()
-                    .with_tracer(provider.tracer("test"))
-                    .with_filter(filter_fn(|m| !(m.is_span() && m.name() == "untraced"))),
+                crate::sampling::Sampling::new(
+                    tracing_opentelemetry::layer().with_tracer(provider.tracer("test")),
+                    crate::sampling::Rule::default(),
+                )
+                .with_filter(filter_fn(|m| !(m.is_span() && m.name() == "untraced"))),
             );
         // Global, as a process installs it: inside an event's dispatch a
         // scoped dispatcher is not found again (tracing-core guards against
@@ -195,8 +208,22 @@ mod tests {
         root.in_scope(|| tracing::info!("outside every trace"));
         let untraced_root = root.id().and_then(|id| trace_ids(&id));
         assert!(untraced_root.is_none());
+        // A request whose caller did not sample its trace: kept from
+        // OpenTelemetry, its lines carry the caller's trace id.
+        let caller = tidepool_security::trace_context::from_traceparent(
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+        );
+        let unsampled = tidepool_security::trace_context::continued(
+            caller,
+            || tracing::info_span!(parent: None, "request", op = "put"),
+        );
+        let kept_back = tidepool_security::trace_context::untraced(&unsampled).unwrap();
+        unsampled.in_scope(|| tracing::info!("in an unsampled request"));
         let lines = parsed(&lines);
-        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert_eq!(lines.len(), 4, "{lines:#?}");
+        assert_eq!(lines[3]["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(lines[3]["span_id"], hex(&kept_back.span_id).as_str());
+        assert_eq!(lines[3]["spans"][0]["op"], "put");
         for line in &lines[..2] {
             assert_eq!(line["trace_id"], request_ids.0.as_str(), "{line}");
             assert_eq!(line["span_id"], request_ids.1.as_str(), "{line}");

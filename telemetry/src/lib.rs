@@ -6,7 +6,9 @@
 //! - [`requests`]: a tower layer counting every request by protocol, method
 //!   and result code, with latency histograms;
 //! - [`trace`]: the tracing subscriber (text or JSON log lines) and the
-//!   OpenTelemetry trace export over OTLP/gRPC.
+//!   OpenTelemetry trace export over OTLP/gRPC;
+//! - [`sampling`]: the sampling decision, taken as a trace's first span in
+//!   the process is made, so unsampled traces cost no OpenTelemetry work.
 //!
 //! The W3C trace context on the wire is `tidepool_security::trace_context`
 //! (the SDK needs it too, and does not depend on this crate).
@@ -29,6 +31,7 @@
 mod json;
 pub mod metrics;
 pub mod requests;
+pub mod sampling;
 pub mod trace;
 
 pub use metrics::{Exposition, Format};

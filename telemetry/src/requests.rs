@@ -366,19 +366,17 @@ where
         let protocol = self.layer.protocol;
         let metrics = self.layer.metrics.clone();
         let span = if self.layer.traced && tidepool_security::trace_context::tracking() {
-            let span = tracing::info_span!(
-                target: "tidepool_gateway::request",
-                parent: None,
-                "request",
-                protocol,
-                method,
-                code = tracing::field::Empty
-            );
-            tidepool_security::trace_context::set_remote_parent_from_headers(
-                &span,
-                request.headers(),
-            );
-            span
+            let parent = tidepool_security::trace_context::extract_from_headers(request.headers());
+            tidepool_security::trace_context::continued(parent, || {
+                tracing::info_span!(
+                    target: "tidepool_gateway::request",
+                    parent: None,
+                    "request",
+                    protocol,
+                    method,
+                    code = tracing::field::Empty
+                )
+            })
         } else {
             tracing::Span::none()
         };

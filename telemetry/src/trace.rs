@@ -8,7 +8,10 @@
 //! sampler is parent-based: a span whose caller sent a sampled
 //! `traceparent` is sampled, a root span with probability
 //! `--trace-sampling` (else `OTEL_TRACES_SAMPLER` / `_ARG` as the
-//! OpenTelemetry SDK reads them; default: every trace). `OTEL_SERVICE_NAME`,
+//! OpenTelemetry specification defines them; default: every trace). The
+//! decision is taken as a trace's first span in this process is made, and
+//! the spans of unsampled traces never reach OpenTelemetry
+//! ([`crate::sampling`]). `OTEL_SERVICE_NAME`,
 //! `OTEL_RESOURCE_ATTRIBUTES` and `OTEL_BSP_*` are honoured by the SDK.
 //!
 //! Exporting never blocks a request: finished spans go to the batch
@@ -32,6 +35,7 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, Registry};
 
 use crate::json::JsonLines;
+use crate::sampling::{Rule, Sampling};
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,7 +122,11 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Finished spans waiting for export; more are dropped.
 const EXPORT_QUEUE: usize = 8_192;
 
-fn provider(config: &TelemetryConfig, endpoint: Option<&str>) -> anyhow::Result<TelemetryGuard> {
+fn provider(
+    config: &TelemetryConfig,
+    endpoint: Option<&str>,
+    rule: Rule,
+) -> anyhow::Result<TelemetryGuard> {
     let mut builder = SdkTracerProvider::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         builder = builder.with_resource(
@@ -127,15 +135,15 @@ fn provider(config: &TelemetryConfig, endpoint: Option<&str>) -> anyhow::Result<
                 .build(),
         );
     }
-    if let Some(ratio) = config.sampling_ratio {
-        anyhow::ensure!(
-            (0.0..=1.0).contains(&ratio),
-            "--trace-sampling must be within 0..=1, not {ratio}"
-        );
-        builder = builder.with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-            ratio,
-        ))));
-    }
+    // Every span that reaches the SDK belongs to a trace the sampling
+    // layer sampled (`crate::sampling`). Parent-based still, so that a
+    // span given an unsampled caller's context afterwards (`set_parent`,
+    // as an application does by hand) follows the caller.
+    builder = builder.with_sampler(if rule.parent_based {
+        Sampler::ParentBased(Box::new(Sampler::AlwaysOn))
+    } else {
+        Sampler::AlwaysOn
+    });
     let mut runtime = None;
     if let Some(endpoint) = endpoint {
         // One worker thread of its own drives the channel's connection.
@@ -195,8 +203,9 @@ fn traced(metadata: &tracing::Metadata<'_>) -> bool {
 pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
     let endpoint = otlp_endpoint(config.otlp_endpoint.as_deref());
     let with_contexts = endpoint.is_some() || config.log_format == LogFormat::Json;
+    let rule = Rule::new(config.sampling_ratio)?;
     let guard = if with_contexts {
-        provider(config, endpoint.as_deref())?
+        provider(config, endpoint.as_deref(), rule)?
     } else {
         TelemetryGuard::default()
     };
@@ -222,7 +231,7 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
         // what the filters need (a filter without a hint makes it TRACE).
         let ours = Targets::new().with_target("tidepool", tracing::Level::INFO);
         let spans = filter_fn(traced).with_max_level_hint(LevelFilter::INFO);
-        tracing_opentelemetry::layer()
+        let layer = tracing_opentelemetry::layer()
             .with_tracer(tracer)
             .with_location(false)
             .with_threads(false)
@@ -234,8 +243,10 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
             // in and out, no busy/idle clock reads, on every poll of an
             // instrumented future.
             .with_context_activation(false)
-            .with_tracked_inactivity(false)
-            .with_filter(ours.and(spans))
+            .with_tracked_inactivity(false);
+        // Sampling decided as a trace's first span here is made: the
+        // OpenTelemetry layer sees sampled traces only.
+        Sampling::new(layer, rule).with_filter(ours.and(spans))
     });
     Registry::default()
         .with(logs)

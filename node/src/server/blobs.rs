@@ -970,19 +970,19 @@ impl BlobApi {
         request: impl std::future::Future<Output = ApiResult<T>>,
     ) -> Result<Response<T>, Status> {
         let start = Instant::now();
-        let span = tracing::info_span!(
-            "request",
-            node_id = self.node.config.node_id,
-            op = super::OPERATIONS[operation],
-            shard_id = tracing::field::Empty,
-            term = tracing::field::Empty,
-            namespace = tracing::field::Empty,
-            bytes = tracing::field::Empty,
-            error_code = tracing::field::Empty
-        );
-        if let Some(parent) = parent {
-            let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
-        }
+        let span = tidepool_security::trace_context::continued(parent, || {
+            tracing::info_span!(
+                parent: None,
+                "request",
+                node_id = self.node.config.node_id,
+                op = super::OPERATIONS[operation],
+                shard_id = tracing::field::Empty,
+                term = tracing::field::Empty,
+                namespace = tracing::field::Empty,
+                bytes = tracing::field::Empty,
+                error_code = tracing::field::Empty
+            )
+        });
         let result = request.instrument(span.clone()).await;
         let code = result
             .as_ref()
