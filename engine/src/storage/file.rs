@@ -191,6 +191,59 @@ impl DiskFile {
     }
 }
 
+/// At most this many pieces in one `pwritev` (the kernel's `IOV_MAX`).
+const MOST_PIECES: usize = 1024;
+
+/// Writes every byte of `pieces` at `offset` through `write` (one
+/// positioned vectored write: the bytes it took, which may be fewer than
+/// offered), at most [`MOST_PIECES`] pieces a call; a short write goes on
+/// from where it stopped, an interrupted one is retried, a write that takes
+/// nothing is an error (`WriteZero`).
+fn write_all_vectored_at(
+    pieces: &[io::IoSlice<'_>],
+    offset: u64,
+    mut write: impl FnMut(&[io::IoSlice<'_>], u64) -> io::Result<usize>,
+) -> io::Result<()> {
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    let mut done = 0usize;
+    let (mut first, mut skip) = (0usize, 0usize);
+    while done < total {
+        let mut batch: Vec<io::IoSlice<'_>> = Vec::with_capacity(MOST_PIECES.min(pieces.len()));
+        batch.push(io::IoSlice::new(&pieces[first][skip..]));
+        batch.extend(
+            pieces[first + 1..]
+                .iter()
+                .take(MOST_PIECES - 1)
+                .map(|p| io::IoSlice::new(p)),
+        );
+        let written = match write(&batch, offset + done as u64) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        done += written;
+        // Move past what was written.
+        let mut left = written;
+        while left > 0 {
+            let rest = pieces[first].len() - skip;
+            if left < rest {
+                skip += left;
+                left = 0;
+            } else {
+                left -= rest;
+                first += 1;
+                skip = 0;
+            }
+        }
+        while first < pieces.len() && pieces[first].len() == skip {
+            first += 1;
+            skip = 0;
+        }
+    }
+    Ok(())
+}
+
 impl StorageFile for DiskFile {
     fn len(&self) -> u64 {
         self.len
@@ -247,47 +300,9 @@ impl StorageFile for DiskFile {
     }
 
     fn write_vectored_at(&self, pieces: &[io::IoSlice<'_>], offset: u64) -> io::Result<()> {
-        // At most IOV_MAX pieces a call; a short write goes on from where
-        // it stopped.
-        const MOST_PIECES: usize = 1024;
-        let total: usize = pieces.iter().map(|p| p.len()).sum();
-        let mut done = 0usize;
-        let (mut first, mut skip) = (0usize, 0usize);
-        while done < total {
-            let mut batch: Vec<io::IoSlice<'_>> = Vec::with_capacity(MOST_PIECES.min(pieces.len()));
-            batch.push(io::IoSlice::new(&pieces[first][skip..]));
-            batch.extend(
-                pieces[first + 1..]
-                    .iter()
-                    .take(MOST_PIECES - 1)
-                    .map(|p| io::IoSlice::new(p)),
-            );
-            let written = match rustix::io::pwritev(&self.file, &batch, offset + done as u64) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => return Err(e.into()),
-            };
-            done += written;
-            // Move past what was written.
-            let mut left = written;
-            while left > 0 {
-                let rest = pieces[first].len() - skip;
-                if left < rest {
-                    skip += left;
-                    left = 0;
-                } else {
-                    left -= rest;
-                    first += 1;
-                    skip = 0;
-                }
-            }
-            while first < pieces.len() && pieces[first].len() == skip {
-                first += 1;
-                skip = 0;
-            }
-        }
-        Ok(())
+        write_all_vectored_at(pieces, offset, |batch, at| {
+            rustix::io::pwritev(&self.file, batch, at).map_err(io::Error::from)
+        })
     }
 
     fn map(&self, page_folios: bool) -> io::Result<Mapping> {
@@ -394,6 +409,62 @@ impl MappedMemory for FileMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer that takes at most `most` bytes a call (and, every third
+    /// call, is interrupted), recording them at their offsets.
+    fn short_writer(
+        out: &mut Vec<u8>,
+        most: usize,
+    ) -> impl FnMut(&[io::IoSlice<'_>], u64) -> io::Result<usize> + '_ {
+        let mut calls = 0;
+        move |batch, at| {
+            calls += 1;
+            assert!(batch.len() <= MOST_PIECES);
+            if calls % 3 == 0 {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            let mut taken = 0;
+            for piece in batch {
+                for &byte in piece.iter() {
+                    if taken == most {
+                        return Ok(taken);
+                    }
+                    let at = at as usize + taken;
+                    if out.len() <= at {
+                        out.resize(at + 1, 0);
+                    }
+                    out[at] = byte;
+                    taken += 1;
+                }
+            }
+            Ok(taken)
+        }
+    }
+
+    #[test]
+    fn vectored_writes_go_on_after_short_and_interrupted_writes() {
+        // Pieces of every length around the short write's size, empty ones
+        // among them, and more pieces than one call may carry.
+        let bytes: Vec<Vec<u8>> = (0..2_500u32)
+            .map(|i| {
+                (0..(i % 13) as u8)
+                    .map(|b| b.wrapping_add(i as u8))
+                    .collect()
+            })
+            .collect();
+        let pieces: Vec<io::IoSlice<'_>> = bytes.iter().map(|b| io::IoSlice::new(b)).collect();
+        let expected: Vec<u8> = bytes.concat();
+        for most in [1, 5, 12, 13, 4096, usize::MAX] {
+            let mut out = vec![0u8; 3];
+            write_all_vectored_at(&pieces, 3, short_writer(&mut out, most)).unwrap();
+            assert_eq!(&out[3..], &expected[..], "at most {most} bytes a write");
+        }
+        // A write that takes nothing is an error, not a loop.
+        let err = write_all_vectored_at(&pieces, 0, |_, _| Ok(0)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WriteZero);
+        // Nothing to write: no call.
+        write_all_vectored_at(&[io::IoSlice::new(&[])], 0, |_, _| panic!("called")).unwrap();
+    }
 
     fn dirty_bytes(path: &Path) -> u64 {
         crate::storage::mapped_bytes(path, &["Shared_Dirty:", "Private_Dirty:"])
