@@ -907,12 +907,28 @@ impl Client {
 
     /// Stores `content` under `key` (in chunks if it is larger than one
     /// node entry). Overwrites what the key held.
-    #[tracing::instrument(name = "tidepool.put", level = "info", skip_all, fields(namespace = %namespace, bytes = content.len(), error_code = tracing::field::Empty))]
     pub async fn put(&self, namespace: &str, key: &[u8], content: &[u8]) -> Result<PutOutcome> {
+        self.put_known(namespace, key, content, None).await
+    }
+
+    /// [`Client::put`] of content whose SHA-256 may be known already
+    /// (`digest`, computed by this SDK from `content`): a blob that fits
+    /// one entry is then not hashed a second time.
+    #[tracing::instrument(name = "tidepool.put", level = "info", skip_all, fields(namespace = %namespace, bytes = content.len(), error_code = tracing::field::Empty))]
+    async fn put_known(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+        digest: Option<[u8; 32]>,
+    ) -> Result<PutOutcome> {
         let result: Result<PutOutcome> = async {
             let limit = self.chunk_size();
             if content.len() <= limit {
-                return self.put_one(namespace, key, content, BlobKind::Data).await;
+                let digest = digest.unwrap_or_else(|| sha256(content));
+                return self
+                    .put_hashed(namespace, key, content, BlobKind::Data, digest)
+                    .await;
             }
             self.put_stream(namespace, key, content).await
         }
@@ -921,10 +937,12 @@ impl Client {
     }
 
     /// Stores `content` under its SHA-256 and returns the digest (the key).
-    /// In a content-addressed namespace the node verifies it.
+    /// In a content-addressed namespace the node verifies it. The content
+    /// is hashed once, for the key and the put's end-to-end check together.
     pub async fn put_content(&self, namespace: &str, content: &[u8]) -> Result<[u8; 32]> {
         let digest = sha256(content);
-        self.put(namespace, &digest, content).await?;
+        self.put_known(namespace, &digest, content, Some(digest))
+            .await?;
         Ok(digest)
     }
 

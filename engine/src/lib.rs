@@ -96,7 +96,9 @@ mod wal;
 
 pub use batch::WriteBatch;
 pub use checkpoint::{Checkpoint, CheckpointFile, remove_engine_files};
-pub use config::{CellLayout, Config, KeySpaceConfig, RecoveryMode};
+pub use config::{
+    CellLayout, Config, DEFAULT_APPEND_PWRITE_MIN_BYTES, KeySpaceConfig, RecoveryMode,
+};
 pub use engine::{Engine, Stored, StoredHead};
 pub use error::{Error, Result};
 pub use memory::{Host, MemoryBudget};

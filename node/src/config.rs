@@ -18,6 +18,7 @@
 //!
 //! [engine]                             # per shard replica
 //! wal_segment_mib = 64
+//! append_pwrite_min_kib = 32           # larger Raft entries: pwritev, not the mapping
 //!
 //! [memory]                             # for all of the node's replicas
 //! budget_mib = 0                       # 0: half the container's memory limit,
@@ -248,6 +249,12 @@ pub struct EngineSettings {
     /// threads again. The replicas' Raft owners run on as many threads
     /// again, each owner always on the same one.
     pub workers: usize,
+    /// Raft entries at least this long, KiB, are written to the WAL with
+    /// one `pwritev` rather than copied into its mapping (0: every entry
+    /// through the mapping). Through the file the kernel neither
+    /// zero-fills the pages first nor takes a fault per page
+    /// (`docs/design/wal-format.md`, "Large records through the file").
+    pub append_pwrite_min_kib: u64,
 }
 
 impl Default for EngineSettings {
@@ -261,6 +268,7 @@ impl Default for EngineSettings {
             relocation: true,
             relocation_interval_ms: 30_000,
             workers: 0,
+            append_pwrite_min_kib: tidepool_engine::DEFAULT_APPEND_PWRITE_MIN_BYTES >> 10,
         }
     }
 }
@@ -672,6 +680,7 @@ impl NodeConfig {
             // The Raft log is records appended before they are applied:
             // nothing may delete them before the log has read itself back.
             retain_log_until_set: true,
+            append_pwrite_min_bytes: e.append_pwrite_min_kib.saturating_mul(1024),
             key_spaces: vec![
                 KeySpaceConfig {
                     name: BLOB_KEY_SPACE.into(),
@@ -943,6 +952,22 @@ mod tests {
         );
         let default = NodeConfig::from_toml("node_id = 1\n").expect("parses");
         assert_eq!(default.replica_config(1).unwrap().election_spread_ticks, 3);
+    }
+
+    #[test]
+    fn the_pwrite_threshold_reaches_the_replicas_engines() {
+        let dir = PathBuf::from("d");
+        let default = NodeConfig::from_toml("node_id = 1\n").expect("parses");
+        assert_eq!(
+            default.engine_config(dir.clone()).append_pwrite_min_bytes,
+            tidepool_engine::DEFAULT_APPEND_PWRITE_MIN_BYTES
+        );
+        for (kib, bytes) in [(0, 0), (4, 4096), (i64::MAX as u64, u64::MAX)] {
+            let text = format!("node_id = 1\n[engine]\nappend_pwrite_min_kib = {kib}\n");
+            let config = NodeConfig::from_toml(&text).expect("parses");
+            config.validate().expect("valid");
+            assert_eq!(config.engine_config(dir.clone()).append_pwrite_min_bytes, bytes);
+        }
     }
 
     #[test]
