@@ -966,7 +966,10 @@ mod tests {
             let text = format!("node_id = 1\n[engine]\nappend_pwrite_min_kib = {kib}\n");
             let config = NodeConfig::from_toml(&text).expect("parses");
             config.validate().expect("valid");
-            assert_eq!(config.engine_config(dir.clone()).append_pwrite_min_bytes, bytes);
+            assert_eq!(
+                config.engine_config(dir.clone()).append_pwrite_min_bytes,
+                bytes
+            );
         }
     }
 
