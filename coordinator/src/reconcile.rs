@@ -109,6 +109,37 @@ pub(crate) fn current_placement(views: &[ShardView]) -> Placement {
     views.iter().map(|v| (v.shard_id, v.members())).collect()
 }
 
+/// Where this round's placement starts from: each shard's members, except
+/// that a shard in the middle of a move (a learner, or one voter more than
+/// it keeps) starts from the target the move is heading for (`targets`,
+/// last round's desired placement), when the move is that target's (the
+/// target is among the members). Placing from such a shard's members would
+/// pick which to keep by id, possibly undoing the move just made. A move
+/// not started yet is not taken as made: its shard starts from what it
+/// holds, so when the world changes before it starts (a node back within
+/// moments of being replaced), placement sees the replicas where they are
+/// and plans no move to put them back.
+pub(crate) fn placement_start(
+    views: &[ShardView],
+    targets: &Placement,
+    replication: usize,
+) -> Placement {
+    views
+        .iter()
+        .map(|view| {
+            let members = view.members();
+            let moving = !view.learners.is_empty() || view.voters.len() > replication;
+            let start = match targets.get(&view.shard_id) {
+                Some(target) if view.leader.is_some() && moving && target.is_subset(&members) => {
+                    target.clone()
+                }
+                _ => members,
+            };
+            (view.shard_id, start)
+        })
+        .collect()
+}
+
 /// Where each shard's replicas should be, starting from `current`.
 pub(crate) fn desired_placement(
     map: &ClusterMap,
@@ -197,10 +228,8 @@ struct Reconciler {
     shared: Arc<Shared>,
     nodes: NodeClients,
     down_since: HashMap<u64, Instant>,
-    /// Last round's desired placement. A shard in the middle of a move has
-    /// one replica more than it will keep; placing from its members would
-    /// pick which to keep by id, possibly undoing the move just made, so
-    /// placement starts from these targets instead.
+    /// Last round's desired placement: where a shard in the middle of a
+    /// move starts from ([`placement_start`]).
     targets: Placement,
     /// Leadership transfers asked, and what the balancer leaves alone.
     transfers: Transfers,
@@ -285,15 +314,7 @@ impl Reconciler {
         let node_views = node_views(&map, &reports, |id| {
             live.contains(&id) || self.down_since.get(&id).is_none_or(|t| t.elapsed() < grace)
         });
-        let mut current = current_placement(&views);
-        for view in &views {
-            if let Some(target) = self.targets.get(&view.shard_id)
-                && view.leader.is_some()
-                && (view.members() != *target || !view.learners.is_empty())
-            {
-                current.insert(view.shard_id, target.clone());
-            }
-        }
+        let current = placement_start(&views, &self.targets, map.replication_factor as usize);
         let desired = desired_placement(&map, &current, &node_views);
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
@@ -1097,4 +1118,73 @@ fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
     let mut all = with_role(&view.voters, ReplicaRole::Voter);
     all.extend(with_role(&view.learners, ReplicaRole::Learner));
     all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::moves;
+
+    fn set(ids: &[u64]) -> BTreeSet<u64> {
+        ids.iter().copied().collect()
+    }
+
+    fn nodes(down: &[u64]) -> Vec<NodeView> {
+        (1..=4)
+            .map(|id| NodeView {
+                id,
+                zone: String::new(),
+                capacity_bytes: 0,
+                used_bytes: 0,
+                live: !down.contains(&id),
+                draining: false,
+            })
+            .collect()
+    }
+
+    fn view(shard_id: u32, voters: &BTreeSet<u64>, learners: &[u64]) -> ShardView {
+        ShardView {
+            shard_id,
+            leader: voters.first().copied(),
+            voters: voters.clone(),
+            learners: set(learners),
+            ..ShardView::default()
+        }
+    }
+
+    #[test]
+    fn a_node_back_before_its_replacements_started_keeps_its_replicas() {
+        let shards: Vec<u32> = (1..=8).collect();
+        let held = place(&nodes(&[]), &Placement::new(), &shards, 3);
+        let views: Vec<ShardView> = held.iter().map(|(s, r)| view(*s, r, &[])).collect();
+        // Node 3 down past its grace: every replica it holds is to be
+        // replaced. No move starts before it is back.
+        let start = placement_start(&views, &Placement::new(), 3);
+        assert_eq!(start, held);
+        let replaced = place(&nodes(&[3]), &start, &shards, 3);
+        assert!(replaced.values().all(|r| !r.contains(&3)));
+        assert!(moves(&held, &replaced) > 0);
+        // Back: placement starts from where the replicas are, not from the
+        // replacements planned, and plans no move.
+        let start = placement_start(&views, &replaced, 3);
+        assert_eq!(start, held);
+        let desired = place(&nodes(&[]), &start, &shards, 3);
+        assert_eq!(moves(&held, &desired), 0, "{held:?} -> {desired:?}");
+    }
+
+    #[test]
+    fn a_shard_in_the_middle_of_a_move_starts_from_its_target() {
+        let target: Placement = [(1, set(&[1, 2, 4]))].into_iter().collect();
+        let start = |v: ShardView| placement_start(&[v], &target, 3)[&1].clone();
+        // A learner added for the target, then promoted: the target.
+        assert_eq!(start(view(1, &set(&[1, 2, 3]), &[4])), set(&[1, 2, 4]));
+        assert_eq!(start(view(1, &set(&[1, 2, 3, 4]), &[])), set(&[1, 2, 4]));
+        // A move the target did not ask for: what the shard holds.
+        assert_eq!(start(view(1, &set(&[1, 2, 3]), &[5])), set(&[1, 2, 3, 5]));
+        // No move under way, or no leader: what the shard holds.
+        assert_eq!(start(view(1, &set(&[1, 2, 3]), &[])), set(&[1, 2, 3]));
+        let mut leaderless = view(1, &set(&[1, 2, 3]), &[4]);
+        leaderless.leader = None;
+        assert_eq!(start(leaderless), set(&[1, 2, 3, 4]));
+    }
 }
