@@ -553,6 +553,13 @@ impl RaftLog {
                 .map(|l| l.term)
                 .ok_or_else(|| NodeError::Malformed(format!("no entry {index} to snapshot")))?
         };
+        tracing::info!(
+            shard_id = sender.shard_id,
+            index,
+            first_index = self.first(),
+            superseded = current.upgrade().map_or(0, |p| p.index),
+            "preparing a snapshot"
+        );
         let checkpoint = self.engine.checkpoint()?;
         let prepared = Arc::new(Prepared::new(
             sender.shard_id,

@@ -425,6 +425,12 @@ impl Replica {
                 *watch = (pulls, 0);
             }
             if watch.1 > self.config.snapshot_idle_ticks {
+                tracing::warn!(
+                    to = id,
+                    pulls,
+                    idle_ticks = watch.1,
+                    "snapshot transfer given up: no chunk pulled for the idle bound; the follower will be sent a new snapshot"
+                );
                 self.snapshot_watch.remove(&id);
                 self.raw.report_snapshot(id, raft::SnapshotStatus::Failure);
             }

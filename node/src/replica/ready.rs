@@ -120,6 +120,7 @@ impl Replica {
                 manifest.snapshot_id
             )));
         }
+        let started = std::time::Instant::now();
         let engine = self.store.open_spare()?;
         let hard_state = self.raw.store().hard_state().clone();
         let mut log = RaftLog::installed(engine, self.space, snapshot.get_metadata(), &hard_state)?;
@@ -133,6 +134,12 @@ impl Replica {
         // The old engine's data is superseded; a failing close loses nothing.
         let _ = old.engine().close();
         drop(old);
+        tracing::info!(
+            snapshot = manifest.snapshot_id,
+            index = snapshot.get_metadata().index,
+            install_ms = started.elapsed().as_millis() as u64,
+            "snapshot installed"
+        );
         self.store.clear_spare()
     }
 

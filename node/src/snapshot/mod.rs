@@ -93,7 +93,15 @@ impl Prepared {
     /// Hashes every file and publishes the manifest (run off the Raft
     /// thread: it reads the whole checkpoint).
     pub fn hash(&self) {
+        let started = Instant::now();
         let manifest = self.build_manifest().map_err(|e| e.to_string());
+        tracing::info!(
+            shard_id = self.shard_id,
+            snapshot = self.id,
+            index = self.index,
+            hash_ms = started.elapsed().as_millis() as u64,
+            "snapshot ready to send"
+        );
         // Idle time counts from when it can be sent.
         *self.last_activity.lock() = Instant::now();
         let _ = self.manifest.set(manifest);
