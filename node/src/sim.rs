@@ -96,6 +96,9 @@ pub struct SimCluster {
     cut: BTreeSet<(u64, u64)>,
     /// Directed cuts: (from, to).
     cut_from: BTreeSet<(u64, u64)>,
+    /// Extra delay, in ticks, of every message from the first node to the
+    /// second (a slow link or peer).
+    slow: BTreeMap<(u64, u64), u64>,
     /// The network's faults.
     pub faults: NetworkFaults,
     /// Settings every replica opens with (its ids filled in).
@@ -192,6 +195,7 @@ impl SimCluster {
             in_flight: Vec::new(),
             cut: BTreeSet::new(),
             cut_from: BTreeSet::new(),
+            slow: BTreeMap::new(),
             faults: NetworkFaults::default(),
             template: options.replica,
             engine: options.engine,
@@ -287,6 +291,12 @@ impl SimCluster {
         self.cut_from.insert((from, to));
     }
 
+    /// Delays every message from `from` to `to` by `ticks` more (in order:
+    /// the same delay for each).
+    pub fn slow_one_way(&mut self, from: u64, to: u64, ticks: u64) {
+        self.slow.insert((from, to), ticks);
+    }
+
     /// Isolates `side` from every other node.
     pub fn partition(&mut self, side: &[u64]) {
         for a in side {
@@ -302,6 +312,7 @@ impl SimCluster {
     pub fn heal(&mut self) {
         self.cut.clear();
         self.cut_from.clear();
+        self.slow.clear();
     }
 
     /// Whether a message from `a` reaches `b`.
@@ -537,7 +548,13 @@ impl SimCluster {
             0
         };
         for _ in 0..copies {
-            let delay = self.rng.random_range(0..=self.faults.max_delay_ticks) + transfer;
+            let delay = self.rng.random_range(0..=self.faults.max_delay_ticks)
+                + transfer
+                + self
+                    .slow
+                    .get(&(message.from, message.to))
+                    .copied()
+                    .unwrap_or(0);
             self.in_flight.push(InFlight {
                 deliver_at: self.now + delay,
                 to: message.to,

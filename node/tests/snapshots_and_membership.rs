@@ -47,8 +47,16 @@ fn caught_up(cluster: &mut SimCluster, id: u64) -> bool {
 /// whose leader wrote 10 ticks, then 60 more with one follower cut off;
 /// returns it, the writes, the leader and the follower (still cut off).
 fn a_follower_left_behind(faults: NetworkFaults) -> (SimCluster, Writes, u64, u64) {
+    a_follower_left_behind_with(short_log_config(32), faults)
+}
+
+/// [`a_follower_left_behind`] with replicas configured as `config`.
+fn a_follower_left_behind_with(
+    config: ReplicaConfig,
+    faults: NetworkFaults,
+) -> (SimCluster, Writes, u64, u64) {
     let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
-    let mut cluster = SimCluster::with_config(seed, 3, short_log_config(32));
+    let mut cluster = SimCluster::with_config(seed, 3, config);
     cluster.faults = faults;
     let mut writes = Writes::new();
     let leader = elect(&mut cluster);
@@ -224,10 +232,112 @@ fn a_second_replica_added_right_after_the_first_gets_a_current_snapshot() {
 /// 15 s for as long as the clients wrote).
 #[test]
 fn a_follower_whose_snapshot_outlasts_the_log_catches_up_while_writes_go_on() {
-    let (mut cluster, mut writes, _, lagging) = a_follower_left_behind(NetworkFaults {
-        snapshot_transfer_ticks: 20,
-        ..NetworkFaults::default()
-    });
+    follower_catches_up_after_a_slow_snapshot(short_log_config(32));
+}
+
+/// The same with one entry per append message (as with entries near the
+/// message budget): the follower needs several round trips after the
+/// snapshot to reach the entries the leader keeps for a follower behind.
+/// Keeping the entries only while the snapshot was in flight lost the same
+/// race a moment later: the first append after the install took one entry,
+/// the leader then compacted to half its limit behind, and the next append
+/// found its entries gone and sent another snapshot (the e2e soak's learner
+/// again, a new 500 MB snapshot every 11 s). The entries stay until the
+/// follower is within the limit, while it advances.
+#[test]
+fn a_follower_catching_up_from_a_snapshot_one_entry_a_message_keeps_its_entries() {
+    let mut config = short_log_config(32);
+    config.max_message_bytes = 1;
+    follower_catches_up_after_a_slow_snapshot(config);
+}
+
+/// The entries a follower catching up after a snapshot needs are kept only
+/// while it advances: one (on a slow link) cut off again right after the
+/// leader learned of its install holds the log for the snapshot idle bound,
+/// then the leader compacts to its limit again (a follower gone for good
+/// must not make the log grow without bound); back, it gets another
+/// snapshot.
+#[test]
+fn a_follower_stalled_after_its_snapshot_holds_the_log_only_for_the_idle_bound() {
+    let mut config = short_log_config(32);
+    config.max_message_bytes = 1;
+    let span = log_span_behind_a_stalled_catch_up(config);
+    assert!(span <= 48, "the leader's log spans {span} entries");
+}
+
+/// And never more than the log's byte limit, however long it advances:
+/// with no idle bound to speak of, the same stalled follower holds the
+/// log until it spans `compact_log_bytes` (16 KiB here, about 50 entries);
+/// then the leader drops the hold and compacts to its limit again.
+#[test]
+fn a_follower_catching_up_after_its_snapshot_holds_at_most_the_byte_limit() {
+    let mut config = short_log_config(32);
+    config.max_message_bytes = 1;
+    config.snapshot_idle_ticks = 100_000;
+    config.compact_log_bytes = 16 << 10;
+    let span = log_span_behind_a_stalled_catch_up(config);
+    assert!(span <= 48, "the leader's log spans {span} entries");
+}
+
+/// Cuts a follower off right after the leader learned it installed a
+/// snapshot, writes 120 ticks more and returns how many entries the
+/// leader's log spans then; checks that the follower converges once back.
+fn log_span_behind_a_stalled_catch_up(config: ReplicaConfig) -> u64 {
+    let (mut cluster, mut writes, leader, lagging) = a_follower_left_behind_with(
+        config,
+        NetworkFaults {
+            snapshot_transfer_ticks: 20,
+            ..NetworkFaults::default()
+        },
+    );
+    let seed = cluster.seed();
+    let before = cluster.replica(lagging).unwrap().status().applied;
+    cluster.heal();
+    // Appends take 2 ticks to the follower, so its catch-up spans ticks.
+    cluster.slow_one_way(leader, lagging, 2);
+    // Tick by tick until the leader knows the follower installed a
+    // snapshot (its matched index, the slowest voter's, is past what the
+    // follower held) while the follower is still further behind than the
+    // 16 entries the log keeps for a follower.
+    let mut cut = false;
+    for _ in 0..200 {
+        write_for(&mut cluster, &mut writes, 1);
+        let status = cluster.replica(leader).unwrap().status();
+        let matched = status.last_index - status.append_lag;
+        if matched > before && matched + 16 < status.applied {
+            cluster.partition(&[lagging]);
+            cut = true;
+            break;
+        }
+    }
+    assert!(
+        cut,
+        "seed {seed}: never saw the follower between its snapshot and the entries kept ({:?})",
+        cluster.snapshots
+    );
+    // Well past the idle bound (50 ticks), 3 entries a tick.
+    write_for(&mut cluster, &mut writes, 120);
+    let status = cluster.replica(leader).unwrap().status();
+    let span = status.last_index + 1 - status.first_index;
+    println!("seed {seed}: the leader's log spans {span} entries ({status:?})");
+    cluster.heal();
+    write_for(&mut cluster, &mut writes, 40);
+    assert_converged(
+        &mut cluster,
+        &writes,
+        "a follower stalled after its snapshot",
+    );
+    span
+}
+
+fn follower_catches_up_after_a_slow_snapshot(config: ReplicaConfig) {
+    let (mut cluster, mut writes, _, lagging) = a_follower_left_behind_with(
+        config,
+        NetworkFaults {
+            snapshot_transfer_ticks: 20,
+            ..NetworkFaults::default()
+        },
+    );
     let seed = cluster.seed();
     cluster.heal();
     // How far behind the leader's commit the follower is (u64::MAX: no

@@ -176,6 +176,11 @@ pub struct Replica {
     /// Followers being sent a snapshot: chunks pulled when last looked at,
     /// and ticks since that changed.
     snapshot_watch: std::collections::BTreeMap<u64, (u64, u32)>,
+    /// Followers going on from the log after a snapshot, further behind
+    /// than the log keeps for a follower: the index they matched when last
+    /// looked at, and ticks since that changed (`ready.rs`,
+    /// `maybe_compact`).
+    catch_up: std::collections::BTreeMap<u64, (u64, u32)>,
     /// Sweeping the name index (names outside the range, dropped ones).
     sweeping: Sweeping,
     /// Whether the group stopped ticking, having nothing to do.
@@ -285,6 +290,7 @@ impl Replica {
             reads: Reads::default(),
             transfer: TransferState::default(),
             snapshot_watch: Default::default(),
+            catch_up: Default::default(),
             sweeping: Sweeping::default(),
             quiescence: Quiescence::default(),
         };
@@ -401,10 +407,13 @@ impl Replica {
 
     /// On the leader: a follower in snapshot state whose transfer pulled
     /// nothing for `snapshot_idle_ticks` (the message was lost, or the
-    /// receiver gave up) is reported failed, so raft-rs sends another.
+    /// receiver gave up) is reported failed, so raft-rs sends another; a
+    /// follower catching up after a snapshot whose matched index did not
+    /// move for as long no longer holds the log's entries.
     fn watch_snapshots(&mut self) {
         if self.raw.raft.state != StateRole::Leader {
             self.snapshot_watch.clear();
+            self.catch_up.clear();
             return;
         }
         let sending: Vec<u64> = self
@@ -432,9 +441,37 @@ impl Replica {
                     "snapshot transfer given up: no chunk pulled for the idle bound; the follower will be sent a new snapshot"
                 );
                 self.snapshot_watch.remove(&id);
+                self.catch_up.remove(&id);
                 self.raw.report_snapshot(id, raft::SnapshotStatus::Failure);
             }
         }
+        let prs = self.raw.raft.prs();
+        let kept =
+            (self.raw.raft.raft_log.applied).saturating_sub(self.config.compact_log_entries / 2);
+        let idle_bound = self.config.snapshot_idle_ticks;
+        self.catch_up.retain(|id, watch| {
+            let Some(progress) = prs.get(*id) else {
+                return false;
+            };
+            if progress.state != raft::ProgressState::Snapshot && progress.matched >= kept {
+                return false; // within what the log keeps anyway
+            }
+            if progress.state == raft::ProgressState::Snapshot || progress.matched != watch.0 {
+                *watch = (progress.matched, 0);
+                return true;
+            }
+            watch.1 += 1;
+            if watch.1 > idle_bound {
+                tracing::warn!(
+                    to = id,
+                    matched = progress.matched,
+                    idle_ticks = watch.1,
+                    "catch-up after a snapshot stalled: the log no longer keeps the follower's entries"
+                );
+                return false;
+            }
+            true
+        });
     }
 
     /// Takes in a message from a peer.
@@ -591,6 +628,7 @@ impl Replica {
     /// failed, so it tries again.
     pub fn report_snapshot_failure(&mut self, to: u64) {
         if self.failed.is_none() {
+            self.catch_up.remove(&to);
             self.raw.report_snapshot(to, raft::SnapshotStatus::Failure);
         }
     }

@@ -147,7 +147,8 @@ impl Replica {
     /// applied index, except that a leader keeps what followers still need,
     /// up to half the entry limit (a follower further behind gets a
     /// snapshot), and, whatever the limit, the entries after a snapshot a
-    /// follower is being sent.
+    /// follower is being sent, then those it still needs while it catches
+    /// up from there (up to the byte limit).
     fn maybe_compact(&mut self) -> Result<()> {
         let applied = self.raw.raft.raft_log.applied;
         let (max_entries, max_bytes) = (
@@ -156,22 +157,52 @@ impl Replica {
         );
         let mut to = applied;
         if self.raw.raft.state == StateRole::Leader {
-            let mut snapshots = u64::MAX;
+            let kept = applied.saturating_sub(max_entries / 2);
+            let (mut sending, mut catching_up) = (u64::MAX, u64::MAX);
             for (id, progress) in self.raw.raft.prs().iter() {
-                if *id != self.config.node_id {
-                    to = to.min(progress.matched);
-                    if progress.state == raft::ProgressState::Snapshot {
-                        snapshots = snapshots.min(progress.pending_snapshot);
+                if *id == self.config.node_id {
+                    continue;
+                }
+                to = to.min(progress.matched);
+                // A follower taking a snapshot goes on from the entry after
+                // it: compacted, that entry would earn it another snapshot,
+                // as late as this one (never caught up while a transfer
+                // outlasts the entries kept). Kept from the snapshot's
+                // index while the transfer moves, then from the follower's
+                // matched index while it advances, until it is within the
+                // entries kept for any follower: appends carry a message
+                // budget of entries each, so a follower that installed a
+                // snapshot older than that takes several round trips to
+                // get there. A stalled transfer or catch-up is given up
+                // (`watch_snapshots`) and the limit applies.
+                if progress.state == raft::ProgressState::Snapshot {
+                    sending = sending.min(progress.pending_snapshot);
+                    self.catch_up.entry(*id).or_insert((progress.matched, 0));
+                } else if self.catch_up.contains_key(id) {
+                    if progress.matched >= kept {
+                        self.catch_up.remove(id);
+                    } else {
+                        catching_up = catching_up.min(progress.matched);
                     }
                 }
             }
-            to = to.max(applied.saturating_sub(max_entries / 2));
-            // A follower taking a snapshot goes on from the entry after it:
-            // compacted, that entry would earn it another snapshot, as late
-            // as this one (never caught up while a transfer outlasts the
-            // entries kept). Kept only while the transfer moves: a stalled
-            // one is given up (`watch_snapshots`) and the limit applies.
-            to = to.min(snapshots);
+            to = to.max(kept).min(sending);
+            // A catch-up holds at most the byte limit of log: a follower
+            // slower than the writes would otherwise keep it growing.
+            if catching_up < to {
+                let spanned = self.raw.store().wal_bytes_through(applied);
+                if spanned < max_bytes {
+                    to = catching_up;
+                } else {
+                    tracing::warn!(
+                        shard_id = self.config.shard_id,
+                        spanned,
+                        followers = ?self.catch_up.keys().collect::<Vec<_>>(),
+                        "the log reached its byte limit holding entries for followers catching up after a snapshot; they will need another"
+                    );
+                    self.catch_up.clear();
+                }
+            }
         }
         let log = self.raw.store();
         if to < log.first() {
