@@ -614,41 +614,84 @@ impl CacheLoad {
         self.shared.lock().report.failures()
     }
 
-    /// Stops the clients, then reads back every blob the load stored or
-    /// tried to store, through the gateway, and reports.
-    pub async fn stop(self) -> CacheReport {
+    /// Stops the clients; [`StoppedCache::verify`] then reads back what
+    /// they stored.
+    pub async fn stop(self) -> StoppedCache {
         let _ = self.stop.send(true);
         for task in self.tasks {
             task.await.expect("client task");
         }
-        let mut shared = std::mem::take(&mut *self.shared.lock());
-        let mut connection = Connection::new(self.gateway, &self.token);
-        for stored in &shared.acknowledged {
-            let name = hex(&stored.digest);
-            let answer = sweep_get(&mut connection, self.timeout, &stored.digest).await;
-            if answer.as_ref().map(|a| a.status) != Some(200)
-                || answer
-                    .as_ref()
-                    .is_some_and(|a| Sha256::digest(&a.body)[..] != stored.digest)
-            {
-                shared.report.lost.push(name);
-            }
+        StoppedCache {
+            shared: std::mem::take(&mut *self.shared.lock()),
+            gateway: self.gateway,
+            reapi: self.reapi,
+            token: self.token,
+            timeout: self.timeout,
         }
-        for stored in &shared.failed {
-            let name = hex(&stored.digest);
-            match sweep_get(&mut connection, self.timeout, &stored.digest).await {
-                Some(a) if a.status == 404 => {}
-                Some(a) if a.status == 200 && Sha256::digest(&a.body)[..] == stored.digest => {
+    }
+}
+
+/// A load whose clients stopped, with what they stored.
+pub struct StoppedCache {
+    shared: Shared,
+    gateway: SocketAddr,
+    reapi: reapi::Reapi,
+    token: String,
+    timeout: Duration,
+}
+
+/// Connections the read-back sweep uses at once.
+const SWEEPERS: usize = 4;
+
+impl StoppedCache {
+    /// Reads back every blob the load stored or tried to store, and every
+    /// action it stored, through the gateway, and reports.
+    pub async fn verify(self) -> CacheReport {
+        let mut shared = self.shared;
+        let (gateway, token, timeout) = (self.gateway, self.token, self.timeout);
+        // Every blob on one of a few connections at once: a soak stores
+        // thousands, one at a time they took minutes.
+        let blobs: Vec<(bool, Stored)> = (shared.acknowledged.iter().map(|s| (true, s.clone())))
+            .chain(shared.failed.iter().map(|s| (false, s.clone())))
+            .collect();
+        let per = blobs.len().div_ceil(SWEEPERS).max(1);
+        let sweeps: Vec<_> = blobs
+            .chunks(per)
+            .map(|part| {
+                let (part, token) = (part.to_vec(), token.clone());
+                tokio::spawn(async move {
+                    let mut connection = Connection::new(gateway, &token);
+                    let mut answers = Vec::with_capacity(part.len());
+                    for (acknowledged, stored) in part {
+                        let answer = sweep_get(&mut connection, timeout, &stored.digest).await;
+                        answers.push((acknowledged, stored, answer));
+                    }
+                    answers
+                })
+            })
+            .collect();
+        for sweep in sweeps {
+            for (acknowledged, stored, answer) in sweep.await.expect("sweep task") {
+                let name = hex(&stored.digest);
+                let whole = answer.as_ref().is_some_and(|a| {
+                    a.status == 200 && Sha256::digest(&a.body)[..] == stored.digest
+                });
+                if acknowledged {
+                    if !whole {
+                        shared.report.lost.push(name);
+                    }
+                } else if whole {
                     assert_eq!(blob(stored.seed, stored.len).1, stored.digest);
                     shared.report.failed_but_stored += 1;
+                } else if answer.map(|a| a.status) != Some(404) {
+                    shared.report.partial.push(name);
                 }
-                _ => shared.report.partial.push(name),
             }
         }
         for action in &shared.actions {
             let mut whole = false;
             for _ in 0..5 {
-                match tokio::time::timeout(self.timeout, self.reapi.fetch(action)).await {
+                match tokio::time::timeout(timeout, self.reapi.fetch(action)).await {
                     Ok(Ok(intact)) => {
                         whole = intact;
                         break;

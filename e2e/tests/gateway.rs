@@ -78,7 +78,7 @@ async fn the_gateway_serves_through_node_and_gateway_faults() {
             failures_after: load.failures(),
         });
     }
-    let report = load.stop().await;
+    let report = load.stop().await.verify().await;
     println!(
         "gateway under faults: {} PUTs acknowledged ({} MiB), {} reads answered whole",
         report.puts_acknowledged,

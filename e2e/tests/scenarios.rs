@@ -894,13 +894,22 @@ async fn soak() {
             .await;
     }
     run.fault_ends();
+    // Every load stops before the checks, which then run alone: the
+    // history search, then the read-backs (each timed: they took as long
+    // as the faults once).
     let churned = churn.stop().await;
-    let cached = cache.stop().await;
+    let cache = cache.stop().await;
     let expired = expiring.stop().await;
     run.run_for(Duration::from_secs(2)).await;
+    let checking = std::time::Instant::now();
     let report = run
         .finish(&format!("soak {seconds} s ({} faults)", faults.len()))
         .await;
+    eprintln!(
+        "history: {} operations checked in {:.1} s",
+        report.operations,
+        checking.elapsed().as_secs_f64()
+    );
     eprintln!("faults: {}", faults.join(", "));
     eprintln!(
         "| fault | times | longest write gap, median (s) | longest write gap, most (s) | gateway requests failed |"
@@ -926,6 +935,7 @@ async fn soak() {
     tidepool_e2e::scenario::check_listing(&cluster, Workload::default().keys)
         .await
         .expect("the listing agrees with the blobs");
+    let reading = std::time::Instant::now();
     let written = churned.puts * SOAK_CHURN_BYTES as u64;
     eprintln!(
         "churn: {} puts of {} KiB acknowledged ({} MiB), {} failed; node data now {} MiB",
@@ -954,6 +964,16 @@ async fn soak() {
         .verify(&admin)
         .await
         .expect("every expiring blob written since the last drop is there");
+    eprintln!(
+        "churned and expiring blobs read back in {:.1} s",
+        reading.elapsed().as_secs_f64()
+    );
+    let reading = std::time::Instant::now();
+    let cached = cache.verify().await;
+    eprintln!(
+        "gateway: blobs and actions read back in {:.1} s",
+        reading.elapsed().as_secs_f64()
+    );
     eprintln!(
         "gateway: {} PUTs acknowledged ({} MiB), {} reads answered whole, {} REAPI actions stored, {} fetched whole; failed PUTs {:?}, failed reads {:?}",
         cached.puts_acknowledged,
