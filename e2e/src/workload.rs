@@ -108,6 +108,11 @@ impl Recorder {
 /// The longest stretch in `[from, to]` of `history` without a completed
 /// acknowledged write (put or delete), in seconds.
 pub fn longest_write_gap(history: &[Event], from: Nanos, to: Nanos) -> f64 {
+    longest_write_gap_at(history, from, to).0
+}
+
+/// [`longest_write_gap`], and when that stretch began.
+pub fn longest_write_gap_at(history: &[Event], from: Nanos, to: Nanos) -> (f64, Nanos) {
     let mut done: Vec<Nanos> = history
         .iter()
         .filter(|e| matches!(e.op, Op::Put(_) | Op::Delete(_)) && e.status == Status::Ok)
@@ -115,14 +120,15 @@ pub fn longest_write_gap(history: &[Event], from: Nanos, to: Nanos) -> f64 {
         .filter(|t| *t >= from && *t <= to)
         .collect();
     done.sort_unstable();
-    let mut last = from;
-    let mut gap = 0;
+    done.push(to);
+    let (mut last, mut gap, mut at) = (from, 0, from);
     for t in done {
-        gap = gap.max(t - last);
+        if t - last > gap {
+            (gap, at) = (t - last, last);
+        }
         last = t;
     }
-    gap = gap.max(to.saturating_sub(last));
-    gap as f64 / 1e9
+    (gap as f64 / 1e9, at)
 }
 
 /// The content a put of value `id` writes: the id, then bytes derived from

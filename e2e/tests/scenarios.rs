@@ -717,7 +717,10 @@ async fn disk_full_on_one_node() {
 /// against their values, every churned blob's last acknowledged version,
 /// every blob stored through the gateway, and every expiring blob written
 /// since the last drop: `make e2e-soak
-/// DURATION=<seconds>` (default 300).
+/// DURATION=<seconds>` (default 300). A fault during which no write was
+/// acknowledged for 3 s or more is listed (`slow:`) with the wall-clock
+/// times of its start and of the gap, to find in the processes' logs
+/// (`E2E_KEEP=1`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "soak: make e2e-soak"]
 async fn soak() {
@@ -777,6 +780,7 @@ async fn soak() {
         },
     );
     run.fault_begins();
+    let clock = RunClock::new(run.now());
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
     // Each fault done: its kind, and from its start to the settled cluster.
@@ -885,7 +889,7 @@ async fn soak() {
         }
         cluster.wait_settled(Duration::from_secs(90)).await;
         windows.push((
-            fault_kind(faults.last().expect("a fault")),
+            faults.last().expect("a fault").clone(),
             began,
             run.now(),
             cache.failures() - failed_before,
@@ -916,9 +920,18 @@ async fn soak() {
     );
     eprintln!("|---|---|---|---|---|");
     let mut by_kind: std::collections::BTreeMap<String, (Vec<f64>, u64)> = Default::default();
-    for (kind, from, to, failed) in windows {
-        let gap = tidepool_e2e::workload::longest_write_gap(&report.history, from, to);
-        let entry = by_kind.entry(kind).or_default();
+    let mut slow = Vec::new();
+    for (fault, from, to, failed) in windows {
+        let (gap, at) = tidepool_e2e::workload::longest_write_gap_at(&report.history, from, to);
+        if gap >= SLOW_FAULT_GAP_S {
+            // Wall-clock times, to find in the processes' logs.
+            slow.push(format!(
+                "{fault} (began {}): no write acknowledged for {gap:.2} s from {}",
+                clock.utc(from),
+                clock.utc(at)
+            ));
+        }
+        let entry = by_kind.entry(fault_kind(&fault)).or_default();
         entry.0.push(gap);
         entry.1 += failed;
     }
@@ -930,6 +943,9 @@ async fn soak() {
             gaps[gaps.len() / 2],
             gaps[gaps.len() - 1]
         );
+    }
+    for line in slow {
+        eprintln!("slow: {line}");
     }
     finish_checks(&cluster, &report, &[]);
     tidepool_e2e::scenario::check_listing(&cluster, Workload::default().keys)
@@ -991,6 +1007,45 @@ async fn soak() {
         "gateway errors:\n{}",
         gateway_errors.join("\n")
     );
+}
+
+/// A fault whose window saw no write acknowledged for this long is listed
+/// with its times.
+const SLOW_FAULT_GAP_S: f64 = 3.0;
+
+/// The wall clock beside a run's own clock (nanoseconds since its start).
+struct RunClock {
+    wall: std::time::SystemTime,
+    run: u64,
+}
+
+impl RunClock {
+    fn new(run: u64) -> Self {
+        Self {
+            wall: std::time::SystemTime::now(),
+            run,
+        }
+    }
+
+    /// The UTC time of day of run time `at`, as the processes log it.
+    fn utc(&self, at: u64) -> String {
+        let wall = if at >= self.run {
+            self.wall + Duration::from_nanos(at - self.run)
+        } else {
+            self.wall - Duration::from_nanos(self.run - at)
+        };
+        let since = wall
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let day = since.as_secs() % 86_400;
+        format!(
+            "{:02}:{:02}:{:02}.{:03}Z",
+            day / 3600,
+            day / 60 % 60,
+            day % 60,
+            since.subsec_millis()
+        )
+    }
 }
 
 /// Bytes allocated on disk under `dir` (`du`).
