@@ -279,17 +279,23 @@ fn a_follower_catching_up_after_its_snapshot_holds_at_most_the_byte_limit() {
     assert!(span <= 48, "the leader's log spans {span} entries");
 }
 
-/// Cuts a follower off right after the leader learned it installed a
-/// snapshot, writes 120 ticks more and returns how many entries the
-/// leader's log spans then; checks that the follower converges once back.
-fn log_span_behind_a_stalled_catch_up(config: ReplicaConfig) -> u64 {
-    let (mut cluster, mut writes, leader, lagging) = a_follower_left_behind_with(
+/// [`a_follower_left_behind_with`] `config`, whose snapshots take 20
+/// ticks to reach their follower.
+fn a_follower_behind_a_slow_snapshot(config: ReplicaConfig) -> (SimCluster, Writes, u64, u64) {
+    a_follower_left_behind_with(
         config,
         NetworkFaults {
             snapshot_transfer_ticks: 20,
             ..NetworkFaults::default()
         },
-    );
+    )
+}
+
+/// Cuts a follower off right after the leader learned it installed a
+/// snapshot, writes 120 ticks more and returns how many entries the
+/// leader's log spans then; checks that the follower converges once back.
+fn log_span_behind_a_stalled_catch_up(config: ReplicaConfig) -> u64 {
+    let (mut cluster, mut writes, leader, lagging) = a_follower_behind_a_slow_snapshot(config);
     let seed = cluster.seed();
     let before = cluster.replica(lagging).unwrap().status().applied;
     cluster.heal();
@@ -331,13 +337,7 @@ fn log_span_behind_a_stalled_catch_up(config: ReplicaConfig) -> u64 {
 }
 
 fn follower_catches_up_after_a_slow_snapshot(config: ReplicaConfig) {
-    let (mut cluster, mut writes, _, lagging) = a_follower_left_behind_with(
-        config,
-        NetworkFaults {
-            snapshot_transfer_ticks: 20,
-            ..NetworkFaults::default()
-        },
-    );
+    let (mut cluster, mut writes, _, lagging) = a_follower_behind_a_slow_snapshot(config);
     let seed = cluster.seed();
     cluster.heal();
     // How far behind the leader's commit the follower is (u64::MAX: no
