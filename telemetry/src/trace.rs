@@ -189,10 +189,59 @@ fn provider(
 /// that is one span long, and were exported when their replica closed.
 const LOG_SCOPES: &[&str] = &["shard"];
 
+/// The spans made for every request: the node's `request` and the SDK's
+/// operations (`tidepool.put`, ...). Logs at INFO or less log almost
+/// nothing inside them (a rare warning, then without the request's
+/// fields), yet a text logs layer formatted their fields on every request
+/// and the registry kept them: up to a sixth of a small get's CPU
+/// (`benchmarks/RESULTS.md`, issue 36). So with text logs at INFO or less
+/// and nothing exported they are not made; JSON logs (whose lines carry
+/// the trace ids of requests), an exporting process and a filter at DEBUG
+/// or more (the access log lines of `tidepool_node::server::blobs`) keep
+/// them.
+fn per_request(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.is_span()
+        && ((metadata.name() == "request" && metadata.target().starts_with("tidepool_node"))
+            || metadata.name().starts_with("tidepool."))
+}
+
+/// Whether `filter` lets any DEBUG line through (or cannot say).
+fn debug_logs(filter: &EnvFilter) -> bool {
+    <EnvFilter as tracing_subscriber::layer::Filter<Registry>>::max_level_hint(filter)
+        .is_none_or(|level| level >= LevelFilter::DEBUG)
+}
+
 /// Only our own spans become OpenTelemetry spans (not those of the
 /// libraries underneath), and not the [`LOG_SCOPES`].
 fn traced(metadata: &tracing::Metadata<'_>) -> bool {
     !(metadata.is_span() && LOG_SCOPES.contains(&metadata.name()))
+}
+
+/// The logs layer: lines as `format` says, filtered by `filter`; text
+/// logs see the [`per_request`] spans only if `request_spans`.
+fn logs_layer(
+    format: LogFormat,
+    filter: EnvFilter,
+    request_spans: bool,
+) -> Box<dyn tracing_subscriber::Layer<Registry> + Send + Sync> {
+    match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(
+                filter.and(
+                    filter_fn(move |metadata| request_spans || !per_request(metadata))
+                        .with_max_level_hint(LevelFilter::TRACE),
+                ),
+            )
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .event_format(JsonLines)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed(),
+    }
 }
 
 /// Installs the global subscriber; keep the guard for the process's life.
@@ -211,19 +260,10 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
     };
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(&config.default_filter));
-    let logs = match config.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::stderr().is_terminal())
-            .with_filter(filter)
-            .boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer()
-            .event_format(JsonLines)
-            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
-            .with_writer(std::io::stderr)
-            .with_filter(filter)
-            .boxed(),
-    };
+    // Text logs at INFO or less with nothing exported: the spans made for
+    // every request are not made for the logs ([`per_request`]).
+    let request_spans = with_contexts || debug_logs(&filter);
+    let logs = logs_layer(config.log_format, filter, request_spans);
     let otel = guard.provider.as_ref().map(|provider| {
         let tracer = provider.tracer("tidepool");
         // Targets match by prefix: every `tidepool*` crate, at INFO. Both
@@ -260,4 +300,54 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<TelemetryGuard> {
         tidepool_security::trace_context::set_tracking(true);
     }
     Ok(guard)
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    use super::*;
+
+    /// Which of a request span, a shard owner's span and an SDK
+    /// operation's span a text logs layer on `filter` makes, as `init`
+    /// sets it up with nothing exported.
+    fn made(filter: &str) -> [bool; 3] {
+        let filter = EnvFilter::new(filter);
+        let request_spans = debug_logs(&filter);
+        let subscriber =
+            Registry::default().with(logs_layer(LogFormat::Text, filter, request_spans));
+        tracing::subscriber::with_default(subscriber, || {
+            [
+                tracing::info_span!(target: "tidepool_node::server::blobs", "request"),
+                tracing::info_span!(target: "tidepool_node::shard", "shard"),
+                tracing::info_span!(target: "tidepool_client::client", "tidepool.put"),
+            ]
+            .map(|span| !span.is_disabled())
+        })
+    }
+
+    #[test]
+    fn text_logs_at_info_make_no_span_per_request() {
+        assert_eq!(made("info"), [false, true, false]);
+        assert_eq!(made("warn"), [false, false, false]);
+    }
+
+    #[test]
+    fn text_logs_at_debug_anywhere_keep_the_request_spans() {
+        assert_eq!(
+            made("info,tidepool_node::server::blobs=debug"),
+            [true, true, true]
+        );
+        assert_eq!(made("debug"), [true, true, true]);
+    }
+
+    #[test]
+    fn json_logs_keep_the_request_spans() {
+        let filter = EnvFilter::new("info");
+        let subscriber = Registry::default().with(logs_layer(LogFormat::Json, filter, false));
+        let made = tracing::subscriber::with_default(subscriber, || {
+            !tracing::info_span!(target: "tidepool_node::server::blobs", "request").is_disabled()
+        });
+        assert!(made);
+    }
 }
