@@ -229,6 +229,9 @@ pub struct ShardStats {
     pub leader_changes: Counter,
     /// Snapshots installed.
     pub snapshots_installed: Counter,
+    /// Linearizable reads served on the lease without the owner
+    /// ([`ShardHandle::read_now`]).
+    pub lease_reads_direct: Counter,
     /// Time from proposing an entry to applying it, seconds.
     pub commit_latency: Histogram,
 }
@@ -240,6 +243,7 @@ impl Default for ShardStats {
             proposals_dropped: Counter::default(),
             leader_changes: Counter::default(),
             snapshots_installed: Counter::default(),
+            lease_reads_direct: Counter::default(),
             commit_latency: Histogram::new(tidepool_telemetry::metrics::latency_buckets()),
         }
     }
@@ -291,6 +295,8 @@ pub struct ShardHandle {
     load: crate::load::Load,
     /// While the replica follows a known leader: that leader (else 0).
     following: AtomicU64,
+    /// Open while a linearizable read may be served without the owner.
+    lease_gate: crate::replica::LeaseGate,
 }
 
 impl std::fmt::Debug for ShardHandle {
@@ -331,9 +337,11 @@ impl ShardHandle {
         outgoing: Arc<dyn Outgoing>,
     ) -> Result<Arc<ShardHandle>> {
         let range = crate::replica::RangeCell::default();
+        let lease_gate = crate::replica::LeaseGate::new(config.lease_clock.clone());
         let opener = Opener {
             config: ReplicaConfig {
                 range_cell: Some(range.clone()),
+                lease_gate: Some(lease_gate.clone()),
                 ..config
             },
             store,
@@ -357,6 +365,7 @@ impl ShardHandle {
             range,
             load: crate::load::Load::default(),
             following: AtomicU64::new(0),
+            lease_gate,
         });
         let mut owner = Owner {
             handle: handle.clone(),
@@ -448,6 +457,17 @@ impl ShardHandle {
         if let Err(Event::Read(done)) = self.send(Event::Read(done)) {
             done(ReadOutcome::Failed("the shard is overloaded".into()));
         }
+    }
+
+    /// Whether a linearizable read arriving now may read the engine at
+    /// once: the leader's lease gate is open (`replica/read.rs`, "Reads
+    /// without the owner"). Otherwise ask [`ShardHandle::read`].
+    pub fn read_now(&self) -> bool {
+        let open = self.lease_gate.is_open();
+        if open {
+            self.stats.lease_reads_direct.inc();
+        }
+        open
     }
 
     /// Queues a membership change.

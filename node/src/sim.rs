@@ -21,7 +21,8 @@ use tidepool_engine::{CellLayout, Config, Durability, KeySpaceConfig};
 use crate::command::{Command, WriteOp};
 use crate::entry_context::EntrySync;
 use crate::replica::{
-    BLOB_KEY_SPACE, LeaseClock, Outcome, ReadCompletion, ReadOutcome, Replica, ReplicaConfig,
+    BLOB_KEY_SPACE, LeaseClock, LeaseGate, Outcome, ReadCompletion, ReadOutcome, Replica,
+    ReplicaConfig,
 };
 
 /// The time one simulated tick stands for, on a replica's
@@ -80,6 +81,9 @@ struct SimNode {
     replica: Option<Replica>,
     /// The snapshots this node's process offers (lost when it stops).
     outbox: Arc<Outbox>,
+    /// The replica's lease gate (kept across restarts, as a node keeps its
+    /// shard handle's).
+    gate: LeaseGate,
 }
 
 /// The outcome of a proposal, filled in when it completes.
@@ -222,8 +226,9 @@ impl SimCluster {
             None => NodeDisk::Fault(FaultStorage::default()),
         };
         let outbox = Arc::new(Outbox::default());
+        let gate = LeaseGate::new(self.template.lease_clock.clone());
         let replica = self
-            .open_replica(id, &storage, &outbox, voters)
+            .open_replica(id, &storage, &outbox, &gate, voters)
             .expect("open replica");
         self.nodes.insert(
             id,
@@ -231,6 +236,7 @@ impl SimCluster {
                 storage,
                 replica: Some(replica),
                 outbox,
+                gate,
             },
         );
     }
@@ -240,6 +246,7 @@ impl SimCluster {
         id: u64,
         storage: &NodeDisk,
         outbox: &Arc<Outbox>,
+        gate: &LeaseGate,
         voters: &[u64],
     ) -> crate::Result<Replica> {
         let store = match storage {
@@ -253,6 +260,7 @@ impl SimCluster {
         config.node_id = id;
         config.address = format!("sim://{id}");
         config.hash_snapshots_inline = true;
+        config.lease_gate = Some(gate.clone());
         Replica::open(config, store, outbox.clone(), voters)
     }
 
@@ -351,7 +359,8 @@ impl SimCluster {
     pub fn restart(&mut self, id: u64) -> crate::Result<()> {
         let storage = self.nodes[&id].storage.clone();
         let outbox = self.nodes[&id].outbox.clone();
-        let replica = self.open_replica(id, &storage, &outbox, &[])?;
+        let gate = self.nodes[&id].gate.clone();
+        let replica = self.open_replica(id, &storage, &outbox, &gate, &[])?;
         self.nodes.get_mut(&id).expect("node").replica = Some(replica);
         Ok(())
     }
@@ -450,6 +459,12 @@ impl SimCluster {
         for id in failed {
             self.crashed(id);
         }
+        self.settle()
+    }
+
+    /// Runs every replica's Ready and delivers what is due until nothing
+    /// moves, without a tick: what a node does right after a client's call.
+    pub fn settle(&mut self) -> crate::Result<()> {
         for _ in 0..100 {
             let sent = self.drain_ready()?;
             let delivered = self.deliver_due()?;
@@ -486,13 +501,28 @@ impl SimCluster {
     fn drain_ready(&mut self) -> crate::Result<usize> {
         let mut outgoing = Vec::new();
         let mut failed = Vec::new();
+        let seed = self.seed;
         for (id, node) in &mut self.nodes {
             if let Some(replica) = node.replica.as_mut() {
                 // Early messages (a leader's appends) leave even when the
                 // replica then dies before its own sync, as on a real node.
                 let mut early = Vec::new();
-                match replica.handle_ready_sending(&mut |m| early.extend(m)) {
-                    Ok(messages) => outgoing.extend(early.into_iter().chain(messages)),
+                let gate = &node.gate;
+                // Checked as they leave (a panic in there would be caught
+                // as raft-rs's and fail the replica instead).
+                let mut violations = Vec::new();
+                let ready = replica.handle_ready_sending(&mut |m| {
+                    violations.extend(check_gate(gate, &m));
+                    early.extend(m);
+                });
+                if let Ok(messages) = &ready {
+                    violations.extend(check_gate(gate, messages));
+                }
+                assert!(violations.is_empty(), "seed {seed}: {violations:?}");
+                match ready {
+                    Ok(messages) => {
+                        outgoing.extend(early.into_iter().chain(messages));
+                    }
                     Err(_) => {
                         outgoing.extend(early);
                         failed.push(*id);
@@ -508,6 +538,12 @@ impl SimCluster {
             self.send(message);
         }
         Ok(sent)
+    }
+
+    /// Whether node `id`'s lease gate is open: a linearizable read arriving
+    /// now would be served without asking its replica.
+    pub fn gate_open(&self, id: u64) -> bool {
+        self.nodes[&id].gate.is_open()
     }
 
     /// A replica whose engine failed (an injected crash) stops, like a
@@ -638,4 +674,31 @@ impl SimCluster {
         receiver.finish()?;
         Ok(())
     }
+}
+
+/// Checks messages as they leave a node against its lease gate: while it
+/// is open, no message may tell a peer of a commit index the gate's reads
+/// might not see, nor start an election (`replica/read.rs`, "Reads without
+/// the owner").
+fn check_gate(gate: &LeaseGate, messages: &[Message]) -> Vec<String> {
+    if !gate.is_open() {
+        return Vec::new();
+    }
+    let applied = gate.opened_at_applied();
+    let mut violations = Vec::new();
+    for message in messages {
+        if message.msg_type() == MessageType::MsgTimeoutNow {
+            violations.push(format!(
+                "node {} sent TimeoutNow with its lease gate open",
+                message.from
+            ));
+        }
+        if message.commit > applied {
+            violations.push(format!(
+                "node {} sent commit index {} with its lease gate open at applied {applied}",
+                message.from, message.commit
+            ));
+        }
+    }
+    violations
 }

@@ -223,6 +223,117 @@ fn an_isolated_leader_serves_lease_reads_only_while_no_other_can_lead() {
 }
 
 #[test]
+fn the_lease_gate_opens_only_on_a_leader_within_its_lease_and_closes_for_a_transfer() {
+    // The gate lets a node serve linearizable reads without the replica's
+    // owner (`replica/read.rs`). Writes flow on a lossy, reordering network
+    // while the simulator checks every message a node sends with its gate
+    // open (no commit index past what it applied, no TimeoutNow); here the
+    // gate must open, only on a node that leads alone, never past the
+    // lease's first half, and close for good when a transfer begins.
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let clock = Arc::new(AtomicU64::new(0));
+    let mut template = ReplicaConfig::new(0, 0);
+    let lease = safe_lease(SIM_TICK, template.election_ticks).unwrap();
+    template.lease = Some(lease);
+    template.lease_clock = LeaseClock::Manual(clock.clone());
+    let mut cluster = SimCluster::with_config(seed, 3, template);
+    cluster.faults = NetworkFaults {
+        drop: 0.02,
+        duplicate: 0.05,
+        max_delay_ticks: 2,
+        ..NetworkFaults::default()
+    };
+    let mut writes = Writes::new();
+    let leader = elect(&mut cluster);
+    let (mut open_ticks, mut confirmed_at) = (0, None);
+    for tick in 0..150u64 {
+        for _ in 0..3 {
+            writes.put(&mut cluster);
+        }
+        // A read through the owner now and then (it takes and renews the
+        // lease; reads served by the gate alone never do).
+        if tick % 5 == 0 {
+            let read = cluster.read(leader);
+            if confirmed_at.is_none() && *read.lock().unwrap() == Some(ReadOutcome::Ready) {
+                confirmed_at = Some(tick);
+            }
+        }
+        cluster.tick().unwrap();
+        let leaders: Vec<u64> = cluster
+            .ids()
+            .into_iter()
+            .filter(|id| cluster.replica(*id).is_some_and(|r| r.status().is_leader))
+            .collect();
+        for id in cluster.ids() {
+            if cluster.gate_open(id) {
+                assert_eq!(
+                    leaders,
+                    vec![id],
+                    "seed {seed}: node {id}'s gate open at tick {tick}"
+                );
+                open_ticks += 1;
+            }
+        }
+    }
+    assert!(
+        open_ticks > 20,
+        "seed {seed}: the leader's gate was open at {open_ticks} of 150 ticks"
+    );
+    // Half a lease after the last renewal the gate is shut, though the
+    // lease still serves reads through the owner.
+    let leader = cluster.leader().expect("a leader");
+    cluster.faults = NetworkFaults::default();
+    cluster.run(2).unwrap();
+    let renewed = cluster.read(leader);
+    cluster.run(2).unwrap();
+    assert_eq!(*renewed.lock().unwrap(), Some(ReadOutcome::Ready));
+    assert!(
+        cluster.gate_open(leader),
+        "seed {seed}: open after a renewal"
+    );
+    let half = (lease / 2).as_nanos() as u64 / SIM_TICK.as_nanos() as u64;
+    cluster.partition(&[leader]);
+    cluster.run(half + 1).unwrap();
+    assert!(
+        !cluster.gate_open(leader),
+        "seed {seed}: open past the lease's first half"
+    );
+    cluster.heal();
+    let leader = elect(&mut cluster);
+    cluster.run(5).unwrap();
+    let renewed = cluster.read(leader);
+    cluster.run(2).unwrap();
+    assert_eq!(*renewed.lock().unwrap(), Some(ReadOutcome::Ready));
+    assert!(cluster.gate_open(leader), "seed {seed}: open again");
+    // A transfer closes the gate before its TimeoutNow leaves (checked as
+    // it leaves) and for the rest of the old leader's term.
+    let to = cluster.ids().into_iter().find(|id| *id != leader).unwrap();
+    cluster
+        .replica(leader)
+        .unwrap()
+        .transfer_leader(to)
+        .unwrap();
+    // Its Ready runs before any tick, as on a node (a tick would give the
+    // lease up on its own).
+    cluster.settle().unwrap();
+    assert!(
+        !cluster.gate_open(leader),
+        "seed {seed}: gate open in a transfer"
+    );
+    assert!(
+        cluster.run_until(100, |c| c.leader() == Some(to)).unwrap(),
+        "seed {seed}: the transfer completed"
+    );
+    for _ in 0..20 {
+        cluster.tick().unwrap();
+        assert!(!cluster.gate_open(leader), "seed {seed}: old leader's gate");
+    }
+    write_for(&mut cluster, &mut writes, 10);
+    assert_converged(&mut cluster, &writes, "lease gate");
+    println!("seed {seed}: gate open at {open_ticks} ticks, first lease at {confirmed_at:?}");
+}
+
+#[test]
 fn a_voter_restarted_during_a_lease_helps_elect_no_leader_before_it_ends() {
     // The leader's lease rests on one follower's promise; that follower
     // restarts (forgetting whom it heard from) while the leader is cut off

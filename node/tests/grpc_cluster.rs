@@ -658,3 +658,36 @@ async fn a_snapshot_stream_gone_silent_is_resumed_on_a_new_connection() {
     assert_replica_holds(&cluster, 4, &written).await;
     cluster.shutdown().await;
 }
+
+/// A linearizable get on a leader within its lease reads the engine on the
+/// request's own thread (the lease gate, `replica/read.rs`, "Reads without
+/// the owner"), and sees the write acknowledged just before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn linearizable_gets_on_the_lease_skip_the_owner_and_see_every_acknowledged_write() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    write_keys(&cluster, "warm", 1, 0, 100).await;
+    let direct = |cluster: &TestCluster| -> u64 {
+        cluster
+            .running
+            .values()
+            .filter_map(|n| n.node.shard(1))
+            .map(|shard| shard.stats().lease_reads_direct.get())
+            .sum()
+    };
+    let before = direct(&cluster);
+    for i in 0..200 {
+        let key = format!("gate/{i}");
+        let content = value(i, 300);
+        put(&cluster, "default", key.as_bytes(), &content)
+            .await
+            .unwrap();
+        let got = get(&cluster, "default", key.as_bytes()).await.unwrap();
+        assert_eq!(got, content, "{key}");
+    }
+    let served = direct(&cluster) - before;
+    assert!(
+        served > 100,
+        "{served} of 200 gets were served without the owner"
+    );
+    cluster.shutdown().await;
+}

@@ -39,7 +39,7 @@ pub use proposals::{Completion, Outcome};
 pub use quiesce::QUIESCE_CONTEXT;
 use quiesce::Quiescence;
 use read::Reads;
-pub use read::{LeaseClock, ReadCompletion, ReadOutcome, safe_lease};
+pub use read::{LeaseClock, LeaseGate, ReadCompletion, ReadOutcome, safe_lease};
 pub use split::{CRASH_POINT_VAR, SPLIT_TEMP_PREFIX};
 pub use sweep::SWEPT_LOG;
 use sweep::Sweeping;
@@ -111,6 +111,10 @@ pub struct ReplicaConfig {
     pub lease: Option<std::time::Duration>,
     /// The clock the lease runs on.
     pub lease_clock: LeaseClock,
+    /// Where a leader shows until when the node may serve linearizable
+    /// reads on its lease without asking the owner (`read.rs`, "Reads
+    /// without the owner"). `None`: every read is asked of the owner.
+    pub lease_gate: Option<LeaseGate>,
     /// A leader with nothing in flight for this many ticks quiesces its
     /// group: it and its followers stop ticking until something wakes them
     /// (`quiesce.rs`). 0: never. Only where something wakes the followers
@@ -152,6 +156,7 @@ impl ReplicaConfig {
             namespaces: None,
             lease: None,
             lease_clock: LeaseClock::Monotonic,
+            lease_gate: None,
             quiesce_ticks: 0,
         }
     }
@@ -382,6 +387,7 @@ impl Replica {
         self.proposals.fail_all(&reason);
         self.reads.fail_all(&ReadOutcome::Failed(reason.clone()));
         self.failed = Some(reason.clone());
+        self.show_lease();
         NodeError::Failed(reason)
     }
 
@@ -696,6 +702,9 @@ impl Drop for Replica {
         self.proposals.fail_all("the replica closed");
         self.reads
             .fail_all(&ReadOutcome::Failed("the replica closed".into()));
+        if let Some(gate) = &self.config.lease_gate {
+            gate.show(None);
+        }
     }
 }
 

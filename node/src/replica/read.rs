@@ -35,6 +35,34 @@
 //! synced, before it answers the leader of that term, so this replica
 //! never answered a leader and no lease rests on it. A new group
 //! therefore elects within a few ticks of opening.
+//!
+//! Reads without the owner (`ReplicaConfig::lease_gate`). A read served on
+//! the lease needs nothing from the owner but three facts, so the leader
+//! shows them in one atomic word, the [`LeaseGate`], and the node's request
+//! threads serve a linearizable read on their own while it is open: no
+//! hand-off to the owner's thread and back. The gate shows a time, the
+//! first half of the lease (the second half goes through the owner, whose
+//! lease reads renew it), and only while (a) this replica leads with a
+//! lease of its current term, has committed an entry of that term and is
+//! not transferring its leadership, and (b) it has applied every entry it
+//! knows committed. It is shown at the start of every Ready, before any
+//! message of it leaves, after the Ready's committed entries are applied
+//! and at its end; cleared when the replica fails or closes.
+//!
+//! Why such a read sees every write acknowledged before it began: a write
+//! is acknowledged by the leader that proposed it, once applied there. One
+//! of this leader's term is applied to the engine the read reads (the
+//! engine only moves forward). One of an earlier term is committed, so
+//! below this leader's first entry of its term, which it has committed;
+//! applied by (b). One of a later term cannot exist while the lease runs
+//! (a leadership transfer closes the gate before its `TimeoutNow` leaves).
+//! A write of another group that this group's entries gate (a split's child
+//! exists only once the split is applied on some node, which learnt it
+//! committed from this leader): this leader sent no commit index beyond
+//! what the gate was last shown with, and (b) held then, so the split is
+//! applied here and the range check after the read refuses the key. The
+//! owner's path (ReadIndex at the commit index, served once applied) gives
+//! the same guarantee; the gate only skips the queue.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -83,6 +111,59 @@ impl LeaseClock {
         match self {
             LeaseClock::Monotonic => ORIGIN.get_or_init(Instant::now).elapsed(),
             LeaseClock::Manual(nanos) => Duration::from_nanos(nanos.load(Ordering::Acquire)),
+        }
+    }
+}
+
+/// Until when the node's request threads may serve a linearizable read
+/// without asking the replica's owner (see the module docs): a time of the
+/// lease clock, shown by the leader. Clones share the gate.
+#[derive(Clone, Debug, Default)]
+pub struct LeaseGate {
+    shown: Arc<Shown>,
+    clock: LeaseClock,
+}
+
+#[derive(Debug, Default)]
+struct Shown {
+    /// Lease-clock nanoseconds; 0: closed.
+    until: AtomicU64,
+    /// The engine's applied index when last opened.
+    applied: AtomicU64,
+}
+
+impl LeaseGate {
+    /// A closed gate on `clock` (the replica's lease clock).
+    pub fn new(clock: LeaseClock) -> Self {
+        Self {
+            shown: Arc::default(),
+            clock,
+        }
+    }
+
+    /// Whether a read arriving now may be served without the owner.
+    pub fn is_open(&self) -> bool {
+        let until = self.shown.until.load(Ordering::Acquire);
+        until != 0 && self.clock.now() < Duration::from_nanos(until)
+    }
+
+    /// The applied index the replica had when it last opened the gate (no
+    /// commit index beyond it leaves the replica while the gate is open:
+    /// what the simulator checks).
+    pub fn opened_at_applied(&self) -> u64 {
+        self.shown.applied.load(Ordering::Acquire)
+    }
+
+    /// Opens the gate until `until` (at applied index `applied`), or closes
+    /// it.
+    pub(crate) fn show(&self, open: Option<(Duration, u64)>) {
+        match open {
+            Some((until, applied)) => {
+                self.shown.applied.store(applied, Ordering::Release);
+                let nanos = u64::try_from(until.as_nanos()).unwrap_or(u64::MAX).max(1);
+                self.shown.until.store(nanos, Ordering::Release);
+            }
+            None => self.shown.until.store(0, Ordering::Release),
         }
     }
 }
@@ -194,6 +275,37 @@ impl Replica {
             return None;
         }
         Some(raft.raft_log.committed)
+    }
+
+    /// Shows the lease gate (see the module docs).
+    pub(crate) fn show_lease(&mut self) {
+        if self.config.lease_gate.is_none() {
+            return;
+        }
+        let until = self.unasked_reads_until();
+        if let Some(gate) = &self.config.lease_gate {
+            gate.show(until);
+        }
+    }
+
+    /// Until when reads may skip the owner: the first half of a lease that
+    /// serves reads now, while every known-committed entry is applied.
+    fn unasked_reads_until(&mut self) -> Option<(Duration, u64)> {
+        let length = self.config.lease?;
+        if self.failed.is_some() {
+            return None;
+        }
+        self.note_transfer();
+        let raft = &self.raw.raft;
+        let (term, until) = self.reads.lease?;
+        // Applied to the engine (raft-rs's own count moves at `advance`).
+        let applied = self.raw.store().applied();
+        let serves = raft.state == StateRole::Leader
+            && raft.term == term
+            && self.reads.transferred_in != Some(raft.term)
+            && raft.commit_to_current_term()
+            && applied >= raft.raft_log.committed;
+        serves.then(|| (until.saturating_sub(length / 2), applied))
     }
 
     /// Asks for a renewal once half the lease has run (one at a time).

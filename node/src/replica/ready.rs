@@ -49,6 +49,8 @@ impl Replica {
         &mut self,
         send_early: &mut dyn FnMut(Vec<Message>),
     ) -> Result<Vec<Message>> {
+        // Before any message of this Ready leaves (`read.rs`).
+        self.show_lease();
         if !self.raw.has_ready() {
             return Ok(Vec::new());
         }
@@ -63,6 +65,7 @@ impl Replica {
             self.install_snapshot(ready.snapshot())?;
         }
         self.apply_entries(ready.take_committed_entries())?;
+        self.show_lease();
         // An entry marked for it is synced whatever the configuration, by
         // the leader before raft-rs counts its own copy and by a follower
         // before it answers (`entry_context`).
@@ -108,6 +111,7 @@ impl Replica {
         self.raw.advance_apply();
         self.confirm_reads(read_states);
         self.maybe_compact()?;
+        self.show_lease();
         Ok(outgoing)
     }
 

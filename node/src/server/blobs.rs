@@ -174,6 +174,7 @@ impl BlobApi {
     async fn read_point(&self, target: &Target, consistency: i32) -> ApiResult<()> {
         match ReadConsistency::try_from(consistency) {
             Ok(ReadConsistency::AnyReplica) => Ok(()),
+            Ok(ReadConsistency::Linearizable) if target.shard.read_now() => Ok(()),
             Ok(ReadConsistency::Linearizable) => {
                 let (tx, rx) = oneshot::channel();
                 target.shard.read(Box::new(move |outcome| {

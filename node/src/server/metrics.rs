@@ -386,6 +386,11 @@ const SHARD_COUNTERS: &[(&str, &str, Read)] = &[
         |s| Some(s.stats.snapshots_installed.get()),
     ),
     (
+        "tidepool_raft_lease_reads_direct",
+        "Linearizable reads this replica served on its leader lease on the request's thread, without its Raft owner.",
+        |s| Some(s.stats.lease_reads_direct.get()),
+    ),
+    (
         "tidepool_engine_wal_written_bytes",
         "Bytes appended to the value WAL.",
         |s| Some(s.engine.counters.wal_bytes_written),

@@ -169,6 +169,12 @@ pub fn watch_lease_reads(
         if other.is_some() && elected_at.is_none() {
             elected_at = Some(tick);
         }
+        // The gate of reads without the owner opens only inside the lease.
+        assert!(
+            other.is_none() || !cluster.gate_open(old),
+            "seed {seed}: node {old}'s lease gate was open at tick {tick} while node {} led",
+            other.unwrap()
+        );
         let read = cluster.read(old);
         if *read.lock().unwrap() == Some(tidepool_node::replica::ReadOutcome::Ready) {
             last_leased_tick = tick;
