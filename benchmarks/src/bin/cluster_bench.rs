@@ -13,11 +13,15 @@
 //!
 //! For each value size and client count both tools do the same number of
 //! operations: puts of new keys (Tidepool: `--distribution sequential`,
-//! each key once), then reads of every key just written (Tidepool:
-//! linearizable gets from the shard leaders; SeaweedFS: plain reads from
-//! any replica). Reads come from the page cache on both (the data was
-//! written seconds before; the machine evicts page cache idle for about a
-//! minute).
+//! each key once), then `--get-passes` times as many reads of keys drawn
+//! uniformly from those just written (Tidepool: linearizable gets from the
+//! shard leaders, `--distribution uniform`; SeaweedFS: plain reads from
+//! any replica, `weed benchmark -readOnly`, which draws its reads from the
+//! written list the same way). Reads come from memory on both (the data
+//! was written seconds before; the machine evicts page cache idle for
+//! about a minute). Gets outnumber puts because they are many times
+//! faster: one pass over the 1 KiB keys lasts about a second, too short to
+//! compare.
 //!
 //! Also measured in the same run: the disk's sequential write limit (`dd
 //! … conv=fdatasync`), so that large puts read as a fraction of `limit / 3`
@@ -55,6 +59,10 @@ struct Args {
     /// 64 KiB, 800 at 1 MiB; others scaled by bytes).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
+    /// Gets per phase as a multiple of its puts (each drawn uniformly
+    /// from the keys the puts wrote).
+    #[arg(long, default_value_t = 5)]
+    get_passes: u64,
     /// Tidepool's durabilities to run (`synced`, `buffered`).
     #[arg(long, value_delimiter = ',', default_value = "synced,buffered")]
     durabilities: Vec<String>,
@@ -275,10 +283,17 @@ impl Tidepool {
         prefix: &str,
         size: usize,
         clients: usize,
-        count: u64,
+        (count, keys): (u64, u64),
     ) -> anyhow::Result<Phase> {
         let before = written(&self.node_pids);
-        let (size, clients, count) = (size.to_string(), clients.to_string(), count.to_string());
+        // Puts write each key once; gets draw from the keys written.
+        let distribution = if op == "put" { "sequential" } else { "uniform" };
+        let (size, clients, count, keys) = (
+            size.to_string(),
+            clients.to_string(),
+            count.to_string(),
+            keys.to_string(),
+        );
         let output = self.tidectl(
             args,
             &[
@@ -294,11 +309,11 @@ impl Tidepool {
                 "--count",
                 &count,
                 "--keys",
-                &count,
+                &keys,
                 "--seconds",
                 "0",
                 "--distribution",
-                "sequential",
+                distribution,
                 "--no-prefill",
                 "--prefix",
                 prefix,
@@ -542,7 +557,7 @@ fn main() -> anyhow::Result<()> {
             for &clients in &args.clients {
                 let count = operations(size, args.scale);
                 let prefix = format!("{durability}-{size}-{clients}");
-                let put = cluster.phase(&args, "put", &prefix, size, clients, count)?;
+                let put = cluster.phase(&args, "put", &prefix, size, clients, (count, count))?;
                 record(
                     "tidepool",
                     &format!("put {durability}"),
@@ -552,7 +567,8 @@ fn main() -> anyhow::Result<()> {
                     &mut emit,
                 );
                 if durability == "synced" {
-                    let get = cluster.phase(&args, "get", &prefix, size, clients, count)?;
+                    let gets = count * args.get_passes;
+                    let get = cluster.phase(&args, "get", &prefix, size, clients, (gets, count))?;
                     record("tidepool", "get", size, clients, get, &mut emit);
                 }
             }
@@ -582,7 +598,7 @@ fn main() -> anyhow::Result<()> {
                             &list,
                             size,
                             clients,
-                            count,
+                            count * args.get_passes,
                             &collection,
                         )?;
                         record("seaweedfs", "get", size, clients, get, &mut emit);
