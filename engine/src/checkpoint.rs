@@ -223,6 +223,13 @@ fn segment_file(
     }))
 }
 
+/// Whether `dir` holds an engine: its control file, written when the
+/// engine was created and only ever replaced atomically since. An engine
+/// opened on a directory without one starts empty.
+pub fn engine_exists(storage: &dyn crate::storage::Storage, dir: &Path) -> bool {
+    storage.exists(&dir.join(CONTROL_FILE))
+}
+
 /// Deletes every file of the engine that lived in `dir` (it must be
 /// closed), leaving the directories: how a replication layer empties a
 /// directory before copying a checkpoint into it. Files that are not the

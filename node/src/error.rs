@@ -16,6 +16,11 @@ pub enum NodeError {
     /// it) and must be reopened.
     #[error("the replica failed and must be reopened: {0}")]
     Failed(String),
+    /// A replica's files are gone (its directory deleted, or a volume no
+    /// longer mounted under it): it is not opened empty in their place,
+    /// since an empty replica would vote with a forgotten log.
+    #[error("replica files missing: {0}")]
+    FilesMissing(String),
     /// The configuration is invalid.
     #[error("configuration: {0}")]
     Config(String),

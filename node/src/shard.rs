@@ -315,6 +315,13 @@ struct Opener {
 }
 
 impl Opener {
+    /// Opens the replica again after a failure: its files must still be
+    /// there ([`ReplicaStore::expect_existing`]).
+    fn reopen(&self) -> Result<Replica> {
+        self.store.expect_existing()?;
+        self.open(&[])
+    }
+
     fn open(&self, voters: &[u64]) -> Result<Replica> {
         Replica::open(
             self.config.clone(),
@@ -942,7 +949,7 @@ impl Owner {
         if !self.handle.begin_reopen() {
             return;
         }
-        let opened = self.opener.open(&[]);
+        let opened = self.opener.reopen();
         self.handle.end_reopen();
         match opened {
             Ok(replica) => {

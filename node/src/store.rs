@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tidepool_engine::storage::{FileStorage, Storage, read_whole_file, write_file_atomically};
-use tidepool_engine::{Config, Engine, Host, remove_engine_files};
+use tidepool_engine::{Config, Engine, Host, engine_exists, remove_engine_files};
 
 use crate::error::{NodeError, Result};
 
@@ -135,6 +135,21 @@ impl ReplicaStore {
         let mut config = self.engine.clone();
         config.dir = self.slot_dir(slot);
         config
+    }
+
+    /// Fails with [`NodeError::FilesMissing`] unless the live slot holds
+    /// an engine: what a replica that existed must find before it is
+    /// opened again (after a failure, or when its node restarts), so that
+    /// files lost under it never turn into an empty replica with its id.
+    pub fn expect_existing(&self) -> Result<()> {
+        let live = self.slot_dir(self.live_slot()?);
+        if engine_exists(&*self.storage, &live) {
+            return Ok(());
+        }
+        Err(NodeError::FilesMissing(format!(
+            "{} holds no engine (its files were deleted, or the volume that held them is not              mounted); the replica is not re-created empty, which would let it vote with a              forgotten log: restore the files, or stop the node so its replicas are rebuilt on              others",
+            live.display()
+        )))
     }
 
     /// Opens the live engine, emptying the spare slot first.

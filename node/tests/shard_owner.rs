@@ -3,7 +3,9 @@
 //! Raft entry — and every acknowledged put is on every replica; a
 //! linearizable read after an acknowledged put sees it; a follower refuses
 //! linearizable reads and names the leader; a follower whose disk fills
-//! fails, reopens, catches up and keeps what it acknowledged.
+//! fails, reopens, catches up and keeps what it acknowledged; a follower
+//! whose files are deleted under it stays failed and silent instead of
+//! coming back empty.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
@@ -22,10 +24,13 @@ use tidepool_node::store::ReplicaStore;
 #[derive(Default)]
 struct LocalNet {
     nodes: RwLock<BTreeMap<u64, Arc<ShardHandle>>>,
+    /// Messages sent, by sender.
+    sent: parking_lot::Mutex<BTreeMap<u64, u64>>,
 }
 
 impl Outgoing for LocalNet {
     fn send(&self, _shard: u32, message: Message) {
+        *self.sent.lock().entry(message.from).or_default() += 1;
         if let Some(to) = self.nodes.read().get(&message.to) {
             to.step(message);
         }
@@ -320,4 +325,108 @@ fn a_full_queue_refuses_writes_as_overloaded() {
     .unwrap();
     assert!(matches!(put(&handle, 1), Outcome::Overloaded));
     handle.stop();
+}
+
+/// A follower's replica directory is deleted while it runs (an operator's
+/// `rm -rf`, or a volume unmounted under it). Its replica fails when it
+/// next needs a new file; reopening it must not create an empty replica in
+/// its place: with its node id still a voter of the group and its log and
+/// vote forgotten, such a replica grants its vote to any candidate, and a
+/// candidate missing committed entries could win with it (Raft's safety
+/// rests on voters remembering what they acknowledged). It stays failed,
+/// says why, sends nothing and leaves no engine files behind; the other two
+/// go on acknowledging writes. Before the check, the replica was reopened
+/// at once, empty, at term 0, in a re-created directory.
+#[test]
+fn a_follower_whose_files_are_deleted_stays_failed_and_never_comes_back_empty() {
+    let root = tempfile::tempdir().unwrap();
+    let net = Arc::new(LocalNet::default());
+    let driver = DriverConfig {
+        tick: Duration::from_millis(20),
+        reopen_backoff: Duration::from_millis(50),
+        ..DriverConfig::default()
+    };
+    let dir = |id: u64| root.path().join(format!("node-{id}"));
+    for id in 1..=3u64 {
+        let handle = ShardHandle::start(
+            ReplicaConfig::new(0, id),
+            driver.clone(),
+            ReplicaStore::on_files(dir(id), engine_config()),
+            Arc::new(Outbox::default()),
+            &[1, 2, 3],
+            net.clone(),
+        )
+        .unwrap();
+        net.nodes.write().insert(id, handle);
+    }
+    let mut leader_id = None;
+    for _ in 0..500 {
+        leader_id = leader(&net.nodes.read());
+        if leader_id.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let leader_id = leader_id.expect("a leader is elected");
+    let victim = leader_id % 3 + 1;
+    let leader_handle = net.nodes.read()[&leader_id].clone();
+    let victim_handle = net.nodes.read()[&victim].clone();
+    let value = |i: u64| format!("{i:>1000}").into_bytes();
+    let put_value = |i: u64| {
+        let (tx, rx) = mpsc::channel();
+        leader_handle.write(
+            put_op(key(i), value(i)),
+            EntrySync::AsConfigured,
+            Box::new(move |outcome| tx.send(outcome).unwrap()),
+        );
+        rx.recv_timeout(Duration::from_secs(20)).unwrap()
+    };
+    for i in 0..100u64 {
+        assert!(matches!(put_value(i), Outcome::Applied { .. }), "put {i}");
+    }
+
+    std::fs::remove_dir_all(dir(victim)).unwrap();
+    // Writes go on until the follower needs a file it cannot make (a new
+    // log segment: the test engine's are 64 KiB).
+    let mut i = 100u64;
+    while victim_handle.state().failed.is_none() {
+        assert!(i < 20_000, "the follower never failed without its files");
+        assert!(matches!(put_value(i), Outcome::Applied { .. }), "put {i}");
+        i += 1;
+    }
+    // Many reopen attempts' worth of time (50 ms backoff, doubling to
+    // its cap), with writes going on and the leader heartbeating.
+    let sent_before = net.sent.lock().get(&victim).copied().unwrap_or(0);
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        assert!(
+            matches!(put_value(i), Outcome::Applied { .. }),
+            "put {i} on two of three"
+        );
+        i += 1;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let state = victim_handle.state();
+    let failed = state.failed.clone().unwrap_or_default();
+    assert!(
+        failed.contains("replica files missing"),
+        "the follower stays failed, saying why: {state:?}"
+    );
+    assert!(
+        state.status.is_none(),
+        "no replica runs in its place: {state:?}"
+    );
+    assert_eq!(
+        net.sent.lock().get(&victim).copied().unwrap_or(0),
+        sent_before,
+        "the failed follower sends nothing: no votes, no answers"
+    );
+    let control = |slot: &str| dir(victim).join(slot).join("control");
+    assert!(
+        !control("a").exists() && !control("b").exists(),
+        "no empty engine was created in its directory"
+    );
+    for handle in net.nodes.read().values() {
+        handle.stop();
+    }
 }

@@ -501,6 +501,10 @@ impl Node {
         }
         let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
             .with_host(self.engines.clone());
+        if dir.join(SHARD_FILE).exists() {
+            // A replica this node hosted: opened only with its files.
+            store.expect_existing()?;
+        }
         let mut driver = self.config.driver_config();
         driver.pool = Some(self.owners[shard_id as usize % self.owners.len()].clone());
         let mut replica_config = self.config.replica_config(shard_id)?;

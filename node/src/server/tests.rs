@@ -1,4 +1,5 @@
-//! The node's table of replicas while replicas open.
+//! The node's table of replicas while replicas open, and a restart that
+//! finds a replica's files gone.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -11,7 +12,11 @@ use crate::config::NodeConfig;
 
 /// A one-node cluster of one shard in `dir`.
 fn one_node(dir: &std::path::Path) -> Arc<Node> {
-    let config = NodeConfig::from_toml(&format!(
+    Node::open(one_node_config(dir)).unwrap()
+}
+
+fn one_node_config(dir: &std::path::Path) -> NodeConfig {
+    NodeConfig::from_toml(&format!(
         "node_id = 1\n\
          insecure = true\n\
          data_dir = {:?}\n\
@@ -20,8 +25,7 @@ fn one_node(dir: &std::path::Path) -> Arc<Node> {
          peers = [{{ id = 1, address = \"http://127.0.0.1:1\" }}]\n",
         dir.display().to_string()
     ))
-    .unwrap();
-    Node::open(config).unwrap()
+    .unwrap()
 }
 
 /// Runs `f` on a thread of its own; `None` if it has not returned within
@@ -97,4 +101,37 @@ async fn requests_find_their_replicas_while_another_opens() {
         .0;
     assert!(node.open_replica(info, &[1]).unwrap(), "already open");
     node.shutdown();
+}
+
+/// A node restarts and finds the directory of a replica it hosted (its
+/// `SHARD` file) without the replica's engine: the files were deleted, or
+/// the volume holding them is not mounted. It must not open an empty
+/// replica there — one that votes with its log and votes forgotten — and
+/// says which directory and why; nothing is created in it. (A node that
+/// does not start is down to the coordinator, which rebuilds its replicas
+/// on the other nodes after the grace period.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_refuses_a_replica_whose_files_are_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = one_node(dir.path());
+    node.shutdown();
+    drop(node);
+    let replica = dir.path().join("shards").join("1");
+    assert!(replica.join(crate::store::SHARD_FILE).exists());
+    let engine = replica.join("a");
+    assert!(engine.join("control").exists(), "the replica had an engine");
+    std::fs::remove_dir_all(&engine).unwrap();
+
+    let error = match Node::open(one_node_config(dir.path())) {
+        Ok(_) => panic!("the node opened a replica without its files"),
+        Err(error) => error.to_string(),
+    };
+    assert!(
+        error.contains("replica files missing") && error.contains(&engine.display().to_string()),
+        "names the missing files: {error}"
+    );
+    assert!(
+        !engine.join("control").exists(),
+        "no empty engine was created in their place"
+    );
 }
