@@ -11,6 +11,10 @@
 //!    disk-usage fraction, then the lower id);
 //! 4. movement is minimal: a replica on an eligible node stays unless
 //!    moving it fixes rule 2 or narrows a count gap of two or more.
+//!
+//! A (shard, node) pair may be barred ([`place_barring`]): the shard gets
+//! no replica on that node, as if the node were not eligible for it alone
+//! (a replica there whose files are gone, until it is closed).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -56,6 +60,7 @@ struct Planner<'a> {
     nodes: BTreeMap<u64, &'a NodeView>,
     counts: BTreeMap<u64, usize>,
     placement: Placement,
+    barred: &'a BTreeSet<(u32, u64)>,
 }
 
 impl<'a> Planner<'a> {
@@ -72,10 +77,20 @@ impl<'a> Planner<'a> {
         (self.counts[&node], self.nodes[&node].fullness(), node)
     }
 
-    /// The best node to add to `replicas`: in a new zone if there is one.
-    fn best_addition(&self, replicas: &BTreeSet<u64>) -> Option<u64> {
+    /// Whether `shard` may have a replica on `node` (an eligible one).
+    fn allowed(&self, shard: u32, node: u64) -> bool {
+        !self.barred.contains(&(shard, node))
+    }
+
+    /// The best node to add to `shard`'s `replicas`: in a new zone if there
+    /// is one.
+    fn best_addition(&self, shard: u32, replicas: &BTreeSet<u64>) -> Option<u64> {
         let used = self.zones_of(replicas);
-        let candidates = self.nodes.keys().copied().filter(|n| !replicas.contains(n));
+        let candidates = self
+            .nodes
+            .keys()
+            .copied()
+            .filter(|n| !replicas.contains(n) && self.allowed(shard, *n));
         candidates.min_by_key(|n| (used.contains(self.zone(*n)), self.rank(*n)))
     }
 
@@ -110,7 +125,7 @@ impl<'a> Planner<'a> {
             .nodes
             .keys()
             .copied()
-            .filter(|n| !used.contains(self.zone(*n)))
+            .filter(|n| !used.contains(self.zone(*n)) && self.allowed(shard, *n))
             .min_by_key(|n| self.rank(*n));
         match target {
             Some(target) => {
@@ -139,7 +154,7 @@ impl<'a> Planner<'a> {
                 let shards: Vec<u32> = self
                     .placement
                     .iter()
-                    .filter(|(_, r)| r.contains(&from) && !r.contains(&to))
+                    .filter(|(s, r)| r.contains(&from) && !r.contains(&to) && self.allowed(**s, to))
                     .map(|(s, _)| *s)
                     .collect();
                 for shard in shards {
@@ -168,6 +183,19 @@ pub fn place(
     shards: &[u32],
     replication: usize,
 ) -> Placement {
+    place_barring(nodes, current, shards, replication, &BTreeSet::new())
+}
+
+/// [`place`], with no replica of a shard on a node where `barred` holds
+/// the pair (shard, node): such a shard gets its replicas on the other
+/// eligible nodes, fewer if there are not enough.
+pub fn place_barring(
+    nodes: &[NodeView],
+    current: &Placement,
+    shards: &[u32],
+    replication: usize,
+    barred: &BTreeSet<(u32, u64)>,
+) -> Placement {
     let eligible: BTreeMap<u64, &NodeView> = nodes
         .iter()
         .filter(|n| n.eligible())
@@ -177,6 +205,7 @@ pub fn place(
         counts: eligible.keys().map(|id| (*id, 0)).collect(),
         nodes: eligible,
         placement: Placement::new(),
+        barred,
     };
     // Keep what may stay.
     for &shard in shards {
@@ -186,26 +215,30 @@ pub fn place(
             .into_iter()
             .flatten()
             .copied()
-            .filter(|n| planner.nodes.contains_key(n))
+            .filter(|n| planner.nodes.contains_key(n) && planner.allowed(shard, *n))
             .take(replication)
             .collect();
         for node in kept {
             planner.add(shard, node);
         }
     }
-    // Fill the gaps, the emptiest shards first.
+    // Fill the gaps, the emptiest shards first (a shard barred from the
+    // nodes it lacks stays short).
     let want = replication.min(planner.nodes.len());
+    let mut stuck = BTreeSet::new();
     loop {
         let short = shards
             .iter()
             .copied()
-            .filter(|s| planner.placement[s].len() < want)
+            .filter(|s| planner.placement[s].len() < want && !stuck.contains(s))
             .min_by_key(|s| (planner.placement[s].len(), *s));
         let Some(shard) = short else { break };
-        let node = planner
-            .best_addition(&planner.placement[&shard])
-            .expect("fewer replicas than eligible nodes");
-        planner.add(shard, node);
+        match planner.best_addition(shard, &planner.placement[&shard]) {
+            Some(node) => planner.add(shard, node),
+            None => {
+                stuck.insert(shard);
+            }
+        }
     }
     for &shard in shards {
         while planner.spread_zones(shard) {}

@@ -41,6 +41,26 @@ impl ShardView {
     pub fn leader_status(&self) -> Option<&ReplicaStatus> {
         self.leader.and_then(|id| self.replicas.get(&id))
     }
+
+    /// Nodes whose replica reports its files missing: down for good (it
+    /// neither votes nor answers) though its node is live.
+    pub fn files_missing(&self) -> BTreeSet<u64> {
+        self.replicas
+            .iter()
+            .filter(|(_, r)| r.files_missing)
+            .map(|(node, _)| *node)
+            .collect()
+    }
+}
+
+/// Every (shard, node) whose replica reports its files missing: placement
+/// bars those pairs until the replica is closed, so the shard is rebuilt
+/// without it.
+pub fn files_missing(views: &[ShardView]) -> BTreeSet<(u32, u64)> {
+    views
+        .iter()
+        .flat_map(|v| v.files_missing().into_iter().map(|n| (v.shard_id, n)))
+        .collect()
 }
 
 /// Views of every shard in `map` from the nodes' reports.
@@ -144,7 +164,8 @@ fn caught_up(view: &ShardView, node: u64, slack: u64) -> bool {
 
 /// The next step toward `desired` for a shard, or `None` when its
 /// configuration already is `desired` (all voters). `live` holds the nodes
-/// that answered this round.
+/// that answered this round; a replica whose files are missing counts as
+/// down whatever its node does.
 pub fn next_step(
     view: &ShardView,
     desired: &BTreeSet<u64>,
@@ -154,6 +175,7 @@ pub fn next_step(
     let Some(leader) = view.leader else {
         return Some(Step::Wait(Wait::NoLeader));
     };
+    let live: &BTreeSet<u64> = &live.difference(&view.files_missing()).copied().collect();
     let live_voters = view.voters.intersection(live).count();
     // Learners first: finish or undo a move in progress.
     if let Some(&learner) = view.learners.iter().find(|l| !desired.contains(l)) {
@@ -367,5 +389,24 @@ mod tests {
         assert_eq!(views[0].voters, set(&[1, 2]));
         assert_eq!(views[0].learners, set(&[3]));
         assert_eq!(views[0].conf_version, 9);
+    }
+
+    /// A replica whose files are missing counts as down though its node
+    /// answers: a learner is not promoted on its count. Voters 1, 2, 3
+    /// with node 3's replica lost and node 2 down: promoting learner 4
+    /// would make four voters with two up (1 and 4), short of three.
+    #[test]
+    fn a_replica_whose_files_are_missing_counts_as_down() {
+        let desired = set(&[1, 2, 4]);
+        let mut v = view(&[1, 2, 3], &[4], 1);
+        v.replicas.get_mut(&3).unwrap().files_missing = true;
+        let live = set(&[1, 3, 4]);
+        assert_eq!(
+            next_step(&v, &desired, &live, 10),
+            Some(Step::Wait(Wait::Unsafe))
+        );
+        v.replicas.get_mut(&3).unwrap().files_missing = false;
+        assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Promote(4)));
+        assert_eq!(files_missing(&[v]), BTreeSet::new());
     }
 }

@@ -29,7 +29,7 @@ use crate::CoordinatorError;
 use crate::core::Shared;
 use crate::epochs::drop_target;
 use crate::nodes::NodeClients;
-use crate::placement::{NodeView, Placement, place};
+use crate::placement::{NodeView, Placement, place_barring};
 use crate::plan::{ShardView, Step, Wait, next_step, shard_views};
 use crate::splits::Hot;
 use crate::transfers::Transfers;
@@ -127,7 +127,12 @@ pub(crate) fn placement_start(
     views
         .iter()
         .map(|view| {
-            let members = view.members();
+            // A replica whose files are gone is not one to keep.
+            let members: BTreeSet<u64> = view
+                .members()
+                .difference(&view.files_missing())
+                .copied()
+                .collect();
             let moving = !view.learners.is_empty() || view.voters.len() > replication;
             let start = match targets.get(&view.shard_id) {
                 Some(target) if view.leader.is_some() && moving && target.is_subset(&members) => {
@@ -140,14 +145,23 @@ pub(crate) fn placement_start(
         .collect()
 }
 
-/// Where each shard's replicas should be, starting from `current`.
+/// Where each shard's replicas should be, starting from `current`; never
+/// on a node where the shard's replica reports its files missing (`views`).
 pub(crate) fn desired_placement(
     map: &ClusterMap,
     current: &Placement,
     nodes: &[NodeView],
+    views: &[ShardView],
 ) -> Placement {
     let shards: Vec<u32> = map.shards.iter().map(|s| s.shard_id).collect();
-    place(nodes, current, &shards, map.replication_factor as usize)
+    let barred = crate::plan::files_missing(views);
+    place_barring(
+        nodes,
+        current,
+        &shards,
+        map.replication_factor as usize,
+        &barred,
+    )
 }
 
 /// The moves in progress as the status API shows them.
@@ -315,7 +329,7 @@ impl Reconciler {
             live.contains(&id) || self.down_since.get(&id).is_none_or(|t| t.elapsed() < grace)
         });
         let current = placement_start(&views, &self.targets, map.replication_factor as usize);
-        let desired = desired_placement(&map, &current, &node_views);
+        let desired = desired_placement(&map, &current, &node_views, &views);
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
         let busy = self.move_replicas(&map, &views, &desired, &live).await;
@@ -822,10 +836,11 @@ impl Reconciler {
         };
         let candidates = views.iter().filter(|v| v.leader == Some(busiest));
         for view in candidates {
+            let missing = view.files_missing();
             let best = view
                 .voters
                 .iter()
-                .filter(|v| live.contains(v))
+                .filter(|v| live.contains(v) && !missing.contains(v))
                 .filter(|v| self.transfers.may_ask(now, view.shard_id, **v))
                 .min_by_key(|v| (led.get(v).copied().unwrap_or(usize::MAX), **v))
                 .copied();
@@ -1123,7 +1138,7 @@ fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::moves;
+    use crate::placement::{moves, place};
 
     fn set(ids: &[u64]) -> BTreeSet<u64> {
         ids.iter().copied().collect()
@@ -1186,5 +1201,57 @@ mod tests {
         let mut leaderless = view(1, &set(&[1, 2, 3]), &[4]);
         leaderless.leader = None;
         assert_eq!(start(leaderless), set(&[1, 2, 3, 4]));
+    }
+
+    /// A replica whose files went missing (node 3's of shard 1, on a live
+    /// node) is rebuilt: placement neither keeps it nor puts the shard back
+    /// on that node while it reports so, and the shard's steps remove it;
+    /// once it is closed (no longer reported) the shard comes back to the
+    /// node like any other, afresh. With a fourth node it moves there.
+    #[test]
+    fn a_replica_whose_files_are_missing_is_replaced() {
+        let members = set(&[1, 2, 3]);
+        let mut lost = view(1, &members, &[]);
+        for n in [1, 2, 3] {
+            let status = tidepool_proto::v1::ReplicaStatus {
+                shard_id: 1,
+                is_leader: n == 1,
+                files_missing: n == 3,
+                ..tidepool_proto::v1::ReplicaStatus::default()
+            };
+            lost.replicas.insert(n, status);
+        }
+        let views = vec![lost.clone()];
+        let start = placement_start(&views, &Placement::new(), 3);
+        assert_eq!(start[&1], set(&[1, 2]), "not kept");
+        let map = ClusterMap {
+            replication_factor: 3,
+            shards: vec![tidepool_proto::v1::ShardInfo {
+                shard_id: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let three = &nodes(&[4]);
+        let desired = desired_placement(&map, &start, three, &views);
+        assert_eq!(desired[&1], set(&[1, 2]), "not put back on node 3");
+        let live = set(&[1, 2, 3]);
+        assert_eq!(
+            next_step(&lost, &desired[&1], &live, 10),
+            Some(Step::Remove(3))
+        );
+        // With a fourth node, the shard moves there.
+        let desired = desired_placement(&map, &start, &nodes(&[]), &views);
+        assert_eq!(desired[&1], set(&[1, 2, 4]));
+        // Removed and closed: node 3 reports nothing, and gets the shard
+        // back (a new replica, added as a learner).
+        let rebuilt = view(1, &set(&[1, 2]), &[]);
+        let start = placement_start(std::slice::from_ref(&rebuilt), &Placement::new(), 3);
+        let desired = desired_placement(&map, &start, three, std::slice::from_ref(&rebuilt));
+        assert_eq!(desired[&1], set(&[1, 2, 3]));
+        assert_eq!(
+            next_step(&rebuilt, &desired[&1], &live, 10),
+            Some(Step::AddLearner(3))
+        );
     }
 }

@@ -80,7 +80,7 @@ impl CoordinatorApi {
         } else {
             let live: BTreeSet<u64> = reports.keys().copied().collect();
             let nodes = node_views(&map, &reports, |id| live.contains(&id));
-            let desired = desired_placement(&map, &current_placement(&views), &nodes);
+            let desired = desired_placement(&map, &current_placement(&views), &nodes, &views);
             moves_of(&views, &desired, &live, self.shared.config.catch_up_slack)
                 .into_iter()
                 .map(|(m, _)| m)

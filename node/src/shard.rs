@@ -204,6 +204,9 @@ pub struct ShardState {
     pub status: Option<ReplicaStatus>,
     /// Why the replica is down, if it is.
     pub failed: Option<String>,
+    /// Down because its files are gone ([`NodeError::FilesMissing`]): it
+    /// stays down until they return.
+    pub files_missing: bool,
     /// The shard's epoch.
     pub epoch: u32,
     /// Disk bytes of its engine.
@@ -535,6 +538,10 @@ impl ShardHandle {
     /// resolves: [`ShardHandle::stop`] waits for that, so a replica's
     /// directory is deleted only once nothing writes into it.
     pub fn begin_snapshot(self: &Arc<Self>) -> Option<SnapshotTransfer> {
+        if self.state.lock().files_missing {
+            // Down for good: it would only be thrown away.
+            return None;
+        }
         let mut transfers = self.transfers.lock();
         if transfers.stopped || transfers.reopening || self.fetching.swap(true, Ordering::AcqRel) {
             return None;
@@ -958,13 +965,17 @@ impl Owner {
                 self.replica = Some(replica);
                 self.down_since = None;
                 self.reopened_at = Some(Instant::now());
-                self.handle.state.lock().failed = None;
+                let mut state = self.handle.state.lock();
+                state.failed = None;
+                state.files_missing = false;
             }
             Err(error) => {
                 self.down_since = Some(Instant::now());
                 self.backoff = (self.backoff * 2).min(MAX_REOPEN_BACKOFF);
                 tracing::warn!(%error, backoff = ?self.backoff, "replica could not be reopened");
-                self.handle.state.lock().failed = Some(error.to_string());
+                let mut state = self.handle.state.lock();
+                state.files_missing = matches!(error, NodeError::FilesMissing(_));
+                state.failed = Some(error.to_string());
             }
         }
     }

@@ -147,7 +147,9 @@ impl ReplicaStore {
             return Ok(());
         }
         Err(NodeError::FilesMissing(format!(
-            "{} holds no engine (its files were deleted, or the volume that held them is not              mounted); the replica is not re-created empty, which would let it vote with a              forgotten log: restore the files, or stop the node so its replicas are rebuilt on              others",
+            "{} holds no engine (its files were deleted, or the volume that held them is not \
+             mounted); the replica is not re-created empty, which would let it vote with a \
+             forgotten log: restore the files, or let the coordinator rebuild the replica",
             live.display()
         )))
     }

@@ -1,7 +1,8 @@
 //! The coordinator with real processes: `tidepool coordinator` replicas on
 //! a real etcd (Debian's `etcd-server`) and `tidepool node` processes that
 //! register with them. A node joins under client load; a node is killed
-//! and its shards are re-replicated after the grace period; the leading
+//! and its shards are re-replicated after the grace period; a replica
+//! whose files vanish under a running node is rebuilt; the leading
 //! coordinator is killed in the middle of a move; epochs expire a
 //! namespace on every replica of a three-node cluster and give its disk
 //! space back.
@@ -579,6 +580,94 @@ async fn a_killed_node_is_replaced_after_the_grace_period() {
         .await;
     assert_eq!(status.map.as_ref().unwrap().nodes.len(), 4, "no new id");
     check_keys(status.map.as_ref().unwrap(), "default", 0..60).await;
+    cluster.assert_no_panics();
+}
+
+/// A running node's replica loses its files (its directory deleted, as by
+/// an operator's `rm -rf` or a volume unmounted under it). The replica goes
+/// down and stays down — never reopened empty, which would let it vote with
+/// a forgotten log — and reports `files_missing`; the coordinator removes
+/// it from its group, closes it, and, the node being the only place left
+/// for a third replica, adds a fresh one there, which catches up from the
+/// leader. Every key written before and during it reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_files_vanish_is_rebuilt() {
+    let _serial = SERIAL.lock().await;
+    let (cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
+    let map = status.map.unwrap();
+    write_keys(&map, "default", 0..40).await;
+    let index = 0;
+    let victim = map
+        .nodes
+        .iter()
+        .find(|n| n.address == cluster.nodes[index].url)
+        .unwrap()
+        .node_id;
+    let shard = map
+        .shards
+        .iter()
+        .find(|s| s.leader_hint != victim)
+        .expect("a shard the victim follows")
+        .shard_id;
+    let dir = cluster
+        .dir
+        .path()
+        .join(format!("node-{index}"))
+        .join("shards")
+        .join(shard.to_string());
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // Writes go on; the replica fails when its engine next writes a file
+    // (its control file, every few seconds while it changes), and says
+    // why it is not reopened.
+    let mut next = 40;
+    let began = Instant::now();
+    while !cluster.nodes[index]
+        .process
+        .log()
+        .contains("replica files missing")
+    {
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "the replica never found its files missing\n{}",
+            cluster.logs()
+        );
+        write_keys(&map, "default", next..next + 20).await;
+        next += 20;
+    }
+    // Rebuilt: the victim's replica of the shard is up again (a failed
+    // one reports no applied index) and the shard has three voters.
+    let healthy = |s: &ClusterStatus| {
+        s.nodes.iter().any(|n| {
+            n.node_id == victim
+                && n.replicas
+                    .iter()
+                    .any(|r| r.shard_id == shard && !r.files_missing && r.applied_index > 0)
+        })
+    };
+    let status = cluster
+        .wait_for(
+            "the shard rebuilt on three replicas, the victim's afresh",
+            Duration::from_secs(90),
+            |s| settled(s, 3) && healthy(s),
+        )
+        .await;
+    let map = status.map.unwrap();
+    assert!(
+        map.shards
+            .iter()
+            .find(|s| s.shard_id == shard)
+            .unwrap()
+            .replicas
+            .iter()
+            .any(|r| r.node_id == victim),
+        "the victim holds the shard again"
+    );
+    assert!(
+        dir.join("SHARD").exists(),
+        "a new replica in the victim's directory"
+    );
+    check_keys(&map, "default", 0..next).await;
     cluster.assert_no_panics();
 }
 

@@ -429,6 +429,7 @@ impl Node {
                     leader: status.leader,
                     range: status.range.map(|(start, end)| HashRange { start, end }),
                     split_off: status.children.iter().map(|c| c.shard_id).collect(),
+                    files_missing: state.files_missing,
                 }
             })
             .collect();

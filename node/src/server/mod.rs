@@ -536,8 +536,13 @@ impl Node {
         self.outbox.remove_shard(shard_id);
         if delete {
             let dir = self.shard_dir(shard_id);
-            std::fs::remove_dir_all(&dir)
-                .map_err(|e| NodeError::Config(format!("cannot delete {}: {e}", dir.display())))?;
+            match std::fs::remove_dir_all(&dir) {
+                // Already gone: a replica whose files went missing.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                result => result.map_err(|e| {
+                    NodeError::Config(format!("cannot delete {}: {e}", dir.display()))
+                })?,
+            }
         }
         Ok(true)
     }
