@@ -494,6 +494,11 @@ impl Cluster {
         }
     }
 
+    /// Node index `i`'s data directory.
+    pub fn node_dir(&self, i: usize) -> &Path {
+        &self.nodes[i].dir
+    }
+
     /// Grows node index `i`'s small disk to `mib`.
     pub fn grow_disk(&self, i: usize, mib: u64) {
         let dir = &self.nodes[i].dir;
@@ -666,7 +671,8 @@ fn mount_tmpfs(dir: &Path, mib: u64) {
     assert!(status.success(), "mounting a {mib} MiB tmpfs needs root");
 }
 
-/// Every shard has three voters on up nodes and a leader; nothing moves.
+/// Every shard has three voters on up nodes and a leader; nothing moves;
+/// no replica is down for its files missing (one is rebuilt).
 pub fn settled(status: &ClusterStatus) -> bool {
     let Some(map) = &status.map else { return false };
     let up: Vec<u64> = map
@@ -684,6 +690,10 @@ pub fn settled(status: &ClusterStatus) -> bool {
                     .iter()
                     .all(|r| r.role == ReplicaRole::Voter as i32 && up.contains(&r.node_id))
         })
+        && status
+            .nodes
+            .iter()
+            .all(|n| n.replicas.iter().all(|r| !r.files_missing))
 }
 
 impl Cluster {

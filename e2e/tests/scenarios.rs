@@ -783,6 +783,8 @@ async fn soak() {
     let clock = RunClock::new(run.now());
     let end = std::time::Instant::now() + Duration::from_secs(seconds);
     let mut faults = Vec::new();
+    // Log lines the faults cause: those naming a replica directory deleted.
+    let mut deleted = Vec::new();
     // Each fault done: its kind, and from its start to the settled cluster.
     let mut windows = Vec::new();
     while std::time::Instant::now() < end {
@@ -790,7 +792,42 @@ async fn soak() {
         let failed_before = cache.failures();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
-        match rng.random_range(0..8) {
+        match rng.random_range(0..9) {
+            8 => {
+                // A replica's files vanish under its running node (an
+                // operator's `rm -rf`, a volume unmounted): it must stay
+                // down, never come back empty, and be rebuilt.
+                let id = node as u64 + 1;
+                let hosted: Vec<u32> = cluster
+                    .status()
+                    .await
+                    .and_then(|s| s.map)
+                    .map(|m| {
+                        m.shards
+                            .iter()
+                            .filter(|s| s.replicas.iter().any(|r| r.node_id == id))
+                            .map(|s| s.shard_id)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if hosted.is_empty() {
+                    continue;
+                }
+                let shard = hosted[rng.random_range(0..hosted.len())];
+                faults.push(format!("delete node {id}'s replica of shard {shard}"));
+                deleted.push(format!("node-{id}/shards/{shard}/"));
+                let dir = cluster
+                    .node_dir(node)
+                    .join("shards")
+                    .join(shard.to_string());
+                // Whole: files the node makes meanwhile go on the next try.
+                for _ in 0..20 {
+                    if std::fs::remove_dir_all(&dir).is_ok() || !dir.exists() {
+                        break;
+                    }
+                }
+                run.run_for(pause).await;
+            }
             7 => {
                 let epoch = tidepool_e2e::expiring::advance_and_drop(
                     &cluster,
@@ -947,7 +984,8 @@ async fn soak() {
     for line in slow {
         eprintln!("slow: {line}");
     }
-    finish_checks(&cluster, &report, &[]);
+    let deleted: Vec<&str> = deleted.iter().map(String::as_str).collect();
+    finish_checks(&cluster, &report, &deleted);
     tidepool_e2e::scenario::check_listing(&cluster, Workload::default().keys)
         .await
         .expect("the listing agrees with the blobs");
