@@ -666,6 +666,11 @@ fn status_text(status: &ClusterStatus) -> String {
                 split.at, split.child_shard_id
             );
         }
+        let missing = files_missing(status, shard.shard_id);
+        if !missing.is_empty() {
+            let nodes: Vec<String> = missing.iter().map(u64::to_string).collect();
+            out += &format!(" files missing on node {} (rebuilding)", nodes.join(","));
+        }
         out += "\n";
     }
     out += &format!("\nmoves in progress: {}\n", status.moves.len());
@@ -692,6 +697,21 @@ fn status_text(status: &ClusterStatus) -> String {
         }
     }
     out
+}
+
+/// Nodes whose replica of `shard_id` reports its files missing (down, and
+/// being rebuilt by the coordinator).
+fn files_missing(status: &ClusterStatus, shard_id: u32) -> Vec<u64> {
+    status
+        .nodes
+        .iter()
+        .filter(|n| {
+            n.replicas
+                .iter()
+                .any(|r| r.shard_id == shard_id && r.files_missing)
+        })
+        .map(|n| n.node_id)
+        .collect()
 }
 
 /// The shard's leader's own report of it, if its node reported one.
@@ -723,6 +743,7 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
             "split": s.split.as_ref().map(|p| json!({"child": p.child_shard_id, "at": p.at})),
             "data_bytes": leader_report(status, s).and_then(|r| r.data_bytes),
             "requests_per_second": leader_report(status, s).map(|r| r.requests_per_second),
+            "files_missing_on": files_missing(status, s.shard_id),
         })).collect::<Vec<_>>(),
         "moves": status.moves.iter().map(|m| json!({
             "shard": m.shard_id, "from": m.from_node, "to": m.to_node, "step": m.step,
@@ -1198,5 +1219,51 @@ fn main() -> ExitCode {
             eprintln!("tidectl: {}", failure.message);
             ExitCode::from(failure.code)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica down for its files missing shows on its shard's line and
+    /// in the JSON.
+    #[test]
+    fn status_names_replicas_whose_files_are_missing() {
+        let shard = ShardInfo {
+            shard_id: 7,
+            ..ShardInfo::default()
+        };
+        let report = |node_id, files_missing| NodeStatus {
+            node_id,
+            replicas: vec![ReplicaStatus {
+                shard_id: 7,
+                files_missing,
+                ..ReplicaStatus::default()
+            }],
+            ..NodeStatus::default()
+        };
+        let status = ClusterStatus {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                shards: vec![shard],
+                ..Default::default()
+            }),
+            nodes: vec![report(1, false), report(3, true)],
+            ..ClusterStatus::default()
+        };
+        let text = status_text(&status);
+        assert!(
+            text.contains("files missing on node 3 (rebuilding)"),
+            "{text}"
+        );
+        assert_eq!(
+            status_json(&status)["shards"][0]["files_missing_on"],
+            json!([3])
+        );
+        let healthy = ClusterStatus {
+            nodes: vec![report(1, false)],
+            ..status
+        };
+        assert!(!status_text(&healthy).contains("files missing"));
     }
 }
