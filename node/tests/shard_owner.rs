@@ -45,15 +45,29 @@ fn key(i: u64) -> [u8; 32] {
 }
 
 fn put(handle: &ShardHandle, i: u64) -> Outcome {
+    put_value(handle, i, format!("value {i}").into_bytes())
+}
+
+/// The leader once one is elected (within 5 s).
+fn elected(net: &LocalNet) -> u64 {
+    for _ in 0..500 {
+        if let Some(id) = leader(&net.nodes.read()) {
+            return id;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("no leader was elected");
+}
+
+/// Writes `value` under `key(i)` through `handle`, waiting for the outcome.
+fn put_value(handle: &ShardHandle, i: u64, value: Vec<u8>) -> Outcome {
     let (tx, rx) = mpsc::channel();
-    let op = put_op(key(i), format!("value {i}").into_bytes());
     handle.write(
-        op,
+        put_op(key(i), value),
         EntrySync::AsConfigured,
         Box::new(move |outcome| tx.send(outcome).unwrap()),
     );
-    rx.recv_timeout(Duration::from_secs(20))
-        .expect("write completes")
+    rx.recv_timeout(Duration::from_secs(20)).unwrap()
 }
 
 fn leader(nodes: &BTreeMap<u64, Arc<ShardHandle>>) -> Option<u64> {
@@ -230,15 +244,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
     for (id, storage) in &storages {
         net.nodes.write().insert(*id, start(*id, storage));
     }
-    let mut leader_id = None;
-    for _ in 0..500 {
-        leader_id = leader(&net.nodes.read());
-        if leader_id.is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let leader_id = leader_id.expect("a leader is elected");
+    let leader_id = elected(&net);
     let victim = leader_id % 3 + 1;
     let victim_storage = &storages[&victim];
     // Room for a few more 64 KiB segments, then the disk is full.
@@ -246,16 +252,7 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
 
     let leader_handle = net.nodes.read()[&leader_id].clone();
     let value = |i: u64| format!("{i:>1000}").into_bytes();
-    let put_value = |i: u64| {
-        let (tx, rx) = mpsc::channel();
-        let op = put_op(key(i), value(i));
-        leader_handle.write(
-            op,
-            EntrySync::AsConfigured,
-            Box::new(move |outcome| tx.send(outcome).unwrap()),
-        );
-        rx.recv_timeout(Duration::from_secs(20)).unwrap()
-    };
+    let put_value = |i: u64| put_value(&leader_handle, i, value(i));
     let mut acknowledged = Vec::new();
     for i in 0..1_500u64 {
         if matches!(put_value(i), Outcome::Applied { .. }) {
@@ -359,28 +356,12 @@ fn a_follower_whose_files_are_deleted_stays_failed_and_never_comes_back_empty() 
         .unwrap();
         net.nodes.write().insert(id, handle);
     }
-    let mut leader_id = None;
-    for _ in 0..500 {
-        leader_id = leader(&net.nodes.read());
-        if leader_id.is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let leader_id = leader_id.expect("a leader is elected");
+    let leader_id = elected(&net);
     let victim = leader_id % 3 + 1;
     let leader_handle = net.nodes.read()[&leader_id].clone();
     let victim_handle = net.nodes.read()[&victim].clone();
     let value = |i: u64| format!("{i:>1000}").into_bytes();
-    let put_value = |i: u64| {
-        let (tx, rx) = mpsc::channel();
-        leader_handle.write(
-            put_op(key(i), value(i)),
-            EntrySync::AsConfigured,
-            Box::new(move |outcome| tx.send(outcome).unwrap()),
-        );
-        rx.recv_timeout(Duration::from_secs(20)).unwrap()
-    };
+    let put_value = |i: u64| put_value(&leader_handle, i, value(i));
     for i in 0..100u64 {
         assert!(matches!(put_value(i), Outcome::Applied { .. }), "put {i}");
     }
