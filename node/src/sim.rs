@@ -365,6 +365,22 @@ impl SimCluster {
         Ok(())
     }
 
+    /// Node `id` loses its disk and starts again under its id, founding its
+    /// replica anew with `voters`: what a node of a fixed cluster does when
+    /// its data directory is replaced.
+    pub fn lose_disk(&mut self, id: u64, voters: &[u64]) -> crate::Result<()> {
+        self.stop(id, |storage| match storage {
+            NodeDisk::Fault(_) => NodeDisk::Fault(FaultStorage::default()),
+            NodeDisk::Files(_) => panic!("losing a disk needs fault storage"),
+        });
+        let node = &self.nodes[&id];
+        let (storage, outbox, gate) =
+            (node.storage.clone(), node.outbox.clone(), node.gate.clone());
+        let replica = self.open_replica(id, &storage, &outbox, &gate, voters)?;
+        self.nodes.get_mut(&id).expect("node").replica = Some(replica);
+        Ok(())
+    }
+
     /// Proposes a command on node `id`; the outcome appears in the returned
     /// slot.
     pub fn propose(&mut self, id: u64, command: &Command) -> Pending {

@@ -2,6 +2,8 @@
 //!
 //! ```text
 //! <replica dir>/CURRENT   "a" or "b" (replaced atomically; missing = "a")
+//! <replica dir>/VOTES_HELD while a founding replica has not caught up with
+//!                         a leader (`replica/votes.rs`)
 //! <replica dir>/a/        an engine directory
 //! <replica dir>/b/        the other slot: empty, or a snapshot being
 //!                         received, with `b/SNAPSHOT` (the snapshot id)
@@ -37,6 +39,10 @@ pub(crate) fn making_dirs() -> parking_lot::MutexGuard<'static, ()> {
     MAKING_DIRS.lock()
 }
 const SLOTS: [&str; 2] = ["a", "b"];
+/// Present while the replica holds its votes (`replica/votes.rs`): it
+/// founded its group and has not yet caught up with a leader. Outside the
+/// slots, so a snapshot's install keeps it.
+const VOTES_HELD: &str = "VOTES_HELD";
 /// Marks a spare slot whose snapshot is complete and durable.
 const SNAPSHOT_MARK: &str = "SNAPSHOT";
 
@@ -152,6 +158,30 @@ impl ReplicaStore {
              forgotten log: restore the files, or let the coordinator rebuild the replica",
             live.display()
         )))
+    }
+
+    /// Whether the replica holds its votes (`VOTES_HELD` in its directory;
+    /// `replica/votes.rs`).
+    pub fn votes_held(&self) -> bool {
+        self.storage.exists(&self.dir.join(VOTES_HELD))
+    }
+
+    /// Records, durably, that the replica holds its votes.
+    pub fn hold_votes(&self) -> Result<()> {
+        let path = self.dir.join(VOTES_HELD);
+        write_file_atomically(&*self.storage, &path, b"").map_err(|e| io_error(&path, e))
+    }
+
+    /// Ends the hold on the replica's votes, durably.
+    pub fn release_votes(&self) -> Result<()> {
+        let path = self.dir.join(VOTES_HELD);
+        if self.storage.exists(&path) {
+            self.storage.remove(&path).map_err(|e| io_error(&path, e))?;
+            self.storage
+                .sync_dir(&self.dir)
+                .map_err(|e| io_error(&self.dir, e))?;
+        }
+        Ok(())
     }
 
     /// Opens the live engine, emptying the spare slot first.

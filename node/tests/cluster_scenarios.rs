@@ -444,3 +444,114 @@ fn ticks_to_a_leader(cluster: &mut SimCluster, limit: u64) -> u64 {
     }
     panic!("seed {}: no leader in {limit} ticks", cluster.seed());
 }
+
+/// A node whose disk is replaced starts again under its id and founds its
+/// replica anew, empty, as a fixed cluster's node does
+/// (`replica/votes.rs`). Writes it acknowledged with the leader while the
+/// third node was cut off then live on the leader alone; while the leader
+/// is away, the empty replica must not help the third node, which lacks
+/// them, to lead. Once the leader is back, the empty replica catches up
+/// and votes again: without the old leader the other two elect, and every
+/// acknowledged write is kept.
+#[test]
+fn a_replica_founded_again_on_a_new_disk_elects_no_leader_missing_what_it_acknowledged() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::new(seed, 3, Durability::Synced);
+    let mut writes = Writes::new();
+    let leader = elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 5);
+    let others: Vec<u64> = cluster
+        .ids()
+        .into_iter()
+        .filter(|id| *id != leader)
+        .collect();
+    let (lost, behind) = (others[0], others[1]);
+    cluster.partition(&[behind]);
+    let before = writes.acknowledged().len();
+    write_for(&mut cluster, &mut writes, 20);
+    assert!(
+        writes.acknowledged().len() > before + 20,
+        "seed {seed}: the leader and node {lost} commit without node {behind}"
+    );
+    assert!(!cluster.replica(lost).unwrap().status().votes_held);
+
+    cluster.lose_disk(lost, &cluster.ids()).unwrap();
+    assert!(cluster.replica(lost).unwrap().status().votes_held);
+    cluster.heal();
+    cluster.partition(&[leader]);
+    for _ in 0..300 {
+        cluster.tick().unwrap();
+        for id in [lost, behind] {
+            assert!(
+                !cluster.replica(id).unwrap().status().is_leader,
+                "seed {seed}: node {id} leads without the writes only node {leader} holds"
+            );
+        }
+    }
+
+    cluster.heal();
+    let caught_up = cluster
+        .run_until(1_000, |c| {
+            c.leader().is_some() && !c.replica(lost).unwrap().status().votes_held
+        })
+        .unwrap();
+    assert!(caught_up, "seed {seed}: node {lost} never caught up");
+    cluster.partition(&[leader]);
+    write_for(&mut cluster, &mut writes, 100);
+    let new = cluster.leader().expect("the two others elect");
+    assert_ne!(new, leader, "seed {seed}");
+    assert_converged(&mut cluster, &writes, "disk replaced");
+}
+
+/// A follower of a buffered group loses, in a power loss, the tail of log
+/// it acknowledged, while the leader runs on (`replica/votes.rs`: a
+/// follower that lost entries it acknowledged). The leader's heartbeats
+/// commit past its log now, which raft-rs takes for a fatal error (without
+/// the clamp the replica fails at every heartbeat and stays down): it must
+/// come back, be sent what it lacks, and hold every write.
+#[test]
+fn a_buffered_follower_that_lost_its_tail_in_a_power_loss_catches_up() {
+    use tidepool_node::sim::SimOptions;
+
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut template = ReplicaConfig::new(0, 0);
+    template.durability = Durability::Buffered;
+    let mut options = SimOptions::new(template);
+    // No background syncs: what the follower acknowledged is not on disk.
+    options.engine.sync_interval_ms = 3_600_000;
+    options.engine.snapshot_interval_ms = 3_600_000;
+    let mut cluster = SimCluster::with_options(seed, 3, options);
+    let mut writes = Writes::new();
+    let leader = elect(&mut cluster);
+    write_for(&mut cluster, &mut writes, 30);
+    // Everything acknowledged: the leader counts the follower matched to its
+    // last entry, so the appends after the loss start at that match.
+    cluster.run(10).unwrap();
+    let follower = cluster.ids().into_iter().find(|id| *id != leader).unwrap();
+    let before = cluster.replica(follower).unwrap().status().last_index;
+    cluster.power_off(follower);
+    cluster.restart(follower).unwrap();
+    let after = cluster.replica(follower).unwrap().status().last_index;
+    assert!(
+        after < before,
+        "seed {seed}: the power loss took nothing ({before} -> {after})"
+    );
+    // Heartbeats first (nothing to append), then writes.
+    cluster.run(30).unwrap();
+    write_for(&mut cluster, &mut writes, 30);
+    let caught_up = cluster
+        .run_until(1_000, |c| {
+            let Some(commit) = c.replica(leader).map(|r| r.status().commit) else {
+                return false;
+            };
+            c.replica(follower)
+                .is_some_and(|r| r.status().applied >= commit)
+        })
+        .unwrap();
+    assert!(
+        caught_up,
+        "seed {seed}: node {follower} never caught up after losing its tail (up: {})",
+        cluster.is_up(follower)
+    );
+    assert_converged(&mut cluster, &writes, "buffered follower lost its tail");
+}

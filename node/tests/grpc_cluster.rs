@@ -171,6 +171,67 @@ async fn leader_stopped_and_restarted_under_writes() {
     cluster.shutdown().await;
 }
 
+/// A fixed cluster's node whose disk is replaced starts again under its
+/// id on an empty directory: its replica founds the shard again and holds
+/// its votes (`replica/votes.rs`) until a snapshot and the log have caught
+/// it up, then votes again — with the leader stopped, it and the third node
+/// elect one of them and every write reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_started_again_on_a_new_disk_catches_up_then_votes_again() {
+    let mut cluster = TestCluster::start(3, 1, |c| c.raft.compact_log_entries = 16).await;
+    let mut written = write_keys(&cluster, "before", 40, 0, 4_000).await;
+    let leader = wait_leader(&cluster, 1).await;
+    let lost = leader % 3 + 1;
+    assert_eq!(
+        replica_status(&cluster, lost, 1)
+            .await
+            .map(|r| r.votes_held),
+        Some(false),
+        "a replica that caught up long ago holds nothing"
+    );
+    cluster.stop(lost).await;
+    std::fs::remove_dir_all(&cluster.configs[&lost].data_dir).unwrap();
+    written.extend(write_keys(&cluster, "while-away", 60, 100, 4_000).await);
+
+    cluster.restart(lost).await;
+    let status = replica_status(&cluster, lost, 1).await.unwrap();
+    assert!(
+        status.votes_held || status.applied_index > 20,
+        "founded again, it holds its votes until it catches up: {status:?}"
+    );
+    wait_caught_up(&cluster, lost, 1).await;
+    assert!(
+        cluster.running[&lost].node.metrics.snapshots_received.get() >= 1,
+        "caught up without a snapshot"
+    );
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while replica_status(&cluster, lost, 1)
+        .await
+        .is_none_or(|r| r.votes_held)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node {lost} caught up but still holds its votes"
+        );
+        put(&cluster, "default", b"nudge", b"n").await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_replica_holds(&cluster, lost, &written).await;
+
+    let leader = wait_leader(&cluster, 1).await;
+    cluster.stop(leader).await;
+    written.extend(write_keys(&cluster, "after", 20, 200, 4_000).await);
+    let new = wait_leader(&cluster, 1).await;
+    assert_ne!(new, leader);
+    for (key, content) in &written {
+        assert_eq!(
+            &get(&cluster, "default", key.as_bytes()).await.unwrap(),
+            content
+        );
+    }
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     let mut cluster = TestCluster::start(3, 1, |c| c.raft.compact_log_entries = 16).await;

@@ -162,16 +162,19 @@ impl RaftLog {
     /// `initial_voters` as its configuration (empty for a replica that will
     /// be added to an existing group); otherwise recovered from the WAL.
     pub fn open(engine: Arc<Engine>, space: KeySpace, initial_voters: &[u64]) -> Result<RaftLog> {
-        Self::open_with_range(engine, space, initial_voters, None)
+        Self::open_with_range(engine, space, initial_voters, None, |_| Ok(()))
     }
 
     /// [`RaftLog::open`]; a group founded here owns `range` (a hash range,
-    /// inclusive), recorded in its replicated state.
+    /// inclusive), recorded in its replicated state. `before_found` runs
+    /// before a new replica founds its group (then durable), with the
+    /// founding voters.
     pub fn open_with_range(
         engine: Arc<Engine>,
         space: KeySpace,
         initial_voters: &[u64],
         range: Option<(u64, u64)>,
+        before_found: impl FnOnce(&[u64]) -> Result<()>,
     ) -> Result<RaftLog> {
         let stored = engine.app_state();
         let mut log = RaftLog {
@@ -206,6 +209,7 @@ impl RaftLog {
                 let end = log.persist_state()?;
                 log.engine.wait_synced(end)?;
             } else {
+                before_found(initial_voters)?;
                 log.found(initial_voters, range)?;
             }
         }

@@ -17,6 +17,7 @@ mod ready;
 mod split;
 mod sweep;
 mod transfer;
+mod votes;
 
 use std::sync::Arc;
 
@@ -45,6 +46,8 @@ pub use sweep::SWEPT_LOG;
 use sweep::Sweeping;
 use transfer::TransferState;
 pub use transfer::{HEARD_WITHIN_HEARTBEATS, MAX_HELD_BYTES, MAX_LAG_ENTRIES};
+pub use votes::HELD_CONTEXT;
+use votes::VoteHold;
 
 /// Settings of a replica.
 #[derive(Clone, Debug)]
@@ -190,6 +193,8 @@ pub struct Replica {
     sweeping: Sweeping,
     /// Whether the group stopped ticking, having nothing to do.
     quiescence: Quiescence,
+    /// The hold on a founding replica's votes (`votes.rs`).
+    votes: VoteHold,
 }
 
 impl std::fmt::Debug for Replica {
@@ -241,6 +246,9 @@ pub struct ReplicaStatus {
     pub children: Vec<SplitChild>,
     /// Whether the group is quiesced (not ticking; `quiesce.rs`).
     pub quiesced: bool,
+    /// Whether this replica, having founded its group, holds its votes
+    /// until it catches up with a leader (`votes.rs`).
+    pub votes_held: bool,
 }
 
 impl Replica {
@@ -257,7 +265,15 @@ impl Replica {
         let space = engine.key_space(BLOB_KEY_SPACE)?;
         let names = engine.key_space(crate::names::NAMES_KEY_SPACE)?;
         crate::names::check_complete(&engine, names, space)?;
-        let mut log = RaftLog::open_with_range(engine, space, initial_voters, config.range)?;
+        // A founding replica records that it holds its votes first
+        // (`votes.rs`): a crash right after the founding must not forget it.
+        let mut log =
+            RaftLog::open_with_range(engine, space, initial_voters, config.range, |voters| {
+                if votes::holds_when_founding(config.node_id, voters) {
+                    store.hold_votes()?;
+                }
+                Ok(())
+            })?;
         let mut sender = SnapshotSender::new(
             config.shard_id,
             NodeAddress {
@@ -298,7 +314,9 @@ impl Replica {
             catch_up: Default::default(),
             sweeping: Sweeping::default(),
             quiescence: Quiescence::default(),
+            votes: VoteHold::default(),
         };
+        replica.open_vote_hold();
         replica.reapply_after_restart()?;
         replica.show_range();
         replica.reads.never_answered = replica.config.durability == Durability::Synced
@@ -493,14 +511,28 @@ impl Replica {
                 // Not yet: a lease this voter helped confirm may still run.
                 return Ok(());
             }
+            if r.held_back(&message) {
+                // A founding replica not caught up yet (`votes.rs`).
+                return Ok(());
+            }
             let quiesce = (message.msg_type() == MessageType::MsgHeartbeat
                 && message.context == QUIESCE_CONTEXT)
                 .then_some((message.from, message.term));
+            // The commit index as the leader sent it (`votes.rs`).
+            let (kind, from, term, commit) = (
+                message.msg_type(),
+                message.from,
+                message.term,
+                message.commit,
+            );
+            let mut message = message;
+            r.when_entries_were_lost(&mut message);
             match r.raw.step(message) {
                 // Messages from peers outside the configuration are dropped.
                 Err(raft::Error::StepPeerNotFound) => {}
                 other => other?,
             }
+            r.note_caught_up(kind, from, term, commit, quiesce.is_some());
             if let Some((from, term)) = quiesce {
                 r.after_quiesce_heartbeat(from, term);
             }
@@ -666,6 +698,7 @@ impl Replica {
         };
         ReplicaStatus {
             quiesced: self.is_quiesced(),
+            votes_held: self.holds_votes(),
             append_lag,
             leader_silent_ticks,
             is_leader: raft.state == StateRole::Leader,

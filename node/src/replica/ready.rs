@@ -55,7 +55,8 @@ impl Replica {
             return Ok(Vec::new());
         }
         let mut ready = self.raw.ready();
-        let early = ready.take_messages();
+        let mut early = ready.take_messages();
+        self.mark_held_requests(&mut early);
         let mut outgoing = Vec::new();
         if !early.is_empty() {
             send_early(early);
@@ -111,6 +112,8 @@ impl Replica {
         self.raw.advance_apply();
         self.confirm_reads(read_states);
         self.maybe_compact()?;
+        self.end_vote_hold()?;
+        self.mark_held_requests(&mut outgoing);
         self.show_lease();
         Ok(outgoing)
     }

@@ -430,6 +430,7 @@ impl Node {
                     range: status.range.map(|(start, end)| HashRange { start, end }),
                     split_off: status.children.iter().map(|c| c.shard_id).collect(),
                     files_missing: state.files_missing,
+                    votes_held: status.votes_held,
                 }
             })
             .collect();
