@@ -173,6 +173,17 @@ impl SimOptions {
             disk_root: None,
         }
     }
+
+    /// Buffered replicas whose engines never sync in the background: only
+    /// what the Ready path waits for is on disk when the power goes.
+    pub fn buffered_without_background_syncs() -> Self {
+        let mut replica = ReplicaConfig::new(0, 0);
+        replica.durability = Durability::Buffered;
+        let mut options = Self::new(replica);
+        options.engine.sync_interval_ms = 3_600_000;
+        options.engine.snapshot_interval_ms = 3_600_000;
+        options
+    }
 }
 
 impl SimCluster {

@@ -514,12 +514,8 @@ fn a_buffered_follower_that_lost_its_tail_in_a_power_loss_catches_up() {
     use tidepool_node::sim::SimOptions;
 
     let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
-    let mut template = ReplicaConfig::new(0, 0);
-    template.durability = Durability::Buffered;
-    let mut options = SimOptions::new(template);
-    // No background syncs: what the follower acknowledged is not on disk.
-    options.engine.sync_interval_ms = 3_600_000;
-    options.engine.snapshot_interval_ms = 3_600_000;
+    // What the follower acknowledged is not on disk.
+    let options = SimOptions::buffered_without_background_syncs();
     let mut cluster = SimCluster::with_options(seed, 3, options);
     let mut writes = Writes::new();
     let leader = elect(&mut cluster);

@@ -163,20 +163,13 @@ fn leader_holds(cluster: &mut SimCluster, key: &[u8; 32], value: &[u8]) -> bool 
 fn an_entry_marked_synced_survives_every_replica_losing_power_in_a_buffered_group() {
     use crate::command::Command;
     use crate::entry_context::EntrySync;
-    use crate::replica::ReplicaConfig;
     use crate::sim::{SimOptions, put_op};
 
     let first = tidepool_testkit::seed_from_env("SIM_SEED");
     let mut unmarked_lost = 0;
     const RUNS: u64 = 4;
     for seed in (0..RUNS).map(|i| first.wrapping_add(i)) {
-        let mut template = ReplicaConfig::new(0, 0);
-        template.durability = Durability::Buffered;
-        let mut options = SimOptions::new(template);
-        // No background syncs: only what the Ready path waits for is on
-        // disk when the power goes.
-        options.engine.sync_interval_ms = 3_600_000;
-        options.engine.snapshot_interval_ms = 3_600_000;
+        let options = SimOptions::buffered_without_background_syncs();
         let mut cluster = SimCluster::with_options(seed, 3, options);
         assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
         let leader = cluster.leader().unwrap();
