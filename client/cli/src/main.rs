@@ -671,6 +671,14 @@ fn status_text(status: &ClusterStatus) -> String {
             let nodes: Vec<String> = missing.iter().map(u64::to_string).collect();
             out += &format!(" files missing on node {} (rebuilding)", nodes.join(","));
         }
+        let holding = votes_held(status, shard.shard_id);
+        if !holding.is_empty() {
+            let nodes: Vec<String> = holding.iter().map(u64::to_string).collect();
+            out += &format!(
+                " votes held on node {} (founded on an empty disk, catching up)",
+                nodes.join(",")
+            );
+        }
         out += "\n";
     }
     out += &format!("\nmoves in progress: {}\n", status.moves.len());
@@ -699,19 +707,28 @@ fn status_text(status: &ClusterStatus) -> String {
     out
 }
 
-/// Nodes whose replica of `shard_id` reports its files missing (down, and
-/// being rebuilt by the coordinator).
-fn files_missing(status: &ClusterStatus, shard_id: u32) -> Vec<u64> {
+/// Nodes whose replica of `shard_id` reports `what` of itself (its files
+/// missing: down, and being rebuilt by the coordinator; its votes held:
+/// founded on an empty disk and not caught up yet).
+fn replicas_where(
+    status: &ClusterStatus,
+    shard_id: u32,
+    what: fn(&ReplicaStatus) -> bool,
+) -> Vec<u64> {
     status
         .nodes
         .iter()
-        .filter(|n| {
-            n.replicas
-                .iter()
-                .any(|r| r.shard_id == shard_id && r.files_missing)
-        })
+        .filter(|n| n.replicas.iter().any(|r| r.shard_id == shard_id && what(r)))
         .map(|n| n.node_id)
         .collect()
+}
+
+fn files_missing(status: &ClusterStatus, shard_id: u32) -> Vec<u64> {
+    replicas_where(status, shard_id, |r| r.files_missing)
+}
+
+fn votes_held(status: &ClusterStatus, shard_id: u32) -> Vec<u64> {
+    replicas_where(status, shard_id, |r| r.votes_held)
 }
 
 /// The shard's leader's own report of it, if its node reported one.
@@ -744,6 +761,7 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
             "data_bytes": leader_report(status, s).and_then(|r| r.data_bytes),
             "requests_per_second": leader_report(status, s).map(|r| r.requests_per_second),
             "files_missing_on": files_missing(status, s.shard_id),
+            "votes_held_on": votes_held(status, s.shard_id),
         })).collect::<Vec<_>>(),
         "moves": status.moves.iter().map(|m| json!({
             "shard": m.shard_id, "from": m.from_node, "to": m.to_node, "step": m.step,
@@ -1265,5 +1283,46 @@ mod tests {
             ..status
         };
         assert!(!status_text(&healthy).contains("files missing"));
+    }
+
+    /// A replica holding its votes (founded again on an empty disk, not
+    /// caught up) shows on its shard's line and in the JSON.
+    #[test]
+    fn status_names_replicas_holding_their_votes() {
+        let report = |node_id, votes_held| NodeStatus {
+            node_id,
+            replicas: vec![ReplicaStatus {
+                shard_id: 4,
+                votes_held,
+                ..ReplicaStatus::default()
+            }],
+            ..NodeStatus::default()
+        };
+        let status = ClusterStatus {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                shards: vec![ShardInfo {
+                    shard_id: 4,
+                    ..ShardInfo::default()
+                }],
+                ..Default::default()
+            }),
+            nodes: vec![report(2, true), report(5, false)],
+            ..ClusterStatus::default()
+        };
+        let text = status_text(&status);
+        assert!(text.contains("votes held on node 2 ("), "{text}");
+        assert_eq!(
+            status_json(&status)["shards"][0]["votes_held_on"],
+            json!([2])
+        );
+        let caught_up = ClusterStatus {
+            nodes: vec![report(2, false), report(5, false)],
+            ..status
+        };
+        assert!(!status_text(&caught_up).contains("votes held"));
+        assert_eq!(
+            status_json(&caught_up)["shards"][0]["votes_held_on"],
+            json!([])
+        );
     }
 }
