@@ -1,6 +1,6 @@
 //! In-process clusters of 3 and 5 replicas on the simulated network (drops,
 //! delays, duplicates, partitions, seeded): leader loss, partitioned
-//! minority, isolated leader, healed partition, crashes and restarts. After
+//! minority, isolated leader, healed partition, crashes and restarts, disks replaced. After
 //! every scenario all replicas hold identical data and every acknowledged
 //! put is readable on each of them.
 //!
@@ -152,21 +152,30 @@ fn a_faulty_network_with_crashes_converges() {
     };
     let mut writes = Writes::new();
     elect(&mut cluster);
-    let mut down: Option<u64> = None;
+    let voters: Vec<u64> = (1..=5).collect();
+    // A node down: killed, powered off, or coming back on a new disk under
+    // its id (founded again, holding its votes until it caught up).
+    let mut down: Option<(u64, bool)> = None;
+    let mut disks_lost = 0;
     for round in 0..15 {
         write_for(&mut cluster, &mut writes, 15);
         match (round % 5, down) {
             (1, None) => {
                 let victim = rng.random_range(1..=5);
-                if rng.random_bool(0.5) {
-                    cluster.kill(victim)
-                } else {
-                    cluster.power_off(victim)
+                let fault = rng.random_range(0..3);
+                match fault {
+                    0 => cluster.kill(victim),
+                    _ => cluster.power_off(victim),
                 }
-                down = Some(victim);
+                down = Some((victim, fault == 2));
             }
-            (3, Some(victim)) => {
-                cluster.restart(victim).unwrap();
+            (3, Some((victim, new_disk))) => {
+                if new_disk {
+                    cluster.lose_disk(victim, &voters).unwrap();
+                    disks_lost += 1;
+                } else {
+                    cluster.restart(victim).unwrap();
+                }
                 down = None;
             }
             (4, _) => {
@@ -177,11 +186,14 @@ fn a_faulty_network_with_crashes_converges() {
             _ => {}
         }
     }
-    if let Some(victim) = down {
+    if let Some((victim, _)) = down {
         cluster.restart(victim).unwrap();
     }
     assert_converged(&mut cluster, &writes, "faulty network with crashes");
-    println!("seed {seed}: snapshots {:?}", cluster.snapshots);
+    println!(
+        "seed {seed}: snapshots {:?}, disks lost {disks_lost}",
+        cluster.snapshots
+    );
 }
 
 #[test]
