@@ -124,6 +124,66 @@ async fn majority_partition_acknowledges_no_write() {
     finish_checks(&cluster, &report, &[]);
 }
 
+/// etcd killed -9 for longer than the coordinator's leader lease (6 s),
+/// under load. The data path needs no etcd (each shard is a Raft group,
+/// clients hold the map), so writes go on; the coordinator steps down; once
+/// etcd is back it leads again and a control-plane call succeeds; no
+/// replica moved and no node was counted down for the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_killed_under_load() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(Options::default()).await;
+    let mut run = start(&cluster, workload()).await;
+    run.run_for(Duration::from_secs(3)).await;
+    let placed = |status: &tidepool_client::proto::v1::ClusterStatus| {
+        let map = status.map.clone().expect("map");
+        let shards: Vec<(u32, Vec<u64>)> = map
+            .shards
+            .iter()
+            .map(|s| (s.shard_id, s.replicas.iter().map(|r| r.node_id).collect()))
+            .collect();
+        let nodes: Vec<(u64, i32)> = map.nodes.iter().map(|n| (n.node_id, n.state)).collect();
+        (shards, nodes)
+    };
+    let before = placed(&cluster.status().await.expect("status"));
+    run.fault_begins();
+    cluster.etcd.kill();
+    run.run_for(Duration::from_secs(10)).await;
+    let leader_during = cluster.leader_status().await.map(|(i, _)| i);
+    cluster.etcd.restart();
+    run.fault_ends();
+    cluster.wait_settled(Duration::from_secs(60)).await;
+    let client = cluster.client().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client
+            .create_namespace(
+                "after-etcd",
+                false,
+                tidepool_client::RetentionPolicy::Durable,
+            )
+            .await
+        {
+            Ok(_) => break,
+            Err(error) => assert!(
+                Instant::now() < deadline,
+                "the coordinator never served a control-plane call after etcd came back: {error}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    run.run_for(Duration::from_secs(2)).await;
+    let after = placed(&cluster.status().await.expect("status"));
+    let report = run.finish("etcd kill -9 for 10 s under load").await;
+    finish_checks(&cluster, &report, &[]);
+    assert_eq!(
+        leader_during, None,
+        "a coordinator kept leading without etcd"
+    );
+    assert!(report.write_gap_s < 3.0, "writes need no etcd: {report:?}");
+    assert_eq!(before, after, "the outage moved replicas or nodes");
+}
+
 fn report_history_writes_inside(report: &Report, from: u64, to: u64) -> usize {
     report
         .history
@@ -792,7 +852,14 @@ async fn soak() {
         let failed_before = cache.failures();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
-        match rng.random_range(0..9) {
+        match rng.random_range(0..10) {
+            9 => {
+                // The control plane's store lost: the data path goes on.
+                faults.push("kill -9 etcd".into());
+                cluster.etcd.kill();
+                run.run_for(pause).await;
+                cluster.etcd.restart();
+            }
             8 => {
                 // A replica's files vanish under its running node (an
                 // operator's `rm -rf`, a volume unmounted): it must stay

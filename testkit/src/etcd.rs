@@ -11,6 +11,9 @@ pub struct EtcdServer {
     child: Child,
     /// Client URL, `http://127.0.0.1:<port>` (`https://` with TLS).
     pub url: String,
+    client_port: u16,
+    /// Everything after `etcd` on its command line (to start it again).
+    args: Vec<std::ffi::OsString>,
     _dir: tempfile::TempDir,
 }
 
@@ -34,47 +37,69 @@ impl EtcdServer {
         let scheme = if tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = std::fs::File::create(dir.path().join("etcd.log")).expect("etcd log");
-        let mut command = Command::new("etcd");
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
         if let Some((cert, key, ca)) = tls {
-            command
-                .arg("--cert-file")
-                .arg(cert)
-                .arg("--key-file")
-                .arg(key)
-                .arg("--trusted-ca-file")
-                .arg(ca)
-                .arg("--client-cert-auth");
+            args.extend(["--cert-file".into(), cert.into()]);
+            args.extend(["--key-file".into(), key.into()]);
+            args.extend(["--trusted-ca-file".into(), ca.into()]);
+            args.push("--client-cert-auth".into());
         }
-        let child = command
-            .args(["--name", "test"])
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .args([
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-            ])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("test={peer_url}")])
+        args.extend(["--name".into(), "test".into()]);
+        args.extend(["--data-dir".into(), dir.path().join("data").into()]);
+        for (flag, value) in [
+            ("--listen-client-urls", &url),
+            ("--advertise-client-urls", &url),
+            ("--listen-peer-urls", &peer_url),
+            ("--initial-advertise-peer-urls", &peer_url),
+            ("--initial-cluster", &format!("test={peer_url}")),
+        ] {
+            args.extend([flag.into(), value.into()]);
+        }
+        let child = Self::spawn(dir.path(), &args);
+        let mut server = EtcdServer {
+            child,
+            url,
+            client_port: client,
+            args,
+            _dir: dir,
+        };
+        server.wait_ready();
+        server
+    }
+
+    fn spawn(dir: &Path, args: &[std::ffi::OsString]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("etcd.log"))
+            .expect("etcd log");
+        Command::new("etcd")
+            .args(args)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| {
                 panic!("cannot run etcd ({e}); install it with `make deps` (Debian etcd-server)")
-            });
-        let mut server = EtcdServer {
-            child,
-            url,
-            _dir: dir,
-        };
-        server.wait_ready(client);
-        server
+            })
     }
 
-    fn wait_ready(&mut self, port: u16) {
+    /// Kills etcd with SIGKILL (its data stays; [`EtcdServer::restart`]
+    /// starts it again).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts etcd again on its data directory and ports, and waits until
+    /// it accepts clients.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(self.data_dir(), &self.args);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let port = self.client_port;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
