@@ -102,6 +102,10 @@ pub enum CoordinatorError {
     /// The Kubernetes API failed or refused.
     #[error("{0}")]
     Kubernetes(String),
+    /// A node of another cluster (its data directory holds that cluster's
+    /// map).
+    #[error("{0}")]
+    WrongCluster(String),
 }
 
 /// A coordinator serving on its socket.

@@ -60,6 +60,13 @@ impl Shared {
         let mut assigned = 0;
         let map = self
             .update_map(|map| {
+                if !request.cluster_id.is_empty() && request.cluster_id != map.cluster_id {
+                    return Err(wrong_cluster(
+                        request.node_id,
+                        &request.cluster_id,
+                        &map.cluster_id,
+                    ));
+                }
                 let id = if request.node_id != 0 {
                     request.node_id
                 } else {
@@ -129,6 +136,16 @@ impl Shared {
         };
         self.heartbeat(first, identity).await?;
         Ok((assigned, map))
+    }
+
+    /// Refuses a node that says it belongs to another cluster than this
+    /// coordinator's (`cluster_id` empty: it does not say).
+    pub fn same_cluster(&self, node_id: u64, cluster_id: &str) -> Result<(), CoordinatorError> {
+        let map = self.map();
+        if cluster_id.is_empty() || map.cluster_id.is_empty() || cluster_id == map.cluster_id {
+            return Ok(());
+        }
+        Err(wrong_cluster(node_id, cluster_id, &map.cluster_id))
     }
 
     /// Records a node's status under its liveness lease (granting a new
@@ -445,4 +462,17 @@ fn is_durable(retention: Option<&Retention>) -> bool {
         retention.and_then(|r| r.policy.as_ref()),
         Some(tidepool_proto::v1::retention::Policy::Retain(_))
     )
+}
+
+/// Why a node of cluster `theirs` is refused by a coordinator of `ours`.
+fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
+    tracing::error!(
+        node_id,
+        node_cluster = theirs,
+        cluster = ours,
+        "refused a node of another cluster: its data directory holds cluster {theirs}'s map; is this coordinator's store (etcd, --key-prefix) the one that cluster was created in?"
+    );
+    CoordinatorError::WrongCluster(format!(
+        "node {node_id}'s data belongs to cluster {theirs}, and this coordinator serves cluster {ours} (its store was emptied or replaced, or the coordinator's etcd key prefix or the node's coordinator addresses are wrong); nothing changed"
+    ))
 }

@@ -173,8 +173,15 @@ impl CoordinatorService for CoordinatorApi {
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let caller = Caller::of(&request);
-        let result = match request.into_inner().status {
-            Some(status) => self.shared.heartbeat(status, caller.node_name()).await,
+        let request = request.into_inner();
+        let result = match request.status {
+            Some(status) => match self
+                .shared
+                .same_cluster(status.node_id, &request.cluster_id)
+            {
+                Ok(()) => self.shared.heartbeat(status, caller.node_name()).await,
+                Err(error) => Err(error),
+            },
             None => Err(CoordinatorError::InvalidArgument(
                 "status is required".into(),
             )),
@@ -355,6 +362,7 @@ impl From<&CoordinatorError> for ErrorInfo {
             E::NamespaceNotFound(_) => ErrorCode::NamespaceNotFound,
             E::Conflict(_) => ErrorCode::Conflict,
             E::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            E::WrongCluster(_) => ErrorCode::WrongCluster,
             E::TokenNotFound(_) => ErrorCode::NotFound,
             E::InvalidArgument(_) | E::Config(_) => ErrorCode::InvalidArgument,
             E::Meta(_) | E::NoLeader(_) | E::NoCluster => ErrorCode::NoQuorum,

@@ -229,6 +229,7 @@ async fn changes_go_to_the_leader_and_reads_to_anyone() {
             address: "127.0.0.1:1".into(),
             zone: String::new(),
             capacity_bytes: 0,
+            cluster_id: String::new(),
         })
         .await
         .unwrap_err();
@@ -239,22 +240,78 @@ async fn changes_go_to_the_leader_and_reads_to_anyone() {
             address: "http://127.0.0.1:1".into(),
             zone: "z".into(),
             capacity_bytes: 1 << 30,
+            cluster_id: String::new(),
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(registered.node_id, 1);
-    assert!(registered.map.unwrap().nodes.iter().any(|n| n.zone == "z"));
+    let map = registered.map.unwrap();
+    assert!(map.nodes.iter().any(|n| n.zone == "z"));
     let e = follower
         .heartbeat(HeartbeatRequest {
             status: Some(NodeStatus {
                 node_id: 42,
                 ..NodeStatus::default()
             }),
+            cluster_id: String::new(),
         })
         .await
         .unwrap_err();
     assert_eq!(code(&e), ErrorCode::NodeNotFound);
+
+    // A node whose data belongs to another cluster is refused, and the
+    // map is left as it was; one of this cluster registers again.
+    let e = leader
+        .register_node(RegisterNodeRequest {
+            node_id: 7,
+            address: "http://127.0.0.1:7".into(),
+            cluster_id: "another".into(),
+            ..RegisterNodeRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::WrongCluster);
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    let e = follower
+        .heartbeat(HeartbeatRequest {
+            status: Some(NodeStatus {
+                node_id: 1,
+                ..NodeStatus::default()
+            }),
+            cluster_id: "another".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::WrongCluster);
+    let again = leader
+        .register_node(RegisterNodeRequest {
+            node_id: 1,
+            address: "http://127.0.0.1:1".into(),
+            zone: "z".into(),
+            capacity_bytes: 1 << 30,
+            cluster_id: map.cluster_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .map
+        .unwrap();
+    assert_eq!(
+        again.nodes.iter().map(|n| n.node_id).collect::<Vec<_>>(),
+        vec![1],
+        "the refused node is not in the map"
+    );
+    follower
+        .heartbeat(HeartbeatRequest {
+            status: Some(NodeStatus {
+                node_id: 1,
+                ..NodeStatus::default()
+            }),
+            cluster_id: map.cluster_id.clone(),
+        })
+        .await
+        .unwrap();
     let e = leader
         .drain_node(DrainNodeRequest { node_id: 42 })
         .await

@@ -72,6 +72,7 @@ async fn register(shared: &Shared, node_id: u64, pod: &str, zone: &str) -> u64 {
         address: format!("https://{pod}:7401"),
         zone: zone.into(),
         capacity_bytes: 1 << 30,
+        cluster_id: String::new(),
     };
     shared.register_node(request, Some(pod)).await.unwrap().0
 }

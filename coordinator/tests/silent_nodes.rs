@@ -152,6 +152,7 @@ async fn scripted_node(url: &str, silent: bool) -> Asked {
             address,
             zone: String::new(),
             capacity_bytes: 1 << 30,
+            cluster_id: String::new(),
         })
         .await
         .unwrap()
@@ -167,6 +168,7 @@ async fn scripted_node(url: &str, silent: bool) -> Asked {
             let _ = coordinator
                 .heartbeat(HeartbeatRequest {
                     status: Some(status),
+                    cluster_id: String::new(),
                 })
                 .await;
             tokio::time::sleep(Duration::from_millis(300)).await;

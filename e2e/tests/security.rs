@@ -258,6 +258,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                 node_id: 1,
                 ..NodeStatus::default()
             }),
+            cluster_id: String::new(),
         })
         .await,
         ErrorCode::PermissionDenied,

@@ -79,7 +79,9 @@ fn grpc_code(code: ErrorCode) -> Code {
         E::Unauthenticated => Code::Unauthenticated,
         E::PermissionDenied => Code::PermissionDenied,
         E::NotLeader | E::NoQuorum | E::ShuttingDown | E::NotCoordinatorLeader => Code::Unavailable,
-        E::WrongShard | E::StaleMap | E::SessionExpired => Code::FailedPrecondition,
+        E::WrongShard | E::StaleMap | E::SessionExpired | E::WrongCluster => {
+            Code::FailedPrecondition
+        }
         E::Timeout => Code::DeadlineExceeded,
         E::DiskFull | E::Overloaded => Code::ResourceExhausted,
         E::Corrupt => Code::DataLoss,

@@ -46,6 +46,8 @@ struct Cluster {
     dir: tempfile::TempDir,
     etcd: EtcdServer,
     coordinator_args: Vec<String>,
+    /// The coordinators' etcd key prefix.
+    key_prefix: String,
     coordinators: Vec<(String, Option<TestProcess>)>,
     /// Each coordinator's metrics port.
     metrics_ports: Vec<u16>,
@@ -60,6 +62,7 @@ impl Cluster {
         let mut cluster = Cluster {
             dir,
             coordinator_args: settings.iter().map(|s| s.to_string()).collect(),
+            key_prefix: "/test/".into(),
             etcd,
             coordinators: Vec::new(),
             metrics_ports: Vec::new(),
@@ -86,7 +89,7 @@ impl Cluster {
             "--etcd".into(),
             self.etcd.url.clone(),
             "--key-prefix".into(),
-            "/test/".into(),
+            self.key_prefix.clone(),
             "--metrics-listen".into(),
             format!("127.0.0.1:{}", self.metrics_ports[i]),
         ];
@@ -668,6 +671,89 @@ async fn a_replica_whose_files_vanish_is_rebuilt() {
         "a new replica in the victim's directory"
     );
     check_keys(&map, "default", 0..next).await;
+    cluster.assert_no_panics();
+}
+
+/// A coordinator whose store lost the cluster — here restarted on another
+/// etcd key prefix, as a wrong setting or an emptied etcd leaves it —
+/// founds a new cluster. The nodes keep to their own: a restarted node's
+/// registration and the others' heartbeats are refused (`WRONG_CLUSTER`),
+/// the new cluster's map is ignored, and the data path goes on with the map
+/// the nodes hold; back on the right store, every node reports again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
+    let map = status.map.unwrap();
+    write_keys(&map, "default", 0..20).await;
+    let ours = map.cluster_id.clone();
+
+    cluster.kill_coordinator(0);
+    cluster.key_prefix = "/elsewhere/".into();
+    cluster.start_coordinator(0);
+    // One node restarts meanwhile: it registers with its data's cluster.
+    let restarted = 1;
+    cluster.nodes[restarted].process.kill();
+    let args = cluster.nodes[restarted].args.clone();
+    let log = cluster.dir.path().join("node-restarted.log");
+    cluster.nodes[restarted].process = TestProcess::spawn(BIN, &args, log);
+    cluster
+        .wait_for(
+            "a new cluster on the other prefix",
+            Duration::from_secs(30),
+            |s| s.is_leader && s.map.as_ref().is_some_and(|m| m.cluster_id != ours),
+        )
+        .await;
+    // Some registrations and heartbeats later (a third of the node lease
+    // apart), the new cluster has no node and no report of one; the data
+    // path never noticed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    write_keys(&map, "default", 20..40).await;
+    check_keys(&map, "default", 0..40).await;
+    let other = cluster.status().await.expect("the other cluster's status");
+    let other_map = other.map.clone().unwrap_or_default();
+    assert!(
+        other_map.nodes.is_empty() && other.nodes.is_empty(),
+        "a node joined the other cluster: {}",
+        describe(Some(&other))
+    );
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        assert!(
+            node.process.log().contains("serves another cluster"),
+            "node {i} says why it does not join\n{}",
+            cluster.logs()
+        );
+    }
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        let mut admin = NodeAdminClient::connect(node.url.clone()).await.unwrap();
+        let held = admin
+            .status(NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            held.map_version >= map.version
+                && held.replicas.len() == replica_counts(&map)[&held.node_id],
+            "node {i} keeps its map and replicas: {held:?}"
+        );
+    }
+
+    // The store the cluster lives in, again.
+    cluster.kill_coordinator(0);
+    cluster.key_prefix = "/test/".into();
+    cluster.start_coordinator(0);
+    let status = cluster
+        .wait_for(
+            "every node reporting to its cluster again",
+            Duration::from_secs(60),
+            |s| {
+                s.map.as_ref().is_some_and(|m| m.cluster_id == ours)
+                    && s.nodes.len() == 3
+                    && settled(s, 3)
+            },
+        )
+        .await;
+    check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
     cluster.assert_no_panics();
 }
 

@@ -37,6 +37,12 @@ const MAP_FILE: &str = "CLUSTER_MAP";
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Connect timeout for a coordinator.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pause between attempts to register with coordinators of another
+/// cluster (until an operator fixes their store or the node's addresses).
+const WRONG_CLUSTER_BACKOFF: Duration = Duration::from_secs(10);
+/// What a node says when coordinators serve another cluster than the one
+/// its data belongs to.
+const WRONG_CLUSTER_HELP: &str = "the coordinator serves another cluster than the one this node's data belongs to: not joining it (this node keeps serving its replicas with the map it has). Was the coordinator's store (etcd, its key prefix) emptied or replaced, or is --coordinator wrong? Restore the store, or give this node an empty data directory to join the new cluster";
 
 /// Coordinator clients, tried in turn; remembers which one answered last.
 struct Coordinators {
@@ -242,11 +248,16 @@ pub(crate) async fn register(
     } else {
         super::admin::disk_usage(&config.data_dir).1
     };
+    // The cluster this directory's data belongs to, if it joined one.
+    let cluster_id = saved_map(&config.data_dir)?
+        .map(|map| map.cluster_id)
+        .unwrap_or_default();
     let request = RegisterNodeRequest {
         node_id,
         address: config.advertise(),
         zone: link.zone.clone(),
         capacity_bytes,
+        cluster_id: cluster_id.clone(),
     };
     let mut coordinators = Coordinators::new(link.addresses.clone(), security.clone());
     let mut backoff = Duration::from_millis(100);
@@ -264,15 +275,35 @@ pub(crate) async fn register(
                     )
                 })
         };
-        match attempt.await {
-            Ok(response) => break response,
+        let pause = match attempt.await {
+            // A coordinator that does not check the cluster (an older
+            // version) registered it anyway: the map says which it serves.
+            Ok(response) => match response.map.as_ref().map(|m| m.cluster_id.as_str()) {
+                Some(theirs) if other_cluster(&cluster_id, theirs) => {
+                    tracing::error!(
+                        cluster = %cluster_id,
+                        coordinator_cluster = %theirs,
+                        "{WRONG_CLUSTER_HELP}"
+                    );
+                    coordinators.after_failure(None);
+                    WRONG_CLUSTER_BACKOFF
+                }
+                _ => break response,
+            },
+            Err((error, status)) if status.as_ref().is_some_and(is_wrong_cluster) => {
+                tracing::error!(%error, cluster = %cluster_id, "{WRONG_CLUSTER_HELP}");
+                coordinators.after_failure(status.as_ref());
+                WRONG_CLUSTER_BACKOFF
+            }
             Err((error, status)) => {
                 tracing::warn!(%error, "cannot register with a coordinator yet; retrying");
                 coordinators.after_failure(status.as_ref());
-                tokio::time::sleep(backoff).await;
+                let pause = backoff;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
+                pause
             }
-        }
+        };
+        tokio::time::sleep(pause).await;
     };
     if response.node_id == 0 || (node_id != 0 && response.node_id != node_id) {
         return Err(NodeError::Malformed(format!(
@@ -294,6 +325,17 @@ pub(crate) async fn register(
     );
     let lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms.max(300)));
     Ok((response.map.unwrap_or_default(), lease_ttl))
+}
+
+/// Whether a map of cluster `theirs` belongs to another cluster than
+/// `ours` (either empty: nothing is known, so no).
+pub(crate) fn other_cluster(ours: &str, theirs: &str) -> bool {
+    !ours.is_empty() && !theirs.is_empty() && ours != theirs
+}
+
+/// Whether a coordinator refused the node as one of another cluster.
+fn is_wrong_cluster(status: &tonic::Status) -> bool {
+    error_detail(status).is_some_and(|d| d.code == ErrorCode::WrongCluster as i32)
 }
 
 /// Registers in the background (a restarted node already serving), then
@@ -345,6 +387,7 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
             let mut client = coordinators.client().await.map_err(|e| (e, None))?;
             let request = HeartbeatRequest {
                 status: Some(status),
+                cluster_id: node.map().cluster_id.clone(),
             };
             client
                 .heartbeat(request)
@@ -357,6 +400,10 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
                 if response.lease_ttl_ms > 0 {
                     lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms));
                 }
+            }
+            Err((error, status)) if status.as_ref().is_some_and(is_wrong_cluster) => {
+                tracing::error!(%error, "{WRONG_CLUSTER_HELP}");
+                coordinators.after_failure(status.as_ref());
             }
             Err((error, status)) => {
                 tracing::warn!(%error, "heartbeat failed");

@@ -440,12 +440,27 @@ impl Node {
         self.map.load_full()
     }
 
-    /// Installs a newer cluster map (older or equal versions are ignored):
-    /// peer addresses and the ranges of hosted shards follow it.
+    /// Installs a newer cluster map (older or equal versions, and maps of
+    /// another cluster than the one held, are ignored): peer addresses and
+    /// the ranges of hosted shards follow it.
     pub fn set_map(&self, map: ClusterMap) {
-        if map.version <= self.map.load().version && map.version != 0 {
+        let current = self.map.load();
+        if map.version <= current.version && map.version != 0 {
             return;
         }
+        // This node's replicas belong to the cluster whose map it holds: a
+        // map of another (a coordinator whose store was emptied or
+        // replaced) would place other shards over them.
+        if coordination::other_cluster(&current.cluster_id, &map.cluster_id) {
+            tracing::error!(
+                cluster = %current.cluster_id,
+                other = %map.cluster_id,
+                version = map.version,
+                "ignored the map of another cluster; keeping this one's"
+            );
+            return;
+        }
+        drop(current);
         for node in &map.nodes {
             let address = self
                 .config
