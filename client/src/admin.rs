@@ -10,8 +10,9 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::retention::{Durable, Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
-    GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace, Retention,
-    RevokeTokenRequest, SplitShardRequest, TokenGrant, TokenRecord,
+    GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace,
+    RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest, SplitShardRequest,
+    TokenGrant, TokenRecord,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -205,6 +206,19 @@ impl Client {
             c.drain_node(DrainNodeRequest { node_id })
                 .await
                 .map(|r| r.into_inner().replicas_to_move)
+        })
+        .await
+    }
+
+    /// Puts the map the node at `node_address` holds back into the
+    /// coordinator's store (emptied, or restored from an older snapshot).
+    pub async fn restore_map(&self, node_address: &str) -> Result<RestoreMapResponse> {
+        self.on_coordinator(|mut c| async move {
+            c.restore_map(RestoreMapRequest {
+                node_address: node_address.to_string(),
+            })
+            .await
+            .map(|r| r.into_inner())
         })
         .await
     }

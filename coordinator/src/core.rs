@@ -35,6 +35,29 @@ pub struct Leadership {
     lease: LeaseId,
 }
 
+/// A node holds a newer map of this cluster than the store: the store was
+/// restored from an older snapshot (or rolled back). The coordinator
+/// changes nothing until the map is restored (`RestoreMap`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreBehind {
+    /// The node holding the newest map.
+    pub node_id: u64,
+    /// Its map's version.
+    pub node_version: u64,
+    /// The store's.
+    pub store_version: u64,
+}
+
+impl StoreBehind {
+    /// Why changes are refused, and what to do.
+    pub fn explain(&self) -> String {
+        format!(
+            "the coordinator's store holds map v{} but node {} holds v{}: the store was restored from an older snapshot; nothing is changed until `tidectl cluster restore-map --from-node ADDRESS` puts the newest map back",
+            self.store_version, self.node_id, self.node_version
+        )
+    }
+}
+
 /// State shared by the services, the election and the reconciler.
 pub struct Shared {
     /// Settings.
@@ -60,6 +83,8 @@ pub struct Shared {
     tokens: Mutex<(u64, Arc<tidepool_security::guard::TokenTable>)>,
     /// Kubernetes, when the coordinator runs under the chart.
     orchestrator: std::sync::OnceLock<Arc<dyn Orchestrator>>,
+    /// Set while a node holds a newer map than the store.
+    store_behind: Mutex<Option<StoreBehind>>,
 }
 
 impl tidepool_security::Authority for Shared {
@@ -105,7 +130,56 @@ impl Shared {
             security,
             tokens: Mutex::default(),
             orchestrator: std::sync::OnceLock::new(),
+            store_behind: Mutex::new(None),
         })
+    }
+
+    /// Whether a node was seen holding a newer map than the store.
+    pub fn store_behind(&self) -> Option<StoreBehind> {
+        *self.store_behind.lock()
+    }
+
+    pub(crate) fn store_behind_mark(&self) -> parking_lot::MutexGuard<'_, Option<StoreBehind>> {
+        self.store_behind.lock()
+    }
+
+    /// Compares the map versions nodes hold, `(node, version)`, with the
+    /// store's: a node ahead of it marks the store behind. With `all`
+    /// (every live node's report, each reconcile round) the store is read
+    /// (the cache may hold a newer map than a store rolled back under it)
+    /// and the mark is also cleared when no node is ahead; otherwise (one
+    /// heartbeat) the store is read only when the node is ahead of the
+    /// cache (which may trail a write that just succeeded).
+    pub async fn note_node_maps(
+        &self,
+        held: impl IntoIterator<Item = (u64, u64)>,
+        all: bool,
+    ) -> Result<Option<StoreBehind>, CoordinatorError> {
+        let newest = held
+            .into_iter()
+            .max_by_key(|(node, version)| (*version, *node));
+        let cached = self.map().version;
+        let behind = match newest {
+            Some((node_id, node_version)) if all || node_version > cached => {
+                let store_version = self.read_map().await?.map_or(0, |(map, _)| map.version);
+                (node_version > store_version).then_some(StoreBehind {
+                    node_id,
+                    node_version,
+                    store_version,
+                })
+            }
+            _ => None,
+        };
+        let mut mark = self.store_behind.lock();
+        if let Some(found) = behind
+            && *mark != behind
+        {
+            tracing::error!("{}", found.explain());
+        }
+        if behind.is_some() || all {
+            *mark = behind;
+        }
+        Ok(*mark)
     }
 
     /// Answers what only Kubernetes knows from now on (zones, scale-downs).
@@ -180,11 +254,28 @@ impl Shared {
     /// `None` to leave the map alone, or extra operations for the same
     /// transaction. The write is fenced by this leader's generation and
     /// retried if another write raced it. Returns the map after.
-    pub async fn update_map<F>(&self, mut change: F) -> Result<Arc<ClusterMap>, CoordinatorError>
+    pub async fn update_map<F>(&self, change: F) -> Result<Arc<ClusterMap>, CoordinatorError>
+    where
+        F: FnMut(&mut ClusterMap) -> Result<Option<Vec<Op>>, CoordinatorError>,
+    {
+        self.change_map(change, false).await
+    }
+
+    /// [`Shared::update_map`]; `restoring` lets it write while the store is
+    /// behind the nodes (`RestoreMap`). The new version is one above the
+    /// larger of the stored one and the one `change` leaves.
+    pub(crate) async fn change_map<F>(
+        &self,
+        mut change: F,
+        restoring: bool,
+    ) -> Result<Arc<ClusterMap>, CoordinatorError>
     where
         F: FnMut(&mut ClusterMap) -> Result<Option<Vec<Op>>, CoordinatorError>,
     {
         loop {
+            if !restoring && let Some(behind) = self.store_behind() {
+                return Err(CoordinatorError::Conflict(behind.explain()));
+            }
             let Some(leadership) = self.leadership() else {
                 return Err(CoordinatorError::NotLeader);
             };
@@ -198,7 +289,7 @@ impl Shared {
                 self.publish(current.clone());
                 return Ok(Arc::new(current));
             };
-            next.version = current.version + 1;
+            next.version = next.version.max(current.version) + 1;
             ops.push(Op::Put {
                 key: self.keys.map(),
                 value: encode_map(&next),

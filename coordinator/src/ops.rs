@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use prost::Message as _;
 use tidepool_proto::v1::{
-    ClusterMap, Namespace, NodeInfo, NodeState, NodeStatus, PrepareNodeStopResponse,
-    RegisterNodeRequest, Retention, retention::Policy,
+    ClusterMap, HeldMapRequest, Namespace, NodeInfo, NodeState, NodeStatus,
+    PrepareNodeStopResponse, RegisterNodeRequest, Retention, retention::Policy,
 };
 
 use crate::CoordinatorError;
@@ -413,6 +413,77 @@ impl Shared {
             tracing::info!(node_id, "StatefulSet grew back over the node; undrained");
         }
         Ok(response)
+    }
+
+    /// Puts the map the node at `address` holds back into the store, when
+    /// the store lost it (a new cluster founded on an emptied store, still
+    /// without nodes) or holds an older version of it (restored from an
+    /// older snapshot). Returns the map stored and the cluster id and
+    /// version the store held before.
+    pub async fn restore_map(
+        &self,
+        address: &str,
+    ) -> Result<(Arc<ClusterMap>, String, u64), CoordinatorError> {
+        let address = address.trim();
+        if !(address.starts_with("http://") || address.starts_with("https://"))
+            || address.len() > MAX_ADDRESS
+        {
+            return Err(CoordinatorError::InvalidArgument(format!(
+                "node_address must be a node's http:// or https:// URL, not {address:?}"
+            )));
+        }
+        if self.leadership().is_none() {
+            return Err(CoordinatorError::NotLeader);
+        }
+        let nodes = crate::nodes::NodeClients::new(self.security.clone());
+        let mut admin = nodes.admin(address)?;
+        let held = crate::nodes::NodeClients::call(
+            "held map",
+            std::time::Duration::from_secs(10),
+            admin.held_map(HeldMapRequest {}),
+        )
+        .await?;
+        if held.cluster_id.is_empty() || held.version == 0 || held.cluster_id == "static" {
+            return Err(CoordinatorError::InvalidArgument(format!(
+                "the node at {address} holds no coordinated cluster's map (it never joined one, or runs a fixed cluster)"
+            )));
+        }
+        let mut previous = (String::new(), 0);
+        let map = self
+            .change_map(
+                |map| {
+                    previous = (map.cluster_id.clone(), map.version);
+                    if map.cluster_id == held.cluster_id {
+                        if held.version <= map.version {
+                            return Err(CoordinatorError::Conflict(format!(
+                                "the store's map of cluster {} (v{}) is not older than the node's (v{}): nothing to restore",
+                                map.cluster_id, map.version, held.version
+                            )));
+                        }
+                    } else if !map.nodes.is_empty() {
+                        return Err(CoordinatorError::Conflict(format!(
+                            "this coordinator's cluster {} has nodes: restoring cluster {}'s map would leave them out",
+                            map.cluster_id, held.cluster_id
+                        )));
+                    }
+                    // The stored version becomes one above both, so every
+                    // node takes the restored map as the newest.
+                    *map = held.clone();
+                    Ok(Some(Vec::new()))
+                },
+                true,
+            )
+            .await?;
+        *self.store_behind_mark() = None;
+        tracing::warn!(
+            from = %address,
+            cluster = %map.cluster_id,
+            version = map.version,
+            previous_cluster = %previous.0,
+            previous_version = previous.1,
+            "restored the cluster map from a node"
+        );
+        Ok((map, previous.0, previous.1))
     }
 
     /// Marks a node draining: placement stops using it and the reconciler

@@ -312,6 +312,13 @@ impl Reconciler {
             }
         }
         let reports = self.poll(&map, &alive).await;
+        let held = reports.iter().map(|(id, r)| (*id, r.map_version));
+        if shared.note_node_maps(held, true).await?.is_some() {
+            // Planning from an older map than the nodes hold would undo
+            // what happened since (splits, moves, namespaces, tokens):
+            // nothing changes until the map is restored.
+            return Ok(());
+        }
         let live: BTreeSet<u64> = reports.keys().copied().collect();
         let views = shard_views(&map, &reports);
         let leaders = views.iter().map(|v| (v.shard_id, v.leader));

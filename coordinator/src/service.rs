@@ -13,8 +13,9 @@ use tidepool_proto::v1::{
     GetClusterMapRequest, GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest,
     HeartbeatResponse, ListNamespacesRequest, ListNamespacesResponse, ListTokensRequest,
     ListTokensResponse, Namespace, NodeAddress, PrepareNodeStopRequest, PrepareNodeStopResponse,
-    RegisterNodeRequest, RegisterNodeResponse, RevokeTokenRequest, RevokeTokenResponse,
-    SetRetentionRequest, SplitShardRequest, SplitShardResponse, WatchClusterMapRequest,
+    RegisterNodeRequest, RegisterNodeResponse, RestoreMapRequest, RestoreMapResponse,
+    RevokeTokenRequest, RevokeTokenResponse, SetRetentionRequest, SplitShardRequest,
+    SplitShardResponse, WatchClusterMapRequest,
 };
 use tidepool_proto::{ErrorInfo, v1::ErrorCode};
 use tidepool_security::{Caller, Identity};
@@ -86,6 +87,7 @@ impl CoordinatorApi {
                 .map(|(m, _)| m)
                 .collect()
         };
+        let behind = self.shared.store_behind();
         Ok(ClusterStatus {
             epochs: Some(epoch_status(map.epoch, &map.namespaces, &views)),
             map: Some((*map).clone()),
@@ -93,6 +95,8 @@ impl CoordinatorApi {
             moves,
             coordinator_id: self.shared.id.clone(),
             is_leader,
+            newer_map_on_node: behind.map_or(0, |b| b.node_id),
+            newer_map_version: behind.map_or(0, |b| b.node_version),
         })
     }
 }
@@ -179,7 +183,13 @@ impl CoordinatorService for CoordinatorApi {
                 .shared
                 .same_cluster(status.node_id, &request.cluster_id)
             {
-                Ok(()) => self.shared.heartbeat(status, caller.node_name()).await,
+                Ok(()) => {
+                    let held = [(status.node_id, status.map_version)];
+                    if let Err(error) = self.shared.note_node_maps(held, false).await {
+                        tracing::warn!(%error, "cannot compare a node's map with the store's");
+                    }
+                    self.shared.heartbeat(status, caller.node_name()).await
+                }
                 Err(error) => Err(error),
             },
             None => Err(CoordinatorError::InvalidArgument(
@@ -337,6 +347,24 @@ impl CoordinatorService for CoordinatorApi {
             .revoke_token(&request.into_inner().name)
             .await
             .map(|existed| RevokeTokenResponse { existed });
+        self.respond(result).await
+    }
+
+    async fn restore_map(
+        &self,
+        request: Request<RestoreMapRequest>,
+    ) -> Result<Response<RestoreMapResponse>, Status> {
+        let result = self
+            .shared
+            .restore_map(&request.into_inner().node_address)
+            .await
+            .map(
+                |(map, previous_cluster_id, previous_version)| RestoreMapResponse {
+                    map: Some((*map).clone()),
+                    previous_cluster_id,
+                    previous_version,
+                },
+            );
         self.respond(result).await
     }
 }

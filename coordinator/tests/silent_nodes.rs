@@ -25,9 +25,9 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    HeartbeatRequest, NodeStatus, NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse,
-    ProposeAdminRequest, ProposeAdminResponse, RegisterNodeRequest, TransferLeaderRequest,
-    TransferLeaderResponse,
+    ClusterMap, HeartbeatRequest, HeldMapRequest, NodeStatus, NodeStatusRequest,
+    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
+    RegisterNodeRequest, TransferLeaderRequest, TransferLeaderResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -102,6 +102,10 @@ impl NodeAdmin for Scripted {
             address: self.address.clone(),
             ..NodeStatus::default()
         }))
+    }
+
+    async fn held_map(&self, _: Request<HeldMapRequest>) -> Result<Response<ClusterMap>, Status> {
+        Ok(Response::new(ClusterMap::default()))
     }
 }
 

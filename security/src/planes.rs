@@ -44,6 +44,7 @@ pub const METHODS: &[(&str, Plane)] = &[
     ("/tidepool.v1.NodeAdmin/CloseReplica", Plane::NodeAdmin),
     ("/tidepool.v1.NodeAdmin/ProposeAdmin", Plane::NodeAdmin),
     ("/tidepool.v1.NodeAdmin/Status", Plane::NodeAdmin),
+    ("/tidepool.v1.NodeAdmin/HeldMap", Plane::NodeAdmin),
     (
         "/tidepool.v1.CoordinatorService/GetClusterMap",
         Plane::ClusterRead,
@@ -106,6 +107,10 @@ pub const METHODS: &[(&str, Plane)] = &[
     ),
     (
         "/tidepool.v1.CoordinatorService/RevokeToken",
+        Plane::ClusterAdmin,
+    ),
+    (
+        "/tidepool.v1.CoordinatorService/RestoreMap",
         Plane::ClusterAdmin,
     ),
 ];

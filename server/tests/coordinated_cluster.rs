@@ -21,7 +21,7 @@ use tidepool_proto::v1::retention::{Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest,
     ErrorCode, GetClusterStatusRequest, NodeState, NodeStatusRequest, ReadConsistency, ReplicaRole,
-    Retention,
+    RestoreMapRequest, Retention,
 };
 use tidepool_testkit::grpc::{code, get, get_at, put};
 use tidepool_testkit::{EtcdServer, TestProcess, free_port};
@@ -679,9 +679,11 @@ async fn a_replica_whose_files_vanish_is_rebuilt() {
 /// founds a new cluster. The nodes keep to their own: a restarted node's
 /// registration and the others' heartbeats are refused (`WRONG_CLUSTER`),
 /// the new cluster's map is ignored, and the data path goes on with the map
-/// the nodes hold; back on the right store, every node reports again.
+/// the nodes hold. `RestoreMap` from a node puts the cluster back into the
+/// store, and every node reports to it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another() {
+async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_the_map_is_restored()
+{
     let _serial = SERIAL.lock().await;
     let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
     let map = status.map.unwrap();
@@ -738,10 +740,27 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another() {
         );
     }
 
-    // The store the cluster lives in, again.
-    cluster.kill_coordinator(0);
-    cluster.key_prefix = "/test/".into();
-    cluster.start_coordinator(0);
+    // The map back from a node: the store now holds this cluster again,
+    // newer than any node's map, and every node reports to it.
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let restored = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[0].url.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let restored_map = restored.map.unwrap();
+    assert_eq!(restored_map.cluster_id, ours);
+    assert!(restored_map.version > map.version);
+    assert_eq!(restored.previous_cluster_id, other_map.cluster_id);
+    let again = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[0].url.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&again), ErrorCode::Conflict, "nothing left to restore");
     let status = cluster
         .wait_for(
             "every node reporting to its cluster again",
@@ -754,6 +773,104 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another() {
         )
         .await;
     check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
+    cluster.assert_no_panics();
+}
+
+/// etcd restored from an older backup: the store holds an older map of
+/// the same cluster than the nodes. The coordinator notices (the nodes
+/// report newer versions), changes nothing — a namespace created on the
+/// older map would reuse the id of one created since — and says so in its
+/// status, while the data path goes on; `RestoreMap` puts the newest map
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_restored() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
+    write_keys(status.map.as_ref().unwrap(), "default", 0..10).await;
+    let backup = cluster.etcd.save_data();
+    cluster
+        .wait_for("the coordinator back", Duration::from_secs(30), |s| {
+            s.is_leader && settled(s, 3)
+        })
+        .await;
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let created = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: "since-the-backup".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let newest = cluster
+        .wait_for(
+            "the nodes to hold the new namespace",
+            Duration::from_secs(30),
+            |s| {
+                s.nodes.len() == 3
+                    && s.map
+                        .as_ref()
+                        .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
+                    && s.map
+                        .as_ref()
+                        .is_some_and(|m| m.namespaces.iter().any(|n| n.name == created.name))
+            },
+        )
+        .await
+        .map
+        .unwrap();
+    write_keys(&newest, "since-the-backup", 0..5).await;
+
+    cluster.etcd.restore_data(backup.path());
+    let behind = cluster
+        .wait_for(
+            "the coordinator to see its store behind",
+            Duration::from_secs(30),
+            |s| s.newer_map_on_node != 0,
+        )
+        .await;
+    assert_eq!(behind.newer_map_version, newest.version);
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let refused = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: "on-the-older-map".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Conflict, "{refused:?}");
+    assert!(refused.message().contains("restore-map"), "{refused:?}");
+    check_keys(&newest, "default", 0..10).await;
+    check_keys(&newest, "since-the-backup", 0..5).await;
+
+    let restored = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[2].url.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(restored.previous_version < newest.version);
+    let map = restored.map.unwrap();
+    assert!(map.version > newest.version);
+    assert!(map.namespaces.iter().any(|n| n.name == created.name));
+    cluster
+        .wait_for(
+            "the coordinator changing things again",
+            Duration::from_secs(30),
+            |s| s.newer_map_on_node == 0 && settled(s, 3),
+        )
+        .await;
+    let later = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-the-restore".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(later.id > created.id, "no namespace id reused");
+    check_keys(&map, "since-the-backup", 0..5).await;
     cluster.assert_no_panics();
 }
 

@@ -90,6 +90,26 @@ impl EtcdServer {
         let _ = self.child.wait();
     }
 
+    /// A copy of etcd's data as it is now (etcd is stopped for the copy and
+    /// started again): what restoring a backup later puts back.
+    pub fn save_data(&mut self) -> tempfile::TempDir {
+        self.kill();
+        let saved = tempfile::tempdir().expect("a temporary directory");
+        copy_dir(&self.data_dir().join("data"), &saved.path().join("data"));
+        self.restart();
+        saved
+    }
+
+    /// Replaces etcd's data with `saved` (from [`EtcdServer::save_data`])
+    /// and starts it again: a store restored from an older backup.
+    pub fn restore_data(&mut self, saved: &Path) {
+        self.kill();
+        let data = self.data_dir().join("data");
+        std::fs::remove_dir_all(&data).expect("remove etcd's data");
+        copy_dir(&saved.join("data"), &data);
+        self.restart();
+    }
+
     /// Starts etcd again on its data directory and ports, and waits until
     /// it accepts clients.
     pub fn restart(&mut self) {
@@ -131,5 +151,19 @@ impl Drop for EtcdServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Copies the tree at `from` to `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("create a directory");
+    for entry in std::fs::read_dir(from).expect("read a directory") {
+        let entry = entry.expect("a directory entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("a file type").is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy a file");
+        }
     }
 }

@@ -273,6 +273,15 @@ enum TokenCommand {
 enum ClusterCommand {
     /// Nodes, shards, leaders, epochs and moves in progress.
     Status,
+    /// Put the map a node holds back into the coordinator's store, after
+    /// the store was emptied (the coordinator founded a new cluster the
+    /// nodes refuse) or restored from an older snapshot (the coordinator
+    /// changes nothing meanwhile).
+    RestoreMap {
+        /// The node's address, e.g. `https://node-0:7401`.
+        #[arg(long)]
+        from_node: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -612,7 +621,14 @@ fn writes_name(report: Option<&NodeStatus>) -> &'static str {
 
 fn status_text(status: &ClusterStatus) -> String {
     let map = status.map.clone().unwrap_or_default();
-    let mut out = format!(
+    let mut out = String::new();
+    if status.newer_map_on_node != 0 {
+        out += &format!(
+            "WARNING: node {} holds map v{}, newer than the coordinator's store (v{}): the store was restored from an older snapshot, and nothing is changed until `tidectl cluster restore-map --from-node ADDRESS`\n\n",
+            status.newer_map_on_node, status.newer_map_version, map.version
+        );
+    }
+    out += &format!(
         "cluster {} map v{} epoch {} replication {} (answered by {}{})\n\nnodes:\n",
         map.cluster_id,
         map.version,
@@ -749,6 +765,8 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
         "replication_factor": map.replication_factor,
         "coordinator": status.coordinator_id,
         "is_leader": status.is_leader,
+        "newer_map_on_node": status.newer_map_on_node,
+        "newer_map_version": status.newer_map_version,
         "nodes": map.nodes.iter().map(|n| json!({
             "id": n.node_id, "address": n.address, "zone": n.zone, "state": state_name(n.state),
             "writes": writes_name(status.nodes.iter().find(|r| r.node_id == n.node_id)),
@@ -1116,6 +1134,31 @@ async fn run(cli: &Cli) -> Outcome {
             print(cli.json, status_json(&status), status_text(&status));
             Ok(())
         }
+        Command::Cluster {
+            command: ClusterCommand::RestoreMap { from_node },
+        } => {
+            let restored = client.restore_map(from_node).await?;
+            let map = restored.map.unwrap_or_default();
+            print(
+                cli.json,
+                json!({
+                    "cluster_id": map.cluster_id, "map_version": map.version,
+                    "nodes": map.nodes.len(), "shards": map.shards.len(),
+                    "previous_cluster_id": restored.previous_cluster_id,
+                    "previous_version": restored.previous_version,
+                }),
+                format!(
+                    "restored cluster {} map v{} ({} nodes, {} shards) from {from_node}; the store held cluster {} v{}",
+                    map.cluster_id,
+                    map.version,
+                    map.nodes.len(),
+                    map.shards.len(),
+                    restored.previous_cluster_id,
+                    restored.previous_version
+                ),
+            );
+            Ok(())
+        }
         Command::Namespace {
             command:
                 NamespaceCommand::Create {
@@ -1283,6 +1326,35 @@ mod tests {
             ..status
         };
         assert!(!status_text(&healthy).contains("files missing"));
+    }
+
+    /// A coordinator whose store is behind a node's map says so first.
+    #[test]
+    fn status_warns_of_a_store_behind_the_nodes() {
+        let status = ClusterStatus {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                version: 7,
+                ..Default::default()
+            }),
+            newer_map_on_node: 3,
+            newer_map_version: 9,
+            ..ClusterStatus::default()
+        };
+        let text = status_text(&status);
+        assert!(
+            text.starts_with(
+                "WARNING: node 3 holds map v9, newer than the coordinator's store (v7)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("tidectl cluster restore-map"), "{text}");
+        assert_eq!(status_json(&status)["newer_map_version"], json!(9));
+        let current = ClusterStatus {
+            newer_map_on_node: 0,
+            newer_map_version: 0,
+            ..status
+        };
+        assert!(!status_text(&current).contains("WARNING"));
     }
 
     /// A replica holding its votes (founded again on an empty disk, not

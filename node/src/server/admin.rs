@@ -10,10 +10,11 @@ use tidepool_proto::ErrorInfo;
 use tidepool_proto::v1::node_admin_server::NodeAdmin;
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    Durability, EpochDropApplied, ErrorCode, HashRange, MembershipChange, NodeStatus,
-    NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest,
-    ProposeAdminResponse, ReplicaInfo, ReplicaRole, ReplicaStatus as WireReplicaStatus, ShardInfo,
-    SplitOp, TransferLeaderRequest, TransferLeaderResponse, propose_admin_request, retention,
+    ClusterMap, Durability, EpochDropApplied, ErrorCode, HashRange, HeldMapRequest,
+    MembershipChange, NodeStatus, NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse,
+    ProposeAdminRequest, ProposeAdminResponse, ReplicaInfo, ReplicaRole,
+    ReplicaStatus as WireReplicaStatus, ShardInfo, SplitOp, TransferLeaderRequest,
+    TransferLeaderResponse, propose_admin_request, retention,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -586,5 +587,12 @@ impl NodeAdmin for AdminApi {
         _request: Request<NodeStatusRequest>,
     ) -> Result<Response<NodeStatus>, Status> {
         Ok(Response::new(self.node.status()))
+    }
+
+    async fn held_map(
+        &self,
+        _request: Request<HeldMapRequest>,
+    ) -> Result<Response<ClusterMap>, Status> {
+        Ok(Response::new((*self.node.map()).clone()))
     }
 }
