@@ -40,7 +40,8 @@ pub struct Leadership {
 /// changes nothing until the map is restored (`RestoreMap`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoreBehind {
-    /// The node holding the newest map.
+    /// The node holding the newest map (0: this coordinator saw it, and
+    /// no node that reported holds it).
     pub node_id: u64,
     /// Its map's version.
     pub node_version: u64,
@@ -51,9 +52,13 @@ pub struct StoreBehind {
 impl StoreBehind {
     /// Why changes are refused, and what to do.
     pub fn explain(&self) -> String {
+        let holder = match self.node_id {
+            0 => "this coordinator has seen".to_string(),
+            id => format!("node {id} holds"),
+        };
         format!(
-            "the coordinator's store holds map v{} but node {} holds v{}: the store was restored from an older snapshot; nothing is changed until `tidectl cluster restore-map --from-node ADDRESS` puts the newest map back",
-            self.store_version, self.node_id, self.node_version
+            "the coordinator's store holds map v{} but {holder} v{}: the store was restored from an older snapshot; nothing is changed until `tidectl cluster restore-map --from-node ADDRESS` puts the newest map back",
+            self.store_version, self.node_version
         )
     }
 }
@@ -158,28 +163,39 @@ impl Shared {
         let newest = held
             .into_iter()
             .max_by_key(|(node, version)| (*version, *node));
+        // The newest map known: a node's, or the newest this coordinator saw
+        // (its cache never goes back to an older version).
         let cached = self.map().version;
-        let behind = match newest {
-            Some((node_id, node_version)) if all || node_version > cached => {
-                let store_version = self.read_map().await?.map_or(0, |(map, _)| map.version);
-                (node_version > store_version).then_some(StoreBehind {
-                    node_id,
-                    node_version,
-                    store_version,
-                })
-            }
-            _ => None,
+        let (node_id, node_version) = match newest {
+            Some((node, version)) if version >= cached => (node, version),
+            _ => (0, cached),
+        };
+        let behind = if all || node_version > cached {
+            let store_version = self.read_map().await?.map_or(0, |(map, _)| map.version);
+            (node_version > store_version).then_some(StoreBehind {
+                node_id,
+                node_version,
+                store_version,
+            })
+        } else {
+            None
         };
         let mut mark = self.store_behind.lock();
-        if let Some(found) = behind
-            && *mark != behind
+        // One heartbeat only ever raises the mark: another node may hold a
+        // newer map than this one.
+        let next = match (*mark, behind) {
+            (_, found) if all => found,
+            (Some(known), Some(found)) if known.node_version >= found.node_version => Some(known),
+            (known, None) => known,
+            (_, found) => found,
+        };
+        if let Some(found) = next
+            && *mark != next
         {
             tracing::error!("{}", found.explain());
         }
-        if behind.is_some() || all {
-            *mark = behind;
-        }
-        Ok(*mark)
+        *mark = next;
+        Ok(next)
     }
 
     /// Answers what only Kubernetes knows from now on (zones, scale-downs).
@@ -273,9 +289,6 @@ impl Shared {
         F: FnMut(&mut ClusterMap) -> Result<Option<Vec<Op>>, CoordinatorError>,
     {
         loop {
-            if !restoring && let Some(behind) = self.store_behind() {
-                return Err(CoordinatorError::Conflict(behind.explain()));
-            }
             let Some(leadership) = self.leadership() else {
                 return Err(CoordinatorError::NotLeader);
             };
@@ -289,6 +302,26 @@ impl Shared {
                 self.publish(current.clone());
                 return Ok(Arc::new(current));
             };
+            // Only writes are refused while the store is behind (a node
+            // registering again unchanged is not a write).
+            if !restoring && let Some(behind) = self.store_behind() {
+                return Err(CoordinatorError::Conflict(behind.explain()));
+            }
+            let seen = self.map().version;
+            if !restoring && current.version < seen {
+                // The store went back under this coordinator: it saw newer.
+                let behind = StoreBehind {
+                    node_id: 0,
+                    node_version: seen,
+                    store_version: current.version,
+                };
+                let mut mark = self.store_behind.lock();
+                if mark.is_none_or(|known| known.node_version < seen) {
+                    tracing::error!("{}", behind.explain());
+                    *mark = Some(behind);
+                }
+                return Err(CoordinatorError::Conflict(behind.explain()));
+            }
             next.version = next.version.max(current.version) + 1;
             ops.push(Op::Put {
                 key: self.keys.map(),

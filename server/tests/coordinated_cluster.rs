@@ -780,8 +780,8 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
 /// the same cluster than the nodes. The coordinator notices (the nodes
 /// report newer versions), changes nothing — a namespace created on the
 /// older map would reuse the id of one created since — and says so in its
-/// status, while the data path goes on; `RestoreMap` puts the newest map
-/// back.
+/// status, while the data path goes on (a node away meanwhile takes the
+/// newest map from the coordinator); `RestoreMap` puts the newest map back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_restored() {
     let _serial = SERIAL.lock().await;
@@ -793,6 +793,9 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
             s.is_leader && settled(s, 3)
         })
         .await;
+    // Node 2 is away while the map changes: it will hold an older map than
+    // the others, though newer than the backup's.
+    cluster.nodes[2].process.kill();
     let mut coordinator = cluster.coordinator().await.unwrap();
     let created = coordinator
         .create_namespace(CreateNamespaceRequest {
@@ -804,10 +807,10 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
         .into_inner();
     let newest = cluster
         .wait_for(
-            "the nodes to hold the new namespace",
+            "the nodes up to hold the new namespace",
             Duration::from_secs(30),
             |s| {
-                s.nodes.len() == 3
+                s.nodes.len() == 2
                     && s.map
                         .as_ref()
                         .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
@@ -822,14 +825,16 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
     write_keys(&newest, "since-the-backup", 0..5).await;
 
     cluster.etcd.restore_data(backup.path());
+    let args = cluster.nodes[2].args.clone();
+    let log = cluster.dir.path().join("node-2-again.log");
+    cluster.nodes[2].process = TestProcess::spawn(BIN, &args, log);
     let behind = cluster
         .wait_for(
-            "the coordinator to see its store behind",
+            "the coordinator to see its store behind the newest map",
             Duration::from_secs(30),
-            |s| s.newer_map_on_node != 0,
+            |s| s.newer_map_version >= newest.version && s.newer_map_on_node != 0,
         )
         .await;
-    assert_eq!(behind.newer_map_version, newest.version);
     let mut coordinator = cluster.coordinator().await.unwrap();
     let refused = coordinator
         .create_namespace(CreateNamespaceRequest {
@@ -843,6 +848,26 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
     check_keys(&newest, "default", 0..10).await;
     check_keys(&newest, "since-the-backup", 0..5).await;
 
+    // Node 2, away when the map changed, took the newest map from the
+    // coordinator meanwhile (registering again changes nothing; the
+    // coordinator serves the newest map it saw).
+    let away = newest
+        .nodes
+        .iter()
+        .find(|n| n.address == cluster.nodes[2].url)
+        .unwrap()
+        .node_id;
+    cluster
+        .wait_for(
+            "node 2 holding the newest map",
+            Duration::from_secs(30),
+            |s| {
+                s.nodes
+                    .iter()
+                    .any(|n| n.node_id == away && n.map_version >= behind.newer_map_version)
+            },
+        )
+        .await;
     let restored = coordinator
         .restore_map(RestoreMapRequest {
             node_address: cluster.nodes[2].url.clone(),
