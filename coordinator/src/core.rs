@@ -292,6 +292,10 @@ impl Shared {
             let Some(leadership) = self.leadership() else {
                 return Err(CoordinatorError::NotLeader);
             };
+            // Before the read: the cache holds only versions the store held
+            // before it, so the read cannot be older unless the store went
+            // back (a version cached after the read may be newer).
+            let seen = self.map().version;
             let Some((current, revision)) = self.read_map().await? else {
                 return Err(CoordinatorError::Corrupt(
                     "the cluster map is missing".into(),
@@ -307,7 +311,6 @@ impl Shared {
             if !restoring && let Some(behind) = self.store_behind() {
                 return Err(CoordinatorError::Conflict(behind.explain()));
             }
-            let seen = self.map().version;
             if !restoring && current.version < seen {
                 // The store went back under this coordinator: it saw newer.
                 let behind = StoreBehind {
