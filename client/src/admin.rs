@@ -210,12 +210,20 @@ impl Client {
         .await
     }
 
-    /// Puts the map the node at `node_address` holds back into the
-    /// coordinator's store (emptied, or restored from an older snapshot).
-    pub async fn restore_map(&self, node_address: &str) -> Result<RestoreMapResponse> {
+    /// Puts the newest map the nodes hold back into the coordinator's
+    /// store (emptied, or restored from an older snapshot): the map of the
+    /// node at `node_address` or of another node it lists holding a newer
+    /// one. Refused while a node of the map does not answer, unless
+    /// `allow_unanswered`.
+    pub async fn restore_map(
+        &self,
+        node_address: &str,
+        allow_unanswered: bool,
+    ) -> Result<RestoreMapResponse> {
         self.on_coordinator(|mut c| async move {
             c.restore_map(RestoreMapRequest {
                 node_address: node_address.to_string(),
+                allow_unanswered,
             })
             .await
             .map(|r| r.into_inner())

@@ -92,6 +92,35 @@ pub struct Shared {
     store_behind: Mutex<Option<StoreBehind>>,
 }
 
+/// The store-behind mark after a comparison: the newest map known
+/// (`node_version`, held by `node_id`; 0: this coordinator saw it) against
+/// the store's version when it was read. A mark is replaced only by a newer
+/// version and cleared only by a store holding its version.
+fn next_mark(
+    known: Option<StoreBehind>,
+    node_id: u64,
+    node_version: u64,
+    store_version: Option<u64>,
+) -> Option<StoreBehind> {
+    let Some(store_version) = store_version else {
+        return known;
+    };
+    let found = StoreBehind {
+        node_id,
+        node_version,
+        store_version,
+    };
+    match known {
+        Some(known) if known.node_version > store_version && known.node_version >= node_version => {
+            Some(StoreBehind {
+                store_version,
+                ..known
+            })
+        }
+        _ => (node_version > store_version).then_some(found),
+    }
+}
+
 impl tidepool_security::Authority for Shared {
     fn token(&self, hash: &[u8; 32]) -> Option<Arc<tidepool_security::guard::Grant>> {
         let map = self.map();
@@ -149,12 +178,15 @@ impl Shared {
     }
 
     /// Compares the map versions nodes hold, `(node, version)`, with the
-    /// store's: a node ahead of it marks the store behind. With `all`
-    /// (every live node's report, each reconcile round) the store is read
-    /// (the cache may hold a newer map than a store rolled back under it)
-    /// and the mark is also cleared when no node is ahead; otherwise (one
-    /// heartbeat) the store is read only when the node is ahead of the
-    /// cache (which may trail a write that just succeeded).
+    /// store's: a node ahead of it marks the store behind. The mark stays
+    /// until the store holds that version or a newer one (a restore), even
+    /// if the node that reported it stops reporting: the store is behind a
+    /// map that exists, whoever holds it. With `all` (every live node's
+    /// report, each reconcile round) the store is read every time (the
+    /// cache may hold a newer map than a store rolled back under it);
+    /// otherwise (a heartbeat, the nodes asked before leading) only when a
+    /// node is ahead of the cache (which may trail a write that just
+    /// succeeded).
     pub async fn note_node_maps(
         &self,
         held: impl IntoIterator<Item = (u64, u64)>,
@@ -170,27 +202,15 @@ impl Shared {
             Some((node, version)) if version >= cached => (node, version),
             _ => (0, cached),
         };
-        let behind = if all || node_version > cached {
-            let store_version = self.read_map().await?.map_or(0, |(map, _)| map.version);
-            (node_version > store_version).then_some(StoreBehind {
-                node_id,
-                node_version,
-                store_version,
-            })
+        let store_version = if all || node_version > cached {
+            Some(self.read_map().await?.map_or(0, |(map, _)| map.version))
         } else {
             None
         };
         let mut mark = self.store_behind.lock();
-        // One heartbeat only ever raises the mark: another node may hold a
-        // newer map than this one.
-        let next = match (*mark, behind) {
-            (_, found) if all => found,
-            (Some(known), Some(found)) if known.node_version >= found.node_version => Some(known),
-            (known, None) => known,
-            (_, found) => found,
-        };
+        let next = next_mark(*mark, node_id, node_version, store_version);
         if let Some(found) = next
-            && *mark != next
+            && mark.is_none_or(|known| known.node_version != found.node_version)
         {
             tracing::error!("{}", found.explain());
         }
@@ -279,7 +299,8 @@ impl Shared {
 
     /// [`Shared::update_map`]; `restoring` lets it write while the store is
     /// behind the nodes (`RestoreMap`). The new version is one above the
-    /// larger of the stored one and the one `change` leaves.
+    /// larger of the stored one and the one `change` leaves (and, restoring,
+    /// the cached one).
     pub(crate) async fn change_map<F>(
         &self,
         mut change: F,
@@ -325,7 +346,10 @@ impl Shared {
                 }
                 return Err(CoordinatorError::Conflict(behind.explain()));
             }
-            next.version = next.version.max(current.version) + 1;
+            // A restored map goes above what the cache served too (nodes
+            // took it), though the store was behind it.
+            let served = if restoring { seen } else { 0 };
+            next.version = next.version.max(current.version).max(served) + 1;
             ops.push(Op::Put {
                 key: self.keys.map(),
                 value: encode_map(&next),
@@ -509,6 +533,7 @@ impl Shared {
                         generation = leadership.generation,
                         "became the coordinator leader"
                     );
+                    self.ask_nodes_for_their_maps().await;
                     self.leadership.send_replace(Some(leadership));
                     let resigned = self.hold(leadership, ttl, &mut stop).await;
                     if resigned {
@@ -523,6 +548,44 @@ impl Shared {
                 _ = stop.wait_for(|s| *s) => return,
                 _ = tokio::time::sleep(ttl / 4) => {}
             }
+        }
+    }
+
+    /// Before leading: the map versions the nodes of the store's map hold
+    /// (`NodeAdmin.HeldMap`, a second at most), so a store restored from
+    /// an older backup under a coordinator that starts or takes over is
+    /// caught before its first change — heartbeats tell within a third of
+    /// a node lease, and an admin call can come sooner. A node that does
+    /// not answer in time tells at its next heartbeat.
+    async fn ask_nodes_for_their_maps(&self) {
+        let map = match self.read_map().await {
+            Ok(Some((map, _))) => map,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::warn!(%error, "cannot read the map to ask the nodes for theirs");
+                return;
+            }
+        };
+        let nodes = Arc::new(crate::nodes::NodeClients::new(self.security.clone()));
+        let mut calls = tokio::task::JoinSet::new();
+        for node in map.nodes.iter() {
+            let (nodes, node_id, address) = (nodes.clone(), node.node_id, node.address.clone());
+            let cluster = map.cluster_id.clone();
+            calls.spawn(async move {
+                let held = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    crate::ops::held_map(&nodes, &address),
+                )
+                .await;
+                match held {
+                    Ok(Ok(held)) if held.cluster_id == cluster => Some((node_id, held.version)),
+                    _ => None,
+                }
+            });
+        }
+        let held = calls.join_all().await.into_iter().flatten();
+        if let Err(error) = self.note_node_maps(held, false).await {
+            tracing::warn!(%error, "cannot compare the nodes' maps with the store's");
         }
     }
 
@@ -607,4 +670,51 @@ pub fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn behind(node_id: u64, node_version: u64, store_version: u64) -> Option<StoreBehind> {
+        Some(StoreBehind {
+            node_id,
+            node_version,
+            store_version,
+        })
+    }
+
+    #[test]
+    fn a_node_ahead_of_the_store_marks_it_behind() {
+        assert_eq!(next_mark(None, 2, 9, Some(5)), behind(2, 9, 5));
+        assert_eq!(next_mark(None, 2, 5, Some(5)), None);
+        // Not read: nothing learned.
+        assert_eq!(next_mark(None, 2, 9, None), None);
+        assert_eq!(next_mark(behind(2, 9, 5), 0, 5, None), behind(2, 9, 5));
+    }
+
+    #[test]
+    fn the_mark_stays_though_its_node_stops_reporting() {
+        // A round with no report of node 2 (or only older maps): the store
+        // is still behind the version node 2 held.
+        assert_eq!(next_mark(behind(2, 9, 5), 0, 5, Some(5)), behind(2, 9, 5));
+        assert_eq!(next_mark(behind(2, 9, 5), 1, 7, Some(5)), behind(2, 9, 5));
+    }
+
+    #[test]
+    fn only_a_newer_version_replaces_the_mark() {
+        assert_eq!(next_mark(behind(2, 9, 5), 3, 12, Some(5)), behind(3, 12, 5));
+        assert_eq!(next_mark(behind(2, 9, 5), 3, 9, Some(6)), behind(2, 9, 6));
+    }
+
+    #[test]
+    fn a_store_holding_the_version_clears_the_mark() {
+        assert_eq!(next_mark(behind(2, 9, 5), 0, 10, Some(10)), None);
+        assert_eq!(next_mark(behind(2, 9, 5), 2, 9, Some(9)), None);
+        // Caught up with the mark, behind a newer one.
+        assert_eq!(
+            next_mark(behind(2, 9, 5), 1, 11, Some(10)),
+            behind(1, 11, 10)
+        );
+    }
 }

@@ -415,15 +415,17 @@ impl Shared {
         Ok(response)
     }
 
-    /// Puts the map the node at `address` holds back into the store, when
-    /// the store lost it (a new cluster founded on an emptied store, still
+    /// Puts the newest map the nodes hold back into the store, when the
+    /// store lost it (a new cluster founded on an emptied store, still
     /// without nodes) or holds an older version of it (restored from an
-    /// older snapshot). Returns the map stored and the cluster id and
-    /// version the store held before.
+    /// older snapshot). Asks the node at `address` and every node its map
+    /// lists; a node that does not answer refuses the restore unless
+    /// `allow_unanswered` (it may hold a newer map than those that did).
     pub async fn restore_map(
         &self,
         address: &str,
-    ) -> Result<(Arc<ClusterMap>, String, u64), CoordinatorError> {
+        allow_unanswered: bool,
+    ) -> Result<Restored, CoordinatorError> {
         let address = address.trim();
         if !(address.starts_with("http://") || address.starts_with("https://"))
             || address.len() > MAX_ADDRESS
@@ -435,20 +437,60 @@ impl Shared {
         if self.leadership().is_none() {
             return Err(CoordinatorError::NotLeader);
         }
-        let nodes = crate::nodes::NodeClients::new(self.security.clone());
-        let mut admin = nodes.admin(address)?;
-        let held = crate::nodes::NodeClients::call(
-            "held map",
-            std::time::Duration::from_secs(10),
-            admin.held_map(HeldMapRequest {}),
-        )
-        .await?;
+        let nodes = Arc::new(crate::nodes::NodeClients::new(self.security.clone()));
+        let held = held_map(&nodes, address).await?;
         if held.cluster_id.is_empty() || held.version == 0 || held.cluster_id == "static" {
             return Err(CoordinatorError::InvalidArgument(format!(
                 "the node at {address} holds no coordinated cluster's map (it never joined one, or runs a fixed cluster)"
             )));
         }
+        // Every other node of that map, asked at once.
+        let mut calls = tokio::task::JoinSet::new();
+        for node in held.nodes.iter().filter(|n| n.address != address) {
+            let (nodes, other) = (nodes.clone(), node.address.clone());
+            calls.spawn(async move {
+                let answer = held_map(&nodes, &other).await;
+                if let Err(error) = &answer {
+                    tracing::warn!(node = %other, %error, "restoring the map: no answer");
+                }
+                (other, answer.ok())
+            });
+        }
+        let answers = calls.join_all().await;
+        let found = newest_held(address.to_string(), held, answers);
+        if !found.unanswered.is_empty() && !allow_unanswered {
+            return Err(CoordinatorError::Conflict(format!(
+                "nodes {} of cluster {}'s map did not answer, and one of them may hold a newer map than v{} (from {}): start them, or restore without them (--allow-unanswered); nothing changed",
+                found.unanswered.join(", "),
+                found.map.cluster_id,
+                found.map.version,
+                found.from
+            )));
+        }
+        // A newer map seen (reported by a node, or cached here) than any
+        // answer: its holder did not answer, or is not in the map asked.
+        let seen = self
+            .store_behind()
+            .filter(|b| b.node_version > found.map.version);
+        if let Some(seen) = seen
+            && !allow_unanswered
+        {
+            return Err(CoordinatorError::Conflict(format!(
+                "{} map v{}, newer than the newest the nodes answered with (v{} from {}): restore when it answers, or without it (--allow-unanswered); nothing changed",
+                match seen.node_id {
+                    0 => "this coordinator has seen".to_string(),
+                    id => format!("node {id} was seen holding"),
+                },
+                seen.node_version,
+                found.map.version,
+                found.from
+            )));
+        }
+        // The version stored is above every version seen, so every node
+        // takes the restored map as the newest.
+        let floor = seen.map_or(0, |s| s.node_version);
         let mut previous = (String::new(), 0);
+        let held = &found.map;
         let map = self
             .change_map(
                 |map| {
@@ -456,7 +498,7 @@ impl Shared {
                     if map.cluster_id == held.cluster_id {
                         if held.version <= map.version {
                             return Err(CoordinatorError::Conflict(format!(
-                                "the store's map of cluster {} (v{}) is not older than the node's (v{}): nothing to restore",
+                                "the store's map of cluster {} (v{}) is not older than the nodes' newest (v{}): nothing to restore",
                                 map.cluster_id, map.version, held.version
                             )));
                         }
@@ -466,9 +508,10 @@ impl Shared {
                             map.cluster_id, held.cluster_id
                         )));
                     }
-                    // The stored version becomes one above both, so every
-                    // node takes the restored map as the newest.
+                    // The stored version becomes one above the store's,
+                    // the map's and any seen.
                     *map = held.clone();
+                    map.version = map.version.max(floor);
                     Ok(Some(Vec::new()))
                 },
                 true,
@@ -476,14 +519,23 @@ impl Shared {
             .await?;
         *self.store_behind_mark() = None;
         tracing::warn!(
-            from = %address,
+            asked = %address,
+            from = %found.from,
+            held_version = found.map.version,
+            unanswered = ?found.unanswered,
             cluster = %map.cluster_id,
             version = map.version,
             previous_cluster = %previous.0,
             previous_version = previous.1,
-            "restored the cluster map from a node"
+            "restored the cluster map from the nodes"
         );
-        Ok((map, previous.0, previous.1))
+        Ok(Restored {
+            map,
+            previous_cluster_id: previous.0,
+            previous_version: previous.1,
+            from_node_address: found.from,
+            unanswered_nodes: found.unanswered,
+        })
     }
 
     /// Marks a node draining: placement stops using it and the reconciler
@@ -513,6 +565,76 @@ impl Shared {
         tracing::info!(node_id, replicas = hosted, "draining node");
         Ok(hosted as u32)
     }
+}
+
+/// What `Shared::restore_map` stored.
+#[derive(Debug)]
+pub struct Restored {
+    /// The map now in the store.
+    pub map: Arc<ClusterMap>,
+    /// The cluster the store held before.
+    pub previous_cluster_id: String,
+    /// And its map's version.
+    pub previous_version: u64,
+    /// The node whose map was stored.
+    pub from_node_address: String,
+    /// Nodes of the map that did not answer.
+    pub unanswered_nodes: Vec<String>,
+}
+
+/// The map the node at `address` holds.
+pub(crate) async fn held_map(
+    nodes: &crate::nodes::NodeClients,
+    address: &str,
+) -> Result<ClusterMap, CoordinatorError> {
+    let mut admin = nodes.admin(address)?;
+    crate::nodes::NodeClients::call(
+        "held map",
+        std::time::Duration::from_secs(10),
+        admin.held_map(HeldMapRequest {}),
+    )
+    .await
+}
+
+/// The newest map the nodes hold.
+#[derive(Debug, PartialEq)]
+struct NewestHeld {
+    map: ClusterMap,
+    /// Where it came from.
+    from: String,
+    /// Addresses that gave no answer, sorted.
+    unanswered: Vec<String>,
+}
+
+/// Of the map the node at `asked` holds and the answers of the other nodes
+/// it lists (`None`: no answer), the newest version of the same cluster.
+/// Maps of other clusters (a node since given a new data directory) are
+/// not its: they are left out, not counted as unanswered. Ties go to the
+/// node asked.
+fn newest_held(
+    asked: String,
+    held: ClusterMap,
+    answers: Vec<(String, Option<ClusterMap>)>,
+) -> NewestHeld {
+    let mut newest = NewestHeld {
+        map: held,
+        from: asked,
+        unanswered: Vec::new(),
+    };
+    for (address, answer) in answers {
+        match answer {
+            None => newest.unanswered.push(address),
+            Some(map)
+                if map.cluster_id == newest.map.cluster_id && map.version > newest.map.version =>
+            {
+                newest.map = map;
+                newest.from = address;
+            }
+            Some(_) => {}
+        }
+    }
+    newest.unanswered.sort();
+    newest
 }
 
 /// Refuses a certificate speaking for a node bound to another one
@@ -546,4 +668,66 @@ fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
     CoordinatorError::WrongCluster(format!(
         "node {node_id}'s data belongs to cluster {theirs}, and this coordinator serves cluster {ours} (its store was emptied or replaced, or the coordinator's etcd key prefix or the node's coordinator addresses are wrong); nothing changed"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(cluster: &str, version: u64) -> ClusterMap {
+        ClusterMap {
+            cluster_id: cluster.into(),
+            version,
+            ..ClusterMap::default()
+        }
+    }
+
+    #[test]
+    fn the_newest_map_of_the_cluster_is_restored_whichever_node_was_named() {
+        let found = newest_held(
+            "http://a".into(),
+            map("c1", 40),
+            vec![
+                ("http://b".into(), Some(map("c1", 45))),
+                ("http://c".into(), Some(map("c1", 43))),
+            ],
+        );
+        assert_eq!(found.map, map("c1", 45));
+        assert_eq!(found.from, "http://b");
+        assert!(found.unanswered.is_empty());
+    }
+
+    #[test]
+    fn the_node_named_wins_a_tie_and_other_clusters_maps_are_left_out() {
+        let found = newest_held(
+            "http://a".into(),
+            map("c1", 40),
+            vec![
+                ("http://b".into(), Some(map("c1", 40))),
+                // A node given a new data directory since, in another
+                // cluster: its newer version says nothing of this one.
+                ("http://c".into(), Some(map("c2", 90))),
+                // A fresh node: no map at all.
+                ("http://d".into(), Some(ClusterMap::default())),
+            ],
+        );
+        assert_eq!(found.map, map("c1", 40));
+        assert_eq!(found.from, "http://a");
+        assert!(found.unanswered.is_empty());
+    }
+
+    #[test]
+    fn nodes_without_an_answer_are_named_in_order() {
+        let found = newest_held(
+            "http://a".into(),
+            map("c1", 7),
+            vec![
+                ("http://z".into(), None),
+                ("http://b".into(), Some(map("c1", 8))),
+                ("http://m".into(), None),
+            ],
+        );
+        assert_eq!(found.from, "http://b");
+        assert_eq!(found.unanswered, vec!["http://m", "http://z"]);
+    }
 }

@@ -354,17 +354,18 @@ impl CoordinatorService for CoordinatorApi {
         &self,
         request: Request<RestoreMapRequest>,
     ) -> Result<Response<RestoreMapResponse>, Status> {
+        let request = request.into_inner();
         let result = self
             .shared
-            .restore_map(&request.into_inner().node_address)
+            .restore_map(&request.node_address, request.allow_unanswered)
             .await
-            .map(
-                |(map, previous_cluster_id, previous_version)| RestoreMapResponse {
-                    map: Some((*map).clone()),
-                    previous_cluster_id,
-                    previous_version,
-                },
-            );
+            .map(|restored| RestoreMapResponse {
+                map: Some((*restored.map).clone()),
+                previous_cluster_id: restored.previous_cluster_id,
+                previous_version: restored.previous_version,
+                from_node_address: restored.from_node_address,
+                unanswered_nodes: restored.unanswered_nodes,
+            });
         self.respond(result).await
     }
 }

@@ -20,8 +20,8 @@ use tidepool_proto::v1::node_admin_client::NodeAdminClient;
 use tidepool_proto::v1::retention::{Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest,
-    ErrorCode, GetClusterStatusRequest, NodeState, NodeStatusRequest, ReadConsistency, ReplicaRole,
-    RestoreMapRequest, Retention,
+    ErrorCode, GetClusterStatusRequest, HeldMapRequest, NodeState, NodeStatusRequest,
+    ReadConsistency, ReplicaRole, RestoreMapRequest, Retention,
 };
 use tidepool_testkit::grpc::{code, get, get_at, put};
 use tidepool_testkit::{EtcdServer, TestProcess, free_port};
@@ -746,10 +746,19 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
     let restored = coordinator
         .restore_map(RestoreMapRequest {
             node_address: cluster.nodes[0].url.clone(),
+            ..RestoreMapRequest::default()
         })
         .await
         .unwrap()
         .into_inner();
+    assert!(restored.unanswered_nodes.is_empty(), "{restored:?}");
+    assert!(
+        cluster
+            .nodes
+            .iter()
+            .any(|n| n.url == restored.from_node_address),
+        "{restored:?}"
+    );
     let restored_map = restored.map.unwrap();
     assert_eq!(restored_map.cluster_id, ours);
     assert!(restored_map.version > map.version);
@@ -757,6 +766,7 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
     let again = coordinator
         .restore_map(RestoreMapRequest {
             node_address: cluster.nodes[0].url.clone(),
+            ..RestoreMapRequest::default()
         })
         .await
         .unwrap_err();
@@ -776,15 +786,16 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
     cluster.assert_no_panics();
 }
 
-/// etcd restored from an older backup: the store holds an older map of
-/// the same cluster than the nodes. The coordinator notices (the nodes
-/// report newer versions), changes nothing — a namespace created on the
-/// older map would reuse the id of one created since — and says so in its
-/// status, while the data path goes on (a node away meanwhile takes the
-/// newest map from the coordinator); `RestoreMap` puts the newest map back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_restored() {
-    let _serial = SERIAL.lock().await;
+/// A settled cluster (one coordinator, three nodes) whose etcd data is
+/// copied, then a namespace created and written to while node 2 is down
+/// (it will hold an older map than the others, though not older than the
+/// copy's). Returns the cluster, the copy, the namespace and the newest map.
+async fn a_backup_then_a_change_while_node_2_is_away() -> (
+    Cluster,
+    tempfile::TempDir,
+    tidepool_proto::v1::Namespace,
+    ClusterMap,
+) {
     let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
     write_keys(status.map.as_ref().unwrap(), "default", 0..10).await;
     let backup = cluster.etcd.save_data();
@@ -793,8 +804,6 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
             s.is_leader && settled(s, 3)
         })
         .await;
-    // Node 2 is away while the map changes: it will hold an older map than
-    // the others, though newer than the backup's.
     cluster.nodes[2].process.kill();
     let mut coordinator = cluster.coordinator().await.unwrap();
     let created = coordinator
@@ -811,18 +820,30 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
             Duration::from_secs(30),
             |s| {
                 s.nodes.len() == 2
-                    && s.map
-                        .as_ref()
-                        .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
-                    && s.map
-                        .as_ref()
-                        .is_some_and(|m| m.namespaces.iter().any(|n| n.name == created.name))
+                    && s.map.as_ref().is_some_and(|m| {
+                        m.namespaces.iter().any(|n| n.name == created.name)
+                            && s.nodes.iter().all(|n| n.map_version == m.version)
+                    })
             },
         )
         .await
         .map
         .unwrap();
     write_keys(&newest, "since-the-backup", 0..5).await;
+    (cluster, backup, created, newest)
+}
+
+/// etcd restored from an older backup: the store holds an older map of
+/// the same cluster than the nodes. The coordinator notices (the nodes
+/// report newer versions), changes nothing — a namespace created on the
+/// older map would reuse the id of one created since — and says so in its
+/// status, while the data path goes on (a node away meanwhile takes the
+/// newest map from the coordinator); `RestoreMap` puts the newest map back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_restored() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, backup, created, newest) =
+        a_backup_then_a_change_while_node_2_is_away().await;
 
     cluster.etcd.restore_data(backup.path());
     let args = cluster.nodes[2].args.clone();
@@ -871,6 +892,7 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
     let restored = coordinator
         .restore_map(RestoreMapRequest {
             node_address: cluster.nodes[2].url.clone(),
+            ..RestoreMapRequest::default()
         })
         .await
         .unwrap()
@@ -895,6 +917,140 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
         .unwrap()
         .into_inner();
     assert!(later.id > created.id, "no namespace id reused");
+    check_keys(&map, "since-the-backup", 0..5).await;
+    cluster.assert_no_panics();
+}
+
+/// A restore stores the newest map the nodes hold, whichever node it
+/// names. The coordinator restarted on a store restored from an older
+/// backup serves that store's map, so a node away while the map changed
+/// keeps an older map than the others; a restore naming it takes the map
+/// of a node that holds the newest. A node that does not answer may hold a
+/// newer map still: the restore waits for it unless told not to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_stores_the_newest_map_the_nodes_hold_whichever_node_it_names() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, backup, created, newest) =
+        a_backup_then_a_change_while_node_2_is_away().await;
+
+    // The coordinator starts again on the older store: it serves the
+    // store's map, so node 2, started again, holds an older map than the
+    // other two.
+    cluster.kill_coordinator(0);
+    cluster.etcd.restore_data(backup.path());
+    cluster.start_coordinator(0);
+    // From its first answer as leader it refuses changes: it asked the
+    // nodes for their maps before leading (no heartbeat needed).
+    let first = loop {
+        let Some(mut coordinator) = cluster.coordinator().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let answer = coordinator
+            .create_namespace(CreateNamespaceRequest {
+                name: "on-the-older-map".into(),
+                ..CreateNamespaceRequest::default()
+            })
+            .await;
+        match answer {
+            // Not leading yet.
+            Err(status) if status.code() == tonic::Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            answer => break answer,
+        }
+    };
+    let refused = first.expect_err("a namespace created on the older map");
+    assert_eq!(code(&refused), ErrorCode::Conflict, "{refused:?}");
+    let args = cluster.nodes[2].args.clone();
+    let log = cluster.dir.path().join("node-2-again.log");
+    cluster.nodes[2].process = TestProcess::spawn(BIN, &args, log);
+    let behind = cluster
+        .wait_for(
+            "the coordinator to see its store behind the nodes' maps",
+            Duration::from_secs(60),
+            |s| s.newer_map_version >= newest.version && s.newer_map_on_node != 0,
+        )
+        .await;
+    let named = newest
+        .nodes
+        .iter()
+        .find(|n| n.address == cluster.nodes[2].url)
+        .unwrap()
+        .node_id;
+    assert_ne!(behind.newer_map_on_node, named, "node 2 holds an older map");
+    cluster
+        .wait_for("node 2 reporting", Duration::from_secs(30), |s| {
+            s.nodes.iter().any(|n| n.node_id == named)
+        })
+        .await;
+    let mut node_2 = NodeAdminClient::connect(cluster.nodes[2].url.clone())
+        .await
+        .unwrap();
+    let held = node_2
+        .held_map(HeldMapRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        held.version < newest.version,
+        "node 2 holds v{}",
+        held.version
+    );
+
+    // Node 1 down: it may hold a newer map than the others, so the
+    // restore waits for it unless told not to.
+    cluster.nodes[1].process.kill();
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let refused = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[2].url.clone(),
+            allow_unanswered: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Conflict, "{refused:?}");
+    assert!(
+        refused.message().contains(&cluster.nodes[1].url)
+            && refused.message().contains("--allow-unanswered"),
+        "{refused:?}"
+    );
+    let restored = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[2].url.clone(),
+            allow_unanswered: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(restored.from_node_address, cluster.nodes[0].url);
+    assert_eq!(
+        restored.unanswered_nodes,
+        vec![cluster.nodes[1].url.clone()]
+    );
+    assert!(restored.previous_version < newest.version);
+    let map = restored.map.unwrap();
+    assert!(map.version > newest.version);
+    assert!(map.namespaces.iter().any(|n| n.name == created.name));
+
+    let args = cluster.nodes[1].args.clone();
+    let log = cluster.dir.path().join("node-1-again.log");
+    cluster.nodes[1].process = TestProcess::spawn(BIN, &args, log);
+    let status = cluster
+        .wait_for(
+            "every node on the restored map, the coordinator changing things again",
+            Duration::from_secs(60),
+            |s| {
+                s.newer_map_on_node == 0
+                    && settled(s, 3)
+                    && s.map
+                        .as_ref()
+                        .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
+            },
+        )
+        .await;
+    let map = status.map.unwrap();
+    check_keys(&map, "default", 0..10).await;
     check_keys(&map, "since-the-backup", 0..5).await;
     cluster.assert_no_panics();
 }

@@ -17,8 +17,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidepool_client::proto::v1::{
-    ClusterStatus, MoveStep, Namespace, NodeState, NodeStatus, ReplicaStatus, ShardInfo,
-    TokenGrant, retention,
+    ClusterStatus, MoveStep, Namespace, NodeState, NodeStatus, ReplicaStatus, RestoreMapResponse,
+    ShardInfo, TokenGrant, retention,
 };
 use tidepool_client::{
     Client, ClientConfig, Durability, ErrorCode, ListOptions, RetentionPolicy, TlsFiles, hex,
@@ -273,14 +273,19 @@ enum TokenCommand {
 enum ClusterCommand {
     /// Nodes, shards, leaders, epochs and moves in progress.
     Status,
-    /// Put the map a node holds back into the coordinator's store, after
-    /// the store was emptied (the coordinator founded a new cluster the
-    /// nodes refuse) or restored from an older snapshot (the coordinator
-    /// changes nothing meanwhile).
+    /// Put the newest map the nodes hold back into the coordinator's
+    /// store, after the store was emptied (the coordinator founded a new
+    /// cluster the nodes refuse) or restored from an older snapshot (the
+    /// coordinator changes nothing meanwhile). The coordinator asks the
+    /// node named and every node its map lists.
     RestoreMap {
-        /// The node's address, e.g. `https://node-0:7401`.
+        /// A node's address, e.g. `https://node-0:7401`.
         #[arg(long)]
         from_node: String,
+        /// Restore though some nodes of the map do not answer (one of them
+        /// may hold a newer map).
+        #[arg(long)]
+        allow_unanswered: bool,
     },
 }
 
@@ -617,6 +622,39 @@ fn writes_name(report: Option<&NodeStatus>) -> &'static str {
         Some(Durability::Buffered) => "buffered",
         _ => "unknown",
     }
+}
+
+fn restored_text(restored: &RestoreMapResponse) -> String {
+    let map = restored.map.clone().unwrap_or_default();
+    let mut out = format!(
+        "restored cluster {} map v{} ({} nodes, {} shards), the newest the nodes hold, from {}; the store held cluster {} v{}",
+        map.cluster_id,
+        map.version,
+        map.nodes.len(),
+        map.shards.len(),
+        restored.from_node_address,
+        restored.previous_cluster_id,
+        restored.previous_version
+    );
+    if !restored.unanswered_nodes.is_empty() {
+        out.push_str(&format!(
+            "\nnot asked (no answer): {}; each takes the restored map when it reports again",
+            restored.unanswered_nodes.join(", ")
+        ));
+    }
+    out
+}
+
+fn restored_json(restored: &RestoreMapResponse) -> serde_json::Value {
+    let map = restored.map.clone().unwrap_or_default();
+    json!({
+        "cluster_id": map.cluster_id, "map_version": map.version,
+        "nodes": map.nodes.len(), "shards": map.shards.len(),
+        "from_node": restored.from_node_address,
+        "unanswered_nodes": restored.unanswered_nodes,
+        "previous_cluster_id": restored.previous_cluster_id,
+        "previous_version": restored.previous_version,
+    })
 }
 
 fn status_text(status: &ClusterStatus) -> String {
@@ -1135,28 +1173,14 @@ async fn run(cli: &Cli) -> Outcome {
             Ok(())
         }
         Command::Cluster {
-            command: ClusterCommand::RestoreMap { from_node },
+            command:
+                ClusterCommand::RestoreMap {
+                    from_node,
+                    allow_unanswered,
+                },
         } => {
-            let restored = client.restore_map(from_node).await?;
-            let map = restored.map.unwrap_or_default();
-            print(
-                cli.json,
-                json!({
-                    "cluster_id": map.cluster_id, "map_version": map.version,
-                    "nodes": map.nodes.len(), "shards": map.shards.len(),
-                    "previous_cluster_id": restored.previous_cluster_id,
-                    "previous_version": restored.previous_version,
-                }),
-                format!(
-                    "restored cluster {} map v{} ({} nodes, {} shards) from {from_node}; the store held cluster {} v{}",
-                    map.cluster_id,
-                    map.version,
-                    map.nodes.len(),
-                    map.shards.len(),
-                    restored.previous_cluster_id,
-                    restored.previous_version
-                ),
-            );
+            let restored = client.restore_map(from_node, *allow_unanswered).await?;
+            print(cli.json, restored_json(&restored), restored_text(&restored));
             Ok(())
         }
         Command::Namespace {
@@ -1355,6 +1379,40 @@ mod tests {
             ..status
         };
         assert!(!status_text(&current).contains("WARNING"));
+    }
+
+    /// A restore names the node whose map it stored and those that did
+    /// not answer.
+    #[test]
+    fn a_restore_says_where_the_map_came_from() {
+        let restored = RestoreMapResponse {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                cluster_id: "c1".into(),
+                version: 12,
+                ..Default::default()
+            }),
+            previous_cluster_id: "c1".into(),
+            previous_version: 5,
+            from_node_address: "http://b:7401".into(),
+            unanswered_nodes: vec!["http://c:7401".into()],
+        };
+        let text = restored_text(&restored);
+        assert!(
+            text.starts_with("restored cluster c1 map v12 (0 nodes, 0 shards), the newest the nodes hold, from http://b:7401; the store held cluster c1 v5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("not asked (no answer): http://c:7401"),
+            "{text}"
+        );
+        let json = restored_json(&restored);
+        assert_eq!(json["from_node"], json!("http://b:7401"));
+        assert_eq!(json["unanswered_nodes"], json!(["http://c:7401"]));
+        let all = RestoreMapResponse {
+            unanswered_nodes: Vec::new(),
+            ..restored
+        };
+        assert!(!restored_text(&all).contains("no answer"));
     }
 
     /// A replica holding its votes (founded again on an empty disk, not

@@ -1,0 +1,209 @@
+//! A coordinator that starts on a store older than the nodes' maps (etcd
+//! restored from an older backup) knows it before it leads: it asks the
+//! nodes of the store's map for the map they hold (`NodeAdmin.HeldMap`)
+//! before taking leadership, so its first answer as leader already refuses
+//! changes — no heartbeat needed — and keeps refusing them until a
+//! restore stores a map above every version it saw. The node here is a
+//! scripted `NodeAdmin` server on a real socket that answers only
+//! `HeldMap` and never heartbeats the second coordinator.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
+use tidepool_coordinator::{CoordinatorConfig, start_with_store};
+use tidepool_proto::error_detail;
+use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
+use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
+use tidepool_proto::v1::{
+    ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
+    ClusterMap, CreateNamespaceRequest, ErrorCode, HeldMapRequest, NodeStatus, NodeStatusRequest,
+    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
+    RegisterNodeRequest, RestoreMapRequest, TransferLeaderRequest, TransferLeaderResponse,
+};
+use tonic::{Request, Response, Status};
+
+/// A node that answers `HeldMap` with the map it is given, and nothing else.
+#[derive(Default)]
+struct Holding {
+    map: Mutex<ClusterMap>,
+}
+
+#[tonic::async_trait]
+impl NodeAdmin for Holding {
+    async fn open_replica(
+        &self,
+        _: Request<OpenReplicaRequest>,
+    ) -> Result<Response<OpenReplicaResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn change_membership(
+        &self,
+        _: Request<ChangeMembershipRequest>,
+    ) -> Result<Response<ChangeMembershipResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn transfer_leader(
+        &self,
+        _: Request<TransferLeaderRequest>,
+    ) -> Result<Response<TransferLeaderResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn close_replica(
+        &self,
+        _: Request<CloseReplicaRequest>,
+    ) -> Result<Response<CloseReplicaResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn propose_admin(
+        &self,
+        _: Request<ProposeAdminRequest>,
+    ) -> Result<Response<ProposeAdminResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn status(&self, _: Request<NodeStatusRequest>) -> Result<Response<NodeStatus>, Status> {
+        Err(Status::unavailable("scripted"))
+    }
+
+    async fn held_map(&self, _: Request<HeldMapRequest>) -> Result<Response<ClusterMap>, Status> {
+        Ok(Response::new(self.map.lock().unwrap().clone()))
+    }
+}
+
+fn config() -> CoordinatorConfig {
+    CoordinatorConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        leader_lease_ms: 1_000,
+        reconcile_interval_ms: 100,
+        cluster: tidepool_coordinator::config::ClusterSettings {
+            shards: 2,
+            ..Default::default()
+        },
+        ..CoordinatorConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_first_moment_as_leader()
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let node = Arc::new(Holding::default());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(NodeAdminServer::from_arc(node.clone()))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+
+    // A cluster with this node in its map.
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let first = start_with_store(config(), store.clone()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while first.shared.leadership().is_none() {
+        assert!(Instant::now() < deadline, "the first coordinator leads");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut client = CoordinatorServiceClient::connect(format!("http://{}", first.address))
+        .await
+        .unwrap();
+    let registered = client
+        .register_node(RegisterNodeRequest {
+            address: address.clone(),
+            capacity_bytes: 1 << 30,
+            ..RegisterNodeRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let stored = (*first.shared.map()).clone();
+    first.stop().await.unwrap();
+
+    // The node holds a newer map of the cluster than the store (it went on
+    // while the store was later put back from an older backup).
+    let newer = ClusterMap {
+        version: stored.version + 3,
+        ..stored.clone()
+    };
+    *node.map.lock().unwrap() = newer.clone();
+
+    let second = start_with_store(config(), store).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while second.shared.leadership().is_none() {
+        assert!(Instant::now() < deadline, "the second coordinator leads");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let behind = second
+        .shared
+        .store_behind()
+        .expect("the store known behind the node's map from the first moment of leading");
+    assert_eq!(
+        (behind.node_id, behind.node_version, behind.store_version),
+        (registered.node_id, newer.version, stored.version)
+    );
+    let mut client = CoordinatorServiceClient::connect(format!("http://{}", second.address))
+        .await
+        .unwrap();
+    let refused = client
+        .create_namespace(CreateNamespaceRequest {
+            name: "on-the-older-map".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap_err();
+    let code = error_detail(&refused).and_then(|d| ErrorCode::try_from(d.code).ok());
+    assert_eq!(code, Some(ErrorCode::Conflict), "{refused:?}");
+    assert!(refused.message().contains("restore-map"), "{refused:?}");
+    // Rounds do not clear it though the node never reports: the store is
+    // still behind a map that exists.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(second.shared.store_behind(), Some(behind));
+
+    // The node now answers with an older map than the one it was seen
+    // holding (as if another node had held that one): a restore of it is
+    // refused unless told to go on, and then stored above the version seen.
+    *node.map.lock().unwrap() = ClusterMap {
+        version: stored.version + 2,
+        ..stored.clone()
+    };
+    let refused = client
+        .restore_map(RestoreMapRequest {
+            node_address: address.clone(),
+            allow_unanswered: false,
+        })
+        .await
+        .unwrap_err();
+    let code = error_detail(&refused).and_then(|d| ErrorCode::try_from(d.code).ok());
+    assert_eq!(code, Some(ErrorCode::Conflict), "{refused:?}");
+    assert!(
+        refused.message().contains(&format!(
+            "node {} was seen holding map v{}",
+            registered.node_id, newer.version
+        )),
+        "{refused:?}"
+    );
+    let restored = client
+        .restore_map(RestoreMapRequest {
+            node_address: address.clone(),
+            allow_unanswered: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(restored.from_node_address, address);
+    assert_eq!(restored.previous_version, stored.version);
+    assert_eq!(restored.map.unwrap().version, newer.version + 1);
+    assert_eq!(second.shared.store_behind(), None);
+    client
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-the-restore".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap();
+    second.stop().await.unwrap();
+}
