@@ -533,7 +533,9 @@ impl Shared {
                         generation = leadership.generation,
                         "became the coordinator leader"
                     );
-                    self.ask_nodes_for_their_maps().await;
+                    // A quarter of the lease at most: it renews only after.
+                    self.ask_nodes_for_their_maps((ttl / 4).min(Duration::from_secs(1)))
+                        .await;
                     self.leadership.send_replace(Some(leadership));
                     let resigned = self.hold(leadership, ttl, &mut stop).await;
                     if resigned {
@@ -552,12 +554,12 @@ impl Shared {
     }
 
     /// Before leading: the map versions the nodes of the store's map hold
-    /// (`NodeAdmin.HeldMap`, a second at most), so a store restored from
-    /// an older backup under a coordinator that starts or takes over is
-    /// caught before its first change — heartbeats tell within a third of
-    /// a node lease, and an admin call can come sooner. A node that does
-    /// not answer in time tells at its next heartbeat.
-    async fn ask_nodes_for_their_maps(&self) {
+    /// (`NodeAdmin.HeldMap`, waiting `patience` at most), so a store
+    /// restored from an older backup under a coordinator that starts or
+    /// takes over is caught before its first change — heartbeats tell
+    /// within a third of a node lease, and an admin call can come sooner.
+    /// A node that does not answer in time tells at its next heartbeat.
+    async fn ask_nodes_for_their_maps(&self, patience: Duration) {
         let map = match self.read_map().await {
             Ok(Some((map, _))) => map,
             Ok(None) => return,
@@ -572,11 +574,8 @@ impl Shared {
             let (nodes, node_id, address) = (nodes.clone(), node.node_id, node.address.clone());
             let cluster = map.cluster_id.clone();
             calls.spawn(async move {
-                let held = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    crate::ops::held_map(&nodes, &address),
-                )
-                .await;
+                let held =
+                    tokio::time::timeout(patience, crate::ops::held_map(&nodes, &address)).await;
                 match held {
                     Ok(Ok(held)) if held.cluster_id == cluster => Some((node_id, held.version)),
                     _ => None,
