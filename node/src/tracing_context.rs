@@ -48,7 +48,7 @@ pub(crate) fn propose_span(spans: &[Span], place: Place, ops: usize) -> (Span, V
         trace_context::link(&span, other);
     }
     match trace_context::traceparent(&span) {
-        Some(traceparent) => (span, traceparent.into_bytes()),
+        Some(traceparent) => (span, traceparent),
         None => (Span::none(), Vec::new()),
     }
 }
