@@ -298,7 +298,8 @@ impl Shared {
     }
 
     /// [`Shared::update_map`]; `restoring` lets it write while the store is
-    /// behind the nodes (`RestoreMap`). The new version is one above the
+    /// behind the nodes, or holds no map (`RestoreMap`). The new version is
+    /// one above the
     /// larger of the stored one and the one `change` leaves (and, restoring,
     /// the cached one).
     pub(crate) async fn change_map<F>(
@@ -317,10 +318,19 @@ impl Shared {
             // before it, so the read cannot be older unless the store went
             // back (a version cached after the read may be newer).
             let seen = self.map().version;
-            let Some((current, revision)) = self.read_map().await? else {
-                return Err(CoordinatorError::Corrupt(
-                    "the cluster map is missing".into(),
-                ));
+            // A restore may find no map at all (etcd lost its data under a
+            // running coordinator): it creates the key.
+            let (current, map_compare) = match self.read_map().await? {
+                Some((map, revision)) => (map, Compare::ModRevision(self.keys.map(), revision)),
+                None if restoring => (ClusterMap::default(), Compare::Absent(self.keys.map())),
+                None if seen == 0 => {
+                    return Err(CoordinatorError::Corrupt(
+                        "the cluster map is missing".into(),
+                    ));
+                }
+                // It served a map the store no longer holds: the store lost
+                // its data under it, and is behind every map there is.
+                None => return Err(self.store_went_back(seen, 0)),
             };
             let mut next = current.clone();
             let Some(mut ops) = change(&mut next)? else {
@@ -334,17 +344,7 @@ impl Shared {
             }
             if !restoring && current.version < seen {
                 // The store went back under this coordinator: it saw newer.
-                let behind = StoreBehind {
-                    node_id: 0,
-                    node_version: seen,
-                    store_version: current.version,
-                };
-                let mut mark = self.store_behind.lock();
-                if mark.is_none_or(|known| known.node_version < seen) {
-                    tracing::error!("{}", behind.explain());
-                    *mark = Some(behind);
-                }
-                return Err(CoordinatorError::Conflict(behind.explain()));
+                return Err(self.store_went_back(seen, current.version));
             }
             // A restored map goes above what the cache served too (nodes
             // took it), though the store was behind it.
@@ -357,7 +357,7 @@ impl Shared {
             });
             let compares = vec![
                 Compare::ModRevision(self.keys.leader(), leadership.generation),
-                Compare::ModRevision(self.keys.map(), revision),
+                map_compare,
             ];
             if self.store.txn(compares, ops).await?.succeeded {
                 self.publish(next.clone());
@@ -366,6 +366,28 @@ impl Shared {
             if !self.still_leader(leadership).await? {
                 self.step_down(leadership, "the leader key changed");
                 return Err(CoordinatorError::NotLeader);
+            }
+        }
+    }
+
+    /// Marks the store behind the map version `seen` this coordinator
+    /// served (the store holds `store_version`), and says why a write is
+    /// refused.
+    fn store_went_back(&self, seen: u64, store_version: u64) -> CoordinatorError {
+        let behind = StoreBehind {
+            node_id: 0,
+            node_version: seen,
+            store_version,
+        };
+        let mut mark = self.store_behind.lock();
+        match *mark {
+            Some(known) if known.node_version >= seen => {
+                CoordinatorError::Conflict(known.explain())
+            }
+            _ => {
+                tracing::error!("{}", behind.explain());
+                *mark = Some(behind);
+                CoordinatorError::Conflict(behind.explain())
             }
         }
     }
@@ -562,7 +584,9 @@ impl Shared {
     async fn ask_nodes_for_their_maps(&self, patience: Duration) {
         let map = match self.read_map().await {
             Ok(Some((map, _))) => map,
-            Ok(None) => return,
+            // The store lost its data under this coordinator: the nodes of
+            // the map it served.
+            Ok(None) => (*self.map()).clone(),
             Err(error) => {
                 tracing::warn!(%error, "cannot read the map to ask the nodes for theirs");
                 return;

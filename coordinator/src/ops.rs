@@ -416,7 +416,8 @@ impl Shared {
     }
 
     /// Puts the newest map the nodes hold back into the store, when the
-    /// store lost it (a new cluster founded on an emptied store, still
+    /// store lost it (it holds no map: etcd lost its data under this
+    /// coordinator; or a new cluster was founded on an emptied store, still
     /// without nodes) or holds an older version of it (restored from an
     /// older snapshot). Asks the node at `address` and every node its map
     /// lists; a node that does not answer refuses the restore unless
@@ -489,6 +490,16 @@ impl Shared {
         // The version stored is above every version seen, so every node
         // takes the restored map as the newest.
         let floor = seen.map_or(0, |s| s.node_version);
+        // A store that lost its data lost the epoch's start too: without
+        // one the epoch would advance at once, a retention interval early.
+        let epoch_clock = match self.store.get(&self.keys.epoch_started()).await? {
+            Some(_) => Vec::new(),
+            None => vec![Op::Put {
+                key: self.keys.epoch_started(),
+                value: unix_ms().to_string().into_bytes(),
+                lease: None,
+            }],
+        };
         let mut previous = (String::new(), 0);
         let held = &found.map;
         let map = self
@@ -512,7 +523,7 @@ impl Shared {
                     // the map's and any seen.
                     *map = held.clone();
                     map.version = map.version.max(floor);
-                    Ok(Some(Vec::new()))
+                    Ok(Some(epoch_clock.clone()))
                 },
                 true,
             )

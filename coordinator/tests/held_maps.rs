@@ -10,8 +10,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
-use tidepool_coordinator::{CoordinatorConfig, start_with_store};
+use tidepool_coordinator::meta::{EmbeddedStore, MetaStore, Op};
+use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
@@ -75,6 +75,38 @@ impl NodeAdmin for Holding {
     }
 }
 
+/// A `Holding` node serving on a real socket, and its address.
+async fn holding_node() -> (Arc<Holding>, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    let node = Arc::new(Holding::default());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(NodeAdminServer::from_arc(node.clone()))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    (node, address)
+}
+
+/// A coordinator on `store`, once it leads, with a client of it.
+async fn leading(
+    store: &Arc<dyn MetaStore>,
+) -> (
+    RunningCoordinator,
+    CoordinatorServiceClient<tonic::transport::Channel>,
+) {
+    let coordinator = start_with_store(config(), store.clone()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while coordinator.shared.leadership().is_none() {
+        assert!(Instant::now() < deadline, "the coordinator leads");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let client = CoordinatorServiceClient::connect(format!("http://{}", coordinator.address))
+        .await
+        .unwrap();
+    (coordinator, client)
+}
+
 fn config() -> CoordinatorConfig {
     CoordinatorConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -91,26 +123,11 @@ fn config() -> CoordinatorConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_first_moment_as_leader()
 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = format!("http://{}", listener.local_addr().unwrap());
-    let node = Arc::new(Holding::default());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(NodeAdminServer::from_arc(node.clone()))
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
+    let (node, address) = holding_node().await;
 
     // A cluster with this node in its map.
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
-    let first = start_with_store(config(), store.clone()).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while first.shared.leadership().is_none() {
-        assert!(Instant::now() < deadline, "the first coordinator leads");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut client = CoordinatorServiceClient::connect(format!("http://{}", first.address))
-        .await
-        .unwrap();
+    let (first, mut client) = leading(&store).await;
     let registered = client
         .register_node(RegisterNodeRequest {
             address: address.clone(),
@@ -131,12 +148,7 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
     };
     *node.map.lock().unwrap() = newer.clone();
 
-    let second = start_with_store(config(), store).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while second.shared.leadership().is_none() {
-        assert!(Instant::now() < deadline, "the second coordinator leads");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let (second, mut client) = leading(&store).await;
     let behind = second
         .shared
         .store_behind()
@@ -145,9 +157,6 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
         (behind.node_id, behind.node_version, behind.store_version),
         (registered.node_id, newer.version, stored.version)
     );
-    let mut client = CoordinatorServiceClient::connect(format!("http://{}", second.address))
-        .await
-        .unwrap();
     let refused = client
         .create_namespace(CreateNamespaceRequest {
             name: "on-the-older-map".into(),
@@ -206,4 +215,85 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
         .await
         .unwrap();
     second.stop().await.unwrap();
+}
+
+/// The store loses every key under a running coordinator (etcd's data
+/// gone): it keeps serving its map, refuses changes (`CONFLICT`: the store
+/// holds no map, behind the one it served), and a restore creates the map
+/// key again, with the epoch's start, so the epoch does not advance at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_lost_every_key_takes_the_map_back_with_the_epoch_clock() {
+    let (node, address) = holding_node().await;
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let (coordinator, mut client) = leading(&store).await;
+    client
+        .register_node(RegisterNodeRequest {
+            address: address.clone(),
+            capacity_bytes: 1 << 30,
+            ..RegisterNodeRequest::default()
+        })
+        .await
+        .unwrap();
+    let served = (*coordinator.shared.map()).clone();
+    *node.map.lock().unwrap() = served.clone();
+    let keys = &coordinator.shared.keys;
+    store
+        .txn(
+            Vec::new(),
+            vec![
+                Op::Delete { key: keys.map() },
+                Op::Delete {
+                    key: keys.epoch_started(),
+                },
+            ],
+        )
+        .await
+        .unwrap();
+
+    let refused = client
+        .create_namespace(CreateNamespaceRequest {
+            name: "on-no-map".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap_err();
+    let code = error_detail(&refused).and_then(|d| ErrorCode::try_from(d.code).ok());
+    assert_eq!(code, Some(ErrorCode::Conflict), "{refused:?}");
+    assert_eq!(
+        coordinator.shared.map().version,
+        served.version,
+        "the map it served stays"
+    );
+
+    let restored = client
+        .restore_map(RestoreMapRequest {
+            node_address: address.clone(),
+            allow_unanswered: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(restored.previous_version, 0);
+    assert_eq!(restored.map.unwrap().version, served.version + 1);
+    let stored = store
+        .get(&keys.map())
+        .await
+        .unwrap()
+        .expect("the map key again");
+    assert!(!stored.value.is_empty());
+    let clock = store
+        .get(&keys.epoch_started())
+        .await
+        .unwrap()
+        .expect("the epoch's start written with the map");
+    let started: u64 = String::from_utf8_lossy(&clock.value).parse().unwrap();
+    assert!(started > 0);
+    client
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-the-restore".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap();
+    coordinator.stop().await.unwrap();
 }

@@ -786,6 +786,106 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
     cluster.assert_no_panics();
 }
 
+/// etcd loses its data under a running coordinator (its volume gone; an
+/// empty etcd on the same address). The coordinator keeps serving the map
+/// it holds and the data path goes on, but it changes nothing: the store
+/// holds no map, behind every node's. `RestoreMap` writes the newest map
+/// the nodes hold into the empty store (with the epoch's clock), and the
+/// cluster is whole again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_coordinator_whose_etcd_lost_its_data_takes_the_map_back_from_the_nodes() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
+    let map = status.map.unwrap();
+    write_keys(&map, "default", 0..10).await;
+
+    cluster.etcd.lose_data();
+    write_keys(&map, "default", 10..20).await;
+    let behind = cluster
+        .wait_for(
+            "the coordinator to see its store behind the nodes' maps",
+            Duration::from_secs(60),
+            |s| s.is_leader && s.newer_map_version >= map.version,
+        )
+        .await;
+    assert_eq!(
+        behind.map.as_ref().map(|m| m.cluster_id.clone()),
+        Some(map.cluster_id.clone()),
+        "it keeps serving the map it held"
+    );
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    a_namespace_is_refused_until_the_map_is_restored(&mut coordinator, "on-no-map").await;
+    check_keys(&map, "default", 0..20).await;
+
+    let restored = coordinator
+        .restore_map(RestoreMapRequest {
+            node_address: cluster.nodes[1].url.clone(),
+            ..RestoreMapRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            restored.previous_cluster_id.as_str(),
+            restored.previous_version
+        ),
+        ("", 0),
+        "the store held no map: {restored:?}"
+    );
+    assert!(restored.unanswered_nodes.is_empty(), "{restored:?}");
+    let restored_map = restored.map.unwrap();
+    assert_eq!(restored_map.cluster_id, map.cluster_id);
+    assert!(restored_map.version > map.version);
+    let status = cluster
+        .wait_for(
+            "every node on the restored map, the coordinator changing things again",
+            Duration::from_secs(60),
+            restored_and_settled,
+        )
+        .await;
+    let created = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-the-restore".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        map.namespaces.iter().all(|n| n.id < created.id),
+        "no namespace id reused"
+    );
+    check_keys(status.map.as_ref().unwrap(), "default", 0..20).await;
+    cluster.assert_no_panics();
+}
+
+/// A namespace created while the store is behind is refused, naming the
+/// fix.
+async fn a_namespace_is_refused_until_the_map_is_restored(
+    coordinator: &mut CoordinatorServiceClient<Channel>,
+    name: &str,
+) {
+    let refused = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: name.into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Conflict, "{refused:?}");
+    assert!(refused.message().contains("restore-map"), "{refused:?}");
+}
+
+/// The store no longer behind, three nodes settled, each on the map.
+fn restored_and_settled(s: &ClusterStatus) -> bool {
+    s.newer_map_on_node == 0
+        && settled(s, 3)
+        && s.map
+            .as_ref()
+            .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
+}
+
 /// A settled cluster (one coordinator, three nodes) whose etcd data is
 /// copied, then a namespace created and written to while node 2 is down
 /// (it will hold an older map than the others, though not older than the
@@ -857,15 +957,7 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
         )
         .await;
     let mut coordinator = cluster.coordinator().await.unwrap();
-    let refused = coordinator
-        .create_namespace(CreateNamespaceRequest {
-            name: "on-the-older-map".into(),
-            ..CreateNamespaceRequest::default()
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(code(&refused), ErrorCode::Conflict, "{refused:?}");
-    assert!(refused.message().contains("restore-map"), "{refused:?}");
+    a_namespace_is_refused_until_the_map_is_restored(&mut coordinator, "on-the-older-map").await;
     check_keys(&newest, "default", 0..10).await;
     check_keys(&newest, "since-the-backup", 0..5).await;
 
@@ -1040,13 +1132,7 @@ async fn a_restore_stores_the_newest_map_the_nodes_hold_whichever_node_it_names(
         .wait_for(
             "every node on the restored map, the coordinator changing things again",
             Duration::from_secs(60),
-            |s| {
-                s.newer_map_on_node == 0
-                    && settled(s, 3)
-                    && s.map
-                        .as_ref()
-                        .is_some_and(|m| s.nodes.iter().all(|n| n.map_version == m.version))
-            },
+            restored_and_settled,
         )
         .await;
     let map = status.map.unwrap();

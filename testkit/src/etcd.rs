@@ -110,6 +110,14 @@ impl EtcdServer {
         self.restart();
     }
 
+    /// Kills etcd, deletes its data and starts it again, empty, on the same
+    /// ports: etcd's volume lost under its clients.
+    pub fn lose_data(&mut self) {
+        self.kill();
+        std::fs::remove_dir_all(self.data_dir().join("data")).expect("remove etcd's data");
+        self.restart();
+    }
+
     /// Starts etcd again on its data directory and ports, and waits until
     /// it accepts clients.
     pub fn restart(&mut self) {
