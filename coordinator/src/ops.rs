@@ -449,15 +449,24 @@ impl Shared {
         let mut calls = tokio::task::JoinSet::new();
         for node in held.nodes.iter().filter(|n| n.address != address) {
             let (nodes, other) = (nodes.clone(), node.address.clone());
+            let required = must_answer(&held, node);
             calls.spawn(async move {
                 let answer = held_map(&nodes, &other).await;
                 if let Err(error) = &answer {
-                    tracing::warn!(node = %other, %error, "restoring the map: no answer");
+                    tracing::warn!(node = %other, %error, required, "restoring the map: no answer");
                 }
-                (other, answer.ok())
+                (other, answer.ok(), required)
             });
         }
-        let answers = calls.join_all().await;
+        // A node gone for good with nothing on it (drained and scaled
+        // away, or down and rebuilt elsewhere) is not waited for.
+        let answers = calls
+            .join_all()
+            .await
+            .into_iter()
+            .filter(|(_, answer, required)| answer.is_some() || *required)
+            .map(|(address, answer, _)| (address, answer))
+            .collect();
         let found = newest_held(address.to_string(), held, answers);
         if !found.unanswered.is_empty() && !allow_unanswered {
             return Err(CoordinatorError::Conflict(format!(
@@ -607,6 +616,23 @@ pub(crate) async fn held_map(
     .await
 }
 
+/// Whether a restore waits for `node`'s answer: it may hold a newer map
+/// than the others while it hosts a replica or is up or draining. A node
+/// drained, or down with every replica rebuilt elsewhere, holds nothing
+/// and is likely gone for good (a pod scaled away); its map is taken if it
+/// answers.
+fn must_answer(map: &ClusterMap, node: &NodeInfo) -> bool {
+    let hosts = map
+        .shards
+        .iter()
+        .any(|s| s.replicas.iter().any(|r| r.node_id == node.node_id));
+    hosts
+        || matches!(
+            NodeState::try_from(node.state),
+            Ok(NodeState::Up | NodeState::Draining)
+        )
+}
+
 /// The newest map the nodes hold.
 #[derive(Debug, PartialEq)]
 struct NewestHeld {
@@ -725,6 +751,33 @@ mod tests {
         assert_eq!(found.map, map("c1", 40));
         assert_eq!(found.from, "http://a");
         assert!(found.unanswered.is_empty());
+    }
+
+    #[test]
+    fn a_restore_waits_only_for_nodes_that_may_hold_something() {
+        use tidepool_proto::v1::{ReplicaInfo, ShardInfo};
+        let node = |node_id, state: NodeState| NodeInfo {
+            node_id,
+            state: state as i32,
+            ..NodeInfo::default()
+        };
+        let map = ClusterMap {
+            shards: vec![ShardInfo {
+                replicas: vec![ReplicaInfo {
+                    node_id: 3,
+                    ..ReplicaInfo::default()
+                }],
+                ..ShardInfo::default()
+            }],
+            ..ClusterMap::default()
+        };
+        assert!(must_answer(&map, &node(1, NodeState::Up)));
+        assert!(must_answer(&map, &node(2, NodeState::Draining)));
+        // Down, but still holding a replica.
+        assert!(must_answer(&map, &node(3, NodeState::Down)));
+        // Scaled away after its drain; down with its replicas rebuilt.
+        assert!(!must_answer(&map, &node(4, NodeState::Drained)));
+        assert!(!must_answer(&map, &node(5, NodeState::Down)));
     }
 
     #[test]

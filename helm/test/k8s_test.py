@@ -535,7 +535,8 @@ def kill_leader_coordinator(load_name):
         raise RuntimeError("no answer from the leading coordinator")
     load = Load(load_name)
     started = time.time()
-    run("pkill", "-9", "-f", f"coordinator --id={leader}")
+    # Other flags (--log-format) come between the subcommand and --id.
+    run("pkill", "-9", "-f", f"tidepool coordinator .*--id={leader}( |$)")
 
     # The map can change again once a coordinator leads (kubelet restarts
     # the killed container meanwhile; whichever wins the election leads).
@@ -547,6 +548,42 @@ def kill_leader_coordinator(load_name):
     wait("the killed coordinator back", lambda: all(
         all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("coordinator")),
         timeout=300)
+    load.stop()
+
+
+def etcd_lost(load_name):
+    """etcd's data lost with the coordinators running: every member's pod
+    deleted with its volume, the StatefulSet makes them again, empty. The
+    coordinators keep serving the map they hold and change nothing (the
+    store is behind it); the load's writes go on (the data path needs no
+    coordinator); `tidectl cluster restore-map --from-node` from a node pod
+    puts the newest map the nodes hold back, and the map changes again."""
+    before = status()
+    ours, version = before["cluster_id"], before["map_version"]
+    members = len(pods("etcd"))
+    load = Load(load_name)
+    started = time.time()
+    kubectl("scale", "statefulset", f"{REL}-etcd", "--replicas=0")
+    wait("the etcd pods gone", lambda: not pods("etcd"), timeout=300)
+    kubectl("delete", "pvc", "-l", "app.kubernetes.io/component=etcd", "--wait=true", timeout=300)
+    kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
+    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
+        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
+        timeout=600)
+    figure(f"{load_name}: etcd's {members} members back on new, empty volumes", f"after {time.time() - started:.0f} s")
+    wait("the coordinators to refuse changes until the map is restored",
+         lambda: "restore-map" in tidectl("namespace", "create", "on-no-map", check=False, timeout=60).stderr,
+         timeout=300, every=2)
+    address = next(n["address"] for n in before["nodes"] if pod_of(n["address"]) == f"{REL}-node-0")
+    restored = json.loads(tidectl("--json", "cluster", "restore-map", "--from-node", address).stdout)
+    if restored["cluster_id"] != ours or restored["map_version"] <= version:
+        raise RuntimeError(f"restored {restored}; the cluster was {ours} at v{version}")
+    figure(f"{load_name}: map restored from the nodes",
+           f"v{restored['map_version']} from {pod_of(restored['from_node'])} (the store held v{restored['previous_version']})")
+    wait("a namespace created after the restore",
+         lambda: tidectl("namespace", "create", "after-etcd-lost", check=False, timeout=60).returncode == 0,
+         timeout=300, every=1)
+    figure(f"{load_name}: etcd's volumes lost to the map changing again", f"{time.time() - started:.0f} s")
     load.stop()
 
 
@@ -567,6 +604,8 @@ def full():
     loads.append("force-delete")
     kill_leader_coordinator("coordinator kill")
     loads.append("coordinator kill")
+    etcd_lost("etcd lost")
+    loads.append("etcd lost")
     for name in loads:
         verify(name)
     uninstall()
