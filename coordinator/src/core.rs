@@ -10,6 +10,7 @@
 //! win) cannot write, however late its request arrives. A leader steps down
 //! on its own when it cannot renew the lease for half its length.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -90,7 +91,17 @@ pub struct Shared {
     orchestrator: std::sync::OnceLock<Arc<dyn Orchestrator>>,
     /// Set while a node holds a newer map than the store.
     store_behind: Mutex<Option<StoreBehind>>,
+    /// Nodes of other clusters refused lately, by (cluster, node id): their
+    /// address and when.
+    refused: Mutex<BTreeMap<(String, u64), (String, Instant)>>,
 }
+
+/// How long a refused node is listed in the status after its last call (a
+/// refused node calls again every ten seconds).
+const REFUSED_LISTED: Duration = Duration::from_secs(60);
+
+/// Most refused nodes listed at once.
+const REFUSED_MOST: usize = 1_024;
 
 /// The store-behind mark after a comparison: the newest map known
 /// (`node_version`, held by `node_id`; 0: this coordinator saw it) against
@@ -165,12 +176,60 @@ impl Shared {
             tokens: Mutex::default(),
             orchestrator: std::sync::OnceLock::new(),
             store_behind: Mutex::new(None),
+            refused: Mutex::new(BTreeMap::new()),
         })
     }
 
     /// Whether a node was seen holding a newer map than the store.
     pub fn store_behind(&self) -> Option<StoreBehind> {
         *self.store_behind.lock()
+    }
+
+    /// Records that node `node_id` of cluster `cluster_id`, at `address`,
+    /// was refused as a node of another cluster.
+    pub(crate) fn note_refused(&self, node_id: u64, address: &str, cluster_id: &str) {
+        let mut refused = self.refused.lock();
+        let now = Instant::now();
+        refused.retain(|_, (_, at)| now.duration_since(*at) < REFUSED_LISTED);
+        let key = (cluster_id.to_string(), node_id);
+        if refused.len() >= REFUSED_MOST && !refused.contains_key(&key) {
+            // Callers inventing clusters cannot grow it without bound.
+            return;
+        }
+        let known = refused
+            .get(&key)
+            .map(|(a, _)| a.clone())
+            .unwrap_or_default();
+        // A heartbeat may not say where the node is; keep what its
+        // registration said.
+        let address = if address.is_empty() {
+            known
+        } else {
+            address.to_string()
+        };
+        refused.insert(key, (address, now));
+    }
+
+    /// Nodes of another cluster than the map's refused in the last minute,
+    /// by cluster and node id.
+    pub fn refused_nodes(&self) -> Vec<tidepool_proto::v1::RefusedNode> {
+        let ours = self.map().cluster_id.clone();
+        let now = Instant::now();
+        self.refused
+            .lock()
+            .iter()
+            .filter(|((cluster, _), (_, at))| {
+                *cluster != ours && now.duration_since(*at) < REFUSED_LISTED
+            })
+            .map(
+                |((cluster, node_id), (address, at))| tidepool_proto::v1::RefusedNode {
+                    node_id: *node_id,
+                    address: address.clone(),
+                    cluster_id: cluster.clone(),
+                    seconds_ago: now.duration_since(*at).as_secs(),
+                },
+            )
+            .collect()
     }
 
     pub(crate) fn store_behind_mark(&self) -> parking_lot::MutexGuard<'_, Option<StoreBehind>> {

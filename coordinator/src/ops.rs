@@ -125,7 +125,12 @@ impl Shared {
                 }
                 Ok(Some(Vec::new()))
             })
-            .await?;
+            .await
+            .inspect_err(|error| {
+                if let CoordinatorError::WrongCluster(_) = error {
+                    self.note_refused(request.node_id, &address, &request.cluster_id);
+                }
+            })?;
         tracing::info!(node_id = assigned, %address, %zone, "node registered");
         // Live from now: the first heartbeat follows within a third of the
         // lease.
@@ -138,13 +143,20 @@ impl Shared {
         Ok((assigned, map))
     }
 
-    /// Refuses a node that says it belongs to another cluster than this
-    /// coordinator's (`cluster_id` empty: it does not say).
-    pub fn same_cluster(&self, node_id: u64, cluster_id: &str) -> Result<(), CoordinatorError> {
+    /// Refuses a node (at `address`) that says it belongs to another
+    /// cluster than this coordinator's (`cluster_id` empty: it does not
+    /// say), and lists it in the status.
+    pub fn same_cluster(
+        &self,
+        node_id: u64,
+        address: &str,
+        cluster_id: &str,
+    ) -> Result<(), CoordinatorError> {
         let map = self.map();
         if cluster_id.is_empty() || map.cluster_id.is_empty() || cluster_id == map.cluster_id {
             return Ok(());
         }
+        self.note_refused(node_id, address, cluster_id);
         Err(wrong_cluster(node_id, cluster_id, &map.cluster_id))
     }
 
@@ -700,10 +712,10 @@ fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
         node_id,
         node_cluster = theirs,
         cluster = ours,
-        "refused a node of another cluster: its data directory holds cluster {theirs}'s map; is this coordinator's store (etcd, --key-prefix) the one that cluster was created in?"
+        "refused a node of another cluster: its data directory holds cluster {theirs}'s map; is this coordinator's store (etcd, --key-prefix) the one that cluster was created in? If the store lost that cluster, `tidectl cluster restore-map --from-node ADDRESS` puts its map back from the nodes"
     );
     CoordinatorError::WrongCluster(format!(
-        "node {node_id}'s data belongs to cluster {theirs}, and this coordinator serves cluster {ours} (its store was emptied or replaced, or the coordinator's etcd key prefix or the node's coordinator addresses are wrong); nothing changed"
+        "node {node_id}'s data belongs to cluster {theirs}, and this coordinator serves cluster {ours} (its store was emptied or replaced, or the coordinator's etcd key prefix or the node's coordinator addresses are wrong); nothing changed. If the store lost cluster {theirs}, `tidectl cluster restore-map --from-node ADDRESS` puts its map back from the nodes"
     ))
 }
 

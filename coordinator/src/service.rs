@@ -97,6 +97,7 @@ impl CoordinatorApi {
             is_leader,
             newer_map_on_node: behind.map_or(0, |b| b.node_id),
             newer_map_version: behind.map_or(0, |b| b.node_version),
+            refused_nodes: self.shared.refused_nodes(),
         })
     }
 }
@@ -179,19 +180,21 @@ impl CoordinatorService for CoordinatorApi {
         let caller = Caller::of(&request);
         let request = request.into_inner();
         let result = match request.status {
-            Some(status) => match self
-                .shared
-                .same_cluster(status.node_id, &request.cluster_id)
-            {
-                Ok(()) => {
-                    let held = [(status.node_id, status.map_version)];
-                    if let Err(error) = self.shared.note_node_maps(held, false).await {
-                        tracing::warn!(%error, "cannot compare a node's map with the store's");
+            Some(status) => {
+                match self
+                    .shared
+                    .same_cluster(status.node_id, &status.address, &request.cluster_id)
+                {
+                    Ok(()) => {
+                        let held = [(status.node_id, status.map_version)];
+                        if let Err(error) = self.shared.note_node_maps(held, false).await {
+                            tracing::warn!(%error, "cannot compare a node's map with the store's");
+                        }
+                        self.shared.heartbeat(status, caller.node_name()).await
                     }
-                    self.shared.heartbeat(status, caller.node_name()).await
+                    Err(error) => Err(error),
                 }
-                Err(error) => Err(error),
-            },
+            }
             None => Err(CoordinatorError::InvalidArgument(
                 "status is required".into(),
             )),

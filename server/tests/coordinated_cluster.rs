@@ -719,6 +719,21 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
         "a node joined the other cluster: {}",
         describe(Some(&other))
     );
+    // Its status names the nodes it refused, their cluster and addresses
+    // (what a restore names).
+    let mut refused: Vec<(u64, String, String)> = other
+        .refused_nodes
+        .iter()
+        .map(|r| (r.node_id, r.address.clone(), r.cluster_id.clone()))
+        .collect();
+    refused.sort();
+    let mut expected: Vec<(u64, String, String)> = map
+        .nodes
+        .iter()
+        .map(|n| (n.node_id, n.address.clone(), ours.clone()))
+        .collect();
+    expected.sort();
+    assert_eq!(refused, expected, "the nodes the other cluster refused");
     for (i, node) in cluster.nodes.iter().enumerate() {
         assert!(
             node.process.log().contains("serves another cluster"),
@@ -782,6 +797,11 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
             },
         )
         .await;
+    assert!(
+        status.refused_nodes.is_empty(),
+        "nodes of its own cluster are not listed as refused: {:?}",
+        status.refused_nodes
+    );
     check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
     cluster.assert_no_panics();
 }

@@ -666,6 +666,21 @@ fn status_text(status: &ClusterStatus) -> String {
             status.newer_map_on_node, status.newer_map_version, map.version
         );
     }
+    for refused in &status.refused_nodes {
+        out += &format!(
+            "WARNING: node {} ({}) holds data of cluster {}, not of this coordinator's cluster {}, and is refused ({} s ago): if the coordinator's store (etcd, its key prefix) lost that cluster, `tidectl cluster restore-map --from-node {}` puts its map back from the nodes\n\n",
+            refused.node_id,
+            refused.address,
+            refused.cluster_id,
+            map.cluster_id,
+            refused.seconds_ago,
+            if refused.address.is_empty() {
+                "ADDRESS"
+            } else {
+                &refused.address
+            },
+        );
+    }
     out += &format!(
         "cluster {} map v{} epoch {} replication {} (answered by {}{})\n\nnodes:\n",
         map.cluster_id,
@@ -805,6 +820,10 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
         "is_leader": status.is_leader,
         "newer_map_on_node": status.newer_map_on_node,
         "newer_map_version": status.newer_map_version,
+        "refused_nodes": status.refused_nodes.iter().map(|r| json!({
+            "id": r.node_id, "address": r.address, "cluster_id": r.cluster_id,
+            "seconds_ago": r.seconds_ago,
+        })).collect::<Vec<_>>(),
         "nodes": map.nodes.iter().map(|n| json!({
             "id": n.node_id, "address": n.address, "zone": n.zone, "state": state_name(n.state),
             "writes": writes_name(status.nodes.iter().find(|r| r.node_id == n.node_id)),
@@ -1379,6 +1398,49 @@ mod tests {
             ..status
         };
         assert!(!status_text(&current).contains("WARNING"));
+    }
+
+    /// A coordinator that refused nodes of another cluster names them and
+    /// the restore that would bring their cluster back.
+    #[test]
+    fn status_warns_of_nodes_of_another_cluster() {
+        let status = ClusterStatus {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                cluster_id: "new".into(),
+                version: 2,
+                ..Default::default()
+            }),
+            refused_nodes: vec![tidepool_client::proto::v1::RefusedNode {
+                node_id: 2,
+                address: "https://node-1:7401".into(),
+                cluster_id: "old".into(),
+                seconds_ago: 4,
+            }],
+            ..ClusterStatus::default()
+        };
+        let text = status_text(&status);
+        assert!(
+            text.starts_with(
+                "WARNING: node 2 (https://node-1:7401) holds data of cluster old, not of this coordinator's cluster new"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("tidectl cluster restore-map --from-node https://node-1:7401`"),
+            "{text}"
+        );
+        let json = status_json(&status);
+        assert_eq!(json["refused_nodes"][0]["cluster_id"], json!("old"));
+        assert_eq!(
+            json["refused_nodes"][0]["address"],
+            json!("https://node-1:7401")
+        );
+        let none = ClusterStatus {
+            refused_nodes: Vec::new(),
+            ..status
+        };
+        assert!(!status_text(&none).contains("WARNING"));
+        assert_eq!(status_json(&none)["refused_nodes"], json!([]));
     }
 
     /// A restore names the node whose map it stored and those that did

@@ -42,7 +42,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const WRONG_CLUSTER_BACKOFF: Duration = Duration::from_secs(10);
 /// What a node says when coordinators serve another cluster than the one
 /// its data belongs to.
-const WRONG_CLUSTER_HELP: &str = "the coordinator serves another cluster than the one this node's data belongs to: not joining it (this node keeps serving its replicas with the map it has). Was the coordinator's store (etcd, its key prefix) emptied or replaced, or is --coordinator wrong? Restore the store, or give this node an empty data directory to join the new cluster";
+const WRONG_CLUSTER_HELP: &str = "the coordinator serves another cluster than the one this node's data belongs to: not joining it (this node keeps serving its replicas with the map it has). Was the coordinator's store (etcd, its key prefix) emptied or replaced, or is --coordinator wrong? Restore the store, or put the cluster's map back from the nodes (`tidectl cluster restore-map --from-node ADDRESS`), or give this node an empty data directory to join the new cluster";
 
 /// Coordinator clients, tried in turn; remembers which one answered last.
 struct Coordinators {
