@@ -13,8 +13,11 @@ full:  install (3 nodes, 3 etcd members) and time to Ready; `helm test`;
        writes); `helm upgrade` to another image tag under a write load
        (rolling restart, the longest write gap); a node pod force-deleted
        (returns on its PVC, catches up); the leading coordinator pod killed
-       (the other takes over); every acknowledged write read back;
-       uninstall leaves no pods (PVCs stay).
+       (the other takes over); etcd's volumes lost under a write load
+       (the map restored from a node pod); lost again with the
+       coordinator pods restarted meanwhile (they found a new cluster,
+       which lists the nodes it refuses; the map restored); every
+       acknowledged write read back; uninstall leaves no pods (PVCs stay).
 
 Needs root, the images (`make image`), and kube-local (KUBE_LOCAL, else
 ../shared/kube-local/kube-local next to the repository). Figures are printed
@@ -587,6 +590,66 @@ def etcd_lost(load_name):
     load.stop()
 
 
+def etcd_lost_coordinators_restarted(load_name):
+    """etcd's data lost and the coordinators restarted before it is back
+    (as when the pods are rescheduled with a storage failure): they find an
+    empty store and found a new cluster, which the nodes refuse
+    (`WRONG_CLUSTER`) while they serve their data; the new cluster's status
+    lists the nodes it refused, with their cluster and addresses; the map
+    restored from a node pod makes the cluster whole again."""
+    before = status()
+    ours, version = before["cluster_id"], before["map_version"]
+    members = len(pods("etcd"))
+    load = Load(load_name)
+    started = time.time()
+    kubectl("scale", "statefulset", f"{REL}-etcd", "--replicas=0")
+    wait("the etcd pods gone", lambda: not pods("etcd"), timeout=300)
+    kubectl("delete", "pvc", "-l", "app.kubernetes.io/component=etcd", "--wait=true", timeout=300)
+    kubectl("delete", "pod", "-l", "app.kubernetes.io/component=coordinator", "--wait=true", timeout=300)
+    kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
+    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
+        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
+        timeout=600)
+    # The nodes that run call the coordinators (those a scale-down drained
+    # do not); the Service answers from either coordinator, and each lists
+    # the calls it received.
+    up_before = {n["id"] for n in before["nodes"] if n["state"] == "up"}
+    seen = {}
+
+    def founded_and_refusing():
+        st = status()
+        if st["cluster_id"] != ours and {r["id"] for r in st["refused_nodes"]} >= up_before:
+            seen["status"] = st
+            return True
+        return False
+
+    wait("a new cluster founded that lists every running node as refused", founded_and_refusing,
+         timeout=300, every=2)
+    founded = seen["status"]
+    if founded["nodes"] or any(r["cluster_id"] != ours for r in founded["refused_nodes"]):
+        raise RuntimeError(f"the new cluster took a node, or lists another cluster: {founded}")
+    wait("cluster status to print the restore command",
+         lambda: "restore-map --from-node https://" in tidectl("cluster", "status").stdout, timeout=60, every=1)
+    figure(f"{load_name}: coordinators restarted on the empty etcd: new cluster, nodes refused",
+           f"{len(founded['refused_nodes'])} nodes listed after {time.time() - started:.0f} s")
+    address = next(r["address"] for r in founded["refused_nodes"] if pod_of(r["address"]) == f"{REL}-node-0")
+    restored = json.loads(tidectl("--json", "cluster", "restore-map", "--from-node", address).stdout)
+    if restored["cluster_id"] != ours or restored["map_version"] <= version:
+        raise RuntimeError(f"restored {restored}; the cluster was {ours} at v{version}")
+    figure(f"{load_name}: map restored from the nodes",
+           f"v{restored['map_version']} over cluster {restored['previous_cluster_id'][:8]}... v{restored['previous_version']}")
+    wait("the nodes up before up in their cluster again, none refused", lambda: (lambda st: (
+        st["cluster_id"] == ours and not st["refused_nodes"]
+        and {n["id"] for n in st["nodes"] if n["state"] == "up"} >= up_before))(status()),
+        timeout=300, every=2)
+    wait("a namespace created after the restore",
+         lambda: tidectl("namespace", "create", "after-restart-on-empty-etcd", check=False, timeout=60).returncode == 0,
+         timeout=300, every=1)
+    figure(f"{load_name}: etcd's volumes lost and coordinators restarted, to the map changing again",
+           f"{time.time() - started:.0f} s")
+    load.stop()
+
+
 def full():
     cluster_up(8)
     install(3, 3)
@@ -606,6 +669,8 @@ def full():
     loads.append("coordinator kill")
     etcd_lost("etcd lost")
     loads.append("etcd lost")
+    etcd_lost_coordinators_restarted("etcd lost, coordinators restarted")
+    loads.append("etcd lost, coordinators restarted")
     for name in loads:
         verify(name)
     uninstall()
