@@ -554,6 +554,23 @@ def kill_leader_coordinator(load_name):
     load.stop()
 
 
+def lose_etcd_volumes(restart_coordinators=False):
+    """Scales etcd's StatefulSet to 0, deletes its PVCs (and, if asked, the
+    coordinator pods, which restart while etcd is away) and scales it back:
+    the members start on new, empty volumes."""
+    members = len(pods("etcd"))
+    kubectl("scale", "statefulset", f"{REL}-etcd", "--replicas=0")
+    wait("the etcd pods gone", lambda: not pods("etcd"), timeout=300)
+    kubectl("delete", "pvc", "-l", "app.kubernetes.io/component=etcd", "--wait=true", timeout=300)
+    if restart_coordinators:
+        kubectl("delete", "pod", "-l", "app.kubernetes.io/component=coordinator", "--wait=true", timeout=300)
+    kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
+    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
+        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
+        timeout=600)
+    return members
+
+
 def etcd_lost(load_name):
     """etcd's data lost with the coordinators running: every member's pod
     deleted with its volume, the StatefulSet makes them again, empty. The
@@ -563,16 +580,9 @@ def etcd_lost(load_name):
     puts the newest map the nodes hold back, and the map changes again."""
     before = status()
     ours, version = before["cluster_id"], before["map_version"]
-    members = len(pods("etcd"))
     load = Load(load_name)
     started = time.time()
-    kubectl("scale", "statefulset", f"{REL}-etcd", "--replicas=0")
-    wait("the etcd pods gone", lambda: not pods("etcd"), timeout=300)
-    kubectl("delete", "pvc", "-l", "app.kubernetes.io/component=etcd", "--wait=true", timeout=300)
-    kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
-    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
-        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
-        timeout=600)
+    members = lose_etcd_volumes()
     figure(f"{load_name}: etcd's {members} members back on new, empty volumes", f"after {time.time() - started:.0f} s")
     wait("the coordinators to refuse changes until the map is restored",
          lambda: "restore-map" in tidectl("namespace", "create", "on-no-map", check=False, timeout=60).stderr,
@@ -599,17 +609,9 @@ def etcd_lost_coordinators_restarted(load_name):
     restored from a node pod makes the cluster whole again."""
     before = status()
     ours, version = before["cluster_id"], before["map_version"]
-    members = len(pods("etcd"))
     load = Load(load_name)
     started = time.time()
-    kubectl("scale", "statefulset", f"{REL}-etcd", "--replicas=0")
-    wait("the etcd pods gone", lambda: not pods("etcd"), timeout=300)
-    kubectl("delete", "pvc", "-l", "app.kubernetes.io/component=etcd", "--wait=true", timeout=300)
-    kubectl("delete", "pod", "-l", "app.kubernetes.io/component=coordinator", "--wait=true", timeout=300)
-    kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
-    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
-        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
-        timeout=600)
+    lose_etcd_volumes(restart_coordinators=True)
     # The nodes that run call the coordinators (those a scale-down drained
     # do not); the Service answers from either coordinator, and each lists
     # the calls it received.
