@@ -209,18 +209,16 @@ impl Shared {
             if map.namespaces.iter().any(|ns| ns.name == name) {
                 return Err(CoordinatorError::NamespaceExists(name.to_string()));
             }
+            let id = next_namespace_id(map);
+            if id == u32::MAX {
+                return Err(CoordinatorError::Conflict(
+                    "namespace ids are exhausted".into(),
+                ));
+            }
+            map.next_namespace_id = id + 1;
             let namespace = Namespace {
                 name: name.to_string(),
-                id: map
-                    .namespaces
-                    .iter()
-                    .map(|ns| ns.id)
-                    .max()
-                    .unwrap_or(0)
-                    .checked_add(1)
-                    .ok_or_else(|| {
-                        CoordinatorError::Conflict("namespace ids are exhausted".into())
-                    })?,
+                id,
                 content_addressed,
                 retention: Some(retention),
                 created_epoch: map.epoch,
@@ -508,6 +506,17 @@ impl Shared {
                 found.from
             )));
         }
+        // A map newer than the one restored (held by a node that did not
+        // answer, or seen) may have handed out namespace and shard ids this
+        // one lacks: the next ids skip past them, or a new namespace would
+        // take a lost one's id (part of every storage key: it would read its
+        // blobs), a new shard a lost split's.
+        let skipped_ids = if found.unanswered.is_empty() && seen.is_none() {
+            0
+        } else {
+            let missed = seen.map_or(0, |s| s.node_version.saturating_sub(found.map.version));
+            RESTORE_ID_SKIP.saturating_add(u32::try_from(missed).unwrap_or(u32::MAX))
+        };
         // The version stored is above every version seen, so every node
         // takes the restored map as the newest.
         let floor = seen.map_or(0, |s| s.node_version);
@@ -544,6 +553,11 @@ impl Shared {
                     // the map's and any seen.
                     *map = held.clone();
                     map.version = map.version.max(floor);
+                    if skipped_ids > 0 {
+                        map.next_namespace_id = next_namespace_id(map).saturating_add(skipped_ids);
+                        map.next_shard_id =
+                            crate::splits::next_shard_id(map).saturating_add(skipped_ids);
+                    }
                     Ok(Some(epoch_clock.clone()))
                 },
                 true,
@@ -555,6 +569,7 @@ impl Shared {
             from = %found.from,
             held_version = found.map.version,
             unanswered = ?found.unanswered,
+            skipped_ids,
             cluster = %map.cluster_id,
             version = map.version,
             previous_cluster = %previous.0,
@@ -567,6 +582,7 @@ impl Shared {
             previous_version: previous.1,
             from_node_address: found.from,
             unanswered_nodes: found.unanswered,
+            skipped_ids,
         })
     }
 
@@ -612,6 +628,31 @@ pub struct Restored {
     pub from_node_address: String,
     /// Nodes of the map that did not answer.
     pub unanswered_nodes: Vec<String>,
+    /// How far the next namespace and shard ids were moved past the
+    /// restored map's (0: every node answered, none seen holding newer).
+    pub skipped_ids: u32,
+}
+
+/// Ids a restore that went on without a node skips, beyond the map
+/// versions it knows it missed: the unanswered node may hold a map newer
+/// than any seen, and each map change hands out at most one namespace id
+/// and one shard id. A thousand map changes between the last the answering
+/// nodes received and the loss of the store is far more than the seconds a
+/// map takes to reach every node allow; ids are 32 bits.
+pub const RESTORE_ID_SKIP: u32 = 1_024;
+
+/// The id the next new namespace gets: above every id the map holds and
+/// every id it handed out (`u32::MAX`, never handed out, when exhausted:
+/// that tag is the name index's).
+pub fn next_namespace_id(map: &ClusterMap) -> u32 {
+    let above_all = map
+        .namespaces
+        .iter()
+        .map(|ns| ns.id)
+        .max()
+        .unwrap_or(0)
+        .saturating_add(1);
+    map.next_namespace_id.max(above_all)
 }
 
 /// The map the node at `address` holds.

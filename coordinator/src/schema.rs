@@ -115,6 +115,7 @@ pub fn new_map(shards: u32, replication_factor: u32, max_value_bytes: u64) -> Cl
     ClusterMap {
         version: 1,
         next_shard_id: shards + 1,
+        next_namespace_id: 2,
         cluster_id: format!("{:016x}", rand::random::<u64>()),
         epoch: 1,
         replication_factor,

@@ -368,6 +368,7 @@ impl CoordinatorService for CoordinatorApi {
                 previous_version: restored.previous_version,
                 from_node_address: restored.from_node_address,
                 unanswered_nodes: restored.unanswered_nodes,
+                skipped_ids: restored.skipped_ids,
             });
         self.respond(result).await
     }

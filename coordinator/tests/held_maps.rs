@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tidepool_coordinator::RESTORE_ID_SKIP;
 use tidepool_coordinator::meta::{EmbeddedStore, MetaStore, Op};
 use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
 use tidepool_proto::error_detail;
@@ -17,9 +18,10 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    ClusterMap, CreateNamespaceRequest, ErrorCode, HeldMapRequest, NodeStatus, NodeStatusRequest,
-    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
-    RegisterNodeRequest, RestoreMapRequest, TransferLeaderRequest, TransferLeaderResponse,
+    ClusterMap, CreateNamespaceRequest, ErrorCode, HeldMapRequest, Namespace, NodeStatus,
+    NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest,
+    ProposeAdminResponse, RegisterNodeRequest, RestoreMapRequest, TransferLeaderRequest,
+    TransferLeaderResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -141,11 +143,18 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
     first.stop().await.unwrap();
 
     // The node holds a newer map of the cluster than the store (it went on
-    // while the store was later put back from an older backup).
-    let newer = ClusterMap {
+    // while the store was later put back from an older backup), with a
+    // namespace created since.
+    let highest = stored.namespaces.iter().map(|ns| ns.id).max().unwrap();
+    let mut newer = ClusterMap {
         version: stored.version + 3,
         ..stored.clone()
     };
+    newer.namespaces.push(Namespace {
+        name: "created-since".into(),
+        id: highest + 1,
+        ..Namespace::default()
+    });
     *node.map.lock().unwrap() = newer.clone();
 
     let (second, mut client) = leading(&store).await;
@@ -173,8 +182,10 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
     assert_eq!(second.shared.store_behind(), Some(behind));
 
     // The node now answers with an older map than the one it was seen
-    // holding (as if another node had held that one): a restore of it is
-    // refused unless told to go on, and then stored above the version seen.
+    // holding (as if another node had held that one), without the
+    // namespace: a restore of it is refused unless told to go on, and then
+    // stored above the version seen, with the ids the newer map may have
+    // handed out skipped.
     *node.map.lock().unwrap() = ClusterMap {
         version: stored.version + 2,
         ..stored.clone()
@@ -205,15 +216,31 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
         .into_inner();
     assert_eq!(restored.from_node_address, address);
     assert_eq!(restored.previous_version, stored.version);
-    assert_eq!(restored.map.unwrap().version, newer.version + 1);
+    // One version missed (v+2 restored, v+3 seen), plus the margin for
+    // maps nobody reported.
+    assert_eq!(restored.skipped_ids, RESTORE_ID_SKIP + 1);
+    let map = restored.map.unwrap();
+    assert_eq!(map.version, newer.version + 1);
+    assert_eq!(map.next_namespace_id, highest + 1 + RESTORE_ID_SKIP + 1);
+    let shards_above = map.shards.iter().map(|s| s.shard_id).max().unwrap() + 1;
+    assert_eq!(map.next_shard_id, shards_above + RESTORE_ID_SKIP + 1);
     assert_eq!(second.shared.store_behind(), None);
-    client
+    let created = client
         .create_namespace(CreateNamespaceRequest {
             name: "after-the-restore".into(),
             ..CreateNamespaceRequest::default()
         })
         .await
-        .unwrap();
+        .unwrap()
+        .into_inner();
+    // Not the id of the namespace the lost map created: the id is part of
+    // every storage key, so this namespace would read that one's blobs.
+    assert_eq!(created.id, highest + 1 + RESTORE_ID_SKIP + 1);
+    assert_eq!(
+        second.shared.map().next_namespace_id,
+        created.id + 1,
+        "ids go on from there"
+    );
     second.stop().await.unwrap();
 }
 
@@ -275,6 +302,10 @@ async fn a_store_that_lost_every_key_takes_the_map_back_with_the_epoch_clock() {
         .into_inner();
     assert_eq!(restored.previous_version, 0);
     assert_eq!(restored.map.unwrap().version, served.version + 1);
+    assert_eq!(
+        restored.skipped_ids, 0,
+        "every node answered, none newer seen"
+    );
     let stored = store
         .get(&keys.map())
         .await
@@ -288,12 +319,15 @@ async fn a_store_that_lost_every_key_takes_the_map_back_with_the_epoch_clock() {
         .expect("the epoch's start written with the map");
     let started: u64 = String::from_utf8_lossy(&clock.value).parse().unwrap();
     assert!(started > 0);
-    client
+    let created = client
         .create_namespace(CreateNamespaceRequest {
             name: "after-the-restore".into(),
             ..CreateNamespaceRequest::default()
         })
         .await
-        .unwrap();
+        .unwrap()
+        .into_inner();
+    let highest = served.namespaces.iter().map(|ns| ns.id).max().unwrap();
+    assert_eq!(created.id, highest + 1);
     coordinator.stop().await.unwrap();
 }

@@ -610,8 +610,15 @@ impl NodeConfig {
             for ns in &cluster.namespaces {
                 tidepool_proto::validate_namespace_name(&ns.name)
                     .map_err(|e| NodeError::Config(format!("namespace {:?}: {e}", ns.name)))?;
-                if ns.id == 0 {
-                    return bad(format!("namespace {:?}: id must not be 0", ns.name));
+                // 0 is the untagged records' tag, the largest the name
+                // index's.
+                if ns.id == 0 || ns.id == u32::MAX {
+                    return bad(format!(
+                        "namespace {:?}: id must be 1 to {} (0 and {} are reserved)",
+                        ns.name,
+                        u32::MAX - 1,
+                        u32::MAX
+                    ));
                 }
             }
         }
@@ -751,6 +758,8 @@ impl NodeConfig {
             version: 1,
             cluster_id: "static".into(),
             next_shard_id: cluster.shards + 1,
+            // A fixed cluster creates no namespace: one above its largest.
+            next_namespace_id: 0,
             epoch: 1,
             replication_factor: cluster.replicas.len() as u32,
             max_value_bytes: self.raft.max_value_bytes,
@@ -1072,5 +1081,15 @@ mod tests {
             ))
             .contains("share id 3")
         );
+        for reserved in [0, u32::MAX] {
+            assert!(
+                err(&cluster(
+                    one,
+                    &format!("{{ name = \"a\", id = {reserved} }}")
+                ))
+                .contains("id must be 1 to 4294967294"),
+                "{reserved}"
+            );
+        }
     }
 }

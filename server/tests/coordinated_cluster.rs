@@ -1032,6 +1032,8 @@ async fn a_store_restored_from_an_older_backup_changes_nothing_until_the_map_is_
     let map = restored.map.unwrap();
     assert!(map.version > newest.version);
     assert!(map.namespaces.iter().any(|n| n.name == created.name));
+    // Every node answered: no id skipped.
+    assert_eq!(restored.skipped_ids, 0);
     cluster
         .wait_for(
             "the coordinator changing things again",
@@ -1163,6 +1165,15 @@ async fn a_restore_stores_the_newest_map_the_nodes_hold_whichever_node_it_names(
     let map = restored.map.unwrap();
     assert!(map.version > newest.version);
     assert!(map.namespaces.iter().any(|n| n.name == created.name));
+    // Node 1 may hold a newer map that handed out ids: the next ones skip
+    // past any it can have.
+    assert!(
+        restored.skipped_ids >= tidepool_coordinator::RESTORE_ID_SKIP,
+        "{}",
+        restored.skipped_ids
+    );
+    let highest = map.namespaces.iter().map(|n| n.id).max().unwrap();
+    assert!(map.next_namespace_id > highest + tidepool_coordinator::RESTORE_ID_SKIP);
 
     let args = cluster.nodes[1].args.clone();
     let log = cluster.dir.path().join("node-1-again.log");

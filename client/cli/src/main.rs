@@ -642,6 +642,12 @@ fn restored_text(restored: &RestoreMapResponse) -> String {
             restored.unanswered_nodes.join(", ")
         ));
     }
+    if restored.skipped_ids > 0 {
+        out.push_str(&format!(
+            "\nnamespace and shard ids skip {} ahead: a newer map than the one restored may have handed some out",
+            restored.skipped_ids
+        ));
+    }
     out
 }
 
@@ -654,6 +660,7 @@ fn restored_json(restored: &RestoreMapResponse) -> serde_json::Value {
         "unanswered_nodes": restored.unanswered_nodes,
         "previous_cluster_id": restored.previous_cluster_id,
         "previous_version": restored.previous_version,
+        "skipped_ids": restored.skipped_ids,
     })
 }
 
@@ -1457,6 +1464,7 @@ mod tests {
             previous_version: 5,
             from_node_address: "http://b:7401".into(),
             unanswered_nodes: vec!["http://c:7401".into()],
+            skipped_ids: 1_024,
         };
         let text = restored_text(&restored);
         assert!(
@@ -1470,11 +1478,15 @@ mod tests {
         let json = restored_json(&restored);
         assert_eq!(json["from_node"], json!("http://b:7401"));
         assert_eq!(json["unanswered_nodes"], json!(["http://c:7401"]));
+        assert!(text.contains("ids skip 1024 ahead"), "{text}");
+        assert_eq!(json["skipped_ids"], json!(1_024));
         let all = RestoreMapResponse {
             unanswered_nodes: Vec::new(),
+            skipped_ids: 0,
             ..restored
         };
         assert!(!restored_text(&all).contains("no answer"));
+        assert!(!restored_text(&all).contains("skip"));
     }
 
     /// A replica holding its votes (founded again on an empty disk, not
