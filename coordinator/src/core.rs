@@ -91,14 +91,27 @@ pub struct Shared {
     orchestrator: std::sync::OnceLock<Arc<dyn Orchestrator>>,
     /// Set while a node holds a newer map than the store.
     store_behind: Mutex<Option<StoreBehind>>,
-    /// Nodes of other clusters refused lately, by (cluster, node id): their
-    /// address and when.
-    refused: Mutex<BTreeMap<(String, u64), (String, Instant)>>,
+    /// Nodes of other clusters this coordinator refused lately, by
+    /// (cluster, node id).
+    refused: Mutex<BTreeMap<(String, u64), Refusal>>,
+}
+
+/// A node refused as another cluster's.
+struct Refusal {
+    address: String,
+    /// Its last call.
+    at: Instant,
+    /// When its record was last written to the store.
+    stored: Option<Instant>,
 }
 
 /// How long a refused node is listed in the status after its last call (a
 /// refused node calls again every ten seconds).
 const REFUSED_LISTED: Duration = Duration::from_secs(60);
+
+/// How often a node that keeps being refused has its record written to
+/// the store again (it lives `REFUSED_LISTED`).
+const REFUSED_STORED_EVERY: Duration = Duration::from_secs(20);
 
 /// Most refused nodes listed at once.
 const REFUSED_MOST: usize = 1_024;
@@ -186,49 +199,129 @@ impl Shared {
     }
 
     /// Records that node `node_id` of cluster `cluster_id`, at `address`,
-    /// was refused as a node of another cluster.
+    /// was refused as a node of another cluster: here, and in the store
+    /// (at most every `REFUSED_STORED_EVERY` per node), where every
+    /// coordinator's status finds it — a node calls the leader, and an
+    /// operator's `tidectl cluster status` may reach a standby.
     pub(crate) fn note_refused(&self, node_id: u64, address: &str, cluster_id: &str) {
-        let mut refused = self.refused.lock();
         let now = Instant::now();
-        refused.retain(|_, (_, at)| now.duration_since(*at) < REFUSED_LISTED);
-        let key = (cluster_id.to_string(), node_id);
-        if refused.len() >= REFUSED_MOST && !refused.contains_key(&key) {
-            // Callers inventing clusters cannot grow it without bound.
-            return;
-        }
-        let known = refused
-            .get(&key)
-            .map(|(a, _)| a.clone())
-            .unwrap_or_default();
-        // A heartbeat may not say where the node is; keep what its
-        // registration said.
-        let address = if address.is_empty() {
-            known
-        } else {
-            address.to_string()
+        let record = {
+            let mut refused = self.refused.lock();
+            refused.retain(|_, r| now.duration_since(r.at) < REFUSED_LISTED);
+            let key = (cluster_id.to_string(), node_id);
+            if refused.len() >= REFUSED_MOST && !refused.contains_key(&key) {
+                // Callers inventing clusters cannot grow it without bound.
+                return;
+            }
+            let entry = refused.entry(key).or_insert(Refusal {
+                address: String::new(),
+                at: now,
+                stored: None,
+            });
+            entry.at = now;
+            // A heartbeat may not say where the node is; keep what its
+            // registration said.
+            if !address.is_empty() {
+                entry.address = address.to_string();
+            }
+            let due = entry
+                .stored
+                .is_none_or(|s| now.duration_since(s) >= REFUSED_STORED_EVERY);
+            if !due || !storable_cluster_id(cluster_id) {
+                return;
+            }
+            entry.stored = Some(now);
+            crate::schema::RefusedRecord {
+                node_id,
+                address: entry.address.clone(),
+                cluster_id: cluster_id.to_string(),
+                at_ms: unix_ms(),
+            }
         };
-        refused.insert(key, (address, now));
+        let store = self.store.clone();
+        let key = self.keys.refused_node(cluster_id, node_id);
+        let value = serde_json::to_vec(&record).expect("a record serializes");
+        tokio::spawn(async move {
+            let written = async {
+                let lease = store.grant_lease(REFUSED_LISTED).await?;
+                store
+                    .txn(
+                        Vec::new(),
+                        vec![Op::Put {
+                            key,
+                            value,
+                            lease: Some(lease),
+                        }],
+                    )
+                    .await
+            };
+            if let Err(error) = written.await {
+                tracing::debug!(%error, "cannot store a refused node's record");
+            }
+        });
     }
 
-    /// Nodes of another cluster than the map's refused in the last minute,
-    /// by cluster and node id.
-    pub fn refused_nodes(&self) -> Vec<tidepool_proto::v1::RefusedNode> {
+    /// Nodes of another cluster than the map's refused in the last minute
+    /// by any coordinator of the store (this one's own refusals too when
+    /// the store cannot be read), by cluster and node id.
+    pub async fn refused_nodes(&self) -> Vec<tidepool_proto::v1::RefusedNode> {
         let ours = self.map().cluster_id.clone();
         let now = Instant::now();
-        self.refused
+        // (cluster, node) -> (address, seconds since)
+        let mut listed: BTreeMap<(String, u64), (String, u64)> = self
+            .refused
             .lock()
             .iter()
-            .filter(|((cluster, _), (_, at))| {
-                *cluster != ours && now.duration_since(*at) < REFUSED_LISTED
+            .filter(|(_, r)| now.duration_since(r.at) < REFUSED_LISTED)
+            .map(|(key, r)| {
+                (
+                    key.clone(),
+                    (r.address.clone(), now.duration_since(r.at).as_secs()),
+                )
             })
-            .map(
-                |((cluster, node_id), (address, at))| tidepool_proto::v1::RefusedNode {
-                    node_id: *node_id,
-                    address: address.clone(),
-                    cluster_id: cluster.clone(),
-                    seconds_ago: now.duration_since(*at).as_secs(),
-                },
-            )
+            .collect();
+        match self.store.list(&self.keys.refused()).await {
+            Ok(records) => {
+                let now_ms = unix_ms();
+                for kv in records {
+                    let Ok(record) =
+                        serde_json::from_slice::<crate::schema::RefusedRecord>(&kv.value)
+                    else {
+                        continue;
+                    };
+                    let ago_ms = now_ms.saturating_sub(record.at_ms);
+                    if ago_ms >= REFUSED_LISTED.as_millis() as u64 {
+                        continue;
+                    }
+                    let key = (record.cluster_id, record.node_id);
+                    if listed.len() >= REFUSED_MOST && !listed.contains_key(&key) {
+                        break;
+                    }
+                    let seen = (record.address, ago_ms / 1_000);
+                    match listed.get_mut(&key) {
+                        Some(known) if known.1 <= seen.1 && !known.0.is_empty() => {}
+                        Some(known) => *known = seen,
+                        None => {
+                            listed.insert(key, seen);
+                        }
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, "cannot read the refused nodes' records");
+            }
+        }
+        listed
+            .into_iter()
+            .filter(|((cluster, _), _)| *cluster != ours)
+            .map(|((cluster_id, node_id), (address, seconds_ago))| {
+                tidepool_proto::v1::RefusedNode {
+                    node_id,
+                    address,
+                    cluster_id,
+                    seconds_ago,
+                }
+            })
             .collect()
     }
 
@@ -752,6 +845,16 @@ pub fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Whether a cluster id a node sent can name a store key: ids this
+/// coordinator makes are 16 hex digits (`static` for a fixed cluster).
+fn storable_cluster_id(cluster_id: &str) -> bool {
+    !cluster_id.is_empty()
+        && cluster_id.len() <= 64
+        && cluster_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 #[cfg(test)]

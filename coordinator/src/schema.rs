@@ -59,6 +59,31 @@ impl Keys {
     pub fn epoch_started(&self) -> String {
         format!("{}epoch_started", self.prefix)
     }
+
+    /// Prefix of the records of nodes refused as another cluster's.
+    pub fn refused(&self) -> String {
+        format!("{}refused/", self.prefix)
+    }
+
+    /// The record of node `node_id` of cluster `cluster_id`, refused.
+    pub fn refused_node(&self, cluster_id: &str, node_id: u64) -> String {
+        format!("{}refused/{cluster_id}/{node_id}", self.prefix)
+    }
+}
+
+/// A node refused as another cluster's (`WRONG_CLUSTER`), as stored under
+/// `refused/` for a minute (its lease), so that every coordinator of the
+/// store lists it, not only the one it called.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusedRecord {
+    /// Its id in its cluster.
+    pub node_id: u64,
+    /// Where it serves, as it said.
+    pub address: String,
+    /// The cluster its data belongs to.
+    pub cluster_id: String,
+    /// When it was refused (ms since the Unix epoch, the writer's clock).
+    pub at_ms: u64,
 }
 
 /// Who leads, as stored under `leader`.

@@ -97,7 +97,7 @@ impl CoordinatorApi {
             is_leader,
             newer_map_on_node: behind.map_or(0, |b| b.node_id),
             newer_map_version: behind.map_or(0, |b| b.node_version),
-            refused_nodes: self.shared.refused_nodes(),
+            refused_nodes: self.shared.refused_nodes().await,
         })
     }
 }

@@ -18,10 +18,10 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    ClusterMap, CreateNamespaceRequest, ErrorCode, HeldMapRequest, Namespace, NodeStatus,
-    NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest,
-    ProposeAdminResponse, RegisterNodeRequest, RestoreMapRequest, TransferLeaderRequest,
-    TransferLeaderResponse,
+    ClusterMap, CreateNamespaceRequest, ErrorCode, GetClusterStatusRequest, HeldMapRequest,
+    Namespace, NodeStatus, NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse,
+    ProposeAdminRequest, ProposeAdminResponse, RegisterNodeRequest, RestoreMapRequest,
+    TransferLeaderRequest, TransferLeaderResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -330,4 +330,60 @@ async fn a_store_that_lost_every_key_takes_the_map_back_with_the_epoch_clock() {
     let highest = served.namespaces.iter().map(|ns| ns.id).max().unwrap();
     assert_eq!(created.id, highest + 1);
     coordinator.stop().await.unwrap();
+}
+
+/// A node refused as another cluster's is listed by every coordinator of
+/// the store, not only by the one it called: a node registers with the
+/// leader, and an operator's `tidectl cluster status` through a Service
+/// may reach a standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_coordinator_of_the_store_lists_a_node_one_of_them_refused() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let (leader, mut to_leader) = leading(&store).await;
+    let standby = start_with_store(config(), store.clone()).await.unwrap();
+    let mut to_standby = CoordinatorServiceClient::connect(format!("http://{}", standby.address))
+        .await
+        .unwrap();
+    let (address, theirs) = ("http://10.0.0.9:7401", "0123456789abcdef");
+    let refused = to_leader
+        .register_node(RegisterNodeRequest {
+            node_id: 7,
+            address: address.into(),
+            capacity_bytes: 1 << 30,
+            cluster_id: theirs.into(),
+            ..RegisterNodeRequest::default()
+        })
+        .await
+        .unwrap_err();
+    let code = error_detail(&refused).and_then(|d| ErrorCode::try_from(d.code).ok());
+    assert_eq!(code, Some(ErrorCode::WrongCluster), "{refused:?}");
+
+    for (name, client) in [
+        ("the standby", &mut to_standby),
+        ("the leader", &mut to_leader),
+    ] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            let status = client
+                .get_cluster_status(GetClusterStatusRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            if !status.refused_nodes.is_empty() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "{name} lists the refused node");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let listed: Vec<_> = status
+            .refused_nodes
+            .iter()
+            .map(|n| (n.node_id, n.address.as_str(), n.cluster_id.as_str()))
+            .collect();
+        assert_eq!(listed, vec![(7, address, theirs)], "{name}");
+        assert!(status.refused_nodes[0].seconds_ago < 60, "{name}");
+        assert_eq!(status.is_leader, name == "the leader");
+    }
+    standby.stop().await.unwrap();
+    leader.stop().await.unwrap();
 }
