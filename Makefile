@@ -12,8 +12,9 @@ export CARGO_TERM_COLOR ?= never
 # protobuf-compiler, which --no-install-recommends leaves out; procps:
 # `kill`, which the process tests use to send SIGTERM, SIGSTOP and SIGCONT;
 # python3-grpcio, python3-protobuf and protobuf-compiler-grpc's
-# grpc_python_plugin: the Python client of the wire-contract test).
-DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server procps \
+# grpc_python_plugin: the Python client of the wire-contract test;
+# etcd-client: the etcdctl `make image` puts into the etcd image).
+DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server etcd-client procps \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc \
 	python3-pip python3-yaml unzip \
 	bazel-bootstrap ccache restic prometheus
@@ -194,13 +195,13 @@ ETCD_IMAGE ?= localhost/tidepool-etcd:$(VERSION)
 # image (what .ci/run's smoke test does, to stay within its time budget).
 IMAGE_PROFILE ?= release
 
-image: ## Images $(IMAGE) (tidepool, tidectl) and $(ETCD_IMAGE) (Debian's etcd) on a locally made debian:bookworm-slim; nothing is pulled.
+image: ## Images $(IMAGE) (tidepool, tidectl) and $(ETCD_IMAGE) (Debian's etcd and etcdctl) on a locally made debian:bookworm-slim; nothing is pulled.
 	$(CARGO) build $(if $(filter release,$(IMAGE_PROFILE)),--release) -p tidepool -p tidectl
 	@command -v dockerd >/dev/null || { echo "image: installing docker.io"; DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >/dev/null; }
 	$(KUBE_LOCAL) base-image
 	rm -rf target/image && mkdir -p target/image/tidepool target/image/etcd
 	cp target/$(IMAGE_PROFILE)/tidepool target/$(IMAGE_PROFILE)/tidectl target/image/tidepool/
-	cp /usr/bin/etcd target/image/etcd/
+	cp /usr/bin/etcd /usr/bin/etcdctl target/image/etcd/
 	docker build -q -f deploy/tidepool.Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE) target/image/tidepool
 	docker build -q -f deploy/etcd.Dockerfile --build-arg VERSION=$(VERSION) -t $(ETCD_IMAGE) target/image/etcd
 	@echo "built $(IMAGE) and $(ETCD_IMAGE)"
@@ -214,7 +215,7 @@ chart-check: ## The Helm chart: lint --strict, schema, every optional part rende
 k8s-manifests: ## Rewrite k8s/tidepool.yaml: the chart rendered with default values.
 	HELM=$(HELM) helm/test/chart-check.sh --write
 
-k8s-smoke: image ## On kube-local (root): install, tidectl put/get, helm test, uninstall (what .ci/run runs).
+k8s-smoke: image ## On kube-local (root): install, tidectl put/get, etcdctl health and snapshot, gateway, helm test, uninstall (what .ci/run runs).
 	KUBE_LOCAL=$(KUBE_LOCAL) VERSION=$(VERSION) python3 helm/test/k8s_test.py smoke
 
 k8s-test: image ## On kube-local (root, ~5 min): install, scale 3->5->3 under load, upgrade, pod and coordinator kills, uninstall; figures in target/k8s-full.md.

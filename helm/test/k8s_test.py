@@ -426,10 +426,54 @@ def memory_budget():
         raise AssertionError(f"{name}: memory budget {budget} bytes, container limit {limit} bytes")
 
 
+# etcdctl inside an etcd member's pod, as helm/README.md tells operators to
+# run it: the member's own certificate (it is a client certificate too: the
+# members authenticate to each other with it) against its local endpoint.
+ETCDCTL = ("etcdctl", "--endpoints=https://localhost:2379", "--cacert=/etc/tidepool/ca/ca.pem",
+           "--cert=/tls/tls.pem", "--key=/tls/tls-key.pem")
+
+
+def etcd_maintenance():
+    """The etcd image's etcdctl, as helm/README.md's "etcd maintenance"
+    runs it: the member healthy, a snapshot saved, checked and copied out of
+    the pod, holding the cluster map's key; a defrag; no alarm raised."""
+    import tempfile
+    pod = f"{REL}-etcd-0"
+    started = time.time()
+
+    def etcdctl(*args):
+        return kubectl("exec", pod, "-c", "etcd", "--", *ETCDCTL, *args).stdout
+
+    health = json.loads(etcdctl("endpoint", "health", "--write-out=json"))
+    if not all(member["health"] for member in health):
+        raise RuntimeError(f"etcd not healthy: {health}")
+    etcdctl("snapshot", "save", "/var/lib/etcd/snapshot.db")
+    info = json.loads(kubectl("exec", pod, "-c", "etcd", "--", "etcdctl", "snapshot", "status",
+                              "/var/lib/etcd/snapshot.db", "--write-out=json").stdout)
+    keys = etcdctl("get", "--prefix", "--keys-only", "/").split()
+    if info["totalKey"] < 1 or not any(key.endswith("/map") for key in keys):
+        raise RuntimeError(f"snapshot {info}, keys {keys}: no cluster map")
+    saved = int(kubectl("exec", pod, "-c", "etcd", "--", "stat", "-c", "%s", "/var/lib/etcd/snapshot.db").stdout)
+    with tempfile.TemporaryDirectory() as out:
+        kubectl("cp", "-c", "etcd", f"{NS}/{pod}:/var/lib/etcd/snapshot.db", f"{out}/snapshot.db")
+        copied = os.path.getsize(f"{out}/snapshot.db")
+    # The file is the database plus its SHA-256 (32 bytes).
+    if copied != saved or saved < info["totalSize"]:
+        raise RuntimeError(f"copied {copied} bytes of a {saved}-byte snapshot ({info})")
+    kubectl("exec", pod, "-c", "etcd", "--", "rm", "/var/lib/etcd/snapshot.db")
+    etcdctl("defrag")
+    alarms = etcdctl("alarm", "list").strip()
+    if alarms:
+        raise RuntimeError(f"etcd alarms raised: {alarms}")
+    figure("etcd maintenance with the image's etcdctl (health, snapshot saved, checked, copied out, defrag, alarms)",
+           f"ok in {time.time() - started:.1f} s: {info['totalKey']} keys, {copied} bytes")
+
+
 def smoke():
     cluster_up(4)
     install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1"))
     put_get()
+    etcd_maintenance()
     memory_budget()
     gateway_http()
     helm_test()
