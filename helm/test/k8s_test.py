@@ -219,6 +219,13 @@ def running_pod_names():
     return names
 
 
+def ready(pod):
+    """Whether every container of `pod` is ready. A pod not yet scheduled
+    (its volume unbound) has no container status: not ready."""
+    statuses = pod.get("status", {}).get("containerStatuses")
+    return bool(statuses) and all(s.get("ready") for s in statuses)
+
+
 def wait(what, predicate, timeout=600, every=2):
     deadline = time.time() + timeout
     while True:
@@ -535,8 +542,7 @@ def upgrade(load_name):
     run("helm", "upgrade", REL, str(CHART), "-n", NS, "--reuse-values", "--set", f"image.tag={tag}",
         "--wait", "--timeout", "15m", capture=False)
     wait("every node pod on the new image", lambda: all(
-        p["spec"]["containers"][0]["image"].endswith(tag) and
-        all(s.get("ready") for s in p["status"].get("containerStatuses", []))
+        p["spec"]["containers"][0]["image"].endswith(tag) and ready(p)
         for p in pods("node")), timeout=900)
     figure(f"{load_name}: helm upgrade --wait (rolling restart of every pod)", f"{time.time() - started:.0f} s")
     time.sleep(3)
@@ -559,8 +565,7 @@ def force_delete_node(load_name):
     kubectl("delete", "pod", victim, "--force", "--grace-period=0")
     def back():
         p = json.loads(kubectl("get", "pod", victim, "-o", "json").stdout)
-        return p["metadata"]["uid"] != old_uid and all(
-            s.get("ready") for s in p["status"].get("containerStatuses", [])) and p["status"].get("containerStatuses")
+        return p["metadata"]["uid"] != old_uid and ready(p)
     wait(f"{victim} to return Ready", back, timeout=600)
     figure(f"{load_name}: force-deleted pod back Ready on its PVC", f"{time.time() - started:.0f} s")
     time.sleep(5)
@@ -592,9 +597,8 @@ def kill_leader_coordinator(load_name):
          timeout=300, every=0.5)
     figure(f"{load_name}: leading coordinator killed (kill -9): the map changes again after",
            f"{time.time() - started:.1f} s")
-    wait("the killed coordinator back", lambda: all(
-        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("coordinator")),
-        timeout=300)
+    wait("the killed coordinator back", lambda: all(ready(p) for p in pods("coordinator")),
+         timeout=300)
     load.stop()
 
 
@@ -609,9 +613,8 @@ def lose_etcd_volumes(restart_coordinators=False):
     if restart_coordinators:
         kubectl("delete", "pod", "-l", "app.kubernetes.io/component=coordinator", "--wait=true", timeout=300)
     kubectl("scale", "statefulset", f"{REL}-etcd", f"--replicas={members}")
-    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(
-        all(s.get("ready") for s in p["status"].get("containerStatuses", [])) for p in pods("etcd")),
-        timeout=600)
+    wait("etcd back, empty", lambda: len(pods("etcd")) == members and all(ready(p) for p in pods("etcd")),
+         timeout=600)
     return members
 
 
@@ -697,7 +700,11 @@ def etcd_lost_coordinators_restarted(load_name):
 
 
 def full():
-    cluster_up(8)
+    # Volumes are single-use: 3 etcd members and up to 5 node pods, then two
+    # sets of 3 new etcd volumes (steps etcd_lost and
+    # etcd_lost_coordinators_restarted). With 8, a kube-local that smoke
+    # runs had used left too few for the second set of etcd volumes.
+    cluster_up(14)
     install(3, 3)
     helm_test()
     put_get()
