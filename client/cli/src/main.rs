@@ -688,6 +688,16 @@ fn status_text(status: &ClusterStatus) -> String {
             },
         );
     }
+    for (node, replica) in unlisted_replicas(status) {
+        let range = replica.range.unwrap_or_default();
+        out += &format!(
+            "WARNING: node {node} hosts a replica of shard {} ([{:#018x}, {:#018x}]{}), which the map does not list: no request reaches it. A split whose publication the map lost (restored from an older map?) leaves its new shard so; its data stays on the node\n\n",
+            replica.shard_id,
+            range.start,
+            range.end,
+            if replica.is_leader { ", leading" } else { "" },
+        );
+    }
     out += &format!(
         "cluster {} map v{} epoch {} replication {} (answered by {}{})\n\nnodes:\n",
         map.cluster_id,
@@ -807,6 +817,26 @@ fn votes_held(status: &ClusterStatus, shard_id: u32) -> Vec<u64> {
     replicas_where(status, shard_id, |r| r.votes_held)
 }
 
+/// Replicas the nodes report of shards the map neither lists nor is
+/// splitting into, by node: groups the map lost (shard ids are never
+/// reused, and shards never merge).
+fn unlisted_replicas(status: &ClusterStatus) -> Vec<(u64, &ReplicaStatus)> {
+    let Some(map) = status.map.as_ref() else {
+        return Vec::new();
+    };
+    let listed = |shard_id: u32| {
+        map.shards.iter().any(|s| {
+            s.shard_id == shard_id || s.split.is_some_and(|p| p.child_shard_id == shard_id)
+        })
+    };
+    status
+        .nodes
+        .iter()
+        .flat_map(|n| n.replicas.iter().map(move |r| (n.node_id, r)))
+        .filter(|(_, r)| !listed(r.shard_id))
+        .collect()
+}
+
 /// The shard's leader's own report of it, if its node reported one.
 fn leader_report<'a>(status: &'a ClusterStatus, shard: &ShardInfo) -> Option<&'a ReplicaStatus> {
     status
@@ -830,6 +860,11 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
         "refused_nodes": status.refused_nodes.iter().map(|r| json!({
             "id": r.node_id, "address": r.address, "cluster_id": r.cluster_id,
             "seconds_ago": r.seconds_ago,
+        })).collect::<Vec<_>>(),
+        "unlisted_replicas": unlisted_replicas(status).into_iter().map(|(node, r)| json!({
+            "node": node, "shard": r.shard_id, "is_leader": r.is_leader,
+            "hash_start": r.range.unwrap_or_default().start,
+            "hash_end": r.range.unwrap_or_default().end,
         })).collect::<Vec<_>>(),
         "nodes": map.nodes.iter().map(|n| json!({
             "id": n.node_id, "address": n.address, "zone": n.zone, "state": state_name(n.state),
@@ -1528,5 +1563,71 @@ mod tests {
             status_json(&caught_up)["shards"][0]["votes_held_on"],
             json!([])
         );
+    }
+
+    /// A replica of a shard the map does not list (a split whose
+    /// publication the map lost) is a warning; the new shard of a split
+    /// under way is not.
+    #[test]
+    fn status_warns_of_replicas_of_shards_the_map_lacks() {
+        let replica = |shard_id, is_leader| ReplicaStatus {
+            shard_id,
+            is_leader,
+            range: Some(tidepool_client::proto::v1::HashRange {
+                start: 0x8000_0000_0000_0000,
+                end: u64::MAX,
+            }),
+            ..ReplicaStatus::default()
+        };
+        let status = ClusterStatus {
+            map: Some(tidepool_client::proto::v1::ClusterMap {
+                shards: vec![ShardInfo {
+                    shard_id: 1,
+                    split: Some(tidepool_client::proto::v1::SplitIntent {
+                        child_shard_id: 3,
+                        at: 0x8000_0000_0000_0000,
+                    }),
+                    ..ShardInfo::default()
+                }],
+                ..Default::default()
+            }),
+            nodes: vec![
+                NodeStatus {
+                    node_id: 2,
+                    replicas: vec![replica(1, true), replica(3, false), replica(9, true)],
+                    ..NodeStatus::default()
+                },
+                NodeStatus {
+                    node_id: 5,
+                    replicas: vec![replica(9, false)],
+                    ..NodeStatus::default()
+                },
+            ],
+            ..ClusterStatus::default()
+        };
+        let text = status_text(&status);
+        assert!(
+            text.contains("WARNING: node 2 hosts a replica of shard 9 ([0x8000000000000000, 0xffffffffffffffff], leading), which the map does not list"),
+            "{text}"
+        );
+        assert!(
+            text.contains("WARNING: node 5 hosts a replica of shard 9 ([0x8000000000000000, 0xffffffffffffffff]), which"),
+            "{text}"
+        );
+        assert!(!text.contains("shard 3 ("), "{text}");
+        assert!(!text.contains("shard 1 ("), "{text}");
+        let json = status_json(&status);
+        assert_eq!(json["unlisted_replicas"].as_array().unwrap().len(), 2);
+        assert_eq!(json["unlisted_replicas"][0]["shard"], json!(9));
+        assert_eq!(json["unlisted_replicas"][0]["node"], json!(2));
+        let published = ClusterStatus {
+            nodes: vec![NodeStatus {
+                node_id: 2,
+                replicas: vec![replica(1, true), replica(3, false)],
+                ..NodeStatus::default()
+            }],
+            ..status
+        };
+        assert!(!status_text(&published).contains("WARNING"));
     }
 }
