@@ -55,6 +55,28 @@ pub(crate) struct Cluster {
     catching_up: tokio::sync::Mutex<()>,
 }
 
+/// Whether a client holding `held` follows `offered`: a newer version of
+/// the same cluster, or of another cluster only while the one held has no
+/// nodes (nothing of it was ever served). A coordinator whose store lost
+/// the cluster (etcd emptied, another key prefix) founds a new one; its
+/// map, once its versions pass the held one's, would send every request to
+/// shards the nodes do not hold — and writes into the new cluster, lost
+/// when the map is restored from the nodes. The nodes keep to their
+/// cluster too; they serve on, and the restored map (same cluster, a
+/// version above the store's) is taken when it comes. A cluster created
+/// anew on purpose is joined by restarting the client.
+fn takes(held: &ClusterMap, offered: &ClusterMap) -> bool {
+    offered.version > held.version && (!other_cluster(held, offered) || held.nodes.is_empty())
+}
+
+/// Whether two maps are of different clusters (a map without an id, as
+/// the empty one a client starts from, is of none).
+fn other_cluster(held: &ClusterMap, offered: &ClusterMap) -> bool {
+    !held.cluster_id.is_empty()
+        && !offered.cluster_id.is_empty()
+        && held.cluster_id != offered.cluster_id
+}
+
 /// How long a node that did not answer is tried after the others.
 const UNREACHABLE_FOR: Duration = Duration::from_secs(5);
 
@@ -148,12 +170,19 @@ impl Cluster {
 
     pub(crate) fn install(&self, map: ClusterMap) {
         self.map.send_if_modified(|current| {
-            if map.version > current.version {
-                *current = Arc::new(map);
-                true
-            } else {
-                false
+            if !takes(current, &map) {
+                if other_cluster(current, &map) && map.version > current.version {
+                    tracing::warn!(
+                        cluster = %current.cluster_id,
+                        other = %map.cluster_id,
+                        version = map.version,
+                        "a coordinator serves another cluster's map; keeping this one's (restore the map, or restart the client to join the other)"
+                    );
+                }
+                return false;
             }
+            *current = Arc::new(map);
+            true
         });
     }
 
@@ -369,5 +398,38 @@ mod tests {
         // Another shard's knowledge does not leak.
         cluster.answered(8, 1);
         assert_eq!(cluster.candidates(&s), [2, 1, 3]);
+    }
+
+    fn map(cluster: &str, version: u64, nodes: &[u64]) -> ClusterMap {
+        ClusterMap {
+            cluster_id: cluster.into(),
+            version,
+            nodes: nodes
+                .iter()
+                .map(|id| tidepool_proto::v1::NodeInfo {
+                    node_id: *id,
+                    ..Default::default()
+                })
+                .collect(),
+            ..ClusterMap::default()
+        }
+    }
+
+    #[test]
+    fn a_client_keeps_to_the_cluster_it_joined() {
+        let joined = map("a", 40, &[1, 2, 3]);
+        assert!(takes(&ClusterMap::default(), &joined), "the first map");
+        assert!(takes(&joined, &map("a", 41, &[1, 2, 3])), "a newer version");
+        assert!(!takes(&joined, &map("a", 40, &[1, 2, 3])), "the same one");
+        assert!(!takes(&joined, &map("a", 39, &[1, 2])), "an older one");
+        // A coordinator that lost the store founds another cluster: its
+        // map is not followed, however far its versions go.
+        assert!(!takes(&joined, &map("b", 41, &[])));
+        assert!(!takes(&joined, &map("b", 900, &[7])));
+        // Joined while the new cluster was served (no nodes): the restored
+        // map of the nodes' cluster, a version above, is followed.
+        let founded = map("b", 5, &[]);
+        assert!(takes(&founded, &map("a", 6, &[1, 2, 3])));
+        assert!(!takes(&founded, &map("a", 5, &[1, 2, 3])));
     }
 }

@@ -1,7 +1,11 @@
 //! The Tidepool Rust SDK: connects to a cluster through its coordinators,
 //! routes each key by hash to its shard leader, retries across leader
 //! changes and stale maps within a deadline, streams blobs of any size in
-//! chunks, and verifies what it reads.
+//! chunks, and verifies what it reads. A client keeps to the cluster it
+//! joined: a coordinator that lost its store and founded a new cluster is
+//! not followed (its requests go on by the map held, as the nodes serve on)
+//! until the map is restored; a cluster re-created on purpose is joined by
+//! a new client.
 //!
 //! What this crate is **not**: it embeds no storage and depends on neither the
 //! engine nor the node; it speaks only the `tidepool.v1` wire contract.

@@ -689,6 +689,11 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
     let map = status.map.unwrap();
     write_keys(&map, "default", 0..20).await;
     let ours = map.cluster_id.clone();
+    // An SDK client joined this cluster through the coordinator.
+    let client = tidepool_client::Client::connect(&[cluster.coordinators[0].0.clone()])
+        .await
+        .unwrap();
+    client.put("default", b"sdk-0", b"joined").await.unwrap();
 
     cluster.kill_coordinator(0);
     cluster.key_prefix = "/elsewhere/".into();
@@ -755,9 +760,42 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
         );
     }
 
+    // The other cluster's versions pass the client's (namespaces created
+    // there): the client keeps its cluster's map, and its data path works.
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let held = client.map();
+    assert_eq!(held.cluster_id, ours);
+    for n in 0..=held.version.saturating_sub(other_map.version) {
+        coordinator
+            .create_namespace(CreateNamespaceRequest {
+                name: format!("elsewhere-{n}"),
+                ..CreateNamespaceRequest::default()
+            })
+            .await
+            .unwrap();
+    }
+    let passed = cluster.status().await.expect("the other cluster's status");
+    assert!(
+        passed
+            .map
+            .as_ref()
+            .is_some_and(|m| m.version > held.version),
+        "the other cluster's map passed the client's v{}: {}",
+        held.version,
+        describe(Some(&passed))
+    );
+    // The watch delivers it within moments; the client ignores it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        (client.map().cluster_id.clone(), client.map().version),
+        (ours.clone(), held.version),
+        "the client keeps the map of the cluster it joined"
+    );
+    client.put("default", b"sdk-1", b"kept").await.unwrap();
+    assert_eq!(client.get("default", b"sdk-0").await.unwrap(), b"joined");
+
     // The map back from a node: the store now holds this cluster again,
     // newer than any node's map, and every node reports to it.
-    let mut coordinator = cluster.coordinator().await.unwrap();
     let restored = coordinator
         .restore_map(RestoreMapRequest {
             node_address: cluster.nodes[0].url.clone(),
@@ -803,6 +841,20 @@ async fn nodes_keep_to_their_cluster_when_the_coordinator_serves_another_until_t
         status.refused_nodes
     );
     check_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
+    // The client follows the restored map (a version above the other
+    // cluster's) and reads what it wrote.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client.map().version < restored_map.version {
+        assert!(
+            Instant::now() < deadline,
+            "the client never took the restored map: holds v{} of {}",
+            client.map().version,
+            client.map().cluster_id
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(client.map().cluster_id, ours);
+    assert_eq!(client.get("default", b"sdk-1").await.unwrap(), b"kept");
     cluster.assert_no_panics();
 }
 
