@@ -919,6 +919,54 @@ impl Reconciler {
         }
     }
 
+    /// Puts back into the map the groups split off listed shards that the
+    /// map lost (`splits::adopt_lost`: a map restored from one older than
+    /// the split), from the leaders' reported ranges.
+    async fn adopt_lost_splits(
+        &self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        reports: &BTreeMap<u64, NodeStatus>,
+    ) {
+        let unlisted = crate::splits::unlisted_leaders(map, reports);
+        if unlisted.is_empty() {
+            return;
+        }
+        for shard in map.shards.iter().filter(|s| s.split.is_none()) {
+            let Some(range) = views
+                .iter()
+                .find(|v| v.shard_id == shard.shard_id)
+                .and_then(ShardView::leader_status)
+                .and_then(|s| s.range.as_ref())
+            else {
+                continue;
+            };
+            if range.end >= shard.hash_end {
+                continue;
+            }
+            let (parent, parent_range) = (shard.shard_id, (range.start, range.end));
+            let mut adopted = Vec::new();
+            let result = self
+                .shared
+                .update_map(|m| {
+                    adopted = crate::splits::adopt_lost(m, parent, parent_range, &unlisted);
+                    Ok((!adopted.is_empty()).then(Vec::new))
+                })
+                .await;
+            match result {
+                Ok(_) if !adopted.is_empty() => tracing::warn!(
+                    shard_id = parent,
+                    adopted = ?adopted,
+                    "the map had lost splits of this shard (restored from an older map); put back from the groups' ranges"
+                ),
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(shard_id = parent, %error, "cannot put back a lost split")
+                }
+            }
+        }
+    }
+
     /// Decides splits of shards over `split_mib` or hot over `split_rps`
     /// for `split_load_secs` (a few per round), then
     /// carries decided splits on (`splits.rs`): publishes those whose new
@@ -1010,6 +1058,7 @@ impl Reconciler {
                 }
             }
         }
+        self.adopt_lost_splits(map, views, reports).await;
         for shard in &map.shards {
             let Some(intent) = shard.split else {
                 continue;

@@ -100,6 +100,103 @@ pub fn publish(map: &mut ClusterMap, parent: u32, leader: u64, status: &ReplicaS
     true
 }
 
+/// The leaders' statuses of groups the nodes run that `map` does not list,
+/// by shard (the highest term's where several claim to lead).
+pub fn unlisted_leaders(
+    map: &ClusterMap,
+    reports: &BTreeMap<u64, NodeStatus>,
+) -> BTreeMap<u32, (u64, ReplicaStatus)> {
+    let listed: BTreeSet<u32> = map.shards.iter().map(|s| s.shard_id).collect();
+    let mut leaders: BTreeMap<u32, (u64, ReplicaStatus)> = BTreeMap::new();
+    for (node, report) in reports {
+        for replica in &report.replicas {
+            if !replica.is_leader || replica.range.is_none() || listed.contains(&replica.shard_id) {
+                continue;
+            }
+            let newer = leaders
+                .get(&replica.shard_id)
+                .is_none_or(|(_, known)| known.term < replica.term);
+            if newer {
+                leaders.insert(replica.shard_id, (*node, replica.clone()));
+            }
+        }
+    }
+    leaders
+}
+
+/// Puts back the groups split off `parent` that the map lost — a map
+/// restored from one older than the split (`restore-map
+/// --allow-unanswered` without the nodes holding the newer map), while the
+/// group had applied it: its leader reports `parent_range`, ending before
+/// the map's range does, and no request reaches the rest (the group answers
+/// `WRONG_SHARD`; the map names no other). When leaders of groups the map
+/// does not list (`unlisted`: node, status) report ranges that exactly
+/// cover the rest, from the parent's end to the map's, the parent's range
+/// ends where its group's does and those shards follow it with their
+/// groups' members, as if each split had been published. Ranges only
+/// shrink (a split is a committed entry), so a leader's report is never
+/// wider than the truth; one from a leader behind a later split is wider,
+/// and the rest is put back in a later round, from its group's report.
+/// Returns the shards put back (none: the map did not change).
+pub fn adopt_lost(
+    map: &mut ClusterMap,
+    parent: u32,
+    parent_range: (u64, u64),
+    unlisted: &BTreeMap<u32, (u64, ReplicaStatus)>,
+) -> Vec<u32> {
+    let listed: BTreeSet<u32> = map.shards.iter().map(|s| s.shard_id).collect();
+    let Some(position) = map.shards.iter().position(|s| s.shard_id == parent) else {
+        return Vec::new();
+    };
+    let shard = &map.shards[position];
+    if shard.split.is_some()
+        || parent_range.0 != shard.hash_start
+        || parent_range.1 >= shard.hash_end
+    {
+        return Vec::new();
+    }
+    let end = shard.hash_end;
+    let mut pieces = Vec::new();
+    let mut next = parent_range.1 + 1;
+    loop {
+        let mut starting = unlisted.iter().filter(|(id, (_, status))| {
+            !listed.contains(id) && status.range.as_ref().is_some_and(|r| r.start == next)
+        });
+        // None, or two groups claiming the same range: not put back.
+        let (Some((id, (leader, status))), None) = (starting.next(), starting.next()) else {
+            return Vec::new();
+        };
+        let Some(range) = status
+            .range
+            .as_ref()
+            .filter(|r| r.end <= end && r.start <= r.end)
+        else {
+            return Vec::new();
+        };
+        pieces.push(ShardInfo {
+            shard_id: *id,
+            hash_start: range.start,
+            hash_end: range.end,
+            replicas: status.members.clone(),
+            leader_hint: *leader,
+            conf_version: status.conf_version,
+            split: None,
+        });
+        if range.end == end {
+            break;
+        }
+        next = range.end + 1;
+    }
+    let adopted: Vec<u32> = pieces.iter().map(|p| p.shard_id).collect();
+    map.shards[position].hash_end = parent_range.1;
+    let highest = adopted.iter().copied().max().unwrap_or(0);
+    map.next_shard_id = map.next_shard_id.max(highest.saturating_add(1));
+    for (offset, piece) in pieces.into_iter().enumerate() {
+        map.shards.insert(position + 1 + offset, piece);
+    }
+    adopted
+}
+
 /// Withdraws the intent to split `parent` into `child` (the group cannot
 /// split). Returns whether the map changed.
 pub fn withdraw(map: &mut ClusterMap, parent: u32, child: u32) -> bool {
@@ -564,5 +661,129 @@ mod tests {
         assert_eq!(map.shards[1].leader_hint, 7);
         assert!(map.shards[0].split.is_none());
         assert!(!publish(&mut map, 1, 7, &status), "published once");
+    }
+
+    fn leading(shard_id: u32, start: u64, end: u64, term: u64) -> ReplicaStatus {
+        ReplicaStatus {
+            shard_id,
+            is_leader: true,
+            term,
+            range: Some(HashRange { start, end }),
+            members: vec![ReplicaInfo {
+                node_id: 7,
+                role: 1,
+            }],
+            conf_version: 3,
+            ..ReplicaStatus::default()
+        }
+    }
+
+    fn ranges(map: &ClusterMap) -> Vec<(u32, u64, u64)> {
+        map.shards
+            .iter()
+            .map(|s| (s.shard_id, s.hash_start, s.hash_end))
+            .collect()
+    }
+
+    #[test]
+    fn a_split_the_map_lost_is_put_back_from_the_groups_ranges() {
+        let mut map = map_of(&[(1, 0, 99), (2, 100, u64::MAX)]);
+        map.next_shard_id = 3;
+        let unlisted = BTreeMap::from([(5, (7, leading(5, 40, 99, 2)))]);
+        // The parent's group owns the whole range: nothing split off.
+        assert!(adopt_lost(&mut map, 1, (0, 99), &unlisted).is_empty());
+        // Another range than the map's start: not this shard's group.
+        assert!(adopt_lost(&mut map, 1, (10, 39), &unlisted).is_empty());
+        // A gap between the parent's range and the unlisted group's.
+        assert!(adopt_lost(&mut map, 1, (0, 29), &unlisted).is_empty());
+        assert_eq!(ranges(&map), [(1, 0, 99), (2, 100, u64::MAX)]);
+
+        assert_eq!(adopt_lost(&mut map, 1, (0, 39), &unlisted), [5]);
+        assert_eq!(ranges(&map), [(1, 0, 39), (5, 40, 99), (2, 100, u64::MAX)]);
+        assert_eq!(map.shards[1].leader_hint, 7);
+        assert_eq!(map.shards[1].conf_version, 3);
+        assert_eq!(map.shards[1].replicas.len(), 1);
+        assert_eq!(map.next_shard_id, 6);
+        // Listed now: not put back twice.
+        assert!(adopt_lost(&mut map, 1, (0, 39), &unlisted).is_empty());
+    }
+
+    #[test]
+    fn splits_of_splits_the_map_lost_are_put_back_when_their_ranges_cover_the_rest() {
+        // 1 split at 40 into 5, then 5 at 70 into 6, then 1 at 20 into 8.
+        let mut map = map_of(&[(1, 0, 99), (2, 100, u64::MAX)]);
+        let mut unlisted = BTreeMap::from([
+            (8, (7, leading(8, 20, 39, 1))),
+            (5, (7, leading(5, 40, 69, 1))),
+        ]);
+        // 70..=99 not covered yet (no leader of 6 reported): nothing.
+        assert!(adopt_lost(&mut map, 1, (0, 19), &unlisted).is_empty());
+        // A range past the map's end: nothing.
+        unlisted.insert(6, (7, leading(6, 70, 120, 1)));
+        assert!(adopt_lost(&mut map, 1, (0, 19), &unlisted).is_empty());
+        unlisted.insert(6, (7, leading(6, 70, 99, 1)));
+        assert_eq!(adopt_lost(&mut map, 1, (0, 19), &unlisted), [8, 5, 6]);
+        assert_eq!(
+            ranges(&map),
+            [
+                (1, 0, 19),
+                (8, 20, 39),
+                (5, 40, 69),
+                (6, 70, 99),
+                (2, 100, u64::MAX)
+            ]
+        );
+        assert_eq!(map.next_shard_id, 9);
+    }
+
+    #[test]
+    fn a_stale_wider_report_is_put_back_and_narrowed_in_a_later_round() {
+        let mut map = map_of(&[(1, 0, 99)]);
+        // 5's leader reports from before 5 split at 70 into 6.
+        let unlisted = BTreeMap::from([
+            (5, (7, leading(5, 40, 99, 1))),
+            (6, (7, leading(6, 70, 99, 1))),
+        ]);
+        assert_eq!(adopt_lost(&mut map, 1, (0, 39), &unlisted), [5]);
+        let unlisted = BTreeMap::from([(6, (7, leading(6, 70, 99, 1)))]);
+        assert_eq!(adopt_lost(&mut map, 5, (40, 69), &unlisted), [6]);
+        assert_eq!(ranges(&map), [(1, 0, 39), (5, 40, 69), (6, 70, 99)]);
+    }
+
+    #[test]
+    fn a_shard_with_a_split_under_way_is_left_to_it() {
+        let mut map = map_of(&[(1, 0, 99)]);
+        decide(&mut map, 1, 40).unwrap();
+        let child = map.shards[0].split.unwrap().child_shard_id;
+        let unlisted = BTreeMap::from([(child, (7, leading(child, 40, 99, 1)))]);
+        assert!(adopt_lost(&mut map, 1, (0, 39), &unlisted).is_empty());
+    }
+
+    #[test]
+    fn only_leaders_of_unlisted_groups_count_the_newest_term_first() {
+        let map = map_of(&[(1, 0, 99)]);
+        let node = |replicas: Vec<ReplicaStatus>| NodeStatus {
+            replicas,
+            ..NodeStatus::default()
+        };
+        let follower = ReplicaStatus {
+            is_leader: false,
+            ..leading(5, 40, 99, 9)
+        };
+        let reports = BTreeMap::from([
+            (1, node(vec![leading(1, 0, 39, 4), leading(5, 40, 99, 2)])),
+            (2, node(vec![follower, leading(5, 40, 69, 3)])),
+            (
+                3,
+                node(vec![ReplicaStatus {
+                    range: None,
+                    ..leading(6, 70, 99, 1)
+                }]),
+            ),
+        ]);
+        let leaders = unlisted_leaders(&map, &reports);
+        assert_eq!(leaders.keys().copied().collect::<Vec<_>>(), [5]);
+        assert_eq!(leaders[&5].0, 2);
+        assert_eq!(leaders[&5].1.term, 3);
     }
 }

@@ -21,7 +21,7 @@ use tidepool_proto::v1::retention::{Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterMap, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest,
     ErrorCode, GetClusterStatusRequest, HeldMapRequest, NodeState, NodeStatusRequest,
-    ReadConsistency, ReplicaRole, RestoreMapRequest, Retention,
+    ReadConsistency, ReplicaRole, RestoreMapRequest, Retention, SplitShardRequest,
 };
 use tidepool_testkit::grpc::{code, get, get_at, put};
 use tidepool_testkit::{EtcdServer, TestProcess, free_port};
@@ -1240,6 +1240,150 @@ async fn a_restore_stores_the_newest_map_the_nodes_hold_whichever_node_it_names(
     let map = status.map.unwrap();
     check_keys(&map, "default", 0..10).await;
     check_keys(&map, "since-the-backup", 0..5).await;
+    cluster.assert_no_panics();
+}
+
+/// A restore that went on without the nodes holding the newest map loses
+/// what only that map held — here a split: node 2, away while a shard
+/// split, holds the map from before; etcd loses its data, the two other
+/// nodes are down, and the map is restored from node 2 without them. The
+/// groups know better than the restored map (the parent's range ends at
+/// the cut, the new group owns the rest), and the coordinator puts the
+/// split back from their reports once they run again: every key, those
+/// written to the new shard included, reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_a_restore_lost_is_put_back_from_the_groups() {
+    let _serial = SERIAL.lock().await;
+    let (mut cluster, status) = Cluster::settled(1, FAST, 3, &[], 3).await;
+    let map = status.map.unwrap();
+    write_keys(&map, "default", 0..40).await;
+    let id_of = |map: &ClusterMap, i: usize| {
+        map.nodes
+            .iter()
+            .find(|n| n.address == cluster.nodes[i].url)
+            .unwrap()
+            .node_id
+    };
+    let (node_0, node_1) = (id_of(&map, 0), id_of(&map, 1));
+
+    cluster.nodes[2].process.kill();
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let parent = map.shards[0].shard_id;
+    let split = coordinator
+        .split_shard(SplitShardRequest {
+            shard_id: parent,
+            at: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let split_map = cluster
+        .wait_for(
+            "the split published, nodes 0 and 1 holding it",
+            Duration::from_secs(60),
+            |s| {
+                s.map.as_ref().is_some_and(|m| {
+                    m.shards.iter().any(|x| x.shard_id == split.child_shard_id)
+                        && [node_0, node_1].iter().all(|id| {
+                            s.nodes
+                                .iter()
+                                .any(|n| n.node_id == *id && n.map_version == m.version)
+                        })
+                })
+            },
+        )
+        .await
+        .map
+        .unwrap();
+    write_keys(&split_map, "default", 40..100).await;
+
+    // etcd loses its data; the coordinator sees its store behind.
+    cluster.etcd.lose_data();
+    cluster
+        .wait_for(
+            "the coordinator to see its store behind the nodes' maps",
+            Duration::from_secs(60),
+            |s| s.is_leader && s.newer_map_version >= split_map.version,
+        )
+        .await;
+    // Nodes 0 and 1 down, node 2 back with the map from before the split:
+    // the restore goes on without the two.
+    cluster.nodes[0].process.kill();
+    cluster.nodes[1].process.kill();
+    let args = cluster.nodes[2].args.clone();
+    let log = cluster.dir.path().join("node-2-again.log");
+    cluster.nodes[2].process = TestProcess::spawn(BIN, &args, log);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let restored = loop {
+        let answer = coordinator
+            .restore_map(RestoreMapRequest {
+                node_address: cluster.nodes[2].url.clone(),
+                allow_unanswered: true,
+            })
+            .await;
+        match answer {
+            // Not leading (yet), or node 2 not serving yet.
+            Err(status) => {
+                assert!(Instant::now() < deadline, "{status:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(answer) => break answer.into_inner(),
+        }
+    };
+    let lost = restored.map.unwrap();
+    assert_eq!(
+        restored.unanswered_nodes.len(),
+        2,
+        "{:?}",
+        restored.unanswered_nodes
+    );
+    assert!(
+        lost.shards
+            .iter()
+            .all(|s| s.shard_id != split.child_shard_id),
+        "the restored map is from before the split"
+    );
+    assert!(lost.version > split_map.version);
+
+    // The two back: they take the restored map (a newer version), and the
+    // coordinator puts the split back from the groups' ranges.
+    for i in [0, 1] {
+        let args = cluster.nodes[i].args.clone();
+        let log = cluster.dir.path().join(format!("node-{i}-again.log"));
+        cluster.nodes[i].process = TestProcess::spawn(BIN, &args, log);
+    }
+    let status = cluster
+        .wait_for(
+            "the split put back, every node on the map",
+            Duration::from_secs(90),
+            |s| {
+                restored_and_settled(s)
+                    && s.map.as_ref().is_some_and(|m| {
+                        m.shards.len() == split_map.shards.len()
+                            && m.shards.iter().any(|x| x.shard_id == split.child_shard_id)
+                    })
+            },
+        )
+        .await;
+    let map = status.map.unwrap();
+    let ranges = |m: &ClusterMap| -> Vec<(u32, u64, u64)> {
+        m.shards
+            .iter()
+            .map(|s| (s.shard_id, s.hash_start, s.hash_end))
+            .collect()
+    };
+    assert_eq!(ranges(&map), ranges(&split_map), "the split map's ranges");
+    check_keys(&map, "default", 0..100).await;
+    assert!(
+        cluster.coordinators[0]
+            .1
+            .as_ref()
+            .unwrap()
+            .log()
+            .contains("the map had lost splits of this shard"),
+        "{}",
+        cluster.logs()
+    );
     cluster.assert_no_panics();
 }
 

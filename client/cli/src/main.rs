@@ -691,7 +691,7 @@ fn status_text(status: &ClusterStatus) -> String {
     for (node, replica) in unlisted_replicas(status) {
         let range = replica.range.unwrap_or_default();
         out += &format!(
-            "WARNING: node {node} hosts a replica of shard {} ([{:#018x}, {:#018x}]{}), which the map does not list: no request reaches it. A split whose publication the map lost (restored from an older map?) leaves its new shard so; its data stays on the node\n\n",
+            "WARNING: node {node} hosts a replica of shard {} ([{:#018x}, {:#018x}]{}), which the map does not list: no request reaches it. A split whose publication the map lost (restored from an older map?) leaves its new shard so until the coordinator puts it back (once its group and the parent's have leaders whose ranges cover the parent's); its data stays on the node\n\n",
             replica.shard_id,
             range.start,
             range.end,
