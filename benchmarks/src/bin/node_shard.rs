@@ -17,17 +17,21 @@
 //! single engine's puts use `Durability::Synced` (fsynced locally).
 //!
 //! Tracing (`--trace-pairs N`): the plaintext shard at `--value-bytes`
-//! in child processes, N rounds of four variants in rotating order:
+//! in child processes, N rounds of five variants in rotating order:
 //! tracing off as a `tidepool` process runs it (its telemetry installed,
 //! logs at `info`, no export), every request traced and exported (100%
 //! sampling, or the share `--trace-ratio` gives: each client operation is
 //! the root span of a trace that the
 //! nodes continue through Raft, exported over OTLP/gRPC to a receiver in
 //! this process that counts the spans), the same exporting to a collector
-//! that accepts connections and never answers (collector down), and no
+//! that accepts connections and never answers (collector down), the
+//! same exporting with no span made by the load generator (traced at the
+//! nodes: each request starts its trace at the leader, as one from an
+//! untraced client does; the clients' span costs their own machines in a
+//! deployment, here it shares the shard's two cores), and no
 //! subscriber at all (a floor no `tidepool` process runs at). The medians
-//! of traced/off, traced/none, off/none, collector down/off and
-//! collector down/traced are printed, with the CPU seconds of each
+//! of traced/off, traced/none, off/none, collector down/off,
+//! collector down/traced and traced at the nodes/off are printed, with the CPU seconds of each
 //! child and of the receiver (which shares the cores: `--receiver count`,
 //! the default, walks the exports' wire format to count spans without
 //! building them; `decode` decodes them whole, as a collector does). Child
@@ -417,7 +421,13 @@ async fn shard_runs(args: &Args, value_bytes: usize, tls: bool) -> anyhow::Resul
                     .max_decoding_message_size(64 << 20)
                     .max_encoding_message_size(64 << 20);
                 let (stop, written) = (stop.clone(), written_now.clone());
-                let traced = tidepool_security::trace_context::exporting();
+                // The load generator's own span, unless only the nodes
+                // trace (`nodes=`).
+                let traced = tidepool_security::trace_context::exporting()
+                    && !args
+                        .trace_child
+                        .as_deref()
+                        .is_some_and(|c| c.starts_with(NODES_PREFIX));
                 tokio::spawn(async move {
                     let value = vec![0x5Au8; value_bytes];
                     let mut latencies = Latencies::default();
@@ -557,6 +567,10 @@ fn trace_child(args: &Args, variant: &str) -> anyhow::Result<()> {
             let endpoint = variant.trim_start_matches(DOWN_PREFIX);
             Some(tidepool_telemetry::init(&config(Some(endpoint.into())))?)
         }
+        Variant::NodesTraced => {
+            let endpoint = variant.trim_start_matches(NODES_PREFIX);
+            Some(tidepool_telemetry::init(&config(Some(endpoint.into())))?)
+        }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -591,11 +605,21 @@ enum Variant {
     /// a collector that accepts connections and never answers — what a
     /// node does while its collector hangs.
     CollectorDown,
+    /// `nodes=` and an endpoint: exporting as `Traced`, but the load
+    /// generator makes no span of its own: each request reaches the leader
+    /// without a trace context and starts its trace there (sampled by the
+    /// nodes' ratio). What tracing costs the nodes alone; in a deployment
+    /// the clients' spans are made on the clients' machines.
+    NodesTraced,
 }
 
 /// The argument of a [`Variant::CollectorDown`] child: this, then the
 /// endpoint.
 const DOWN_PREFIX: &str = "down=";
+
+/// The argument of a [`Variant::NodesTraced`] child: this, then the
+/// endpoint.
+const NODES_PREFIX: &str = "nodes=";
 
 impl Variant {
     fn of(argument: &str) -> Variant {
@@ -603,6 +627,7 @@ impl Variant {
             "none" => Variant::NoSubscriber,
             "off" => Variant::Off,
             _ if argument.starts_with(DOWN_PREFIX) => Variant::CollectorDown,
+            _ if argument.starts_with(NODES_PREFIX) => Variant::NodesTraced,
             _ => Variant::Traced,
         }
     }
@@ -613,6 +638,7 @@ impl Variant {
             Variant::Off => "off",
             Variant::Traced => "traced",
             Variant::CollectorDown => "collector down",
+            Variant::NodesTraced => "traced at the nodes",
         }
     }
 }
@@ -848,12 +874,20 @@ fn tracing_compare(args: &Args, pairs: usize) -> anyhow::Result<()> {
         (Variant::Off, Variant::NoSubscriber),
         (Variant::CollectorDown, Variant::Off),
         (Variant::CollectorDown, Variant::Traced),
+        (Variant::NodesTraced, Variant::Off),
     ];
     let mut ratios: Vec<[Vec<f64>; 4]> = vec![Default::default(); comparisons.len()];
     for round in 0..pairs {
         // Rotate which runs first, so drift (page cache, disk) does not
         // favour one variant.
-        let mut order = ["none", "off", endpoint.as_str(), down.as_str()];
+        let nodes = format!("{NODES_PREFIX}{endpoint}");
+        let mut order = [
+            "none",
+            "off",
+            endpoint.as_str(),
+            down.as_str(),
+            nodes.as_str(),
+        ];
         let variants = order.len();
         order.rotate_left(round % variants);
         let mut results = BTreeMap::new();
