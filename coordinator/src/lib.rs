@@ -37,7 +37,7 @@ use std::time::Duration;
 pub use config::CoordinatorConfig;
 pub use core::Shared;
 use meta::{EmbeddedStore, EtcdStore, MetaError, MetaStore};
-pub use ops::{RESTORE_ID_SKIP, next_namespace_id};
+pub use ops::{RESTORE_ID_SKIP, RESTORE_VERSION_SKIP, next_namespace_id};
 pub use reconcile::Progress;
 use tidepool_proto::v1::coordinator_service_server::CoordinatorServiceServer;
 

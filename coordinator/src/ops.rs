@@ -518,8 +518,22 @@ impl Shared {
             RESTORE_ID_SKIP.saturating_add(u32::try_from(missed).unwrap_or(u32::MAX))
         };
         // The version stored is above every version seen, so every node
-        // takes the restored map as the newest.
+        // takes the restored map as the newest. Without every node's answer
+        // it is also above any version a node that did not answer can hold:
+        // the maps it held and this one's successors are different lines,
+        // and versions compare only within one. Were the returning node's
+        // map the higher, it would keep it, the store would be reported
+        // behind, and the next restore would store it — dropping every
+        // change made since this one (namespaces created meanwhile, whose
+        // ids the next creations would hand out again).
         let floor = seen.map_or(0, |s| s.node_version);
+        let floor = if skipped_ids > 0 {
+            floor
+                .max(found.map.version)
+                .saturating_add(RESTORE_VERSION_SKIP)
+        } else {
+            floor
+        };
         // A store that lost its data lost the epoch's start too: without
         // one the epoch would advance at once, a retention interval early.
         let epoch_clock = match self.store.get(&self.keys.epoch_started()).await? {
@@ -640,6 +654,15 @@ pub struct Restored {
 /// nodes received and the loss of the store is far more than the seconds a
 /// map takes to reach every node allow; ids are 32 bits.
 pub const RESTORE_ID_SKIP: u32 = 1_024;
+
+/// How far a restore that went on without a node moves the map's version
+/// past the newest it saw: a node that did not answer holds a map at most
+/// the changes made while it alone received them ahead, and four billion
+/// map changes are beyond any cluster's life. A node back with such a map
+/// then takes the restored one (same cluster, higher version), so the
+/// store is not reported behind it and a later restore cannot store it
+/// over the changes made since.
+pub const RESTORE_VERSION_SKIP: u64 = 1 << 32;
 
 /// The id the next new namespace gets: above every id the map holds and
 /// every id it handed out (`u32::MAX`, never handed out, when exhausted:

@@ -7,12 +7,13 @@
 //! scripted `NodeAdmin` server on a real socket that answers only
 //! `HeldMap` and never heartbeats the second coordinator.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tidepool_coordinator::RESTORE_ID_SKIP;
 use tidepool_coordinator::meta::{EmbeddedStore, MetaStore, Op};
 use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
+use tidepool_coordinator::{RESTORE_ID_SKIP, RESTORE_VERSION_SKIP};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
@@ -25,10 +26,12 @@ use tidepool_proto::v1::{
 };
 use tonic::{Request, Response, Status};
 
-/// A node that answers `HeldMap` with the map it is given, and nothing else.
+/// A node that answers `HeldMap` with the map it is given, and nothing else
+/// (nothing at all while `away`).
 #[derive(Default)]
 struct Holding {
     map: Mutex<ClusterMap>,
+    away: AtomicBool,
 }
 
 #[tonic::async_trait]
@@ -73,6 +76,9 @@ impl NodeAdmin for Holding {
     }
 
     async fn held_map(&self, _: Request<HeldMapRequest>) -> Result<Response<ClusterMap>, Status> {
+        if self.away.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("scripted: away"));
+        }
         Ok(Response::new(self.map.lock().unwrap().clone()))
     }
 }
@@ -220,7 +226,8 @@ async fn a_coordinator_on_a_store_behind_the_nodes_refuses_changes_from_its_firs
     // maps nobody reported.
     assert_eq!(restored.skipped_ids, RESTORE_ID_SKIP + 1);
     let map = restored.map.unwrap();
-    assert_eq!(map.version, newer.version + 1);
+    // Past any map a node that did not answer may hold.
+    assert_eq!(map.version, newer.version + RESTORE_VERSION_SKIP + 1);
     assert_eq!(map.next_namespace_id, highest + 1 + RESTORE_ID_SKIP + 1);
     let shards_above = map.shards.iter().map(|s| s.shard_id).max().unwrap() + 1;
     assert_eq!(map.next_shard_id, shards_above + RESTORE_ID_SKIP + 1);
@@ -329,6 +336,128 @@ async fn a_store_that_lost_every_key_takes_the_map_back_with_the_epoch_clock() {
         .into_inner();
     let highest = served.namespaces.iter().map(|ns| ns.id).max().unwrap();
     assert_eq!(created.id, highest + 1);
+    coordinator.stop().await.unwrap();
+}
+
+/// A restore that went on without a node stores a version past any map
+/// that node can hold. Back with a newer map of the line before the restore
+/// (it alone received changes the answering nodes did not), it takes the
+/// restored map: the store is not reported behind it, and a second restore
+/// cannot store its map over what changed since the first — here a
+/// namespace created after it, whose blobs would be out of every map and
+/// whose id the next creations would hand out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_after_a_restore_without_it_does_not_bring_its_older_line_back() {
+    let (answering, answering_address) = holding_node().await;
+    let (away, away_address) = holding_node().await;
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let (coordinator, mut client) = leading(&store).await;
+    let mut away_id = 0;
+    for address in [&answering_address, &away_address] {
+        let registered = client
+            .register_node(RegisterNodeRequest {
+                address: address.clone(),
+                capacity_bytes: 1 << 30,
+                ..RegisterNodeRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if address == &away_address {
+            away_id = registered.node_id;
+        }
+    }
+    let served = (*coordinator.shared.map()).clone();
+    *answering.map.lock().unwrap() = served.clone();
+    // The away node received ten changes the other did not, one of them a
+    // namespace, and does not answer.
+    let highest = served.namespaces.iter().map(|ns| ns.id).max().unwrap();
+    let mut ahead = ClusterMap {
+        version: served.version + 10,
+        ..served.clone()
+    };
+    ahead.namespaces.push(Namespace {
+        name: "only-on-the-away-node".into(),
+        id: highest + 1,
+        ..Namespace::default()
+    });
+    *away.map.lock().unwrap() = ahead.clone();
+    away.away.store(true, Ordering::SeqCst);
+
+    // The store loses its data; the map is restored without the away node.
+    let keys = &coordinator.shared.keys;
+    store
+        .txn(
+            Vec::new(),
+            vec![
+                Op::Delete { key: keys.map() },
+                Op::Delete {
+                    key: keys.epoch_started(),
+                },
+            ],
+        )
+        .await
+        .unwrap();
+    let restored = client
+        .restore_map(RestoreMapRequest {
+            node_address: answering_address.clone(),
+            allow_unanswered: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(restored.unanswered_nodes, vec![away_address.clone()]);
+    let restored_version = restored.map.unwrap().version;
+    assert_eq!(
+        restored_version,
+        served.version + RESTORE_VERSION_SKIP + 1,
+        "past any version the away node can hold"
+    );
+    let created = client
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-the-restore".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+
+    // The away node is back with the older line's map, ten versions ahead
+    // of the one restored: the store is not behind it.
+    away.away.store(false, Ordering::SeqCst);
+    let behind = coordinator
+        .shared
+        .note_node_maps([(away_id, ahead.version)], true)
+        .await
+        .unwrap();
+    assert_eq!(behind, None, "the store is reported behind the away node");
+    assert_eq!(coordinator.shared.store_behind(), None);
+    // With every node answering, a restore finds nothing newer than the
+    // store's: the namespace created since stays, with its id.
+    let again = client
+        .restore_map(RestoreMapRequest {
+            node_address: away_address.clone(),
+            allow_unanswered: false,
+        })
+        .await
+        .unwrap_err();
+    let code = error_detail(&again).and_then(|d| ErrorCode::try_from(d.code).ok());
+    assert_eq!(code, Some(ErrorCode::Conflict), "{again:?}");
+    assert!(again.message().contains("nothing to restore"), "{again:?}");
+    let map = coordinator.shared.map();
+    assert!(map.version > restored_version);
+    assert!(
+        map.namespaces
+            .iter()
+            .any(|ns| ns.name == created.name && ns.id == created.id),
+        "{map:?}"
+    );
+    assert!(
+        !map.namespaces
+            .iter()
+            .any(|ns| ns.name == "only-on-the-away-node"),
+        "what only the away node's map held is left out"
+    );
     coordinator.stop().await.unwrap();
 }
 

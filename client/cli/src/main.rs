@@ -644,7 +644,7 @@ fn restored_text(restored: &RestoreMapResponse) -> String {
     }
     if restored.skipped_ids > 0 {
         out.push_str(&format!(
-            "\nnamespace and shard ids skip {} ahead: a newer map than the one restored may have handed some out",
+            "\nnamespace and shard ids skip {} ahead: a newer map than the one restored may have handed some out; the map's version skips past any such map's, so its holder takes this one when it is back (what only it held is left out)",
             restored.skipped_ids
         ));
     }
