@@ -656,9 +656,9 @@ pub struct Restored {
 pub const RESTORE_ID_SKIP: u32 = 1_024;
 
 /// How far a restore that went on without a node moves the map's version
-/// past the newest it saw: a node that did not answer holds a map at most
-/// the changes made while it alone received them ahead, and four billion
-/// map changes are beyond any cluster's life. A node back with such a map
+/// past the newest it saw: a node that did not answer can be ahead of it by
+/// the map changes only that node received, and four billion map changes
+/// are beyond any cluster's life. A node back with such a map
 /// then takes the restored one (same cluster, higher version), so the
 /// store is not reported behind it and a later restore cannot store it
 /// over the changes made since.
