@@ -275,3 +275,60 @@ fn wait_outcome(cluster: &mut SimCluster, slot: &Pending) -> Outcome {
     assert!(done, "seed {seed}: never completed");
     slot.lock().unwrap().clone().unwrap()
 }
+
+/// A touch answers whether the blob was still there when it applied: a
+/// content-addressed put that found its key present refreshes it with a
+/// touch, and stores its bytes after all when a delete or a dropped epoch
+/// applied in between; `Touch` and `BatchExists` answer `NOT_FOUND` and
+/// absent then. A retried sessioned touch gets the first attempt's answer.
+#[test]
+fn a_touch_reports_whether_the_blob_was_still_there_when_it_applied() {
+    let seed = tidepool_testkit::seed_from_env("CLUSTER_SEED");
+    let mut cluster = SimCluster::new(seed, 3, Durability::Synced);
+    let k = key(7);
+    let touch = |session: Option<SessionTag>| Command::Touch {
+        namespace: 1,
+        epoch: 2,
+        key: k,
+        session,
+    };
+    elect(&mut cluster);
+    assert_eq!(
+        propose_on_leader(&mut cluster, &put(k, b"chunk"), "put"),
+        OpResult::DONE
+    );
+    assert_eq!(
+        propose_on_leader(&mut cluster, &touch(None), "touch of a stored blob"),
+        OpResult::Done { existed: true },
+        "seed {seed}"
+    );
+    let gone = Command::Write(vec![WriteOp {
+        value: None,
+        namespace: 1,
+        epoch: 1,
+        key: k,
+        name: Vec::new(),
+        session: None,
+        if_absent: false,
+    }]);
+    propose_on_leader(&mut cluster, &gone, "delete");
+    assert_eq!(
+        propose_on_leader(&mut cluster, &touch(None), "touch of a deleted blob"),
+        OpResult::Done { existed: false },
+        "seed {seed}"
+    );
+    let tag = SessionTag {
+        id: SESSION,
+        seq: 1,
+        opens: true,
+        time_ms: 1_000,
+    };
+    for attempt in ["first", "retried"] {
+        assert_eq!(
+            propose_on_leader(&mut cluster, &touch(Some(tag)), attempt),
+            OpResult::Done { existed: false },
+            "seed {seed}: {attempt} sessioned touch"
+        );
+    }
+    assert_everywhere(&mut cluster, &k, None, "touches of a deleted blob");
+}

@@ -112,9 +112,11 @@ impl Replica {
                     sessions.finish_entry(entry.index, vec![0]);
                     return Ok(vec![OpResult::Refused(Refusal::WrongShard)]);
                 }
+                // `existed`: whether the blob was still there (a delete or a
+                // dropped epoch may have applied since the touch was asked).
                 let decided = decide_op(&mut sessions, entry.index, 0, session.as_ref(), |_| {
-                    engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
-                    Ok(Some(false))
+                    let found = engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
+                    Ok(Some(found))
                 })?;
                 if first_time && !decided.applied {
                     sessions.finish_entry(entry.index, vec![0]);

@@ -445,30 +445,25 @@ impl BlobApi {
         let engine = target.shard.engine();
         let epoch = engine.epoch().0;
         if target.namespace.content_addressed {
+            // "Already present" is an answer about the shard's state: taken
+            // at a linearizable read point, not from whatever this replica
+            // applied. A new leader may not have applied a delete or an
+            // epoch drop committed under the last one, and a deposed leader
+            // not know of it at all: answered from there, the put would be
+            // acknowledged for a blob that is gone (a backup's chunk).
+            self.read_point(&target, ReadConsistency::Linearizable as i32)
+                .await?;
             let space = engine
                 .key_space(BLOB_KEY_SPACE)
                 .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
             let present = engine
                 .epoch_of(space, &target.key)
                 .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
-            if let Some(stored_epoch) = present {
-                // The same key can only hold the same content: refresh its
-                // epoch, write nothing else. A put asked synced on a
-                // buffered cluster commits a marked entry anyway: once it
-                // commits, a majority has synced its log through it, the
-                // stored blob included.
-                if stored_epoch.0 < epoch {
-                    let touch = Command::Touch {
-                        namespace: target.namespace.id,
-                        epoch,
-                        key: target.key,
-                        session,
-                    };
-                    self.commit(&target, Proposal::Command(touch, sync)).await?;
-                } else if sync == EntrySync::Always {
-                    self.commit(&target, Proposal::Command(Command::Noop, sync))
-                        .await?;
-                }
+            if let Some(stored_epoch) = present
+                && self
+                    .keep_present(&target, stored_epoch.0, epoch, sync)
+                    .await?
+            {
                 return Ok(PutResponse {
                     info: Some(
                         blob::Header {
@@ -786,11 +781,17 @@ impl BlobApi {
                             key: storage_key(namespace.id, &request.keys[*i]),
                             session: None,
                         };
-                        submit(&target, Proposal::Command(touch, EntrySync::AsConfigured))
+                        (
+                            *i,
+                            submit(&target, Proposal::Command(touch, EntrySync::AsConfigured)),
+                        )
                     })
                     .collect();
-                for rx in pending {
-                    self.committed(&target, rx).await?;
+                for (i, rx) in pending {
+                    // Deleted or expired since its read: missing after all.
+                    if self.committed(&target, rx).await? == (OpResult::Done { existed: false }) {
+                        presence[i] = Presence::Absent;
+                    }
                 }
             }
         }
@@ -925,6 +926,41 @@ impl BlobApi {
         })
     }
 
+    /// For a content-addressed put whose key was present at its read point
+    /// with `stored_epoch`: the same key can only hold the same content, so
+    /// its epoch is refreshed and nothing else written. Whether the blob is
+    /// still there: a touch that applies after a delete or a dropped epoch
+    /// finds nothing, and the put then stores its bytes after all. A put
+    /// asked synced on a buffered cluster commits a marked entry anyway:
+    /// once it commits, a majority has synced its log through it, the
+    /// stored blob included.
+    async fn keep_present(
+        &self,
+        target: &Target,
+        stored_epoch: u32,
+        epoch: u32,
+        sync: EntrySync,
+    ) -> ApiResult<bool> {
+        if stored_epoch < epoch {
+            // No session: a touch only moves a blob forward, harmless
+            // twice, and the put's session stays for the write that may
+            // follow (a session applies each of its writes once).
+            let touch = Command::Touch {
+                namespace: target.namespace.id,
+                epoch,
+                key: target.key,
+                session: None,
+            };
+            let result = self.commit(target, Proposal::Command(touch, sync)).await?;
+            return Ok(result != OpResult::Done { existed: false });
+        }
+        if sync == EntrySync::Always {
+            self.commit(target, Proposal::Command(Command::Noop, sync))
+                .await?;
+        }
+        Ok(true)
+    }
+
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
         let session = self.session(request.session.as_ref())?;
@@ -953,7 +989,12 @@ impl BlobApi {
                 session,
             };
             let touch = Proposal::Command(touch, EntrySync::AsConfigured);
-            self.commit(&target, touch).await?;
+            if self.commit(&target, touch).await? == (OpResult::Done { existed: false }) {
+                return Err(self.node.error(
+                    ErrorCode::NotFound,
+                    "no such blob: deleted or expired before the touch applied",
+                ));
+            }
         }
         Ok(TouchResponse {
             epoch: u64::from(epoch),
