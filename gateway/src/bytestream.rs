@@ -461,20 +461,33 @@ impl ByteStream for Reapi {
 /// upload); never past the blob's declared size.
 async fn append(session: &mut Session, data: &[u8], size: u64) -> Result<(), Status> {
     session.received += data.len() as u64;
-    let plain;
-    let bytes = match session.decompressor.as_mut() {
-        Some(d) => {
-            let mut out = Vec::new();
-            d.feed(data, &mut out).map_err(invalid)?;
-            plain = out;
-            &plain[..]
-        }
-        None => data,
-    };
     let upload = session
         .upload
         .as_mut()
         .ok_or_else(|| Status::internal("no upload"))?;
+    let Some(decompressor) = session.decompressor.as_mut() else {
+        return write_within(upload, data, size).await;
+    };
+    // A message of a few megabytes of zstd may stand for gigabytes: stored
+    // a piece at a time, never held whole.
+    let (mut at, mut plain) = (0, Vec::new());
+    loop {
+        plain.clear();
+        let done = decompressor
+            .feed_some(data, &mut at, &mut plain, DECOMPRESSED_PIECE)
+            .map_err(invalid)?;
+        write_within(upload, &plain, size).await?;
+        if done {
+            return Ok(());
+        }
+    }
+}
+
+/// Most decompressed bytes of an upload held at once.
+const DECOMPRESSED_PIECE: usize = 4 << 20;
+
+/// Writes `bytes` to `upload`, never past the blob's declared `size`.
+async fn write_within(upload: &mut Upload, bytes: &[u8], size: u64) -> Result<(), Status> {
     if upload.written() + bytes.len() as u64 > size {
         return Err(invalid(format!(
             "more bytes than the {size} the digest declares"

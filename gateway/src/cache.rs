@@ -92,7 +92,18 @@ pub(crate) async fn read_all(
     key: &[u8],
     limit: u64,
 ) -> Result<Vec<u8>> {
-    let mut reader = client.open_range(namespace, key, 0, None).await?;
+    let reader = client.open_range(namespace, key, 0, None).await?;
+    read_opened(client, namespace, key, reader, limit).await
+}
+
+/// The rest of [`read_all`], from an opened blob.
+async fn read_opened(
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    mut reader: tidepool_client::BlobReader,
+    limit: u64,
+) -> Result<Vec<u8>> {
     if reader.size() > limit {
         return Err(invalid(format!(
             "blob {} is {} bytes; at most {limit} fit here (use ByteStream)",
@@ -119,18 +130,21 @@ pub(crate) async fn read_cas(
     if digest.is_empty_blob() {
         return Ok(Vec::new());
     }
-    let bytes = read_all(client, &instance.cas, &digest.hash, limit).await?;
-    if bytes.len() as u64 != digest.size {
-        // The hash matched (the SDK verified it), so the size claimed is
-        // wrong.
+    // The size is checked before anything is read: a digest claiming a
+    // small size for a large stored blob costs no more than its claim.
+    let reader = client
+        .open_range(&instance.cas, &digest.hash, 0, None)
+        .await?;
+    if reader.size() != digest.size {
+        // The hash names the blob, so the size claimed is wrong.
         return Err(not_found(format!(
             "blob {} is {} bytes, not {}",
             hex(&digest.hash),
-            bytes.len(),
+            reader.size(),
             digest.size
         )));
     }
-    Ok(bytes)
+    read_opened(client, &instance.cas, &digest.hash, reader, limit).await
 }
 
 /// Checks `bytes` against `digest` and stores them in the CAS. The size

@@ -39,9 +39,26 @@ impl Decompressor {
     /// Decompresses `input`, appending to `out`. An error if the input is
     /// not zstd or would decompress past the limit.
     pub(crate) fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
-        let mut input = InBuffer::around(input);
+        let mut at = 0;
+        while !self.feed_some(input, &mut at, out, usize::MAX)? {}
+        Ok(())
+    }
+
+    /// Decompresses `input` from `*at` on, appending to `out`, and stops
+    /// once `out` holds `room` bytes or more (`*at` then says where to go
+    /// on): a few bytes of zstd can stand for megabytes, so a caller that
+    /// stores what it decompresses takes it in pieces. Whether all of
+    /// `input` was consumed and its output produced.
+    pub(crate) fn feed_some(
+        &mut self,
+        input: &[u8],
+        at: &mut usize,
+        out: &mut Vec<u8>,
+        room: usize,
+    ) -> Result<bool, String> {
+        let mut input = InBuffer::around(&input[*at..]);
         let mut slice = vec![0u8; 256 << 10];
-        loop {
+        let done = loop {
             let mut output = OutBuffer::around(&mut slice[..]);
             let consumed_before = input.pos();
             let hint = self
@@ -63,9 +80,14 @@ impl Decompressor {
                 self.at_frame_end = hint == 0;
             }
             if input.pos() == input.src.len() && made < slice.len() {
-                return Ok(());
+                break true;
             }
-        }
+            if out.len() >= room {
+                break false;
+            }
+        };
+        *at += input.pos();
+        Ok(done)
     }
 
     /// Whether the input so far ends at the end of a frame (a stream cut
@@ -106,6 +128,28 @@ mod tests {
         }
         assert!(d.complete());
         assert_eq!(out, whole);
+    }
+
+    #[test]
+    fn output_comes_in_pieces_of_the_room_given() {
+        let whole: Vec<u8> = (0..3_000_000u32).map(|i| (i % 7) as u8).collect();
+        let stream = compress(&whole).unwrap();
+        let mut d = Decompressor::new(whole.len() as u64).unwrap();
+        let (mut at, mut got, mut pieces) = (0, Vec::new(), 0);
+        loop {
+            let mut out = Vec::new();
+            let done = d.feed_some(&stream, &mut at, &mut out, 1 << 20).unwrap();
+            // At most one 256 KiB slice past the room.
+            assert!(out.len() < (1 << 20) + (256 << 10), "{}", out.len());
+            got.extend_from_slice(&out);
+            pieces += 1;
+            if done {
+                break;
+            }
+        }
+        assert!(pieces >= 3, "{pieces}");
+        assert!(d.complete());
+        assert_eq!(got, whole);
     }
 
     #[test]

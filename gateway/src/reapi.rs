@@ -189,6 +189,22 @@ impl ContentAddressableStorage for Reapi {
                 self.max_batch()
             )));
         }
+        // The limit is on the blobs, not on what carries them: compressed
+        // items declare their size, and a few kilobytes of zstd can stand
+        // for gigabytes (each item decompresses to at most its size).
+        let declared = request.requests.iter().try_fold(0u64, |sum, r| {
+            let size = r.digest.as_ref().map_or(0, |d| d.size_bytes.max(0) as u64);
+            sum.checked_add(size)
+        });
+        match declared {
+            Some(declared) if declared <= self.max_batch() => {}
+            _ => {
+                return Err(Status::invalid_argument(format!(
+                    "the batch's digests declare more than {} bytes (max_batch_total_size_bytes); upload larger blobs with ByteStream",
+                    self.max_batch()
+                )));
+            }
+        }
         let mut tasks = tokio::task::JoinSet::new();
         for (i, item) in request.requests.into_iter().enumerate() {
             let (client, instance) = (client.clone(), instance.clone());
@@ -246,10 +262,13 @@ impl ContentAddressableStorage for Reapi {
             .iter()
             .map(|d| digest_of(Some(d)))
             .collect::<Result<Vec<_>, _>>()?;
-        let total: u64 = digests.iter().map(|d| d.size).sum();
-        if total > self.max_batch() {
+        let total = digests
+            .iter()
+            .try_fold(0u64, |sum, d| sum.checked_add(d.size))
+            .filter(|total| *total <= self.max_batch());
+        if total.is_none() {
             return Err(Status::invalid_argument(format!(
-                "the blobs asked for add up to {total} bytes; at most {} (max_batch_total_size_bytes)",
+                "the blobs asked for add up to more than {} bytes (max_batch_total_size_bytes)",
                 self.max_batch()
             )));
         }

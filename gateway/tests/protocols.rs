@@ -208,19 +208,78 @@ async fn capabilities_find_missing_and_batches() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // A few bytes of zstd declaring an exabyte: the batch limit is on the
+    // sizes declared, refused before anything is decompressed.
+    let bomb = zstd::bulk::compress(&vec![0u8; 1 << 20], 3).unwrap();
+    let e = s
+        .cas()
+        .batch_update_blobs(re::BatchUpdateBlobsRequest {
+            instance_name: String::new(),
+            requests: vec![re::batch_update_blobs_request::Request {
+                digest: Some(re::Digest {
+                    hash: digest(b"any").hash,
+                    size_bytes: 1 << 60,
+                }),
+                data: bomb,
+                compressor: re::compressor::Value::Zstd as i32,
+            }],
+            digest_function: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("declare"), "{e:?}");
 
     // BatchReadBlobs: found, missing, compressed on request.
     let response = s
         .cas()
         .batch_read_blobs(re::BatchReadBlobsRequest {
             instance_name: String::new(),
-            digests: vec![digest(&good), digest(&liar), digest(b"")],
+            digests: vec![
+                digest(&good),
+                digest(&liar),
+                digest(b""),
+                // A stored blob asked for with a smaller size: not read.
+                re::Digest {
+                    hash: digest(&good).hash,
+                    size_bytes: 1,
+                },
+            ],
             acceptable_compressors: vec![re::compressor::Value::Zstd as i32],
             digest_function: 0,
         })
         .await
         .expect("batch read")
         .into_inner();
+    assert_eq!(
+        response.responses[3].status.as_ref().unwrap().code,
+        Code::NotFound as i32
+    );
+    // Sizes that add up past 2^64 are refused, not wrapped.
+    let e = s
+        .cas()
+        .batch_read_blobs(re::BatchReadBlobsRequest {
+            instance_name: String::new(),
+            digests: vec![
+                re::Digest {
+                    hash: digest(&good).hash,
+                    size_bytes: i64::MAX,
+                },
+                re::Digest {
+                    hash: digest(&good).hash,
+                    size_bytes: i64::MAX,
+                },
+                re::Digest {
+                    hash: digest(&good).hash,
+                    size_bytes: 3,
+                },
+            ],
+            acceptable_compressors: Vec::new(),
+            digest_function: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let first = &response.responses[0];
     assert_eq!(first.compressor, re::compressor::Value::Zstd as i32);
     assert_eq!(zstd::stream::decode_all(&first.data[..]).unwrap(), good);
@@ -515,6 +574,32 @@ async fn bytestream_reads_writes_and_resumes() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // One message of zstd standing for more than the gateway holds at once
+    // is stored in pieces.
+    let zeros = vec![0u8; 6 << 20];
+    let packed = zstd::bulk::compress(&zeros, 3).unwrap();
+    let name = format!(
+        "uploads/z3/compressed-blobs/zstd/{}/{}",
+        digest(&zeros).hash,
+        zeros.len()
+    );
+    s.bytestream()
+        .write(tokio_stream::iter(write_requests(
+            &name,
+            &packed,
+            0,
+            packed.len(),
+            true,
+        )))
+        .await
+        .expect("a compressed upload in one message");
+    assert_eq!(
+        s.client
+            .get("cache", &Sha256::digest(&zeros))
+            .await
+            .unwrap(),
+        zeros
+    );
     s.stop().await;
 }
 
