@@ -12,7 +12,7 @@ use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
     GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace,
     RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest, SplitShardRequest,
-    TokenGrant, TokenRecord,
+    TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -55,7 +55,8 @@ impl Client {
             let address = target
                 .take()
                 .unwrap_or_else(|| self.cluster.seeds[seed % self.cluster.seeds.len()].clone());
-            let client = CoordinatorServiceClient::new(self.cluster.channel(&address)?);
+            // A client acting for a caller asks with the caller's token.
+            let client = CoordinatorServiceClient::new(self.channel_as_caller(&address)?);
             let status = match op(client).await {
                 Ok(value) => return Ok(value),
                 Err(status) => status,
@@ -168,6 +169,15 @@ impl Client {
             c.list_tokens(ListTokensRequest {})
                 .await
                 .map(|r| r.into_inner().tokens)
+        })
+        .await
+    }
+
+    /// The caller's own token as the coordinator authenticated it (name
+    /// and roles; `open` when the cluster checks no tokens).
+    pub async fn who_am_i(&self) -> Result<WhoAmIResponse> {
+        self.on_coordinator(|mut c| async move {
+            c.who_am_i(WhoAmIRequest {}).await.map(|r| r.into_inner())
         })
         .await
     }

@@ -15,7 +15,7 @@ use tidepool_proto::v1::{
     ListTokensResponse, Namespace, NodeAddress, PrepareNodeStopRequest, PrepareNodeStopResponse,
     RegisterNodeRequest, RegisterNodeResponse, RestoreMapRequest, RestoreMapResponse,
     RevokeTokenRequest, RevokeTokenResponse, SetRetentionRequest, SplitShardRequest,
-    SplitShardResponse, WatchClusterMapRequest,
+    SplitShardResponse, TokenGrant, WatchClusterMapRequest, WhoAmIRequest, WhoAmIResponse,
 };
 use tidepool_proto::{ErrorInfo, v1::ErrorCode};
 use tidepool_security::{Caller, Identity};
@@ -339,6 +339,30 @@ impl CoordinatorService for CoordinatorApi {
     ) -> Result<Response<ListTokensResponse>, Status> {
         let tokens = self.shared.list_tokens();
         Ok(Response::new(ListTokensResponse { tokens }))
+    }
+
+    async fn who_am_i(
+        &self,
+        request: Request<WhoAmIRequest>,
+    ) -> Result<Response<WhoAmIResponse>, Status> {
+        let caller = Caller::of(&request);
+        let mut answer = WhoAmIResponse {
+            open: caller.open,
+            ..WhoAmIResponse::default()
+        };
+        if let Some(grant) = &caller.grant {
+            answer.token_name = grant.name.clone();
+            answer.admin = grant.admin;
+            answer.grants = grant
+                .namespaces
+                .iter()
+                .map(|(namespace, roles)| TokenGrant {
+                    namespace: namespace.clone(),
+                    roles: roles.iter().map(|r| *r as i32).collect(),
+                })
+                .collect();
+        }
+        Ok(Response::new(answer))
     }
 
     async fn revoke_token(

@@ -143,6 +143,9 @@ pub(crate) struct Gateway {
     last_refresh: tokio::sync::Mutex<std::time::Instant>,
     /// Requests by protocol, method and code.
     metrics: tidepool_telemetry::RequestMetrics,
+    /// Token names by the SHA-256 of the secret, as the coordinator
+    /// authenticated them (a name never changes for a secret).
+    token_names: std::sync::Mutex<std::collections::HashMap<[u8; 32], String>>,
 }
 
 /// The gRPC methods the gateway serves (every other path counts as
@@ -235,6 +238,37 @@ impl Gateway {
                 "a token is required (gRPC: `authorization: Bearer <token>`; HTTP: Bearer, or Basic with the token as password)",
             )),
         }
+    }
+
+    /// The name of the token `secret`, as the coordinator authenticates it
+    /// (`client` acts with it); `None` when the cluster checks no tokens.
+    pub(crate) async fn token_name(
+        &self,
+        secret: &str,
+        client: &Client,
+    ) -> tidepool_client::Result<Option<String>> {
+        /// Names remembered at most; past it the memory starts again.
+        const REMEMBERED: usize = 4_096;
+        let hash = tidepool_security::token::hash(secret);
+        if let Some(name) = self.token_names.lock().expect("names").get(&hash) {
+            return Ok(Some(name.clone()));
+        }
+        let me = client.who_am_i().await?;
+        if me.open {
+            return Ok(None);
+        }
+        if me.token_name.is_empty() {
+            return Err(tidepool_client::Error::new(
+                ErrorCode::Unauthenticated,
+                "the coordinator authenticated no token",
+            ));
+        }
+        let mut names = self.token_names.lock().expect("names");
+        if names.len() >= REMEMBERED {
+            names.clear();
+        }
+        names.insert(hash, me.token_name.clone());
+        Ok(Some(me.token_name))
     }
 
     /// The instance `name` names, if its namespaces exist.
@@ -414,6 +448,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         ),
         config,
         metrics: tidepool_telemetry::RequestMetrics::default(),
+        token_names: Default::default(),
     });
     let (stop, stopped) = watch::channel(false);
     let mut tasks = vec![

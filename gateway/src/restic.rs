@@ -278,6 +278,10 @@ async fn serve_request(
         .expect("served only when configured");
     let credential =
         Credential::from_header(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()))?;
+    let secret = match &credential {
+        Credential::Token(secret) => Some(secret.clone()),
+        Credential::Anonymous => None,
+    };
     let client = gateway.caller(credential)?;
     let parsed = parse(&method, uri.path(), uri.query())?;
     if restic.private_repos {
@@ -291,6 +295,21 @@ async fn serve_request(
             return Err(Error::new(
                 ErrorCode::PermissionDenied,
                 format!("user {user:?} may only use repositories under /{user}/"),
+            ));
+        }
+        // The user name is only a claim: it must be the token's name, as
+        // the coordinator authenticates it, or any token could open any
+        // user's repositories. A cluster that checks no tokens has no
+        // names to hold it to (as rest-server without authentication).
+        let secret = secret.as_deref().unwrap_or_default();
+        if let Some(name) = gateway.token_name(secret, &client).await?
+            && name != user
+        {
+            return Err(Error::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "private repositories: the user name must be the token's name; this token is {name:?}, not {user:?}"
+                ),
             ));
         }
     }
@@ -384,13 +403,25 @@ fn list(
         let mut piece = b"[".to_vec();
         let mut first = true;
         loop {
-            let entry = match lister.next().await {
+            let next = lister.next().await;
+            // A shard holding blobs stored before keys were indexed (by an
+            // older version) cannot list them: a list without them would
+            // be taken for whole (`prune` deletes packs only unlisted
+            // index files name).
+            let next = match next {
+                Ok(_) if lister.incomplete() => Err(
+                    "a shard holds objects stored by an older version, before keys were indexed: they cannot be listed".to_string(),
+                ),
+                next => next.map_err(|e| e.to_string()),
+            };
+            let entry = match next {
                 Ok(Some(entry)) => entry,
                 Ok(None) => break,
                 Err(e) => {
                     // The body is cut short: the client sees broken JSON,
                     // never a partial list taken for whole.
-                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
+                    tracing::warn!(error = %e, "a restic listing failed");
+                    let _ = tx.send(Err(std::io::Error::other(e))).await;
                     return;
                 }
             };

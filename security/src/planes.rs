@@ -65,6 +65,7 @@ pub const METHODS: &[(&str, Plane)] = &[
         "/tidepool.v1.CoordinatorService/GetClusterStatus",
         Plane::ClusterRead,
     ),
+    ("/tidepool.v1.CoordinatorService/WhoAmI", Plane::ClusterRead),
     (
         "/tidepool.v1.CoordinatorService/RegisterNode",
         Plane::Registration,

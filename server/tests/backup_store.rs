@@ -226,6 +226,80 @@ async fn restic_backs_up_restores_checks_and_prunes() {
             .is_empty()
     );
     ok(restic(&repo, &cache, &["check"]));
+
+    private_repositories(&dev, &client, &cache).await;
+}
+
+/// `tidepool gateway --restic-private-repos` on the dev cluster: a
+/// repository's first path segment is its user, and the Basic user name
+/// must be the name of the token sent as the password, as the coordinator
+/// authenticates it. A user name is a claim; without the check any token
+/// with the restic roles opened every user's repositories.
+async fn private_repositories(dev: &Dev, client: &Client, cache: &std::path::Path) {
+    let grant = |namespace: &str| TokenGrant {
+        namespace: namespace.into(),
+        roles: [Role::Read, Role::Write, Role::Delete]
+            .iter()
+            .map(|r| *r as i32)
+            .collect(),
+    };
+    let mut tokens = Vec::new();
+    for name in ["alice", "mallory"] {
+        let grants = vec![grant("restic"), grant("restic.locks")];
+        tokens.push(client.create_token(name, false, grants).await.unwrap().0);
+    }
+    let (alice, mallory) = (&tokens[0], &tokens[1]);
+    let tls = dev.dir.path().join("tls");
+    let path = |p: std::path::PathBuf| p.to_str().unwrap().to_string();
+    let restic_at = format!("127.0.0.1:{}", tidepool_testkit::free_port());
+    let args = [
+        "gateway".to_string(),
+        "--coordinator".into(),
+        dev.coordinator.clone(),
+        "--tls-cert".into(),
+        path(tls.join("client.pem")),
+        "--tls-key".into(),
+        path(tls.join("client-key.pem")),
+        "--tls-ca".into(),
+        path(tls.join("ca.pem")),
+        "--token-file".into(),
+        path(dev.dir.path().join("admin.token")),
+        "--grpc-listen".into(),
+        format!("127.0.0.1:{}", tidepool_testkit::free_port()),
+        "--http-listen".into(),
+        format!("127.0.0.1:{}", tidepool_testkit::free_port()),
+        "--restic-listen".into(),
+        restic_at.clone(),
+        "--restic-private-repos".into(),
+    ];
+    let log = dev.dir.path().join("private-gateway.log");
+    let mut gateway = tidepool_testkit::TestProcess::spawn(support::BIN, &args, log);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(&restic_at).is_err() {
+        assert!(gateway.running(), "the gateway exited:\n{}", gateway.log());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway does not listen:\n{}",
+            gateway.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let repo =
+        |user: &str, token: &str| format!("rest:http://{user}:{token}@{restic_at}/alice/main/");
+    ok(restic(&repo("alice", alice), cache, &["init"]));
+    for (user, token, why) in [
+        ("alice", mallory, "another token claiming alice's name"),
+        ("mallory", mallory, "a user outside its own repositories"),
+    ] {
+        let refused = restic(&repo(user, token), cache, &["cat", "config"]);
+        assert!(
+            !refused.status.success() && text(&refused).contains("403"),
+            "{why}:\n{}",
+            text(&refused)
+        );
+    }
+    ok(restic(&repo("alice", alice), cache, &["cat", "config"]));
+    gateway.kill();
 }
 
 /// A raw HTTP/1.1 POST with Basic credentials; the whole response as text.
