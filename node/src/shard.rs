@@ -492,6 +492,16 @@ impl ShardHandle {
         self.send(Event::Step(Box::new(message))).is_ok()
     }
 
+    /// Whether `node` is a member of the group as this replica last
+    /// published it (a voter, outgoing voters included, or a learner).
+    pub fn has_member(&self, node: u64) -> bool {
+        self.state
+            .lock()
+            .status
+            .as_ref()
+            .is_some_and(|s| s.voters.contains(&node) || s.learners.contains(&node))
+    }
+
     /// The engine holding the shard's applied state (replaced when a
     /// snapshot is installed).
     pub fn engine(&self) -> Arc<Engine> {

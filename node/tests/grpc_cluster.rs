@@ -752,3 +752,50 @@ async fn linearizable_gets_on_the_lease_skip_the_owner_and_see_every_acknowledge
     );
     cluster.shutdown().await;
 }
+
+/// A node's Raft messages speak only in the groups it is a member of. A
+/// heartbeat in shard 1 from node 99 — in no configuration of the group and
+/// no replica of the shard in the map — with a higher term is dropped;
+/// before, any node's certificate spoke in every group: it deposed the
+/// leader, and forged appends could write into the shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
+    use prost011::Message as _;
+    use tidepool_proto::v1::raft_transport_client::RaftTransportClient;
+    use tidepool_proto::v1::{RaftBatch, RaftEnvelope};
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let leader = wait_leader(&cluster, 1).await;
+    let before = replica_status(&cluster, leader, 1).await.unwrap();
+    let mut forged = raft::eraftpb::Message {
+        from: 99,
+        to: leader,
+        term: before.term + 5,
+        ..Default::default()
+    };
+    forged.set_msg_type(raft::eraftpb::MessageType::MsgHeartbeat);
+    let batch = RaftBatch {
+        from_node: 99,
+        to_node: leader,
+        messages: vec![RaftEnvelope {
+            shard_id: 1,
+            message: forged.encode_to_vec(),
+        }],
+    };
+    let summary = RaftTransportClient::connect(cluster.url(leader))
+        .await
+        .unwrap()
+        .send(tokio_stream::iter(vec![batch]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((summary.delivered, summary.dropped), (0, 1));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let after = replica_status(&cluster, leader, 1).await.unwrap();
+    assert!(after.is_leader, "the leader was deposed: {after:?}");
+    assert_eq!(after.term, before.term);
+    // The members still write.
+    put(&cluster, "default", b"after the forged heartbeat", b"v")
+        .await
+        .unwrap();
+    cluster.shutdown().await;
+}

@@ -74,6 +74,7 @@ impl RaftTransport for RaftApi {
                     .ok()
                     .filter(|message| sender.speaks_for(&self.node, message.from))
                     .zip(self.node.shard(envelope.shard_id))
+                    .filter(|(message, shard)| member_of(&self.node, shard, message.from))
                     .is_some_and(|(message, shard)| deliver(&self.node, &shard, message));
                 if delivered {
                     summary.delivered += 1;
@@ -184,6 +185,22 @@ impl Sender {
             bound
         })
     }
+}
+
+/// Whether node `from` may speak in shard `shard`'s group here: a member
+/// as this replica knows the group, or a replica of the shard in the map
+/// (a member this replica has not applied yet, or the group a joining,
+/// still empty replica is about to hear from). A certificate speaks for
+/// its own node only (checked before); without this, any node's spoke in
+/// every group: a higher term in a forged heartbeat deposed a leader, and
+/// forged appends wrote into shards the node was never a member of.
+fn member_of(node: &Node, shard: &ShardHandle, from: u64) -> bool {
+    shard.has_member(from)
+        || node
+            .map()
+            .shards
+            .iter()
+            .any(|s| s.shard_id == shard.shard_id && s.replicas.iter().any(|r| r.node_id == from))
 }
 
 /// Hands a message to its shard. A snapshot the replica needs is fetched
