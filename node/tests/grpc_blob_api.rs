@@ -211,6 +211,20 @@ async fn every_operation_and_every_client_error() {
             }
         }
     }
+    // An unknown consistency is the request's error, not NOT_HERE for
+    // every key.
+    let status = cluster
+        .client(1)
+        .await
+        .batch_exists(BatchExistsRequest {
+            namespace: "default".into(),
+            keys: keys.clone(),
+            consistency: 7,
+            ..BatchExistsRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
     for (i, p) in answered.iter().enumerate() {
         let expected = if i < 10 || i == 20 {
             Presence::Present

@@ -722,6 +722,15 @@ impl BlobApi {
                 .1
                 .push(i);
         }
+        // A consistency this node does not know is the request's error, not
+        // every key's NOT_HERE (a client asking the leader again would ask
+        // for ever).
+        if ReadConsistency::try_from(request.consistency).is_err() {
+            return Err(invalid(
+                &self.node,
+                format!("unknown consistency {}", request.consistency),
+            ));
+        }
         let linearizable = request.consistency == ReadConsistency::Linearizable as i32;
         for (target, indexes) in by_shard.into_values() {
             if self.read_point(&target, request.consistency).await.is_err() {
