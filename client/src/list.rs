@@ -165,21 +165,10 @@ impl Lister {
         };
         let mut entry = cursor.buffer.pop_front().expect("not empty");
         if entry.chunked {
-            // The manifest's own size and digest are not the blob's.
-            match self
-                .client
-                .manifest_if_chunked(&self.namespace, &entry.key)
-                .await?
-            {
-                Some(manifest) => {
-                    entry.size = manifest.size;
-                    entry.sha256 = manifest.sha256.as_slice().try_into().map_err(|_| {
-                        Error::new(
-                            ErrorCode::Corrupt,
-                            "a manifest names a SHA-256 that is not 32 bytes",
-                        )
-                    })?;
-                }
+            // The manifest's own size and digest are not the blob's; and
+            // the key may hold another blob by now.
+            match self.client.listed_now(&self.namespace, &entry.key).await? {
+                Some(now) => entry = now,
                 // Deleted since it was listed.
                 None => return Box::pin(self.next()).await,
             }

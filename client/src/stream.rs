@@ -361,6 +361,53 @@ impl Client {
             .ok_or_else(|| Error::new(ErrorCode::Internal, "the blob is not chunked"))
     }
 
+    /// What a listing shows of the blob under `key` now (its whole size
+    /// and SHA-256); `None` if it is gone. A key listed as chunked may hold
+    /// a plain blob by the time the listing reaches it (overwritten): it is
+    /// listed as that, not left out — it was there all along.
+    pub(crate) async fn listed_now(
+        &self,
+        namespace: &str,
+        key: &[u8],
+    ) -> Result<Option<crate::list::ListEntry>> {
+        let listed = |info: &BlobInfo, sha256: &[u8], size: u64, chunked: bool| {
+            Ok(Some(crate::list::ListEntry {
+                key: key.to_vec(),
+                size,
+                sha256: sha256.try_into().map_err(|_| {
+                    corrupt(format!(
+                        "the blob under {} names a SHA-256 that is not 32 bytes",
+                        hex(key)
+                    ))
+                })?,
+                epoch: info.epoch,
+                chunked,
+            }))
+        };
+        let info = match self.head_info(namespace, key).await {
+            Ok(info) => info,
+            Err(e) if e.code() == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if info.kind != BlobKind::Manifest as i32 {
+            return listed(&info, &info.sha256, info.size, false);
+        }
+        let (info, content) = match self
+            .get_one(namespace, key, ReadConsistency::Linearizable)
+            .await
+        {
+            Ok(found) => found,
+            Err(e) if e.code() == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if info.kind != BlobKind::Manifest as i32 {
+            return listed(&info, &info.sha256, info.size, false);
+        }
+        let manifest = ChunkManifest::decode(&content[..])
+            .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))?;
+        listed(&info, &manifest.sha256, manifest.size, true)
+    }
+
     /// The manifest under `key` if the blob there is chunked; `None` if it
     /// is a plain blob or absent.
     pub(crate) async fn manifest_if_chunked(
