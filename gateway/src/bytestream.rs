@@ -51,7 +51,20 @@ struct Session {
     last_used: Instant,
 }
 
-/// Uploads in progress, by resource name.
+/// The key of an upload session: the resource name, and who writes it. A
+/// session is the caller's own: another caller who learns the upload id
+/// (it is in the resource name) can neither resume nor restart nor end it.
+fn session_key(metadata: &tonic::metadata::MetadataMap, name: &str) -> String {
+    let caller = metadata
+        .get("authorization")
+        .map_or(&b""[..], |v| v.as_bytes());
+    format!(
+        "{}/{name}",
+        tidepool_client::hex(&tidepool_client::sha256(caller))
+    )
+}
+
+/// Uploads in progress, by caller and resource name.
 #[derive(Default)]
 pub(crate) struct Uploads {
     sessions: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>,
@@ -306,12 +319,13 @@ impl ByteStream for Reapi {
         request: Request<Streaming<WriteRequest>>,
     ) -> Result<Response<WriteResponse>, Status> {
         let header = request.metadata().clone();
+        let idle = self.gateway.config.http_limits.body_idle;
         let mut stream = request.into_inner();
-        let first = stream
-            .message()
+        let first = crate::next_message(&mut stream, idle)
             .await?
             .ok_or_else(|| invalid("the write sent no request".into()))?;
         let name = first.resource_name.clone();
+        let key = session_key(&header, &name);
         let mut probe = Request::new(());
         *probe.metadata_mut() = header;
         let (client, resource) = self.resource(&probe, &name, true).await?;
@@ -331,7 +345,7 @@ impl ByteStream for Reapi {
         if first.write_offset == 0 && large && self.stored(&client, &resource).await? {
             // Already stored: done at once (-1 for a compressed upload,
             // whose compressed size the server cannot know).
-            self.gateway.uploads.remove(&name);
+            self.gateway.uploads.remove(&key);
             return Ok(Response::new(WriteResponse {
                 committed_size: if compressed { -1 } else { digest.size as i64 },
             }));
@@ -350,7 +364,7 @@ impl ByteStream for Reapi {
                 committed_size: digest.size as i64,
             }));
         }
-        let session = self.gateway.uploads.get_or_create(&name);
+        let session = self.gateway.uploads.get_or_create(&key);
         let Ok(mut session) = session.try_lock() else {
             return Err(Status::aborted(format!(
                 "another write of {name} is in progress"
@@ -392,14 +406,14 @@ impl ByteStream for Reapi {
             }
             let result = append(&mut session, &request.data, digest.size).await;
             if let Err(e) = result {
-                self.gateway.uploads.remove(&name);
+                self.gateway.uploads.remove(&key);
                 return Err(e);
             }
             session.last_used = Instant::now();
             if request.finish_write {
                 break true;
             }
-            message = stream.message().await?;
+            message = crate::next_message(&mut stream, idle).await?;
         };
         if !finished {
             return Err(invalid(format!(
@@ -414,7 +428,7 @@ impl ByteStream for Reapi {
             .is_none_or(Decompressor::complete);
         let received = session.received;
         drop(session);
-        self.gateway.uploads.remove(&name);
+        self.gateway.uploads.remove(&key);
         let upload = upload.ok_or_else(|| Status::internal("the upload vanished"))?;
         if upload.written() != digest.size || !complete {
             return Err(invalid(format!(
@@ -435,7 +449,8 @@ impl ByteStream for Reapi {
     ) -> Result<Response<QueryWriteStatusResponse>, Status> {
         let name = request.get_ref().resource_name.clone();
         let (client, resource) = self.resource(&request, &name, true).await?;
-        if let Some(session) = self.gateway.uploads.get(&name) {
+        let key = session_key(request.metadata(), &name);
+        if let Some(session) = self.gateway.uploads.get(&key) {
             let received = match session.try_lock() {
                 Ok(s) => s.received,
                 Err(_) => return Err(Status::aborted("the upload is being written right now")),

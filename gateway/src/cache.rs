@@ -201,10 +201,14 @@ async fn outputs(
     {
         digests.push(BlobDigest::from_proto(Some(digest)).map_err(invalid)?);
     }
+    // Each tree read once, however many output directories name it.
+    let mut named = HashSet::new();
     for directory in &result.output_directories {
         let tree = BlobDigest::from_proto(directory.tree_digest.as_ref()).map_err(invalid)?;
-        digests.push(tree);
-        trees.push(tree);
+        if named.insert(tree.hash) {
+            digests.push(tree);
+            trees.push(tree);
+        }
     }
     for tree in trees {
         let bytes = match read_cas(client, instance, tree, limit).await {
@@ -322,7 +326,9 @@ pub(crate) async fn tree_page(
     limit: u64,
 ) -> Result<(Vec<Directory>, Option<usize>)> {
     let mut queue = VecDeque::from([root]);
-    let mut seen = HashSet::from([root]);
+    // By hash: a directory named again with another size is the same
+    // directory (or no directory at all), never a second read.
+    let mut seen = HashSet::from([root.hash]);
     let mut index = 0usize;
     let mut page = Vec::new();
     while let Some(digest) = queue.pop_front() {
@@ -335,7 +341,7 @@ pub(crate) async fn tree_page(
             .map_err(|e| invalid(format!("{} is not a Directory: {e}", hex(&digest.hash))))?;
         for child in &directory.directories {
             let child = BlobDigest::from_proto(child.digest.as_ref()).map_err(invalid)?;
-            if seen.insert(child) {
+            if seen.insert(child.hash) {
                 queue.push_back(child);
             }
         }

@@ -281,6 +281,12 @@ async fn serve_request(
     };
     match method {
         Method::GET => get(gateway, &client, &instance, &target, namespace, &key).await,
+        // An action-cache entry is there only with its outputs, as for GET.
+        Method::HEAD if matches!(target, Target::Ac(_)) => {
+            let response = get(gateway, &client, &instance, &target, namespace, &key).await?;
+            let (parts, _) = response.into_parts();
+            Ok(Response::from_parts(parts, Body::empty()))
+        }
         Method::HEAD => {
             if let Target::Cas(hash) = &target
                 && (BlobDigest {
@@ -449,6 +455,8 @@ async fn put(
             format!("{length} bytes; at most {max} are accepted"),
         ));
     }
+    let mut stream = body.into_data_stream();
+    let idle = gateway.config.http_limits.body_idle;
     if let Target::Cas(hash) = target
         && (BlobDigest {
             hash: *hash,
@@ -456,11 +464,19 @@ async fn put(
         })
         .is_empty_blob()
     {
+        // Always there; but a body is checked against its name all the
+        // same.
+        while let Some(frame) = next_piece(&mut stream, idle).await? {
+            if !frame.is_empty() {
+                return Err(Error::new(
+                    ErrorCode::DigestMismatch,
+                    "the name is the empty blob's digest; the body is not empty",
+                ));
+            }
+        }
         return Ok(());
     }
     let mut upload = client.upload(namespace, key).await?;
-    let mut stream = body.into_data_stream();
-    let idle = gateway.config.http_limits.body_idle;
     while let Some(frame) = next_piece(&mut stream, idle).await? {
         if upload.written() + frame.len() as u64 > max {
             return Err(Error::new(

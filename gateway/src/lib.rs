@@ -84,8 +84,10 @@ pub struct HttpLimits {
     /// connection is ready for its next request: a client trickling its
     /// headers in, and an idle keep-alive connection, are closed after it.
     pub header_timeout: Duration,
-    /// Longest wait for the next piece of a request's body: the request
-    /// then fails (`TIMEOUT`) and nothing of it is stored.
+    /// Longest wait for the next piece of a request's body, or the next
+    /// message of a gRPC client stream (ByteStream `Write`,
+    /// `RegisterChunkMapping`): the request then fails (`TIMEOUT`,
+    /// `DEADLINE_EXCEEDED`) and nothing of it is stored.
     pub body_idle: Duration,
     /// Connections served at once; more wait in the listen backlog until
     /// one closes.
@@ -514,6 +516,21 @@ impl std::error::Error for StartError {}
 impl From<String> for StartError {
     fn from(message: String) -> Self {
         StartError(message)
+    }
+}
+
+/// The next message of a client stream, failing (`DEADLINE_EXCEEDED`)
+/// when none comes within `idle`: a stream left open and silent holds what
+/// it sent so far (an upload's unstored bytes) for as long as it stays.
+pub(crate) async fn next_message<T>(
+    stream: &mut tonic::Streaming<T>,
+    idle: Duration,
+) -> Result<Option<T>, tonic::Status> {
+    match tokio::time::timeout(idle, stream.message()).await {
+        Ok(message) => message,
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+            "the stream sent nothing for {idle:?}"
+        ))),
     }
 }
 

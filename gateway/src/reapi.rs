@@ -462,7 +462,8 @@ impl ContentAddressableStorage for Reapi {
         let mut stream = request.into_inner();
         let mut first: Option<re::RegisterChunkMappingRequest> = None;
         let mut chunks = Vec::new();
-        while let Some(message) = stream.message().await? {
+        let idle = self.gateway.config.http_limits.body_idle;
+        while let Some(message) = crate::next_message(&mut stream, idle).await? {
             for d in &message.chunk_digests {
                 chunks.push(digest_of(Some(d))?);
                 if chunks.len() > 1_000_000 {
@@ -660,6 +661,10 @@ pub(crate) async fn serve(
         .traced();
     let router = tonic::transport::Server::builder()
         .max_frame_size(Some(tidepool_security::MAX_FRAME_BYTES))
+        // A connection whose peer is gone (host down, a middlebox lost the
+        // flow) is found by its unanswered pings and closed.
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
         .layer(counted)
         .add_service(CapabilitiesServer::new(reapi.clone()))
         .add_service(

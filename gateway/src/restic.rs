@@ -123,6 +123,22 @@ fn parse(method: &Method, path: &str, query: Option<&str>) -> tidepool_client::R
     let segments: Vec<&str> = trimmed.split('/').collect();
     let n = segments.len();
     let last = segments[n - 1];
+    // Creating a repository, whatever its last segment says: a repository
+    // may end in a type's name (`/backup/data/`), which read otherwise
+    // would be a listing of `data` in `/backup/`.
+    let creating = query.is_some_and(|q| q.split('&').any(|p| p == "create=true"));
+    if *method == Method::POST && creating {
+        let end = if last.is_empty() { n - 1 } else { n };
+        let repo = if end == 0 {
+            String::new()
+        } else {
+            check_repo(&segments[..end])?
+        };
+        return Ok(Parsed {
+            repo,
+            target: Target::Repo,
+        });
+    }
     if last == "config" {
         let repo = check_repo(&segments[..n - 1])?;
         return Ok(Parsed {
@@ -158,19 +174,6 @@ fn parse(method: &Method, path: &str, query: Option<&str>) -> tidepool_client::R
         return Ok(Parsed {
             repo,
             target: Target::List(kind),
-        });
-    }
-    let creating = query.is_some_and(|q| q.split('&').any(|p| p == "create=true"));
-    if *method == Method::POST && creating {
-        let end = if last.is_empty() { n - 1 } else { n };
-        let repo = if end == 0 {
-            String::new()
-        } else {
-            check_repo(&segments[..end])?
-        };
-        return Ok(Parsed {
-            repo,
-            target: Target::Repo,
         });
     }
     Err(Error::new(
@@ -648,9 +651,13 @@ mod tests {
                 format!("a/b/locks/{NAME}").into_bytes()
             )
         );
-        // A repository may be called like a type.
+        // A repository may be called like a type, and be created so.
         let p = parsed(Method::GET, &format!("/data/data/{NAME}"), None);
         assert_eq!(p.repo, "data");
+        for (path, repo) in [("/data/", "data"), ("/backup/keys/", "backup/keys")] {
+            let p = parsed(Method::POST, path, Some("create=true"));
+            assert_eq!((p.repo.as_str(), p.target), (repo, Target::Repo), "{path}");
+        }
         for bad in ["/r/data/xyz", "/../config", "/r/other/", "/r/data/ABC"] {
             assert!(parse(&Method::GET, bad, None).is_err(), "{bad}");
         }

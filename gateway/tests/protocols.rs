@@ -417,6 +417,42 @@ async fn bytestream_reads_writes_and_resumes() {
         (status.committed_size, status.complete),
         (half as i64, false)
     );
+    // Another caller (another token) knowing the resource name sees
+    // nothing of this upload, and its writes neither restart nor end it.
+    fn as_other<T>(message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer someone-else".parse().unwrap());
+        request
+    }
+    let theirs = s
+        .bytestream()
+        .query_write_status(as_other(QueryWriteStatusRequest {
+            resource_name: name.clone(),
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(theirs.committed_size, 0);
+    for (offset, finish) in [(0, false), (half, true)] {
+        let attempt = write_requests(&name, &resumable[..offset + 100], offset, 100, finish);
+        let e = s
+            .bytestream()
+            .write(as_other(tokio_stream::iter(attempt)))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    }
+    let status = s
+        .bytestream()
+        .query_write_status(QueryWriteStatusRequest {
+            resource_name: name.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.committed_size, half as i64, "the upload is intact");
     // At the wrong offset: refused, the upload survives.
     let wrong = write_requests(&name, &resumable, half + 1, 64 << 10, true);
     let e = s
@@ -952,6 +988,13 @@ async fn http_cache() {
             .0,
         404
     );
+    // HEAD says what GET would.
+    assert_eq!(
+        http(at, "HEAD", &format!("/ac/{action}"), auth, vec![])
+            .await
+            .0,
+        404
+    );
     let oh = hex(&Sha256::digest(&output));
     assert_eq!(
         http(at, "PUT", &format!("/cas/{oh}"), auth, output.clone())
@@ -961,6 +1004,26 @@ async fn http_cache() {
     );
     let (code, body) = http(at, "GET", &format!("/ac/{action}"), auth, vec![]).await;
     assert_eq!((code, body), (200, result.encode_to_vec()));
+    assert_eq!(
+        http(at, "HEAD", &format!("/ac/{action}"), auth, vec![])
+            .await
+            .0,
+        200
+    );
+    // The empty blob's name with a body that is not empty.
+    let empty = hex(&Sha256::digest(b""));
+    assert_eq!(
+        http(at, "PUT", &format!("/cas/{empty}"), auth, b"x".to_vec())
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        http(at, "PUT", &format!("/cas/{empty}"), auth, Vec::new())
+            .await
+            .0,
+        200
+    );
     let opaque = hex(&Sha256::digest(b"ccache entry"));
     assert_eq!(
         http(
@@ -1336,5 +1399,32 @@ async fn restic_rest_protocol() {
     let (status, _) = http(at, "HEAD", "/team/r/config", None, vec![]).await;
     assert_eq!(status, 401);
     gateway.stop().await;
+    s.stop().await;
+}
+
+/// A write stream that stays open and sends nothing is ended after the
+/// body idle bound (`DEADLINE_EXCEEDED`), not held for as long as its
+/// client likes with what it sent so far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_write_stream_is_ended() {
+    let s = setup_with(true, |c| {
+        c.http_limits.body_idle = Duration::from_millis(500);
+    })
+    .await;
+    let bytes = blob(12, 1000);
+    let name = format!("uploads/u-silent/{}", blob_name(&bytes));
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(write_requests(&name, &bytes[..10], 0, 10, false).remove(0))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = s
+        .bytestream()
+        .write(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    drop(tx);
     s.stop().await;
 }
