@@ -249,7 +249,29 @@ pub fn place_barring(
             break;
         }
     }
-    planner.placement
+    let mut placement = planner.placement;
+    // A draining node that is live keeps the copies no eligible node can
+    // take: a drain moves replicas, it never leaves a shard with fewer
+    // than `replication` of them. Before, a shard wanted only as many
+    // replicas as there were eligible nodes, and a drain with a node down
+    // deleted good copies down to one (the drain now waits for a node).
+    let draining: BTreeSet<u64> = nodes
+        .iter()
+        .filter(|n| n.live && n.draining)
+        .map(|n| n.id)
+        .collect();
+    for &shard in shards {
+        let desired = placement.entry(shard).or_default();
+        for node in current.get(&shard).into_iter().flatten() {
+            if desired.len() >= replication {
+                break;
+            }
+            if draining.contains(node) && !barred.contains(&(shard, *node)) {
+                desired.insert(*node);
+            }
+        }
+    }
+    placement
 }
 
 /// Replicas that `desired` adds or removes relative to `current`.

@@ -244,3 +244,37 @@ fn fuller_disks_get_new_replicas_last_and_a_lone_zone_is_still_used() {
     down.iter_mut().for_each(|n| n.live = false);
     assert!(place(&down, &Placement::new(), &[1], 3)[&1].is_empty());
 }
+
+/// A drain never leaves a shard with fewer copies than its replication:
+/// with three nodes, R = 3, one down and another draining, the draining
+/// node's copies stay wanted until enough new nodes can take them (before,
+/// a shard wanted only as many replicas as eligible nodes — one — and the
+/// planner deleted the draining node's good copies). A node that is not
+/// live is never kept.
+#[test]
+fn a_drain_keeps_the_copies_nothing_else_can_hold() {
+    let mut nodes: Vec<NodeView> = (1..=3).map(|i| node(i, "z")).collect();
+    let shards: Vec<u32> = (1..=8).collect();
+    let all = place(&nodes, &Placement::new(), &shards, 3);
+    nodes[1].live = false;
+    nodes[2].draining = true;
+    let wanted = |placement: &Placement, ids: &[u64]| {
+        let ids: BTreeSet<u64> = ids.iter().copied().collect();
+        placement.values().all(|r| *r == ids)
+    };
+    let draining = place(&nodes, &all, &shards, 3);
+    assert!(wanted(&draining, &[1, 3]), "{draining:?}");
+    // One new node: it takes a copy, the draining node still holds one.
+    nodes.push(node(4, "z"));
+    let one_more = place(&nodes, &draining, &shards, 3);
+    assert!(wanted(&one_more, &[1, 3, 4]), "{one_more:?}");
+    // Two: the drain completes.
+    nodes.push(node(5, "z"));
+    let two_more = place(&nodes, &one_more, &shards, 3);
+    assert!(wanted(&two_more, &[1, 4, 5]), "{two_more:?}");
+    // A draining node that is down keeps nothing.
+    nodes[2].live = false;
+    nodes.truncate(3);
+    let down = place(&nodes, &all, &shards, 3);
+    assert!(wanted(&down, &[1]), "{down:?}");
+}
