@@ -875,11 +875,17 @@ impl Reconciler {
             let Some(status) = view.leader_status() else {
                 continue;
             };
+            // Retention as it is now, not as the round began: a round's
+            // moves can take minutes before it gets here, and a retention
+            // lengthened meanwhile (its call answered) must hold for every
+            // shard dropped after that. The older of the two epochs.
+            let fresh = self.shared.map();
+            let epoch = map.epoch.min(fresh.epoch);
             let op = if status.epoch < map.epoch {
                 Some(AdminOp::AdvanceEpoch(AdvanceEpochOp { epoch: map.epoch }))
             } else {
-                map.namespaces.iter().find_map(|ns| {
-                    let target = drop_target(ns, map.epoch)?;
+                fresh.namespaces.iter().find_map(|ns| {
+                    let target = drop_target(ns, epoch)?;
                     let done = status
                         .drops
                         .iter()
