@@ -1110,6 +1110,24 @@ impl Reconciler {
             if status.split_off.contains(&child) || !view.learners.is_empty() {
                 continue; // the new group is electing, or a move is under way
             }
+            if crate::splits::cut_outside_group(status, child, intent.at) {
+                // The map's range is wider than the group's: withdrawn, so
+                // the lost split the group knows of can be put back.
+                tracing::warn!(
+                    shard_id = view.shard_id,
+                    at = intent.at,
+                    "a split's cut lies outside the group's range; split withdrawn"
+                );
+                let parent = view.shard_id;
+                let withdrawn = self
+                    .shared
+                    .update_map(|m| Ok(crate::splits::withdraw(m, parent, child).then(Vec::new)))
+                    .await;
+                if let Err(error) = withdrawn {
+                    tracing::warn!(shard_id = parent, %error, "cannot withdraw a split");
+                }
+                continue;
+            }
             let Ok((_, mut client)) = self.leader_admin(map, view) else {
                 continue;
             };

@@ -210,6 +210,23 @@ pub fn withdraw(map: &mut ClusterMap, parent: u32, child: u32) -> bool {
     true
 }
 
+/// Whether a split at `at` can never apply to the group whose leader
+/// reports `status`: the cut lies outside the range the group replicates.
+/// The map's range is then wider than the group's (a split the map lost,
+/// `restore-map --allow-unanswered`), and the intent, refused by the node
+/// every round, would also keep [`adopt_lost`] from putting the lost split
+/// back. Only for a group that has not split at this cut already (its
+/// range then ends just before it).
+pub fn cut_outside_group(status: &ReplicaStatus, child: u32, at: u64) -> bool {
+    if status.split_off.contains(&child) {
+        return false;
+    }
+    status
+        .range
+        .as_ref()
+        .is_some_and(|r| !(r.start < at && at <= r.end))
+}
+
 /// Nodes holding a replica of `shard_id` (as the map says) whose report in
 /// `reports` lacks the split capability: they run a version that cannot
 /// apply the split entry. A split waits until there are none. A node not
@@ -785,5 +802,27 @@ mod tests {
         assert_eq!(leaders.keys().copied().collect::<Vec<_>>(), [5]);
         assert_eq!(leaders[&5].0, 2);
         assert_eq!(leaders[&5].1.term, 3);
+    }
+
+    #[test]
+    fn a_cut_outside_the_groups_range_can_never_apply() {
+        let status = ReplicaStatus {
+            range: Some(HashRange { start: 0, end: 99 }),
+            ..ReplicaStatus::default()
+        };
+        // The map says 0..=199 (a split at 100 it lost); a cut at 150 is
+        // the group's to refuse for ever, one at 50 may apply.
+        assert!(cut_outside_group(&status, 7, 150));
+        assert!(cut_outside_group(&status, 7, 0));
+        assert!(!cut_outside_group(&status, 7, 50));
+        assert!(!cut_outside_group(&status, 7, 99));
+        // Split at this cut already: the range ends before it, by design.
+        let split = ReplicaStatus {
+            split_off: vec![7],
+            ..status.clone()
+        };
+        assert!(!cut_outside_group(&split, 7, 100));
+        // A group that reports no range is not judged.
+        assert!(!cut_outside_group(&ReplicaStatus::default(), 7, 150));
     }
 }
