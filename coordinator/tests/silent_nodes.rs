@@ -150,17 +150,29 @@ async fn scripted_node(url: &str, silent: bool) -> Asked {
     let mut coordinator = CoordinatorServiceClient::connect(url.to_string())
         .await
         .unwrap();
-    let registered = coordinator
-        .register_node(RegisterNodeRequest {
-            node_id: 0,
-            address,
-            zone: String::new(),
-            capacity_bytes: 1 << 30,
-            cluster_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    // As a node does, again while the coordinator is not leading (a 1 s
+    // lease under a loaded machine can lapse and be taken back).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let registered = loop {
+        let answer = coordinator
+            .register_node(RegisterNodeRequest {
+                node_id: 0,
+                address: address.clone(),
+                zone: String::new(),
+                capacity_bytes: 1 << 30,
+                cluster_id: String::new(),
+            })
+            .await;
+        match answer {
+            Ok(answer) => break answer.into_inner(),
+            Err(status)
+                if status.code() == tonic::Code::Unavailable && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(status) => panic!("registering: {status:?}"),
+        }
+    };
     let node_id = registered.node_id;
     *node.node_id.lock().unwrap() = node_id;
     tokio::spawn(async move {
