@@ -766,10 +766,12 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
     let cluster = TestCluster::start(3, 1, |_| {}).await;
     let leader = wait_leader(&cluster, 1).await;
     let before = replica_status(&cluster, leader, 1).await.unwrap();
+    // A term no election of the members reaches in this test.
+    let forged_term = before.term + 1_000;
     let mut forged = raft::eraftpb::Message {
         from: 99,
         to: leader,
-        term: before.term + 5,
+        term: forged_term,
         ..Default::default()
     };
     forged.set_msg_type(raft::eraftpb::MessageType::MsgHeartbeat);
@@ -790,9 +792,13 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
         .into_inner();
     assert_eq!((summary.delivered, summary.dropped), (0, 1));
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Not deposed by it (a term of its own, from an election of the
+    // members on a loaded machine, is not what this checks).
     let after = replica_status(&cluster, leader, 1).await.unwrap();
-    assert!(after.is_leader, "the leader was deposed: {after:?}");
-    assert_eq!(after.term, before.term);
+    assert!(
+        after.term < forged_term,
+        "the forged term was taken: {after:?}"
+    );
     // The members still write.
     put(&cluster, "default", b"after the forged heartbeat", b"v")
         .await
