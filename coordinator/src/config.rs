@@ -61,6 +61,13 @@ pub struct CoordinatorConfig {
     /// A learner is promoted once it has applied up to this many entries
     /// behind the leader's commit index.
     pub catch_up_slack: u64,
+    /// A learner that makes no progress catching up (its applied index
+    /// and the snapshot bytes it received stay where they were) for this
+    /// long is removed, milliseconds; its move is planned elsewhere.
+    pub learner_stall_ms: u64,
+    /// A node whose learner was removed for making no progress gets no
+    /// replica of that shard for this long, milliseconds.
+    pub learner_bar_ms: u64,
     /// Advance the cluster epoch this often, seconds; 0 advances only on
     /// request (`AdvanceEpoch`).
     pub epoch_interval_s: u64,
@@ -149,6 +156,8 @@ impl Default for CoordinatorConfig {
             reconcile_interval_ms: 500,
             max_concurrent_moves: 2,
             catch_up_slack: 64,
+            learner_stall_ms: 300_000,
+            learner_bar_ms: 1_800_000,
             epoch_interval_s: 0,
             transfer_timeout_ms: 3_000,
             transfer_backoff_ms: 30_000,
@@ -196,6 +205,9 @@ impl CoordinatorConfig {
         }
         if self.reconcile_interval_ms == 0 || self.max_concurrent_moves == 0 {
             return bad("reconcile_interval_ms and max_concurrent_moves must be positive");
+        }
+        if self.learner_stall_ms == 0 {
+            return bad("learner_stall_ms must be positive");
         }
         if self.split_rps > 0 && self.split_load_secs == 0 {
             return bad("split_load_secs must be positive when split_rps is set");

@@ -87,6 +87,12 @@ impl CoordinatorCollector {
                 progress.moves_done,
             ),
             (
+                "tidepool_coordinator_moves_abandoned",
+                "Learners removed for making no progress catching up (their moves planned again elsewhere).",
+                Counter,
+                progress.moves_abandoned,
+            ),
+            (
                 "tidepool_coordinator_reconcile_rounds",
                 "Reconcile rounds run while leading.",
                 Counter,

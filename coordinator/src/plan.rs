@@ -10,6 +10,7 @@
 //! takes a shard below a live majority.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
 use tidepool_proto::v1::{ClusterMap, MoveStep, NodeStatus, ReplicaRole, ReplicaStatus};
 
@@ -102,6 +103,100 @@ pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec
             view
         })
         .collect()
+}
+
+/// Learners catching up, watched for progress: one that makes none for the
+/// stall bound is given up on — its pair (shard, node) is barred from
+/// placement for a while, so the next round removes it and places the
+/// replica elsewhere — instead of holding one of the few move slots for
+/// ever (a snapshot that keeps failing on a nearly full disk, a source it
+/// cannot reach). Progress is a higher applied index, or more bytes of a
+/// snapshot received than any transfer to it reached before: a snapshot
+/// that fails and starts again from nothing, over and over, is no
+/// progress. A learner within the catch-up slack waits for something else
+/// (a majority to promote it with) and is not timed.
+#[derive(Debug, Default)]
+pub struct LearnerWatch {
+    watched: BTreeMap<(u32, u64), Watched>,
+    /// Pairs given up on, until when.
+    barred: BTreeMap<(u32, u64), Instant>,
+}
+
+#[derive(Debug)]
+struct Watched {
+    applied: u64,
+    received: u64,
+    since: Instant,
+}
+
+impl LearnerWatch {
+    /// Looks at this round's learners. Returns those that made no progress
+    /// for `stall`, which are now barred for `bar`.
+    pub fn observe(
+        &mut self,
+        now: Instant,
+        views: &[ShardView],
+        slack: u64,
+        stall: Duration,
+        bar: Duration,
+    ) -> Vec<(u32, u64)> {
+        self.barred.retain(|_, until| *until > now);
+        let mut timed = BTreeSet::new();
+        let mut stalled = Vec::new();
+        for view in views {
+            if view.leader.is_none() {
+                // Nothing moves without a leader; its learners keep their
+                // clocks as they were.
+                timed.extend(
+                    self.watched
+                        .keys()
+                        .filter(|(shard, _)| *shard == view.shard_id)
+                        .copied(),
+                );
+                continue;
+            }
+            for &node in &view.learners {
+                if caught_up(view, node, slack) {
+                    continue;
+                }
+                let pair = (view.shard_id, node);
+                let replica = view.replicas.get(&node);
+                let applied = replica.map_or(0, |r| r.applied_index);
+                let received = replica.map_or(0, |r| r.snapshot_bytes_received);
+                timed.insert(pair);
+                let watched = self.watched.entry(pair).or_insert(Watched {
+                    applied,
+                    received,
+                    since: now,
+                });
+                if applied > watched.applied || received > watched.received {
+                    watched.applied = watched.applied.max(applied);
+                    watched.received = watched.received.max(received);
+                    watched.since = now;
+                } else if now.duration_since(watched.since) >= stall {
+                    stalled.push(pair);
+                }
+            }
+        }
+        self.watched.retain(|pair, _| timed.contains(pair));
+        for pair in &stalled {
+            self.watched.remove(pair);
+            self.barred.insert(*pair, now + bar);
+        }
+        stalled
+    }
+
+    /// The pairs barred now.
+    pub fn barred(&self) -> BTreeSet<(u32, u64)> {
+        self.barred.keys().copied().collect()
+    }
+
+    /// Forgets everything (a new coordinator term starts the clocks
+    /// again).
+    pub fn clear(&mut self) {
+        self.watched.clear();
+        self.barred.clear();
+    }
 }
 
 /// Why a shard waits.
@@ -389,6 +484,92 @@ mod tests {
         assert_eq!(views[0].voters, set(&[1, 2]));
         assert_eq!(views[0].learners, set(&[3]));
         assert_eq!(views[0].conf_version, 9);
+    }
+
+    /// The learner watch: progress is a higher applied index or more
+    /// snapshot bytes than before; a snapshot started again from nothing
+    /// is none; a caught-up learner and a leaderless shard are not timed;
+    /// a bar ends.
+    #[test]
+    fn a_learner_is_given_up_on_only_when_it_stops_making_progress() {
+        let stall = Duration::from_secs(10);
+        let bar = Duration::from_secs(100);
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut watch = LearnerWatch::default();
+        let mut v = view(&[1, 2, 3], &[4], 1);
+        let learner = |v: &mut ShardView, applied: u64, received: u64| {
+            let r = v.replicas.get_mut(&4).unwrap();
+            r.applied_index = applied;
+            r.snapshot_bytes_received = received;
+        };
+        learner(&mut v, 0, 0);
+        let mut observe =
+            |v: &ShardView, s: u64| watch.observe(at(s), std::slice::from_ref(v), 10, stall, bar);
+        assert!(observe(&v, 0).is_empty());
+        // Snapshot bytes keep coming: never given up on.
+        for s in 1..=5 {
+            learner(&mut v, 0, s * 1_000);
+            assert!(observe(&v, s * 8).is_empty());
+        }
+        // The transfer starts again from nothing and gets less far: no
+        // progress since second 40.
+        learner(&mut v, 0, 2_000);
+        assert!(observe(&v, 45).is_empty());
+        // Leaderless meanwhile: the clock neither stops nor restarts.
+        let mut leaderless = v.clone();
+        leaderless.leader = None;
+        assert!(observe(&leaderless, 48).is_empty());
+        assert_eq!(observe(&v, 50), vec![(1, 4)]);
+        assert_eq!(watch.barred(), BTreeSet::from([(1, 4)]));
+        // The bar ends.
+        watch.observe(at(149), std::slice::from_ref(&v), 10, stall, bar);
+        assert_eq!(watch.barred(), BTreeSet::from([(1, 4)]));
+        watch.observe(at(151), &[], 10, stall, bar);
+        assert!(watch.barred().is_empty());
+
+        // Applied entries count as progress; a caught-up learner (waiting
+        // to be promoted) is not timed.
+        let mut watch = LearnerWatch::default();
+        learner(&mut v, 10, 0);
+        assert!(
+            watch
+                .observe(at(0), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        learner(&mut v, 50, 0);
+        assert!(
+            watch
+                .observe(at(9), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        learner(&mut v, 95, 0);
+        assert!(
+            watch
+                .observe(at(30), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        assert!(
+            watch
+                .observe(at(60), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        // Behind again: timed from when it fell behind.
+        learner(&mut v, 80, 0);
+        assert!(
+            watch
+                .observe(at(61), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        assert!(
+            watch
+                .observe(at(70), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        assert_eq!(
+            watch.observe(at(71), std::slice::from_ref(&v), 10, stall, bar),
+            vec![(1, 4)]
+        );
     }
 
     /// A replica whose files are missing counts as down though its node

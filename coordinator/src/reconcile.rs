@@ -30,7 +30,7 @@ use crate::core::Shared;
 use crate::epochs::drop_target;
 use crate::nodes::NodeClients;
 use crate::placement::{NodeView, Placement, place_barring};
-use crate::plan::{ShardView, Step, Wait, next_step, shard_views};
+use crate::plan::{LearnerWatch, ShardView, Step, Wait, next_step, shard_views};
 use crate::splits::Hot;
 use crate::transfers::Transfers;
 
@@ -48,6 +48,8 @@ pub struct Progress {
     /// Replica moves completed by this coordinator (an old replica
     /// removed, or a missing one promoted).
     pub moves_done: u64,
+    /// Learners removed for making no progress catching up.
+    pub moves_abandoned: u64,
     /// Shards with fewer live voters than the replication factor.
     pub under_replicated: u32,
     /// Rounds run while leading.
@@ -146,15 +148,18 @@ pub(crate) fn placement_start(
 }
 
 /// Where each shard's replicas should be, starting from `current`; never
-/// on a node where the shard's replica reports its files missing (`views`).
+/// on a node where the shard's replica reports its files missing (`views`),
+/// nor on a pair in `barred`.
 pub(crate) fn desired_placement(
     map: &ClusterMap,
     current: &Placement,
     nodes: &[NodeView],
     views: &[ShardView],
+    barred: &BTreeSet<(u32, u64)>,
 ) -> Placement {
     let shards: Vec<u32> = map.shards.iter().map(|s| s.shard_id).collect();
-    let barred = crate::plan::files_missing(views);
+    let mut barred = barred.clone();
+    barred.extend(crate::plan::files_missing(views));
     place_barring(
         nodes,
         current,
@@ -209,6 +214,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         awaiting_upgrade: Default::default(),
         founding: Founding::default(),
         unanswered: HashMap::new(),
+        learners: LearnerWatch::default(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -225,6 +231,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             reconciler.transfers.clear();
             reconciler.unsplittable.clear();
             reconciler.hot.clear();
+            reconciler.learners.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -258,6 +265,8 @@ struct Reconciler {
     /// Status polls of nodes whose last poll went unanswered past its
     /// deadline, still waiting for an answer: rounds do not wait for them.
     unanswered: HashMap<u64, tokio::task::JoinHandle<Polled>>,
+    /// Learners' catch-up progress, and the pairs given up on.
+    learners: LearnerWatch,
 }
 
 /// How a status poll ended.
@@ -335,8 +344,27 @@ impl Reconciler {
         let node_views = node_views(&map, &reports, |id| {
             live.contains(&id) || self.down_since.get(&id).is_none_or(|t| t.elapsed() < grace)
         });
+        let config = &shared.config;
+        let stalled = self.learners.observe(
+            now,
+            &views,
+            config.catch_up_slack,
+            Duration::from_millis(config.learner_stall_ms),
+            Duration::from_millis(config.learner_bar_ms),
+        );
+        for (shard_id, node_id) in &stalled {
+            tracing::warn!(
+                shard_id,
+                node_id,
+                stall_ms = config.learner_stall_ms,
+                bar_ms = config.learner_bar_ms,
+                "a learner made no progress catching up: removing it and placing the replica elsewhere"
+            );
+        }
+        shared.progress.lock().moves_abandoned += stalled.len() as u64;
         let current = placement_start(&views, &self.targets, map.replication_factor as usize);
-        let desired = desired_placement(&map, &current, &node_views, &views);
+        let desired =
+            desired_placement(&map, &current, &node_views, &views, &self.learners.barred());
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
         let busy = self.move_replicas(&map, &views, &desired, &live).await;
@@ -1313,7 +1341,7 @@ mod tests {
             ..Default::default()
         };
         let three = &nodes(&[4]);
-        let desired = desired_placement(&map, &start, three, &views);
+        let desired = desired_placement(&map, &start, three, &views, &BTreeSet::new());
         assert_eq!(desired[&1], set(&[1, 2]), "not put back on node 3");
         let live = set(&[1, 2, 3]);
         assert_eq!(
@@ -1321,13 +1349,19 @@ mod tests {
             Some(Step::Remove(3))
         );
         // With a fourth node, the shard moves there.
-        let desired = desired_placement(&map, &start, &nodes(&[]), &views);
+        let desired = desired_placement(&map, &start, &nodes(&[]), &views, &BTreeSet::new());
         assert_eq!(desired[&1], set(&[1, 2, 4]));
         // Removed and closed: node 3 reports nothing, and gets the shard
         // back (a new replica, added as a learner).
         let rebuilt = view(1, &set(&[1, 2]), &[]);
         let start = placement_start(std::slice::from_ref(&rebuilt), &Placement::new(), 3);
-        let desired = desired_placement(&map, &start, three, std::slice::from_ref(&rebuilt));
+        let desired = desired_placement(
+            &map,
+            &start,
+            three,
+            std::slice::from_ref(&rebuilt),
+            &BTreeSet::new(),
+        );
         assert_eq!(desired[&1], set(&[1, 2, 3]));
         assert_eq!(
             next_step(&rebuilt, &desired[&1], &live, 10),

@@ -81,7 +81,10 @@ impl CoordinatorApi {
         } else {
             let live: BTreeSet<u64> = reports.keys().copied().collect();
             let nodes = node_views(&map, &reports, |id| live.contains(&id));
-            let desired = desired_placement(&map, &current_placement(&views), &nodes, &views);
+            // A follower keeps no learner watch: its estimate bars nothing.
+            let none = BTreeSet::new();
+            let desired =
+                desired_placement(&map, &current_placement(&views), &nodes, &views, &none);
             moves_of(&views, &desired, &live, self.shared.config.catch_up_slack)
                 .into_iter()
                 .map(|(m, _)| m)

@@ -21,15 +21,16 @@ use std::time::{Duration, Instant};
 
 use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
 use tidepool_coordinator::{CoordinatorConfig, start_with_store};
-use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
 use tidepool_proto::v1::{
     ChangeMembershipRequest, ChangeMembershipResponse, CloseReplicaRequest, CloseReplicaResponse,
-    ClusterMap, HeartbeatRequest, HeldMapRequest, NodeStatus, NodeStatusRequest,
-    OpenReplicaRequest, OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse,
-    RegisterNodeRequest, TransferLeaderRequest, TransferLeaderResponse,
+    ClusterMap, HeldMapRequest, NodeStatus, NodeStatusRequest, OpenReplicaRequest,
+    OpenReplicaResponse, ProposeAdminRequest, ProposeAdminResponse, TransferLeaderRequest,
+    TransferLeaderResponse,
 };
 use tonic::{Request, Response, Status};
+
+mod support;
 
 const SHARDS: u32 = 6;
 
@@ -147,49 +148,8 @@ async fn scripted_node(url: &str, silent: bool) -> Asked {
             .add_service(service)
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
-    let mut coordinator = CoordinatorServiceClient::connect(url.to_string())
-        .await
-        .unwrap();
-    // As a node does, again while the coordinator is not leading (a 1 s
-    // lease under a loaded machine can lapse and be taken back).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let registered = loop {
-        let answer = coordinator
-            .register_node(RegisterNodeRequest {
-                node_id: 0,
-                address: address.clone(),
-                zone: String::new(),
-                capacity_bytes: 1 << 30,
-                cluster_id: String::new(),
-            })
-            .await;
-        match answer {
-            Ok(answer) => break answer.into_inner(),
-            Err(status)
-                if status.code() == tonic::Code::Unavailable && Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(status) => panic!("registering: {status:?}"),
-        }
-    };
-    let node_id = registered.node_id;
+    let node_id = support::register_and_beat(url, &address).await;
     *node.node_id.lock().unwrap() = node_id;
-    tokio::spawn(async move {
-        loop {
-            let status = NodeStatus {
-                node_id,
-                ..NodeStatus::default()
-            };
-            let _ = coordinator
-                .heartbeat(HeartbeatRequest {
-                    status: Some(status),
-                    cluster_id: String::new(),
-                })
-                .await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-    });
     asked
 }
 

@@ -215,6 +215,8 @@ pub struct ShardState {
     pub data_bytes: Option<u64>,
     /// Whether a snapshot is being received.
     pub receiving_snapshot: bool,
+    /// Bytes of it written so far.
+    pub snapshot_bytes_received: u64,
     /// Requests routed to the replica, and where a split would divide
     /// them (`crate::load`).
     pub load: crate::load::LoadReport,
@@ -282,6 +284,8 @@ pub struct ShardHandle {
     engine: ArcSwap<Engine>,
     state: Mutex<ShardState>,
     fetching: AtomicBool,
+    /// Bytes of the snapshot being received written so far.
+    snapshot_received: AtomicU64,
     /// Snapshot transfers writing into the replica's spare slot.
     transfers: Mutex<Transfers>,
     transfer_ended: Condvar,
@@ -367,6 +371,7 @@ impl ShardHandle {
             engine: ArcSwap::new(replica.engine().clone()),
             state: Mutex::new(ShardState::default()),
             fetching: AtomicBool::new(false),
+            snapshot_received: AtomicU64::new(0),
             transfers: Mutex::new(Transfers::default()),
             transfer_ended: Condvar::new(),
             stopping: tokio::sync::watch::Sender::new(false),
@@ -538,6 +543,11 @@ impl ShardHandle {
     pub fn state(&self) -> ShardState {
         let mut state = self.state.lock().clone();
         state.receiving_snapshot = self.fetching.load(Ordering::Acquire);
+        state.snapshot_bytes_received = if state.receiving_snapshot {
+            self.snapshot_received.load(Ordering::Relaxed)
+        } else {
+            0
+        };
         state
     }
 
@@ -557,6 +567,7 @@ impl ShardHandle {
             return None;
         }
         transfers.running = true;
+        self.snapshot_received.store(0, Ordering::Relaxed);
         Some(SnapshotTransfer {
             shard: self.clone(),
             stopping: self.stopping.subscribe(),
@@ -579,6 +590,11 @@ impl ShardHandle {
 
     fn end_reopen(&self) {
         self.transfers.lock().reopening = false;
+    }
+
+    /// Records how much of the snapshot being received is written.
+    pub fn note_snapshot_progress(&self, bytes: u64) {
+        self.snapshot_received.store(bytes, Ordering::Relaxed);
     }
 
     /// Ends a transfer that failed (a successful one ends when the owner

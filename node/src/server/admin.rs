@@ -415,6 +415,7 @@ impl Node {
                     requests_per_second: state.load.requests_per_second,
                     load_split_at: state.load.split_at,
                     receiving_snapshot: state.receiving_snapshot,
+                    snapshot_bytes_received: state.snapshot_bytes_received,
                     quiesced: status.quiesced,
                     drops: status
                         .drops

@@ -377,6 +377,7 @@ impl Pulling<'_> {
             let len = chunk.data.len() as u64;
             tokio::task::block_in_place(|| receiver.accept(&chunk)).map_err(PullError::Bad)?;
             self.node.metrics.snapshot_bytes_received.inc_by(len);
+            self.shard.note_snapshot_progress(receiver.received_bytes());
         }
     }
 

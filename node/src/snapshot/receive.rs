@@ -159,6 +159,15 @@ impl Receiver {
         (self.file as u32, self.offset)
     }
 
+    /// Bytes written so far: the files done and the current one's part.
+    pub fn received_bytes(&self) -> u64 {
+        let done: u64 = self.manifest.files[..self.file.min(self.manifest.files.len())]
+            .iter()
+            .map(|f| f.size)
+            .sum();
+        done.saturating_add(self.offset)
+    }
+
     /// Whether every file is written and verified.
     pub fn is_complete(&self) -> bool {
         self.file >= self.manifest.files.len()

@@ -70,10 +70,16 @@ fn a_broken_stream_resumes_where_it_stopped() {
         let (file, offset) = receiver.resume_point();
         // Each stream carries two chunks, then breaks.
         for chunk in prepared.chunks(2, file, offset).take(2) {
-            receiver.accept(&chunk.unwrap()).unwrap();
+            let chunk = chunk.unwrap();
+            let before = receiver.received_bytes();
+            receiver.accept(&chunk).unwrap();
+            // What the coordinator tells progress by.
+            assert_eq!(receiver.received_bytes(), before + chunk.data.len() as u64);
         }
     }
     assert!(streams > 2);
+    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
+    assert_eq!(receiver.received_bytes(), total);
     assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
     assert_eq!(store.spare_snapshot().unwrap(), Some(manifest.snapshot_id));
     assert!(prepared.pulls(2) > 0);
