@@ -10,9 +10,9 @@ use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::retention::{Durable, Policy, RetainEpochs};
 use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
-    GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest, Namespace,
-    RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest, SplitShardRequest,
-    TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
+    GetClusterMapRequest, GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest,
+    Namespace, RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest,
+    SplitShardRequest, TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -41,9 +41,30 @@ impl From<RetentionPolicy> for Retention {
     }
 }
 
+/// What a call on the coordinators ended with, and whether an attempt
+/// before the last may have taken effect though it failed (its answer
+/// lost: a timeout, a coordinator gone after its store committed).
+struct Tried<T> {
+    result: Result<T>,
+    uncertain: bool,
+}
+
 impl Client {
     /// Runs `op` on a coordinator, moving to the leader when told to.
-    async fn on_coordinator<T, F, Fut>(&self, mut op: F) -> Result<T>
+    /// Only for calls that are safe to repeat; others use
+    /// [`Client::on_coordinator_tried`] and settle an uncertain earlier
+    /// attempt themselves.
+    async fn on_coordinator<T, F, Fut>(&self, op: F) -> Result<T>
+    where
+        F: FnMut(CoordinatorServiceClient<Channel>) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        self.on_coordinator_tried(op).await.result
+    }
+
+    /// [`Client::on_coordinator`], telling whether a failed attempt before
+    /// the last may have taken effect.
+    async fn on_coordinator_tried<T, F, Fut>(&self, mut op: F) -> Tried<T>
     where
         F: FnMut(CoordinatorServiceClient<Channel>) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
@@ -51,24 +72,49 @@ impl Client {
         let deadline = Instant::now() + self.timeout;
         let mut target: Option<String> = None;
         let mut seed = 0;
+        let mut uncertain = false;
         loop {
             let address = target
                 .take()
                 .unwrap_or_else(|| self.cluster.seeds[seed % self.cluster.seeds.len()].clone());
             // A client acting for a caller asks with the caller's token.
-            let client = CoordinatorServiceClient::new(self.channel_as_caller(&address)?);
+            let channel = match self.channel_as_caller(&address) {
+                Ok(channel) => channel,
+                Err(error) => {
+                    return Tried {
+                        result: Err(error),
+                        uncertain,
+                    };
+                }
+            };
+            let client = CoordinatorServiceClient::new(channel);
             let status = match op(client).await {
-                Ok(value) => return Ok(value),
+                Ok(value) => {
+                    return Tried {
+                        result: Ok(value),
+                        uncertain,
+                    };
+                }
                 Err(status) => status,
             };
             // Follow a leader hint at once; otherwise pause and try the
             // next seed.
             let last = match classify(&status) {
-                Disposition::Fail(error) => return Err(error),
+                Disposition::Fail(error) => {
+                    return Tried {
+                        result: Err(error),
+                        uncertain,
+                    };
+                }
                 Disposition::Redirect(error, ..)
                 | Disposition::Refresh(error)
                 | Disposition::Backoff(error) => error,
             };
+            // A follower refuses a change without making it; any other
+            // failure may have come after the change was stored.
+            if last.code() != ErrorCode::NotCoordinatorLeader {
+                uncertain = true;
+            }
             let hinted = error_hint(&status);
             if hinted.is_some() && hinted.as_deref() != Some(address.as_str()) {
                 target = hinted;
@@ -77,12 +123,25 @@ impl Client {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
             if Instant::now() >= deadline {
-                return Err(Error::new(
-                    ErrorCode::Timeout,
-                    format!("no coordinator completed the call: {last}"),
-                ));
+                return Tried {
+                    result: Err(Error::new(
+                        ErrorCode::Timeout,
+                        format!("no coordinator completed the call: {last}"),
+                    )),
+                    uncertain,
+                };
             }
         }
+    }
+
+    /// The cluster epoch as a coordinator's map has it now.
+    async fn epoch_now(&self) -> Result<u64> {
+        self.on_coordinator(|mut c| async move {
+            c.get_cluster_map(GetClusterMapRequest {})
+                .await
+                .map(|r| r.into_inner().epoch)
+        })
+        .await
     }
 
     /// Everything an operator wants on one screen.
@@ -102,8 +161,8 @@ impl Client {
         content_addressed: bool,
         retention: RetentionPolicy,
     ) -> Result<Namespace> {
-        let namespace = self
-            .on_coordinator(|mut c| async move {
+        let tried = self
+            .on_coordinator_tried(|mut c| async move {
                 c.create_namespace(CreateNamespaceRequest {
                     name: name.to_string(),
                     content_addressed,
@@ -112,8 +171,29 @@ impl Client {
                 .await
                 .map(|r| r.into_inner())
             })
-            .await?;
-        self.cluster.refresh().await?;
+            .await;
+        let namespace = match tried.result {
+            Err(error) if tried.uncertain && error.code() == ErrorCode::NamespaceExists => {
+                // An attempt whose answer was lost may have made it: the
+                // namespace asked for, as asked, is this call's outcome.
+                let wanted = Some(Retention::from(retention));
+                self.list_namespaces()
+                    .await?
+                    .into_iter()
+                    .find(|ns| {
+                        ns.name == name
+                            && ns.content_addressed == content_addressed
+                            && ns.retention == wanted
+                    })
+                    .ok_or(error)?
+            }
+            other => other?,
+        };
+        // The namespace exists whether or not this client's map shows it
+        // yet (a call naming it refreshes the map on a miss).
+        if let Err(error) = self.cluster.refresh().await {
+            tracing::debug!(%error, "map refresh after creating a namespace");
+        }
         Ok(namespace)
     }
 
@@ -129,18 +209,70 @@ impl Client {
 
     /// Starts the next cluster epoch (only if the current one is
     /// `expected`, when given). Returns the new epoch.
+    ///
+    /// Exactly once: the request always names the epoch it advances from
+    /// (without `expected`, the one a coordinator reports first), so an
+    /// attempt repeated after one whose answer was lost cannot advance a
+    /// second time — each advance shortens every retention by an epoch.
+    /// The repeat is refused (`CONFLICT`); the epoch is then one past
+    /// the one named, and that advance is reported as this call's (it is
+    /// this call's, or a concurrent one's from the same epoch: one advance
+    /// either way); if it is further on, `CONFLICT` says so (whether this
+    /// call's attempt was among the advances is unknown). Without
+    /// `expected`, a refusal because the epoch moved before a certain
+    /// attempt reads the epoch again and tries again.
     pub async fn advance_epoch(&self, expected: Option<u64>) -> Result<u64> {
-        self.on_coordinator(|mut c| async move {
-            c.advance_epoch(AdvanceEpochRequest {
-                expected_current: expected.unwrap_or(0),
-            })
-            .await
-            .map(|r| r.into_inner().epoch)
-        })
-        .await
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let from = match expected {
+                Some(epoch) => epoch,
+                None => self.epoch_now().await?,
+            };
+            if from == 0 {
+                // The coordinator reads 0 as "no condition".
+                return Err(Error::new(
+                    ErrorCode::InvalidArgument,
+                    "epochs start at 1: there is no epoch 0 to advance from",
+                ));
+            }
+            let tried = self
+                .on_coordinator_tried(|mut c| async move {
+                    c.advance_epoch(AdvanceEpochRequest {
+                        expected_current: from,
+                    })
+                    .await
+                    .map(|r| r.into_inner().epoch)
+                })
+                .await;
+            let error = match tried.result {
+                Err(error) if error.code() == ErrorCode::Conflict => error,
+                other => return other,
+            };
+            let now = self.epoch_now().await?;
+            if tried.uncertain {
+                if now == from + 1 {
+                    return Ok(now);
+                }
+                // Moved further: whether one of the moves was this call's
+                // is unknown, and trying again could make it two.
+                return Err(Error::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "the epoch is {now}: an attempt to advance it from {from} lost its answer, \
+                         and it may have been one of the advances since"
+                    ),
+                ));
+            }
+            if expected.is_some() || Instant::now() >= deadline {
+                return Err(error);
+            }
+        }
     }
 
     /// Creates a token (admin): its secret, shown once, and its record.
+    /// An attempt repeated after one whose answer was lost is refused if
+    /// the lost one made the token (its secret went with the answer): the
+    /// `CONFLICT` says to revoke it and create it again.
     pub async fn create_token(
         &self,
         name: &str,
@@ -148,19 +280,32 @@ impl Client {
         grants: Vec<TokenGrant>,
     ) -> Result<(String, TokenRecord)> {
         let grants = &grants;
-        self.on_coordinator(|mut c| async move {
-            c.create_token(CreateTokenRequest {
-                name: name.to_string(),
-                admin,
-                grants: grants.clone(),
+        let tried = self
+            .on_coordinator_tried(|mut c| async move {
+                c.create_token(CreateTokenRequest {
+                    name: name.to_string(),
+                    admin,
+                    grants: grants.clone(),
+                })
+                .await
+                .map(|r| {
+                    let r = r.into_inner();
+                    (r.secret, r.record.unwrap_or_default())
+                })
             })
-            .await
-            .map(|r| {
-                let r = r.into_inner();
-                (r.secret, r.record.unwrap_or_default())
-            })
-        })
-        .await
+            .await;
+        match tried.result {
+            Err(error) if tried.uncertain && error.code() == ErrorCode::Conflict => {
+                Err(Error::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "{error}; an earlier attempt whose answer was lost may have created it, \
+                         and its secret was lost with the answer: revoke token {name:?} and create it again"
+                    ),
+                ))
+            }
+            other => other,
+        }
     }
 
     /// Every token (admin), without secrets or hashes.
