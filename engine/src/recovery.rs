@@ -311,7 +311,16 @@ fn recover_values(
     let end = replay::replay(&opts, &segments.valid, control.replay_from, visit)?;
     // Damage to synced data must not pass for a torn tail: the snapshot's
     // watermark may be old, so also look for sync marks past the end.
-    let marked = replay::scan_sync_marks(&opts, &segments.valid, end.end)?;
+    // Marks in a segment whose header is damaged count too: its records
+    // are not a torn tail if a mark says they were durable.
+    let mut scanned = segments.valid.clone();
+    scanned.extend(
+        segments
+            .damaged
+            .iter()
+            .map(|(id, segment)| (*id, segment.clone())),
+    );
+    let marked = replay::scan_sync_marks(&opts, &scanned, end.end)?;
     let durable = control.synced.max(WalPosition(marked));
     if end.end < durable && config.recovery == RecoveryMode::Strict {
         let detail = match end.stop {

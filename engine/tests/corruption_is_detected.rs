@@ -290,3 +290,58 @@ fn damage_under_a_durable_sync_mark_is_refused() {
         "writes after the damage are cut"
     );
 }
+
+/// A segment past the replay point whose header is damaged, or cannot be
+/// read, holds durable records: strict recovery refuses to open and keeps
+/// the file. Before, any such segment was taken for an unused spare and
+/// deleted with its synced records (a transient EIO was enough).
+#[test]
+fn a_segment_with_a_damaged_or_unreadable_header_is_not_taken_for_a_spare() {
+    let mut config = Config::for_tests("/db");
+    config.snapshot_interval_ms = 3_600_000; // the control file stays old
+    let storage = FaultStorage::default();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut last = 0;
+    for k in 0..400 {
+        let position = engine
+            .put(ks, &key(k), &value(k, 0, 300), Durability::Synced)
+            .unwrap();
+        last = position.0 / config.wal_segment_bytes;
+    }
+    drop(engine);
+    assert!(last >= 2, "the records span segments: last {last}");
+    let path = PathBuf::from(format!("/db/wal/{last:016x}.wal"));
+
+    // A flipped bit in its header.
+    let damaged = storage.restart_process();
+    damaged.corrupt(&path, 20, 0x01).unwrap();
+    let damaged = damaged.restart_process();
+    match open(&damaged, &config) {
+        Err(Error::Corrupt { detail, .. }) => println!("damaged header: {detail}"),
+        Err(other) => panic!("a damaged header: {other}"),
+        Ok(_) => panic!("a damaged header over synced records was taken for a spare"),
+    }
+    assert!(damaged.paths().contains(&path), "the segment is kept");
+
+    // Reads of it fail (EIO): the open fails, the segment stays, and once
+    // it reads again every record is there.
+    let failing = storage.restart_process();
+    failing.fail_reads(&path, true).unwrap();
+    match open(&failing, &config) {
+        Err(Error::Io { .. }) => {}
+        Err(other) => panic!("an unreadable header: {other}"),
+        Ok(_) => panic!("an unreadable segment was taken for a spare"),
+    }
+    assert!(failing.paths().contains(&path), "the segment is kept");
+    failing.fail_reads(&path, false).unwrap();
+    let engine = open(&failing.restart_process(), &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for k in 0..400 {
+        assert_eq!(
+            engine.get(ks, &key(k)).unwrap().as_deref(),
+            Some(&value(k, 0, 300)[..]),
+            "key {k}"
+        );
+    }
+}

@@ -207,6 +207,14 @@ impl FaultStorage {
         Ok(())
     }
 
+    /// Makes every read of a file fail with EIO (a bad sector under it),
+    /// or read again.
+    pub fn fail_reads(&self, path: &Path, fail: bool) -> io::Result<()> {
+        let file = self.live_file(path)?;
+        file.read_fails.store(fail, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// Replaces a file's content (both images) with its first `len` bytes.
     pub fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
         let mut state = self.inner.state.lock();
@@ -491,6 +499,8 @@ struct FaultFile {
     /// The page cache, modelled for the whole file: `evict_cache` drops it
     /// (reads that must not wait then fail) and a read brings it back.
     evicted: AtomicBool,
+    /// Every read fails with EIO ([`FaultStorage::fail_reads`]).
+    read_fails: AtomicBool,
 }
 
 /// Keeps a mapped buffer alive and marks the file unmapped when dropped.
@@ -518,6 +528,7 @@ impl FaultFile {
             volatile: Arc::new(Buffer::from_vec(bytes)),
             mapped: Arc::new(AtomicBool::new(false)),
             evicted: AtomicBool::new(false),
+            read_fails: AtomicBool::new(false),
         }
     }
 
@@ -599,6 +610,9 @@ impl StorageFile for FaultFile {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if self.read_fails.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(5));
+        }
         self.volatile.read(buf, offset)?;
         self.evicted.store(false, Ordering::SeqCst);
         Ok(())

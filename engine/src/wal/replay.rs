@@ -20,9 +20,27 @@ const CHUNK_BYTES: u64 = 4 << 20;
 pub(crate) struct Segments {
     pub valid: BTreeMap<SegmentId, Arc<SegmentFile>>,
     pub unreadable: Vec<(SegmentId, String)>,
+    /// The unreadable files of a segment's length whose header bytes are
+    /// not all zero: written once, then damaged (a spare never activated
+    /// has a header of zeros; activation writes the header before any
+    /// record, and the first sync covering the segment covers it). Their
+    /// sync marks still count: records a mark in them says were durable
+    /// are not cut as a torn tail.
+    pub damaged: BTreeMap<SegmentId, Arc<SegmentFile>>,
 }
 
-/// Opens every segment file of the log and checks its header.
+/// What a segment file's first record says.
+enum Start {
+    Header(SegmentHeader),
+    /// Not a segment yet (a spare), or a file of the wrong length.
+    Unwritten(String),
+    /// Header bytes that are not zeros and not a valid header.
+    Damaged(String),
+}
+
+/// Opens every segment file of the log and checks its header. A header
+/// that cannot be read (an I/O error) fails the open: taken for a spare,
+/// the segment and the records in it would be deleted.
 pub(crate) fn open_segments(storage: &dyn Storage, opts: &LogOptions) -> Result<Segments> {
     let mut segments = Segments::default();
     let names = storage
@@ -34,37 +52,51 @@ pub(crate) fn open_segments(storage: &dyn Storage, opts: &LogOptions) -> Result<
         };
         let path = opts.dir.join(&name);
         let file = storage.open(&path).map_err(|e| Error::io(&path, e))?;
-        match read_header(&*file, opts, id) {
-            Ok(header) => {
+        match read_start(&*file, opts, id).map_err(|e| Error::io(&path, e))? {
+            Start::Header(header) => {
                 let segment = SegmentFile::new(id, path, file, header.epoch);
                 segments.valid.insert(id, Arc::new(segment));
             }
-            Err(reason) => segments.unreadable.push((id, reason)),
+            Start::Unwritten(reason) => segments.unreadable.push((id, reason)),
+            Start::Damaged(reason) => {
+                segments.unreadable.push((id, reason));
+                let segment = SegmentFile::new(id, path, file, crate::types::Epoch(0));
+                segments.damaged.insert(id, Arc::new(segment));
+            }
         }
     }
     Ok(segments)
 }
 
-fn read_header(
-    file: &dyn StorageFile,
-    opts: &LogOptions,
-    id: SegmentId,
-) -> Result<SegmentHeader, String> {
+fn read_start(file: &dyn StorageFile, opts: &LogOptions, id: SegmentId) -> std::io::Result<Start> {
     if file.len() != opts.segment_size {
-        return Err(format!(
+        return Ok(Start::Unwritten(format!(
             "file is {} bytes, segments are {}",
             file.len(),
             opts.segment_size
-        ));
+        )));
     }
     let mut bytes = [0u8; HEADER_RECORD_BYTES as usize];
-    file.read_at(&mut bytes, 0).map_err(|e| e.to_string())?;
-    let position = WalPosition(id.0 * opts.segment_size);
-    let view = RecordView::verify(position, &bytes).map_err(|m| m.0)?;
-    if view.header.kind != Kind::SegmentHeader {
-        return Err("first record is not a segment header".into());
+    file.read_at(&mut bytes, 0)?;
+    if bytes.iter().all(|b| *b == 0) {
+        return Ok(Start::Unwritten("no segment header".into()));
     }
-    SegmentHeader::decode(view.body, &opts.header(id, crate::types::Epoch(0)))
+    let position = WalPosition(id.0 * opts.segment_size);
+    let view = match RecordView::verify(position, &bytes) {
+        Ok(view) => view,
+        Err(m) => return Ok(Start::Damaged(m.0)),
+    };
+    if view.header.kind != Kind::SegmentHeader {
+        return Ok(Start::Damaged(
+            "first record is not a segment header".into(),
+        ));
+    }
+    Ok(
+        match SegmentHeader::decode(view.body, &opts.header(id, crate::types::Epoch(0))) {
+            Ok(header) => Start::Header(header),
+            Err(reason) => Start::Damaged(reason),
+        },
+    )
 }
 
 /// Why replay stopped.
