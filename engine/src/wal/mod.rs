@@ -312,7 +312,14 @@ impl Log {
         WalPosition(self.shared.synced.load(Ordering::Acquire))
     }
 
-    /// Waits until every byte below `position` is processed.
+    /// Waits until every byte below `position` is processed. Fails if the
+    /// log is poisoned, even once the watermark is reached: a writer that
+    /// failed inside its claimed range poisons the log before marking the
+    /// range processed (`Claimed`), so the watermark can pass over a hole
+    /// of garbage, and recovery cuts the log there — a write above it
+    /// acknowledged now would be lost at the next open. (The watermark is
+    /// read with Acquire after the poison's Release: seen past the hole, the
+    /// poison is seen too.)
     pub fn wait_processed(&self, position: WalPosition) -> Result<()> {
         let health = &self.shared.health;
         if self
@@ -320,7 +327,7 @@ impl Log {
             .tracker
             .wait_for(position.0, || health.is_poisoned())
         {
-            Ok(())
+            health.check()
         } else {
             health.check().and(Err(Error::Closed))
         }
@@ -689,6 +696,11 @@ impl Shared {
     /// Makes every processed byte durable.
     fn sync_to_processed(&self) -> Result<()> {
         let target = self.tracker.processed();
+        // After reading the watermark: one past a failed writer's hole
+        // comes with the poison visible (`Log::wait_processed`). The synced
+        // watermark never passes a hole, so no write above one is told it
+        // is durable.
+        self.health.check()?;
         let from = self.synced.load(Ordering::Acquire);
         if target <= from {
             return Ok(());

@@ -734,3 +734,42 @@ fn records_written_through_the_file_are_not_populated_ahead() {
         "the control: {mapping} bytes populated ahead of writes through the mapping"
     );
 }
+
+/// A writer that fails inside its claimed range leaves garbage there and
+/// poisons the log, and its range still counts as processed (so waiters
+/// are not stuck). A write claimed after it and finished meanwhile is past
+/// that hole, where recovery cuts the log: it must not be told it is
+/// processed (`Buffered`) or durable (`Synced`). Before, the watermark
+/// passing over the hole acknowledged it.
+#[test]
+fn a_write_past_a_failed_writers_hole_is_not_acknowledged() {
+    let storage = FaultStorage::default();
+    let log = start(&storage, 0, BTreeMap::new());
+    put(&log, b"k000", b"before");
+    log.wait_synced(log.processed()).unwrap();
+    let (claimed_tx, claimed_rx) = std::sync::mpsc::channel();
+    let (fail_tx, fail_rx) = std::sync::mpsc::channel::<()>();
+    let after = std::thread::scope(|scope| {
+        let log = &log;
+        let failing = scope.spawn(move || {
+            let item = put_item(log, b"k001", b"torn");
+            let len = format::entry_record_len(0, &[item]);
+            log.append(len, |_buf, _pos| {
+                claimed_tx.send(()).unwrap();
+                fail_rx.recv().unwrap();
+                panic!("a writer fails inside its claimed range");
+            })
+        });
+        claimed_rx.recv().unwrap();
+        // Claimed after the failing writer, written before it fails.
+        let at = put(log, b"k002", b"after");
+        let end = WalPosition(at.0 + put_record_len(b"after") as u64);
+        fail_tx.send(()).unwrap();
+        assert!(failing.join().is_err(), "the writer panicked");
+        end
+    });
+    assert!(log.processed() >= after, "the hole counts as processed");
+    assert!(matches!(log.wait_processed(after), Err(Error::Poisoned(_))));
+    assert!(matches!(log.wait_synced(after), Err(Error::Poisoned(_))));
+    assert!(log.synced() < after, "never synced past the hole");
+}
