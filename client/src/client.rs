@@ -178,6 +178,31 @@ fn no_answer(status: &Status) -> bool {
 /// Keys per `BatchExists` request.
 const BATCH_EXISTS_KEYS: usize = 10_000;
 
+/// Bytes of keys per `BatchExists` request: half a node's default request
+/// limit (8 MiB), so 10,000 keys of up to 1 KiB each, which the key limit
+/// allows, are sent in two requests rather than refused whole.
+const BATCH_EXISTS_BYTES: usize = 4 << 20;
+
+/// Splits `indexes` (of `keys`) into runs of at most `BATCH_EXISTS_KEYS`
+/// keys and `BATCH_EXISTS_BYTES` bytes of keys (a run holds at least one).
+fn exists_batches<'a>(keys: &[Vec<u8>], indexes: &'a [usize]) -> Vec<&'a [usize]> {
+    let mut batches = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (n, &i) in indexes.iter().enumerate() {
+        // Each key costs its bytes and a few of framing.
+        let cost = keys[i].len() + 8;
+        if n > start && (n - start == BATCH_EXISTS_KEYS || bytes + cost > BATCH_EXISTS_BYTES) {
+            batches.push(&indexes[start..n]);
+            (start, bytes) = (n, 0);
+        }
+        bytes += cost;
+    }
+    if start < indexes.len() {
+        batches.push(&indexes[start..]);
+    }
+    batches
+}
+
 /// Longest pause before asking a shard's replicas again when none named
 /// a leader to go to (an election is under way: it takes about a second).
 const ELECTION_POLL: Duration = Duration::from_millis(160);
@@ -1066,10 +1091,11 @@ impl Client {
                 }
             }
             // At most BATCH_EXISTS_KEYS keys per request (nodes take up to
-            // 100,000; smaller requests keep messages and waits short); the
-            // shards are asked at once.
+            // 100,000; smaller requests keep messages and waits short), and
+            // at most BATCH_EXISTS_BYTES of them (long keys); the shards are
+            // asked at once.
             let mut calls = tokio::task::JoinSet::new();
-            for indexes in groups.values().flat_map(|g| g.chunks(BATCH_EXISTS_KEYS)) {
+            for indexes in groups.values().flat_map(|g| exists_batches(keys, g)) {
                 let group: Vec<Vec<u8>> = indexes.iter().map(|i| keys[*i].clone()).collect();
                 let (client, namespace, indexes) =
                     (self.clone(), namespace.to_string(), indexes.to_vec());
@@ -1236,6 +1262,30 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 10,000 keys of 1 KiB (the key limit) are over a node's 8 MiB
+    /// request limit in one request: the batches stay under half of it.
+    #[test]
+    fn existence_batches_are_bounded_by_keys_and_bytes() {
+        let long: Vec<Vec<u8>> = (0..10_000u32).map(|i| vec![i as u8; 1024]).collect();
+        let all: Vec<usize> = (0..long.len()).collect();
+        let batches = exists_batches(&long, &all);
+        assert!(batches.len() >= 3, "{} batches", batches.len());
+        for batch in &batches {
+            let bytes: usize = batch.iter().map(|i| long[*i].len() + 8).sum();
+            assert!(bytes <= BATCH_EXISTS_BYTES, "{bytes}");
+        }
+        assert_eq!(batches.concat(), all, "every key once, in order");
+        let short: Vec<Vec<u8>> = (0..25_000u32).map(|i| i.to_be_bytes().to_vec()).collect();
+        let all: Vec<usize> = (0..short.len()).collect();
+        let sizes: Vec<usize> = exists_batches(&short, &all)
+            .iter()
+            .map(|b| b.len())
+            .collect();
+        assert_eq!(sizes, [10_000, 10_000, 5_000]);
+        assert!(exists_batches(&short, &[]).is_empty());
+    }
+
     use tidepool_proto::v1::blob_service_server::{BlobService, BlobServiceServer};
     use tidepool_proto::v1::{
         BatchExistsResponse, DeleteRequest as Del, DeleteResponse, GetResponse, HeadResponse,

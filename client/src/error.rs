@@ -85,6 +85,11 @@ pub(crate) enum Disposition {
 /// Classifies a failed call.
 pub(crate) fn classify(status: &tonic::Status) -> Disposition {
     let detail = error_detail(status);
+    if detail.is_none()
+        && let Some(code) = final_without_detail(status.code())
+    {
+        return Disposition::Fail(Error::new(code, status.message().to_string()));
+    }
     let code = detail
         .as_ref()
         .and_then(|d| ErrorCode::try_from(d.code).ok())
@@ -120,6 +125,23 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
         | ErrorCode::NotCoordinatorLeader
         | ErrorCode::Unspecified => Disposition::Backoff(error),
         _ => Disposition::Fail(error),
+    }
+}
+
+/// The stable code of a status that carries no Tidepool detail but whose
+/// gRPC code says trying again cannot help: the gRPC layer refused the
+/// request (too large for the server: `OUT_OF_RANGE`), a server that does
+/// not know the method (`UNIMPLEMENTED`: an older version), or something in
+/// between refused the credential (a proxy's 401 or 403). Every other
+/// status without a detail is the transport's, retried until the
+/// deadline.
+fn final_without_detail(code: tonic::Code) -> Option<ErrorCode> {
+    match code {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => Some(ErrorCode::InvalidArgument),
+        tonic::Code::Unimplemented => Some(ErrorCode::Unsupported),
+        tonic::Code::Unauthenticated => Some(ErrorCode::Unauthenticated),
+        tonic::Code::PermissionDenied => Some(ErrorCode::PermissionDenied),
+        _ => None,
     }
 }
 
@@ -183,6 +205,40 @@ mod tests {
                 }
                 _ => panic!("not a redirect"),
             }
+        }
+    }
+
+    /// A status without Tidepool's detail: final when its gRPC code says
+    /// a repeat cannot help, retried otherwise.
+    #[test]
+    fn a_status_without_a_detail_is_final_only_when_a_retry_cannot_help() {
+        use tonic::Code;
+        for (code, stable) in [
+            (Code::OutOfRange, ErrorCode::InvalidArgument),
+            (Code::InvalidArgument, ErrorCode::InvalidArgument),
+            (Code::Unimplemented, ErrorCode::Unsupported),
+            (Code::Unauthenticated, ErrorCode::Unauthenticated),
+            (Code::PermissionDenied, ErrorCode::PermissionDenied),
+        ] {
+            match classify(&tonic::Status::new(code, "refused")) {
+                Disposition::Fail(error) => assert_eq!(error.code(), stable, "{code:?}"),
+                _ => panic!("{code:?} is retried"),
+            }
+        }
+        for code in [
+            Code::Unavailable,
+            Code::Unknown,
+            Code::Cancelled,
+            Code::DeadlineExceeded,
+            Code::Internal,
+        ] {
+            assert!(
+                matches!(
+                    classify(&tonic::Status::new(code, "transport")),
+                    Disposition::Backoff(_)
+                ),
+                "{code:?} is retried"
+            );
         }
     }
 

@@ -190,6 +190,23 @@ async fn batch_exists_of_more_keys_than_one_request_takes() {
     let present = client.batch_exists("default", &keys).await.unwrap();
     let found: Vec<usize> = (0..present.len()).filter(|i| present[*i]).collect();
     assert_eq!(found, vec![7, 99_999, 100_000]);
+
+    // 10,000 keys of 1 KiB (the longest a key may be): 10 MiB, over the
+    // node's 8 MiB request limit in one request. Before, the node's gRPC
+    // layer refused it (OUT_OF_RANGE, no detail) and the SDK sent it again
+    // to every replica until its deadline, then answered TIMEOUT.
+    let long = |i: u32| {
+        let mut key = vec![b'k'; 1024];
+        key[..4].copy_from_slice(&i.to_le_bytes());
+        key
+    };
+    client.put("default", &long(4_321), b"v").await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..10_000u32).map(long).collect();
+    let started = std::time::Instant::now();
+    let present = client.batch_exists("default", &keys).await.unwrap();
+    let found: Vec<usize> = (0..present.len()).filter(|i| present[*i]).collect();
+    assert_eq!(found, vec![4_321]);
+    println!("10,000 keys of 1 KiB checked in {:?}", started.elapsed());
     cluster.stop().await;
 }
 
