@@ -979,16 +979,31 @@ impl Client {
     #[tracing::instrument(name = "tidepool.get", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn get(&self, namespace: &str, key: &[u8]) -> Result<Vec<u8>> {
         let result: Result<Vec<u8>> = async {
-            let mut reader = self.open_range(namespace, key, 0, None).await?;
-            if let Some(content) = reader.take_plain() {
-                return Ok(content);
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let mut reader = self.open_range(namespace, key, 0, None).await?;
+                if let Some(content) = reader.take_plain() {
+                    return Ok(content);
+                }
+                // The size comes from a node: reserve no more than a few
+                // chunks.
+                let mut out = Vec::with_capacity(reader.size().min(64 << 20) as usize);
+                let read = async {
+                    while let Some(piece) = reader.next_piece().await? {
+                        out.extend_from_slice(&piece);
+                    }
+                    Ok::<(), Error>(())
+                };
+                match read.await {
+                    Ok(()) => return Ok(out),
+                    // Replaced while read: nothing was returned yet, so
+                    // read the new one (a blob replaced on every read
+                    // fails after a few tries).
+                    Err(error) if error.code() == ErrorCode::Conflict && attempt < 3 => {}
+                    Err(error) => return Err(error),
+                }
             }
-            // The size comes from a node: reserve no more than a few chunks.
-            let mut out = Vec::with_capacity(reader.size().min(64 << 20) as usize);
-            while let Some(piece) = reader.next_piece().await? {
-                out.extend_from_slice(&piece);
-            }
-            Ok(out)
         }
         .await;
         result.traced()

@@ -626,8 +626,18 @@ impl Upload {
         outcome.size = self.written;
         outcome.sha256 = digest;
         if let Some(old) = replaced {
+            // The new blob is stored: the put succeeded whatever happens to
+            // the old chunks. One not deleted (a token without the delete
+            // role, a shard unavailable) is left behind, like a concurrent
+            // put's (known limit).
             for chunk in own_chunks(&key, &old) {
-                client.delete_chunk(&namespace, &chunk).await?;
+                if let Err(error) = client.delete_chunk(&namespace, &chunk).await {
+                    tracing::warn!(
+                        %error,
+                        key = %hex(&key),
+                        "an old chunk of a replaced blob was not deleted"
+                    );
+                }
             }
         }
         Ok(outcome)
@@ -738,6 +748,29 @@ impl BlobReader {
         self.epoch < self.current_epoch.max(self.client.map().epoch)
     }
 
+    /// What a chunk found missing means: if the key no longer holds the
+    /// manifest being read, the blob was replaced or deleted meanwhile
+    /// (which deletes the old chunks once the new manifest is stored):
+    /// `CONFLICT`, read it again. Otherwise the chunk's own error.
+    async fn chunk_gone(&mut self, error: Error) -> Error {
+        self.fetching.clear();
+        match self
+            .client
+            .manifest_if_chunked(&self.namespace, &self.key)
+            .await
+        {
+            Ok(Some(current)) if current == self.manifest => error,
+            Err(other) => other,
+            Ok(_) => Error::new(
+                ErrorCode::Conflict,
+                format!(
+                    "{} was replaced or deleted while it was read (its old chunks are gone): read it again",
+                    hex(&self.key)
+                ),
+            ),
+        }
+    }
+
     /// The stored keys the blob is made of: its own and its chunks'
     /// (what to touch to keep it whole).
     pub fn stored_keys(&self) -> Vec<Vec<u8>> {
@@ -787,9 +820,15 @@ impl BlobReader {
             .fetching
             .pop_front()
             .expect("the next chunk's fetch was started");
-        let (_, mut bytes) = task.await.map_err(|e| {
-            Error::new(ErrorCode::Internal, format!("a chunk's fetch failed: {e}"))
-        })??;
+        let fetched = task
+            .await
+            .map_err(|e| Error::new(ErrorCode::Internal, format!("a chunk's fetch failed: {e}")))?;
+        let (_, mut bytes) = match fetched {
+            Err(error) if error.code() == ErrorCode::NotFound => {
+                return Err(self.chunk_gone(error).await);
+            }
+            other => other?,
+        };
         if sha256(&bytes)[..] != chunk.sha256[..] || bytes.len() as u64 != chunk.size {
             return Err(corrupt(format!(
                 "chunk {} of {} does not match its manifest",

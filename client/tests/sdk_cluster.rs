@@ -859,3 +859,57 @@ async fn a_listing_continues_over_both_sides_of_a_split() {
     };
     assert_eq!(text(&listed), text(&keys), "every key once, in order");
 }
+
+/// A chunked blob replaced (or deleted) while a reader holds its old
+/// manifest: the replacing put deletes the old chunks once its manifest is
+/// stored, so the reader's next chunk is gone. The reader says the blob
+/// changed (CONFLICT), not that the key is missing (it holds the new
+/// blob); `get`, which has returned nothing yet, reads the new blob.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_blob_replaced_while_it_is_read_is_a_conflict_not_a_missing_key() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let chunk = client.chunk_size();
+    let old: Vec<u8> = (0..6 * chunk).map(|i| (i % 251) as u8).collect();
+    let new: Vec<u8> = (0..6 * chunk).map(|i| (i % 241) as u8).collect();
+    client
+        .put_stream("default", b"moving", &old[..])
+        .await
+        .unwrap();
+    for replace in [true, false] {
+        let mut reader = client
+            .open_range("default", b"moving", 0, None)
+            .await
+            .unwrap();
+        let first = reader.next_piece().await.unwrap().unwrap();
+        assert!(first[..] == old[..chunk]);
+        if replace {
+            client
+                .put_stream("default", b"moving", &new[..])
+                .await
+                .unwrap();
+        } else {
+            client.delete("default", b"moving").await.unwrap();
+        }
+        let error = loop {
+            match reader.next_piece().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("read to the end of a blob whose chunks were deleted"),
+                Err(error) => break error,
+            }
+        };
+        assert_eq!(
+            error.code(),
+            ErrorCode::Conflict,
+            "replaced: {replace}: {error}"
+        );
+        if replace {
+            assert!(client.get("default", b"moving").await.unwrap() == new);
+        }
+        client
+            .put_stream("default", b"moving", &old[..])
+            .await
+            .unwrap();
+    }
+    cluster.stop().await;
+}

@@ -613,6 +613,28 @@ async fn roles_hold_and_a_revoked_token_stops_on_every_node_within_five_seconds(
     );
     assert_eq!(admin.get("default", b"b-3").await.unwrap(), b"first");
 
+    // A token that may write and read but not delete replaces a chunked
+    // blob: the put succeeds (the old chunks it may not delete are left
+    // behind). Before, the put stored the new blob and then answered
+    // PERMISSION_DENIED for the old chunks' deletion.
+    let (rw, _) = admin
+        .create_token("ci", false, grant(&[Role::Read, Role::Write]))
+        .await
+        .unwrap();
+    let writer = client_with(&cluster, &rw).await;
+    let chunk = writer.chunk_size();
+    let first: Vec<u8> = (0..2 * chunk + 10).map(|i| (i % 251) as u8).collect();
+    let second: Vec<u8> = (0..2 * chunk + 20).map(|i| (i % 241) as u8).collect();
+    writer
+        .put_stream("default", b"chunked", &first[..])
+        .await
+        .unwrap();
+    writer
+        .put_stream("default", b"chunked", &second[..])
+        .await
+        .unwrap();
+    assert!(writer.get("default", b"chunked").await.unwrap() == second);
+
     // Revocation reaches every node: ask each one directly.
     let head = HeadRequest {
         blob: Some(BlobRef {
