@@ -90,6 +90,7 @@ impl Engine {
         mover.finish()?;
         let mut report = std::mem::take(&mut mover.report);
         report.stopped = stopped;
+        holding_live.extend(&mover.kept_segments);
         let emptied: Vec<_> = doomed
             .difference(&holding_live)
             .map(|id| crate::types::SegmentId(*id))

@@ -249,3 +249,67 @@ fn the_current_epoch_cannot_be_dropped() {
     assert!(engine.drop_epochs_below(Epoch(2), &KeepDurable).is_err());
     assert!(engine.advance_epoch(Epoch(1)).is_err(), "epochs only grow");
 }
+
+/// Drops every entry it is asked about, but first touches the one key it
+/// is given: the touch lands between the drop's decision and its removal
+/// of the entry, as a touch on another thread can.
+struct TouchThenDrop<'a> {
+    engine: &'a Engine,
+    key: Vec<u8>,
+    touched: std::sync::atomic::AtomicBool,
+}
+
+impl RelocationFilter for TouchThenDrop<'_> {
+    fn decide(&self, entry: &EntryInfo<'_>) -> Decision {
+        if entry.key == &self.key[..]
+            && !self.touched.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            let ks = self.engine.key_space("default").unwrap();
+            assert!(
+                self.engine
+                    .touch(ks, &self.key, Durability::Buffered)
+                    .unwrap()
+            );
+        }
+        Decision::Drop
+    }
+}
+
+/// A key touched while an epoch drop is deciding on it keeps its value: the
+/// drop finds the entry changed and leaves it, and the segment it lives in
+/// (an expired epoch's) is not deleted under it. Before, the segment was
+/// deleted and every read of the key failed as corrupt.
+#[test]
+fn a_touch_racing_an_epoch_drop_keeps_the_segment_it_lives_in() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for epoch in 1..=3u32 {
+        if epoch > 1 {
+            engine.advance_epoch(Epoch(epoch)).unwrap();
+        }
+        for i in 0..40u64 {
+            let k = u64::from(epoch) * 100 + i;
+            engine
+                .put(ks, &key(k), &value(k, 1, 900), Durability::Buffered)
+                .unwrap();
+        }
+    }
+    let touched = 105u64;
+    let filter = TouchThenDrop {
+        engine: &engine,
+        key: key(touched).to_vec(),
+        touched: Default::default(),
+    };
+    let report = engine.drop_epochs_below(Epoch(3), &filter).unwrap();
+    println!("{report:?}");
+    assert!(report.entries_dropped > 0);
+    assert_eq!(
+        engine.get(ks, &key(touched)).unwrap().as_deref(),
+        Some(&value(touched, 1, 900)[..]),
+        "the touched key reads back"
+    );
+    // Dropped: the other keys of epochs 1 and 2; kept: epoch 3's.
+    assert_eq!(engine.get(ks, &key(106)).unwrap(), None);
+    assert!(engine.get(ks, &key(300)).unwrap().is_some());
+}

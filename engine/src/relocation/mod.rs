@@ -227,6 +227,8 @@ impl Inner {
             }
         }
         mover.finish()?;
+        // A segment whose entry a drop found touched since holds it still.
+        emptied.retain(|id| !mover.kept_segments.contains(&id.0));
         let mut report = std::mem::take(&mut mover.report);
         self.reclaim(&emptied, &mut report)?;
         Ok(report)
@@ -288,12 +290,16 @@ impl Inner {
     ) -> Result<RelocationReport> {
         let size = self.config.wal_segment_bytes;
         let targets: std::collections::BTreeSet<u64> = segments.iter().map(|s| s.0).collect();
-        let mut report =
+        let (mut report, kept) =
             self.move_entries(filter, rate, |e| targets.contains(&(e.location / size)))?;
         let emptied = if report.stopped {
             Vec::new()
         } else {
-            segments.to_vec()
+            segments
+                .iter()
+                .copied()
+                .filter(|id| !kept.contains(&id.0))
+                .collect()
         };
         self.reclaim(&emptied, &mut report)?;
         Ok(report)
@@ -306,14 +312,14 @@ impl Inner {
         below: WalPosition,
         filter: &dyn RelocationFilter,
     ) -> Result<RelocationReport> {
-        let mut report = self.move_entries(filter, None, |e| e.location < below.0)?;
+        let (mut report, kept) = self.move_entries(filter, None, |e| e.location < below.0)?;
         let size = self.config.wal_segment_bytes;
         let emptied: Vec<SegmentId> = if report.stopped {
             Vec::new()
         } else {
             self.sealed_segments()
                 .iter()
-                .filter(|s| (s.id.0 + 1) * size <= below.0)
+                .filter(|s| (s.id.0 + 1) * size <= below.0 && !kept.contains(&s.id.0))
                 .map(|s| s.id)
                 .collect()
         };
@@ -323,12 +329,14 @@ impl Inner {
 
     /// Walks every cell and hands each live entry `select` picks to the
     /// filter: copies it forward or drops it, until the filter says stop.
+    /// Also returns the segments a drop found still holding a changed
+    /// entry (`Mover::kept_segments`): not to be reclaimed.
     fn move_entries(
         &self,
         filter: &dyn RelocationFilter,
         rate: Option<u64>,
         select: impl Fn(&crate::index::entry::Entry) -> bool,
-    ) -> Result<RelocationReport> {
+    ) -> Result<(RelocationReport, std::collections::BTreeSet<u64>)> {
         let mut mover = Mover::new(self, rate);
         let mut stopped = false;
         'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
@@ -353,7 +361,7 @@ impl Inner {
         mover.finish()?;
         let mut report = std::mem::take(&mut mover.report);
         report.stopped = stopped;
-        Ok(report)
+        Ok((report, std::mem::take(&mut mover.kept_segments)))
     }
 
     /// Applies the filter to one live entry: copies it forward or drops it.

@@ -52,6 +52,10 @@ pub(crate) struct Mover<'a> {
     started: Instant,
     copied_bytes: u64,
     pub report: RelocationReport,
+    /// Segments (ids) a drop found still holding the key's entry, changed
+    /// since the filter saw it (a touch moves an entry to a later epoch in
+    /// place): they hold a live entry and must not be reclaimed.
+    pub kept_segments: std::collections::BTreeSet<u64>,
 }
 
 impl<'a> Mover<'a> {
@@ -64,6 +68,7 @@ impl<'a> Mover<'a> {
             started: Instant::now(),
             copied_bytes: 0,
             report: RelocationReport::default(),
+            kept_segments: std::collections::BTreeSet::new(),
         }
     }
 
@@ -88,16 +93,28 @@ impl<'a> Mover<'a> {
         Ok(())
     }
 
-    /// Removes `current` (if it is still the key's entry).
+    /// Removes `current` (if it is still the key's entry). If the key's
+    /// entry changed since but lives on (a touch: same place, later epoch;
+    /// or a newer write), its segment is recorded in `kept_segments`: the
+    /// caller must not reclaim it, or the touched entry would point into a
+    /// deleted segment.
     pub fn drop_entry(&mut self, space: u8, key: &Key, current: Entry) -> Result<()> {
+        let still = std::cell::Cell::new(None);
         let dropped =
             self.inner
                 .update_entry(space, key, Change::NO_RECORD, DiskAccess::Read, |now| {
-                    (*now == current).then(|| Entry::dropped(now))
+                    if *now == current {
+                        return Some(Entry::dropped(now));
+                    }
+                    still.set((!now.tombstone()).then_some(now.location));
+                    None
                 })?;
         if dropped {
             self.report.entries_dropped += 1;
             Metrics::add(&self.inner.metrics.counters().entries_dropped, 1);
+        } else if let Some(location) = still.get() {
+            self.kept_segments
+                .insert(location / self.inner.config.wal_segment_bytes);
         }
         Ok(())
     }
