@@ -175,6 +175,14 @@ fn no_answer(status: &Status) -> bool {
     ) && tidepool_proto::error_detail(status).is_none()
 }
 
+/// Whether the node refused for load (`OVERLOADED`): it may still lead.
+fn overloaded(status: &Status) -> bool {
+    tidepool_proto::error_detail(status).is_some_and(|d| d.code == ErrorCode::Overloaded as i32)
+}
+
+/// Longest `retry_after_ms` a node's refusal is heeded for.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(2);
+
 /// Keys per `BatchExists` request.
 const BATCH_EXISTS_KEYS: usize = 10_000;
 
@@ -692,7 +700,19 @@ impl Client {
                             let _ = self.cluster.refresh().await;
                             (error, Some(backoff(attempt.min(2))))
                         }
-                        Disposition::Backoff(error) => (error, Some(backoff(attempt))),
+                        Disposition::Backoff(error) => {
+                            // A node that is overloaded says when to come
+                            // back (at most a few seconds is heeded), and
+                            // is asked again then: it still leads.
+                            let asked = tidepool_proto::error_detail(&status)
+                                .map(|d| u64::from(d.retry_after_ms))
+                                .map_or(Duration::ZERO, Duration::from_millis)
+                                .min(MAX_RETRY_AFTER);
+                            if overloaded(&status) {
+                                redirect = Some(address.clone());
+                            }
+                            (error, Some(backoff(attempt).max(asked)))
+                        }
                     };
                     if let Some(pause) = pause {
                         // Beside running attempts at a live leader, the
@@ -733,9 +753,12 @@ impl Client {
         let Some(id) = id else { return };
         if no_answer(status) {
             self.cluster.unreachable(id);
-        } else {
+        } else if !overloaded(status) {
             self.cluster.not_leader(shard_id, id);
         }
+        // An overloaded leader still leads: asked again after the pause it
+        // named. (Forgotten, the next attempt went to a follower, whose
+        // NOT_LEADER sent it straight back, without a pause.)
     }
 
     /// Waits until `until`, or less if a running attempt answers first:
@@ -1442,6 +1465,12 @@ mod tests {
     enum Rule {
         /// Leads: answers (its id as the size) after `delay`.
         Lead { delay: Duration },
+        /// Leads, but answers `OVERLOADED` (come back after `retry_after`)
+        /// until `until`.
+        Overloaded {
+            until: Duration,
+            retry_after: Duration,
+        },
         /// Names `before` as the leader until `switch`, then `after`; a
         /// replica naming itself leads from then on. `silent`: says it has
         /// not heard from `before` for a while (`leader_silent_ms`).
@@ -1485,6 +1514,19 @@ mod tests {
             let (leader, silent) = match self.rule {
                 Rule::Lead { delay } => {
                     tokio::time::sleep(delay).await;
+                    (self.id, false)
+                }
+                Rule::Overloaded { until, retry_after } => {
+                    if self.began.elapsed() < until {
+                        return Err(tidepool_proto::status_with_detail(
+                            tidepool_proto::v1::ErrorDetail {
+                                code: ErrorCode::Overloaded as i32,
+                                message: "too many requests in flight".into(),
+                                retry_after_ms: retry_after.as_millis() as u32,
+                                ..tidepool_proto::v1::ErrorDetail::default()
+                            },
+                        ));
+                    }
                     (self.id, false)
                 }
                 Rule::Follow {
@@ -1654,6 +1696,31 @@ mod tests {
             })
             .await;
         (answer, began.elapsed())
+    }
+
+    /// An overloaded leader says when to come back: it is asked again then,
+    /// and the followers are not asked meanwhile. Before, the SDK came
+    /// back after 20 ms, forgot the leader, asked a follower, and the
+    /// follower's hint sent it straight back to the overloaded node.
+    #[tokio::test]
+    async fn an_overloaded_leader_is_asked_again_when_it_says() {
+        let overloaded = Rule::Overloaded {
+            until: Duration::from_millis(250),
+            retry_after: Duration::from_millis(300),
+        };
+        let follow = Rule::Follow {
+            before: 1,
+            after: 1,
+            switch: Duration::ZERO,
+            silent: false,
+        };
+        let (client, calls) =
+            three_replicas([Some(overloaded), Some(follow), Some(follow)], None).await;
+        let (answer, took) = head_answered_by(&client).await;
+        assert_eq!(answer.unwrap(), 1);
+        let calls: Vec<u64> = calls.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+        assert_eq!(calls, [2, 0, 0], "took {took:?}");
+        assert!(took >= Duration::from_millis(300), "took {took:?}");
     }
 
     #[tokio::test]

@@ -82,6 +82,20 @@ pub struct Lister {
 impl Lister {
     /// The next blob in key order, or `None` at the end.
     pub async fn next(&mut self) -> Result<Option<ListEntry>> {
+        // A loop, not a recursion: a listing that meets thousands of
+        // chunked blobs deleted since their page was read must not nest a
+        // future per blob.
+        loop {
+            if let Some(answer) = self.step().await? {
+                return Ok(answer);
+            }
+        }
+    }
+
+    /// One try at [`Lister::next`]: `None` to try again (the listing was
+    /// planned again after a split, or the blob it would return was
+    /// deleted since it was listed).
+    async fn step(&mut self) -> Result<Option<Option<ListEntry>>> {
         if !self.started {
             self.start().await?;
         }
@@ -123,7 +137,7 @@ impl Lister {
                     // order, and every shard starts after that key).
                     pending.abort_all();
                     self.replan(shard_id, (now.start, now.end)).await?;
-                    return Box::pin(self.next()).await;
+                    return Ok(None);
                 }
                 self.incomplete |= page.incomplete;
                 let cursor = self
@@ -161,7 +175,7 @@ impl Lister {
             .filter(|c| !c.buffer.is_empty())
             .min_by(|a, b| a.buffer[0].key.cmp(&b.buffer[0].key));
         let Some(cursor) = smallest else {
-            return Ok(None);
+            return Ok(Some(None));
         };
         let mut entry = cursor.buffer.pop_front().expect("not empty");
         if entry.chunked {
@@ -170,11 +184,11 @@ impl Lister {
             match self.client.listed_now(&self.namespace, &entry.key).await? {
                 Some(now) => entry = now,
                 // Deleted since it was listed.
-                None => return Box::pin(self.next()).await,
+                None => return Ok(None),
             }
         }
         self.last = Some(entry.key.clone());
-        Ok(Some(entry))
+        Ok(Some(Some(entry)))
     }
 
     /// True once a shard said it holds blobs stored before keys were indexed
