@@ -195,10 +195,26 @@ def token():
 
 
 def tidectl(*args, pod=None, check=True, timeout=300):
+    """tidectl in a pod, the token on its standard input (as the README
+    says: never in the arguments, which the API server's audit log shows)."""
     pod = pod or f"{REL}-node-0"
     container = ["-c", "node"] if "node" in pod else []
-    return kubectl("exec", pod, *container, "--", "tidectl", "--token", token(), *args,
-                   check=check, timeout=timeout)
+    return kubectl("exec", "-i", pod, *container, "--", "tidectl", "--token-file", "/dev/stdin", *args,
+                   check=check, timeout=timeout, input=token())
+
+
+def etcd_members_fixed(installed):
+    """An upgrade asking for another etcd member count is refused before it
+    changes anything (etcd names its members once)."""
+    other = 3 if installed == 1 else 1
+    r = run("helm", "upgrade", REL, str(CHART), "-n", NS, "--reuse-values",
+            "--set", f"etcd.replicas={other}", check=False)
+    if r.returncode == 0 or "etcd.replicas cannot change" not in (r.stderr + r.stdout):
+        raise AssertionError(f"helm upgrade to {other} etcd members was not refused: {r.stdout}\n{r.stderr}")
+    sts = json.loads(kubectl("get", "statefulset", f"{REL}-etcd", "-o", "json").stdout)
+    if sts["spec"]["replicas"] != installed:
+        raise AssertionError(f"etcd StatefulSet changed to {sts['spec']['replicas']} members")
+    figure(f"helm upgrade asking {other} etcd members on a release with {installed}", "refused, nothing changed")
 
 
 def status():
@@ -474,6 +490,38 @@ def etcd_maintenance():
         raise RuntimeError(f"etcd alarms raised: {alarms}")
     figure("etcd maintenance with the image's etcdctl (health, snapshot saved, checked, copied out, defrag, alarms)",
            f"ok in {time.time() - started:.1f} s: {info['totalKey']} keys, {copied} bytes")
+    etcd_refuses_other_certificates(pod)
+
+
+def etcd_refuses_other_certificates(pod):
+    """etcd holds the cluster map and the token hashes: a certificate of the
+    cluster's CA that is not a coordinator's (here the `admin` client's, as
+    an application holds it) is refused, though the CA signed it. Before,
+    any such certificate could read and rewrite the map."""
+    import base64
+    probe = "/var/lib/etcd/probe"
+    kubectl("exec", pod, "-c", "etcd", "--", "mkdir", "-p", probe)
+    try:
+        data = json.loads(kubectl("get", "secret", f"{REL}-client-admin", "-o", "json").stdout)["data"]
+        for name in ("client.pem", "client-key.pem"):
+            kubectl("exec", "-i", pod, "-c", "etcd", "--", "sh", "-c", f"cat > {probe}/{name}",
+                    input=base64.b64decode(data[name]).decode())
+        refused = kubectl("exec", pod, "-c", "etcd", "--", "etcdctl", "--endpoints=https://localhost:2379",
+                          "--cacert=/etc/tidepool/ca/ca.pem", f"--cert={probe}/client.pem",
+                          f"--key={probe}/client-key.pem", "--dial-timeout=3s", "--command-timeout=5s",
+                          "get", "--prefix", "--keys-only", "/", check=False)
+        if refused.returncode == 0:
+            raise AssertionError(f"etcd let a client certificate read the cluster map: {refused.stdout}")
+        said = (refused.stderr + refused.stdout).strip()
+        # Refused in the handshake (etcdctl then times out dialing), not for
+        # a file it could not read.
+        if "no such file" in said or not ("deadline exceeded" in said or "certificate" in said):
+            raise AssertionError(f"etcdctl failed for another reason than the certificate: {said}")
+        errors = [line for line in said.splitlines() if line.startswith("Error:")]
+        figure("etcd with the admin client's certificate (the cluster's CA, not a coordinator's)",
+               "refused: " + (errors or said.splitlines())[-1][:200])
+    finally:
+        kubectl("exec", pod, "-c", "etcd", "--", "rm", "-rf", probe, check=False)
 
 
 def smoke():
@@ -481,6 +529,7 @@ def smoke():
     install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1"))
     put_get()
     etcd_maintenance()
+    etcd_members_fixed(1)
     memory_budget()
     gateway_http()
     helm_test()

@@ -57,6 +57,17 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-client-%s" (include "tidepool.fullname" (index . 0)) (index . 1) -}}
 {{- end -}}
 
+{{/*
+The name etcd requires in a client certificate (`--client-cert-allowed-hostname`):
+only the coordinators' certificates (and the members' own) carry it, so a
+certificate of the cluster's CA held by a node, the gateway or an
+application (`tls.clients`) cannot read or write the cluster map in etcd.
+`.invalid` never resolves: it is a marker, not an address.
+*/}}
+{{- define "tidepool.etcdClientHost" -}}
+{{- printf "%s-etcd-client.invalid" (include "tidepool.fullname" .) -}}
+{{- end -}}
+
 {{/* DNS. */}}
 {{- define "tidepool.svcSuffix" -}}
 {{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}
@@ -178,6 +189,16 @@ API.
 {{- end -}}
 {{- if not (has "admin" .Values.tls.clients) -}}
 {{- fail "tls.clients must include admin (helm test and the node pods' tidectl use it)" -}}
+{{- end -}}
+{{- /* etcd's members are named once, at its first start
+(--initial-cluster-state=new): a changed member count would start a second,
+empty etcd cluster beside the first (1 -> 3) or leave it without a quorum
+(3 -> 1). (lookup finds nothing under `helm template`.) */ -}}
+{{- if .Values.etcd.enabled -}}
+{{- $etcd := lookup "apps/v1" "StatefulSet" .Release.Namespace (printf "%s-etcd" (include "tidepool.fullname" .)) -}}
+{{- if and $etcd (ne (int $etcd.spec.replicas) (int .Values.etcd.replicas)) -}}
+{{- fail (printf "etcd.replicas cannot change on an installed release (it runs %d member(s), asked %d): etcd's members are fixed at its first start; keep %d" (int $etcd.spec.replicas) (int .Values.etcd.replicas) (int $etcd.spec.replicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
