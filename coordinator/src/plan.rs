@@ -43,6 +43,17 @@ impl ShardView {
         self.leader.and_then(|id| self.replicas.get(&id))
     }
 
+    /// Nodes whose replica is down though its node is live: its files are
+    /// missing, or its engine failed and has not reopened (it neither votes
+    /// nor answers). No step counts it live.
+    pub fn down(&self) -> BTreeSet<u64> {
+        self.replicas
+            .iter()
+            .filter(|(_, r)| r.files_missing || r.failed)
+            .map(|(node, _)| *node)
+            .collect()
+    }
+
     /// Nodes whose replica reports its files missing: down for good (it
     /// neither votes nor answers) though its node is live.
     pub fn files_missing(&self) -> BTreeSet<u64> {
@@ -259,8 +270,8 @@ fn caught_up(view: &ShardView, node: u64, slack: u64) -> bool {
 
 /// The next step toward `desired` for a shard, or `None` when its
 /// configuration already is `desired` (all voters). `live` holds the nodes
-/// that answered this round; a replica whose files are missing counts as
-/// down whatever its node does.
+/// that answered this round; a replica whose files are missing, or whose
+/// engine failed, counts as down whatever its node does.
 pub fn next_step(
     view: &ShardView,
     desired: &BTreeSet<u64>,
@@ -270,7 +281,7 @@ pub fn next_step(
     let Some(leader) = view.leader else {
         return Some(Step::Wait(Wait::NoLeader));
     };
-    let live: &BTreeSet<u64> = &live.difference(&view.files_missing()).copied().collect();
+    let live: &BTreeSet<u64> = &live.difference(&view.down()).copied().collect();
     let live_voters = view.voters.intersection(live).count();
     // Learners first: finish or undo a move in progress.
     if let Some(&learner) = view.learners.iter().find(|l| !desired.contains(l)) {
@@ -588,6 +599,25 @@ mod tests {
         );
         v.replicas.get_mut(&3).unwrap().files_missing = false;
         assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Promote(4)));
-        assert_eq!(files_missing(&[v]), BTreeSet::new());
+        assert_eq!(files_missing(&[v.clone()]), BTreeSet::new());
+        // One whose engine failed (not reopening) is down the same way.
+        v.replicas.get_mut(&3).unwrap().failed = true;
+        assert_eq!(
+            next_step(&v, &desired, &live, 10),
+            Some(Step::Wait(Wait::Unsafe))
+        );
+        assert_eq!(v.down(), BTreeSet::from([3]));
+        // And no voter's removal counts it toward the majority left: voters
+        // 1, 2, 3 and 4 with 3 failed and 2 down, removing 4 would leave 1
+        // of 3 up.
+        let v4 = {
+            let mut v4 = view(&[1, 2, 3, 4], &[], 1);
+            v4.replicas.get_mut(&3).unwrap().failed = true;
+            v4
+        };
+        assert_eq!(
+            next_step(&v4, &set(&[1, 2, 3]), &set(&[1, 3, 4]), 10),
+            Some(Step::Wait(Wait::Unsafe))
+        );
     }
 }

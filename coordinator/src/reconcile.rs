@@ -215,6 +215,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         founding: Founding::default(),
         unanswered: HashMap::new(),
         learners: LearnerWatch::default(),
+        failing: HashMap::new(),
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -232,6 +233,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             reconciler.unsplittable.clear();
             reconciler.hot.clear();
             reconciler.learners.clear();
+            reconciler.failing.clear();
             led = generation;
         }
         if let Err(error) = reconciler.round().await {
@@ -267,6 +269,8 @@ struct Reconciler {
     unanswered: HashMap<u64, tokio::task::JoinHandle<Polled>>,
     /// Learners' catch-up progress, and the pairs given up on.
     learners: LearnerWatch,
+    /// Replicas reporting their engine failed, since when (this term).
+    failing: HashMap<(u32, u64), Instant>,
 }
 
 /// How a status poll ended.
@@ -305,6 +309,38 @@ struct Founding {
 const SPLITS_PER_ROUND: usize = 4;
 
 impl Reconciler {
+    /// The (shard, node) pairs whose replica has reported its engine failed
+    /// for at least `grace` (as a node down that long is replaced): barred
+    /// from placement, so the shard gets a replica elsewhere and the failed
+    /// one is removed and closed — it counted as a live voter before,
+    /// never rebuilt, and let another voter's removal pass its majority
+    /// check. One that reopens is forgotten.
+    fn failed_for_long(
+        &mut self,
+        now: Instant,
+        views: &[ShardView],
+        grace: Duration,
+    ) -> BTreeSet<(u32, u64)> {
+        let failed: BTreeSet<(u32, u64)> = views
+            .iter()
+            .flat_map(|v| {
+                v.replicas
+                    .iter()
+                    .filter(|(_, r)| r.failed)
+                    .map(|(node, _)| (v.shard_id, *node))
+            })
+            .collect();
+        self.failing.retain(|pair, _| failed.contains(pair));
+        let mut long = BTreeSet::new();
+        for pair in failed {
+            let since = *self.failing.entry(pair).or_insert(now);
+            if now.duration_since(since) >= grace {
+                long.insert(pair);
+            }
+        }
+        long
+    }
+
     async fn round(&mut self) -> Result<(), CoordinatorError> {
         let shared = self.shared.clone();
         let map = shared.map();
@@ -362,9 +398,10 @@ impl Reconciler {
             );
         }
         shared.progress.lock().moves_abandoned += stalled.len() as u64;
+        let mut barred = self.learners.barred();
+        barred.extend(self.failed_for_long(now, &views, grace));
         let current = placement_start(&views, &self.targets, map.replication_factor as usize);
-        let desired =
-            desired_placement(&map, &current, &node_views, &views, &self.learners.barred());
+        let desired = desired_placement(&map, &current, &node_views, &views, &barred);
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
         let busy = self.move_replicas(&map, &views, &desired, &live).await;
@@ -385,7 +422,14 @@ impl Reconciler {
         progress.epochs = crate::epochs::epoch_status(map.epoch, &map.namespaces, &views);
         progress.under_replicated = views
             .iter()
-            .filter(|v| v.voters.intersection(&live).count() < rf)
+            .filter(|v| {
+                let down = v.down();
+                v.voters
+                    .intersection(&live)
+                    .filter(|n| !down.contains(n))
+                    .count()
+                    < rf
+            })
             .count() as u32;
         progress.moves = moves_of(&views, &desired, &live, shared.config.catch_up_slack)
             .into_iter()
@@ -871,7 +915,7 @@ impl Reconciler {
         };
         let candidates = views.iter().filter(|v| v.leader == Some(busiest));
         for view in candidates {
-            let missing = view.files_missing();
+            let missing = view.down();
             let best = view
                 .voters
                 .iter()

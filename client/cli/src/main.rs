@@ -757,6 +757,14 @@ fn status_text(status: &ClusterStatus) -> String {
             let nodes: Vec<String> = missing.iter().map(u64::to_string).collect();
             out += &format!(" files missing on node {} (rebuilding)", nodes.join(","));
         }
+        let failed = replicas_where(status, shard.shard_id, |r| r.failed);
+        if !failed.is_empty() {
+            let nodes: Vec<String> = failed.iter().map(u64::to_string).collect();
+            out += &format!(
+                " engine failed on node {} (down; replaced after the down grace period)",
+                nodes.join(",")
+            );
+        }
         let holding = votes_held(status, shard.shard_id);
         if !holding.is_empty() {
             let nodes: Vec<String> = holding.iter().map(u64::to_string).collect();
@@ -878,6 +886,7 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
             "data_bytes": leader_report(status, s).and_then(|r| r.data_bytes),
             "requests_per_second": leader_report(status, s).map(|r| r.requests_per_second),
             "files_missing_on": files_missing(status, s.shard_id),
+            "failed_on": replicas_where(status, s.shard_id, |r| r.failed),
             "votes_held_on": votes_held(status, s.shard_id),
         })).collect::<Vec<_>>(),
         "moves": status.moves.iter().map(|m| json!({

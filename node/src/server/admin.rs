@@ -432,6 +432,12 @@ impl Node {
                     range: status.range.map(|(start, end)| HashRange { start, end }),
                     split_off: status.children.iter().map(|c| c.shard_id).collect(),
                     files_missing: state.files_missing,
+                    failed: state.failed.is_some() && !state.files_missing,
+                    failed_reason: if state.files_missing {
+                        String::new()
+                    } else {
+                        state.failed.clone().unwrap_or_default()
+                    },
                     votes_held: status.votes_held,
                 }
             })

@@ -1,13 +1,19 @@
-//! A learner that stops catching up does not hold a move slot for ever.
+//! Replicas that cannot serve are replaced, and nothing holds the
+//! cluster's moves for ever.
 //!
-//! One shard of three replicas on nodes 1, 2 and 3; node 3 is drained, so
-//! the coordinator adds a learner on node 4. The learner receives a
-//! snapshot that never completes. While the bytes it reports received
-//! grow, it is left alone however long that takes; once they stop growing
-//! for `learner_stall_ms`, the coordinator removes the learner, closes its
-//! replica, and does not put the shard back on node 4 while the pair is
-//! barred (`learner_bar_ms`). Node 3 keeps its copy meanwhile (a drain
-//! never takes a shard below its replication factor).
+//! - A learner that stops catching up: one shard of three replicas on
+//!   nodes 1, 2 and 3; node 3 is drained, so the coordinator adds a learner
+//!   on node 4. The learner receives a snapshot that never completes. While
+//!   the bytes it reports received grow, it is left alone however long that
+//!   takes; once they stop growing for `learner_stall_ms`, the coordinator
+//!   removes the learner, closes its replica, and does not put the shard
+//!   back on node 4 while the pair is barred (`learner_bar_ms`). Node 3
+//!   keeps its copy meanwhile (a drain never takes a shard below its
+//!   replication factor).
+//! - A replica whose engine failed (its node live, the replica not
+//!   reopening): counted down at once, and replaced once it has been down
+//!   for the down grace period — a learner on node 4, promoted, then the
+//!   failed replica removed and closed.
 //!
 //! The nodes are scripted `NodeAdmin` servers on real sockets sharing one
 //! scripted Raft group: they register and heartbeat like nodes, apply the
@@ -19,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
-use tidepool_coordinator::{CoordinatorConfig, start_with_store};
+use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::node_admin_server::{NodeAdmin, NodeAdminServer};
 use tidepool_proto::v1::{
@@ -44,8 +50,18 @@ struct Group {
     received: u64,
     /// Whether each status poll of the learner reports more bytes.
     receiving: bool,
+    /// Learners catch up at once (else they never do).
+    catch_up: bool,
+    /// Nodes whose replica reports its engine failed.
+    failed: BTreeSet<u64>,
     /// Calls, in order: "open 4", "add_learner 4", "remove 4", "close 4".
     calls: Vec<String>,
+}
+
+impl Group {
+    fn members(&self) -> BTreeSet<u64> {
+        self.voters.union(&self.learners).copied().collect()
+    }
 }
 
 /// The group's leader: node 1.
@@ -149,7 +165,15 @@ impl NodeAdmin for Scripted {
         let id = self.id();
         let mut group = self.group.lock().unwrap();
         let mut replicas = Vec::new();
-        if group.open.contains(&id) {
+        if group.open.contains(&id) && group.failed.contains(&id) {
+            // Down: every field at its default but these.
+            replicas.push(ReplicaStatus {
+                shard_id: 1,
+                failed: true,
+                failed_reason: "scripted: the engine failed".into(),
+                ..ReplicaStatus::default()
+            });
+        } else if group.open.contains(&id) {
             let learner = group.learners.contains(&id);
             if learner && group.receiving {
                 group.received += 1 << 20;
@@ -164,11 +188,8 @@ impl NodeAdmin for Scripted {
                     role: role as i32,
                 })
                 .collect();
-            let applied = if learner || !group.voters.contains(&id) {
-                0
-            } else {
-                100
-            };
+            let behind = (learner && !group.catch_up) || !group.members().contains(&id);
+            let applied = if behind { 0 } else { 100 };
             replicas.push(ReplicaStatus {
                 shard_id: 1,
                 role: if learner {
@@ -184,7 +205,7 @@ impl NodeAdmin for Scripted {
                 conf_version: group.conf_version,
                 members,
                 leader: LEADER,
-                receiving_snapshot: learner,
+                receiving_snapshot: learner && !group.catch_up,
                 snapshot_bytes_received: if learner { group.received } else { 0 },
                 ..ReplicaStatus::default()
             });
@@ -240,28 +261,27 @@ async fn wait_for(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_learner_that_stops_catching_up_is_removed_and_its_node_barred() {
-    const STALL: Duration = Duration::from_millis(1_500);
+/// A coordinator with `config` (one shard of three replicas, rounds every
+/// 100 ms) founding the group on scripted nodes 1, 2 and 3, then a fourth
+/// node registered: the coordinator, its URL, the group, node 4's id.
+async fn founded(
+    config: CoordinatorConfig,
+    group: Group,
+) -> (RunningCoordinator, String, Arc<Mutex<Group>>, u64) {
     let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
     let config = CoordinatorConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         reconcile_interval_ms: 100,
-        learner_stall_ms: STALL.as_millis() as u64,
-        learner_bar_ms: 60_000,
         cluster: tidepool_coordinator::config::ClusterSettings {
             shards: 1,
             replication_factor: 3,
             ..Default::default()
         },
-        ..CoordinatorConfig::default()
+        ..config
     };
     let coordinator = start_with_store(config, store).await.unwrap();
     let url = format!("http://{}", coordinator.address);
-    let group = Arc::new(Mutex::new(Group {
-        receiving: true,
-        ..Group::default()
-    }));
+    let group = Arc::new(Mutex::new(group));
     let mut ids = Vec::new();
     for _ in 0..3 {
         ids.push(scripted_node(&url, &group).await);
@@ -272,6 +292,22 @@ async fn a_learner_that_stops_catching_up_is_removed_and_its_node_barred() {
     })
     .await;
     let fourth = scripted_node(&url, &group).await;
+    (coordinator, url, group, fourth)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_that_stops_catching_up_is_removed_and_its_node_barred() {
+    const STALL: Duration = Duration::from_millis(1_500);
+    let config = CoordinatorConfig {
+        learner_stall_ms: STALL.as_millis() as u64,
+        learner_bar_ms: 60_000,
+        ..CoordinatorConfig::default()
+    };
+    let group = Group {
+        receiving: true,
+        ..Group::default()
+    };
+    let (coordinator, url, group, fourth) = founded(config, group).await;
 
     // Drain node 3: the shard gets a learner on node 4.
     let mut client = CoordinatorServiceClient::connect(url.clone())
@@ -327,5 +363,67 @@ async fn a_learner_that_stops_catching_up_is_removed_and_its_node_barred() {
         assert_eq!(g.voters, BTreeSet::from([1, 2, 3]));
         assert!(g.learners.is_empty());
     }
+    coordinator.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_engine_failed_is_counted_down_then_replaced() {
+    const GRACE: Duration = Duration::from_millis(2_000);
+    let config = CoordinatorConfig {
+        down_grace_ms: GRACE.as_millis() as u64,
+        ..CoordinatorConfig::default()
+    };
+    let group = Group {
+        catch_up: true,
+        ..Group::default()
+    };
+    let (coordinator, _url, group, fourth) = founded(config, group).await;
+    let under = || coordinator.shared.progress.lock().under_replicated;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while under() != 0 {
+        assert!(Instant::now() < deadline, "settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Node 3's replica fails (its node stays live): down at once, as the
+    // shard's under-replication says; nothing moves within the grace.
+    let failed_at = Instant::now();
+    group.lock().unwrap().failed.insert(3);
+    while under() != 1 {
+        assert!(failed_at.elapsed() < Duration::from_secs(5), "counted down");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let calls = group.lock().unwrap().calls.len();
+
+    // After it: a replica on node 4, then the failed one removed and closed.
+    let replaced = [
+        format!("add_learner {fourth}"),
+        format!("promote {fourth}"),
+        "remove 3".to_string(),
+        "close 3".to_string(),
+    ];
+    wait_for(&group, Duration::from_secs(20), "replaced", |g| {
+        g.calls.ends_with(&replaced) || g.calls.contains(&replaced[3])
+    })
+    .await;
+    let took = failed_at.elapsed();
+    let g = group.lock().unwrap().calls.clone();
+    println!("replaced after {took:?}: {:?}", &g[calls..]);
+    assert!(took >= GRACE, "not before the grace period: {took:?}");
+    let order: Vec<usize> = replaced
+        .iter()
+        .map(|c| g[calls..].iter().position(|x| x == c).unwrap_or(usize::MAX))
+        .collect();
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]) && order[3] != usize::MAX,
+        "a replica added and promoted before the failed one is removed: {:?}",
+        &g[calls..]
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while under() != 0 {
+        assert!(Instant::now() < deadline, "whole again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(group.lock().unwrap().voters, BTreeSet::from([1, 2, fourth]));
     coordinator.stop().await.unwrap();
 }
