@@ -710,10 +710,17 @@ impl Reconciler {
         let Ok(mut client) = self.nodes.admin(&address) else {
             return;
         };
+        // The map as this coordinator holds it now: a node holding a newer
+        // one that lists the replica refuses (a coordinator deposed or
+        // stalled since it decided must not delete a replica added again).
+        let map_version = self.shared.map().version;
         let result = NodeClients::call(
             "close replica",
             CHANGE_TIMEOUT,
-            client.close_replica(CloseReplicaRequest { shard_id }),
+            client.close_replica(CloseReplicaRequest {
+                shard_id,
+                map_version,
+            }),
         )
         .await;
         match result {

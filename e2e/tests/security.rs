@@ -130,6 +130,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                     "CloseReplica from a client",
                     node.close_replica(CloseReplicaRequest {
                         shard_id: shard.shard_id,
+                        map_version: 0,
                     })
                     .await,
                     ErrorCode::PermissionDenied,
@@ -169,6 +170,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
             as_peer
                 .close_replica(CloseReplicaRequest {
                     shard_id: map.shards[0].shard_id,
+                    map_version: 0,
                 })
                 .await,
             ErrorCode::PermissionDenied,

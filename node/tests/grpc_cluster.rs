@@ -386,7 +386,10 @@ async fn replica_moved_to_a_new_node_through_admin_calls() {
     cluster
         .admin(1)
         .await
-        .close_replica(CloseReplicaRequest { shard_id: 1 })
+        .close_replica(CloseReplicaRequest {
+            shard_id: 1,
+            map_version: 0,
+        })
         .await
         .unwrap();
     assert!(replica_status(&cluster, 1, 1).await.is_none());
@@ -803,5 +806,48 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
     put(&cluster, "default", b"after the forged heartbeat", b"v")
         .await
         .unwrap();
+    cluster.shutdown().await;
+}
+
+/// A CloseReplica decided on a map older than the node's, whose newer map
+/// lists the replica, is refused (STALE_MAP) and deletes nothing: a
+/// coordinator deposed or stalled since it decided must not delete a
+/// replica the coordinator leading now added again. Decided on the node's
+/// map (or a newer one), it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    put(&cluster, "default", b"kept", b"v").await.unwrap();
+    let node = &cluster.running[&1].node;
+    let decided = node.map().version;
+    let mut newer = (*node.map()).clone();
+    newer.version = decided + 1;
+    node.set_map(newer);
+    let refused = cluster
+        .admin(1)
+        .await
+        .close_replica(CloseReplicaRequest {
+            shard_id: 1,
+            map_version: decided,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        tidepool_proto::error_detail(&refused).map(|d| d.code),
+        Some(ErrorCode::StaleMap as i32),
+        "{refused:?}"
+    );
+    assert!(replica_status(&cluster, 1, 1).await.is_some());
+    assert!(cluster.configs[&1].data_dir.join("shards/1").exists());
+    cluster
+        .admin(1)
+        .await
+        .close_replica(CloseReplicaRequest {
+            shard_id: 1,
+            map_version: decided + 1,
+        })
+        .await
+        .unwrap();
+    assert!(replica_status(&cluster, 1, 1).await.is_none());
     cluster.shutdown().await;
 }

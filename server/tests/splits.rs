@@ -334,7 +334,10 @@ async fn the_sides_of_a_split_share_their_files_and_shed_once_apart() {
     // The child goes away (as when its replica moves to another node):
     // the parent's old segments are its own again, and it sheds.
     admin
-        .close_replica(CloseReplicaRequest { shard_id: CHILD })
+        .close_replica(CloseReplicaRequest {
+            shard_id: CHILD,
+            map_version: 0,
+        })
         .await
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(90);

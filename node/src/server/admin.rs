@@ -566,7 +566,29 @@ impl NodeAdmin for AdminApi {
         &self,
         request: Request<CloseReplicaRequest>,
     ) -> Result<Response<CloseReplicaResponse>, Status> {
-        let shard_id = request.into_inner().shard_id;
+        let request = request.into_inner();
+        let shard_id = request.shard_id;
+        let map = self.node.map();
+        let me = self.node.config.node_id;
+        let listed = map
+            .shards
+            .iter()
+            .any(|s| s.shard_id == shard_id && s.replicas.iter().any(|r| r.node_id == me));
+        if request.map_version != 0 && request.map_version < map.version && listed {
+            // Decided on an older map than this node holds, and the newer
+            // one lists this replica: it may have been added again since
+            // (by the coordinator leading now).
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::StaleMap,
+                    format!(
+                        "closing shard {shard_id}'s replica was decided on map {}; this node holds map {}, which lists the replica",
+                        request.map_version, map.version
+                    ),
+                )
+                .into());
+        }
         let result = tokio::task::block_in_place(|| self.node.close_replica(shard_id, true))
             .map_err(|e| self.node.internal_error(shard_id, e))
             .and_then(|was_open| {
