@@ -13,8 +13,9 @@ export CARGO_TERM_COLOR ?= never
 # `kill`, which the process tests use to send SIGTERM, SIGSTOP and SIGCONT;
 # python3-grpcio, python3-protobuf and protobuf-compiler-grpc's
 # grpc_python_plugin: the Python client of the wire-contract test;
-# etcd-client: the etcdctl `make image` puts into the etcd image).
-DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server etcd-client procps \
+# etcd-client: the etcdctl `make image` puts into the etcd image; openssl:
+# the smoke test reads a certificate's end with it).
+DEBIAN_PACKAGES := protobuf-compiler libprotobuf-dev etcd-server etcd-client procps openssl \
 	python3-grpcio python3-protobuf protobuf-compiler-grpc \
 	python3-pip python3-yaml unzip \
 	bazel-bootstrap ccache restic prometheus

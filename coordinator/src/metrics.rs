@@ -203,6 +203,11 @@ impl CoordinatorExposition {
         registry.register_collector(Box::new(CoordinatorCollector {
             shared: Arc::downgrade(shared),
         }));
+        if let Some(tls) = &shared.security.tls {
+            registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(
+                tls.clone(),
+            )));
+        }
         Self {
             shared: Arc::downgrade(shared),
             registry,

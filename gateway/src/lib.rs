@@ -471,6 +471,15 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     if let Some(listener) = metrics {
         let mut registry = prometheus_client::registry::Registry::default();
         gateway.metrics.register(&mut registry);
+        // The certificate it reaches the cluster with (the client's TLS
+        // files, loaded again here to be read at each scrape).
+        if let Some(files) = &gateway.config.client.tls {
+            match tidepool_security::Tls::load(files.clone()) {
+                Ok(tls) => registry
+                    .register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(tls))),
+                Err(error) => tracing::warn!(%error, "no certificate expiry metric"),
+            }
+        }
         let exposition = Arc::new(GatewayExposition { registry });
         let mut stop = stopped.clone();
         tasks.push(tokio::spawn(tidepool_telemetry::metrics::serve(

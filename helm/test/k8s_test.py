@@ -203,6 +203,59 @@ def tidectl(*args, pod=None, check=True, timeout=300):
                    check=check, timeout=timeout, input=token())
 
 
+def host_tidepool():
+    """The tidepool binary `make image` built on this machine (the image's)."""
+    built = [p for p in (ROOT / "target" / "release" / "tidepool", ROOT / "target" / "debug" / "tidepool")
+             if p.exists()]
+    if not built:
+        raise RuntimeError("no tidepool binary under target/ (make image builds one)")
+    return str(max(built, key=lambda p: p.stat().st_mtime))
+
+
+def secret_cert_days(name):
+    """Days left on the certificate `client.pem` of Secret `name`."""
+    import base64
+    import tempfile
+    data = json.loads(kubectl("get", "secret", name, "-o", "json").stdout)["data"]
+    with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
+        pem.write(base64.b64decode(data["client.pem"]))
+        pem.flush()
+        end = run("openssl", "x509", "-noout", "-enddate", "-in", pem.name).stdout.strip()
+    # notAfter=Dec  6 06:50:14 2027 GMT
+    stamp = end.split("=", 1)[1]
+    import datetime
+    at = datetime.datetime.strptime(stamp, "%b %d %H:%M:%S %Y %Z").replace(tzinfo=datetime.timezone.utc)
+    return (at - datetime.datetime.now(datetime.timezone.utc)).days
+
+
+def client_certificate_renewed():
+    """A client Secret's certificate near its end (here: issued for 5 days
+    from the cluster's CA, as one a year old would be) is issued again by
+    the next `helm upgrade` (the setup Job), for the chart's validity."""
+    import base64
+    import tempfile
+    name = f"{REL}-client-admin"
+    ca = json.loads(kubectl("get", "secret", f"{REL}-ca", "-o", "json").stdout)["data"]
+    with tempfile.TemporaryDirectory() as d:
+        for key in ("ca.pem", "ca-key.pem"):
+            Path(d, key).write_bytes(base64.b64decode(ca[key]))
+        run(host_tidepool(), "certs", "issue", "--dir", d, "--out", "client", "--days", "5", "client", "admin")
+        patch = {"data": {key: base64.b64encode(Path(d, key).read_bytes()).decode()
+                          for key in ("client.pem", "client-key.pem")}}
+    kubectl("patch", "secret", name, "--type", "merge", "-p", json.dumps(patch))
+    before = secret_cert_days(name)
+    if before > 5:
+        raise AssertionError(f"the short certificate was not put in place: {before} days left")
+    started = time.time()
+    run("helm", "upgrade", REL, str(CHART), "-n", NS, "--reuse-values", "--wait", "--timeout", "10m",
+        capture=False)
+    after = secret_cert_days(name)
+    if after < 300:
+        raise AssertionError(f"helm upgrade left the client certificate with {after} days")
+    figure("a client Secret's certificate 5 days from its end, then helm upgrade",
+           f"renewed: {before} -> {after} days left ({time.time() - started:.0f} s)")
+
+
 def etcd_members_fixed(installed):
     """An upgrade asking for another etcd member count is refused before it
     changes anything (etcd names its members once)."""
@@ -530,6 +583,7 @@ def smoke():
     put_get()
     etcd_maintenance()
     etcd_members_fixed(1)
+    client_certificate_renewed()
     memory_budget()
     gateway_http()
     helm_test()

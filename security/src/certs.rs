@@ -251,4 +251,48 @@ mod tests {
             "a CA names no one"
         );
     }
+
+    /// What the expiry metric reads: the loaded certificate's and CA's
+    /// `notAfter`, and the renewed one's after the files change.
+    #[test]
+    fn loaded_material_tells_when_it_expires() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = new_ca("test", CA_VALIDITY).unwrap();
+        write(dir.path(), "ca", &ca).unwrap();
+        let issue_for = |days: u64| {
+            let issued = issue(
+                &ca,
+                &Request {
+                    identity: Identity::Node("n1".into()),
+                    hosts: vec!["localhost".into()],
+                    valid_for: Duration::from_secs(days * 86_400),
+                    expired: false,
+                },
+            )
+            .unwrap();
+            write(dir.path(), "node", &issued).unwrap();
+        };
+        issue_for(20);
+        let tls = crate::Tls::load(crate::TlsFiles {
+            cert: dir.path().join("node.pem"),
+            key: dir.path().join("node-key.pem"),
+            ca: dir.path().join("ca.pem"),
+        })
+        .unwrap();
+        let near = |at: i64, want: i64| (at - want).abs() < 120;
+        let expiry = tls.expiry();
+        assert!(near(expiry.certificate, now + 20 * 86_400), "{expiry:?}");
+        assert!(
+            near(expiry.ca, now + CA_VALIDITY.as_secs() as i64),
+            "{expiry:?}"
+        );
+        // Renewed in place: reloaded (checked at most once a second).
+        issue_for(400);
+        std::thread::sleep(Duration::from_millis(1_100));
+        assert!(near(tls.expiry().certificate, now + 400 * 86_400));
+    }
 }

@@ -77,6 +77,25 @@ fn stamp(path: &Path) -> Option<Stamp> {
 struct Material {
     server: Arc<ServerConfig>,
     client: Arc<ClientConfig>,
+    expiry: Expiry,
+}
+
+/// When a process's TLS material stops working: its own certificate and
+/// its CA's, as Unix seconds (the certificate's `notAfter`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expiry {
+    /// The process's own certificate (the first of its chain).
+    pub certificate: i64,
+    /// The earliest of the CA certificates it trusts.
+    pub ca: i64,
+}
+
+/// `notAfter` of a DER certificate, as Unix seconds.
+pub fn not_after(der: &CertificateDer<'_>) -> Result<i64> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let (_, cert) = X509Certificate::from_der(der)
+        .map_err(|e| Error::Invalid(format!("unreadable certificate: {e}")))?;
+    Ok(cert.validity().not_after.timestamp())
 }
 
 struct Watch {
@@ -147,6 +166,17 @@ fn load(files: &TlsFiles) -> Result<Material> {
             .map_err(|e| Error::Invalid(format!("{}: {e}", files.ca.display())))?;
     }
     let roots = Arc::new(roots);
+    let expiry = Expiry {
+        certificate: not_after(&chain[0]).map_err(|e| with_path(&files.cert, e))?,
+        ca: certificates(&read(&files.ca)?)?
+            .iter()
+            .map(not_after)
+            .collect::<Result<Vec<i64>>>()
+            .map_err(|e| with_path(&files.ca, e))?
+            .into_iter()
+            .min()
+            .unwrap_or(i64::MAX),
+    };
     let provider = crate::provider();
     let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
@@ -168,6 +198,7 @@ fn load(files: &TlsFiles) -> Result<Material> {
     Ok(Material {
         server: Arc::new(server),
         client: Arc::new(client),
+        expiry,
     })
 }
 
@@ -237,6 +268,13 @@ impl Tls {
     pub fn client_config(&self) -> Arc<ClientConfig> {
         self.refresh();
         self.material.load().client.clone()
+    }
+
+    /// When the certificate and CA in use now expire (after a reload if
+    /// the files changed).
+    pub fn expiry(&self) -> Expiry {
+        self.refresh();
+        self.material.load().expiry
     }
 }
 

@@ -5,7 +5,11 @@
 //!
 //! Each Secret is created only when absent (create is atomic: of two Jobs
 //! racing, one creates and the other reads what it made), so upgrades and
-//! re-runs keep the CA, the bootstrap token and issued client certificates.
+//! re-runs keep the CA, the bootstrap token and issued client certificates
+//! — except a client certificate within 30 days of its end (or unreadable),
+//! which is issued again in its Secret (a replace that fails if the Secret
+//! changed since it was read): certificates last a year, and `helm upgrade`
+//! renews the clients' in time.
 
 use std::collections::BTreeMap;
 
@@ -54,10 +58,27 @@ pub async fn setup(setup: Setup) -> anyhow::Result<()> {
         );
     }
     for (client_name, name) in &setup.clients {
-        if secrets.get_opt(name).await?.is_some() {
-            report(name, false);
-            continue;
-        }
+        let existing = secrets.get_opt(name).await?;
+        let renew = match &existing {
+            None => false,
+            Some(secret) => match expires_in(secret) {
+                Some(left) if left > RENEW_BEFORE => {
+                    report(name, false);
+                    continue;
+                }
+                Some(left) => {
+                    println!(
+                        "secret/{name}: its certificate expires in {} days; issuing a new one",
+                        left.as_secs() / 86_400
+                    );
+                    true
+                }
+                None => {
+                    println!("secret/{name}: no readable certificate; issuing a new one");
+                    true
+                }
+            },
+        };
         let identity = Identity::parse(&format!("tidepool://client/{client_name}"))
             .with_context(|| format!("client name {client_name:?}: 1-64 of [A-Za-z0-9._-]"))?;
         let issued = certs::issue(
@@ -74,12 +95,42 @@ pub async fn setup(setup: Setup) -> anyhow::Result<()> {
             ("client.pem".to_string(), certs_bytes(&issued.cert_pem)),
             ("client-key.pem".to_string(), certs_bytes(&issued.key_pem)),
         ]);
-        report(
-            name,
-            create_if_absent(&secrets, name, &setup.labels, data).await?,
-        );
+        if renew {
+            let mut secret = existing.expect("renewing an existing Secret");
+            secret.data = Some(data);
+            // Replaced only if nobody changed it since it was read.
+            secrets
+                .replace(name, &PostParams::default(), &secret)
+                .await
+                .with_context(|| format!("cannot renew Secret {name:?}"))?;
+            println!("secret/{name} renewed");
+        } else {
+            report(
+                name,
+                create_if_absent(&secrets, name, &setup.labels, data).await?,
+            );
+        }
     }
     Ok(())
+}
+
+/// A client certificate within this long of its end is issued again when
+/// the setup Job runs (every `helm install` and `helm upgrade`).
+const RENEW_BEFORE: std::time::Duration = std::time::Duration::from_secs(30 * 86_400);
+
+/// How long the certificate a client Secret holds has left (zero once
+/// expired); `None` if it holds none that parses.
+fn expires_in(secret: &Secret) -> Option<std::time::Duration> {
+    let pem = secret.data.as_ref()?.get("client.pem")?;
+    let certs = tidepool_security::tls::certificates(&pem.0).ok()?;
+    let not_after = tidepool_security::tls::not_after(certs.first()?).ok()?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs() as i64;
+    Some(std::time::Duration::from_secs(
+        not_after.saturating_sub(now).max(0) as u64,
+    ))
 }
 
 fn token() -> String {

@@ -203,6 +203,37 @@ fn metrics_alerts_and_dashboard_hold_with_promtool_and_prometheus() {
         let (head, _) = http_get(address, "/healthz", None);
         assert!(head.starts_with("HTTP/1.1 200"), "{process}: {head}");
     }
+    // A dev cluster with TLS (its default): every process also says when
+    // its certificate and CA expire, about a year from now.
+    let tls_dir = tempfile::tempdir().unwrap();
+    let (tls_child, tls_banner) = support::start_dev_banner(tls_dir.path(), &[]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as f64;
+    for (process, address) in support::banner_metrics(&tls_banner) {
+        let (_, text) = http_get(&address, "/metrics", None);
+        let (ok, lint) = promtool(&["check", "metrics"], Some(&text));
+        assert!(
+            ok,
+            "{process} (TLS): promtool check metrics:\n{lint}\n{text}"
+        );
+        names.extend(exported(&text));
+        let own = text
+            .lines()
+            .find(|l| {
+                l.starts_with("tidepool_tls_certificate_expiry_timestamp_seconds")
+                    && l.contains("certificate=\"own\"")
+            })
+            .unwrap_or_else(|| panic!("{process} (TLS) says nothing of its certificate:\n{text}"));
+        let at: f64 = own.rsplit(' ').next().unwrap().parse().unwrap();
+        let days = (at - now) / 86_400.0;
+        assert!(
+            (300.0..=366.0).contains(&days),
+            "{process}: {own} ({days:.0} days)"
+        );
+    }
+    drop(tls_child);
     for expected in [
         "tidepool_node_requests_total",
         "tidepool_node_request_errors_total",

@@ -275,3 +275,42 @@ mod tests {
         server.await.unwrap();
     }
 }
+
+/// When the process's TLS material expires, read at each scrape (the
+/// files are reloaded when they change):
+/// `tidepool_tls_certificate_expiry_timestamp_seconds{certificate="own"|"ca"}`,
+/// Unix seconds. Certificates are issued for a year by default and nothing
+/// renews them while a process runs: the alert
+/// `TidepoolCertificateExpiresSoon` watches this.
+#[derive(Debug)]
+pub struct TlsExpiry(pub Arc<tidepool_security::Tls>);
+
+/// Its metric's name.
+pub const TLS_EXPIRY_METRIC: &str = "tidepool_tls_certificate_expiry_timestamp_seconds";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct CertificateLabel {
+    certificate: &'static str,
+}
+
+impl prometheus_client::collector::Collector for TlsExpiry {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let expiry = self.0.expiry();
+        let mut family = encoder.encode_descriptor(
+            TLS_EXPIRY_METRIC,
+            "When the process's own TLS certificate, and the earliest of its CA certificates, expire (Unix seconds).",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (certificate, at) in [("own", expiry.certificate), ("ca", expiry.ca)] {
+            let labels = CertificateLabel { certificate };
+            ConstGauge::new(at).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}

@@ -207,6 +207,11 @@ pub(crate) fn registry(node: &Arc<Node>) -> Registry {
     registry.register_collector(Box::new(ShardCollector {
         node: Arc::downgrade(node),
     }));
+    if let Some(tls) = &node.security.tls {
+        registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(
+            tls.clone(),
+        )));
+    }
     root
 }
 
