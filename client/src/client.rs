@@ -534,7 +534,7 @@ impl Client {
             let route = match locate(&map) {
                 Err(e) if e.code() == ErrorCode::NamespaceNotFound && !refreshed => {
                     refreshed = true;
-                    self.cluster.refresh().await?;
+                    self.cluster.refresh_before(deadline).await?;
                     continue;
                 }
                 route => route?,
@@ -697,7 +697,7 @@ impl Client {
                             (error, pause)
                         }
                         Disposition::Refresh(error) => {
-                            let _ = self.cluster.refresh().await;
+                            let _ = self.cluster.refresh_before(deadline).await;
                             (error, Some(backoff(attempt.min(2))))
                         }
                         Disposition::Backoff(error) => {
@@ -734,7 +734,7 @@ impl Client {
             };
             attempt += 1;
             if attempt.is_multiple_of(4) {
-                let _ = self.cluster.refresh().await;
+                let _ = self.cluster.refresh_before(deadline).await;
             }
             if Instant::now() >= deadline {
                 return Err(Error::new(

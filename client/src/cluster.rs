@@ -53,6 +53,15 @@ pub(crate) struct Cluster {
     /// that the calls which all hear of that version at once fetch the
     /// map once.
     catching_up: tokio::sync::Mutex<()>,
+    /// Held while a map fetch runs: callers that ask meanwhile wait for it
+    /// and take its map, instead of each fetching (a split or an election
+    /// sends every call in flight to refresh at once).
+    fetching: tokio::sync::Mutex<()>,
+    /// Fetches begun so far.
+    fetches: std::sync::atomic::AtomicU64,
+    /// Whether the last fetch got no map (those waiting for it fetch
+    /// again).
+    last_fetch_failed: std::sync::atomic::AtomicBool,
 }
 
 /// Whether a client holding `held` follows `offered`: a newer version of
@@ -96,6 +105,9 @@ impl Cluster {
             leaders: Mutex::new(HashMap::new()),
             unreachable: Mutex::new(HashMap::new()),
             catching_up: tokio::sync::Mutex::new(()),
+            fetching: tokio::sync::Mutex::new(()),
+            fetches: std::sync::atomic::AtomicU64::new(0),
+            last_fetch_failed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -216,8 +228,43 @@ impl Cluster {
         Ok(CoordinatorServiceClient::new(self.channel(seed)?))
     }
 
-    /// Fetches the map from the first seed that answers.
+    /// Fetches the map from the first seed that answers. Calls that ask
+    /// while a fetch runs wait for the next one to begin after they asked
+    /// (as fresh as their own would be), sharing it: one fetch serves
+    /// every call that hears at once that the map moved.
     pub async fn refresh(&self) -> Result<Arc<ClusterMap>> {
+        use std::sync::atomic::Ordering;
+        let asked = self.fetches.load(Ordering::Acquire);
+        let _one = self.fetching.lock().await;
+        if self.fetches.load(Ordering::Acquire) > asked
+            && !self.last_fetch_failed.load(Ordering::Acquire)
+        {
+            // A fetch began after this call asked, and has got the map.
+            return Ok(self.map());
+        }
+        self.fetches.fetch_add(1, Ordering::AcqRel);
+        let fetched = self.fetch().await;
+        self.last_fetch_failed
+            .store(fetched.is_err(), Ordering::Release);
+        fetched
+    }
+
+    /// [`Cluster::refresh`], given up at `deadline` (a call's own): with
+    /// every coordinator unreachable, a fetch tries each seed for the
+    /// connect timeout, which may be longer than what is left of the call.
+    pub async fn refresh_before(&self, deadline: std::time::Instant) -> Result<Arc<ClusterMap>> {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match tokio::time::timeout(left, self.refresh()).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                ErrorCode::Timeout,
+                "no coordinator gave the map before the call's deadline",
+            )),
+        }
+    }
+
+    /// One fetch of the map, seed after seed.
+    async fn fetch(&self) -> Result<Arc<ClusterMap>> {
         let mut last = None;
         for i in 0..self.seeds.len() {
             let mut coordinator = self.coordinator(i)?;

@@ -1,5 +1,6 @@
-//! Cluster changes repeated after an attempt whose answer was lost take
-//! effect once and report what happened.
+//! The SDK's calls on the coordinators: cluster changes repeated after an
+//! attempt whose answer was lost take effect once and report what
+//! happened; map refreshes are shared and end at the call's deadline.
 //!
 //! The client's first seed is a scripted coordinator on a real socket that
 //! forwards `AdvanceEpoch` and `CreateNamespace` to the real leader, which
@@ -189,5 +190,120 @@ async fn a_change_repeated_after_its_answer_was_lost_takes_effect_once() {
         .await
         .unwrap_err();
     assert_eq!(error.code(), ErrorCode::NamespaceExists, "{error}");
+    cluster.stop().await;
+}
+
+/// A coordinator that answers `GetClusterMap` from the real one after a
+/// pause, counting the calls, and nothing else.
+struct Slow {
+    real: String,
+    fetched: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl CoordinatorService for Slow {
+    type WatchClusterMapStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<ClusterMap, Status>> + Send>>;
+
+    async fn get_cluster_map(
+        &self,
+        request: Request<GetClusterMapRequest>,
+    ) -> Result<Response<ClusterMap>, Status> {
+        self.fetched.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        CoordinatorServiceClient::connect(self.real.clone())
+            .await
+            .unwrap()
+            .get_cluster_map(request.into_inner())
+            .await
+    }
+
+    async fn watch_cluster_map(
+        &self,
+        _: Request<WatchClusterMapRequest>,
+    ) -> Result<Response<Self::WatchClusterMapStream>, Status> {
+        Err(lost())
+    }
+
+    unavailable! {
+        advance_epoch(AdvanceEpochRequest) -> AdvanceEpochResponse;
+        create_namespace(CreateNamespaceRequest) -> Namespace;
+        register_node(RegisterNodeRequest) -> RegisterNodeResponse;
+        heartbeat(HeartbeatRequest) -> HeartbeatResponse;
+        prepare_node_stop(PrepareNodeStopRequest) -> PrepareNodeStopResponse;
+        list_namespaces(ListNamespacesRequest) -> ListNamespacesResponse;
+        set_retention(SetRetentionRequest) -> Namespace;
+        get_epoch_status(GetEpochStatusRequest) -> EpochStatus;
+        drain_node(DrainNodeRequest) -> DrainNodeResponse;
+        split_shard(SplitShardRequest) -> SplitShardResponse;
+        get_cluster_status(GetClusterStatusRequest) -> ClusterStatus;
+        create_token(CreateTokenRequest) -> CreateTokenResponse;
+        list_tokens(ListTokensRequest) -> ListTokensResponse;
+        revoke_token(RevokeTokenRequest) -> RevokeTokenResponse;
+        who_am_i(WhoAmIRequest) -> WhoAmIResponse;
+        restore_map(RestoreMapRequest) -> RestoreMapResponse;
+    }
+}
+
+/// Map fetches: the calls that need the map at once share one fetch (a
+/// split or an election sends every call in flight to refresh together),
+/// and a call's refresh ends at the call's deadline, whatever the
+/// coordinators do (before: each seed's connect timeout, one after
+/// another — 3 s each — for a call of 500 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_refreshes_are_shared_and_end_at_the_calls_deadline() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow_url = format!("http://{}", listener.local_addr().unwrap());
+    let fetched = Arc::new(AtomicUsize::new(0));
+    let service = Slow {
+        real: cluster.url.clone(),
+        fetched: fetched.clone(),
+    };
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(CoordinatorServiceServer::new(service))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let mut config = ClientConfig::new(&[slow_url.as_str()]);
+    config.watch = false;
+    let client = Client::with_config(config).await.unwrap();
+    let before = fetched.load(Ordering::SeqCst);
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..32 {
+        let client = client.clone();
+        calls.spawn(async move { client.refresh_map().await.map(|m| m.version) });
+    }
+    while let Some(done) = calls.join_next().await {
+        assert!(done.unwrap().unwrap() > 0);
+    }
+    let fetches = fetched.load(Ordering::SeqCst) - before;
+    println!("32 concurrent refreshes: {fetches} fetches");
+    assert!(fetches <= 2, "{fetches} fetches for 32 calls at once");
+
+    // A seed that accepts connections and never answers, first in line.
+    let frozen = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let frozen_url = format!("http://{}", frozen.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = frozen.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut config = ClientConfig::new(&[frozen_url.as_str(), cluster.url.as_str()]);
+    config.watch = false;
+    let client = Client::with_config(config).await.unwrap();
+    let started = std::time::Instant::now();
+    let error = client
+        .with_timeout(std::time::Duration::from_millis(500))
+        .get("no-such-namespace", b"k")
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    println!("a 500 ms call needing the map: {took:?} ({error})");
+    assert!(
+        took < std::time::Duration::from_millis(1_500),
+        "took {took:?}: {error}"
+    );
     cluster.stop().await;
 }

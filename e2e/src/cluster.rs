@@ -174,6 +174,8 @@ pub struct Options {
     pub compact_log_entries: Option<u64>,
     /// The nodes' `raft.election_spread_ticks` (`None`: their default).
     pub election_spread_ticks: Option<usize>,
+    /// The nodes' `limits.in_flight_mib` (`None`: their default).
+    pub in_flight_mib: Option<u64>,
 }
 
 impl Default for Options {
@@ -190,6 +192,7 @@ impl Default for Options {
             relocation_interval_ms: None,
             compact_log_entries: None,
             election_spread_ticks: None,
+            in_flight_mib: None,
         }
     }
 }
@@ -247,6 +250,9 @@ impl Cluster {
         }
         if !raft.is_empty() {
             node_config.push_str(&format!("[raft]\n{raft}"));
+        }
+        if let Some(mib) = options.in_flight_mib {
+            node_config.push_str(&format!("[limits]\nin_flight_mib = {mib}\n"));
         }
         std::fs::write(&config, node_config).expect("node config");
         let mut cluster = Cluster {

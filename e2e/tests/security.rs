@@ -773,3 +773,111 @@ async fn certificates_rotate_under_load_without_a_failed_operation() {
     assert!(done > 20, "the load ran ({done} operations)");
     assert!(failed.is_empty(), "failed operations: {failed:?}");
 }
+
+/// One token cannot hold a node's whole in-flight budget: puts that send
+/// their header and then nothing (a slow or hostile client) hold at most
+/// half of it for their token; another tenant's put still goes through.
+/// Before, one token's stalled puts took the whole budget and every other
+/// client got OVERLOADED until they ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_cannot_hold_a_nodes_whole_in_flight_budget() {
+    use tidepool_client::proto::v1::{PutHeader, PutRequest, put_request};
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        shards: 1,
+        in_flight_mib: Some(8),
+        ..Options::default()
+    })
+    .await;
+    let admin = cluster.client().await;
+    let grant = vec![TokenGrant {
+        namespace: "default".into(),
+        roles: vec![Role::Read as i32, Role::Write as i32],
+    }];
+    let (greedy, _) = admin
+        .create_token("greedy", false, grant.clone())
+        .await
+        .unwrap();
+    let (other, _) = admin.create_token("other", false, grant).await.unwrap();
+    let map = admin.cluster_status().await.unwrap().map.unwrap();
+
+    // A put of 1 MiB that sends its header, then nothing: held until its
+    // stream ends. Finished within 300 ms: its answer.
+    async fn stall(
+        channel: &Channel,
+        i: usize,
+    ) -> Result<
+        (
+            tokio::sync::mpsc::Sender<PutRequest>,
+            tokio::task::JoinHandle<Result<tonic::Response<pb::PutResponse>, Status>>,
+        ),
+        Status,
+    > {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let header = PutHeader {
+            blob: Some(BlobRef {
+                namespace: "default".into(),
+                key: format!("stalled-{i}").into_bytes(),
+            }),
+            size: 1 << 20,
+            ..PutHeader::default()
+        };
+        tx.send(PutRequest {
+            msg: Some(put_request::Msg::Header(header)),
+        })
+        .await
+        .unwrap();
+        let mut blobs = BlobServiceClient::new(channel.clone());
+        let call = tokio::spawn(async move {
+            blobs
+                .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if call.is_finished() {
+            return Err(call.await.unwrap().unwrap_err());
+        }
+        Ok((tx, call))
+    }
+
+    // The shard's leader holds the puts (a follower answers NOT_LEADER).
+    let mut stalled = Vec::new();
+    let mut leader = None;
+    for node in &map.nodes {
+        let channel = as_cert(&cluster, "client", Some(&greedy), &node.address).await;
+        match stall(&channel, 0).await {
+            Ok(held) => {
+                stalled.push(held);
+                leader = Some(channel);
+                break;
+            }
+            Err(status) => assert_eq!(code(&status), ErrorCode::NotLeader, "{status:?}"),
+        }
+    }
+    let channel = leader.expect("a node leads the shard");
+    // The node's budget is 8 MiB; the token's half is 4.
+    let mut refused_at = None;
+    for i in 1..8 {
+        match stall(&channel, i).await {
+            Ok(held) => stalled.push(held),
+            Err(status) => {
+                assert_eq!(code(&status), ErrorCode::Overloaded, "{status:?}");
+                refused_at = Some(i);
+                break;
+            }
+        }
+    }
+    assert_eq!(refused_at, Some(4), "refused once the token holds 4 MiB");
+
+    // Another token's put goes through meanwhile.
+    let neighbour = client_with(&cluster, &other)
+        .await
+        .with_timeout(Duration::from_secs(5));
+    let value = vec![7u8; 1 << 20];
+    neighbour
+        .put("default", b"neighbour", &value)
+        .await
+        .unwrap();
+    assert!(neighbour.get("default", b"neighbour").await.unwrap() == value);
+    drop(stalled);
+}

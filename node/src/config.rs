@@ -205,7 +205,7 @@ pub struct LimitSettings {
     /// Bytes of blob content all requests of the node may hold at once
     /// (puts being received, gets being sent), MiB; a request that would
     /// exceed it is refused `OVERLOADED` instead of growing the node's
-    /// memory.
+    /// memory. Requests made with one token hold at most half of it.
     pub in_flight_mib: u64,
 }
 

@@ -45,7 +45,7 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// sent or dropped.
 pub struct GetStream {
     messages: std::vec::IntoIter<GetResponse>,
-    _budget: tokio::sync::OwnedSemaphorePermit,
+    _budget: super::InFlight,
 }
 
 impl tokio_stream::Stream for GetStream {
@@ -436,7 +436,7 @@ impl BlobApi {
         let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
         // Held until the put is answered: its bytes are in memory till then.
-        let _budget = self.node.reserve(header.size)?;
+        let _budget = self.node.reserve(header.size, &caller)?;
         // The engine value: header room, then the content as received.
         let value = self.receive(&mut stream, header.size).await?;
         let content = &value[blob::HEADER_BYTES..];
@@ -612,7 +612,7 @@ impl BlobApi {
         Ok(())
     }
 
-    async fn get_inner(&self, request: GetRequest) -> ApiResult<GetStream> {
+    async fn get_inner(&self, request: GetRequest, caller: &Caller) -> ApiResult<GetStream> {
         let target = self.target(request.blob.as_ref())?;
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
@@ -628,7 +628,7 @@ impl BlobApi {
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         // Held until the stream is sent (or abandoned).
-        let budget = self.node.reserve(stored.value.len() as u64)?;
+        let budget = self.node.reserve(stored.value.len() as u64, caller)?;
         let mut info = header.info(stored.epoch.0);
         info.current_epoch = u64::from(target.shard.engine().epoch().0);
         let size = header.size;
@@ -1105,7 +1105,7 @@ impl BlobService for BlobApi {
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
                 Role::Read,
             )?;
-            self.get_inner(request).await
+            self.get_inner(request, &caller).await
         })
         .await
     }

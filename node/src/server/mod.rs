@@ -20,14 +20,14 @@ mod metrics;
 mod raft_service;
 mod transport;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use prost::Message as _;
 use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomically};
 use tidepool_proto::v1::blob_service_server::BlobServiceServer;
@@ -102,6 +102,9 @@ pub struct Node {
     pub metrics: NodeMetrics,
     /// The in-flight budget (`limits.in_flight_mib`), in KiB permits.
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// KiB of it each token holds now (by token name): one token takes at
+    /// most half.
+    in_flight_by_token: Arc<Mutex<HashMap<String, u32>>>,
     /// Becomes true when the node begins to stop; long-lived streams
     /// (peers' Raft traffic) end on it.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -214,6 +217,7 @@ impl Node {
             opening: parking_lot::Mutex::new(()),
             outbox: Arc::new(Outbox::default()),
             metrics: NodeMetrics::default(),
+            in_flight_by_token: Arc::default(),
             in_flight: Arc::new(tokio::sync::Semaphore::new(
                 in_flight_kib.min(u64::from(u32::MAX)) as usize,
             )),
@@ -391,28 +395,61 @@ impl Node {
         Ok(found)
     }
 
-    /// Takes `bytes` of the in-flight budget for as long as the permit
-    /// lives; `OVERLOADED` (with a retry-after) if the node holds too much
-    /// already.
+    /// Takes `bytes` of the in-flight budget for as long as the returned
+    /// hold lives; `OVERLOADED` (with a retry-after) if the node holds too
+    /// much already, or if the caller's token would hold more than half of
+    /// it (so one tenant — 256 puts trickling their bytes, 256 gets never
+    /// read — cannot take the whole budget from the others; a single value
+    /// always fits). Callers without a token (no tokens checked, or a
+    /// node's certificate) share the budget as one.
     pub(crate) fn reserve(
         &self,
         bytes: u64,
-    ) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, ErrorInfo> {
+        caller: &tidepool_security::Caller,
+    ) -> std::result::Result<InFlight, ErrorInfo> {
         let kib = u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
-        self.in_flight
+        let overloaded = |message: String| {
+            let mut info = self.error(ErrorCode::Overloaded, message);
+            info.detail.retry_after_ms = 100;
+            info
+        };
+        let whole = || {
+            overloaded(format!(
+                "node {} holds its whole in-flight budget ({} MiB); retry",
+                self.config.node_id, self.config.limits.in_flight_mib
+            ))
+        };
+        let Some(name) = caller.grant.as_ref().map(|g| g.name.clone()) else {
+            let permit = self
+                .in_flight
+                .clone()
+                .try_acquire_many_owned(kib)
+                .map_err(|_| whole())?;
+            return Ok(InFlight {
+                _permit: permit,
+                token: None,
+            });
+        };
+        let budget_kib = self.config.limits.in_flight_mib.saturating_mul(1024);
+        let share = u32::try_from(budget_kib / 2).unwrap_or(u32::MAX).max(kib);
+        let mut held = self.in_flight_by_token.lock();
+        let now = held.get(&name).copied().unwrap_or(0);
+        if now.saturating_add(kib) > share {
+            return Err(overloaded(format!(
+                "token {name:?} holds half of node {}'s in-flight budget ({} MiB); retry",
+                self.config.node_id, self.config.limits.in_flight_mib
+            )));
+        }
+        let permit = self
+            .in_flight
             .clone()
             .try_acquire_many_owned(kib)
-            .map_err(|_| {
-                let mut info = self.error(
-                    ErrorCode::Overloaded,
-                    format!(
-                        "node {} holds its whole in-flight budget ({} MiB); retry",
-                        self.config.node_id, self.config.limits.in_flight_mib
-                    ),
-                );
-                info.detail.retry_after_ms = 100;
-                info
-            })
+            .map_err(|_| whole())?;
+        *held.entry(name.clone()).or_default() += kib;
+        Ok(InFlight {
+            _permit: permit,
+            token: Some((self.in_flight_by_token.clone(), name, kib)),
+        })
     }
 
     /// A lazily connected channel to the node at `address` (cached).
@@ -796,6 +833,28 @@ impl RunningNode {
         match (&mut self.server).await {
             Ok(result) => result,
             Err(e) => Err(NodeError::Network(format!("server task: {e}"))),
+        }
+    }
+}
+
+/// Part of a node's in-flight budget a request holds ([`Node::reserve`]),
+/// given back when dropped.
+pub(crate) struct InFlight {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    /// The token's tally, its name and the KiB counted there.
+    token: Option<(Arc<Mutex<HashMap<String, u32>>>, String, u32)>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some((held, name, kib)) = self.token.take() {
+            let mut held = held.lock();
+            if let Some(now) = held.get_mut(&name) {
+                *now = now.saturating_sub(kib);
+                if *now == 0 {
+                    held.remove(&name);
+                }
+            }
         }
     }
 }
