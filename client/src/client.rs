@@ -1120,7 +1120,7 @@ impl Client {
                 if answers[i].is_none() {
                     let route = match Cluster::route(&map, namespace, key) {
                         Err(e) if e.code() == ErrorCode::NamespaceNotFound => {
-                            self.cluster.refresh().await?;
+                            self.cluster.refresh_before(deadline).await?;
                             Cluster::route(&self.cluster.map(), namespace, key)?
                         }
                         route => route?,
@@ -1164,7 +1164,7 @@ impl Client {
                 }
                 tokio::time::sleep(backoff(rounds)).await;
                 rounds += 1;
-                self.cluster.refresh().await?;
+                self.cluster.refresh_before(deadline).await?;
             }
         }
         Ok(answers.into_iter().map(|a| a.unwrap_or(false)).collect())
@@ -1284,7 +1284,10 @@ impl Client {
         let map = self.cluster.map();
         let ns = match Cluster::namespace(&map, namespace) {
             Ok(ns) => ns,
-            Err(_) => Cluster::namespace(&*self.cluster.refresh().await?, namespace)?,
+            Err(_) => {
+                let deadline = Instant::now() + self.timeout;
+                Cluster::namespace(&*self.cluster.refresh_before(deadline).await?, namespace)?
+            }
         };
         Ok(ns.content_addressed)
     }
