@@ -104,7 +104,7 @@ pub struct Node {
     in_flight: Arc<tokio::sync::Semaphore>,
     /// KiB of it each token holds now (by token name): one token takes at
     /// most half.
-    in_flight_by_token: Arc<Mutex<HashMap<String, u32>>>,
+    in_flight_by_token: TokenTally,
     /// Becomes true when the node begins to stop; long-lived streams
     /// (peers' Raft traffic) end on it.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -837,12 +837,15 @@ impl RunningNode {
     }
 }
 
+/// KiB of the in-flight budget each token holds, by token name.
+type TokenTally = Arc<Mutex<HashMap<String, u32>>>;
+
 /// Part of a node's in-flight budget a request holds ([`Node::reserve`]),
 /// given back when dropped.
 pub(crate) struct InFlight {
     _permit: tokio::sync::OwnedSemaphorePermit,
     /// The token's tally, its name and the KiB counted there.
-    token: Option<(Arc<Mutex<HashMap<String, u32>>>, String, u32)>,
+    token: Option<(TokenTally, String, u32)>,
 }
 
 impl Drop for InFlight {
