@@ -48,6 +48,20 @@ docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 assert docs and all("kind" in d and "metadata" in d for d in docs)
 PY
 done
+# The ServiceMonitor scrapes each pod once: one Service per component
+# (node, coordinator, gateway) has a metrics port. (Two node Services had
+# one: every node series came twice, every sum over them doubled.)
+"$HELM" template t "$CHART" --set metrics.serviceMonitor.enabled=true --set gateway.enabled=true > /tmp/chart-check.yaml
+python3 - /tmp/chart-check.yaml <<'PY' || { echo "chart-check: a component's metrics are scraped through more than one Service" >&2; exit 1; }
+import sys, yaml, collections
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+count = collections.Counter()
+for d in docs:
+    if d["kind"] == "Service" and any(p.get("name") == "metrics" for p in d["spec"].get("ports", [])):
+        count[d["metadata"]["labels"].get("app.kubernetes.io/component")] += 1
+for component in ("node", "coordinator", "gateway"):
+    assert count[component] == 1, (component, count)
+PY
 # The dashboard is JSON.
 python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$CHART/dashboards/tidepool.json"
 
