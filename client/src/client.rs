@@ -180,6 +180,30 @@ fn overloaded(status: &Status) -> bool {
     tidepool_proto::error_detail(status).is_some_and(|d| d.code == ErrorCode::Overloaded as i32)
 }
 
+/// Whether a write's final error was decided before the shard's session
+/// check, so that it speaks for its own attempt only: every refusal but the
+/// ones the apply step makes (`SESSION_EXPIRED`, `ALREADY_EXISTS`), which
+/// account for every earlier attempt of the write, and `TIMEOUT`, which
+/// already says the outcome is unknown.
+fn refused_before_applying(error: &Error) -> bool {
+    !matches!(
+        error.code(),
+        ErrorCode::SessionExpired | ErrorCode::AlreadyExists | ErrorCode::Timeout
+    )
+}
+
+/// The error of a write refused by its last attempt after an earlier one
+/// ended without an answer: that one may have applied (once), so the
+/// refusal (`DISK_FULL`: "nothing was stored") does not say what happened.
+fn outcome_unknown(refusal: &Error) -> Error {
+    Error::new(
+        ErrorCode::Timeout,
+        format!(
+            "the outcome is unknown: an earlier attempt got no definite answer and may have applied (at most once); the last attempt was refused: {refusal}"
+        ),
+    )
+}
+
 /// Longest `retry_after_ms` a node's refusal is heeded for.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
@@ -477,7 +501,7 @@ impl Client {
         F: FnMut(Channel, u64, u32) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        self.on_route(|map| Cluster::route(map, namespace, key), op)
+        self.on_route(|map| Cluster::route(map, namespace, key), op, &mut false)
             .await
     }
 
@@ -509,14 +533,20 @@ impl Client {
                     })
             },
             op,
+            &mut false,
         )
         .await
     }
 
+    /// Runs `op` on the leader of the shard `locate` finds. `uncertain` is
+    /// set once an attempt ended without a definite answer (none came in
+    /// time, the connection failed, or the node could not say whether its
+    /// proposal committed): a write may have applied through it.
     async fn on_route<T, F, Fut>(
         &self,
         locate: impl Fn(&ClusterMap) -> Result<crate::cluster::Route>,
         mut op: F,
+        uncertain: &mut bool,
     ) -> Result<T>
     where
         F: FnMut(Channel, u64, u32) -> Fut,
@@ -624,6 +654,7 @@ impl Client {
                             // slow): the attempt keeps running, and the
                             // call tries the next replica beside it.
                             pending.push(target, address.clone(), current);
+                            *uncertain = true;
                             attempt += 1;
                             continue;
                         }
@@ -635,6 +666,11 @@ impl Client {
                         }
                     };
                     let mut disposition = classify(&status);
+                    if no_answer(&status)
+                        || (matches!(disposition, Disposition::Backoff(_)) && !overloaded(&status))
+                    {
+                        *uncertain = true;
+                    }
                     // The node knows a newer map: routes may have moved
                     // (its hint gets this call there; the map gets the
                     // next ones there without a detour).
@@ -830,13 +866,20 @@ impl Client {
     {
         let mut write = self.sessions.begin();
         let mut reopened = false;
+        // An attempt of this write ended without a definite answer: it
+        // may have applied.
+        let mut uncertain = false;
         loop {
             let mut shard = 0u32;
             let result = self
-                .on_shard(namespace, key, |channel, map_version, shard_id| {
-                    shard = shard_id;
-                    op(channel, map_version, write.tag(shard_id))
-                })
+                .on_route(
+                    |map| Cluster::route(map, namespace, key),
+                    |channel, map_version, shard_id| {
+                        shard = shard_id;
+                        op(channel, map_version, write.tag(shard_id))
+                    },
+                    &mut uncertain,
+                )
                 .await;
             match result {
                 Ok(value) => {
@@ -851,6 +894,9 @@ impl Client {
                         && write.reopen(shard) =>
                 {
                     reopened = true;
+                }
+                Err(error) if uncertain && refused_before_applying(&error) => {
+                    return Err(outcome_unknown(&error));
                 }
                 Err(error) => return Err(error),
             }
@@ -1890,5 +1936,94 @@ mod tests {
         assert_eq!(answer.unwrap(), 3);
         assert!(took < Duration::from_secs(1), "took {took:?}");
         assert_eq!(calls[2].load(Ordering::SeqCst), 1, "node 3 asked once");
+    }
+
+    fn refusal(code: ErrorCode) -> Status {
+        tidepool_proto::status_with_detail(tidepool_proto::v1::ErrorDetail {
+            code: code as i32,
+            message: format!("scripted {}", code.as_str_name()),
+            map_version: 1,
+            ..Default::default()
+        })
+    }
+
+    /// A write whose attempts get `answers` in turn (`None`: no answer
+    /// until the test ends): what the SDK reports.
+    async fn write_answered(answers: Vec<Option<Status>>, hedge: Option<Duration>) -> Error {
+        let follow = Rule::Follow {
+            before: 1,
+            after: 1,
+            switch: Duration::ZERO,
+            silent: false,
+        };
+        let (client, _) = three_replicas([Some(follow); 3], hedge).await;
+        let answers = Arc::new(parking_lot::Mutex::new(answers.into_iter()));
+        let sessions = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let result: Result<()> = client
+            .write_once("ns", b"k", |_, _, session| {
+                sessions.lock().push((session.id.clone(), session.sequence));
+                let answer = answers.lock().next().expect("an answer for every attempt");
+                async move {
+                    match answer {
+                        Some(status) => Err(status),
+                        None => std::future::pending().await,
+                    }
+                }
+            })
+            .await;
+        let sessions = sessions.lock();
+        assert!(sessions.len() >= 2, "{} attempts", sessions.len());
+        assert!(
+            sessions.iter().all(|s| *s == sessions[0]),
+            "every attempt is the same write of the same session"
+        );
+        result.expect_err("every attempt failed")
+    }
+
+    /// A retried write refused for a reason found before the shard's
+    /// session check (a full disk, a revoked role, a deleted namespace)
+    /// after an earlier attempt got no definite answer may have applied
+    /// through that attempt: the SDK says the outcome is unknown
+    /// (`TIMEOUT`), not the refusal's "nothing was stored". Before, the
+    /// caller got `DISK_FULL` for a blob that was stored.
+    #[tokio::test]
+    async fn a_refusal_after_an_unanswered_attempt_reports_an_unknown_outcome() {
+        use ErrorCode::*;
+        for (first, last) in [
+            (Status::unavailable("connection reset"), DiskFull),
+            (refusal(NoQuorum), PermissionDenied),
+            (refusal(Timeout), NamespaceNotFound),
+            (refusal(ShuttingDown), DiskFull),
+        ] {
+            let error = write_answered(vec![Some(first.clone()), Some(refusal(last))], None).await;
+            assert_eq!(error.code(), Timeout, "{first:?} then {last:?}: {error}");
+            assert!(error.to_string().contains(last.as_str_name()), "{error}");
+        }
+        // An attempt still running when another is refused (hedged).
+        let error = write_answered(
+            vec![None, Some(refusal(DiskFull))],
+            Some(Duration::from_millis(50)),
+        )
+        .await;
+        assert_eq!(error.code(), Timeout, "{error}");
+    }
+
+    /// Refusals that are definite stay what they are: after answers that
+    /// said nothing was proposed (`OVERLOADED`, `NOT_LEADER`, a stale
+    /// map), and the apply step's own (`ALREADY_EXISTS`, which accounts for
+    /// every attempt of the write: a duplicate answers the first one's
+    /// outcome).
+    #[tokio::test]
+    async fn a_refusal_after_definite_answers_is_reported_as_it_is() {
+        use ErrorCode::*;
+        for (first, last) in [
+            (refusal(Overloaded), DiskFull),
+            (refusal(NotLeader), PermissionDenied),
+            (refusal(StaleMap), DiskFull),
+            (refusal(NoQuorum), AlreadyExists),
+        ] {
+            let error = write_answered(vec![Some(first.clone()), Some(refusal(last))], None).await;
+            assert_eq!(error.code(), last, "{first:?} then {last:?}: {error}");
+        }
     }
 }
