@@ -2,8 +2,10 @@
 //! `remote_storage=http://…`), on axum.
 //!
 //! Paths:
-//! - `[/INSTANCE]/cas/<sha256>`: the CAS; a `PUT` must hash to the name.
-//! - `[/INSTANCE]/ac/<sha256>`: the action cache, shared with REAPI; an
+//! - `[/INSTANCE]/cas/<sha256>` (64 hex digits): the CAS; a `PUT` must
+//!   hash to the name.
+//! - `[/INSTANCE]/ac/<sha256>` (64 hex digits): the action cache, shared
+//!   with REAPI; an
 //!   entry that reads as an `ActionResult` is only returned while every
 //!   output it references is stored (other tools' entries, such as
 //!   ccache's `bazel` layout, are returned as they are).
@@ -231,7 +233,8 @@ pub(crate) fn error_response(error: Error) -> Response {
         ErrorCode::ValueTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::Unauthenticated => StatusCode::UNAUTHORIZED,
         ErrorCode::PermissionDenied => StatusCode::FORBIDDEN,
-        ErrorCode::Conflict => StatusCode::CONFLICT,
+        // An append-only caller's overwrite.
+        ErrorCode::Conflict | ErrorCode::AlreadyExists => StatusCode::CONFLICT,
         ErrorCode::DiskFull => StatusCode::INSUFFICIENT_STORAGE,
         ErrorCode::Timeout
         | ErrorCode::NoQuorum
@@ -341,9 +344,12 @@ async fn resolve(gateway: &Gateway, path: &str) -> tidepool_client::Result<(Inst
         } else {
             None
         };
-        if let Some(instance) = instance {
-            let hash = parse_hash(segments[segments.len() - 1])
-                .map_err(|e| Error::new(ErrorCode::InvalidArgument, e))?;
+        // A last segment that is no SHA-256 makes a plain path key too:
+        // ccache's `subdirs` layout puts the keys that start with `ac` at
+        // `/ac/<the other 31 digits>` (before: 400, about 1 key in 256).
+        if let Some(instance) = instance
+            && let Ok(hash) = parse_hash(segments[segments.len() - 1])
+        {
             let target = if kind == "cas" {
                 Target::Cas(hash)
             } else {

@@ -135,14 +135,17 @@ impl GatewayConfig {
     }
 }
 
+/// Longest a request naming an unknown instance waits for a newer map.
+const UNKNOWN_NAME_REFRESH: Duration = Duration::from_secs(1);
+
 /// What the protocol handlers share.
 pub(crate) struct Gateway {
     /// The gateway's own client (map, anonymous callers).
     client: Client,
     config: GatewayConfig,
     uploads: bytestream::Uploads,
-    /// When the map was last fetched for an unknown instance.
-    last_refresh: tokio::sync::Mutex<std::time::Instant>,
+    /// When the map was last fetched (or tried) for an unknown instance.
+    last_refresh: std::sync::Mutex<std::time::Instant>,
     /// Requests by protocol, method and code.
     metrics: tidepool_telemetry::RequestMetrics,
     /// Token names by the SHA-256 of the secret, as the coordinator
@@ -280,15 +283,31 @@ impl Gateway {
         for refresh in [false, true] {
             let map = if refresh {
                 // An unknown name may be a namespace created a moment ago;
-                // the map is fetched again at most once a second (unknown
-                // names are common: ccache URL prefixes).
-                let mut last = self.last_refresh.lock().await;
-                if last.elapsed() < Duration::from_secs(1) {
-                    break;
+                // the map is fetched again at most once a second, whether
+                // the fetch succeeds or not, and only the request that
+                // fetches it waits, for at most `UNKNOWN_NAME_REFRESH`:
+                // unknown names are common (ccache's `subdirs` paths, URL
+                // prefixes), and with the coordinators unreachable every
+                // such request queued behind the one before for a connect
+                // timeout per seed.
+                {
+                    let mut last = self.last_refresh.lock().expect("not poisoned");
+                    if last.elapsed() < Duration::from_secs(1) {
+                        break;
+                    }
+                    *last = std::time::Instant::now();
                 }
-                let map = self.client.refresh_map().await?;
-                *last = std::time::Instant::now();
-                map
+                tokio::time::timeout(UNKNOWN_NAME_REFRESH, self.client.refresh_map())
+                    .await
+                    .map_err(|_| {
+                        tidepool_client::Error::new(
+                            ErrorCode::Timeout,
+                            format!(
+                                "instance {:?} is not in the cluster map and the coordinators did not send a newer one within {UNKNOWN_NAME_REFRESH:?}",
+                                instance.name
+                            ),
+                        )
+                    })??
             } else {
                 self.client.map()
             };
@@ -443,7 +462,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let gateway = Arc::new(Gateway {
         client,
         uploads: bytestream::Uploads::default(),
-        last_refresh: tokio::sync::Mutex::new(
+        last_refresh: std::sync::Mutex::new(
             std::time::Instant::now()
                 .checked_sub(Duration::from_secs(2))
                 .unwrap_or_else(std::time::Instant::now),

@@ -2,7 +2,8 @@
 //! and action cache entries, HEAD of an action cache entry, the empty blob
 //! over HTTP, a body above the size limit, a body shorter than its
 //! Content-Length; an unknown instance in every REAPI call that names
-//! one; and slow, idle and too many HTTP clients.
+//! one; slow, idle and too many HTTP clients; ccache `subdirs` paths under
+//! `/ac/` and `/cas/`; unknown names while the coordinators hang.
 
 use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
 use sha2::{Digest as _, Sha256};
@@ -344,4 +345,103 @@ async fn grpc_servers_disconnect_clients_that_send_nothing() {
         .unwrap();
     assert_eq!(found.into_inner().missing_blob_digests.len(), 1);
     s.stop().await;
+}
+
+/// ccache's `subdirs` layout stores a key at `/<first 2 digits>/<other
+/// 31>`: the keys that start with `ac` (or a path `/cas/<not a hash>`)
+/// are path keys like every other, not malformed action cache names.
+/// Before, they were refused with 400: about one key in 256 never cached.
+/// An append-only token's overwrite of a path key is a conflict (409),
+/// not a server error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ccache_paths_under_ac_and_cas_are_path_keys() {
+    let s = setup(true).await;
+    let at = s.gateway.http_address;
+    let key = "0123456789abcdef0123456789abcde";
+    for path in [
+        format!("/ac/{key}"),
+        format!("/cas/{key}"),
+        format!("/ci/ac/{key}"),
+    ] {
+        let content = path.as_bytes().repeat(100);
+        assert_eq!(http(at, "HEAD", &path, None, vec![]).await.0, 404, "{path}");
+        assert_eq!(
+            http(at, "PUT", &path, None, content.clone()).await.0,
+            200,
+            "{path}"
+        );
+        assert_eq!(
+            http(at, "GET", &path, None, vec![]).await,
+            (200, content),
+            "{path}"
+        );
+    }
+    // A real action cache name is still one: a CAS name must hash.
+    let h = hex(&Sha256::digest(b"not this"));
+    assert_eq!(
+        http(at, "PUT", &format!("/cas/{h}"), None, b"other".to_vec())
+            .await
+            .0,
+        400
+    );
+    s.stop().await;
+}
+
+/// While the coordinators hang (a host that accepts connections and never
+/// answers), requests whose path starts with a name that is no instance
+/// (every ccache `subdirs` path) are served from the map the gateway has:
+/// at most one of them a second waits, at most a second, for a newer map.
+/// Before, each waited its turn for the one before it to give up on the
+/// coordinator (3 s per seed), so the eighth took over 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_names_do_not_queue_behind_a_hung_coordinator() {
+    let cluster = tidepool_testkit::cluster::LocalCluster::start(3, 4, 3).await;
+    let proxy = tidepool_testkit::proxy::Proxy::start(cluster.coordinator.address).await;
+    let seeds = [format!("http://{}", proxy.address)];
+    let mut config =
+        tidepool_gateway::GatewayConfig::new(tidepool_client::ClientConfig::new(&seeds));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    let gateway = tidepool_gateway::start(config).await.expect("starts");
+    gateway.create_instance("cache", 3).await.expect("instance");
+    let at = gateway.http_address;
+    // First segments that could be instance names (a letter first).
+    let paths: Vec<String> = ["a0", "b1", "c2", "d3", "e4", "f5", "fa", "fb"]
+        .iter()
+        .map(|prefix| format!("/{prefix}/{}", "5".repeat(31)))
+        .collect();
+    for path in &paths {
+        assert_eq!(
+            http(at, "PUT", path, None, path.as_bytes().to_vec())
+                .await
+                .0,
+            200
+        );
+    }
+    proxy.freeze();
+    // Past the once-a-second limit of the fetches the puts made.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let began = std::time::Instant::now();
+    let asked: Vec<_> = paths
+        .iter()
+        .map(|path| {
+            let path = path.clone();
+            tokio::spawn(async move {
+                let answer = http(at, "GET", &path, None, vec![]).await;
+                (answer, began.elapsed())
+            })
+        })
+        .collect();
+    for (asked, path) in asked.into_iter().zip(&paths) {
+        let (answer, took) = asked.await.unwrap();
+        assert_eq!(answer, (200, path.as_bytes().to_vec()), "{path}");
+        assert!(
+            took < std::time::Duration::from_secs(3),
+            "{path} answered after {took:?}"
+        );
+    }
+    proxy.unblock();
+    gateway.stop().await;
+    cluster.stop().await;
 }

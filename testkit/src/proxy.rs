@@ -1,5 +1,6 @@
 //! A TCP proxy a test puts on a path to a server, so it can cut that path
-//! (refuse new connections and reset open ones), heal it, or black-hole one
+//! (refuse new connections and reset open ones), freeze it (accept new
+//! connections and never answer them), heal it, or black-hole one
 //! connection: forward a given number of bytes and then nothing more in
 //! either direction, the sockets kept open — what a peer whose host froze,
 //! or a middlebox that lost the flow, looks like from the other end.
@@ -27,6 +28,7 @@ pub struct Proxy {
 
 struct Shared {
     blocked: AtomicBool,
+    frozen: AtomicBool,
     accepted: AtomicU64,
     /// The first connection whose target has sent this many bytes stops
     /// forwarding (one connection only; [`UNARMED`]: none).
@@ -41,6 +43,7 @@ impl Proxy {
         let address = listener.local_addr().expect("address");
         let shared = Arc::new(Shared {
             blocked: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
             black_hole_after: AtomicU64::new(UNARMED),
             black_holed: AtomicU64::new(0),
@@ -48,6 +51,7 @@ impl Proxy {
         let generation = watch::Sender::new(0u64);
         let (s, g) = (shared.clone(), generation.clone());
         tokio::spawn(async move {
+            let mut held = Vec::new();
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
@@ -56,6 +60,11 @@ impl Proxy {
                     drop(inbound); // refused: the peer sees a reset
                     continue;
                 }
+                if s.frozen.load(Ordering::SeqCst) {
+                    held.push(inbound); // accepted, never read nor answered
+                    continue;
+                }
+                held.clear();
                 s.accepted.fetch_add(1, Ordering::Relaxed);
                 let mut cut = g.subscribe();
                 let started = *cut.borrow_and_update();
@@ -90,9 +99,18 @@ impl Proxy {
         self.generation.send_modify(|g| *g += 1);
     }
 
+    /// Freezes the path, as a server whose host hangs: open connections
+    /// end, new ones are accepted (by the kernel, then the proxy) and never
+    /// answered.
+    pub fn freeze(&self) {
+        self.shared.frozen.store(true, Ordering::SeqCst);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
     /// Heals the path.
     pub fn unblock(&self) {
         self.shared.blocked.store(false, Ordering::SeqCst);
+        self.shared.frozen.store(false, Ordering::SeqCst);
     }
 
     /// Whether the path is cut.
