@@ -165,11 +165,25 @@ impl Reapi {
         client: &tidepool_client::Client,
         resource: &Resource,
     ) -> Result<bool, Status> {
-        Ok(resource.digest.is_empty_blob()
-            || cache::find_missing(client, &resource.instance, &[resource.digest])
+        if resource.digest.is_empty_blob() {
+            return Ok(true);
+        }
+        let present = cache::find_missing(client, &resource.instance, &[resource.digest])
+            .await
+            .map_err(status)?
+            .is_empty();
+        // The digest is (hash, size): a blob of this hash and another size
+        // is not the one asked for (a write declaring a wrong size would
+        // otherwise complete at once, storing nothing).
+        Ok(present
+            && match client
+                .head(&resource.instance.cas, &resource.digest.hash)
                 .await
-                .map_err(status)?
-                .is_empty())
+            {
+                Ok(info) => info.size == resource.digest.size,
+                Err(e) if e.code() == tidepool_client::ErrorCode::NotFound => false,
+                Err(e) => return Err(status(e)),
+            })
     }
 }
 
@@ -184,13 +198,15 @@ impl ByteStream for Reapi {
         let name = request.get_ref().resource_name.clone();
         let (client, resource) = self.resource(&request, &name, false).await?;
         let request = request.into_inner();
-        let (Ok(offset), Ok(limit)) = (
-            u64::try_from(request.read_offset),
-            u64::try_from(request.read_limit),
-        ) else {
-            return Err(invalid(
-                "read_offset and read_limit may not be negative".into(),
-            ));
+        // bytestream.proto: a negative offset is OUT_OF_RANGE.
+        let Ok(offset) = u64::try_from(request.read_offset) else {
+            return Err(Status::out_of_range(format!(
+                "read_offset {} is negative",
+                request.read_offset
+            )));
+        };
+        let Ok(limit) = u64::try_from(request.read_limit) else {
+            return Err(invalid("read_limit may not be negative".into()));
         };
         let limit = (limit > 0).then_some(limit);
         let digest = resource.digest;

@@ -85,18 +85,7 @@ pub(crate) async fn keep_alive(
     }
 }
 
-/// A whole blob of at most `limit` bytes, verified, kept alive.
-pub(crate) async fn read_all(
-    client: &Client,
-    namespace: &str,
-    key: &[u8],
-    limit: u64,
-) -> Result<Vec<u8>> {
-    let reader = client.open_range(namespace, key, 0, None).await?;
-    read_opened(client, namespace, key, reader, limit).await
-}
-
-/// The rest of [`read_all`], from an opened blob.
+/// An opened blob whole, of at most `limit` bytes, verified, kept alive.
 async fn read_opened(
     client: &Client,
     namespace: &str,
@@ -188,7 +177,6 @@ async fn outputs(
     client: &Client,
     instance: &Instance,
     result: &ActionResult,
-    limit: u64,
 ) -> Result<Vec<BlobDigest>> {
     let mut digests = Vec::new();
     let mut trees = Vec::new();
@@ -211,10 +199,18 @@ async fn outputs(
         }
     }
     for tree in trees {
-        let bytes = match read_cas(client, instance, tree, limit).await {
+        // A tree missing, or stored with another size than its digest
+        // says, or too large to check: the result is a miss.
+        let bytes = match read_cas(client, instance, tree, TREE_READ_BYTES).await {
             Ok(bytes) => bytes,
-            // Reported missing with the rest.
-            Err(e) if e.code() == ErrorCode::NotFound => continue,
+            Err(e) if e.code() == ErrorCode::NotFound => return Err(e),
+            Err(_) if tree.size > TREE_READ_BYTES => {
+                return Err(not_found(format!(
+                    "output tree {} is {} bytes; the gateway checks trees of at most {TREE_READ_BYTES}",
+                    hex(&tree.hash),
+                    tree.size
+                )));
+            }
             Err(e) => return Err(e),
         };
         let tree = Tree::decode(&bytes[..]).map_err(|e| {
@@ -232,23 +228,41 @@ async fn outputs(
     Ok(digests)
 }
 
+/// Largest output tree read to check an action result's outputs (a tree
+/// of 64 MiB lists some 600,000 files); a larger one makes the result a
+/// miss. Not the batch limit: a tree of 40,000 files is over 4 MiB, and
+/// its action would never be a cache hit.
+const TREE_READ_BYTES: u64 = 64 << 20;
+
 /// The action result stored for `action`, only if every output it
 /// references is still in the CAS (they and the entry are touched);
-/// otherwise `NOT_FOUND`, as if it had never been cached.
+/// otherwise `NOT_FOUND`, as if it had never been cached. An entry larger
+/// than `limit` (the most a response carries; stored over HTTP) is a miss
+/// too.
 pub(crate) async fn get_action_result(
     client: &Client,
     instance: &Instance,
     action: BlobDigest,
     limit: u64,
 ) -> Result<ActionResult> {
-    let bytes = read_all(client, &instance.ac, &action.hash, limit).await?;
+    let reader = client
+        .open_range(&instance.ac, &action.hash, 0, None)
+        .await?;
+    if reader.size() > limit {
+        return Err(not_found(format!(
+            "the action cache entry of {} is {} bytes; at most {limit} are returned",
+            hex(&action.hash),
+            reader.size()
+        )));
+    }
+    let bytes = read_opened(client, &instance.ac, &action.hash, reader, limit).await?;
     let result = ActionResult::decode(&bytes[..]).map_err(|e| {
         not_found(format!(
             "the action cache entry of {} is not an ActionResult: {e}",
             hex(&action.hash)
         ))
     })?;
-    require_outputs(client, instance, &result, limit).await?;
+    require_outputs(client, instance, &result).await?;
     Ok(result)
 }
 
@@ -257,9 +271,8 @@ pub(crate) async fn require_outputs(
     client: &Client,
     instance: &Instance,
     result: &ActionResult,
-    limit: u64,
 ) -> Result<()> {
-    let needed = outputs(client, instance, result, limit).await?;
+    let needed = outputs(client, instance, result).await?;
     let missing = find_missing(client, instance, &needed).await?;
     if let Some(first) = missing.first() {
         return Err(not_found(format!(

@@ -2,7 +2,14 @@
 //! the size the client declared, and it is produced in slices, so a small
 //! hostile input cannot make the gateway allocate more than that.
 
-use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
+use zstd::stream::raw::{DParameter, Decoder, InBuffer, Operation, OutBuffer};
+
+/// Largest zstd window accepted, log2 bytes (8 MiB: what levels 1 to 19
+/// use). A decoder holds its frame's window, so a paused upload holds up
+/// to this much; the library's default allows 128 MiB per upload, which
+/// 64 paused uploads made 8 GiB. Frames of larger windows (`--ultra`,
+/// `--long`) are refused as invalid.
+const WINDOW_LOG_MAX: u32 = 23;
 
 /// Compression level of what the gateway sends (fast; build outputs are
 /// sent once and read often).
@@ -28,8 +35,10 @@ pub(crate) struct Decompressor {
 impl Decompressor {
     /// A decoder for at most `limit` bytes of output.
     pub(crate) fn new(limit: u64) -> std::io::Result<Decompressor> {
+        let mut decoder = Decoder::new()?;
+        decoder.set_parameter(DParameter::WindowLogMax(WINDOW_LOG_MAX))?;
         Ok(Decompressor {
-            decoder: Decoder::new()?,
+            decoder,
             produced: 0,
             limit,
             at_frame_end: true,

@@ -283,10 +283,10 @@ async fn serve_request(
         Target::Key(key) => (&instance.ac, key.clone()),
     };
     match method {
-        Method::GET => get(gateway, &client, &instance, &target, namespace, &key).await,
+        Method::GET => get(&client, &instance, &target, namespace, &key).await,
         // An action-cache entry is there only with its outputs, as for GET.
         Method::HEAD if matches!(target, Target::Ac(_)) => {
-            let response = get(gateway, &client, &instance, &target, namespace, &key).await?;
+            let response = get(&client, &instance, &target, namespace, &key).await?;
             let (parts, _) = response.into_parts();
             Ok(Response::from_parts(parts, Body::empty()))
         }
@@ -376,7 +376,6 @@ async fn resolve(gateway: &Gateway, path: &str) -> tidepool_client::Result<(Inst
 }
 
 async fn get(
-    gateway: &Gateway,
     client: &Client,
     instance: &Instance,
     target: &Target,
@@ -401,8 +400,7 @@ async fn get(
             bytes.extend_from_slice(&piece);
         }
         if let Some(result) = cache::as_action_result(&bytes) {
-            cache::require_outputs(client, instance, &result, gateway.config.max_batch_bytes)
-                .await?;
+            cache::require_outputs(client, instance, &result).await?;
         }
         return Ok((
             StatusCode::OK,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
 use bazel_remote_apis::build::bazel::semver::SemVer;
 use bazel_remote_apis::google::rpc::Status as RpcStatus;
+use prost::Message as _;
 use re::action_cache_server::{ActionCache, ActionCacheServer};
 use re::capabilities_server::{Capabilities, CapabilitiesServer};
 use re::content_addressable_storage_server::{
@@ -36,7 +37,11 @@ pub(crate) fn status(error: Error) -> Status {
         | ErrorCode::NamespaceNotFound => Status::invalid_argument(message),
         ErrorCode::Unauthenticated => Status::unauthenticated(message),
         ErrorCode::PermissionDenied => Status::permission_denied(message),
-        ErrorCode::Conflict => Status::already_exists(message),
+        // An `append-only` caller's overwrite: refused for good.
+        ErrorCode::AlreadyExists => Status::already_exists(message),
+        // Read again, or try again (the write was not applied now).
+        ErrorCode::Conflict | ErrorCode::SessionExpired => Status::aborted(message),
+        ErrorCode::WrongCluster => Status::failed_precondition(message),
         ErrorCode::DiskFull => Status::resource_exhausted(message),
         ErrorCode::Corrupt => Status::data_loss(message),
         ErrorCode::Unsupported => Status::unimplemented(message),
@@ -547,6 +552,21 @@ async fn splice(
     if digest.is_empty_blob() {
         return Ok(());
     }
+    // A blob of at most one chunk is stored whole, as every such blob is:
+    // presence checks look for the chunks of larger blobs only.
+    if digest.size <= limit {
+        let mut bytes = Vec::with_capacity(digest.size as usize);
+        for chunk in chunks {
+            bytes.extend(
+                cache::read_cas(client, instance, *chunk, limit)
+                    .await
+                    .map_err(status)?,
+            );
+        }
+        return cache::write_cas(client, instance, digest, &bytes)
+            .await
+            .map_err(status);
+    }
     let keys: Vec<[u8; 32]> = chunks
         .iter()
         .filter(|c| !c.is_empty_blob())
@@ -575,8 +595,9 @@ impl ActionCache for Reapi {
         let mut result = cache::get_action_result(&client, &instance, action, limit)
             .await
             .map_err(status)?;
-        // Inlining is best effort, within one batch's worth of bytes.
-        let mut budget = limit;
+        // Inlining is best effort, within one batch's worth of bytes in
+        // all (the response's encoding limit is a batch and 1 MiB).
+        let mut budget = limit.saturating_sub(result.encoded_len() as u64);
         let mut inline = async |digest: Option<&re::Digest>| -> Option<Vec<u8>> {
             let digest = BlobDigest::from_proto(digest).ok()?;
             if digest.size > budget {
@@ -632,6 +653,15 @@ impl ActionCache for Reapi {
             .flatten()
         {
             digest_of(Some(digest))?;
+        }
+        // What is stored must be returned: `GetActionResult` sends entries
+        // of at most a batch's bytes.
+        if result.encoded_len() as u64 > self.max_batch() {
+            return Err(Status::invalid_argument(format!(
+                "the action result is {} bytes encoded; at most {} (max_batch_total_size_bytes) are stored",
+                result.encoded_len(),
+                self.max_batch()
+            )));
         }
         cache::update_action_result(&client, &instance, action, &result)
             .await

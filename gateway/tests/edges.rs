@@ -445,3 +445,162 @@ async fn unknown_names_do_not_queue_behind_a_hung_coordinator() {
     gateway.stop().await;
     cluster.stop().await;
 }
+
+/// The REAPI limits and digests a review found wrong:
+/// - an output tree larger than a batch (a tree artifact of some 30,000
+///   files) is checked, not refused: the action is a cache hit (before:
+///   `INVALID_ARGUMENT` on every build, the action never cached);
+/// - an action result larger than a batch is refused when stored, so
+///   every stored one can be returned;
+/// - a digest is (hash, size): a write or status query of a stored hash
+///   with another size is not complete;
+/// - a spliced blob of at most one chunk is stored whole, so it lives on
+///   without the chunks it was spliced from;
+/// - a zstd frame whose window is over 8 MiB is refused (each paused
+///   upload held the library's default of up to 128 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reapi_limits_and_digests() {
+    // Batches of 2 MiB, chunks of 1 MiB.
+    let s = setup(true).await;
+    let file = blob(70, 1_000);
+    upload(&s, "", &file).await;
+    let root = re::Directory {
+        files: (0..30_000)
+            .map(|i| re::FileNode {
+                name: format!("generated/file-{i:06}.txt"),
+                digest: Some(digest(&file)),
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let tree = prost::Message::encode_to_vec(&re::Tree {
+        root: Some(root),
+        children: vec![],
+    });
+    assert!(tree.len() > 2 << 20, "{} bytes", tree.len());
+    let name = format!("uploads/t-1/{}", blob_name(&tree));
+    bytestream_write(&s, &name, &tree)
+        .await
+        .expect("tree stored");
+    let result = re::ActionResult {
+        output_directories: vec![re::OutputDirectory {
+            path: "generated".into(),
+            tree_digest: Some(digest(&tree)),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let action = digest(b"an action with a large tree");
+    s.ac()
+        .update_action_result(re::UpdateActionResultRequest {
+            action_digest: Some(action.clone()),
+            action_result: Some(result.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("update");
+    let got = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            action_digest: Some(action.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("a cache hit")
+        .into_inner();
+    assert_eq!(got, result);
+
+    // An action result over a batch is refused.
+    let huge = re::ActionResult {
+        stdout_raw: vec![b'x'; (2 << 20) + 1],
+        ..Default::default()
+    };
+    let answer = s
+        .ac()
+        .update_action_result(re::UpdateActionResultRequest {
+            action_digest: Some(digest(b"a huge result")),
+            action_result: Some(huge),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(
+        answer.as_ref().map(|_| "stored").map_err(|e| e.code()),
+        Err(Code::InvalidArgument)
+    );
+
+    // The tree's hash with another size: not stored, so not complete.
+    let wrong = format!(
+        "uploads/{}/blobs/{}/{}",
+        "0d7c2a8c-4a53-4f4c-9a86-7b1f4c2d9e10",
+        hex(&Sha256::digest(&tree)),
+        tree.len() + 1
+    );
+    let status = s
+        .bytestream()
+        .query_write_status(
+            bazel_remote_apis::google::bytestream::QueryWriteStatusRequest {
+                resource_name: wrong.clone(),
+            },
+        )
+        .await
+        .expect("status")
+        .into_inner();
+    assert!(!status.complete, "{status:?}");
+    let first = write_requests(&wrong, &tree[..1000], 0, 1000, false);
+    let answer = s.bytestream().write(tokio_stream::iter(first)).await;
+    assert!(
+        !matches!(&answer, Ok(r) if r.get_ref().committed_size == tree.len() as i64 + 1),
+        "a write of the wrong size completed at once: {answer:?}"
+    );
+
+    // Two small chunks spliced: the blob stays whole without them.
+    let parts = [blob(71, 300), blob(72, 500)];
+    for p in &parts {
+        upload(&s, "", p).await;
+    }
+    let whole = parts.concat();
+    s.cas()
+        .splice_blob(re::SpliceBlobRequest {
+            blob_digest: Some(digest(&whole)),
+            chunk_digests: parts.iter().map(|p| digest(p)).collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("splice");
+    for p in &parts {
+        assert!(s.client.delete("cache", &Sha256::digest(p)).await.unwrap());
+    }
+    let missing = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            blob_digests: vec![digest(&whole)],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(missing.missing_blob_digests.is_empty(), "{missing:?}");
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&whole), 0, 0).await.unwrap(),
+        whole
+    );
+
+    // zstd with a 32 MiB window.
+    let content = blob(73, 100_000);
+    let mut encoder = zstd::stream::Encoder::new(Vec::new(), 3).unwrap();
+    encoder
+        .set_parameter(zstd::stream::raw::CParameter::WindowLog(25))
+        .unwrap();
+    std::io::Write::write_all(&mut encoder, &content).unwrap();
+    let compressed = encoder.finish().unwrap();
+    let name = format!(
+        "uploads/{}/compressed-blobs/zstd/{}/{}",
+        "5f0b1c7e-2b1d-4c55-8f0e-1e2d3c4b5a69",
+        hex(&Sha256::digest(&content)),
+        content.len()
+    );
+    let e = bytestream_write(&s, &name, &compressed).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    s.stop().await;
+}
