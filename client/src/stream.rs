@@ -187,6 +187,8 @@ impl Client {
             expected: None,
             written: 0,
             failed: false,
+            published: false,
+            started: 0,
         })
     }
 
@@ -453,6 +455,11 @@ pub struct Upload {
     expected: Option<[u8; 32]>,
     written: u64,
     failed: bool,
+    /// The manifest's put was sent: its chunks are the blob's from then on
+    /// (even when the answer is an error, the put may have applied).
+    published: bool,
+    /// Chunks whose store was started (stored, being stored or failed).
+    started: u64,
 }
 
 impl std::fmt::Debug for Upload {
@@ -468,7 +475,7 @@ impl std::fmt::Debug for Upload {
 impl Upload {
     /// Makes [`Upload::finish`] store nothing under the key unless the
     /// content's SHA-256 is `digest` (`DIGEST_MISMATCH`; chunks already
-    /// stored stay, to retention or garbage collection). The upload hashes
+    /// stored are deleted, see the drop). The upload hashes
     /// the content anyway, so a caller that needs it checked (an object
     /// named by its digest) need not hash it again.
     pub fn expect_sha256(&mut self, digest: [u8; 32]) {
@@ -478,6 +485,15 @@ impl Upload {
     /// Bytes written so far.
     pub fn written(&self) -> u64 {
         self.written
+    }
+
+    /// Keys of the chunks whose store was started so far, outside a
+    /// content-addressed namespace (where a chunk's key is its digest).
+    #[doc(hidden)]
+    pub fn started_chunk_keys(&self) -> Vec<[u8; 32]> {
+        (0..self.started)
+            .map(|index| chunk_key(&self.key, self.manifest.nonce, index))
+            .collect()
     }
 
     /// Appends `bytes`, storing every chunk that is complete.
@@ -511,6 +527,7 @@ impl Upload {
             self.stored_oldest().await?;
         }
         let index = (self.manifest.chunks.len() + self.storing.len()) as u64;
+        self.started = index + 1;
         let named = (!self.cas).then(|| chunk_key(&self.key, self.manifest.nonce, index));
         // Outside content-addressed namespaces a chunk is no blob of its
         // own: it is not listed (the blob is, by its manifest).
@@ -615,6 +632,7 @@ impl Upload {
         };
         self.manifest.size = self.written;
         self.manifest.sha256 = digest.to_vec();
+        self.published = true;
         let mut outcome = client
             .put_one(
                 &namespace,
@@ -645,12 +663,57 @@ impl Upload {
 }
 
 impl Drop for Upload {
-    /// An upload dropped unfinished stops storing its chunks (those stored
-    /// already stay, to retention or garbage collection, as before).
+    /// An upload that ends without its manifest sent (dropped, failed, its
+    /// digest not the one expected) deletes the chunks it stored, in the
+    /// background: outside a content-addressed namespace nothing else
+    /// names them (their keys come from the upload's nonce), so they would
+    /// never be reclaimed — every interrupted restic upload of a pack
+    /// larger than a chunk leaked them. Chunks being stored are waited for
+    /// first (a put cut short may still apply). Best effort: a token
+    /// without the delete role, an unavailable shard or a process killed
+    /// first leaves them (logged). In a content-addressed namespace chunks
+    /// are shared, and left to retention.
     fn drop(&mut self) {
-        for task in &self.storing {
-            task.abort();
+        let storing = std::mem::take(&mut self.storing);
+        let started = self.started;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            for task in &storing {
+                task.abort();
+            }
+            return;
+        };
+        if self.published || self.cas || started == 0 {
+            // Chunks of a published blob (or shared ones) stay; a
+            // content-addressed chunk being stored may finish.
+            if self.published {
+                for task in &storing {
+                    task.abort();
+                }
+            }
+            return;
         }
+        let (client, namespace, key, nonce) = (
+            self.client.clone(),
+            self.namespace.clone(),
+            self.key.clone(),
+            self.manifest.nonce,
+        );
+        runtime.spawn(async move {
+            for task in storing {
+                let _ = task.await;
+            }
+            for index in 0..started {
+                let chunk = chunk_key(&key, nonce, index);
+                match client.delete_chunk(&namespace, &chunk).await {
+                    Ok(()) => {}
+                    Err(error) => tracing::warn!(
+                        %error,
+                        key = %hex(&key),
+                        "a chunk of an unfinished upload was not deleted"
+                    ),
+                }
+            }
+        });
     }
 }
 

@@ -380,6 +380,63 @@ async fn an_upload_fails_for_good_after_a_chunk_failed() {
     cluster.stop().await;
 }
 
+/// An upload that ends without storing its blob — dropped (a client gone
+/// mid-body), or refused at the end because the content is not the one
+/// expected — deletes the chunks it stored: nothing else names them, so
+/// they were never reclaimed (every interrupted restic upload of a pack
+/// larger than a chunk leaked its chunks). A finished upload's stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_upload_deletes_its_chunks() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let chunk = client.chunk_size();
+    let content = vec![7u8; 3 * chunk + 100];
+    let stored = |keys: Vec<[u8; 32]>| {
+        let client = client.clone();
+        async move {
+            let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
+            let present = client.batch_exists("default", &keys).await.unwrap();
+            present.iter().filter(|p| **p).count()
+        }
+    };
+    let gone_soon = |keys: Vec<[u8; 32]>| async move {
+        for _ in 0..100 {
+            if stored(keys.clone()).await == 0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    };
+    // Dropped after three chunks were started.
+    let mut upload = client.upload("default", b"dropped").await.unwrap();
+    upload.write(&content).await.unwrap();
+    let keys = upload.started_chunk_keys();
+    assert_eq!(keys.len(), 3);
+    drop(upload);
+    assert!(gone_soon(keys).await, "the dropped upload's chunks stay");
+    // Refused at the end: the content is not the one expected.
+    let mut upload = client.upload("default", b"mismatched").await.unwrap();
+    upload.expect_sha256([0; 32]);
+    upload.write(&content).await.unwrap();
+    let keys = upload.started_chunk_keys();
+    let error = upload.finish().await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::DigestMismatch, "{error}");
+    assert!(
+        gone_soon(keys.clone()).await,
+        "the refused upload's chunks stay"
+    );
+    // Finished: the blob and its chunks stay.
+    let mut upload = client.upload("default", b"kept").await.unwrap();
+    upload.write(&content).await.unwrap();
+    let keys = upload.started_chunk_keys();
+    upload.finish().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stored(keys.clone()).await, keys.len());
+    assert_eq!(client.get("default", b"kept").await.unwrap(), content);
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blobs_larger_than_64_mib_stream_in_chunks() {
     let cluster = LocalCluster::start(3, 2, 3).await;
