@@ -475,6 +475,11 @@ fn range(headers: &HeaderMap, size: u64) -> tidepool_client::Result<Option<(u64,
     let Some(value) = headers.get(header::RANGE) else {
         return Ok(None);
     };
+    // An empty object is sent whole whatever the range (as rest-server's
+    // Go `ServeContent` does; restic asks `bytes=0-` of every object).
+    if size == 0 {
+        return Ok(None);
+    }
     let unsatisfiable = || {
         Error::new(
             ErrorCode::InvalidArgument,
@@ -686,5 +691,6 @@ mod tests {
         ] {
             assert!(range(&headers(bad), 10).is_err(), "{bad}");
         }
+        assert_eq!(range(&headers("bytes=0-"), 0).unwrap(), None);
     }
 }
