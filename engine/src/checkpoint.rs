@@ -151,7 +151,7 @@ impl Engine {
     pub fn checkpoint(&self) -> Result<Checkpoint> {
         let inner = &*self.inner;
         inner.health.check()?;
-        let _no_relocation = inner.relocation.take_turn();
+        let _no_relocation = inner.relocation.take_turn_first();
         crate::flush::flush_all(inner)?;
         crate::snapshot::write_snapshot_then(inner, |control| capture(inner, control))
     }

@@ -53,7 +53,7 @@ impl Engine {
                 self.epoch().0
             )));
         }
-        let _turn = inner.relocation.take_turn();
+        let _turn = inner.relocation.take_turn_first();
         let size = inner.config.wal_segment_bytes;
         let doomed: BTreeSet<u64> = inner
             .sealed_segments()

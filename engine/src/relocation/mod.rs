@@ -89,6 +89,9 @@ impl RelocationFilter for KeepAll {
 pub(crate) struct RelocationState {
     /// One relocation pass, epoch drop or checkpoint at a time.
     turn: Mutex<()>,
+    /// Epoch drops and checkpoints waiting for the turn: a background
+    /// pass gives it up at its next entry (see [`RelocationState::yielding`]).
+    waiting: std::sync::atomic::AtomicUsize,
     /// The filter background relocation and its census use.
     filter: parking_lot::RwLock<Arc<dyn RelocationFilter>>,
     /// Segments holding positions at or after this are never deleted.
@@ -112,6 +115,7 @@ impl RelocationState {
     pub fn new(retain_log: bool) -> RelocationState {
         RelocationState {
             turn: Mutex::new(()),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
             filter: parking_lot::RwLock::new(Arc::new(KeepAll)),
             retention: AtomicU64::new(if retain_log { 0 } else { u64::MAX }),
             census: Mutex::new(Vec::new()),
@@ -125,6 +129,25 @@ impl RelocationState {
     /// end; none starts while the guard is held.
     pub fn take_turn(&self) -> MutexGuard<'_, ()> {
         self.turn.lock()
+    }
+
+    /// [`RelocationState::take_turn`] for an epoch drop or a checkpoint,
+    /// which run on an application's critical thread (a node's Raft
+    /// thread): a background pass under way stops at its next entry
+    /// instead of running to its end (seconds of rate-limited copying, a
+    /// Raft leader's heartbeats stalled behind it and its leadership lost).
+    pub fn take_turn_first(&self) -> MutexGuard<'_, ()> {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let guard = self.turn.lock();
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        guard
+    }
+
+    /// Whether an epoch drop or checkpoint waits for the turn: a background
+    /// pass stops (what it copied stays valid; the segments it was
+    /// emptying are not reclaimed this time, and the next pass goes on).
+    pub fn yielding(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
     }
 
     /// The filter in force.
@@ -339,9 +362,16 @@ impl Inner {
     ) -> Result<(RelocationReport, std::collections::BTreeSet<u64>)> {
         let mut mover = Mover::new(self, rate);
         let mut stopped = false;
+        // A background pass (rate-limited) gives way to a drop or a
+        // checkpoint waiting for its turn.
+        let background = rate.is_some();
         'spaces: for (space_index, space) in self.table.spaces.iter().enumerate() {
             for id in space.cell_ids() {
                 for (key, entry) in self.cell_entries(space, &id)? {
+                    if background && self.relocation.yielding() {
+                        stopped = true;
+                        break 'spaces;
+                    }
                     if select(&entry)
                         && !self.keep_or_drop(
                             space_index as u8,
@@ -521,4 +551,77 @@ impl Engine {
 /// Errors a background pass may shrug off.
 pub(crate) fn is_transient(error: &Error) -> bool {
     matches!(error, Error::DiskFull(_))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::KeepAll;
+    use crate::{Config, Durability, Engine, Epoch, KeySpace};
+
+    /// An engine whose sealed segments hold about 1 MiB of live values
+    /// (and as much garbage), with no background relocation.
+    fn engine_with_garbage(dir: &std::path::Path) -> Engine {
+        let mut config = Config::for_tests(dir);
+        config.relocation_enabled = false;
+        let engine = Engine::open(config).unwrap();
+        for round in 0..2u8 {
+            for i in 0..1_000u32 {
+                let mut key = [0u8; 32];
+                key[..4].copy_from_slice(&i.to_le_bytes());
+                engine
+                    .put(
+                        KeySpace::default(),
+                        &key,
+                        &[round; 1_000],
+                        Durability::Buffered,
+                    )
+                    .unwrap();
+            }
+        }
+        engine.advance_epoch(Epoch(2)).unwrap();
+        engine
+    }
+
+    /// A checkpoint or an epoch drop (a node takes both on a shard's Raft
+    /// thread) does not wait for a rate-limited background pass to copy
+    /// everything it chose: the pass stops at its next entry. Before, the
+    /// Raft thread waited the whole pass (seconds at the default rate),
+    /// its heartbeats stalled and its leadership lost.
+    #[test]
+    fn a_background_pass_gives_way_to_a_checkpoint_and_a_drop() {
+        for drop in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine_with_garbage(dir.path());
+            let inner = &*engine.inner;
+            let segments: Vec<_> = inner.sealed_segments().iter().map(|s| s.id).collect();
+            assert!(segments.len() > 10, "{} segments", segments.len());
+            std::thread::scope(|s| {
+                // About 1 MiB to copy at 100 KiB/s: some ten seconds.
+                let pass = s.spawn(|| {
+                    let _turn = inner.relocation.take_turn();
+                    inner
+                        .relocate_out_of(&segments, &KeepAll, Some(100 << 10))
+                        .unwrap()
+                });
+                while engine.metrics().counters.entries_relocated == 0 {
+                    assert!(!pass.is_finished(), "the pass ended before it was seen");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                if drop {
+                    engine.drop_epochs_below(Epoch(1), &KeepAll).unwrap();
+                } else {
+                    engine.checkpoint().unwrap();
+                }
+                let report = pass.join().unwrap();
+                assert!(report.stopped, "drop {drop}: {report:?}");
+                assert!(
+                    report.entries_relocated < 500,
+                    "drop {drop}: the pass copied {} entries first",
+                    report.entries_relocated
+                );
+            });
+        }
+    }
 }

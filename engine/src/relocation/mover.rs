@@ -31,7 +31,8 @@ pub struct RelocationReport {
     pub segments_deleted: u64,
     /// Bytes of the deleted segment files.
     pub bytes_reclaimed: u64,
-    /// Whether the filter said stop.
+    /// Whether the pass stopped before its end: the filter said stop, or
+    /// (a background pass) an epoch drop or checkpoint took the turn.
     pub stopped: bool,
 }
 
@@ -188,8 +189,13 @@ impl<'a> Mover<'a> {
             return;
         };
         let due = Duration::from_secs_f64(self.copied_bytes as f64 / rate as f64);
-        if let Some(wait) = due.checked_sub(self.started.elapsed()) {
-            std::thread::sleep(wait);
+        // In steps, so that a drop or checkpoint waiting for the turn is
+        // not kept waiting by the pause (the pass stops at its next entry).
+        while let Some(wait) = due.checked_sub(self.started.elapsed()) {
+            if self.inner.relocation.yielding() {
+                return;
+            }
+            std::thread::sleep(wait.min(Duration::from_millis(10)));
         }
     }
 }

@@ -91,6 +91,9 @@ fn pass(
     state.census_processed.store(processed, Ordering::Release);
     *last_census = std::time::Instant::now();
     let usage = super::census(inner)?;
+    if state.yielding() {
+        return Ok(false);
+    }
     let threshold = if pressure {
         config.relocation_pressure_garbage_ratio
     } else {
