@@ -263,9 +263,16 @@ fn open_index_log(
         }
     }
     let mut valid = segments.valid;
-    let next = valid
-        .keys()
-        .next_back()
+    // Writing resumes after the last segment the control file references:
+    // later ones hold only blobs no snapshot uses (written after the last
+    // one, or a previous open's fresh segment), which garbage collection
+    // deletes anyway, and `Log::start` deletes them now. Before, every
+    // open began a new segment after the last file: a process failing
+    // soon after opening (a crash loop) added one per start, each with
+    // its reserved blocks, until the disk filled.
+    let next = control
+        .index_segments()
+        .last()
         .map_or(SegmentId(0), |id| SegmentId(id.0 + 1));
     // Unreadable index segments below `next` are garbage no snapshot uses.
     for (id, _) in &segments.unreadable {
@@ -274,7 +281,7 @@ fn open_index_log(
             storage.remove(&path).map_err(io(&path))?;
         }
     }
-    valid.retain(|_, _| true);
+    valid.retain(|id, _| *id < next);
     Log::start(
         opts,
         storage.clone(),
