@@ -577,11 +577,14 @@ impl ShardHandle {
     /// Marks the failed replica as reopening unless a snapshot transfer
     /// writes into its spare slot (which the opening empties: the transfer
     /// would go on writing the rest of its files and mark the slot
-    /// complete without the ones deleted under it). While marked, no
-    /// transfer starts; [`ShardHandle::end_reopen`] clears the mark.
+    /// complete without the ones deleted under it), or a received snapshot
+    /// waits for its install (the opening would delete its files, and the
+    /// reopened replica then stepped a snapshot it had no files for). While
+    /// marked, no transfer starts; [`ShardHandle::end_reopen`] clears the
+    /// mark.
     fn begin_reopen(&self) -> bool {
         let mut transfers = self.transfers.lock();
-        if transfers.running {
+        if transfers.running || self.fetching.load(Ordering::Acquire) {
             return false;
         }
         transfers.reopening = true;

@@ -300,6 +300,69 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
     }
 }
 
+/// A failed replica is not reopened while a snapshot it received waits
+/// for its install: the opening empties the spare slot the snapshot's
+/// files are in, and the reopened replica then stepped a snapshot it had
+/// no files for (stuck until the leader gave up on it). It reopens once
+/// the snapshot is dealt with.
+#[test]
+fn a_failed_replica_is_not_reopened_under_a_received_snapshot() {
+    let net = Arc::new(LocalNet::default());
+    let driver = DriverConfig {
+        tick: Duration::from_millis(20),
+        reopen_backoff: Duration::from_millis(100),
+        ..DriverConfig::default()
+    };
+    let storages: BTreeMap<u64, FaultStorage> =
+        (1..=3).map(|id| (id, FaultStorage::default())).collect();
+    for (id, storage) in &storages {
+        let handle = ShardHandle::start(
+            ReplicaConfig::new(0, *id),
+            driver.clone(),
+            replica_store(storage),
+            Arc::new(Outbox::default()),
+            &[1, 2, 3],
+            net.clone(),
+        )
+        .unwrap();
+        net.nodes.write().insert(*id, handle);
+    }
+    let leader_id = elected(&net);
+    let victim = leader_id % 3 + 1;
+    let victim_storage = &storages[&victim];
+    victim_storage.set_capacity_bytes(Some(victim_storage.used_bytes() + (256 << 10)));
+    let leader_handle = net.nodes.read()[&leader_id].clone();
+    let victim_handle = net.nodes.read()[&victim].clone();
+    let mut i = 0;
+    while victim_handle.state().failed.is_none() {
+        assert!(i < 5_000, "the follower's disk never filled");
+        put_value(&leader_handle, i, format!("{i:>1000}").into_bytes());
+        i += 1;
+    }
+    // A snapshot's files arrived (the transfer ended) and wait for the
+    // owner to install them; space is back.
+    let transfer = victim_handle
+        .begin_snapshot()
+        .expect("a transfer may start into a failed replica");
+    drop(transfer);
+    victim_storage.set_capacity_bytes(None);
+    std::thread::sleep(Duration::from_millis(1_000));
+    assert!(
+        victim_handle.state().failed.is_some(),
+        "reopened (emptying the spare slot) under a received snapshot"
+    );
+    // The snapshot dealt with: the replica reopens.
+    victim_handle.abort_snapshot();
+    let began = std::time::Instant::now();
+    while victim_handle.state().failed.is_some() {
+        assert!(began.elapsed() < Duration::from_secs(30), "never reopened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for handle in net.nodes.read().values() {
+        handle.stop();
+    }
+}
+
 #[test]
 fn a_full_queue_refuses_writes_as_overloaded() {
     // The queue is unbounded underneath (a bounded channel writes every

@@ -503,12 +503,14 @@ impl RaftLog {
         Ok(())
     }
 
-    /// Chunks of the latest prepared snapshot served to node `to`.
+    /// Chunks of this shard's offered snapshots served to node `to` (any
+    /// of them: before, only the latest counted, and a follower pulling an
+    /// older one after a newer was prepared for another was given up on as
+    /// idle, and sent yet another snapshot).
     pub fn snapshot_pulls(&self, to: u64) -> u64 {
         self.snapshots
             .as_ref()
-            .and_then(|s| s.current.lock().upgrade().map(|p| p.pulls(to)))
-            .unwrap_or(0)
+            .map_or(0, |s| s.outbox.pulls(s.shard_id, to))
     }
 
     /// WAL bytes from the first entry's record to the record after entry

@@ -96,10 +96,67 @@ impl Proposals {
         self.pending.is_empty()
     }
 
+    /// A snapshot through `index` replaced the log: a proposal at or below
+    /// it will never be applied here (its entry, committed or not, is in
+    /// the snapshot or gone), so it ends now, as one whose outcome is
+    /// unknown (the client retries in the same session: a write that did
+    /// apply answers as a duplicate). Those above it wait for the entries
+    /// that come after the snapshot.
+    pub fn superseded_through(&mut self, index: u64) {
+        let above = self.pending.split_off(&(index + 1));
+        for (_, (_, done)) in std::mem::replace(&mut self.pending, above) {
+            done(Outcome::Failed(format!(
+                "the replica installed a snapshot through entry {index}; whether this write applied is unknown"
+            )));
+        }
+    }
+
     /// Fails every waiting proposal.
     pub fn fail_all(&mut self, reason: &str) {
         for (_, (_, done)) in std::mem::take(&mut self.pending) {
             done(Outcome::Failed(reason.to_string()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A deposed leader caught up by a snapshot: its proposals at or below
+    /// the snapshot's index end at once, outcome unknown (before, they
+    /// waited for entries that never come — the client until its deadline,
+    /// the replica's quiescence forever); one above waits for its entry.
+    #[test]
+    fn a_snapshot_ends_the_proposals_it_covers() {
+        let ended: Arc<Mutex<Vec<(u64, Outcome)>>> = Arc::default();
+        let mut proposals = Proposals::default();
+        for index in [5, 7, 9] {
+            let ended = ended.clone();
+            proposals.add(
+                index,
+                3,
+                Box::new(move |outcome| ended.lock().unwrap().push((index, outcome))),
+            );
+        }
+        proposals.superseded_through(7);
+        let seen: Vec<u64> = ended.lock().unwrap().iter().map(|(i, _)| *i).collect();
+        assert_eq!(seen, [5, 7]);
+        assert!(
+            ended
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|(_, o)| matches!(o, Outcome::Failed(r) if r.contains("unknown")))
+        );
+        assert!(!proposals.is_empty());
+        proposals.applied(9, 3, Vec::new());
+        assert!(proposals.is_empty());
+        assert!(matches!(
+            ended.lock().unwrap().last(),
+            Some((9, Outcome::Applied { index: 9, .. }))
+        ));
     }
 }

@@ -122,7 +122,10 @@ impl Replica {
     fn install_snapshot(&mut self, snapshot: &Snapshot) -> Result<()> {
         let manifest = manifest_of(snapshot)?;
         if self.store.spare_snapshot()? != Some(manifest.snapshot_id) {
-            return Err(NodeError::Malformed(format!(
+            // raft-rs holds the snapshot as unstable now and would offer it
+            // at every Ready: the replica fails and reopens from disk (the
+            // leader sends the snapshot again).
+            return Err(NodeError::Failed(format!(
                 "snapshot {} was stepped before its files were received",
                 manifest.snapshot_id
             )));
@@ -137,6 +140,8 @@ impl Replica {
             log.set_snapshot_sender(sender);
         }
         let old = std::mem::replace(self.log(), log);
+        self.proposals
+            .superseded_through(snapshot.get_metadata().index);
         self.show_range();
         // The old engine's data is superseded; a failing close loses nothing.
         let _ = old.engine().close();

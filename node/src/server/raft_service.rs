@@ -21,7 +21,7 @@ use tidepool_security::Caller;
 use super::Node;
 use crate::error::{NodeError, Result};
 use crate::shard::{Event, ShardHandle};
-use crate::snapshot::{Receiver, manifest_of};
+use crate::snapshot::{Receiver, SNAPSHOT_IDLE, manifest_of};
 
 /// Times a snapshot transfer resumes after a broken stream.
 const SNAPSHOT_ATTEMPTS: usize = 8;
@@ -121,21 +121,50 @@ impl RaftTransport for RaftApi {
         };
         let (tx, rx) = mpsc::channel(4);
         let metrics = self.node.clone();
+        let runtime = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
-            for chunk in prepared.chunks(request.to_node, request.file_index, request.offset) {
-                let item = chunk.map_err(|e| Status::internal(e.to_string()));
-                if let Ok(chunk) = &item {
-                    metrics
-                        .metrics
-                        .snapshot_bytes_sent
-                        .inc_by(chunk.data.len() as u64);
-                }
-                if tx.blocking_send(item).is_err() {
-                    return; // the receiver went away
-                }
-            }
+            let chunks = prepared
+                .chunks(request.to_node, request.file_index, request.offset)
+                .inspect(|chunk| {
+                    if let Ok(chunk) = chunk {
+                        metrics
+                            .metrics
+                            .snapshot_bytes_sent
+                            .inc_by(chunk.data.len() as u64);
+                    }
+                });
+            send_chunks(&runtime, chunks, &tx, SNAPSHOT_IDLE);
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Sends `chunks` into a snapshot stream from a blocking thread, until
+/// they end, the receiver goes away, or it takes none for `idle`: a peer
+/// that keeps its stream open without reading (its disk hung; buggy or
+/// hostile) held this thread, and the checkpoint with the WAL segments it
+/// pins, for as long as the connection lived. It resumes from where it
+/// got to with a new request.
+fn send_chunks(
+    runtime: &tokio::runtime::Handle,
+    chunks: impl Iterator<Item = Result<SnapshotChunk>>,
+    tx: &mpsc::Sender<std::result::Result<SnapshotChunk, Status>>,
+    idle: std::time::Duration,
+) {
+    for chunk in chunks {
+        let item = chunk.map_err(|e| Status::internal(e.to_string()));
+        // The timer is made inside the runtime (a blocking thread has none).
+        match runtime.block_on(async { tokio::time::timeout(idle, tx.send(item)).await }) {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return, // the receiver went away
+            Err(_) => {
+                tracing::warn!(
+                    idle_s = idle.as_secs(),
+                    "snapshot stream ended: the receiver took nothing for the idle bound"
+                );
+                return;
+            }
+        }
     }
 }
 
@@ -251,8 +280,40 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
 /// Pulls a snapshot's files into the shard's spare slot, resuming after
 /// broken or silent streams, and giving up on a source silent twice in a
 /// row (the leader then sends a new snapshot).
+/// The files must be those of the snapshot the message installs: an honest
+/// sender builds both from one checkpoint; a buggy or hostile one could
+/// make a replica claim entries it has no data for (an empty manifest
+/// opened as an empty engine at the message's index).
+fn check_manifest(
+    manifest: &tidepool_proto::v1::SnapshotManifest,
+    metadata: &raft::eraftpb::SnapshotMetadata,
+    shard_id: u32,
+) -> Result<()> {
+    if manifest.shard_id != shard_id
+        || manifest.raft_index != metadata.index
+        || manifest.raft_term != metadata.term
+        || manifest.files.is_empty()
+    {
+        return Err(NodeError::Malformed(format!(
+            "snapshot manifest (shard {}, entry {} of term {}, {} files) does not match its message (shard {shard_id}, entry {} of term {})",
+            manifest.shard_id,
+            manifest.raft_index,
+            manifest.raft_term,
+            manifest.files.len(),
+            metadata.index,
+            metadata.term
+        )));
+    }
+    Ok(())
+}
+
 async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> Result<()> {
     let manifest = manifest_of(message.get_snapshot())?;
+    check_manifest(
+        &manifest,
+        message.get_snapshot().get_metadata(),
+        shard.shard_id,
+    )?;
     let source = manifest
         .source
         .clone()
@@ -406,6 +467,88 @@ impl Pulling<'_> {
             Ok(response) => Ok(response.into_inner()),
             Err(status) if status.code() == tonic::Code::NotFound => Err(PullError::Gone(status)),
             Err(status) => Err(PullError::Broken(status.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tidepool_proto::v1::{SnapshotFile, SnapshotManifest};
+
+    use super::*;
+
+    /// A snapshot message whose manifest names another shard, entry or
+    /// term, or no file, is refused before anything is fetched.
+    /// A receiver that keeps its stream open and reads nothing: the
+    /// sending thread ends after the idle bound (and lets the snapshot,
+    /// with its checkpoint, go).
+    #[test]
+    fn a_snapshot_stream_nobody_reads_ends_after_the_idle_bound() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (tx, rx) = mpsc::channel(1);
+        let pinned = std::sync::Arc::new(());
+        let held = pinned.clone();
+        let chunks = (0..100u64).map(move |i| {
+            let _ = &held;
+            Ok(SnapshotChunk {
+                offset: i,
+                ..SnapshotChunk::default()
+            })
+        });
+        let began = std::time::Instant::now();
+        send_chunks(
+            runtime.handle(),
+            chunks,
+            &tx,
+            std::time::Duration::from_millis(200),
+        );
+        assert!(began.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(std::sync::Arc::strong_count(&pinned), 1, "released");
+        drop(rx);
+    }
+
+    #[test]
+    fn a_manifest_must_match_its_snapshot_message() {
+        let metadata = raft::eraftpb::SnapshotMetadata {
+            index: 40,
+            term: 3,
+            ..Default::default()
+        };
+        let good = SnapshotManifest {
+            shard_id: 7,
+            snapshot_id: 1,
+            raft_index: 40,
+            raft_term: 3,
+            files: vec![SnapshotFile {
+                path: "CONTROL".into(),
+                ..SnapshotFile::default()
+            }],
+            source: None,
+        };
+        assert!(check_manifest(&good, &metadata, 7).is_ok());
+        let bad = [
+            SnapshotManifest {
+                shard_id: 8,
+                ..good.clone()
+            },
+            SnapshotManifest {
+                raft_index: 41,
+                ..good.clone()
+            },
+            SnapshotManifest {
+                raft_term: 2,
+                ..good.clone()
+            },
+            SnapshotManifest {
+                files: Vec::new(),
+                ..good.clone()
+            },
+        ];
+        for manifest in &bad {
+            assert!(
+                check_manifest(manifest, &metadata, 7).is_err(),
+                "{manifest:?}"
+            );
         }
     }
 }

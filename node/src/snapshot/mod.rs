@@ -249,6 +249,18 @@ impl Outbox {
         }
     }
 
+    /// Chunks node `to` pulled from every offered snapshot of `shard`: a
+    /// receiver may still be pulling an older one after a newer one was
+    /// prepared for another (a learner added meanwhile).
+    pub fn pulls(&self, shard: u32, to: u64) -> u64 {
+        self.snapshots
+            .lock()
+            .iter()
+            .filter(|((s, _), _)| *s == shard)
+            .map(|(_, p)| p.pulls(to))
+            .sum()
+    }
+
     /// Snapshot `id` of `shard`, if still offered.
     pub fn get(&self, shard: u32, id: u64) -> Option<Arc<Prepared>> {
         self.snapshots.lock().get(&(shard, id)).cloned()

@@ -300,3 +300,24 @@ fn a_received_snapshot_reserves_the_bytes_it_copied_not_whole_segments() {
             .unwrap();
     }
 }
+
+/// A follower pulling an older snapshot after a newer one was prepared
+/// (for a learner added meanwhile) is seen making progress: its pulls of
+/// every offered snapshot count, not only the newest's. Before, the leader
+/// saw none, gave the transfer up as idle and sent yet another snapshot.
+#[test]
+fn pulls_of_an_older_offered_snapshot_count() {
+    let outbox = Outbox::default();
+    let older = prepared();
+    let newer = prepared();
+    assert_ne!(older.id, newer.id);
+    outbox.insert(older.clone());
+    outbox.insert(newer.clone());
+    assert_eq!(outbox.pulls(7, 2), 0);
+    older.chunk(2, 0, 0).unwrap();
+    older.chunk(2, 0, 0).unwrap();
+    newer.chunk(3, 0, 0).unwrap();
+    assert_eq!(outbox.pulls(7, 2), 2);
+    assert_eq!(outbox.pulls(7, 3), 1);
+    assert_eq!(outbox.pulls(8, 2), 0, "another shard's");
+}
