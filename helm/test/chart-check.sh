@@ -48,6 +48,21 @@ docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 assert docs and all("kind" in d and "metadata" in d for d in docs)
 PY
 done
+# cert-manager mode: the CA Certificate is a hook that runs before the setup
+# Job that needs its Secret (as a plain resource it came after the hooks:
+# the install could never finish).
+# shellcheck disable=SC2086
+"$HELM" template t "$CHART" ${variants[4]} > /tmp/chart-check.yaml
+python3 - /tmp/chart-check.yaml <<'PY' || { echo "chart-check: the cert-manager CA is not made before the setup Job" >&2; exit 1; }
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+def weight(kind, suffix):
+    [d] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    a = d["metadata"].get("annotations", {})
+    assert "pre-install" in a.get("helm.sh/hook", ""), (kind, a)
+    return int(a["helm.sh/hook-weight"])
+assert weight("Certificate", "-ca") < weight("Job", "-setup")
+PY
 # The ServiceMonitor scrapes each pod once: one Service per component
 # (node, coordinator, gateway) has a metrics port. (Two node Services had
 # one: every node series came twice, every sum over them doubled.)

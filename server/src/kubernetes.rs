@@ -149,14 +149,33 @@ fn report(name: &str, created: bool) {
     }
 }
 
-/// The CA from its Secret, made first if absent and allowed.
+/// How long setup waits for a CA Secret it may not make.
+const EXISTING_CA_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The CA from its Secret, made first if absent and allowed (waited for,
+/// up to [`EXISTING_CA_WAIT`], if not).
 async fn ensure_ca(secrets: &Api<Secret>, setup: &Setup) -> anyhow::Result<Issued> {
+    if !setup.create_ca {
+        // Made by someone else, perhaps a moment from now (cert-manager
+        // issues it after the chart's Certificate hook is created).
+        let began = std::time::Instant::now();
+        while secrets.get_opt(&setup.ca_secret).await?.is_none() {
+            if began.elapsed() >= EXISTING_CA_WAIT {
+                bail!(
+                    "CA Secret {:?} not found in namespace {:?} after {EXISTING_CA_WAIT:?} (the chart was told to use an existing one: tls.ca.create=false)",
+                    setup.ca_secret,
+                    setup.namespace
+                );
+            }
+            println!("waiting for CA Secret {:?}", setup.ca_secret);
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        }
+    }
     if secrets.get_opt(&setup.ca_secret).await?.is_none() {
         if !setup.create_ca {
             bail!(
-                "CA Secret {:?} not found in namespace {:?} (the chart was told to use an existing one)",
-                setup.ca_secret,
-                setup.namespace
+                "CA Secret {:?} was deleted while setup ran",
+                setup.ca_secret
             );
         }
         let ca = certs::new_ca("tidepool", certs::CA_VALIDITY)?;
