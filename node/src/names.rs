@@ -167,6 +167,9 @@ pub struct NameBatch<'a> {
     engine: &'a Engine,
     space: KeySpace,
     overlay: BTreeMap<NameKey, Option<Vec<u8>>>,
+    /// Links made interior by this batch, in the order made (a burst makes
+    /// them top-down): written last, deepest first (see `ordered`).
+    interiors: Vec<NameKey>,
 }
 
 impl<'a> NameBatch<'a> {
@@ -176,6 +179,7 @@ impl<'a> NameBatch<'a> {
             engine,
             space,
             overlay: BTreeMap::new(),
+            interiors: Vec::new(),
         }
     }
 
@@ -187,6 +191,9 @@ impl<'a> NameBatch<'a> {
     }
 
     fn set(&mut self, key: NameKey, value: Option<Vec<u8>>) {
+        if value.as_deref() == Some(&[INTERIOR][..]) {
+            self.interiors.push(key);
+        }
         self.overlay.insert(key, value);
     }
 
@@ -316,13 +323,42 @@ impl<'a> NameBatch<'a> {
         Ok(())
     }
 
+    /// The batch's writes in the order the engine makes them visible (one
+    /// at a time: a record is atomic across a crash, not to readers, and a
+    /// listing walks the index without a lock): every leaf and removal
+    /// first, then the links made interior, deepest first. A link that
+    /// turned interior before the leaves moved below it were there made a
+    /// concurrent walk descend into an empty node and skip a name that
+    /// existed all along (a restic prune through the gateway takes a
+    /// listing as whole). Until its link turns, a node's new leaves are
+    /// unreachable and the old leaf still answers; a removal only takes
+    /// away what is gone.
+    fn ordered(&self) -> Vec<(&NameKey, &Option<Vec<u8>>)> {
+        let interior = |value: &Option<Vec<u8>>| value.as_deref() == Some(&[INTERIOR][..]);
+        let mut out: Vec<(&NameKey, &Option<Vec<u8>>)> = self
+            .overlay
+            .iter()
+            .filter(|(_, value)| !interior(value))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for key in self.interiors.iter().rev() {
+            if let Some((key, value)) = self.overlay.get_key_value(key)
+                && interior(value)
+                && seen.insert(*key)
+            {
+                out.push((key, value));
+            }
+        }
+        out
+    }
+
     /// Writes the batch as one record.
     pub fn commit(self, durability: Durability) -> Result<()> {
         if self.overlay.is_empty() {
             return Ok(());
         }
         let mut batch = WriteBatch::new();
-        for (key, value) in &self.overlay {
+        for (key, value) in self.ordered() {
             match value {
                 Some(value) => batch.put_tagged(self.space, key, value, NAMES_TAG),
                 None => batch.delete(self.space, key),
