@@ -459,6 +459,13 @@ impl BlobApi {
             let present = engine
                 .epoch_of(space, &target.key)
                 .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
+            // Read as reads are: a split may have given the key to a new
+            // group while the bytes came in, and this engine still indexes
+            // the key (shared segments shed nothing) after the new owner
+            // deleted or expired it: "already present" here would
+            // acknowledge a blob its owner does not hold. The client asks
+            // the new group.
+            self.check_owned(&target, &target.key)?;
             if let Some(stored_epoch) = present
                 && self
                     .keep_present(&target, stored_epoch.0, epoch, sync)
