@@ -75,11 +75,23 @@ impl Client {
             let mut upload = self.upload(namespace, key).await?;
             let limit = self.chunk_size();
             loop {
-                let piece = read_up_to(&mut reader, limit).await?;
+                // A failed read or write deletes the chunks stored so far
+                // before the error is returned (not left to a background
+                // task a process about to exit would never run).
+                let piece = match read_up_to(&mut reader, limit).await {
+                    Ok(piece) => piece,
+                    Err(error) => {
+                        upload.abort().await;
+                        return Err(error);
+                    }
+                };
                 if piece.is_empty() {
                     break;
                 }
-                upload.write(&piece).await?;
+                if let Err(error) = upload.write(&piece).await {
+                    upload.abort().await;
+                    return Err(error);
+                }
                 progress(upload.written());
             }
             upload.finish().await
@@ -581,6 +593,72 @@ impl Upload {
     /// retention). Outside one, a chunked blob it replaces has its own
     /// chunks deleted afterwards.
     pub async fn finish(mut self) -> Result<PutOutcome> {
+        let result = self.finish_inner().await;
+        if let Err(error) = &result
+            && self.published
+            && refused_for_sure(error)
+        {
+            // The manifest's put was refused before it could apply (an
+            // append-only token over a stored key, a full disk): its
+            // chunks are nobody's.
+            self.published = false;
+        }
+        if result.is_err()
+            && let Some(cleanup) = self.take_cleanup()
+        {
+            cleanup.await;
+        }
+        result
+    }
+
+    /// Deletes the chunks stored so far and ends the upload (what dropping
+    /// it does in the background, awaited: a process about to exit).
+    pub async fn abort(mut self) {
+        if let Some(cleanup) = self.take_cleanup() {
+            cleanup.await;
+        }
+    }
+
+    /// The deletion of the chunks this upload started, unless its manifest
+    /// was sent or its chunks are shared (content-addressed); after it the
+    /// drop does nothing.
+    fn take_cleanup(&mut self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let storing = std::mem::take(&mut self.storing);
+        let started = std::mem::take(&mut self.started);
+        if self.published || self.cas || started == 0 {
+            // Chunks of a published blob stay; a content-addressed chunk
+            // being stored may finish (it is shared).
+            if self.published {
+                for task in &storing {
+                    task.abort();
+                }
+            }
+            return None;
+        }
+        let (client, namespace, key, nonce) = (
+            self.client.clone(),
+            self.namespace.clone(),
+            self.key.clone(),
+            self.manifest.nonce,
+        );
+        Some(async move {
+            for task in storing {
+                let _ = task.await;
+            }
+            for index in 0..started {
+                let chunk = chunk_key(&key, nonce, index);
+                if let Err(error) = client.delete_chunk(&namespace, &chunk).await {
+                    tracing::warn!(
+                        %error,
+                        key = %hex(&key),
+                        "a chunk of an unfinished upload was not deleted"
+                    );
+                }
+            }
+        })
+    }
+
+    async fn finish_inner(&mut self) -> Result<PutOutcome> {
         if self.failed {
             return Err(Error::new(
                 ErrorCode::InvalidArgument,
@@ -674,47 +752,30 @@ impl Drop for Upload {
     /// first leaves them (logged). In a content-addressed namespace chunks
     /// are shared, and left to retention.
     fn drop(&mut self) {
-        let storing = std::mem::take(&mut self.storing);
-        let started = self.started;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            for task in &storing {
+            for task in &self.storing {
                 task.abort();
             }
             return;
         };
-        if self.published || self.cas || started == 0 {
-            // Chunks of a published blob (or shared ones) stay; a
-            // content-addressed chunk being stored may finish.
-            if self.published {
-                for task in &storing {
-                    task.abort();
-                }
-            }
-            return;
+        if let Some(cleanup) = self.take_cleanup() {
+            runtime.spawn(cleanup);
         }
-        let (client, namespace, key, nonce) = (
-            self.client.clone(),
-            self.namespace.clone(),
-            self.key.clone(),
-            self.manifest.nonce,
-        );
-        runtime.spawn(async move {
-            for task in storing {
-                let _ = task.await;
-            }
-            for index in 0..started {
-                let chunk = chunk_key(&key, nonce, index);
-                match client.delete_chunk(&namespace, &chunk).await {
-                    Ok(()) => {}
-                    Err(error) => tracing::warn!(
-                        %error,
-                        key = %hex(&key),
-                        "a chunk of an unfinished upload was not deleted"
-                    ),
-                }
-            }
-        });
     }
+}
+
+/// Whether a write's error says it was not applied (see `docs/design/
+/// client.md`: the SDK reports an outcome it cannot know as `TIMEOUT`,
+/// `SESSION_EXPIRED` or, from the shard, `NO_QUORUM`/`INTERNAL`).
+fn refused_for_sure(error: &Error) -> bool {
+    !matches!(
+        error.code(),
+        ErrorCode::Timeout
+            | ErrorCode::SessionExpired
+            | ErrorCode::NoQuorum
+            | ErrorCode::Internal
+            | ErrorCode::Unspecified
+    )
 }
 
 /// Chunks an [`Upload`] stores at once: one in flight while the next
