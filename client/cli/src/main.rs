@@ -552,14 +552,44 @@ async fn put(
     Ok(())
 }
 
+/// A temporary name beside `path`, unique to this process and call:
+/// `.NAME.PID-RANDOM.tidectl-partial`.
+fn partial_path(path: &std::path::Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map_or_else(|| "output".into(), |n| n.to_string_lossy().into_owned());
+    let unique = format!(
+        ".{name}.{}-{:016x}.tidectl-partial",
+        std::process::id(),
+        rand::random::<u64>()
+    );
+    path.with_file_name(unique)
+}
+
 async fn get(client: &Client, namespace: &str, key: &str, output: Option<&PathBuf>) -> Outcome {
     let key = parse_key(client, namespace, key)?;
     match output {
         Some(path) => {
             // Into a temporary file renamed on success: a failed or
-            // unverifiable read leaves no partial output behind.
-            let tmp = path.with_extension("tidectl-partial");
-            let file = tokio::fs::File::create(&tmp)
+            // unverifiable read leaves no partial output behind. A name of
+            // its own, made exclusively (before, `out.1` and `out.2` shared
+            // `out.tidectl-partial`: two downloads at once wrote into one
+            // file, and one exited 0 with the other's bytes in it). A
+            // device or pipe (`-o /dev/null`) is written directly.
+            if path.exists() && !path.is_file() {
+                let file = tokio::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .await
+                    .map_err(|e| usage(format!("cannot write {}: {e}", path.display())))?;
+                client.get_stream(namespace, &key, file).await?;
+                return Ok(());
+            }
+            let tmp = partial_path(path);
+            let file = tokio::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
                 .await
                 .map_err(|e| usage(format!("cannot write {}: {e}", tmp.display())))?;
             let bar = progress_bar(None);
@@ -578,8 +608,10 @@ async fn get(client: &Client, namespace: &str, key: &str, output: Option<&PathBu
                 let _ = std::fs::remove_file(&tmp);
                 return Err(e.into());
             }
-            std::fs::rename(&tmp, path)
-                .map_err(|e| usage(format!("cannot write {}: {e}", path.display())))?;
+            if let Err(e) = std::fs::rename(&tmp, path) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(usage(format!("cannot write {}: {e}", path.display())));
+            }
         }
         None => {
             // Verified before a byte is printed.
@@ -902,10 +934,22 @@ fn status_json(status: &ClusterStatus) -> serde_json::Value {
 /// TLS material and token: from the flags, else from the dev directory
 /// when it holds them.
 fn credentials(cli: &Cli, config: &mut ClientConfig) -> Outcome {
+    // The dev cluster's material only for a cluster on this machine: its
+    // admin token was sent to whatever `--coordinator` named (a plaintext
+    // one elsewhere included) when run from a directory holding it.
+    let dev = !cli.insecure && cli.coordinator.iter().all(|a| is_loopback(a));
+    if cli.token.is_some() && cli.token_file.is_some() {
+        // Which one was meant cannot be told (the environment fills
+        // either): before, TIDEPOOL_TOKEN silently won over --token-file.
+        return Err(Failure {
+            code: 2,
+            message: "both a token (--token or TIDEPOOL_TOKEN) and a token file (--token-file or TIDEPOOL_TOKEN_FILE) are given: give one".into(),
+        });
+    }
     if !cli.insecure {
         let dir = cli.tls_dir.clone().or_else(|| {
-            let dev = cli.dev_dir.join("tls");
-            dev.join("ca.pem").exists().then_some(dev)
+            let dev_tls = cli.dev_dir.join("tls");
+            (dev && dev_tls.join("ca.pem").exists()).then_some(dev_tls)
         });
         if let Some(dir) = dir {
             config.tls = Some(TlsFiles {
@@ -916,8 +960,8 @@ fn credentials(cli: &Cli, config: &mut ClientConfig) -> Outcome {
         }
     }
     let token_file = cli.token_file.clone().or_else(|| {
-        let dev = cli.dev_dir.join("admin.token");
-        (!cli.insecure && dev.exists()).then_some(dev)
+        let dev_token = cli.dev_dir.join("admin.token");
+        (dev && dev_token.exists()).then_some(dev_token)
     });
     config.token = match (&cli.token, token_file) {
         (Some(token), _) => Some(token.clone()),
@@ -928,6 +972,22 @@ fn credentials(cli: &Cli, config: &mut ClientConfig) -> Outcome {
         (None, None) => None,
     };
     Ok(())
+}
+
+/// Whether a coordinator address names this machine (`127.0.0.0/8`,
+/// `::1`, `localhost`).
+fn is_loopback(address: &str) -> bool {
+    let rest = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = if let Some(bracketed) = authority.strip_prefix('[') {
+        bracketed.split(']').next().unwrap_or("")
+    } else {
+        authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn parse_grant(text: &str) -> Result<TokenGrant, Failure> {
@@ -1380,6 +1440,49 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The dev directory's token and TLS material go only to a cluster on
+    /// this machine.
+    #[test]
+    fn only_loopback_coordinators_get_the_dev_credentials() {
+        for local in [
+            "http://127.0.0.1:7400",
+            "https://localhost:7400",
+            "http://[::1]:7400",
+            "127.0.0.2:7400",
+        ] {
+            assert!(is_loopback(local), "{local}");
+        }
+        for remote in [
+            "http://10.0.0.7:7400",
+            "https://coordinator.example:7400",
+            "http://[2001:db8::1]:7400",
+            "http://localhost.example:7400",
+        ] {
+            assert!(!is_loopback(remote), "{remote}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("admin.token"), "dev-secret\n").unwrap();
+        let dev_dir = dir.path().display().to_string();
+        for (coordinator, expected) in [
+            ("http://127.0.0.1:7400", Some("dev-secret")),
+            ("http://10.0.0.7:7400", None),
+        ] {
+            let cli = Cli::try_parse_from([
+                "tidectl",
+                "--coordinator",
+                coordinator,
+                "--dev-dir",
+                &dev_dir,
+                "cluster",
+                "status",
+            ])
+            .unwrap();
+            let mut config = ClientConfig::new(&cli.coordinator);
+            assert!(credentials(&cli, &mut config).is_ok());
+            assert_eq!(config.token.as_deref(), expected, "{coordinator}");
+        }
+    }
 
     /// A replica down for its files missing shows on its shard's line and
     /// in the JSON.

@@ -322,6 +322,62 @@ async fn every_command_and_its_errors() {
 /// `tidectl bench`: a mix runs and reports every operation; a bench that
 /// cannot work (unknown namespace) reports the errors by code and exits 1;
 /// bad settings are usage errors.
+/// Two `get -o` at once into one directory, to names that differ only in
+/// their extension (`out.1`, `out.2`): each file holds its own blob. Before,
+/// both wrote through `out.tidectl-partial`, and one exited 0 with bytes of
+/// the other's blob in its file. `-o /dev/null` writes to the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn downloads_at_once_never_share_a_partial_file() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let url = cluster.url.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let blobs: Vec<Vec<u8>> = (0..2u8)
+        .map(|b| (0..3_000_000u32).map(|i| (i % 253) as u8 ^ b).collect())
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        for (i, blob) in blobs.iter().enumerate() {
+            let out = run(&url, &["put", "default", &format!("b{i}"), "-"], blob);
+            expect(&out, 0);
+        }
+        for _ in 0..3 {
+            let outputs: Vec<String> = (0..2)
+                .map(|i| dir.path().join(format!("out.{i}")).display().to_string())
+                .collect();
+            let running: Vec<_> = (0..2)
+                .map(|i| {
+                    Command::new(BIN)
+                        .args(["--coordinator", &url, "--timeout", "20", "get", "default"])
+                        .arg(format!("b{i}"))
+                        .args(["-o", &outputs[i]])
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            for (i, child) in running.into_iter().enumerate() {
+                let output = child.wait_with_output().unwrap();
+                expect(&output, 0);
+                assert!(
+                    std::fs::read(&outputs[i]).unwrap() == blobs[i],
+                    "out.{i} is not blob {i}"
+                );
+            }
+            let left: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("partial"))
+                .collect();
+            assert!(left.is_empty(), "{left:?}");
+        }
+        let out = run(&url, &["get", "default", "b0", "-o", "/dev/null"], b"");
+        expect(&out, 0);
+    })
+    .await
+    .unwrap();
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_reports_rates_latencies_and_errors_by_code() {
     let cluster = LocalCluster::start(3, 2, 3).await;
