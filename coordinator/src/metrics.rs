@@ -204,7 +204,7 @@ impl CoordinatorExposition {
             shared: Arc::downgrade(shared),
         }));
         if let Some(tls) = &shared.security.tls {
-            registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(
+            registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry::of(
                 tls.clone(),
             )));
         }

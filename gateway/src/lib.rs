@@ -135,6 +135,14 @@ impl GatewayConfig {
     }
 }
 
+/// When the first certificate of the PEM file `path` expires (Unix
+/// seconds).
+fn serving_expiry(path: &std::path::Path) -> Result<i64, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let chain = tidepool_security::tls::certificates(&pem).map_err(|e| e.to_string())?;
+    tidepool_security::tls::not_after(&chain[0]).map_err(|e| e.to_string())
+}
+
 /// Longest a request naming an unknown instance waits for a newer map.
 const UNKNOWN_NAME_REFRESH: Duration = Duration::from_secs(1);
 
@@ -491,14 +499,23 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         let mut registry = prometheus_client::registry::Registry::default();
         gateway.metrics.register(&mut registry);
         // The certificate it reaches the cluster with (the client's TLS
-        // files, loaded again here to be read at each scrape).
+        // files, loaded again here to be read at each scrape), and the one
+        // it serves build tools with (read at start, as it is served until
+        // a restart).
+        let mut expiry = tidepool_telemetry::metrics::TlsExpiry::default();
         if let Some(files) = &gateway.config.client.tls {
             match tidepool_security::Tls::load(files.clone()) {
-                Ok(tls) => registry
-                    .register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(tls))),
+                Ok(tls) => expiry.cluster = Some(tls),
                 Err(error) => tracing::warn!(%error, "no certificate expiry metric"),
             }
         }
+        if let Some(files) = &gateway.config.serve_tls {
+            match serving_expiry(&files.cert) {
+                Ok(at) => expiry.serving = Some(at),
+                Err(error) => tracing::warn!(%error, "no serving certificate expiry metric"),
+            }
+        }
+        registry.register_collector(Box::new(expiry));
         let exposition = Arc::new(GatewayExposition { registry });
         let mut stop = stopped.clone();
         tasks.push(tokio::spawn(tidepool_telemetry::metrics::serve(

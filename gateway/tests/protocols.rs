@@ -1129,8 +1129,37 @@ async fn the_gateway_serves_tls() {
     config.http_listen = "127.0.0.1:0".parse().unwrap();
     config.anonymous = true;
     config.serve_tls = Some(tidepool_gateway::ServeTls { cert, key });
+    config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let gateway = tidepool_gateway::start(config).await.expect("starts");
     gateway.create_instance("cache", 3).await.unwrap();
+
+    // The served certificate's expiry is exported (an hour from now).
+    let (status, text) = http(
+        gateway.metrics_address.unwrap(),
+        "GET",
+        "/metrics",
+        None,
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(text).unwrap();
+    let line = text
+        .lines()
+        .find(|l| {
+            l.starts_with("tidepool_tls_certificate_expiry_timestamp_seconds")
+                && l.contains("certificate=\"serving\"")
+        })
+        .unwrap_or_else(|| panic!("no serving certificate expiry in:\n{text}"));
+    let at: i64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (now + 3_000..=now + 3_700).contains(&at),
+        "{line} (now {now})"
+    );
 
     // gRPC over TLS, verified against the CA.
     let tls = tonic::transport::ClientTlsConfig::new()

@@ -279,11 +279,29 @@ mod tests {
 /// When the process's TLS material expires, read at each scrape (the
 /// files are reloaded when they change):
 /// `tidepool_tls_certificate_expiry_timestamp_seconds{certificate="own"|"ca"}`,
-/// Unix seconds. Certificates are issued for a year by default and nothing
-/// renews them while a process runs: the alert
+/// Unix seconds; and, for a process that also serves TLS to clients
+/// outside the cluster with a certificate of its own (the build-cache
+/// gateway's, read once at start, as it is served),
+/// `{certificate="serving"}`. Certificates are issued for a year by default
+/// and nothing renews them while a process runs: the alert
 /// `TidepoolCertificateExpiresSoon` watches this.
-#[derive(Debug)]
-pub struct TlsExpiry(pub Arc<tidepool_security::Tls>);
+#[derive(Debug, Default)]
+pub struct TlsExpiry {
+    /// The cluster TLS material (own certificate and CA), if any.
+    pub cluster: Option<Arc<tidepool_security::Tls>>,
+    /// When the serving certificate expires, if there is one.
+    pub serving: Option<i64>,
+}
+
+impl TlsExpiry {
+    /// The cluster TLS material's expiry alone.
+    pub fn of(tls: Arc<tidepool_security::Tls>) -> Self {
+        TlsExpiry {
+            cluster: Some(tls),
+            serving: None,
+        }
+    }
+}
 
 /// Its metric's name.
 pub const TLS_EXPIRY_METRIC: &str = "tidepool_tls_certificate_expiry_timestamp_seconds";
@@ -300,14 +318,25 @@ impl prometheus_client::collector::Collector for TlsExpiry {
     ) -> Result<(), std::fmt::Error> {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::gauge::ConstGauge;
-        let expiry = self.0.expiry();
+        let mut values = Vec::new();
+        if let Some(tls) = &self.cluster {
+            let expiry = tls.expiry();
+            values.push(("own", expiry.certificate));
+            values.push(("ca", expiry.ca));
+        }
+        if let Some(at) = self.serving {
+            values.push(("serving", at));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
         let mut family = encoder.encode_descriptor(
             TLS_EXPIRY_METRIC,
-            "When the process's own TLS certificate, and the earliest of its CA certificates, expire (Unix seconds).",
+            "When the process's own TLS certificate, the earliest of its CA certificates, and the certificate it serves clients with, expire (Unix seconds).",
             None,
             prometheus_client::metrics::MetricType::Gauge,
         )?;
-        for (certificate, at) in [("own", expiry.certificate), ("ca", expiry.ca)] {
+        for (certificate, at) in values {
             let labels = CertificateLabel { certificate };
             ConstGauge::new(at).encode(family.encode_family(&labels)?)?;
         }

@@ -208,7 +208,7 @@ pub(crate) fn registry(node: &Arc<Node>) -> Registry {
         node: Arc::downgrade(node),
     }));
     if let Some(tls) = &node.security.tls {
-        registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry(
+        registry.register_collector(Box::new(tidepool_telemetry::metrics::TlsExpiry::of(
             tls.clone(),
         )));
     }
