@@ -30,6 +30,11 @@ pub struct ShardView {
     pub conf_version: u64,
     /// Every replica a node reports, by node.
     pub replicas: BTreeMap<u64, ReplicaStatus>,
+    /// Members whose node reported this round without a replica of the
+    /// shard: it never opened one (a split child's replica on a node that
+    /// closed the parent before reaching the split, or failed to open the
+    /// child) or has not yet (just published or added).
+    pub absent: BTreeSet<u64>,
 }
 
 impl ShardView {
@@ -44,13 +49,15 @@ impl ShardView {
     }
 
     /// Nodes whose replica is down though its node is live: its files are
-    /// missing, or its engine failed and has not reopened (it neither votes
-    /// nor answers). No step counts it live.
+    /// missing, or its engine failed and has not reopened, or the node
+    /// holds no replica of the shard at all (it neither votes nor answers).
+    /// No step counts it live.
     pub fn down(&self) -> BTreeSet<u64> {
         self.replicas
             .iter()
             .filter(|(_, r)| r.files_missing || r.failed)
             .map(|(node, _)| *node)
+            .chain(self.absent.iter().copied())
             .collect()
     }
 
@@ -111,6 +118,11 @@ pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec
                 }
             }
             view.conf_version = conf_version;
+            view.absent = view
+                .members()
+                .into_iter()
+                .filter(|node| reports.contains_key(node) && !view.replicas.contains_key(node))
+                .collect();
             view
         })
         .collect()
@@ -370,6 +382,7 @@ mod tests {
             learners: learners.iter().copied().collect(),
             conf_version: 5,
             replicas: BTreeMap::new(),
+            absent: BTreeSet::new(),
         };
         for &n in voters.iter().chain(learners) {
             v.replicas.insert(n, replica(n == leader, 100));
@@ -619,5 +632,50 @@ mod tests {
             next_step(&v4, &set(&[1, 2, 3]), &set(&[1, 3, 4]), 10),
             Some(Step::Wait(Wait::Unsafe))
         );
+    }
+
+    /// A member whose live node reports no replica of the shard (a split
+    /// child's replica on a node that never opened it) counts as down:
+    /// before, only what nodes reported could be down, so such a voter
+    /// counted as live — the shard ran on fewer replicas than it showed,
+    /// and a removal could pass its majority check.
+    #[test]
+    fn a_member_whose_node_reports_no_replica_counts_as_down() {
+        use tidepool_proto::v1::{ReplicaInfo, ShardInfo};
+        let map = ClusterMap {
+            shards: vec![ShardInfo {
+                shard_id: 9,
+                replicas: [1, 2, 3]
+                    .iter()
+                    .map(|n| ReplicaInfo {
+                        node_id: *n,
+                        ..ReplicaInfo::default()
+                    })
+                    .collect(),
+                ..ShardInfo::default()
+            }],
+            ..ClusterMap::default()
+        };
+        let report = |node: u64, with: bool| NodeStatus {
+            node_id: node,
+            replicas: if with {
+                vec![ReplicaStatus {
+                    shard_id: 9,
+                    ..ReplicaStatus::default()
+                }]
+            } else {
+                Vec::new()
+            },
+            ..NodeStatus::default()
+        };
+        // Node 3 answers without the replica; node 2 does not answer.
+        let reports = BTreeMap::from([(1, report(1, true)), (3, report(3, false))]);
+        let [v] = &shard_views(&map, &reports)[..] else {
+            panic!("one shard")
+        };
+        assert_eq!(v.absent, BTreeSet::from([3]));
+        assert_eq!(v.down(), BTreeSet::from([3]));
+        let reports = BTreeMap::from([(1, report(1, true)), (3, report(3, true))]);
+        assert!(shard_views(&map, &reports)[0].absent.is_empty());
     }
 }

@@ -310,11 +310,12 @@ const SPLITS_PER_ROUND: usize = 4;
 
 impl Reconciler {
     /// The (shard, node) pairs whose replica has reported its engine failed
+    /// — or whose live node has reported no replica of the shard at all —
     /// for at least `grace` (as a node down that long is replaced): barred
     /// from placement, so the shard gets a replica elsewhere and the failed
     /// one is removed and closed — it counted as a live voter before,
     /// never rebuilt, and let another voter's removal pass its majority
-    /// check. One that reopens is forgotten.
+    /// check. One that reopens (or opens) is forgotten.
     fn failed_for_long(
         &mut self,
         now: Instant,
@@ -327,7 +328,9 @@ impl Reconciler {
                 v.replicas
                     .iter()
                     .filter(|(_, r)| r.failed)
-                    .map(|(node, _)| (v.shard_id, *node))
+                    .map(|(node, _)| *node)
+                    .chain(v.absent.iter().copied())
+                    .map(|node| (v.shard_id, node))
             })
             .collect();
         self.failing.retain(|pair, _| failed.contains(pair));
