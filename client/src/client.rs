@@ -183,13 +183,15 @@ fn overloaded(status: &Status) -> bool {
 /// Whether a write's final error was decided before the shard's session
 /// check, so that it speaks for its own attempt only: every refusal but the
 /// ones the apply step makes (`SESSION_EXPIRED`, `ALREADY_EXISTS`), which
-/// account for every earlier attempt of the write, and `TIMEOUT`, which
-/// already says the outcome is unknown.
-fn refused_before_applying(error: &Error) -> bool {
+/// account for every earlier attempt of the write, `TIMEOUT`, which
+/// already says the outcome is unknown, and the write's own `settled`
+/// codes (a touch's `NOT_FOUND`: whatever an earlier attempt did, there is
+/// nothing to touch now, and a touch leaves nothing a reader could see).
+fn refused_before_applying(error: &Error, settled: &[ErrorCode]) -> bool {
     !matches!(
         error.code(),
         ErrorCode::SessionExpired | ErrorCode::AlreadyExists | ErrorCode::Timeout
-    )
+    ) && !settled.contains(&error.code())
 }
 
 /// The error of a write refused by its last attempt after an earlier one
@@ -853,11 +855,14 @@ impl Client {
     /// Runs a write through [`Client::on_shard`] in a write session, so
     /// that however often it is retried it applies once: every attempt
     /// carries the same session number. `op` gets a channel, the map
-    /// version and the session to send.
+    /// version and the session to send. `settled`: refusals of this write
+    /// that are a true answer whatever an earlier unanswered attempt did
+    /// (otherwise such a refusal is reported as an unknown outcome).
     pub(crate) async fn write_once<T, F, Fut>(
         &self,
         namespace: &str,
         key: &[u8],
+        settled: &[ErrorCode],
         mut op: F,
     ) -> Result<T>
     where
@@ -895,7 +900,7 @@ impl Client {
                 {
                     reopened = true;
                 }
-                Err(error) if uncertain && refused_before_applying(&error) => {
+                Err(error) if uncertain && refused_before_applying(&error, settled) => {
                     return Err(outcome_unknown(&error));
                 }
                 Err(error) => return Err(error),
@@ -932,7 +937,7 @@ impl Client {
             .map(Bytes::copy_from_slice)
             .collect();
         let response = self
-            .write_once(namespace, key, |channel, map_version, session| {
+            .write_once(namespace, key, &[], |channel, map_version, session| {
                 let mut messages = vec![PutRequest {
                     msg: Some(put_request::Msg::Header(PutHeader {
                         blob: blob_ref(namespace, key),
@@ -1281,17 +1286,22 @@ impl Client {
     }
 
     pub(crate) async fn delete_one(&self, namespace: &str, key: &[u8]) -> Result<bool> {
-        self.write_once(namespace, key, |channel, map_version, session| async move {
-            BlobServiceClient::new(channel)
-                .delete(DeleteRequest {
-                    blob: blob_ref(namespace, key),
-                    map_version,
-                    session: Some(session),
-                    durability: self.durability as i32,
-                })
-                .await
-                .map(|r| r.into_inner().existed)
-        })
+        self.write_once(
+            namespace,
+            key,
+            &[],
+            |channel, map_version, session| async move {
+                BlobServiceClient::new(channel)
+                    .delete(DeleteRequest {
+                        blob: blob_ref(namespace, key),
+                        map_version,
+                        session: Some(session),
+                        durability: self.durability as i32,
+                    })
+                    .await
+                    .map(|r| r.into_inner().existed)
+            },
+        )
         .await
     }
 
@@ -1313,16 +1323,23 @@ impl Client {
     }
 
     async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
-        self.write_once(namespace, key, |channel, map_version, session| async move {
-            BlobServiceClient::new(channel)
-                .touch(TouchRequest {
-                    blob: blob_ref(namespace, key),
-                    map_version,
-                    session: Some(session),
-                })
-                .await
-                .map(|r| r.into_inner().epoch)
-        })
+        // A touch that finds nothing is a true answer after any earlier
+        // attempt: nothing is there to touch now.
+        self.write_once(
+            namespace,
+            key,
+            &[ErrorCode::NotFound],
+            |channel, map_version, session| async move {
+                BlobServiceClient::new(channel)
+                    .touch(TouchRequest {
+                        blob: blob_ref(namespace, key),
+                        map_version,
+                        session: Some(session),
+                    })
+                    .await
+                    .map(|r| r.into_inner().epoch)
+            },
+        )
         .await
     }
 
@@ -1950,6 +1967,16 @@ mod tests {
     /// A write whose attempts get `answers` in turn (`None`: no answer
     /// until the test ends): what the SDK reports.
     async fn write_answered(answers: Vec<Option<Status>>, hedge: Option<Duration>) -> Error {
+        write_settled_by(answers, hedge, &[]).await
+    }
+
+    /// [`write_answered`] of a write whose `settled` refusals answer for
+    /// every attempt.
+    async fn write_settled_by(
+        answers: Vec<Option<Status>>,
+        hedge: Option<Duration>,
+        settled: &[ErrorCode],
+    ) -> Error {
         let follow = Rule::Follow {
             before: 1,
             after: 1,
@@ -1960,7 +1987,7 @@ mod tests {
         let answers = Arc::new(parking_lot::Mutex::new(answers.into_iter()));
         let sessions = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let result: Result<()> = client
-            .write_once("ns", b"k", |_, _, session| {
+            .write_once("ns", b"k", settled, |_, _, session| {
                 sessions.lock().push((session.id.clone(), session.sequence));
                 let answer = answers.lock().next().expect("an answer for every attempt");
                 async move {
@@ -2025,5 +2052,29 @@ mod tests {
             let error = write_answered(vec![Some(first.clone()), Some(refusal(last))], None).await;
             assert_eq!(error.code(), last, "{first:?} then {last:?}: {error}");
         }
+    }
+
+    /// A write's own settled refusals stay what they are after an
+    /// unanswered attempt (a touch's `NOT_FOUND`: the e2e split test saw a
+    /// touch reported as `TIMEOUT` when its retry found the key deleted);
+    /// other refusals of the same write still report an unknown outcome.
+    #[tokio::test]
+    async fn a_settled_refusal_after_an_unanswered_attempt_is_reported_as_it_is() {
+        use ErrorCode::*;
+        let first = Status::unavailable("connection reset");
+        let error = write_settled_by(
+            vec![Some(first.clone()), Some(refusal(NotFound))],
+            None,
+            &[NotFound],
+        )
+        .await;
+        assert_eq!(error.code(), NotFound, "{error}");
+        let error = write_settled_by(
+            vec![Some(first), Some(refusal(DiskFull))],
+            None,
+            &[NotFound],
+        )
+        .await;
+        assert_eq!(error.code(), Timeout, "{error}");
     }
 }

@@ -160,6 +160,12 @@ pub fn key_name(key: u32) -> Vec<u8> {
 }
 
 fn failed(error: &tidepool_client::Error) -> Status {
+    // The first few failures whole (the report counts codes only): what
+    // a failed scenario's output needs to tell why.
+    static PRINTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    if PRINTED.fetch_add(1, Ordering::Relaxed) < 20 {
+        eprintln!("workload: an operation failed: {error}");
+    }
     Status::Failed(error.code().as_str_name().to_string())
 }
 
