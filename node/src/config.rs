@@ -209,6 +209,10 @@ pub struct LimitSettings {
     pub in_flight_mib: u64,
 }
 
+/// Smallest `limits.max_request_bytes`: a put's 1 MiB piece and its
+/// message framing.
+const MIN_REQUEST_BYTES: usize = (1 << 20) + 4096;
+
 impl Default for LimitSettings {
     fn default() -> Self {
         Self {
@@ -539,6 +543,26 @@ impl NodeConfig {
         }
         if self.raft.max_value_bytes == 0 || self.raft.max_value_bytes > 64 << 20 {
             return bad("raft.max_value_bytes must be between 1 and 64 MiB".into());
+        }
+        // Limits a request could never get through (it would be refused
+        // as OVERLOADED or TIMEOUT, retryable, forever).
+        if self.limits.put_idle_timeout_ms == 0 || self.limits.max_streams_per_connection == 0 {
+            return bad(
+                "limits.put_idle_timeout_ms and limits.max_streams_per_connection must be positive"
+                    .into(),
+            );
+        }
+        if self.limits.max_request_bytes < MIN_REQUEST_BYTES {
+            return bad(format!(
+                "limits.max_request_bytes ({}) must hold a put's 1 MiB piece and its framing: at least {MIN_REQUEST_BYTES}",
+                self.limits.max_request_bytes
+            ));
+        }
+        if self.limits.in_flight_mib.saturating_mul(1 << 20) < self.raft.max_value_bytes {
+            return bad(format!(
+                "limits.in_flight_mib ({} MiB) must hold the largest value (raft.max_value_bytes, {} bytes)",
+                self.limits.in_flight_mib, self.raft.max_value_bytes
+            ));
         }
         for (key, set) in [
             ("index_memory_mib", self.engine.index_memory_mib),
@@ -980,6 +1004,35 @@ mod tests {
                 bytes
             );
         }
+    }
+
+    /// Limits no request could get through are refused at start, naming
+    /// the setting (before, every put was refused as `OVERLOADED` or
+    /// `TIMEOUT`, which clients retry forever).
+    #[test]
+    fn limits_no_request_fits_are_refused() {
+        for (limits, reason) in [
+            ("in_flight_mib = 0", "in_flight_mib"),
+            ("put_idle_timeout_ms = 0", "put_idle_timeout_ms"),
+            (
+                "max_streams_per_connection = 0",
+                "max_streams_per_connection",
+            ),
+            ("max_request_bytes = 65536", "max_request_bytes"),
+        ] {
+            let text = format!(
+                "node_id = 1\n[limits]\n{limits}\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{{ id = 1, address = \"http://a\" }}]\n"
+            );
+            let error = NodeConfig::from_toml(&text)
+                .and_then(|c| c.validate())
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(reason), "{limits}: {error}");
+        }
+        let text = "node_id = 1\n[limits]\nin_flight_mib = 1\n[raft]\nmax_value_bytes = 1048576\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{ id = 1, address = \"http://a\" }]\n";
+        NodeConfig::from_toml(text)
+            .and_then(|c| c.validate())
+            .expect("a budget holding the largest value is valid");
     }
 
     #[test]

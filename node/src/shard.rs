@@ -154,8 +154,20 @@ impl EventQueue {
     /// Queues `event`, unless `limit` events wait and it is not `forced`,
     /// and wakes the owner if no earlier event did since it last looked.
     fn push(&self, event: Event, forced: bool) -> std::result::Result<(), Event> {
+        self.push_within(event, if forced { usize::MAX } else { self.limit })
+    }
+
+    /// Queues a peer's Raft message: up to twice the limit, so that a
+    /// queue full of client work (refused past `limit`) still takes the
+    /// appends, acknowledgements, heartbeats and votes that drain it.
+    /// Raft's flow control bounds what peers send.
+    fn push_peer(&self, event: Event) -> std::result::Result<(), Event> {
+        self.push_within(event, self.limit.saturating_mul(2))
+    }
+
+    fn push_within(&self, event: Event, limit: usize) -> std::result::Result<(), Event> {
         let mut state = self.state.lock();
-        if !forced && state.events.len() >= self.limit {
+        if state.events.len() >= limit {
             return Err(event);
         }
         state.events.push_back(event);
@@ -492,9 +504,10 @@ impl ShardHandle {
         }
     }
 
-    /// Delivers a Raft message (dropped if the queue is full).
+    /// Delivers a Raft message (dropped if the queue is full even of peer
+    /// messages: client events cannot crowd them out).
     pub fn step(&self, message: Message) -> bool {
-        self.send(Event::Step(Box::new(message))).is_ok()
+        self.queue.push_peer(Event::Step(Box::new(message))).is_ok()
     }
 
     /// Whether `node` is a member of the group as this replica last
@@ -1084,5 +1097,29 @@ mod tests {
             next_backoff(MAX_REOPEN_BACKOFF, Some(HEALTHY_RUN), first),
             first
         );
+    }
+
+    /// A queue full of client events still takes peers' Raft messages
+    /// (before, a `BatchExists` touching 100,000 keys filled it and the
+    /// appends and heartbeats that would commit them were dropped), up to
+    /// its own bound; `Stop` always.
+    #[test]
+    fn a_queue_full_of_client_events_still_takes_peer_messages() {
+        let queue = EventQueue::new(4);
+        for n in 0..4 {
+            assert!(queue.push(Event::LeaderLost(n), false).is_ok());
+        }
+        assert!(
+            queue.push(Event::LeaderLost(9), false).is_err(),
+            "clients refused at the limit"
+        );
+        for _ in 0..4 {
+            assert!(queue.push_peer(Event::Step(Box::default())).is_ok());
+        }
+        assert!(
+            queue.push_peer(Event::Step(Box::default())).is_err(),
+            "peers bounded too"
+        );
+        assert!(queue.push(Event::Stop, true).is_ok());
     }
 }

@@ -389,8 +389,9 @@ async fn a_session_write_applies_once_however_often_it_is_sent() {
     cluster.shutdown().await;
 }
 
-/// Limits against hostile clients: a put that stops sending is dropped
-/// after the idle timeout (not held forever); a request larger than the
+/// Limits against hostile clients: a put that stops sending, never sends
+/// its header, or trickles below the minimum average rate is dropped (not
+/// held forever); a request larger than the
 /// largest legal one is refused before it is decoded; the node serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stalled_put_and_an_oversized_request_are_refused() {
@@ -436,6 +437,54 @@ async fn a_stalled_put_and_an_oversized_request_are_refused() {
     assert_eq!(code(&status), ErrorCode::Timeout, "{status:?}");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
     drop(tx);
+    // A stream that never sends its header (was held for good).
+    let (tx, rx) = tokio::sync::mpsc::channel::<PutRequest>(1);
+    let started = std::time::Instant::now();
+    let status = cluster
+        .client(leader)
+        .await
+        .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Timeout, "{status:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    drop(tx);
+    // A byte every 200 ms, under the idle timeout, of 100 announced: the
+    // average rate runs out after about the idle timeout (was held for as
+    // long as the sender kept trickling).
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let trickle = tokio::spawn(async move {
+        let header = PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("default", b"trickled"),
+                size: 100,
+                ..PutHeader::default()
+            })),
+        };
+        if tx.send(header).await.is_err() {
+            return;
+        }
+        for _ in 0..100 {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let byte = PutRequest {
+                msg: Some(put_request::Msg::Data(vec![7u8].into())),
+            };
+            if tx.send(byte).await.is_err() {
+                return;
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    let status = cluster
+        .client(leader)
+        .await
+        .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Timeout, "{status:?}");
+    assert!(status.message().contains("on average"), "{status:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    trickle.abort();
     // 2 MiB of keys: over the limit, refused whole.
     let keys: Vec<Vec<u8>> = (0..70_000)
         .map(|i| format!("{i:>30}").into_bytes())
@@ -460,8 +509,10 @@ async fn a_stalled_put_and_an_oversized_request_are_refused() {
     // The node serves on; nothing of the stalled put was stored.
     put(&cluster, "default", b"after", b"w").await.unwrap();
     assert_eq!(get(&cluster, "default", b"after").await.unwrap(), b"w");
-    let status = get(&cluster, "default", b"stalled").await.unwrap_err();
-    assert_eq!(code(&status), ErrorCode::NotFound);
+    for key in [&b"stalled"[..], b"trickled"] {
+        let status = get(&cluster, "default", key).await.unwrap_err();
+        assert_eq!(code(&status), ErrorCode::NotFound);
+    }
     cluster.shutdown().await;
 }
 
@@ -473,6 +524,8 @@ async fn a_stalled_put_and_an_oversized_request_are_refused() {
 async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
     let cluster = TestCluster::start(3, 1, |c| {
         c.limits.in_flight_mib = 1;
+        // The budget must hold the largest value (checked at start).
+        c.raft.max_value_bytes = 1 << 20;
         c.limits.put_idle_timeout_ms = 1_000;
     })
     .await;

@@ -389,6 +389,7 @@ async fn replica_moved_to_a_new_node_through_admin_calls() {
         .close_replica(CloseReplicaRequest {
             shard_id: 1,
             map_version: 0,
+            node_id: 0,
         })
         .await
         .unwrap();
@@ -760,7 +761,8 @@ async fn linearizable_gets_on_the_lease_skip_the_owner_and_see_every_acknowledge
 /// heartbeat in shard 1 from node 99 — in no configuration of the group and
 /// no replica of the shard in the map — with a higher term is dropped;
 /// before, any node's certificate spoke in every group: it deposed the
-/// leader, and forged appends could write into the shard.
+/// leader, and forged appends could write into the shard. Nor does node
+/// 99 pull the group's snapshots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
     use prost011::Message as _;
@@ -802,6 +804,27 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
         after.term < forged_term,
         "the forged term was taken: {after:?}"
     );
+    // Nor does it pull the group's snapshots (before, any node's
+    // certificate read any shard's, and kept its files pinned by pulling
+    // again); a member's pull of a snapshot not offered is only told so.
+    let mut raft = RaftTransportClient::connect(cluster.url(leader))
+        .await
+        .unwrap();
+    let pull = |to_node: u64| tidepool_proto::v1::FetchSnapshotRequest {
+        shard_id: 1,
+        snapshot_id: 7,
+        to_node,
+        ..Default::default()
+    };
+    let status = raft.fetch_snapshot(pull(99)).await.map(|_| ()).unwrap_err();
+    assert_eq!(code(&status), ErrorCode::PermissionDenied, "{status:?}");
+    let member = if leader == 1 { 2 } else { 1 };
+    let status = raft
+        .fetch_snapshot(pull(member))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::SnapshotGone, "{status:?}");
     // The members still write.
     put(&cluster, "default", b"after the forged heartbeat", b"v")
         .await
@@ -812,8 +835,9 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
 /// A CloseReplica decided on a map older than the node's, whose newer map
 /// lists the replica, is refused (STALE_MAP) and deletes nothing: a
 /// coordinator deposed or stalled since it decided must not delete a
-/// replica the coordinator leading now added again. Decided on the node's
-/// map (or a newer one), it closes.
+/// replica the coordinator leading now added again. Meant for another node
+/// id, it is refused too (NODE_NOT_FOUND). Decided on the node's map (or a
+/// newer one), for this node, it closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
     let cluster = TestCluster::start(3, 1, |_| {}).await;
@@ -829,6 +853,7 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
         .close_replica(CloseReplicaRequest {
             shard_id: 1,
             map_version: decided,
+            node_id: 0,
         })
         .await
         .unwrap_err();
@@ -839,12 +864,31 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
     );
     assert!(replica_status(&cluster, 1, 1).await.is_some());
     assert!(cluster.configs[&1].data_dir.join("shards/1").exists());
+    // Meant for another node (a dead one whose address this node took
+    // over): refused, nothing deleted.
+    let refused = cluster
+        .admin(1)
+        .await
+        .close_replica(CloseReplicaRequest {
+            shard_id: 1,
+            map_version: decided + 1,
+            node_id: 7,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        tidepool_proto::error_detail(&refused).map(|d| d.code),
+        Some(ErrorCode::NodeNotFound as i32),
+        "{refused:?}"
+    );
+    assert!(replica_status(&cluster, 1, 1).await.is_some());
     cluster
         .admin(1)
         .await
         .close_replica(CloseReplicaRequest {
             shard_id: 1,
             map_version: decided + 1,
+            node_id: 1,
         })
         .await
         .unwrap();

@@ -395,9 +395,17 @@ impl BlobApi {
         caller: Caller,
         mut stream: Streaming<PutRequest>,
     ) -> ApiResult<PutResponse> {
-        let first = stream
-            .next()
+        // The header too within the idle timeout: a stream opened and
+        // never written was held (with its task) for good.
+        let idle = Duration::from_millis(self.node.config.limits.put_idle_timeout_ms);
+        let first = tokio::time::timeout(idle, stream.next())
             .await
+            .map_err(|_| {
+                self.node.error(
+                    ErrorCode::Timeout,
+                    format!("the put stream sent no header within {idle:?}; nothing was stored"),
+                )
+            })?
             .ok_or_else(|| invalid(&self.node, "empty put stream"))?
             .map_err(|s| invalid(&self.node, s.message()))?;
         let Some(put_request::Msg::Header(header)) = first.msg else {
@@ -547,12 +555,28 @@ impl BlobApi {
         value.resize(blob::HEADER_BYTES, 0);
         let received = |value: &Vec<u8>| (value.len() - blob::HEADER_BYTES) as u64;
         let idle = Duration::from_millis(self.node.config.limits.put_idle_timeout_ms);
+        // And the whole at an average of at least `MIN_PUT_BYTES_PER_SEC`
+        // (after one idle timeout's grace): a byte sent every so often
+        // under the idle timeout held the value's reservation for as long
+        // as the sender liked.
+        let deadline = tokio::time::Instant::now()
+            + idle
+            + Duration::from_secs_f64(size as f64 / MIN_PUT_BYTES_PER_SEC as f64);
         loop {
-            let Ok(next) = tokio::time::timeout(idle, stream.next()).await else {
+            let wait = (tokio::time::Instant::now() + idle).min(deadline);
+            let Ok(next) = tokio::time::timeout_at(wait, stream.next()).await else {
+                let why = if wait == deadline {
+                    format!(
+                        "the put stream sent less than {} KiB/s on average",
+                        MIN_PUT_BYTES_PER_SEC >> 10
+                    )
+                } else {
+                    format!("the put stream sent nothing for {idle:?}")
+                };
                 return Err(self.node.error(
                     ErrorCode::Timeout,
                     format!(
-                        "the put stream sent nothing for {idle:?} ({} of {size} bytes received); nothing was stored",
+                        "{why} ({} of {size} bytes received); nothing was stored",
                         received(&value)
                     ),
                 ));
@@ -781,32 +805,44 @@ impl BlobApi {
                 };
             }
             if request.touch && linearizable {
-                // All proposed before any is awaited: the shard owner takes
-                // them in one round, so they share one Ready and one sync.
-                let pending: Vec<_> = indexes
+                let stale: Vec<usize> = indexes
                     .iter()
                     .zip(epochs)
                     .filter(|(i, _)| presence[**i] != Presence::NotHere)
                     .filter(|(_, epoch)| epoch.is_some_and(|e| e.0 < current))
-                    .map(|(i, _)| {
-                        // Server-made and harmless twice (a touch only moves
-                        // a blob forward): no session.
-                        let touch = Command::Touch {
-                            namespace: namespace.id,
-                            epoch: current,
-                            key: storage_key(namespace.id, &request.keys[*i]),
-                            session: None,
-                        };
-                        (
-                            *i,
-                            submit(&target, Proposal::Command(touch, EntrySync::AsConfigured)),
-                        )
-                    })
+                    .map(|(i, _)| *i)
                     .collect();
-                for (i, rx) in pending {
-                    // Deleted or expired since its read: missing after all.
-                    if self.committed(&target, rx).await? == (OpResult::Done { existed: false }) {
-                        presence[i] = Presence::Absent;
+                // A wave proposed before any of it is awaited: the shard
+                // owner takes it in one round, so it shares one Ready and
+                // one sync. Waves, not all at once: 100,000 stale keys
+                // (a build's inputs after an epoch advance) proposed
+                // together filled the shard's event queue, whose overflow
+                // then refused other clients' writes.
+                for wave in stale.chunks(TOUCH_WAVE) {
+                    let pending: Vec<_> = wave
+                        .iter()
+                        .map(|i| {
+                            // Server-made and harmless twice (a touch only
+                            // moves a blob forward): no session.
+                            let touch = Command::Touch {
+                                namespace: namespace.id,
+                                epoch: current,
+                                key: storage_key(namespace.id, &request.keys[*i]),
+                                session: None,
+                            };
+                            (
+                                *i,
+                                submit(&target, Proposal::Command(touch, EntrySync::AsConfigured)),
+                            )
+                        })
+                        .collect();
+                    for (i, rx) in pending {
+                        // Deleted or expired since its read: missing after
+                        // all.
+                        if self.committed(&target, rx).await? == (OpResult::Done { existed: false })
+                        {
+                            presence[i] = Presence::Absent;
+                        }
                     }
                 }
             }
@@ -1076,6 +1112,14 @@ enum Proposal {
 }
 
 /// Queues a proposal (or a write for group commit) without waiting.
+/// Slowest average rate a put's content may arrive at, after one idle
+/// timeout of grace (a 64 MiB value: 34 minutes).
+const MIN_PUT_BYTES_PER_SEC: u64 = 32 << 10;
+
+/// Most touches one `BatchExists` has waiting in a shard's event queue at
+/// once (of the queue's 65,536 events).
+const TOUCH_WAVE: usize = 1024;
+
 fn submit(target: &Target, proposal: Proposal) -> oneshot::Receiver<Outcome> {
     let (tx, rx) = oneshot::channel();
     let done = Box::new(move |outcome| {

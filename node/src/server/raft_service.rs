@@ -107,6 +107,28 @@ impl RaftTransport for RaftApi {
                 )
                 .into());
         }
+        // Only a member's node pulls a group's snapshot (any node's
+        // certificate could read any shard's, and keep its files pinned by
+        // pulling again and again).
+        let member = match self.node.shard(request.shard_id) {
+            Some(shard) => member_of(&self.node, &shard, request.to_node),
+            None => self.node.map().shards.iter().any(|s| {
+                s.shard_id == request.shard_id
+                    && s.replicas.iter().any(|r| r.node_id == request.to_node)
+            }),
+        };
+        if !member {
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::PermissionDenied,
+                    format!(
+                        "node {} is not a member of shard {}: it pulls no snapshot of it",
+                        request.to_node, request.shard_id
+                    ),
+                )
+                .into());
+        }
         let Some(prepared) = self.node.outbox.get(request.shard_id, request.snapshot_id) else {
             return Err(self
                 .node
