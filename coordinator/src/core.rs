@@ -813,26 +813,41 @@ impl Shared {
             if self.leadership() != Some(leadership) {
                 return false;
             }
-            match self.store.keep_alive(leadership.lease).await {
-                Ok(true) => {
-                    renewed = Instant::now();
-                    if let Ok(false) = self.still_leader(leadership).await {
+            // Each call bounded (the store client's own timeout, 10 s, is
+            // longer than a lease: a leader whose store stopped answering
+            // acted on for seconds after another could have won), and the
+            // renewal dated from when it was asked (the lease runs from
+            // when the store took it).
+            let bound = ttl / 6;
+            let asked = Instant::now();
+            match tokio::time::timeout(bound, self.store.keep_alive(leadership.lease)).await {
+                Ok(Ok(true)) => {
+                    renewed = asked;
+                    let still = tokio::time::timeout(bound, self.still_leader(leadership)).await;
+                    if let Ok(Ok(false)) = still {
                         self.step_down(leadership, "the leader key changed");
-                        let _ = self.store.revoke(leadership.lease).await;
+                        let _ =
+                            tokio::time::timeout(bound, self.store.revoke(leadership.lease)).await;
                         return false;
                     }
                 }
-                Ok(false) => {
+                Ok(Ok(false)) => {
                     self.step_down(leadership, "the lease expired");
                     return false;
                 }
-                Err(error) => {
+                Ok(Err(error)) => {
                     tracing::warn!(%error, "cannot renew the leader lease");
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        bound_ms = bound.as_millis() as u64,
+                        "the store did not answer a leader lease renewal in time"
+                    );
                 }
             }
             if renewed.elapsed() > ttl / 2 {
                 self.step_down(leadership, "the lease could not be renewed");
-                let _ = self.store.revoke(leadership.lease).await;
+                let _ = tokio::time::timeout(ttl / 6, self.store.revoke(leadership.lease)).await;
                 return false;
             }
         }

@@ -534,16 +534,17 @@ impl Shared {
         } else {
             floor
         };
-        // A store that lost its data lost the epoch's start too: without
-        // one the epoch would advance at once, a retention interval early.
-        let epoch_clock = match self.store.get(&self.keys.epoch_started()).await? {
-            Some(_) => Vec::new(),
-            None => vec![Op::Put {
-                key: self.keys.epoch_started(),
-                value: unix_ms().to_string().into_bytes(),
-                lease: None,
-            }],
-        };
+        // The restored epoch starts its interval now. A store that lost its
+        // data lost the epoch's start too (without one the epoch would
+        // advance at once), and one restored from a backup holds the start
+        // of the backup's epoch, perhaps long past: either way the restored
+        // epoch would be cut short and blobs expire before their
+        // retention. Late by up to an interval, never early.
+        let epoch_clock = vec![Op::Put {
+            key: self.keys.epoch_started(),
+            value: unix_ms().to_string().into_bytes(),
+            lease: None,
+        }];
         let mut previous = (String::new(), 0);
         let held = &found.map;
         let map = self

@@ -201,6 +201,28 @@ pub(crate) fn moves_of(
         .collect()
 }
 
+/// The moves that take this round's `max` slots, in order. A move that
+/// cannot go on (a step now would risk the shard's majority; its target
+/// node is not live) takes none: two such shards held every other move
+/// behind them, re-replication after a node's loss included, and kept the
+/// round busy so leaders were never balanced. A learner catching up does
+/// take one (it is copying).
+pub(crate) fn runnable_moves(
+    pending: Vec<(ReplicaMove, Step)>,
+    max: usize,
+) -> Vec<(ReplicaMove, Step)> {
+    pending
+        .into_iter()
+        .filter(|(_, step)| {
+            !matches!(
+                step,
+                Step::Wait(Wait::Unsafe | Wait::TargetDown(_) | Wait::NoLeader)
+            )
+        })
+        .take(max)
+        .collect()
+}
+
 /// Runs rounds while this coordinator leads, until `stop` fires.
 pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let mut reconciler = Reconciler {
@@ -713,16 +735,24 @@ impl Reconciler {
         let Ok(mut client) = self.nodes.admin(&address) else {
             return;
         };
-        // The map as this coordinator holds it now: a node holding a newer
-        // one that lists the replica refuses (a coordinator deposed or
-        // stalled since it decided must not delete a replica added again).
-        let map_version = self.shared.map().version;
+        // Not leading any more (deposed, or stalled past the lease): the
+        // decision is someone else's now.
+        if self.shared.leadership().is_none() {
+            return;
+        }
+        // The map the round decided on: a node holding a newer one that
+        // lists the replica refuses (a coordinator deposed or stalled since
+        // it decided must not delete a replica added again). Not the map
+        // cached now: that follows the new leader's writes, the re-add
+        // included, and the check passed. The node id: a dead node's
+        // address may serve a new node since, which refuses.
         let result = NodeClients::call(
             "close replica",
             CHANGE_TIMEOUT,
             client.close_replica(CloseReplicaRequest {
                 shard_id,
-                map_version,
+                map_version: map.version,
+                node_id: node,
             }),
         )
         .await;
@@ -756,10 +786,11 @@ impl Reconciler {
             });
             (!started, m.shard_id)
         });
-        for (shown, step) in pending
-            .into_iter()
-            .take(self.shared.config.max_concurrent_moves)
-        {
+        let running = runnable_moves(pending, self.shared.config.max_concurrent_moves);
+        if running.is_empty() {
+            return false;
+        }
+        for (shown, step) in running {
             let view = views
                 .iter()
                 .find(|v| v.shard_id == shown.shard_id)
@@ -1301,6 +1332,32 @@ fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
 mod tests {
     use super::*;
     use crate::placement::{moves, place};
+
+    /// Moves that cannot go on take no slot; a catching-up learner does.
+    #[test]
+    fn moves_that_cannot_go_on_take_no_slot() {
+        let shown = |shard_id| ReplicaMove {
+            shard_id,
+            ..ReplicaMove::default()
+        };
+        let pending = vec![
+            (shown(1), Step::Wait(Wait::TargetDown(5))),
+            (shown(2), Step::Wait(Wait::Unsafe)),
+            (shown(3), Step::Wait(Wait::CatchUp(4))),
+            (shown(4), Step::AddLearner(4)),
+            (shown(5), Step::Promote(4)),
+        ];
+        let running: Vec<u32> = runnable_moves(pending, 2)
+            .iter()
+            .map(|(m, _)| m.shard_id)
+            .collect();
+        assert_eq!(running, [3, 4], "shards 1 and 2 held every move before");
+        let stuck = vec![(shown(1), Step::Wait(Wait::TargetDown(5)))];
+        assert!(
+            runnable_moves(stuck, 2).is_empty(),
+            "not busy: leaders get balanced"
+        );
+    }
 
     fn set(ids: &[u64]) -> BTreeSet<u64> {
         ids.iter().copied().collect()

@@ -384,20 +384,27 @@ async fn a_node_back_after_a_restore_without_it_does_not_bring_its_older_line_ba
     *away.map.lock().unwrap() = ahead.clone();
     away.away.store(true, Ordering::SeqCst);
 
-    // The store loses its data; the map is restored without the away node.
+    // The store loses its map, and its epoch clock is an old backup's (an
+    // epoch begun long ago); the map is restored without the away node.
     let keys = &coordinator.shared.keys;
     store
         .txn(
             Vec::new(),
             vec![
                 Op::Delete { key: keys.map() },
-                Op::Delete {
+                Op::Put {
                     key: keys.epoch_started(),
+                    value: b"1".to_vec(),
+                    lease: None,
                 },
             ],
         )
         .await
         .unwrap();
+    let before_restore = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     let restored = client
         .restore_map(RestoreMapRequest {
             node_address: answering_address.clone(),
@@ -407,6 +414,12 @@ async fn a_node_back_after_a_restore_without_it_does_not_bring_its_older_line_ba
         .unwrap()
         .into_inner();
     assert_eq!(restored.unanswered_nodes, vec![away_address.clone()]);
+    // The epoch restored starts its interval now: kept, the old clock made
+    // it advance at once, cutting the restored epoch short (blobs expired
+    // before their retention).
+    let clock = store.get(&keys.epoch_started()).await.unwrap().unwrap();
+    let started: u64 = String::from_utf8_lossy(&clock.value).parse().unwrap();
+    assert!(started >= before_restore, "the epoch clock is {started}");
     let restored_version = restored.map.unwrap().version;
     assert_eq!(
         restored_version,

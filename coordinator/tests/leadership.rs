@@ -7,7 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidepool_coordinator::meta::{EmbeddedStore, EtcdStore, MetaStore};
+use tidepool_coordinator::meta::{
+    Compare, EmbeddedStore, EtcdStore, KeyValue, LeaseId, MetaResult, MetaStore, Op, TxnOutcome,
+    WatchEvent,
+};
 use tidepool_coordinator::{CoordinatorConfig, CoordinatorError, Shared};
 use tidepool_testkit::EtcdServer;
 use tokio::sync::watch;
@@ -123,4 +126,88 @@ async fn fencing_on_etcd() {
         .await
         .unwrap();
     fencing(Arc::new(store)).await;
+}
+
+/// The embedded store, with lease renewals that can be made to hang (as
+/// etcd's do when it stops answering one coordinator).
+struct HangingRenewals {
+    inner: EmbeddedStore,
+    hang: std::sync::atomic::AtomicBool,
+}
+
+#[tonic::async_trait]
+impl MetaStore for HangingRenewals {
+    async fn get(&self, key: &str) -> MetaResult<Option<KeyValue>> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> MetaResult<Vec<KeyValue>> {
+        self.inner.list(prefix).await
+    }
+    async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> MetaResult<TxnOutcome> {
+        self.inner.txn(compares, ops).await
+    }
+    async fn grant_lease(&self, ttl: Duration) -> MetaResult<LeaseId> {
+        self.inner.grant_lease(ttl).await
+    }
+    async fn keep_alive(&self, lease: LeaseId) -> MetaResult<bool> {
+        if self.hang.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke(&self, lease: LeaseId) -> MetaResult<()> {
+        self.inner.revoke(lease).await
+    }
+    async fn watch(
+        &self,
+        prefix: &str,
+        from_revision: u64,
+    ) -> MetaResult<tokio::sync::mpsc::Receiver<WatchEvent>> {
+        self.inner.watch(prefix, from_revision).await
+    }
+}
+
+/// A leader whose lease renewals get no answer steps down before its
+/// lease can expire (so before another coordinator can win): before, it
+/// waited on the renewal for as long as the store client let it (10 s for
+/// etcd, longer than the lease), and for ever on a renewal that hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_renewals_hang_steps_down_within_its_lease() {
+    const LEASE: Duration = Duration::from_millis(3_000);
+    let store = Arc::new(HangingRenewals {
+        inner: EmbeddedStore::in_memory(),
+        hang: std::sync::atomic::AtomicBool::new(false),
+    });
+    let a = Shared::new(
+        config(LEASE.as_millis() as u64),
+        "a".into(),
+        "http://a".into(),
+        store.clone(),
+        Default::default(),
+    );
+    a.ensure_cluster().await.unwrap();
+    let (stop, stop_rx) = watch::channel(false);
+    tokio::spawn(a.clone().campaign(stop_rx));
+    until("a to lead", || a.leadership().is_some()).await;
+    // Renewed a few times first.
+    tokio::time::sleep(LEASE).await;
+    assert!(
+        a.leadership().is_some(),
+        "renewals that answer keep it leading"
+    );
+    let led = a.leadership().map(|l| l.generation);
+    store.hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    let hung = Instant::now();
+    // Stepped down: not leading, or leading again under a new election.
+    until("a to step down", || {
+        a.leadership().map(|l| l.generation) != led
+    })
+    .await;
+    let took = hung.elapsed();
+    println!("stepped down {took:?} after renewals began to hang (lease {LEASE:?})");
+    assert!(
+        took < LEASE,
+        "stepped down only after {took:?}, its lease being {LEASE:?}"
+    );
+    stop.send_replace(true);
 }

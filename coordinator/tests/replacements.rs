@@ -144,10 +144,18 @@ impl NodeAdmin for Scripted {
 
     async fn close_replica(
         &self,
-        _: Request<CloseReplicaRequest>,
+        request: Request<CloseReplicaRequest>,
     ) -> Result<Response<CloseReplicaResponse>, Status> {
         let id = self.id();
         let mut group = self.group.lock().unwrap();
+        // As a node does: a close meant for another node id is refused.
+        let meant = request.into_inner().node_id;
+        if meant != id {
+            group
+                .calls
+                .push(format!("close meant for {meant} refused by {id}"));
+            return Err(Status::not_found("scripted: another node"));
+        }
         group.open.remove(&id);
         group.calls.push(format!("close {id}"));
         Ok(Response::new(CloseReplicaResponse::default()))

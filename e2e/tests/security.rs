@@ -131,6 +131,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                     node.close_replica(CloseReplicaRequest {
                         shard_id: shard.shard_id,
                         map_version: 0,
+                        node_id: 0,
                     })
                     .await,
                     ErrorCode::PermissionDenied,
@@ -171,6 +172,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                 .close_replica(CloseReplicaRequest {
                     shard_id: map.shards[0].shard_id,
                     map_version: 0,
+                    node_id: 0,
                 })
                 .await,
             ErrorCode::PermissionDenied,

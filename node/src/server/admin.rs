@@ -570,6 +570,18 @@ impl NodeAdmin for AdminApi {
         let shard_id = request.shard_id;
         let map = self.node.map();
         let me = self.node.config.node_id;
+        if request.node_id != 0 && request.node_id != me {
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::NodeNotFound,
+                    format!(
+                        "this is node {me}, not node {}: its replica of shard {shard_id} is not closed",
+                        request.node_id
+                    ),
+                )
+                .into());
+        }
         let listed = map
             .shards
             .iter()
