@@ -164,12 +164,32 @@ pub(crate) fn flush_all(inner: &Inner) -> Result<()> {
     });
     for (space, id) in dirty {
         // A flush already running on another thread finishes on its own;
-        // wait for it so that everything is flushed when this returns.
-        while !flush_cell(inner, space, &id)? && is_flushing(inner, space, &id) {
-            std::thread::sleep(Duration::from_millis(1));
+        // wait for it, then look again: it took its changes before this
+        // call, so what came after them is still to flush. (Before, a
+        // flush that ended between the two checks ended the wait with
+        // such changes unflushed — an epoch drop's markers among them,
+        // which the drop's snapshot then left out.)
+        loop {
+            if flush_cell(inner, space, &id)? {
+                break;
+            }
+            if is_flushing(inner, space, &id) {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            if !has_flushable(inner, space, &id) {
+                break;
+            }
         }
     }
     Ok(())
+}
+
+fn has_flushable(inner: &Inner, space: u8, id: &CellId) -> bool {
+    let processed = inner.values.processed().0;
+    inner.table.spaces[usize::from(space)]
+        .with_cell(id, |cell| !cell.flushable(processed).is_empty())
+        .unwrap_or(false)
 }
 
 fn is_flushing(inner: &Inner, space: u8, id: &CellId) -> bool {

@@ -7,7 +7,7 @@
 mod support;
 
 use support::{fault_storage, key, open, value};
-use tidepool_engine::{Epoch, ItemInput, ItemOp, Tag};
+use tidepool_engine::{Durability, Epoch, ItemInput, ItemOp, Strategy, Tag, WalPosition};
 
 #[test]
 fn append_then_apply_without_rewriting_values() {
@@ -195,4 +195,78 @@ fn scan_appended_visits_only_appended_records_in_order() {
         .map(|(i, p)| (*p, format!("entry {i}")))
         .collect();
     assert_eq!(seen, expected);
+}
+
+/// A record from before the open applied again — as a replication layer
+/// re-applies committed records from the snapshot's replay position, which
+/// may lie before what a cell's index already holds — while the index
+/// holds the key's relocated copy: the older entry sits in the cell's
+/// unflushed changes (read first by lookups) while relocation's walk,
+/// merging by version, counts the copy and reclaims the older segment.
+/// The key must still read: reclaiming flushes first, and the flush keeps
+/// the copy (the newer by location).
+#[test]
+fn an_item_applied_again_after_a_restart_does_not_hide_its_relocated_copy() {
+    let (storage, mut config) = fault_storage();
+    config.relocation_enabled = false; // explicit passes only
+    config.snapshot_interval_ms = 3_600_000;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let kept = value(1, 1, 2_000);
+    let appended = engine
+        .append(
+            b"raft entry",
+            &[ItemInput {
+                space: ks,
+                op: ItemOp::Put,
+                key: &key(1),
+                value: &kept,
+                epoch: Epoch(1),
+                tag: Tag(0),
+            }],
+        )
+        .unwrap();
+    engine.wait_synced(appended.end).unwrap();
+    engine.apply(&appended).unwrap();
+    // More of the first segment (live for now), then enough to roll it.
+    for k in 2..=12 {
+        engine
+            .put(ks, &key(k), &value(k, 0, 2_000), Durability::Buffered)
+            .unwrap();
+    }
+    let segment = config.wal_segment_bytes;
+    let first_end = WalPosition((appended.position.0 / segment + 1) * segment);
+    let mut k = 100;
+    while engine.processed_position() <= first_end {
+        engine
+            .put(ks, &key(k), &value(k, 0, 2_000), Durability::Buffered)
+            .unwrap();
+        k += 1;
+    }
+    // Key 1 alone is copied out; its segment stays (keys 2..=12 live).
+    engine
+        .relocate(Strategy::Index {
+            below: appended.end,
+        })
+        .unwrap();
+    engine.close().unwrap();
+    drop(engine);
+
+    let engine = open(&storage, &config).unwrap();
+    // The replication layer applies the old record's item again.
+    engine.apply_item(&appended.items[0]).unwrap();
+    assert_eq!(engine.get(ks, &key(1)).unwrap().as_deref(), Some(&kept[..]));
+    // The rest of the first segment goes; relocation reclaims it.
+    for k in 2..=12 {
+        engine.delete(ks, &key(k), Durability::Buffered).unwrap();
+    }
+    engine
+        .relocate(Strategy::Index { below: first_end })
+        .unwrap();
+    assert_eq!(
+        engine.get(ks, &key(1)).unwrap().as_deref(),
+        Some(&kept[..]),
+        "key 1 reads from its copy after its first segment was reclaimed"
+    );
+    engine.close().unwrap();
 }

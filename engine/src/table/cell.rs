@@ -260,7 +260,14 @@ impl Cell {
     /// `processed` (everything below it is complete in the log), and drop
     /// markers.
     pub fn flushable(&self, processed: u64) -> Vec<(Key, Change)> {
-        let ready = |c: &Change| c.entry.location < processed || c.entry.location == Entry::DROPPED;
+        // Its value and its record both processed (a touch keeps its
+        // entry's old location: its record is what must come first, or
+        // the index could reach the disk before the WAL record that made
+        // it).
+        let ready = |c: &Change| {
+            (c.entry.location < processed || c.entry.location == Entry::DROPPED)
+                && (c.record == Change::NO_RECORD || c.record < processed)
+        };
         let mut flushable: Vec<(Key, Change)> = self
             .changes
             .iter()
@@ -380,6 +387,25 @@ mod tests {
         );
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
+    }
+
+    /// A change is flushable once both its value and its record are
+    /// processed: a touch keeps its entry's old (processed) location, and
+    /// its new epoch must not reach a durable index blob before the
+    /// touch's own record is in the WAL.
+    #[test]
+    fn a_touch_is_flushable_only_once_its_record_is_processed() {
+        let mut cell = Cell::restored(&[]);
+        // Value at 5, touched by a record at 50.
+        cell.apply(key_array(b"t"), entry(5, false), 50);
+        assert!(cell.flushable(10).is_empty(), "record at 50 not processed");
+        assert_eq!(cell.flushable(51).len(), 1);
+        let mut cell = Cell::restored(&[]);
+        // A drop marker: no record carries it.
+        let mut dropped = entry(7, true);
+        dropped.location = Entry::DROPPED;
+        cell.apply(key_array(b"d"), dropped, Change::NO_RECORD);
+        assert_eq!(cell.flushable(0).len(), 1);
     }
 
     #[test]
