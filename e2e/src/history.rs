@@ -47,8 +47,27 @@ pub enum Op {
 pub enum Status {
     /// Acknowledged (for reads: answered).
     Ok,
-    /// Failed or timed out, with its code: a write may still have applied.
+    /// Failed, with its code: a write may still have applied if the code
+    /// says its outcome is unknown ([`Status::may_have_applied`]).
     Failed(String),
+}
+
+/// Codes of a failed write whose outcome the SDK leaves open
+/// (`docs/design/client.md`, "What a write's error says"): `TIMEOUT`, and
+/// `SESSION_EXPIRED` (an attempt older than the session window may have
+/// applied). Every other refusal says nothing was stored, and the checkers
+/// hold the SDK to it: such a write is no candidate for any read.
+pub const OUTCOME_UNKNOWN: [&str; 2] = ["TIMEOUT", "SESSION_EXPIRED"];
+
+impl Status {
+    /// Whether a write with this status may have taken effect:
+    /// acknowledged, or failed with an unknown outcome.
+    pub fn may_have_applied(&self) -> bool {
+        match self {
+            Status::Ok => true,
+            Status::Failed(code) => OUTCOME_UNKNOWN.contains(&code.as_str()),
+        }
+    }
 }
 
 /// One operation: invoked, completed, outcome.
@@ -126,6 +145,7 @@ pub fn check(history: &[Event]) -> Vec<Violation> {
     for (key, events) in by_key {
         let writes: Vec<Write<'_>> = events
             .iter()
+            .filter(|e| e.status.may_have_applied())
             .filter_map(|e| {
                 let value = match e.op {
                     Op::Put(v) => Some(v),
@@ -328,5 +348,44 @@ mod tests {
             ev(1, Op::Read(Some(2)), 60, 70, true), // or it did
         ];
         assert!(check(&h).is_empty(), "{:?}", check(&h));
+    }
+
+    /// A write refused with a code that says nothing was stored
+    /// (`DISK_FULL`, `PERMISSION_DENIED`, ...) explains no read: a read of
+    /// its value, or of nothing after it deleted, convicts the SDK's or the
+    /// node's refusal — in both checkers. (Before, every failed write was
+    /// treated as possibly applied.)
+    #[test]
+    fn writes_refused_for_sure_explain_nothing() {
+        let refused = |mut e: Event| {
+            e.status = Status::Failed("DISK_FULL".into());
+            e
+        };
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            refused(ev(0, Op::Put(2), 20, 30, true)),
+            ev(1, Op::Read(Some(2)), 40, 50, true),
+        ];
+        assert_eq!(check(&h).len(), 1, "{:?}", check(&h));
+        assert_eq!(crate::linearizable::check(&h).len(), 1);
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            refused(ev(0, Op::Delete(None), 20, 30, true)),
+            ev(1, Op::Read(None), 40, 50, true),
+        ];
+        assert_eq!(check(&h).len(), 1, "{:?}", check(&h));
+        assert_eq!(crate::linearizable::check(&h).len(), 1);
+        // An unknown outcome still explains both.
+        let unknown = |mut e: Event| {
+            e.status = Status::Failed("SESSION_EXPIRED".into());
+            e
+        };
+        let h = vec![
+            ev(0, Op::Put(1), 0, 10, true),
+            unknown(ev(0, Op::Put(2), 20, 30, true)),
+            ev(1, Op::Read(Some(2)), 40, 50, true),
+        ];
+        assert!(check(&h).is_empty(), "{:?}", check(&h));
+        assert!(crate::linearizable::check(&h).is_empty());
     }
 }

@@ -64,10 +64,12 @@ impl Kind {
 }
 
 /// The operations of a key the search considers: acknowledged operations,
-/// and failed writes (indeterminate). Failed reads say nothing.
+/// and failed writes whose outcome is unknown (indeterminate). Failed reads
+/// and writes refused for sure say nothing.
 fn operations(events: &[&Event]) -> Vec<(Operation, Event)> {
     events
         .iter()
+        .filter(|e| e.status.may_have_applied())
         .filter_map(|e| {
             let ok = e.status == Status::Ok;
             let kind = match (&e.op, ok) {

@@ -15,6 +15,9 @@ use crate::workload::{Recorder, Workload, run};
 /// A workload in progress.
 pub struct Run {
     recorder: Arc<Recorder>,
+    /// For the read-back at the end.
+    client: tidepool_client::Client,
+    workload: Workload,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
     seed: u64,
@@ -84,6 +87,19 @@ impl Report {
         {
             let _ = writeln!(file, "{}", self.row());
         }
+        // Bytes that failed their checks reached a client: no fault this
+        // suite injects may cause that (the SDK verifies what it reads).
+        let integrity: Vec<_> = self
+            .errors
+            .iter()
+            .filter(|(code, _)| INTEGRITY_CODES.contains(&code.as_str()))
+            .collect();
+        assert!(
+            integrity.is_empty(),
+            "{}: operations failed their integrity checks: {integrity:?} (seed {})",
+            self.scenario,
+            self.seed
+        );
         if !self.violations.is_empty() {
             let shown: Vec<String> = self
                 .violations
@@ -102,6 +118,9 @@ impl Report {
         }
     }
 }
+
+/// Codes saying stored bytes failed their checks.
+const INTEGRITY_CODES: [&str; 3] = ["CORRUPT", "DIGEST_MISMATCH", "SIZE_MISMATCH"];
 
 /// Writes to one shard in a window, as clients saw them.
 #[derive(Clone, Debug)]
@@ -218,9 +237,16 @@ pub async fn start(cluster: &Cluster, workload: Workload) -> Run {
     let (stop, stop_rx) = watch::channel(false);
     let client = cluster.client().await;
     let seed = workload.seed;
-    let task = tokio::spawn(run(client, workload, recorder.clone(), stop_rx));
+    let task = tokio::spawn(run(
+        client.clone(),
+        workload.clone(),
+        recorder.clone(),
+        stop_rx,
+    ));
     Run {
         recorder,
+        client,
+        workload,
         stop,
         task,
         seed,
@@ -271,8 +297,9 @@ impl Run {
     /// Stops the clients, checks the history and measures.
     pub async fn finish(self, scenario: &str) -> Report {
         self.stop.send_replace(true);
-        let _ = self.task.await;
+        self.task.await.expect("the workload panicked");
         let end = self.recorder.now();
+        crate::workload::read_back(&self.client, &self.workload, &self.recorder).await;
         let history = self.recorder.history();
         let from = self.fault_from.unwrap_or(0);
         Report {

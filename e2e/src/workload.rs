@@ -273,6 +273,32 @@ pub async fn run(
         }));
     }
     for task in tasks {
-        let _ = task.await;
+        // A client that panicked (a bug in the workload or the SDK) fails
+        // the run; its operations were missing from the history.
+        task.await.expect("a workload client panicked");
+    }
+}
+
+/// After the clients stopped: one read of every key, recorded as client
+/// `workload.clients` — so a write acknowledged just before the end that
+/// no client read again is checked too.
+pub async fn read_back(client: &Client, workload: &Workload, recorder: &Recorder) {
+    let client = client.clone().with_timeout(workload.op_timeout);
+    for key in 0..workload.keys {
+        let invoked = recorder.now();
+        let (op, status) = match client.get("default", &key_name(key)).await {
+            Ok(bytes) => (Op::Read(Some(decode(&bytes))), Status::Ok),
+            Err(e) if e.code() == ErrorCode::NotFound => (Op::Read(None), Status::Ok),
+            Err(e) => (Op::Read(None), failed(&e)),
+        };
+        recorder.record(Event {
+            client: workload.clients,
+            key,
+            op,
+            invoked,
+            completed: recorder.now(),
+            status,
+            attempts: 0,
+        });
     }
 }

@@ -56,6 +56,11 @@ impl Proxy {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
+                // The generation first, then the flags: a cut between the
+                // two is seen either way (read after the flags, a cut that
+                // came between left this connection open through it).
+                let mut cut = g.subscribe();
+                let started = *cut.borrow_and_update();
                 if s.blocked.load(Ordering::SeqCst) {
                     drop(inbound); // refused: the peer sees a reset
                     continue;
@@ -66,8 +71,6 @@ impl Proxy {
                 }
                 held.clear();
                 s.accepted.fetch_add(1, Ordering::Relaxed);
-                let mut cut = g.subscribe();
-                let started = *cut.borrow_and_update();
                 let s = s.clone();
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(target).await else {
