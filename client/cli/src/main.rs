@@ -614,15 +614,24 @@ async fn get(client: &Client, namespace: &str, key: &str, output: Option<&PathBu
             }
         }
         None => {
-            // Verified before a byte is printed.
-            let bytes = client.get(namespace, &key).await?;
-            let mut out = std::io::stdout().lock();
-            out.write_all(&bytes)
-                .and_then(|()| out.flush())
-                .map_err(|e| Failure {
-                    code: 1,
-                    message: format!("stdout: {e}"),
-                })?;
+            // Streamed: each chunk is verified before it is printed, the
+            // whole blob's digest at the end (a mismatch then exits 1
+            // after the bytes went out). Before, the whole blob was held
+            // in memory first: a blob larger than memory could not be
+            // read to stdout at all.
+            match client
+                .get_stream(namespace, &key, tokio::io::stdout())
+                .await
+            {
+                Ok(_) => {}
+                Err(tidepool_client::Error::Io(e)) => {
+                    return Err(Failure {
+                        code: 1,
+                        message: format!("stdout: {e}"),
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     Ok(())

@@ -497,3 +497,67 @@ async fn bench_reports_rates_latencies_and_errors_by_code() {
     .unwrap();
     cluster.stop().await;
 }
+
+/// `get` to stdout streams: a blob much larger than the chunk size is not
+/// held in memory whole before its first byte is printed (before, it was:
+/// a blob larger than memory could not be read to stdout). The child's
+/// peak memory is read while it waits on a full pipe after printing its
+/// first bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_blob_to_stdout_is_streamed_not_held() {
+    use std::io::Read;
+    const SIZE: usize = 96 << 20;
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let url = cluster.url.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("big");
+    let content: Vec<u8> = (0..SIZE as u32).map(|i| (i % 249) as u8).collect();
+    std::fs::write(&file, &content).unwrap();
+    let file = file.display().to_string();
+    tokio::task::spawn_blocking(move || {
+        expect(&run(&url, &["put", "default", "big", &file], b""), 0);
+        let mut child = Command::new(BIN)
+            .args([
+                "--coordinator",
+                &url,
+                "--timeout",
+                "60",
+                "get",
+                "default",
+                "big",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut first = vec![0u8; 1 << 16];
+        stdout.read_exact(&mut first).unwrap();
+        // Let the child fill the pipe and block on it.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+        let peak_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmHWM in /proc/<pid>/status");
+        let mut rest = Vec::with_capacity(SIZE);
+        stdout.read_to_end(&mut rest).unwrap();
+        let output = child.wait_with_output().unwrap();
+        expect(&output, 0);
+        first.extend_from_slice(&rest);
+        assert!(
+            first.len() == SIZE && first == content,
+            "the bytes printed are the blob's"
+        );
+        println!("tidectl peak resident memory while printing: {peak_kib} KiB");
+        assert!(
+            peak_kib < (SIZE as u64 / 1024) * 2 / 3,
+            "tidectl held {peak_kib} KiB for a {} MiB blob: not streamed",
+            SIZE >> 20
+        );
+    })
+    .await
+    .unwrap();
+    cluster.stop().await;
+}
