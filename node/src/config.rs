@@ -558,9 +558,9 @@ impl NodeConfig {
                 self.limits.max_request_bytes
             ));
         }
-        if self.limits.in_flight_mib.saturating_mul(1 << 20) < self.raft.max_value_bytes {
+        if self.limits.in_flight_mib.saturating_mul(1 << 20) < 2 * self.raft.max_value_bytes {
             return bad(format!(
-                "limits.in_flight_mib ({} MiB) must hold the largest value (raft.max_value_bytes, {} bytes)",
+                "limits.in_flight_mib ({} MiB) must hold two of the largest values (raft.max_value_bytes, {} bytes): a manifest being checked holds one of its chunks",
                 self.limits.in_flight_mib, self.raft.max_value_bytes
             ));
         }
@@ -1029,10 +1029,10 @@ mod tests {
                 .to_string();
             assert!(error.contains(reason), "{limits}: {error}");
         }
-        let text = "node_id = 1\n[limits]\nin_flight_mib = 1\n[raft]\nmax_value_bytes = 1048576\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{ id = 1, address = \"http://a\" }]\n";
+        let text = "node_id = 1\n[limits]\nin_flight_mib = 2\n[raft]\nmax_value_bytes = 1048576\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{ id = 1, address = \"http://a\" }]\n";
         NodeConfig::from_toml(text)
             .and_then(|c| c.validate())
-            .expect("a budget holding the largest value is valid");
+            .expect("a budget holding two of the largest values is valid");
     }
 
     #[test]

@@ -523,8 +523,9 @@ async fn a_stalled_put_and_an_oversized_request_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
     let cluster = TestCluster::start(3, 1, |c| {
-        c.limits.in_flight_mib = 1;
-        // The budget must hold the largest value (checked at start).
+        c.limits.in_flight_mib = 2;
+        // The budget must hold two of the largest values (checked at
+        // start): a manifest being checked holds one of its chunks too.
         c.raft.max_value_bytes = 1 << 20;
         c.limits.put_idle_timeout_ms = 1_000;
     })
@@ -539,22 +540,28 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
             leader = id;
         }
     }
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tx.send(PutRequest {
-        msg: Some(put_request::Msg::Header(PutHeader {
-            blob: blob("default", b"held"),
-            size: 900 * 1024,
-            ..PutHeader::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let mut client = cluster.client(leader).await;
-    let stalled = tokio::spawn(async move {
-        client
-            .put(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-    });
+    // Two puts announcing 1,000 KiB each, then silence: most of the budget.
+    let mut senders = Vec::new();
+    let mut stalled = Vec::new();
+    for name in [&b"held-1"[..], b"held-2"] {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("default", name),
+                size: 1000 * 1024,
+                ..PutHeader::default()
+            })),
+        })
+        .await
+        .unwrap();
+        let mut client = cluster.client(leader).await;
+        stalled.push(tokio::spawn(async move {
+            client
+                .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        }));
+        senders.push(tx);
+    }
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     let refused = put_on(&cluster, leader, "default", b"more", &[1; 200 * 1024])
         .await
@@ -566,13 +573,121 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
             .retry_after_ms
             > 0
     );
-    // The stalled put times out; its bytes are released.
-    let status = stalled.await.unwrap().unwrap_err();
-    assert_eq!(code(&status), ErrorCode::Timeout);
-    drop(tx);
+    // The stalled puts time out; their bytes are released.
+    for put in stalled {
+        let status = put.await.unwrap().unwrap_err();
+        assert_eq!(code(&status), ErrorCode::Timeout);
+    }
+    drop(senders);
     put_on(&cluster, leader, "default", b"more", &[1; 200 * 1024])
         .await
         .unwrap();
+    cluster.shutdown().await;
+}
+
+/// A manifest check in a content-addressed namespace holds one chunk at a
+/// time, counted against the caller's in-flight budget: with the budget
+/// nearly taken the manifest put is refused `OVERLOADED` (retryable), not
+/// checked outside every budget; once the budget is free it is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_manifest_check_counts_the_chunk_it_holds() {
+    let cluster = TestCluster::start(3, 1, |c| {
+        c.limits.in_flight_mib = 2;
+        c.raft.max_value_bytes = 1 << 20;
+        c.limits.put_idle_timeout_ms = 1_000;
+    })
+    .await;
+    let whole: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
+    let halves = [&whole[..512 << 10], &whole[512 << 10..]];
+    let sha = |bytes: &[u8]| Sha256::digest(bytes).to_vec();
+    let mut leader = 0;
+    for half in halves {
+        put(&cluster, "cas", &sha(half), half).await.unwrap();
+    }
+    for id in 1..=3 {
+        if get_on(
+            &cluster,
+            id,
+            "cas",
+            &sha(halves[0]),
+            ReadConsistency::Linearizable,
+        )
+        .await
+        .is_ok()
+        {
+            leader = id;
+        }
+    }
+    let manifest = tidepool_proto::v1::ChunkManifest {
+        size: whole.len() as u64,
+        sha256: sha(&whole),
+        chunks: halves
+            .iter()
+            .map(|h| tidepool_proto::v1::ChunkRef {
+                key: sha(h),
+                size: h.len() as u64,
+                sha256: sha(h),
+            })
+            .collect(),
+        nonce: 0,
+    };
+    let bytes = prost::Message::encode_to_vec(&manifest);
+    let manifest_put = || {
+        tokio_stream::iter(vec![
+            PutRequest {
+                msg: Some(put_request::Msg::Header(PutHeader {
+                    blob: blob("cas", &sha(&whole)),
+                    size: bytes.len() as u64,
+                    kind: BlobKind::Manifest as i32,
+                    ..PutHeader::default()
+                })),
+            },
+            PutRequest {
+                msg: Some(put_request::Msg::Data(bytes.clone().into())),
+            },
+        ])
+    };
+    // 1,536 KiB of the 2 MiB budget held by stalled puts: the manifest
+    // (a few bytes) fits, its 512 KiB chunk does not.
+    let mut senders = Vec::new();
+    let mut stalled = Vec::new();
+    for (name, size) in [(&b"held-1"[..], 1u64 << 20), (b"held-2", 512 << 10)] {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("default", name),
+                size,
+                ..PutHeader::default()
+            })),
+        })
+        .await
+        .unwrap();
+        let mut client = cluster.client(leader).await;
+        stalled.push(tokio::spawn(async move {
+            client
+                .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        }));
+        senders.push(tx);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let refused = cluster
+        .client(leader)
+        .await
+        .put(manifest_put())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Overloaded, "{refused:?}");
+    for put in stalled {
+        assert_eq!(code(&put.await.unwrap().unwrap_err()), ErrorCode::Timeout);
+    }
+    drop(senders);
+    cluster
+        .client(leader)
+        .await
+        .put(manifest_put())
+        .await
+        .expect("checked and stored once the budget is free");
     cluster.shutdown().await;
 }
 

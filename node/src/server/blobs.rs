@@ -494,7 +494,7 @@ impl BlobApi {
         }
         if target.namespace.content_addressed && kind == BlobKind::Manifest {
             let key = &header.blob.as_ref().expect("checked").key;
-            super::manifests::verify(&self.node, &target.namespace, key, content).await?;
+            super::manifests::verify(&self.node, &caller, &target.namespace, key, content).await?;
         }
         self.check_space(&target)?;
         let size = header.size;

@@ -10,7 +10,11 @@
 //! reads every chunk from the shard that holds it — through the cluster,
 //! as a peer reading with its own certificate — and hashes them in order:
 //! the manifest is stored only if every chunk exists and the whole
-//! digest is the key. One chunk is held at a time.
+//! digest is the key. One chunk is held at a time, counted against the
+//! caller's in-flight budget while held, and at most [`CHECKS_AT_ONCE`]
+//! checks run on a node (others wait their turn): a manifest listing one
+//! chunk 55,000 times makes its node read about 220 GiB, and many of them
+//! at once held a chunk each outside every budget.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +32,8 @@ use super::Node;
 
 /// Attempts per chunk (a leader change in between is followed).
 const ATTEMPTS: usize = 4;
+/// Manifest checks a node runs at once.
+pub(crate) const CHECKS_AT_ONCE: usize = 8;
 /// Deadline of reading one chunk.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -41,6 +47,7 @@ fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
 /// malformed.
 pub(crate) async fn verify(
     node: &Arc<Node>,
+    caller: &tidepool_security::Caller,
     namespace: &Namespace,
     key: &[u8],
     content: &[u8],
@@ -79,8 +86,17 @@ pub(crate) async fn verify(
             ),
         ));
     }
+    let _turn = node
+        .manifest_checks
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| node.error(ErrorCode::ShuttingDown, "the node is stopping"))?;
     let mut whole = Sha256::new();
     for chunk in &manifest.chunks {
+        // Held while the chunk is: refused (OVERLOADED, retryable) when
+        // the caller's share of the budget is taken.
+        let _held = node.reserve(chunk.size, caller)?;
         let bytes = read_chunk(node, namespace, &chunk.key, chunk.size).await?;
         if Sha256::digest(&bytes)[..] != chunk.sha256[..] {
             return Err(node.error(
@@ -134,7 +150,8 @@ async fn read_chunk(
                 Ok(Ok(bytes)) => return Ok(bytes),
                 Ok(Err(status)) => {
                     let detail = error_detail(&status);
-                    match detail.as_ref().map(|d| d.code()) {
+                    let peer_code = detail.as_ref().map(|d| d.code());
+                    match peer_code {
                         Some(ErrorCode::NotFound) => {
                             return Err(node.error(
                                 ErrorCode::NotFound,
@@ -149,10 +166,16 @@ async fn read_chunk(
                         }
                         _ => {}
                     }
-                    last = node.error(
-                        ErrorCode::NoQuorum,
-                        format!("reading a chunk: {}", status.message()),
-                    );
+                    // A busy replica is the client's to retry later (as
+                    // OVERLOADED says); anything else, no replica served.
+                    let code = match peer_code {
+                        Some(ErrorCode::Overloaded) => ErrorCode::Overloaded,
+                        _ => ErrorCode::NoQuorum,
+                    };
+                    last = node.error(code, format!("reading a chunk: {}", status.message()));
+                    if code == ErrorCode::Overloaded {
+                        last.detail.retry_after_ms = 100;
+                    }
                     if target.is_some() {
                         break;
                     }

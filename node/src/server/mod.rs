@@ -105,6 +105,9 @@ pub struct Node {
     /// KiB of it each token holds now (by token name): one token takes at
     /// most half.
     in_flight_by_token: TokenTally,
+    /// Manifest checks running at once (`manifests::verify`): each reads
+    /// every chunk a manifest lists from the cluster.
+    pub(crate) manifest_checks: Arc<tokio::sync::Semaphore>,
     /// Becomes true when the node begins to stop; long-lived streams
     /// (peers' Raft traffic) end on it.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -218,6 +221,7 @@ impl Node {
             outbox: Arc::new(Outbox::default()),
             metrics: NodeMetrics::default(),
             in_flight_by_token: Arc::default(),
+            manifest_checks: Arc::new(tokio::sync::Semaphore::new(manifests::CHECKS_AT_ONCE)),
             in_flight: Arc::new(tokio::sync::Semaphore::new(
                 in_flight_kib.min(u64::from(u32::MAX)) as usize,
             )),
