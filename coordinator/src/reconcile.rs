@@ -201,6 +201,18 @@ pub(crate) fn moves_of(
         .collect()
 }
 
+/// Whether a refused split decision says the shard cannot split (its
+/// range, a split already under way): not tried again this term. A store
+/// that did not answer, or a leadership lost meanwhile, is not the
+/// shard's doing: it is tried again next round (before, one etcd hiccup
+/// kept a shard from ever splitting until the next leader).
+fn refuses_for_good(error: &CoordinatorError) -> bool {
+    matches!(
+        error,
+        CoordinatorError::Conflict(_) | CoordinatorError::InvalidArgument(_)
+    )
+}
+
 /// The moves that take this round's `max` slots, in order. A move that
 /// cannot go on (a step now would risk the shard's majority; its target
 /// node is not live) takes none: two such shards held every other move
@@ -374,14 +386,19 @@ impl Reconciler {
         }
         let alive = alive(&shared).await?;
         let now = Instant::now();
+        let reports = self.poll(&map, &alive).await;
+        // Down since it last answered a status poll: a node whose lease
+        // is kept (its heartbeats arrive) but which does not answer the
+        // coordinator (an address it cannot reach, a process too stalled
+        // to answer) counted as live for good — its replicas never
+        // rebuilt, new ones planned onto it.
         for node in &map.nodes {
-            if alive.contains_key(&node.node_id) {
+            if reports.contains_key(&node.node_id) {
                 self.down_since.remove(&node.node_id);
             } else {
                 self.down_since.entry(node.node_id).or_insert(now);
             }
         }
-        let reports = self.poll(&map, &alive).await;
         let held = reports.iter().map(|(id, r)| (*id, r.map_version));
         if shared.note_node_maps(held, true).await?.is_some() {
             // Planning from an older map than the nodes hold would undo
@@ -1135,7 +1152,9 @@ impl Reconciler {
                     ),
                     Err(error) => {
                         tracing::warn!(shard_id, %error, "cannot decide a split");
-                        self.unsplittable.insert(shard_id);
+                        if refuses_for_good(&error) {
+                            self.unsplittable.insert(shard_id);
+                        }
                     }
                 }
             }
@@ -1162,7 +1181,9 @@ impl Reconciler {
                         ),
                         Err(error) => {
                             tracing::warn!(shard_id, %error, "cannot decide a split");
-                            self.unsplittable.insert(shard_id);
+                            if refuses_for_good(&error) {
+                                self.unsplittable.insert(shard_id);
+                            }
                         }
                     },
                     Hot::NoCut {
@@ -1332,6 +1353,23 @@ fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
 mod tests {
     use super::*;
     use crate::placement::{moves, place};
+
+    /// Only a refusal about the shard itself keeps it from splitting for
+    /// the term; a store error or a lost leadership is tried again.
+    #[test]
+    fn only_the_shards_own_refusal_makes_it_unsplittable() {
+        use crate::meta::MetaError;
+        assert!(refuses_for_good(&CoordinatorError::Conflict(
+            "a split under way".into()
+        )));
+        assert!(refuses_for_good(&CoordinatorError::InvalidArgument(
+            "range".into()
+        )));
+        assert!(!refuses_for_good(&CoordinatorError::Meta(
+            MetaError::Unavailable("etcd: deadline".into())
+        )));
+        assert!(!refuses_for_good(&CoordinatorError::NotLeader));
+    }
 
     /// Moves that cannot go on take no slot; a catching-up learner does.
     #[test]

@@ -54,6 +54,8 @@ struct Group {
     catch_up: bool,
     /// Nodes whose replica reports its engine failed.
     failed: BTreeSet<u64>,
+    /// Nodes that keep heartbeating but answer no status poll.
+    unreachable: BTreeSet<u64>,
     /// Calls, in order: "open 4", "add_learner 4", "remove 4", "close 4".
     calls: Vec<String>,
 }
@@ -172,6 +174,11 @@ impl NodeAdmin for Scripted {
     async fn status(&self, _: Request<NodeStatusRequest>) -> Result<Response<NodeStatus>, Status> {
         let id = self.id();
         let mut group = self.group.lock().unwrap();
+        if group.unreachable.contains(&id) {
+            return Err(Status::unavailable(
+                "scripted: not reachable from the coordinator",
+            ));
+        }
         let mut replicas = Vec::new();
         if group.open.contains(&id) && group.failed.contains(&id) {
             // Down: every field at its default but these.
@@ -433,5 +440,40 @@ async fn a_replica_whose_engine_failed_is_counted_down_then_replaced() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(group.lock().unwrap().voters, BTreeSet::from([1, 2, fourth]));
+    coordinator.stop().await.unwrap();
+}
+
+/// A node that keeps its lease (heartbeats) but answers no status poll —
+/// an address the coordinator cannot reach, a process too stalled to
+/// answer — is down once it has not answered for the grace period, and its
+/// replica is rebuilt on another node. Before, a live lease counted it live
+/// for good: its replicas were never rebuilt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_heartbeats_but_answers_no_poll_is_replaced() {
+    const GRACE: Duration = Duration::from_millis(2_000);
+    let config = CoordinatorConfig {
+        down_grace_ms: GRACE.as_millis() as u64,
+        ..CoordinatorConfig::default()
+    };
+    let group = Group {
+        catch_up: true,
+        ..Group::default()
+    };
+    let (coordinator, _url, group, fourth) = founded(config, group).await;
+    let under = || coordinator.shared.progress.lock().under_replicated;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while under() != 0 {
+        assert!(Instant::now() < deadline, "settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let silent_at = Instant::now();
+    group.lock().unwrap().unreachable.insert(3);
+    wait_for(&group, Duration::from_secs(20), "replaced", |g| {
+        g.voters.contains(&fourth) && !g.members().contains(&3)
+    })
+    .await;
+    let took = silent_at.elapsed();
+    println!("replaced after {took:?}: {:?}", group.lock().unwrap().calls);
+    assert!(took >= GRACE, "not before the grace period: {took:?}");
     coordinator.stop().await.unwrap();
 }
