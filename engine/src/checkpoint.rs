@@ -117,11 +117,24 @@ impl Checkpoint {
             if whole && storage.hard_link(&self.dir.join(&file.path), &path).is_ok() {
                 continue;
             }
-            // Blocks for the bytes copied only: the rest of a tail segment
-            // is allocated as the new engine writes it, as its own are.
+            // Written under a temporary name and renamed once synced: a
+            // copy cut short leaves no file under its name (a control file
+            // created but not yet written made the copy an engine that
+            // never opened). Blocks for the bytes copied only: the rest of
+            // a tail segment is allocated as the new engine writes it, as
+            // its own are.
+            let partial = path.with_extension(match path.extension() {
+                Some(ext) => format!("{}.partial", ext.to_string_lossy()),
+                None => "partial".to_string(),
+            });
+            if storage.exists(&partial) {
+                storage
+                    .remove(&partial)
+                    .map_err(|e| Error::io(&partial, e))?;
+            }
             let out = storage
-                .create_sparse(&path, file.file_len, file.len)
-                .map_err(|e| Error::io(&path, e))?;
+                .create_sparse(&partial, file.file_len, file.len)
+                .map_err(|e| Error::io(&partial, e))?;
             let mut buf = vec![0; (1 << 20).min(file.len as usize)];
             let mut offset = 0;
             while offset < file.len {
@@ -132,6 +145,10 @@ impl Checkpoint {
                 offset += n as u64;
             }
             out.sync_all().map_err(|e| Error::io(&path, e))?;
+            drop(out);
+            storage
+                .rename(&partial, &path)
+                .map_err(|e| Error::io(&path, e))?;
             copied += file.len;
         }
         // Children first, the engine's directory last.

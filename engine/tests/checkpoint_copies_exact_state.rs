@@ -270,3 +270,49 @@ fn a_local_copy_links_whole_segments_and_either_side_moves_on_alone() {
         "the child without its parent"
     );
 }
+
+/// A copy cut short (the process killed at any storage operation of
+/// `materialize`) is either no engine at all (no control file) or one
+/// that opens with the checkpoint's state. Before, the control file was
+/// created under its name and then written: killed in between, the copy
+/// had a zero-filled control file, counted as an engine, and never opened.
+#[test]
+fn a_copy_cut_short_is_no_engine_or_a_whole_one() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for k in 0..40 {
+        engine
+            .put(ks, &key(k), &value(k, 0, 900), Durability::Buffered)
+            .unwrap();
+    }
+    let checkpoint = engine.checkpoint().unwrap();
+    let dir = Path::new("/copy");
+    let mut copy_config = config.clone();
+    copy_config.dir = dir.into();
+    // Operations a whole copy takes.
+    let whole = FaultStorage::default();
+    checkpoint.materialize(&whole, dir).unwrap();
+    let ops = whole.ops();
+    let mut opened = 0;
+    for crash_at in 1..=ops {
+        let target = FaultStorage::default();
+        target.crash_at_op(crash_at);
+        assert!(checkpoint.materialize(&target, dir).is_err());
+        let after = target.restart_process();
+        if !tidepool_engine::engine_exists(&after, dir) {
+            continue;
+        }
+        let copy = open(&after, &copy_config).unwrap_or_else(|e| {
+            panic!("cut at operation {crash_at} of {ops}: a control file, but no engine: {e}")
+        });
+        assert_eq!(
+            copy.get(ks, &key(7)).unwrap().as_deref(),
+            Some(&value(7, 0, 900)[..]),
+            "cut at operation {crash_at}"
+        );
+        opened += 1;
+        drop(copy);
+    }
+    println!("{ops} operations; cut after the control file's rename {opened} times");
+}
