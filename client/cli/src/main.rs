@@ -519,11 +519,13 @@ async fn put(
         let key = match key_bytes {
             Some(key) => key,
             None => {
-                // The key is the digest: hash the file first.
-                let bytes = tokio::fs::read(&path)
+                // The key is the digest: hash the file first, a block at a
+                // time (it was read whole into memory: a file larger than
+                // memory could not be stored).
+                file_sha256(&path)
                     .await
-                    .map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?;
-                tidepool_client::sha256(&bytes).to_vec()
+                    .map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?
+                    .to_vec()
             }
         };
         let bar = progress_bar(size);
@@ -550,6 +552,22 @@ async fn put(
         },
     );
     Ok(())
+}
+
+/// The SHA-256 of the file at `path`, read a mebibyte at a time.
+async fn file_sha256(path: &std::path::Path) -> std::io::Result<[u8; 32]> {
+    use tokio::io::AsyncReadExt;
+    let mut file = tokio::fs::File::open(path).await?;
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buffer).await?;
+        if n == 0 {
+            return Ok(hasher.finalize().into());
+        }
+        hasher.update(&buffer[..n]);
+    }
 }
 
 /// A temporary name beside `path`, unique to this process and call:
