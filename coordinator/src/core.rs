@@ -501,10 +501,10 @@ impl Shared {
             // A restored map goes above what the cache served too (nodes
             // took it), though the store was behind it.
             let served = if restoring { seen } else { 0 };
-            next.version = next.version.max(current.version).max(served) + 1;
+            next.version = next_version(next.version.max(current.version).max(served))?;
             ops.push(Op::Put {
                 key: self.keys.map(),
-                value: encode_map(&next),
+                value: bounded_map(&next)?,
                 lease: None,
             });
             let compares = vec![
@@ -562,10 +562,10 @@ impl Shared {
             if !change(&mut next) {
                 return Ok(false);
             }
-            next.version = current.version + 1;
+            next.version = next_version(current.version)?;
             let ops = vec![Op::Put {
                 key: self.keys.map(),
-                value: encode_map(&next),
+                value: bounded_map(&next)?,
                 lease: None,
             }];
             let compares = vec![Compare::ModRevision(self.keys.map(), revision)];
@@ -854,6 +854,38 @@ impl Shared {
     }
 }
 
+/// Largest encoded cluster map stored: etcd refuses requests over 1.5 MiB
+/// by default, and a map it refused made every change fail as if the
+/// store were down (`NO_QUORUM`), its cause hidden.
+pub const MAX_MAP_BYTES: usize = 1 << 20;
+
+/// `map` encoded, or `INVALID_ARGUMENT` naming its size if over
+/// [`MAX_MAP_BYTES`] (the change that made it so is refused; the map
+/// stays as it was).
+fn bounded_map(map: &ClusterMap) -> Result<Vec<u8>, CoordinatorError> {
+    let bytes = encode_map(map);
+    if bytes.len() > MAX_MAP_BYTES {
+        return Err(CoordinatorError::InvalidArgument(format!(
+            "the change would make the cluster map {} bytes, over its {MAX_MAP_BYTES}-byte limit \
+             ({} nodes, {} shards, {} namespaces, {} tokens)",
+            bytes.len(),
+            map.nodes.len(),
+            map.shards.len(),
+            map.namespaces.len(),
+            map.tokens.len()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// The version after `version`: `CONFLICT` at the end of the range (a
+/// map stored at `u64::MAX` wrapped to 0, below every node's).
+fn next_version(version: u64) -> Result<u64, CoordinatorError> {
+    version
+        .checked_add(1)
+        .ok_or_else(|| CoordinatorError::Conflict("map versions are exhausted".into()))
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -875,6 +907,33 @@ fn storable_cluster_id(cluster_id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A change that would make the map too large for the store is refused
+    /// with its size (`INVALID_ARGUMENT`), not sent for etcd to refuse as if
+    /// down; version arithmetic stops at the end of the range.
+    #[test]
+    fn a_map_over_its_limit_and_the_last_version_are_refused() {
+        let mut map = ClusterMap::default();
+        assert!(bounded_map(&map).is_ok());
+        map.tokens = (0..15_000)
+            .map(|i| tidepool_proto::v1::TokenRecord {
+                name: format!("token-{i:06}-with-a-long-descriptive-name"),
+                sha256: vec![7; 32],
+                ..Default::default()
+            })
+            .collect();
+        match bounded_map(&map) {
+            Err(CoordinatorError::InvalidArgument(why)) => {
+                assert!(why.contains("15000 tokens"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(next_version(7).unwrap(), 8);
+        assert!(matches!(
+            next_version(u64::MAX),
+            Err(CoordinatorError::Conflict(_))
+        ));
+    }
 
     fn behind(node_id: u64, node_version: u64, store_version: u64) -> Option<StoreBehind> {
         Some(StoreBehind {

@@ -19,6 +19,9 @@ use crate::schema::durable;
 const MAX_ADDRESS: usize = 256;
 /// Longest zone label.
 const MAX_ZONE: usize = 64;
+/// How far above the highest node id in the map a registering node's own
+/// id may be (ids a restored map lost, handed out since its backup).
+const UNKNOWN_NODE_ID_SLACK: u64 = 1_024;
 
 fn check_retention(retention: Option<Retention>) -> Result<Retention, CoordinatorError> {
     let retention = retention.unwrap_or_else(durable);
@@ -68,6 +71,18 @@ impl Shared {
                     ));
                 }
                 let id = if request.node_id != 0 {
+                    // An id the map lacks is taken back (a node whose id a
+                    // restored map lost) only near the ids handed out: one
+                    // picked at u64::MAX exhausted every id for good.
+                    let last = map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0);
+                    if !map.nodes.iter().any(|n| n.node_id == request.node_id)
+                        && request.node_id > last.saturating_add(UNKNOWN_NODE_ID_SLACK)
+                    {
+                        return Err(CoordinatorError::InvalidArgument(format!(
+                            "node id {} was never handed out here (the highest is {last}); register with 0 for a new id",
+                            request.node_id
+                        )));
+                    }
                     request.node_id
                 } else {
                     let last = map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0);

@@ -189,11 +189,20 @@ impl CoordinatorService for CoordinatorApi {
                     .same_cluster(status.node_id, &status.address, &request.cluster_id)
                 {
                     Ok(()) => {
+                        // The map version a node holds is believed only
+                        // from the node itself: a known id whose binding
+                        // the caller's certificate holds. Before, any node
+                        // certificate could claim any id held map
+                        // u64::MAX, and the store counted behind it froze
+                        // every map change (token revocations included).
                         let held = [(status.node_id, status.map_version)];
-                        if let Err(error) = self.shared.note_node_maps(held, false).await {
+                        let beat = self.shared.heartbeat(status, caller.node_name()).await;
+                        if beat.is_ok()
+                            && let Err(error) = self.shared.note_node_maps(held, false).await
+                        {
                             tracing::warn!(%error, "cannot compare a node's map with the store's");
                         }
-                        self.shared.heartbeat(status, caller.node_name()).await
+                        beat
                     }
                     Err(error) => Err(error),
                 }

@@ -259,6 +259,37 @@ async fn changes_go_to_the_leader_and_reads_to_anyone() {
         .await
         .unwrap_err();
     assert_eq!(code(&e), ErrorCode::NodeNotFound);
+    // An id far above any handed out is refused (one at u64::MAX left no
+    // id for any new node); a heartbeat of an unknown node claiming a map
+    // far ahead is refused and marks nothing (it froze every map change).
+    let e = leader
+        .register_node(RegisterNodeRequest {
+            node_id: u64::MAX,
+            address: "http://127.0.0.1:9".into(),
+            ..RegisterNodeRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::InvalidArgument);
+    let e = leader
+        .heartbeat(HeartbeatRequest {
+            status: Some(NodeStatus {
+                node_id: 43,
+                map_version: u64::MAX,
+                ..NodeStatus::default()
+            }),
+            cluster_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NodeNotFound);
+    leader
+        .create_namespace(CreateNamespaceRequest {
+            name: "after-a-false-heartbeat".into(),
+            ..CreateNamespaceRequest::default()
+        })
+        .await
+        .expect("the map still changes");
 
     // A node whose data belongs to another cluster is refused, and the
     // map is left as it was; one of this cluster registers again.
