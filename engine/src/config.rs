@@ -150,6 +150,15 @@ pub struct Config {
     /// so relocation would count their segments as garbage and delete
     /// them. Without it (the default) an engine keeps nothing extra.
     pub retain_log_until_set: bool,
+    /// Snapshots keep the replay position the engine opened with until the
+    /// application calls [`Engine::release_replay_hold`](crate::Engine::release_replay_hold).
+    /// For a replication layer that applies committed records again after
+    /// a restart from [`Engine::recovered_replay_from`](crate::Engine::recovered_replay_from):
+    /// a snapshot written before it has (the engine's background one, a
+    /// few seconds after opening) found no unflushed change, moved the
+    /// replay position to the WAL's end with the old application state,
+    /// and a crash then left those records' index changes out for good.
+    pub hold_replay_until_released: bool,
     /// Records of [`Engine::append`](crate::Engine::append) at least this
     /// long are written to their segment with one `pwritev` instead of
     /// being copied into its mapping (0: never). A copy into a mapping
@@ -195,6 +204,7 @@ impl Default for Config {
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
             retain_log_until_set: false,
+            hold_replay_until_released: false,
             append_pwrite_min_bytes: DEFAULT_APPEND_PWRITE_MIN_BYTES,
             key_spaces: vec![KeySpaceConfig {
                 name: "default".into(),
@@ -244,6 +254,7 @@ impl Config {
             relocation_bytes_per_sec: 64 << 20,
             relocation_segments_per_pass: 8,
             retain_log_until_set: false,
+            hold_replay_until_released: false,
             append_pwrite_min_bytes: DEFAULT_APPEND_PWRITE_MIN_BYTES,
             key_spaces: vec![
                 KeySpaceConfig {

@@ -49,6 +49,10 @@ pub(crate) struct Inner {
     pub health: Arc<Health>,
     pub log_id: [u8; 16],
     pub values: Log,
+    /// The highest replay position a snapshot may record (`u64::MAX`:
+    /// none): the open's, until the application releases it
+    /// ([`Config::hold_replay_until_released`]).
+    pub replay_hold: std::sync::atomic::AtomicU64,
     pub index: IndexStore,
     pub table: LargeTable,
     pub cache: EngineCache,

@@ -127,11 +127,17 @@ pub(crate) fn open(
         },
     )?;
     let cache = EngineCache::new(memory.cache().clone());
+    let replay_hold = if config.hold_replay_until_released {
+        control.replay_from.0
+    } else {
+        u64::MAX
+    };
     let inner = Arc::new(Inner {
         storage,
         health,
         log_id: control.log_id,
         values,
+        replay_hold: std::sync::atomic::AtomicU64::new(replay_hold),
         index: IndexStore {
             log: index,
             bits_per_key: config.bloom_bits_per_key,

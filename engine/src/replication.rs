@@ -355,6 +355,15 @@ impl Engine {
             .map_or(WalPosition(0), |c| c.replay_from)
     }
 
+    /// The application applied again what a restart left it
+    /// ([`Engine::recovered_replay_from`] onward): snapshots may move the
+    /// replay position on ([`Config::hold_replay_until_released`](crate::Config::hold_replay_until_released)).
+    pub fn release_replay_hold(&self) {
+        self.inner
+            .replay_hold
+            .store(u64::MAX, std::sync::atomic::Ordering::Release);
+    }
+
     /// Starts a new epoch: rolls the WAL to a new segment belonging to it.
     /// Epochs only grow.
     pub fn advance_epoch(&self, epoch: Epoch) -> Result<()> {

@@ -50,7 +50,9 @@ pub(crate) fn write_snapshot_then<T>(
     inner.health.check()?;
     let p0 = inner.values.processed().0;
     let app_state = crate::replication::current_app_state(inner);
-    let mut replay_from = p0;
+    // Not past the open's while the application holds it (it has not
+    // applied its records again yet: `Config::hold_replay_until_released`).
+    let mut replay_from = p0.min(inner.replay_hold.load(std::sync::atomic::Ordering::Acquire));
     let mut index_end = 0u64;
     let mut spaces = Vec::new();
     for space in &inner.table.spaces {

@@ -314,3 +314,43 @@ fn a_filter_set_later_is_shed_in_the_background_without_new_writes() {
     println!("{unshed} of {dropped} keys to shed are still in the active segment");
     assert!(unshed * VALUE_BYTES as u64 <= config.wal_segment_bytes && unshed < dropped / 2);
 }
+
+/// Index relocation asked for everything (a cutoff past the WAL's end)
+/// relocates what the WAL held when it began and keeps its own copies:
+/// before, the segments its copies filled counted as emptied (sealed,
+/// entirely below the cutoff) and were deleted, and every key read from a
+/// deleted segment.
+#[test]
+fn relocating_below_a_cutoff_past_the_end_keeps_its_copies() {
+    let (storage, _) = fault_storage();
+    let config = config();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    for k in 0..200 {
+        engine
+            .put(ks, &key(k), &value(k, 0, VALUE_BYTES), Durability::Buffered)
+            .unwrap();
+    }
+    engine
+        .relocate(Strategy::Index {
+            below: WalPosition(u64::MAX),
+        })
+        .unwrap();
+    for k in 0..200 {
+        assert_eq!(
+            engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec()),
+            Some(value(k, 0, VALUE_BYTES)),
+            "key {k}"
+        );
+    }
+    engine.close().unwrap();
+    drop(engine);
+    let engine = open(&storage, &config).unwrap();
+    for k in 0..200 {
+        assert_eq!(
+            engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec()),
+            Some(value(k, 0, VALUE_BYTES)),
+            "key {k} after a reopen"
+        );
+    }
+}

@@ -270,3 +270,58 @@ fn an_item_applied_again_after_a_restart_does_not_hide_its_relocated_copy() {
     );
     engine.close().unwrap();
 }
+
+/// With `hold_replay_until_released`, a snapshot written after a restart
+/// but before the application applied its records again (the engine's
+/// background one, seconds after opening) keeps the replay position the
+/// engine opened with: before, it found no unflushed change, recorded the
+/// WAL's end, and a second crash left the record's index change out for
+/// good (the application re-applies from `recovered_replay_from`).
+#[test]
+fn a_snapshot_before_the_records_are_applied_again_keeps_the_replay_position() {
+    let (storage, mut config) = fault_storage();
+    config.hold_replay_until_released = true;
+    config.snapshot_interval_ms = 3_600_000;
+    let engine = open(&storage, &config).unwrap();
+    engine.release_replay_hold(); // a new engine: nothing to apply again
+    let ks = engine.key_space("default").unwrap();
+    engine.flush().unwrap();
+    let v = value(1, 1, 300);
+    let appended = engine
+        .append(
+            b"entry",
+            &[ItemInput {
+                space: ks,
+                op: ItemOp::Put,
+                key: &key(1),
+                value: &v,
+                epoch: Epoch(1),
+                tag: Tag(0),
+            }],
+        )
+        .unwrap();
+    engine.wait_synced(appended.end).unwrap();
+    engine.apply(&appended).unwrap();
+    // Killed before the change was flushed.
+    let next = storage.restart_process();
+    drop(engine);
+    let storage = next;
+    let engine = open(&storage, &config).unwrap();
+    assert!(engine.recovered_replay_from() <= appended.position);
+    // A snapshot before the application applies anything again, then
+    // killed again.
+    engine.flush().unwrap();
+    let next = storage.restart_process();
+    drop(engine);
+    let storage = next;
+    let engine = open(&storage, &config).unwrap();
+    assert!(
+        engine.recovered_replay_from() <= appended.position,
+        "the record is still to be applied again: replay from {:?}, record at {:?}",
+        engine.recovered_replay_from(),
+        appended.position
+    );
+    engine.apply(&appended).unwrap();
+    engine.release_replay_hold();
+    assert_eq!(engine.get(ks, &key(1)).unwrap().as_deref(), Some(&v[..]));
+}

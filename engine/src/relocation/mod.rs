@@ -335,6 +335,11 @@ impl Inner {
         below: WalPosition,
         filter: &dyn RelocationFilter,
     ) -> Result<RelocationReport> {
+        // Never past what the WAL held when the pass began: its own copies
+        // (and writes racing it) land after that, and a segment they fill
+        // is not emptied (asked for everything, `WalPosition(u64::MAX)`,
+        // the pass deleted the segments holding its copies).
+        let below = WalPosition(below.0.min(self.values.processed().0));
         let (mut report, kept) = self.move_entries(filter, None, |e| e.location < below.0)?;
         let size = self.config.wal_segment_bytes;
         let emptied: Vec<SegmentId> = if report.stopped {
@@ -468,14 +473,13 @@ impl Inner {
         Ok(())
     }
 
-    /// Whether any move or drop is still only in memory.
+    /// Whether any move or drop is still only in memory (or a change that
+    /// replaced one since: a touch or write of a moved key not yet
+    /// processed when the flush came left the move unflushed under it).
     fn has_unflushed_moves(&self) -> bool {
         let mut found = false;
         self.table.for_each_cell(|_, _, cell| {
-            found |= cell
-                .changes
-                .values()
-                .any(|c| c.record == crate::table::cell::Change::NO_RECORD);
+            found |= cell.holds_unflushed_move();
         });
         found
     }

@@ -61,6 +61,10 @@ pub(crate) struct Change {
     /// Position of the record; [`Change::NO_RECORD`] for a drop marker,
     /// which no record carries (it is durable once flushed).
     pub record: u64,
+    /// It replaced a relocation move or drop marker not yet flushed: until
+    /// it is, the durable index may still point where the move left (a
+    /// segment relocation must not delete yet).
+    pub covers_move: bool,
 }
 
 impl Change {
@@ -186,10 +190,17 @@ impl Cell {
     /// or the bloom filters: on the write path every extra cache miss
     /// counts).
     pub fn apply(&mut self, key: Key, entry: Entry, record: u64) -> Option<usize> {
-        let change = Change { entry, record };
+        let mut change = Change {
+            entry,
+            record,
+            covers_move: false,
+        };
         let added = match self.changes.entry(key) {
             Slot::Occupied(existing) if !entry.replaces(&existing.get().entry) => return None,
             Slot::Occupied(mut existing) => {
+                let old = existing.get();
+                change.covers_move = record != Change::NO_RECORD
+                    && (old.record == Change::NO_RECORD || old.covers_move);
                 *existing.get_mut() = change;
                 0
             }
@@ -276,6 +287,14 @@ impl Cell {
             .collect();
         flushable.sort_unstable_by_key(|(k, _)| *k);
         flushable
+    }
+
+    /// Whether a relocation move or drop marker is still only in memory
+    /// (itself, or under a change that replaced it since).
+    pub fn holds_unflushed_move(&self) -> bool {
+        self.changes
+            .values()
+            .any(|c| c.record == Change::NO_RECORD || c.covers_move)
     }
 
     /// The changes' entries below `bound` (all of them for `None`), in key
@@ -406,6 +425,29 @@ mod tests {
         dropped.location = Entry::DROPPED;
         cell.apply(key_array(b"d"), dropped, Change::NO_RECORD);
         assert_eq!(cell.flushable(0).len(), 1);
+    }
+
+    /// A write or touch replacing an unflushed move still counts as a move
+    /// until flushed: relocation deleted the moved-from segment while the
+    /// durable index still pointed into it (the move never reached disk).
+    #[test]
+    fn a_change_over_an_unflushed_move_counts_as_one() {
+        let mut cell = Cell::restored(&[]);
+        assert!(!cell.holds_unflushed_move());
+        cell.apply(key_array(b"k"), entry(5, false), 20);
+        assert!(!cell.holds_unflushed_move(), "a write alone");
+        let mut moved = entry(5, false);
+        moved.location = 900;
+        cell.apply(key_array(b"k"), moved, Change::NO_RECORD);
+        assert!(cell.holds_unflushed_move());
+        // Touched: same version and location, a newer epoch, a record.
+        let mut touched = moved;
+        touched.epoch = crate::types::Epoch(2);
+        cell.apply(key_array(b"k"), touched, 950);
+        assert!(cell.holds_unflushed_move(), "the touch covers the move");
+        // Overwritten: still covers it.
+        cell.apply(key_array(b"k"), entry(1_000, false), 1_000);
+        assert!(cell.holds_unflushed_move(), "the write covers the move");
     }
 
     #[test]
