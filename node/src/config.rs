@@ -711,6 +711,9 @@ impl NodeConfig {
             // The Raft log is records appended before they are applied:
             // nothing may delete them before the log has read itself back.
             retain_log_until_set: true,
+            // Committed entries are applied again after a restart from the
+            // open's replay position: snapshots keep it until they are.
+            hold_replay_until_released: true,
             append_pwrite_min_bytes: e.append_pwrite_min_kib.saturating_mul(1024),
             key_spaces: vec![
                 KeySpaceConfig {

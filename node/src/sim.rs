@@ -120,6 +120,7 @@ pub fn engine_config() -> Config {
     let mut config = Config::for_tests("/replica");
     // As `NodeConfig::engine_config` opens a node's replicas.
     config.retain_log_until_set = true;
+    config.hold_replay_until_released = true;
     config.key_spaces = vec![
         KeySpaceConfig {
             name: BLOB_KEY_SPACE.into(),

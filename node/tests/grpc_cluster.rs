@@ -895,3 +895,37 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
     assert!(replica_status(&cluster, 1, 1).await.is_none());
     cluster.shutdown().await;
 }
+
+/// Membership changes that would leave a group without a voter — removing
+/// its only voter, making it a learner — are refused (`CONFLICT`) when
+/// asked, and the group goes on: raft-rs takes such a change as a
+/// proposal and fails it only when it applies, and a replica failing in
+/// the middle of a Ready lost entries. A voter is not made a learner
+/// either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_leaving_a_group_no_voter_are_refused() {
+    let cluster = TestCluster::start(1, 1, |_| {}).await;
+    put(&cluster, "default", b"before", b"v").await.unwrap();
+    let status = replica_status(&cluster, 1, 1).await.unwrap();
+    for change in [MembershipChange::Remove, MembershipChange::AddLearner] {
+        let refused = cluster
+            .admin(1)
+            .await
+            .change_membership(ChangeMembershipRequest {
+                shard_id: 1,
+                change: change as i32,
+                node_id: 1,
+                expected_conf_version: status.conf_version,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            code(&refused),
+            ErrorCode::Conflict,
+            "{change:?}: {refused:?}"
+        );
+    }
+    put(&cluster, "default", b"after", b"w").await.unwrap();
+    assert_eq!(get(&cluster, "default", b"after").await.unwrap(), b"w");
+    cluster.shutdown().await;
+}

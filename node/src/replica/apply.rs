@@ -118,8 +118,11 @@ impl Replica {
                     let found = engine.touch_to(space, &key, Epoch(epoch), Durability::Buffered)?;
                     Ok(Some(found))
                 })?;
-                if first_time && !decided.applied {
-                    sessions.finish_entry(entry.index, vec![0]);
+                if first_time {
+                    // Decided under the same hold as the decision (see
+                    // `apply_write`).
+                    let skipped = if decided.applied { Vec::new() } else { vec![0] };
+                    sessions.finish_entry(entry.index, skipped);
                 }
                 return Ok(vec![decided.result]);
             }
@@ -235,7 +238,12 @@ fn apply_write(
     }
     // After the items: a crash between the two re-applies the entry.
     names.commit(Durability::Buffered)?;
-    if first_time && !skipped.is_empty() {
+    // The entry decided, under the same hold of the sessions as the
+    // decisions: a snapshot taking the sessions between the two (the
+    // engine's background one) saved the ops' records with the entry not
+    // decided, and re-applied after a crash the entry found its own ops
+    // duplicates and skipped them — an applied write lost on the replica.
+    if first_time {
         sessions.finish_entry(index, skipped);
     }
     Ok(results)
@@ -316,4 +324,62 @@ fn decide_op(
             applied: false,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tidepool_engine::storage::{FaultStorage, Storage};
+
+    use super::*;
+    use crate::session::SessionTag;
+
+    /// Applying a write entry records its ops' sessions and the entry as
+    /// decided in one hold of the sessions: nobody taking the sessions in
+    /// between (the engine's background snapshot) may see an op's record
+    /// without its entry decided — re-applied after a crash, that entry
+    /// found its own ops duplicates and skipped them. Before, an entry
+    /// whose ops all applied was marked decided only later, by the caller.
+    #[test]
+    fn a_write_entry_is_decided_with_its_ops_sessions() {
+        let storage: Arc<dyn Storage> = Arc::new(FaultStorage::default());
+        let engine = Engine::open_with_storage(crate::sim::engine_config(), storage).unwrap();
+        let space = engine.key_space(crate::replica::BLOB_KEY_SPACE).unwrap();
+        let names = engine.key_space(crate::names::NAMES_KEY_SPACE).unwrap();
+        let tag = SessionTag {
+            id: 7,
+            seq: 1,
+            opens: true,
+            time_ms: 1_000,
+        };
+        let op = WriteOp {
+            session: Some(tag),
+            ..crate::sim::put_op([3; 32], b"value".to_vec())
+        };
+        let ops = vec![op];
+        let item = tidepool_engine::ItemInput {
+            space,
+            op: tidepool_engine::ItemOp::Put,
+            key: &ops[0].key,
+            value: ops[0].value.as_deref().unwrap(),
+            epoch: Epoch(1),
+            tag: Tag(1),
+        };
+        let appended = engine.append(b"entry 5", &[item]).unwrap();
+        let target = Target {
+            engine: &engine,
+            space,
+            names,
+            range: None,
+        };
+        let mut sessions = Sessions::starting_at(4);
+        let results = apply_write(&target, &mut sessions, 5, &ops, &appended.items).unwrap();
+        assert_eq!(results, vec![OpResult::Done { existed: false }]);
+        assert!(
+            sessions.decided(5),
+            "the entry is decided in the same hold as its ops' records"
+        );
+        assert!(sessions.was_applied(5, 0));
+    }
 }

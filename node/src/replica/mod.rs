@@ -318,6 +318,8 @@ impl Replica {
         };
         replica.open_vote_hold();
         replica.reapply_after_restart()?;
+        // Applied again: snapshots may move the replay position on.
+        replica.engine().release_replay_hold();
         replica.show_range();
         replica.reads.never_answered = replica.config.durability == Durability::Synced
             && replica.raw.raft.term <= crate::raftlog::FOUNDING_TERM;
@@ -588,11 +590,9 @@ impl Replica {
             });
             return Ok(());
         }
-        match self.hold_if_transferring(data, done) {
-            Some((data, done)) => {
-                let context = crate::entry_context::encode(sync, traceparent);
-                self.propose_encoded(data, context, done)
-            }
+        let context = crate::entry_context::encode(sync, traceparent);
+        match self.hold_if_transferring(data, context, done) {
+            Some((data, context, done)) => self.propose_encoded(data, context, done),
             None => Ok(()),
         }
     }

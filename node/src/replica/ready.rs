@@ -42,7 +42,16 @@ impl Replica {
         &mut self,
         send_early: &mut dyn FnMut(Vec<Message>),
     ) -> Result<Vec<Message>> {
-        self.guarded(|replica| replica.handle_ready_unguarded(send_early))
+        // Any error fails the replica, not only the engine's: a Ready left
+        // half handled (raft-rs has moved past its committed entries) lost
+        // the rest of the batch's entries for good, each replica different
+        // ones (batches differ), and the Ready's messages.
+        match self.guarded(|replica| replica.handle_ready_unguarded(send_early)) {
+            Err(error) if !matches!(error, NodeError::Failed(_)) => {
+                Err(self.fail(format!("handling a Ready failed: {error}")))
+            }
+            result => result,
+        }
     }
 
     fn handle_ready_unguarded(
@@ -132,6 +141,9 @@ impl Replica {
         }
         let started = std::time::Instant::now();
         let engine = self.store.open_spare()?;
+        // A leader's checkpoint: everything it applied is in its index
+        // (the checkpoint flushes first), nothing to apply again.
+        engine.release_replay_hold();
         let hard_state = self.raw.store().hard_state().clone();
         let mut log = RaftLog::installed(engine, self.space, snapshot.get_metadata(), &hard_state)?;
         // The point of no return: from here on a restart opens the new slot.

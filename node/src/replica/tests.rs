@@ -285,3 +285,50 @@ fn a_follower_campaigns_within_the_election_spread_after_its_leader_goes_silent(
         "the control with raft-rs's default spread campaigns late in some cluster"
     );
 }
+
+/// A proposal held while a leadership transfer is pending keeps its entry
+/// context when it is proposed at last: a write asked to be synced (on a
+/// buffered group) is synced, and its trace context follows it. Before,
+/// held proposals were proposed with an empty context: acknowledged
+/// unsynced.
+#[test]
+fn a_proposal_held_through_a_transfer_keeps_its_sync_marker() {
+    use crate::command::Command;
+    use crate::entry_context::EntrySync;
+    use crate::sim::{SimOptions, put_op};
+
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let options = SimOptions::buffered_without_background_syncs();
+    let mut cluster = SimCluster::with_options(seed, 3, options);
+    assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
+    let leader = cluster.leader().unwrap();
+    cluster.run(5).unwrap();
+    let target = cluster.ids().into_iter().find(|i| *i != leader).unwrap();
+    cluster
+        .replica(leader)
+        .unwrap()
+        .transfer_leader(target)
+        .unwrap();
+    // The transfer hangs (its message never arrives) until raft-rs aborts it.
+    cluster.cut_one_way(leader, target);
+    assert!(cluster.replica(leader).unwrap().transferring());
+    let put = Command::Write(vec![put_op(key(1), vec![0xAB; 64])]);
+    let slot = cluster.propose_with(leader, &put, EntrySync::Always);
+    cluster.run(1).unwrap();
+    assert!(slot.lock().unwrap().is_none(), "seed {seed}: held");
+    assert!(
+        cluster
+            .run_until(300, |_| slot.lock().unwrap().is_some())
+            .unwrap(),
+        "seed {seed}: the held proposal was answered"
+    );
+    let outcome = slot.lock().unwrap().clone();
+    let Some(Outcome::Applied { index, .. }) = outcome else {
+        panic!("seed {seed}: {outcome:?}");
+    };
+    let entry = cluster.replica(leader).unwrap().log().entry(index).unwrap();
+    assert!(
+        crate::entry_context::must_sync(&entry.context),
+        "seed {seed}: the entry proposed after the transfer lost its sync marker"
+    );
+}

@@ -36,7 +36,9 @@ pub const MAX_HELD_BYTES: usize = 64 << 20;
 /// answered this leader.
 #[derive(Default)]
 pub(crate) struct TransferState {
-    held: Vec<(Vec<u8>, Completion)>,
+    /// Each with its entry context (its sync marker, its trace context),
+    /// proposed with it when released.
+    held: Vec<(Vec<u8>, Vec<u8>, Completion)>,
     held_bytes: usize,
     /// Tick when the first held proposal arrived.
     held_since: u64,
@@ -130,10 +132,11 @@ impl Replica {
     pub(crate) fn hold_if_transferring(
         &mut self,
         data: Vec<u8>,
+        context: Vec<u8>,
         done: Completion,
-    ) -> Option<(Vec<u8>, Completion)> {
+    ) -> Option<(Vec<u8>, Vec<u8>, Completion)> {
         if !self.transferring() {
-            return Some((data, done));
+            return Some((data, context, done));
         }
         if self.transfer.held_bytes + data.len() > MAX_HELD_BYTES {
             done(Outcome::Overloaded);
@@ -143,7 +146,7 @@ impl Replica {
             self.transfer.held_since = self.transfer.now;
         }
         self.transfer.held_bytes += data.len();
-        self.transfer.held.push((data, done));
+        self.transfer.held.push((data, context, done));
         None
     }
 
@@ -165,9 +168,11 @@ impl Replica {
         }
         let held = std::mem::take(&mut self.transfer.held);
         self.transfer.held_bytes = 0;
-        for (data, done) in held {
+        for (data, context, done) in held {
             if self.raw.raft.state == StateRole::Leader {
-                self.propose_encoded(data, Vec::new(), done)?;
+                // With its context: proposed without it, a write asked to
+                // be synced (on a buffered group) was acknowledged unsynced.
+                self.propose_encoded(data, context, done)?;
             } else {
                 done(Outcome::NotLeader {
                     leader: self.raw.raft.leader_id,
@@ -185,7 +190,7 @@ impl Replica {
 
     pub(crate) fn fail_held(&mut self, reason: &str) {
         self.transfer.held_bytes = 0;
-        for (_, done) in std::mem::take(&mut self.transfer.held) {
+        for (_, _, done) in std::mem::take(&mut self.transfer.held) {
             done(Outcome::Failed(reason.to_string()));
         }
     }

@@ -250,6 +250,29 @@ impl AdminApi {
                 .node
                 .error(ErrorCode::InvalidArgument, "node_id is required"));
         }
+        // Changes that would leave the group without a voter: raft-rs takes
+        // them as proposals and fails only when they apply, where the
+        // replica must then fail.
+        let only_voter = status.voters.len() == 1 && status.voters.contains(&node);
+        if only_voter
+            && matches!(
+                change,
+                MembershipChange::Remove | MembershipChange::AddLearner
+            )
+        {
+            return Err(self.node.error(
+                ErrorCode::Conflict,
+                format!(
+                    "node {node} is shard {shard_id}'s only voter: the change would leave it none"
+                ),
+            ));
+        }
+        if change == MembershipChange::AddLearner && status.voters.contains(&node) {
+            return Err(self.node.error(
+                ErrorCode::Conflict,
+                format!("node {node} is a voter of shard {shard_id}, not to be made a learner"),
+            ));
+        }
         let mut single = ConfChangeSingle::default();
         single.set_change_type(change_type);
         single.node_id = node;
