@@ -315,6 +315,14 @@ impl Inner {
         let targets: std::collections::BTreeSet<u64> = segments.iter().map(|s| s.0).collect();
         let (mut report, kept) =
             self.move_entries(filter, rate, |e| targets.contains(&(e.location / size)))?;
+        if report.stopped && rate.is_some() {
+            // A background pass that gave way to an epoch drop or a
+            // checkpoint: reclaiming would flush every cell and write a
+            // snapshot (seconds, while the other waits on its critical
+            // thread) to delete nothing. Its copies and repointed entries
+            // are ordinary index changes, flushed in the background.
+            return Ok(report);
+        }
         let emptied = if report.stopped {
             Vec::new()
         } else {
@@ -625,6 +633,76 @@ mod tests {
                     "drop {drop}: the pass copied {} entries first",
                     report.entries_relocated
                 );
+            });
+        }
+    }
+
+    /// Keeps everything; its first call (the census's first entry) waits
+    /// until released.
+    struct Parking {
+        parked: std::sync::mpsc::SyncSender<()>,
+        released: std::sync::atomic::AtomicBool,
+        first: std::sync::atomic::AtomicBool,
+    }
+
+    impl super::RelocationFilter for Parking {
+        fn decide(&self, _entry: &super::EntryInfo<'_>) -> super::Decision {
+            use std::sync::atomic::Ordering;
+            if self.first.swap(false, Ordering::AcqRel) {
+                let _ = self.parked.try_send(());
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                while !self.released.load(Ordering::Acquire) && std::time::Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            super::Decision::Keep
+        }
+    }
+
+    /// A background pass's census (a walk of the whole index: seconds on a
+    /// big one) does not hold the relocation turn: a checkpoint and an
+    /// epoch drop, taken on a node's Raft thread, go ahead while it walks.
+    /// Before, they waited for the whole walk.
+    #[test]
+    fn a_census_under_way_does_not_hold_back_a_checkpoint_or_a_drop() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        for drop in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine_with_garbage(dir.path());
+            let (parked_tx, parked) = std::sync::mpsc::sync_channel(1);
+            let filter = std::sync::Arc::new(Parking {
+                parked: parked_tx,
+                released: AtomicBool::new(false),
+                first: AtomicBool::new(true),
+            });
+            engine.set_relocation_filter(filter.clone());
+            let inner = &*engine.inner;
+            std::thread::scope(|s| {
+                let pass = s.spawn(|| {
+                    let mut last = std::time::Instant::now();
+                    super::policy::pass(inner, &mut last, Duration::from_millis(20), true)
+                });
+                parked
+                    .recv_timeout(Duration::from_secs(10))
+                    .expect("the census asked the filter");
+                let (done_tx, done) = std::sync::mpsc::channel();
+                let engine = &engine;
+                s.spawn(move || {
+                    let result = if drop {
+                        engine.drop_epochs_below(Epoch(1), &KeepAll).map(|_| ())
+                    } else {
+                        engine.checkpoint().map(|_| ())
+                    };
+                    done_tx.send(result).unwrap();
+                });
+                let finished = done.recv_timeout(Duration::from_secs(10));
+                filter.released.store(true, Ordering::Release);
+                let finished = finished.unwrap_or_else(|_| {
+                    panic!("drop {drop}: still waiting 10 s into a parked census")
+                });
+                finished.unwrap();
+                pass.join().unwrap().unwrap();
             });
         }
     }

@@ -67,14 +67,13 @@ const STALE_CENSUS_PASSES: u32 = 4;
 
 /// One pass; returns whether it relocated a full batch (so the next pass
 /// looks again whatever was written meanwhile).
-fn pass(
+pub(super) fn pass(
     inner: &Inner,
     last_census: &mut std::time::Instant,
     interval: Duration,
     more: bool,
 ) -> Result<bool> {
     let state = &inner.relocation;
-    let _turn = state.take_turn();
     let config = &inner.config;
     let free = inner
         .storage
@@ -90,7 +89,13 @@ fn pass(
     }
     state.census_processed.store(processed, Ordering::Release);
     *last_census = std::time::Instant::now();
+    // The census walks the whole index (seconds on a big one) without the
+    // relocation turn, as `Engine::segment_usage` does: under it, an epoch
+    // drop or a checkpoint on the application's critical thread (a node's
+    // Raft thread) waited for the walk to end. What it counts is a hint for
+    // choosing segments; what the pass moves is looked up under the turn.
     let usage = super::census(inner)?;
+    let _turn = state.take_turn();
     if state.yielding() {
         return Ok(false);
     }
