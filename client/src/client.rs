@@ -678,10 +678,11 @@ impl Client {
                     // next ones there without a detour).
                     let node_version =
                         tidepool_proto::error_detail(&status).map_or(0, |d| d.map_version);
+                    self.cluster.note_version(node_version);
                     if node_version > map.version
                         && !matches!(disposition, Disposition::Fail(_) | Disposition::Refresh(_))
                     {
-                        let _ = self.cluster.catch_up(node_version).await;
+                        let _ = self.cluster.catch_up(node_version, deadline).await;
                     }
                     // A node whose map is older than ours has not heard of
                     // a namespace created since: it will.
@@ -1137,8 +1138,14 @@ impl Client {
         result.traced()
     }
 
-    /// Like [`Client::batch_exists`], and moves every present blob into
-    /// the current epoch (what build caches expect of "find missing").
+    /// Like [`Client::batch_exists`], and moves every present blob it names
+    /// into the current epoch (what build caches expect of "find
+    /// missing"). The keys are the blobs' own: a chunked blob (stored above
+    /// `max_value_bytes`) is named by its manifest, and only the manifest
+    /// moves — its chunks keep their epoch, and an epoch drop takes them.
+    /// [`Client::touch`] moves a chunked blob whole; the gateway's
+    /// `FindMissingBlobs` does so for blobs whose size says they are
+    /// chunked.
     #[tracing::instrument(name = "tidepool.find_missing", level = "info", skip_all, fields(namespace = %namespace, keys = keys.len(), error_code = tracing::field::Empty))]
     pub async fn find_missing(&self, namespace: &str, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
         let result: Result<Vec<Vec<u8>>> = async {
@@ -1165,14 +1172,19 @@ impl Client {
         let mut rounds = 0;
         while answers.iter().any(Option::is_none) {
             // Group the unanswered keys by shard under the current map.
-            let map = self.cluster.map();
+            let mut map = self.cluster.map();
+            let mut refreshed = false;
             let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
             for (i, key) in keys.iter().enumerate() {
                 if answers[i].is_none() {
+                    // A namespace newer than the map: one refresh, and
+                    // every key routed by the fresh map (each key of a
+                    // large batch refreshed on its own).
                     let route = match Cluster::route(&map, namespace, key) {
-                        Err(e) if e.code() == ErrorCode::NamespaceNotFound => {
-                            self.cluster.refresh_before(deadline).await?;
-                            Cluster::route(&self.cluster.map(), namespace, key)?
+                        Err(e) if e.code() == ErrorCode::NamespaceNotFound && !refreshed => {
+                            refreshed = true;
+                            map = self.cluster.refresh_before(deadline).await?;
+                            Cluster::route(&map, namespace, key)?
                         }
                         route => route?,
                     };
@@ -1276,8 +1288,19 @@ impl Client {
                 _ => Vec::new(),
             };
             let existed = self.delete_one(namespace, key).await?;
+            // The blob is gone with its manifest: a chunk that cannot be
+            // deleted now is the caller's problem no more (an error here
+            // would report a done delete as failed, and a retry would find
+            // no manifest left to name the chunks). Logged, and left.
             for chunk in chunks {
-                self.delete_one(namespace, &chunk).await?;
+                if let Err(error) = self.delete_one(namespace, &chunk).await {
+                    tracing::warn!(
+                        namespace,
+                        chunk = %crate::stream::hex(&chunk),
+                        %error,
+                        "a deleted blob's chunk could not be deleted; its space stays taken"
+                    );
+                }
             }
             Ok(existed)
         }

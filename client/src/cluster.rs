@@ -62,6 +62,13 @@ pub(crate) struct Cluster {
     /// Whether the last fetch got no map (those waiting for it fetch
     /// again).
     last_fetch_failed: std::sync::atomic::AtomicBool,
+    /// The seed that last gave a map: the next fetch asks it first (a
+    /// dead first seed cost every fetch its connect timeout).
+    answering: std::sync::atomic::AtomicUsize,
+    /// The newest map version a node reported: a fetch passes over a
+    /// coordinator whose map is older (one cut off from etcd serves the
+    /// map it cached) for the next seed's.
+    reported: std::sync::atomic::AtomicU64,
 }
 
 /// Whether a client holding `held` follows `offered`: a newer version of
@@ -108,6 +115,8 @@ impl Cluster {
             fetching: tokio::sync::Mutex::new(()),
             fetches: std::sync::atomic::AtomicU64::new(0),
             last_fetch_failed: std::sync::atomic::AtomicBool::new(false),
+            answering: std::sync::atomic::AtomicUsize::new(0),
+            reported: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -263,10 +272,21 @@ impl Cluster {
         }
     }
 
-    /// One fetch of the map, seed after seed.
+    /// A node answered with map `version`: fetches look for that one.
+    pub fn note_version(&self, version: u64) {
+        self.reported
+            .fetch_max(version, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// One fetch of the map, seed after seed from the one that answered
+    /// last, until one gives a map at least as new as any a node reported
+    /// (else the newest given).
     async fn fetch(&self) -> Result<Arc<ClusterMap>> {
+        use std::sync::atomic::Ordering;
         let mut last = None;
-        for i in 0..self.seeds.len() {
+        let mut answered = false;
+        let first = self.answering.load(Ordering::Acquire);
+        for i in (0..self.seeds.len()).map(|i| (first + i) % self.seeds.len()) {
             let mut coordinator = self.coordinator(i)?;
             let fetched = tokio::time::timeout(
                 self.connect_timeout,
@@ -275,8 +295,20 @@ impl Cluster {
             .await;
             match fetched {
                 Ok(Ok(map)) => {
+                    let version = map.get_ref().version;
                     self.install(map.into_inner());
-                    return Ok(self.map());
+                    if !answered {
+                        self.answering.store(i, Ordering::Release);
+                    }
+                    answered = true;
+                    if version >= self.reported.load(Ordering::Acquire) {
+                        self.answering.store(i, Ordering::Release);
+                        return Ok(self.map());
+                    }
+                    last = Some(format!(
+                        "{} serves map version {version}, a node has a newer one",
+                        self.seeds[i]
+                    ));
                 }
                 Ok(Err(status)) => {
                     // A refused credential is the answer, not a reason to
@@ -294,6 +326,11 @@ impl Cluster {
                 Err(_) => last = Some(format!("no answer within {:?}", self.connect_timeout)),
             }
         }
+        if answered {
+            // None has the version a node reported (or that node made it
+            // up): the newest map there is.
+            return Ok(self.map());
+        }
         Err(Error::new(
             ErrorCode::Timeout,
             format!(
@@ -306,16 +343,30 @@ impl Cluster {
 
     /// Refreshes the map unless it is already at `version` or newer (a
     /// node answered with that map version). Concurrent callers wait for
-    /// one fetch instead of each making their own.
-    pub async fn catch_up(&self, version: u64) -> Result<()> {
+    /// one fetch instead of each making their own. Given up at `deadline`
+    /// (the call's own), waiting included: with no coordinator answering,
+    /// each caller queued here fetched in turn, for the connect timeout of
+    /// every seed.
+    pub async fn catch_up(&self, version: u64, deadline: std::time::Instant) -> Result<()> {
+        self.note_version(version);
         if self.map().version >= version {
             return Ok(());
         }
-        let _one = self.catching_up.lock().await;
-        if self.map().version >= version {
-            return Ok(());
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let caught_up = async {
+            let _one = self.catching_up.lock().await;
+            if self.map().version >= version {
+                return Ok(());
+            }
+            self.refresh().await.map(|_| ())
+        };
+        match tokio::time::timeout(left, caught_up).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                ErrorCode::Timeout,
+                "no coordinator gave the map before the call's deadline",
+            )),
         }
-        self.refresh().await.map(|_| ())
     }
 
     /// Follows map versions until the last `Client` is dropped.

@@ -90,6 +90,22 @@ pub(crate) fn classify(status: &tonic::Status) -> Disposition {
     {
         return Disposition::Fail(Error::new(code, status.message().to_string()));
     }
+    // A detail whose code this SDK does not know (a newer node's, in a
+    // rolling upgrade) or none (`ERROR_CODE_UNSPECIFIED`): the node's
+    // answer, final, and `INTERNAL` as the contract says — retried until
+    // the deadline, it became a TIMEOUT with the node's code lost.
+    if let Some(d) = &detail
+        && !ErrorCode::try_from(d.code).is_ok_and(|c| c != ErrorCode::Unspecified)
+    {
+        return Disposition::Fail(Error::new(
+            ErrorCode::Internal,
+            format!(
+                "the node answered with error code {} (unknown to this SDK): {}",
+                d.code,
+                status.message()
+            ),
+        ));
+    }
     let code = detail
         .as_ref()
         .and_then(|d| ErrorCode::try_from(d.code).ok())
@@ -239,6 +255,28 @@ mod tests {
                 ),
                 "{code:?} is retried"
             );
+        }
+    }
+
+    /// A node's detail with a code this SDK does not know (a newer node's)
+    /// or with none is the node's final answer, `INTERNAL`, with the code
+    /// in the message — not retried until the deadline as a transport
+    /// failure.
+    #[test]
+    fn an_unknown_or_unspecified_code_is_final_and_internal() {
+        for code in [0, 9_999] {
+            let detail = ErrorDetail {
+                code,
+                message: "something new".into(),
+                ..ErrorDetail::default()
+            };
+            match classify(&status_with_detail(detail)) {
+                Disposition::Fail(error) => {
+                    assert_eq!(error.code(), ErrorCode::Internal, "code {code}");
+                    assert!(error.to_string().contains(&code.to_string()), "{error}");
+                }
+                _ => panic!("code {code} is retried"),
+            }
         }
     }
 

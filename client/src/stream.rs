@@ -133,8 +133,10 @@ impl Client {
         }
         let mut whole = Sha256::new();
         let mut manifest = ChunkManifest::default();
+        let mut epoch = 0;
         for chunk in chunks {
             let (info, bytes) = self.get_verified(namespace, chunk, true).await?;
+            epoch = info.epoch;
             if info.kind == BlobKind::Manifest as i32 || sha256(&bytes)[..] != chunk[..] {
                 return Err(Error::new(
                     ErrorCode::InvalidArgument,
@@ -156,12 +158,16 @@ impl Client {
                 "the chunks do not concatenate to the blob of this digest",
             ));
         }
-        if manifest.chunks.len() <= 1 {
+        if manifest.chunks.is_empty() {
+            // The empty blob: stored (none of the chunks is it).
+            return self.put_one(namespace, key, &[], BlobKind::Data).await;
+        }
+        if manifest.chunks.len() == 1 {
             // One chunk is the blob itself (stored under its digest).
             return Ok(PutOutcome {
                 size: manifest.size,
                 sha256: digest,
-                epoch: 0,
+                epoch,
                 already_present: true,
             });
         }

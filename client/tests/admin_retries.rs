@@ -293,6 +293,15 @@ async fn map_refreshes_are_shared_and_end_at_the_calls_deadline() {
     let mut config = ClientConfig::new(&[frozen_url.as_str(), cluster.url.as_str()]);
     config.watch = false;
     let client = Client::with_config(config).await.unwrap();
+    // The seed that answered is asked first from then on: the frozen one
+    // no longer costs each fetch its connect timeout (3 s).
+    let started = std::time::Instant::now();
+    client.refresh_map().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_millis(1_500),
+        "a refresh took {took:?}"
+    );
     let started = std::time::Instant::now();
     let error = client
         .with_timeout(std::time::Duration::from_millis(500))
@@ -305,5 +314,95 @@ async fn map_refreshes_are_shared_and_end_at_the_calls_deadline() {
         took < std::time::Duration::from_millis(1_500),
         "took {took:?}: {error}"
     );
+    cluster.stop().await;
+}
+
+/// A coordinator cut off from its store: it serves the map it cached.
+struct Stale {
+    map: ClusterMap,
+}
+
+#[tonic::async_trait]
+impl CoordinatorService for Stale {
+    type WatchClusterMapStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<ClusterMap, Status>> + Send>>;
+
+    async fn get_cluster_map(
+        &self,
+        _: Request<GetClusterMapRequest>,
+    ) -> Result<Response<ClusterMap>, Status> {
+        Ok(Response::new(self.map.clone()))
+    }
+
+    async fn watch_cluster_map(
+        &self,
+        _: Request<WatchClusterMapRequest>,
+    ) -> Result<Response<Self::WatchClusterMapStream>, Status> {
+        Err(lost())
+    }
+
+    unavailable! {
+        advance_epoch(AdvanceEpochRequest) -> AdvanceEpochResponse;
+        create_namespace(CreateNamespaceRequest) -> Namespace;
+        register_node(RegisterNodeRequest) -> RegisterNodeResponse;
+        heartbeat(HeartbeatRequest) -> HeartbeatResponse;
+        prepare_node_stop(PrepareNodeStopRequest) -> PrepareNodeStopResponse;
+        list_namespaces(ListNamespacesRequest) -> ListNamespacesResponse;
+        set_retention(SetRetentionRequest) -> Namespace;
+        get_epoch_status(GetEpochStatusRequest) -> EpochStatus;
+        drain_node(DrainNodeRequest) -> DrainNodeResponse;
+        split_shard(SplitShardRequest) -> SplitShardResponse;
+        get_cluster_status(GetClusterStatusRequest) -> ClusterStatus;
+        create_token(CreateTokenRequest) -> CreateTokenResponse;
+        list_tokens(ListTokensRequest) -> ListTokensResponse;
+        revoke_token(RevokeTokenRequest) -> RevokeTokenResponse;
+        who_am_i(WhoAmIRequest) -> WhoAmIResponse;
+        restore_map(RestoreMapRequest) -> RestoreMapResponse;
+    }
+}
+
+/// A first seed serving an old map (a coordinator cut off from etcd keeps
+/// serving the one it cached) is passed over for the next seed's once a
+/// node has answered with a newer version; later fetches ask the seed that
+/// gave the map first. Before, every fetch took the first seed's answer:
+/// a namespace created since stayed unknown to the client (and a split's
+/// keys answered WRONG_SHARD until the deadline) for as long as that
+/// coordinator stayed cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_with_an_old_map_is_passed_over_once_a_node_shows_a_newer_one() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let old = Client::connect(&[cluster.url.as_str()])
+        .await
+        .unwrap()
+        .refresh_map()
+        .await
+        .unwrap();
+    let direct = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    direct
+        .create_namespace("newer", false, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stale_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(CoordinatorServiceServer::new(Stale {
+                map: (*old).clone(),
+            }))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let mut config = ClientConfig::new(&[stale_url.as_str(), cluster.url.as_str()]);
+    config.watch = false;
+    let client = Client::with_config(config).await.unwrap();
+    assert_eq!(client.map().version, old.version, "the first seed's map");
+    // A node's answer (here a NOT_FOUND) carries its newer map version.
+    let error = client.get("default", b"no such key").await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::NotFound, "{error}");
+    client
+        .put("newer", b"k", b"written")
+        .await
+        .expect("the namespace is found in the next seed's map");
+    assert!(client.map().version > old.version);
+    assert_eq!(client.get("newer", b"k").await.unwrap(), b"written");
     cluster.stop().await;
 }

@@ -970,3 +970,38 @@ async fn a_chunked_blob_replaced_while_it_is_read_is_a_conflict_not_a_missing_ke
     }
     cluster.stop().await;
 }
+
+/// `splice` stores the blob its chunks make: of two chunks a manifest, of
+/// one the chunk itself (already the blob), of none the empty blob — which
+/// before was reported stored and was not (a later get: NOT_FOUND).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn splicing_stores_the_blob_its_chunks_make_even_of_none() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .create_namespace("cas", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let (a, b) = (b"first chunk ".to_vec(), b"second chunk".to_vec());
+    let ka = client.put_content("cas", &a).await.unwrap();
+    let kb = client.put_content("cas", &b).await.unwrap();
+    let whole = [a.clone(), b.clone()].concat();
+    let spliced = client
+        .splice("cas", &sha256(&whole), &[ka, kb])
+        .await
+        .unwrap();
+    assert_eq!(spliced.size, whole.len() as u64);
+    assert_eq!(client.get("cas", &sha256(&whole)).await.unwrap(), whole);
+    let one = client.splice("cas", &ka, &[ka]).await.unwrap();
+    assert!(one.already_present && one.epoch > 0, "{one:?}");
+    let empty = sha256(b"");
+    assert_eq!(
+        client.get("cas", &empty).await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    client.splice("cas", &empty, &[]).await.unwrap();
+    assert_eq!(client.get("cas", &empty).await.unwrap(), b"");
+    let error = client.splice("cas", &empty, &[ka]).await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::DigestMismatch, "{error}");
+    cluster.stop().await;
+}

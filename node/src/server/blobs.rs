@@ -763,8 +763,10 @@ impl BlobApi {
             ));
         }
         let linearizable = request.consistency == ReadConsistency::Linearizable as i32;
+        let mut refused = None;
         for (target, indexes) in by_shard.into_values() {
-            if self.read_point(&target, request.consistency).await.is_err() {
+            if let Err(error) = self.read_point(&target, request.consistency).await {
+                refused.get_or_insert(error);
                 continue; // NOT_HERE: ask the leader
             }
             let keys: Arc<Vec<StorageKey>> = Arc::new(
@@ -846,6 +848,15 @@ impl BlobApi {
                     }
                 }
             }
+        }
+        // Answering for none of the keys, the reason is the answer: a
+        // follower's NOT_LEADER names the leader, an overloaded or cut-off
+        // leader says so (and when to come back); all NOT_HERE told the
+        // client only to try another replica, at once.
+        if let Some(error) = refused
+            && presence.iter().all(|p| *p == Presence::NotHere)
+        {
+            return Err(error);
         }
         Ok(BatchExistsResponse {
             presence: presence.into_iter().map(|p| p as i32).collect(),
