@@ -50,8 +50,14 @@ fn single(
 }
 
 impl CoordinatorCollector {
+    /// The reconcile rounds' figures. The gauges are the leader's view as
+    /// of its last round: a coordinator that does not lead exports none
+    /// (a deposed leader's last counts stayed exported as they were, and
+    /// alerts taking the highest across coordinators fired until it
+    /// restarted); the counters are this coordinator's own.
     fn encode_progress(
         progress: &Progress,
+        leading: bool,
         encoder: &mut DescriptorEncoder<'_>,
     ) -> Result<(), std::fmt::Error> {
         use MetricType::{Counter, Gauge};
@@ -105,7 +111,12 @@ impl CoordinatorCollector {
                 progress.errors,
             ),
         ] {
-            single(encoder, name, help, kind, value)?;
+            if kind == Counter || leading {
+                single(encoder, name, help, kind, value)?;
+            }
+        }
+        if !leading {
+            return Ok(());
         }
         for (name, help, read) in [
             (
@@ -185,7 +196,7 @@ impl Collector for CoordinatorCollector {
             };
             ConstGauge::new(count as i64).encode(nodes.encode_family(&labels)?)?;
         }
-        Self::encode_progress(&progress, &mut encoder)
+        Self::encode_progress(&progress, leading == 1, &mut encoder)
     }
 }
 

@@ -104,7 +104,7 @@ impl Cluster {
         let mut socket =
             std::net::TcpStream::connect(("127.0.0.1", self.metrics_ports[i])).unwrap();
         socket
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .unwrap();
         let mut text = String::new();
         socket.read_to_string(&mut text).unwrap();
@@ -1397,13 +1397,31 @@ async fn a_new_coordinator_leader_finishes_the_reconcile() {
     let (mut cluster, status) = Cluster::settled(2, &settings, 3, &[], 3).await;
     write_keys(status.map.as_ref().unwrap(), "default", 0..40).await;
     let first_leader = status.coordinator_id.clone();
+    let first_index: usize = first_leader.trim_start_matches('c').parse().unwrap();
+    // The reconciler's gauges come from the leader alone (a deposed
+    // leader's last counts stayed exported, and alerts fired on them).
+    let metrics = cluster.metrics(1 - first_index);
+    assert!(
+        metrics.contains("\ntidepool_coordinator_is_leader 0\n"),
+        "{metrics}"
+    );
+    for gauge in [
+        "tidepool_coordinator_shards_leaderless",
+        "tidepool_coordinator_shards_under_replicated",
+        "tidepool_coordinator_moves_in_progress",
+    ] {
+        assert!(
+            !metrics.contains(gauge),
+            "a follower exports {gauge}: {metrics}"
+        );
+    }
     cluster.add_node(&[]);
     cluster
         .wait_for("a move toward the new node", Duration::from_secs(60), |s| {
             !s.moves.is_empty()
         })
         .await;
-    let index: usize = first_leader.trim_start_matches('c').parse().unwrap();
+    let index = first_index;
     cluster.kill_coordinator(index);
     let status = cluster
         .wait_for(
