@@ -94,6 +94,7 @@ refuse "must be at least cluster.replicationFactor" --set nodes.replicas=2
 refuse "give etcd.external.endpoints" --set etcd.enabled=false
 refuse "additional properties" --set nodes.replica=4
 refuse "minimum" --set cluster.shards=0
+refuse "minimum" --set etcd.quotaBackendBytes=1000
 refuse "must include admin" --set tls.clients={app}
 refuse "set tls.ca.create=false" --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=x
 refuse "value must be one of" --set nodes.antiAffinity=sometimes
