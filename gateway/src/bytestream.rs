@@ -35,7 +35,8 @@ use crate::{Gateway, cache};
 /// Paused uploads kept at most (each holds up to one chunk not yet
 /// stored, 4 MiB by default: 256 MiB in all, plus chunks whose stores were
 /// still running when it paused, freed as they finish); uploads being
-/// written are bounded by the connections.
+/// written, by `reapi::GRPC_STREAMS_PER_CONNECTION` per connection (the
+/// gRPC listener does not cap connections: a known limit).
 const MAX_PAUSED: usize = 64;
 
 /// Largest `data` of one `ReadResponse` (gRPC clients commonly accept 4
@@ -44,9 +45,13 @@ const READ_PIECE: usize = 1 << 20;
 
 /// One upload in progress.
 struct Session {
+    /// `None` while a request's bytes are being appended: a write whose
+    /// handler is dropped mid-append (the client reset the stream) leaves
+    /// none, rather than one holding part of those bytes.
     upload: Option<Upload>,
     decompressor: Option<Decompressor>,
-    /// Bytes received, as sent (compressed for zstd uploads).
+    /// Bytes received, as sent (compressed for zstd uploads); meaningful
+    /// only while `upload` is held.
     received: u64,
     last_used: Instant,
 }
@@ -387,9 +392,20 @@ impl ByteStream for Reapi {
             )));
         };
         session.last_used = Instant::now();
-        if first.write_offset == 0 || session.upload.is_none() {
-            // A fresh start (or a resumption this gateway knows nothing of,
-            // which must then start at 0).
+        if first.write_offset > 0 && session.upload.is_none() {
+            // A resumption this gateway holds nothing of (another gateway's
+            // upload, one evicted, or one cut off mid-append): retryable,
+            // so the client asks QueryWriteStatus (0) and starts again.
+            // INVALID_ARGUMENT ended the upload for good.
+            drop(session);
+            self.gateway.uploads.remove(&key);
+            return Err(Status::unavailable(format!(
+                "this gateway holds no upload of {name} to resume at {}: ask QueryWriteStatus and start again at 0",
+                first.write_offset
+            )));
+        }
+        if first.write_offset == 0 {
+            // A fresh start.
             session.upload = Some(
                 client
                     .upload(&resource.instance.cas, &digest.hash)
@@ -468,7 +484,9 @@ impl ByteStream for Reapi {
         let key = session_key(request.metadata(), &name);
         if let Some(session) = self.gateway.uploads.get(&key) {
             let received = match session.try_lock() {
-                Ok(s) => s.received,
+                Ok(s) if s.upload.is_some() => s.received,
+                // Cut off mid-append: nothing of it is kept.
+                Ok(_) => 0,
                 Err(_) => return Err(Status::aborted("the upload is being written right now")),
             };
             return Ok(Response::new(QueryWriteStatusResponse {
@@ -490,13 +508,32 @@ impl ByteStream for Reapi {
 
 /// Appends a request's bytes (decompressing them first for a zstd
 /// upload); never past the blob's declared size.
+///
+/// The upload and decompressor are out of the session while it runs, and
+/// go back with `received` only once the bytes are all written: a handler
+/// dropped at an await in between (a client's reset) left the session
+/// counting bytes its upload had only partly taken — a resumption from
+/// there passed the size check and its manifest was refused.
 async fn append(session: &mut Session, data: &[u8], size: u64) -> Result<(), Status> {
-    session.received += data.len() as u64;
-    let upload = session
+    let mut upload = session
         .upload
-        .as_mut()
+        .take()
         .ok_or_else(|| Status::internal("no upload"))?;
-    let Some(decompressor) = session.decompressor.as_mut() else {
+    let mut decompressor = session.decompressor.take();
+    append_to(&mut upload, decompressor.as_mut(), data, size).await?;
+    session.upload = Some(upload);
+    session.decompressor = decompressor;
+    session.received += data.len() as u64;
+    Ok(())
+}
+
+async fn append_to(
+    upload: &mut Upload,
+    decompressor: Option<&mut Decompressor>,
+    data: &[u8],
+    size: u64,
+) -> Result<(), Status> {
+    let Some(decompressor) = decompressor else {
         return write_within(upload, data, size).await;
     };
     // A message of a few megabytes of zstd may stand for gigabytes: stored

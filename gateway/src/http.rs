@@ -335,10 +335,16 @@ async fn resolve(gateway: &Gateway, path: &str) -> tidepool_client::Result<(Inst
         let prefix = segments[..segments.len() - 2].join("/");
         // `cas`/`ac` after a prefix that is no instance (ccache's `bazel`
         // layout under a URL path of its own) is a plain path key.
+        // Only a definite "no such instance" makes one: a timeout (the
+        // coordinators unreachable) stored an instance's CAS and AC writes
+        // as path keys of the default instance, unverified, where its
+        // readers would never look.
         let instance = if (kind == "cas" || kind == "ac") && Instance::parse(&prefix).is_ok() {
             match gateway.instance(&prefix).await {
                 Ok(instance) => Some(instance),
-                Err(e) if prefix.is_empty() => return Err(e),
+                Err(e) if prefix.is_empty() || e.code() != ErrorCode::InvalidArgument => {
+                    return Err(e);
+                }
                 Err(_) => None,
             }
         } else {
@@ -357,7 +363,11 @@ async fn resolve(gateway: &Gateway, path: &str) -> tidepool_client::Result<(Inst
             };
             return Ok((instance, target));
         }
-        // `/INSTANCE/any/path` when INSTANCE is one.
+        // `/INSTANCE/any/path` when INSTANCE is one. Unlike `cas`/`ac`
+        // entries above, a name the gateway cannot resolve now makes the
+        // whole path a key of the default instance: every ccache `subdirs`
+        // path starts with a name that is no instance, and must be served
+        // while the coordinators hang.
         if Instance::parse(segments[0]).is_ok()
             && let Ok(instance) = gateway.instance(segments[0]).await
         {

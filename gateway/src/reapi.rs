@@ -670,6 +670,9 @@ impl ActionCache for Reapi {
     }
 }
 
+/// Most requests in flight on one gRPC connection.
+pub(crate) const GRPC_STREAMS_PER_CONNECTION: u32 = 256;
+
 /// Serves REAPI and ByteStream on `listener` until `stop`.
 pub(crate) async fn serve(
     gateway: Arc<Gateway>,
@@ -690,6 +693,11 @@ pub(crate) async fn serve(
         )
         .traced();
     let router = tonic::transport::Server::builder()
+        // Requests in flight on one connection (HTTP/2's own limit, which
+        // tonic leaves unset: one connection could hold thousands of
+        // uploads and tree reads at once). Bazel keeps its requests to a
+        // few hundred per connection (`--remote_max_connections`).
+        .max_concurrent_streams(Some(GRPC_STREAMS_PER_CONNECTION))
         .max_frame_size(Some(tidepool_security::MAX_FRAME_BYTES))
         // A connection whose peer is gone (host down, a middlebox lost the
         // flow) is found by its unanswered pings and closed.

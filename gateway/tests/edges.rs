@@ -441,6 +441,17 @@ async fn unknown_names_do_not_queue_behind_a_hung_coordinator() {
             "{path} answered after {took:?}"
         );
     }
+    // An instance's CAS entry under a name the gateway cannot resolve now
+    // is refused, not stored as a path key of `cache` (unverified, and
+    // where the instance's readers never look).
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let body = b"a CAS entry".to_vec();
+    let cas_path = format!(
+        "/zz/cas/{}",
+        tidepool_client::hex(&tidepool_client::sha256(&body))
+    );
+    let (code, text) = http(at, "PUT", &cas_path, None, body).await;
+    assert_eq!(code, 503, "{}", String::from_utf8_lossy(&text));
     proxy.unblock();
     gateway.stop().await;
     cluster.stop().await;

@@ -454,6 +454,31 @@ async fn bytestream_reads_writes_and_resumes() {
         .unwrap()
         .into_inner();
     assert_eq!(status.committed_size, half as i64, "the upload is intact");
+    // A resumption this gateway holds nothing of (another gateway's upload,
+    // an evicted one): retryable, and QueryWriteStatus then says 0 — the
+    // client starts again (INVALID_ARGUMENT ended Bazel's upload for good).
+    let elsewhere = format!("uploads/u-8/{}", blob_name(&resumable));
+    let e = s
+        .bytestream()
+        .write(tokio_stream::iter(write_requests(
+            &elsewhere,
+            &resumable[..half + 100],
+            half,
+            100,
+            true,
+        )))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    let status = s
+        .bytestream()
+        .query_write_status(QueryWriteStatusRequest {
+            resource_name: elsewhere.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((status.committed_size, status.complete), (0, false));
     // At the wrong offset: refused, the upload survives.
     let wrong = write_requests(&name, &resumable, half + 1, 64 << 10, true);
     let e = s
