@@ -326,45 +326,62 @@ pub(crate) async fn update_action_result(
     Ok(())
 }
 
-/// One page of the directories under `root`, breadth first (each
-/// directory once), starting after `skip` of them; the next page's start
-/// when there is more. Directories missing from the CAS are left out (as
-/// the spec allows); a missing root is `NOT_FOUND`.
-pub(crate) async fn tree_page(
-    client: &Client,
-    instance: &Instance,
+/// The directories under `root`, breadth first (each directory once),
+/// one at a time: what the walk holds is the digests still to read and
+/// those seen, never the directories given out. Directories missing from
+/// the CAS are left out (as the spec allows); a missing root is
+/// `NOT_FOUND`.
+pub(crate) struct TreeWalk {
     root: BlobDigest,
-    skip: usize,
-    page_size: usize,
-    limit: u64,
-) -> Result<(Vec<Directory>, Option<usize>)> {
-    let mut queue = VecDeque::from([root]);
+    queue: VecDeque<BlobDigest>,
     // By hash: a directory named again with another size is the same
     // directory (or no directory at all), never a second read.
-    let mut seen = HashSet::from([root.hash]);
-    let mut index = 0usize;
-    let mut page = Vec::new();
-    while let Some(digest) = queue.pop_front() {
-        let bytes = match read_cas(client, instance, digest, limit).await {
-            Ok(bytes) => bytes,
-            Err(e) if e.code() == ErrorCode::NotFound && digest != root => continue,
-            Err(e) => return Err(e),
-        };
-        let directory = Directory::decode(&bytes[..])
-            .map_err(|e| invalid(format!("{} is not a Directory: {e}", hex(&digest.hash))))?;
-        for child in &directory.directories {
-            let child = BlobDigest::from_proto(child.digest.as_ref()).map_err(invalid)?;
-            if seen.insert(child.hash) {
-                queue.push_back(child);
-            }
+    seen: HashSet<[u8; 32]>,
+    /// Directories given out or skipped so far.
+    index: usize,
+    limit: u64,
+}
+
+impl TreeWalk {
+    /// A walk from `root`; each directory read is at most `limit` bytes.
+    pub(crate) fn new(root: BlobDigest, limit: u64) -> TreeWalk {
+        TreeWalk {
+            root,
+            queue: VecDeque::from([root]),
+            seen: HashSet::from([root.hash]),
+            index: 0,
+            limit,
         }
-        if index >= skip {
-            if page.len() == page_size {
-                return Ok((page, Some(index)));
-            }
-            page.push(directory);
-        }
-        index += 1;
     }
-    Ok((page, None))
+
+    /// How many directories came before the next one.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The next directory, `None` at the end.
+    pub(crate) async fn next(
+        &mut self,
+        client: &Client,
+        instance: &Instance,
+    ) -> Result<Option<Directory>> {
+        while let Some(digest) = self.queue.pop_front() {
+            let bytes = match read_cas(client, instance, digest, self.limit).await {
+                Ok(bytes) => bytes,
+                Err(e) if e.code() == ErrorCode::NotFound && digest != self.root => continue,
+                Err(e) => return Err(e),
+            };
+            let directory = Directory::decode(&bytes[..])
+                .map_err(|e| invalid(format!("{} is not a Directory: {e}", hex(&digest.hash))))?;
+            for child in &directory.directories {
+                let child = BlobDigest::from_proto(child.digest.as_ref()).map_err(invalid)?;
+                if self.seen.insert(child.hash) {
+                    self.queue.push_back(child);
+                }
+            }
+            self.index += 1;
+            return Ok(Some(directory));
+        }
+        Ok(None)
+    }
 }

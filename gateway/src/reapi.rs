@@ -352,39 +352,57 @@ impl ContentAddressableStorage for Reapi {
                 .parse()
                 .map_err(|_| Status::invalid_argument("page_token is not one this server gave"))?
         };
-        // The whole rest of the tree, in pages (one traversal).
-        let (directories, _) = cache::tree_page(
-            &client,
-            &instance,
-            root,
-            start,
-            usize::MAX,
-            self.max_batch(),
-        )
-        .await
-        .map_err(status)?;
-        let count = directories.len();
-        let mut pages = Vec::new();
-        let mut rest = directories.into_iter();
-        let mut done = 0;
-        loop {
-            let page: Vec<re::Directory> = rest.by_ref().take(page_size).collect();
-            done += page.len();
-            let next_page_token = if done < count {
-                (start + done).to_string()
-            } else {
-                String::new()
-            };
-            let last = next_page_token.is_empty();
-            pages.push(Ok(re::GetTreeResponse {
-                directories: page,
-                next_page_token,
-            }));
-            if last {
-                break;
+        // The rest of the tree, one traversal, each page sent as soon as
+        // it is full — by count, or by bytes below the send limit (before,
+        // the whole rest was read and held, and pages of large directories
+        // went over the limit: OUT_OF_RANGE every time). The walk waits
+        // for the client to take each page.
+        let limit = self.max_batch();
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            let mut walk = cache::TreeWalk::new(root, limit);
+            let mut page: Vec<re::Directory> = Vec::new();
+            let mut page_bytes = 0u64;
+            loop {
+                let at = walk.index();
+                let next = match walk.next(&client, &instance).await {
+                    Ok(next) => next,
+                    Err(e) => {
+                        let _ = tx.send(Err(status(e))).await;
+                        return;
+                    }
+                };
+                if at < start {
+                    if next.is_none() {
+                        break;
+                    }
+                    continue;
+                }
+                let Some(directory) = next else { break };
+                let bytes = directory.encoded_len() as u64 + 8;
+                if !page.is_empty() && (page.len() == page_size || page_bytes + bytes > limit) {
+                    let full = re::GetTreeResponse {
+                        directories: std::mem::take(&mut page),
+                        next_page_token: at.to_string(),
+                    };
+                    page_bytes = 0;
+                    if tx.send(Ok(full)).await.is_err() {
+                        return; // the client went away
+                    }
+                }
+                page_bytes += bytes;
+                page.push(directory);
             }
-        }
-        Ok(Response::new(Box::pin(tokio_stream::iter(pages))))
+            let _ = tx
+                .send(Ok(re::GetTreeResponse {
+                    directories: page,
+                    next_page_token: String::new(),
+                }))
+                .await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn split_blob(

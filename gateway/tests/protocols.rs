@@ -874,6 +874,57 @@ async fn action_results_trees_and_splicing() {
         Ok(r) => r.into_inner().message().await.unwrap_err(),
     };
     assert_eq!(e.code(), Code::NotFound);
+    // Directories of about 1.6 MiB each: pages end by bytes, under the send
+    // limit (a batch plus 1 MiB), whatever the page size (before, the one
+    // page of all four went over it: OUT_OF_RANGE on every call).
+    let large: Vec<re::Directory> = (0..3)
+        .map(|d| re::Directory {
+            files: (0..9_000)
+                .map(|f| re::FileNode {
+                    name: format!("{d}-{f:0>100}"),
+                    digest: Some(digest(b"f")),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    let top = re::Directory {
+        directories: large
+            .iter()
+            .enumerate()
+            .map(|(i, d)| re::DirectoryNode {
+                name: format!("d{i}"),
+                digest: Some(digest(&d.encode_to_vec())),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    for d in large.iter().chain([&top]) {
+        let bytes = d.encode_to_vec();
+        assert!(bytes.len() < 2 << 20);
+        bytestream_write(&s, &format!("uploads/t/{}", blob_name(&bytes)), &bytes)
+            .await
+            .unwrap();
+    }
+    let mut stream = s
+        .cas()
+        .get_tree(re::GetTreeRequest {
+            instance_name: String::new(),
+            root_digest: Some(digest(&top.encode_to_vec())),
+            ..Default::default()
+        })
+        .await
+        .expect("get tree")
+        .into_inner();
+    let mut pages = Vec::new();
+    while let Some(page) = stream.message().await.expect("a page within the limit") {
+        pages.push(page);
+    }
+    let got: Vec<re::Directory> = pages.iter().flat_map(|p| p.directories.clone()).collect();
+    assert_eq!(got, [vec![top.clone()], large.clone()].concat());
+    assert!(pages.len() >= 2, "{} pages", pages.len());
+    assert!(pages.last().unwrap().next_page_token.is_empty());
 
     // SpliceBlob: three stored chunks make a new blob, readable whole.
     let parts: Vec<Vec<u8>> = (30..33).map(|i| blob(i, 200_000)).collect();
