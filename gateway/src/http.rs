@@ -275,7 +275,7 @@ async fn serve_request(
 ) -> tidepool_client::Result<Response> {
     let credential =
         Credential::from_header(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()))?;
-    let client = gateway.caller(credential)?;
+    let client = gateway.caller(credential).await?;
     let (instance, target) = resolve(gateway, uri.path()).await?;
     let (namespace, key) = match &target {
         Target::Cas(hash) => (&instance.cas, hash.to_vec()),

@@ -241,10 +241,31 @@ impl Credential {
 }
 
 impl Gateway {
-    /// The client acting for a caller.
-    pub(crate) fn caller(&self, credential: Credential) -> tidepool_client::Result<Client> {
+    /// The client acting for a caller, whose token the coordinator knows:
+    /// checked (once per token, remembered) before the request's body is
+    /// read, so a made-up token holds no upload buffer (before, anyone
+    /// could, with any string). Only a definite refusal refuses: with no
+    /// coordinator answering, the nodes' own check on every call decides.
+    pub(crate) async fn caller(&self, credential: Credential) -> tidepool_client::Result<Client> {
         match credential {
-            Credential::Token(token) => self.client.acting_as(&token),
+            Credential::Token(token) => {
+                let client = self.client.acting_as(&token)?;
+                match self.token_name(&token, &client).await {
+                    Err(e)
+                        if matches!(
+                            e.code(),
+                            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied
+                        ) =>
+                    {
+                        Err(e)
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "a token could not be checked now; the nodes will");
+                        Ok(client)
+                    }
+                    Ok(_) => Ok(client),
+                }
+            }
             Credential::Anonymous if self.config.anonymous => Ok(self.client.clone()),
             Credential::Anonymous => Err(tidepool_client::Error::new(
                 ErrorCode::Unauthenticated,
@@ -263,11 +284,17 @@ impl Gateway {
         /// Names remembered at most; past it the memory starts again.
         const REMEMBERED: usize = 4_096;
         let hash = tidepool_security::token::hash(secret);
+        // "" for a cluster that checks no tokens.
         if let Some(name) = self.token_names.lock().expect("names").get(&hash) {
-            return Ok(Some(name.clone()));
+            return Ok(Some(name.clone()).filter(|n| !n.is_empty()));
         }
         let me = client.who_am_i().await?;
         if me.open {
+            let mut names = self.token_names.lock().expect("names");
+            if names.len() >= REMEMBERED {
+                names.clear();
+            }
+            names.insert(hash, String::new());
             return Ok(None);
         }
         if me.token_name.is_empty() {

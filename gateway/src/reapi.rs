@@ -102,9 +102,8 @@ impl Reapi {
             .metadata()
             .get("authorization")
             .map(|v| v.as_bytes());
-        let client = Credential::from_header(header)
-            .and_then(|c| self.gateway.caller(c))
-            .map_err(status)?;
+        let credential = Credential::from_header(header).map_err(status)?;
+        let client = self.gateway.caller(credential).await.map_err(status)?;
         let instance = self.gateway.instance(instance).await.map_err(status)?;
         Ok((client, instance))
     }
@@ -482,6 +481,9 @@ impl ContentAddressableStorage for Reapi {
             .metadata()
             .get("authorization")
             .map(|v| v.as_bytes().to_vec());
+        // The caller first: the stream may name a million digests.
+        let credential = Credential::from_header(header.as_deref()).map_err(status)?;
+        let client = self.gateway.caller(credential).await.map_err(status)?;
         let mut stream = request.into_inner();
         let mut first: Option<re::RegisterChunkMappingRequest> = None;
         let mut chunks = Vec::new();
@@ -497,9 +499,6 @@ impl ContentAddressableStorage for Reapi {
         }
         let first = first.ok_or_else(|| Status::invalid_argument("no request was sent"))?;
         check_digest_function(first.digest_function)?;
-        let client = Credential::from_header(header.as_deref())
-            .and_then(|c| self.gateway.caller(c))
-            .map_err(status)?;
         let instance = self
             .gateway
             .instance(&first.instance_name)

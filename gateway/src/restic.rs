@@ -285,7 +285,7 @@ async fn serve_request(
         Credential::Token(secret) => Some(secret.clone()),
         Credential::Anonymous => None,
     };
-    let client = gateway.caller(credential)?;
+    let client = gateway.caller(credential).await?;
     let parsed = parse(&method, uri.path(), uri.query())?;
     if restic.private_repos {
         let user = basic_user(&headers).ok_or_else(|| {

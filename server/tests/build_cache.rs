@@ -400,6 +400,26 @@ async fn ccache_gets_remote_hits() {
     );
     let refused = ccache_build(&project, &work.path().join("refused"), &remote);
     assert_eq!(refused.0, 0, "a wrong token gets nothing");
+    // A made-up token is refused before its body is read: a PUT that
+    // announces 4 MiB and sends none of it gets its 401 (before, the
+    // gateway waited for and buffered the body first; anyone could hold
+    // its memory so).
+    {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = tokio::net::TcpStream::connect(&dev.http).await.unwrap();
+        let head = format!(
+            "PUT /ccache-subdirs/aa/bb HTTP/1.1\r\nhost: gateway\r\nauthorization: Bearer made-up\r\ncontent-length: {}\r\n\r\n",
+            4 << 20
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = vec![0; 64];
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut answer))
+            .await
+            .expect("answered without the body")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..read]).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
 
     // Roles hold through the gateway: a read-only token gets the hits but
     // cannot store. With it, a changed file misses and its upload is
