@@ -241,6 +241,66 @@ impl Engine {
         })))
     }
 
+    /// [`Engine::get_stored`], asking `admit` with the stored length of the
+    /// value found (from the index: nothing read yet) before reading it,
+    /// so a caller bounding what its reads hold refuses before the bytes
+    /// are allocated. `None` when there is no value or `admit` said no
+    /// (the caller knows which). `admit` may be asked again (the value
+    /// moved between the lookup and the read).
+    pub fn get_stored_admitted(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        admit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<Option<Stored>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let start = Instant::now();
+        let (space_table, key) = inner.key(space, key)?;
+        Metrics::add(&inner.metrics.counters().gets, 1);
+        let found = inner.get_entry_value_admitted(space_table, &key, admit)?;
+        inner.metrics.get_latency().record_since(start);
+        Ok(found.map(|(value, entry)| Stored {
+            value,
+            epoch: entry.epoch,
+            tag: entry.tag,
+        }))
+    }
+
+    /// [`Engine::get_stored_admitted`] from memory alone, as
+    /// [`Engine::get_stored_now`]: `Ok(None)` where it would wait.
+    pub fn get_stored_admitted_now(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        admit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<Option<Option<Stored>>> {
+        let inner = &*self.inner;
+        inner.health.check()?;
+        let start = Instant::now();
+        let (space_table, key) = inner.key(space, key)?;
+        let entry = match inner.lookup_now(space_table, &key) {
+            None => return Ok(None),
+            Some(None) => return Ok(Some(None)),
+            Some(Some(entry)) => entry,
+        };
+        if !admit(u64::from(entry.len)) {
+            return Ok(Some(None));
+        }
+        let value = match inner.read_value_now(space_table, &key, &entry) {
+            Ok(Some(value)) => value,
+            Ok(None) | Err(Error::NoRecord(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        Metrics::add(&inner.metrics.counters().gets, 1);
+        inner.metrics.get_latency().record_since(start);
+        Ok(Some(Some(Stored {
+            value,
+            epoch: entry.epoch,
+            tag: entry.tag,
+        })))
+    }
+
     /// The first `n` bytes of the value under `key` and its length, without
     /// reading the rest: for a header stored at the start of large values.
     /// A value up to 16 KiB longer than `n` (or in the value cache) is read
@@ -730,6 +790,33 @@ impl Inner {
             let Some(entry) = self.lookup(space, key)? else {
                 return Ok(None);
             };
+            match self.read_value(space, key, &entry) {
+                Err(Error::NoRecord(_)) => continue,
+                result => return result.map(|value| Some((value, entry))),
+            }
+        }
+        Err(Error::Corrupt {
+            file: "value WAL".into(),
+            position: WalPosition(0),
+            detail: "the index keeps pointing at a missing segment".into(),
+        })
+    }
+
+    /// [`Inner::get_entry_value`], asking `admit` with the value's stored
+    /// length before each read; `None` if absent or refused.
+    fn get_entry_value_admitted(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+        admit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<Option<(Bytes, Entry)>> {
+        for _ in 0..LOOKUP_ATTEMPTS {
+            let Some(entry) = self.lookup(space, key)? else {
+                return Ok(None);
+            };
+            if !admit(u64::from(entry.len)) {
+                return Ok(None);
+            }
             match self.read_value(space, key, &entry) {
                 Err(Error::NoRecord(_)) => continue,
                 result => return result.map(|value| Some((value, entry))),

@@ -66,3 +66,59 @@ fn values_survive_close_and_crash_reopen() {
     assert!(metrics.counters.gets >= 500);
     engine.close().unwrap();
 }
+
+/// A read asked to admit its bytes first is told the value's stored length
+/// before anything is read, and reads nothing when refused (a node takes
+/// its in-flight budget so: refused reads allocate no value).
+#[test]
+fn an_admitted_read_asks_before_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::for_tests(dir.path());
+    config.value_cache_bytes = 0;
+    let engine = Engine::open(config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let big = vec![7u8; 10_000];
+    engine.put(ks, &key(1), &big, Durability::Buffered).unwrap();
+    let reads = |engine: &Engine| {
+        let c = engine.metrics().counters;
+        c.cache_hits + c.cache_misses
+    };
+    for now in [false, true] {
+        let before = reads(&engine);
+        let mut asked = Vec::new();
+        let mut refuse = |len: u64| {
+            asked.push(len);
+            false
+        };
+        let got = if now {
+            engine
+                .get_stored_admitted_now(ks, &key(1), &mut refuse)
+                .unwrap()
+                .expect("in memory")
+        } else {
+            engine
+                .get_stored_admitted(ks, &key(1), &mut refuse)
+                .unwrap()
+        };
+        assert_eq!(got, None, "refused (now: {now})");
+        assert_eq!(asked.len(), 1);
+        assert!(asked[0] >= big.len() as u64, "{asked:?}");
+        assert_eq!(reads(&engine), before, "nothing read when refused");
+        let mut admit = |_: u64| true;
+        let got = if now {
+            engine
+                .get_stored_admitted_now(ks, &key(1), &mut admit)
+                .unwrap()
+                .expect("in memory")
+        } else {
+            engine.get_stored_admitted(ks, &key(1), &mut admit).unwrap()
+        };
+        assert_eq!(got.expect("admitted").value, big);
+        // Absent: not asked.
+        let mut never = |_: u64| -> bool { panic!("asked for an absent key") };
+        assert_eq!(
+            engine.get_stored_admitted(ks, &key(2), &mut never).unwrap(),
+            None
+        );
+    }
+}

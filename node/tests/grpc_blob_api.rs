@@ -540,6 +540,8 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
     })
     .await;
     put(&cluster, "default", b"k", b"v").await.unwrap();
+    let large = vec![5u8; 900 << 10];
+    put(&cluster, "default", b"large", &large).await.unwrap();
     let mut leader = 0;
     for id in 1..=3 {
         if get_on(&cluster, id, "default", b"k", ReadConsistency::Linearizable)
@@ -582,6 +584,18 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
             .retry_after_ms
             > 0
     );
+    // A read of a large value is refused too (before its bytes are read:
+    // `an_admitted_read_asks_before_reading` in the engine's tests).
+    let refused = get_on(
+        &cluster,
+        leader,
+        "default",
+        b"large",
+        ReadConsistency::Linearizable,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::Overloaded, "{refused:?}");
     // The stalled puts time out; their bytes are released.
     for put in stalled {
         let status = put.await.unwrap().unwrap_err();
@@ -591,6 +605,16 @@ async fn a_node_refuses_requests_beyond_its_in_flight_budget() {
     put_on(&cluster, leader, "default", b"more", &[1; 200 * 1024])
         .await
         .unwrap();
+    let got = get_on(
+        &cluster,
+        leader,
+        "default",
+        b"large",
+        ReadConsistency::Linearizable,
+    )
+    .await
+    .unwrap();
+    assert_eq!(got, large);
     cluster.shutdown().await;
 }
 

@@ -647,19 +647,40 @@ impl BlobApi {
         let target = self.target(request.blob.as_ref())?;
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
+        // The in-flight budget is taken for the value's stored length
+        // before the engine reads it (held until the stream is sent or
+        // abandoned): taken after, concurrent reads of large blobs each
+        // allocated their value before most were refused.
+        type Slot = Arc<parking_lot::Mutex<Option<ApiResult<super::InFlight>>>>;
+        let slot: Slot = Arc::default();
+        let admit = |slot: Slot, node: Arc<Node>, caller: Caller| {
+            move |len: u64| {
+                let reserved = node.reserve(len, &caller);
+                let admitted = reserved.is_ok();
+                *slot.lock() = Some(reserved);
+                admitted
+            }
+        };
+        let mut now_admit = admit(slot.clone(), self.node.clone(), caller.clone());
+        let mut wait_admit = admit(slot.clone(), self.node.clone(), caller.clone());
         let stored = self
             .engine_read_now(
                 &target,
-                |engine, space| engine.get_stored_now(space, &key),
-                move |engine, space| engine.get_stored(space, &key),
+                |engine, space| engine.get_stored_admitted_now(space, &key, &mut now_admit),
+                move |engine, space| engine.get_stored_admitted(space, &key, &mut wait_admit),
             )
             .await?;
+        let budget = slot.lock().take();
+        if let Some(Err(refused)) = budget {
+            return Err(refused);
+        }
         self.check_owned(&target, &key)?;
         let stored = stored.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
+        let budget = budget
+            .expect("a value read was admitted")
+            .expect("admitted");
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
-        // Held until the stream is sent (or abandoned).
-        let budget = self.node.reserve(stored.value.len() as u64, caller)?;
         let mut info = header.info(stored.epoch.0);
         info.current_epoch = u64::from(target.shard.engine().epoch().0);
         let size = header.size;
