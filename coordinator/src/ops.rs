@@ -370,6 +370,7 @@ impl Shared {
             leaving,
             replicas: hosted(map),
             reason: reason.to_string(),
+            quorum_at_risk: 0,
         };
         let Some(k8s) = self.orchestrator() else {
             return Ok(answer(false, &map, "not under Kubernetes: a restart"));
@@ -422,11 +423,18 @@ impl Shared {
         let response = if leaving {
             answer(true, &map, "scaled down: draining before the pod goes")
         } else {
-            answer(
-                false,
-                &map,
-                "a restart: the StatefulSet still wants the pod",
-            )
+            // A restart (a rolling update's): it waits while it would stop
+            // shards another member being down leaves at their majority
+            // (an uninstall stops everything anyway; not under Kubernetes
+            // the operator decides).
+            PrepareNodeStopResponse {
+                quorum_at_risk: quorum_at_risk(&map, node_id),
+                ..answer(
+                    false,
+                    &map,
+                    "a restart: the StatefulSet still wants the pod",
+                )
+            }
         };
         if changed && leaving {
             tracing::info!(
@@ -799,9 +807,98 @@ fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
     ))
 }
 
+/// Shards of which `node_id` is a voter and whose other voters on nodes
+/// not `DOWN` are fewer than a majority, though enough others exist to
+/// make one when the down ones are back: stopping `node_id` now stops
+/// them, and waiting can help (with one or two voters, a restart always
+/// stops the shard, and waiting cannot). A StatefulSet's rolling update
+/// (pods in parallel) restarts the next pod once the last restarted one is
+/// ready, whatever the state of the pods not yet reached: one of those
+/// down, and the restart takes the shards it shares with it below a
+/// majority.
+pub(crate) fn quorum_at_risk(map: &ClusterMap, node_id: u64) -> u32 {
+    let live = |id: u64| {
+        map.nodes
+            .iter()
+            .any(|n| n.node_id == id && n.state != NodeState::Down as i32)
+    };
+    map.shards
+        .iter()
+        .filter(|s| {
+            let voters: Vec<u64> = s
+                .replicas
+                .iter()
+                .filter(|r| r.role == tidepool_proto::v1::ReplicaRole::Voter as i32)
+                .map(|r| r.node_id)
+                .collect();
+            let majority = voters.len() / 2 + 1;
+            voters.contains(&node_id)
+                && voters.len() > majority
+                && voters
+                    .iter()
+                    .filter(|id| **id != node_id && live(**id))
+                    .count()
+                    < majority
+        })
+        .count() as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node may restart while each shard it votes in keeps a majority on
+    /// the other live voters; with one of them down it may not (its shards
+    /// of three would be left one).
+    #[test]
+    fn a_restart_that_would_stop_a_shard_is_counted() {
+        use tidepool_proto::v1::{NodeInfo, ReplicaInfo, ReplicaRole, ShardInfo};
+        let node = |id: u64, state: NodeState| NodeInfo {
+            node_id: id,
+            state: state as i32,
+            ..NodeInfo::default()
+        };
+        let shard = |id: u32, voters: &[u64], learners: &[u64]| ShardInfo {
+            shard_id: id,
+            replicas: voters
+                .iter()
+                .map(|n| (n, ReplicaRole::Voter))
+                .chain(learners.iter().map(|n| (n, ReplicaRole::Learner)))
+                .map(|(n, role)| ReplicaInfo {
+                    node_id: *n,
+                    role: role as i32,
+                })
+                .collect(),
+            ..ShardInfo::default()
+        };
+        let mut map = ClusterMap {
+            nodes: (1..=4).map(|id| node(id, NodeState::Up)).collect(),
+            shards: vec![
+                shard(1, &[1, 2, 3], &[]),
+                shard(2, &[2, 3, 4], &[1]),
+                shard(3, &[1, 2, 3, 4, 5], &[]),
+            ],
+            ..ClusterMap::default()
+        };
+        assert_eq!(quorum_at_risk(&map, 1), 0);
+        map.nodes[1].state = NodeState::Down as i32; // node 2
+        // Shard 1: {3} of 3 left; shard 3: {3, 4} of 5 (node 5 unknown).
+        assert_eq!(quorum_at_risk(&map, 1), 2);
+        // Node 4 is no voter of shard 1; shard 2 keeps {3} of 3: at risk.
+        assert_eq!(quorum_at_risk(&map, 4), 2);
+        map.nodes[1].state = NodeState::Draining as i32;
+        assert_eq!(quorum_at_risk(&map, 1), 0, "a draining node still serves");
+        // One or two voters: a restart stops the shard whatever waits.
+        let lone = ClusterMap {
+            nodes: vec![node(1, NodeState::Up), node(2, NodeState::Down)],
+            shards: vec![shard(1, &[1], &[]), shard(2, &[1, 2], &[])],
+            ..ClusterMap::default()
+        };
+        assert_eq!(quorum_at_risk(&lone, 1), 0);
+        map.nodes[2].state = NodeState::Down as i32; // node 3
+        // Shard 3 keeps {2, 4} of 5 besides node 1 (node 5 is unknown).
+        assert_eq!(quorum_at_risk(&map, 1), 2);
+    }
 
     fn map(cluster: &str, version: u64) -> ClusterMap {
         ClusterMap {

@@ -76,6 +76,11 @@ struct PreStopArgs {
     /// (once a drain has begun it is waited for without bound).
     #[arg(long, default_value_t = 20)]
     undecided_s: u64,
+    /// A restart that would leave shards without a majority (another of
+    /// their members is down) waits this long for it, seconds (within the
+    /// pod's termination grace period).
+    #[arg(long, default_value_t = 300)]
+    hold_quorum_s: u64,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -1050,6 +1055,7 @@ fn run_pre_stop(args: PreStopArgs) -> anyhow::Result<()> {
             args.coordinators,
             security,
             std::time::Duration::from_secs(args.undecided_s),
+            std::time::Duration::from_secs(args.hold_quorum_s),
         )
         .await?;
         eprintln!("tidepool pre-stop: {outcome}");

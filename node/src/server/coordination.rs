@@ -107,12 +107,16 @@ impl Coordinators {
 /// `undecided` bounds how long coordinators may fail to answer before the
 /// node stops anyway (a restart must not hang on a lost control plane);
 /// once a drain has begun it is waited for without bound — the pod's
-/// termination grace period is the bound.
+/// termination grace period is the bound. A restart that would take a
+/// shard below a majority (another of its voters is down: a rolling update
+/// reached this pod anyway) waits up to `hold` for that member to come
+/// back.
 pub async fn prepare_stop(
     data_dir: &Path,
     addresses: Vec<String>,
     security: Security,
     undecided: Duration,
+    hold: Duration,
 ) -> Result<String> {
     let Some(node_id) = recorded_id(data_dir)? else {
         return Ok("no node id recorded: nothing to drain".into());
@@ -139,8 +143,30 @@ pub async fn prepare_stop(
                 })
         };
         match attempt.await {
+            Ok(answer)
+                if !answer.leaving && answer.quorum_at_risk > 0 && started.elapsed() < hold =>
+            {
+                let now = tokio::time::Instant::now();
+                if last_report.is_none_or(|(at, _)| now - at >= Duration::from_secs(10)) {
+                    tracing::warn!(
+                        node_id,
+                        shards = answer.quorum_at_risk,
+                        left = ?hold.saturating_sub(started.elapsed()),
+                        "stopping now would leave shards without a majority (another of their members is down): waiting for it"
+                    );
+                    last_report = Some((now, answer.quorum_at_risk));
+                }
+            }
             Ok(answer) if !answer.leaving => {
-                return Ok(format!("node {node_id} stops: {}", answer.reason));
+                let risk = if answer.quorum_at_risk > 0 {
+                    format!(
+                        " ({} shards are left without a majority until it is back)",
+                        answer.quorum_at_risk
+                    )
+                } else {
+                    String::new()
+                };
+                return Ok(format!("node {node_id} stops: {}{risk}", answer.reason));
             }
             Ok(answer) if answer.replicas == 0 => {
                 return Ok(format!(
