@@ -82,6 +82,11 @@ pub struct Shared {
     pub(crate) node_leases: Mutex<std::collections::HashMap<u64, LeaseId>>,
     /// What the reconciler last saw and did.
     pub progress: Mutex<Progress>,
+    /// Held from computing an epoch drop's target through its proposal,
+    /// and while a retention change commits: a retention lengthened (its
+    /// call answered) is never followed by a drop computed with the
+    /// shorter one.
+    pub(crate) epoch_drops: tokio::sync::Mutex<()>,
     stop: watch::Sender<bool>,
     /// How it dials nodes (TLS material).
     pub security: tidepool_security::Security,
@@ -184,6 +189,7 @@ impl Shared {
             leadership: watch::Sender::new(None),
             node_leases: Mutex::new(Default::default()),
             progress: Mutex::new(Progress::default()),
+            epoch_drops: tokio::sync::Mutex::new(()),
             stop: watch::Sender::new(false),
             security,
             tokens: Mutex::default(),

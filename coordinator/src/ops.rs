@@ -256,6 +256,9 @@ impl Shared {
         retention: Option<Retention>,
     ) -> Result<Namespace, CoordinatorError> {
         let retention = check_retention(retention)?;
+        // No drop computed with the old retention is in flight, nor starts
+        // before the change is in the map (`Shared::epoch_drops`).
+        let _drops = self.epoch_drops.lock().await;
         let map = self
             .update_map(|map| {
                 let ns = map

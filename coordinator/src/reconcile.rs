@@ -1001,10 +1001,21 @@ impl Reconciler {
     /// Orders each shard's leader to advance to the cluster epoch, then to
     /// drop the expired epochs of every namespace with retention.
     async fn drive_epochs(&self, map: &ClusterMap, views: &[ShardView]) {
+        let generation = self.shared.leadership().map(|l| l.generation);
         for view in views {
             let Some(status) = view.leader_status() else {
                 continue;
             };
+            // Computed and proposed under the drop gate (a retention change
+            // waits for it), and only while still leading the term the
+            // round began in: a deposed coordinator went on ordering drops
+            // shard after shard, with the retention it last saw.
+            let _drops = self.shared.epoch_drops.lock().await;
+            if generation.is_none()
+                || self.shared.leadership().map(|l| l.generation) != generation
+            {
+                return;
+            }
             // Retention as it is now, not as the round began: a round's
             // moves can take minutes before it gets here, and a retention
             // lengthened meanwhile (its call answered) must hold for every

@@ -413,7 +413,20 @@ async fn admin_entries_act_on_every_replica() {
     use tidepool_proto::v1::{
         AdvanceEpochOp, DropEpochsOp, ProposeAdminRequest, TouchRequest, propose_admin_request,
     };
-    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    // And a namespace keeping 3 epochs.
+    let cluster = TestCluster::start(3, 1, |c| {
+        if let Some(cluster) = c.cluster.as_mut() {
+            cluster
+                .namespaces
+                .push(tidepool_node::config::NamespaceSpec {
+                    name: "long".into(),
+                    id: 4,
+                    content_addressed: false,
+                    retain_epochs: Some(3),
+                });
+        }
+    })
+    .await;
     put(&cluster, "ci", b"old", b"written in epoch 1")
         .await
         .unwrap();
@@ -493,6 +506,19 @@ async fn admin_entries_act_on_every_replica() {
         .unwrap()
         .into_inner();
     assert!(advanced.raft_index > 1);
+    // A drop the node's own map does not allow (at epoch 2, a namespace
+    // keeping 3 epochs drops nothing yet): a coordinator computing with an
+    // older, shorter retention is refused.
+    let status = cluster
+        .admin(leader)
+        .await
+        .propose_admin(admin(propose_admin_request::Op::DropEpochs(DropEpochsOp {
+            namespace_id: 4,
+            below: 2,
+        })))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::Conflict, "{status:?}");
     let touched = cluster
         .client(leader)
         .await

@@ -62,8 +62,12 @@ impl AdminApi {
     }
 
     /// Epoch drops may only reach namespaces that expire: a durable
-    /// namespace's blobs are never dropped, whoever asks.
-    fn check_droppable(&self, namespace_id: u32) -> ApiResult<()> {
+    /// namespace's blobs are never dropped, whoever asks; nor blobs the
+    /// retention in this node's map still keeps at the later of its map's
+    /// and the shard's epochs — a drop computed with an older, shorter
+    /// retention (a coordinator deposed, or computing while the retention
+    /// was lengthened) is refused `CONFLICT` where the longer one arrived.
+    fn check_droppable(&self, namespace_id: u32, below: u64, shard_epoch: u64) -> ApiResult<()> {
         let map = self.node.map();
         let Some(namespace) = map.namespaces.iter().find(|n| n.id == namespace_id) else {
             return Err(self.node.error(
@@ -71,11 +75,25 @@ impl AdminApi {
                 format!("no namespace with id {namespace_id} in this node's map"),
             ));
         };
-        let expires = matches!(
-            namespace.retention.as_ref().and_then(|r| r.policy.as_ref()),
-            Some(retention::Policy::Retain(_))
-        );
-        if !expires {
+        let keep = match namespace.retention.as_ref().and_then(|r| r.policy.as_ref()) {
+            Some(retention::Policy::Retain(keep)) => Some(u64::from(keep.epochs)),
+            _ => None,
+        };
+        if let Some(keep) = keep {
+            let epoch = map.epoch.max(shard_epoch);
+            let allowed = (epoch + 1).saturating_sub(keep);
+            // (A drop past the shard's epoch is refused below, as such.)
+            if below > allowed && below <= shard_epoch {
+                return Err(self.node.error(
+                    ErrorCode::Conflict,
+                    format!(
+                        "namespace {:?} keeps {keep} epochs: at epoch {epoch} blobs below {allowed} may be dropped, not below {below}",
+                        namespace.name
+                    ),
+                ));
+            }
+        }
+        if keep.is_none() {
             return Err(self.node.error(
                 ErrorCode::InvalidArgument,
                 format!(
@@ -322,7 +340,7 @@ impl AdminApi {
                 Command::AdvanceEpoch(epoch(op.epoch, "epoch")?)
             }
             Some(propose_admin_request::Op::DropEpochs(op)) => {
-                self.check_droppable(op.namespace_id)?;
+                self.check_droppable(op.namespace_id, op.below, shard.engine().epoch().0.into())?;
                 let below = epoch(op.below, "below")?;
                 let current = shard.engine().epoch().0;
                 if below > current {
