@@ -1011,8 +1011,7 @@ impl Reconciler {
             // round began in: a deposed coordinator went on ordering drops
             // shard after shard, with the retention it last saw.
             let _drops = self.shared.epoch_drops.lock().await;
-            if generation.is_none()
-                || self.shared.leadership().map(|l| l.generation) != generation
+            if generation.is_none() || self.shared.leadership().map(|l| l.generation) != generation
             {
                 return;
             }

@@ -273,8 +273,9 @@ struct DevArgs {
     /// Where the metadata and the nodes' data live (kept across restarts).
     #[arg(long, default_value = "tidepool-dev")]
     data_dir: PathBuf,
-    /// Coordinator port; the nodes take the next ones (0: any free ports).
-    #[arg(long, default_value_t = 7400)]
+    /// Coordinator port; the nodes take the next ones, the gateway and
+    /// metrics up to 94 above it (0: any free ports).
+    #[arg(long, default_value_t = 7400, value_parser = clap::value_parser!(u16).range(0..=65_441))]
     port: u16,
     /// Shards of the cluster (when it is created).
     #[arg(long, default_value_t = 4)]
@@ -666,19 +667,29 @@ fn runtime(name: &str) -> anyhow::Result<tokio::runtime::Runtime> {
 fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
     runtime("tidepool-coordinator")?.block_on(async {
+        let mut stop = Stop::catch()?;
         // etcd may still be starting (under Kubernetes both start
         // together): retry an unreachable store for a while instead of
         // exiting into a crash-loop back-off.
-        let mut waited = std::time::Duration::ZERO;
-        let mut running = loop {
-            match tidepool_coordinator::start(config.clone()).await {
-                Ok(running) => break running,
-                Err(tidepool_coordinator::CoordinatorError::Meta(e)) if waited < STORE_WAIT => {
-                    tracing::warn!(error = %e, "metadata store unavailable; retrying");
-                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-                    waited += std::time::Duration::from_secs(2);
+        let starting = async {
+            let mut waited = std::time::Duration::ZERO;
+            loop {
+                match tidepool_coordinator::start(config.clone()).await {
+                    Ok(running) => return Ok(running),
+                    Err(tidepool_coordinator::CoordinatorError::Meta(e)) if waited < STORE_WAIT => {
+                        tracing::warn!(error = %e, "metadata store unavailable; retrying");
+                        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                        waited += std::time::Duration::from_secs(2);
+                    }
+                    Err(e) => return Err(anyhow::Error::from(e)),
                 }
-                Err(e) => return Err(e.into()),
+            }
+        };
+        let mut running = tokio::select! {
+            running = starting => running?,
+            () = stop.requested() => {
+                tracing::info!("stopped while starting");
+                return Ok(());
             }
         };
         tracing::info!(
@@ -688,7 +699,7 @@ fn run_coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
         );
         tokio::select! {
             result = running.wait() => result?,
-            _ = shutdown_signal() => {
+            () = stop.requested() => {
                 tracing::info!("shutting down");
                 running.stop().await?;
             }
@@ -728,20 +739,29 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
     if !args.insecure {
         tidepool_security::certs::ensure_dev(&tls_dir, u32::from(DEV_NODES))?;
         if !token_file.exists() {
+            // Whole or not at all: the store adopts the token's hash, and
+            // a file a crash left empty locked the admin out for good.
             use std::io::Write as _;
             use std::os::unix::fs::OpenOptionsExt as _;
+            let tmp = token_file.with_extension("token.tmp");
             let mut file = std::fs::OpenOptions::new()
                 .write(true)
-                .create_new(true)
+                .create(true)
+                .truncate(true)
                 .mode(0o600)
-                .open(&token_file)
-                .with_context(|| format!("cannot create {}", token_file.display()))?;
+                .open(&tmp)
+                .with_context(|| format!("cannot create {}", tmp.display()))?;
             writeln!(file, "{}", tidepool_security::token::generate())?;
+            file.sync_all()?;
+            std::fs::rename(&tmp, &token_file)
+                .with_context(|| format!("cannot create {}", token_file.display()))?;
+            std::fs::File::open(&data_dir)?.sync_all()?;
         }
     }
     let files =
         |base: &str| (!args.insecure).then(|| tidepool_security::certs::files(&tls_dir, base));
     runtime("tidepool-dev")?.block_on(async {
+        let mut stop = Stop::catch()?;
         let store: Arc<dyn MetaStore> =
             Arc::new(EmbeddedStore::open(&data_dir.join("metadata.json"))?);
         let port = |offset: u16| if args.port == 0 { 0 } else { args.port + offset };
@@ -794,7 +814,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         };
         let interrupted = tokio::select! {
             _ = ready => false,
-            _ = shutdown_signal() => true,
+            () = stop.requested() => true,
         };
         let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
         // The build-cache gateway, with the admin token as its own, and
@@ -893,7 +913,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                     .map(|a| a.to_string())
                     .unwrap_or_default(),
             );
-            shutdown_signal().await;
+            stop.requested().await;
         }
         tracing::info!("stopping");
         if let Some(gateway) = gateway {
@@ -942,19 +962,29 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     }
     let scheme = if config.serve_tls.is_some() { "s" } else { "" };
     runtime("tidepool-gateway")?.block_on(async {
+        let mut stop = Stop::catch()?;
         // The coordinators may still be starting (under Kubernetes
         // everything starts together): retry for a while rather than exit
         // into a crash-loop back-off.
-        let mut waited = std::time::Duration::ZERO;
-        let gateway = loop {
-            match tidepool_gateway::start(config.clone()).await {
-                Ok(gateway) => break gateway,
-                Err(e) if waited < STORE_WAIT => {
-                    tracing::warn!(error = %e, "cannot start the gateway yet; retrying");
-                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-                    waited += std::time::Duration::from_secs(2);
+        let starting = async {
+            let mut waited = std::time::Duration::ZERO;
+            loop {
+                match tidepool_gateway::start(config.clone()).await {
+                    Ok(gateway) => return Ok(gateway),
+                    Err(e) if waited < STORE_WAIT => {
+                        tracing::warn!(error = %e, "cannot start the gateway yet; retrying");
+                        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                        waited += std::time::Duration::from_secs(2);
+                    }
+                    Err(e) => return Err(anyhow::Error::from(e)),
                 }
-                Err(e) => return Err(e.into()),
+            }
+        };
+        let gateway = tokio::select! {
+            gateway = starting => gateway?,
+            () = stop.requested() => {
+                tracing::info!("stopped while starting");
+                return Ok(());
             }
         };
         for name in &args.create_instances {
@@ -972,7 +1002,7 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             gateway.grpc_address,
             gateway.http_address
         );
-        shutdown_signal().await;
+        stop.requested().await;
         gateway.stop().await;
         Ok(())
     })
@@ -981,7 +1011,17 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
 fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     let config = args.into_config()?;
     runtime("tidepool-node")?.block_on(async {
-        let mut running = tidepool_node::server::start(config).await?;
+        let mut stop = Stop::catch()?;
+        // A stop asked for while the node starts (its logs replayed, its
+        // registration retried) ends the process there: nothing was
+        // served yet, and every engine is crash-safe at any point.
+        let mut running = tokio::select! {
+            running = tidepool_node::server::start(config) => running?,
+            () = stop.requested() => {
+                tracing::info!("stopped while starting");
+                return Ok(());
+            }
+        };
         tracing::info!(
             "tidepool node {} serving on {}",
             running.node.config.node_id,
@@ -989,7 +1029,7 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
         );
         tokio::select! {
             result = running.wait() => result?,
-            _ = shutdown_signal() => {
+            () = stop.requested() => {
                 tracing::info!("shutting down");
                 running.stop().await?;
             }
@@ -1098,12 +1138,35 @@ fn run_kubernetes(command: KubernetesCommand) -> anyhow::Result<()> {
     runtime("tidepool-kubernetes")?.block_on(kubernetes::setup(setup))
 }
 
-async fn shutdown_signal() {
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
+/// SIGTERM and SIGINT, caught from the moment this is made — first thing
+/// in each long-running command, before any start-up work — and
+/// remembered until asked for. Caught only once a start-up had finished
+/// (WAL replay, the wait for the store), a signal before was the default
+/// action's: the process died unannounced; as a container's PID 1 (the
+/// image's entrypoint), which has no default action, it was ignored, and
+/// the pod waited out its whole grace period. And one `Stop` for the whole
+/// process, so a signal between two waits is not lost.
+struct Stop {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    /// Catches the signals from now on (inside the runtime).
+    fn catch() -> anyhow::Result<Stop> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Stop {
+            terminate: signal(SignalKind::terminate()).context("cannot catch SIGTERM")?,
+            interrupt: signal(SignalKind::interrupt()).context("cannot catch SIGINT")?,
+        })
+    }
+
+    /// Until a stop is asked for (at once if one was since the last ask).
+    async fn requested(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
     }
 }
 

@@ -321,6 +321,15 @@ fn bad_configurations_are_refused_with_a_clear_message() {
         stderr.contains("give --config, --node-id or --coordinator"),
         "{stderr}"
     );
+    // Dev mode's ports run up to 94 above --port: one past 65,441 wrapped
+    // round (a release build) onto ports below 100.
+    let output = Command::new(BIN)
+        .args(["dev", "--port", "65500"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("65500 is not in 0..=65441"), "{stderr}");
 
     let (status, stderr) = run(&["--config", "/nonexistent/tidepool.toml"]);
     assert!(!status.success());
@@ -407,4 +416,81 @@ fn the_coordinator_refuses_bad_settings() {
     let (status, stderr) = run(&["--config", "/nonexistent/c.toml"]);
     assert!(!status.success());
     assert!(stderr.contains("/nonexistent/c.toml"), "{stderr}");
+}
+
+/// A node stopped while it starts — here while it retries its
+/// registration with a coordinator that is not there — exits on SIGTERM,
+/// also as the first process of its PID namespace, as in its container
+/// (the image's entrypoint): such a process gets no signal it has no
+/// handler for, and the handler was installed only once started (the pod
+/// waited out its whole grace period; outside a container the signal's
+/// default action killed it unannounced).
+#[test]
+fn a_node_stopped_while_it_starts_exits_as_the_first_process_of_its_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("node.log");
+    let data = dir.path().join("data");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let coordinator = format!("http://127.0.0.1:{}", free_port());
+    let out = std::fs::File::create(&log).unwrap();
+    let mut unshare = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", BIN, "node", "--insecure"])
+        .args(["--data-dir", data.to_str().unwrap(), "--listen", &listen])
+        .args(["--coordinator", &coordinator])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .expect("unshare (util-linux) runs");
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // The node, once it retries its registration.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !read_log().contains("cannot register with a coordinator yet") {
+        assert!(
+            Instant::now() < deadline,
+            "the node did not start:\n{}",
+            read_log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let children = std::fs::read_to_string(format!(
+        "/proc/{}/task/{}/children",
+        unshare.id(),
+        unshare.id()
+    ))
+    .unwrap();
+    let node: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{node}/status")).unwrap();
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("NSpid:") && l.trim_end().ends_with("\t1")),
+        "the node is not its namespace's first process:\n{status}"
+    );
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &node.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if unshare.try_wait().unwrap().is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let _ = Command::new("kill")
+                .args(["-KILL", &node.to_string()])
+                .status();
+            let _ = unshare.wait();
+            panic!("the node ignored SIGTERM while starting:\n{}", read_log());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        read_log().contains("stopped while starting"),
+        "{}",
+        read_log()
+    );
 }
