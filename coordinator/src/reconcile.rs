@@ -147,6 +147,22 @@ pub(crate) fn placement_start(
         .collect()
 }
 
+/// Whether the leader balancer may give `node` the leadership of `shard`:
+/// it is `UP` (not draining) and the placement keeps the shard there — the
+/// move path takes the leadership off any other node again.
+pub(crate) fn may_lead(
+    map: &ClusterMap,
+    desired: &crate::placement::Placement,
+    shard: u32,
+    node: u64,
+) -> bool {
+    let up = map
+        .nodes
+        .iter()
+        .any(|n| n.node_id == node && n.state == NodeState::Up as i32);
+    up && desired.get(&shard).is_none_or(|d| d.contains(&node))
+}
+
 /// Where each shard's replicas should be, starting from `current`; never
 /// on a node where the shard's replica reports its files missing (`views`),
 /// nor on a pair in `barred`.
@@ -449,7 +465,7 @@ impl Reconciler {
         let busy = self.move_replicas(&map, &views, &desired, &live).await;
         self.close_strays(&map, &views, &desired).await;
         if !busy {
-            self.balance_leaders(&map, &views, &live).await;
+            self.balance_leaders(&map, &views, &live, &desired).await;
         }
         self.drive_epochs(&map, &views).await;
         self.drive_splits(&map, &views, &reports).await;
@@ -951,12 +967,16 @@ impl Reconciler {
     /// Moves one leadership from the node leading the most shards to a
     /// live voter on the node leading the fewest, when they differ by two
     /// or more — never to a node settling after its return, nor again to
-    /// a target whose last transfer failed or was refused (`transfers.rs`).
+    /// a target whose last transfer failed or was refused (`transfers.rs`),
+    /// nor to a node that is not `UP` (draining) or a voter the placement
+    /// is moving away: the move path takes the leadership off those again
+    /// (before, the two handed it back and forth while moves waited).
     async fn balance_leaders(
         &mut self,
         map: &ClusterMap,
         views: &[ShardView],
         live: &BTreeSet<u64>,
+        desired: &crate::placement::Placement,
     ) {
         let now = Instant::now();
         let mut led: BTreeMap<u64, usize> = live.iter().map(|n| (*n, 0)).collect();
@@ -978,6 +998,7 @@ impl Reconciler {
                 .voters
                 .iter()
                 .filter(|v| live.contains(v) && !missing.contains(v))
+                .filter(|v| may_lead(map, desired, view.shard_id, **v))
                 .filter(|v| self.transfers.may_ask(now, view.shard_id, **v))
                 .min_by_key(|v| (led.get(v).copied().unwrap_or(usize::MAX), **v))
                 .copied();
@@ -1363,6 +1384,35 @@ fn replica_infos(view: &ShardView) -> Vec<ReplicaInfo> {
 mod tests {
     use super::*;
     use crate::placement::{moves, place};
+
+    /// The leader balancer gives no leadership to a draining node, nor to
+    /// a voter the placement moves away: the move path would take it off
+    /// again, and the two handed it back and forth while moves waited.
+    #[test]
+    fn leaderships_go_only_where_the_placement_keeps_them() {
+        use tidepool_proto::v1::NodeInfo;
+        let map = ClusterMap {
+            nodes: [
+                (1, NodeState::Up),
+                (2, NodeState::Draining),
+                (3, NodeState::Up),
+            ]
+            .into_iter()
+            .map(|(id, state)| NodeInfo {
+                node_id: id,
+                state: state as i32,
+                ..NodeInfo::default()
+            })
+            .collect(),
+            ..ClusterMap::default()
+        };
+        let desired: crate::placement::Placement = BTreeMap::from([(7, BTreeSet::from([1, 2]))]);
+        assert!(may_lead(&map, &desired, 7, 1));
+        assert!(!may_lead(&map, &desired, 7, 2), "draining");
+        assert!(!may_lead(&map, &desired, 7, 3), "moved away");
+        assert!(may_lead(&map, &desired, 8, 3), "no placement yet");
+        assert!(!may_lead(&map, &desired, 8, 4), "unknown node");
+    }
 
     /// Only a refusal about the shard itself keeps it from splitting for
     /// the term; a store error or a lost leadership is tried again.
