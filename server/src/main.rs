@@ -573,18 +573,33 @@ impl NodeArgs {
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let replicas = if self.replicas.is_empty() {
-                peers.iter().map(|p| p.id).collect()
-            } else {
+            // Each flag replaces its own field of the file's `[cluster]`,
+            // never the rest (a `--peer` dropped the file's shards,
+            // namespaces and tokens).
+            let file = config.cluster.take();
+            let peers = match &file {
+                Some(file) if peers.is_empty() => file.peers.clone(),
+                _ => peers,
+            };
+            let replicas = if !self.replicas.is_empty() {
                 self.replicas
+            } else if let Some(file) = &file {
+                file.replicas.clone()
+            } else {
+                peers.iter().map(|p| p.id).collect()
             };
             let namespaces = if self.namespaces.is_empty() {
-                vec![NamespaceSpec {
-                    name: "default".into(),
-                    id: 1,
-                    content_addressed: false,
-                    retain_epochs: None,
-                }]
+                file.as_ref().map_or_else(
+                    || {
+                        vec![NamespaceSpec {
+                            name: "default".into(),
+                            id: 1,
+                            content_addressed: false,
+                            retain_epochs: None,
+                        }]
+                    },
+                    |f| f.namespaces.clone(),
+                )
             } else {
                 self.namespaces
                     .iter()
@@ -619,11 +634,11 @@ impl NodeArgs {
                     .collect::<anyhow::Result<Vec<_>>>()?
             };
             config.cluster = Some(StaticCluster {
-                shards: self.shards.unwrap_or(1),
+                shards: self.shards.or(file.as_ref().map(|f| f.shards)).unwrap_or(1),
                 replicas,
                 peers,
                 namespaces,
-                tokens: Vec::new(),
+                tokens: file.map(|f| f.tokens).unwrap_or_default(),
             });
         }
         for p in &self.peer_addresses {
@@ -636,11 +651,17 @@ impl NodeArgs {
             });
         }
         if !self.coordinators.is_empty() {
-            config.coordinator = Some(CoordinatorLink {
-                addresses: self.coordinators,
-                zone: String::new(),
-                capacity_bytes: 0,
-            });
+            // The addresses only: the file's zone and capacity stay.
+            match &mut config.coordinator {
+                Some(link) => link.addresses = self.coordinators,
+                None => {
+                    config.coordinator = Some(CoordinatorLink {
+                        addresses: self.coordinators,
+                        zone: String::new(),
+                        capacity_bytes: 0,
+                    })
+                }
+            }
         }
         config.tls = self.tls.require(config.tls.take(), config.insecure)?;
         if let Some(link) = &mut config.coordinator {
@@ -1214,5 +1235,52 @@ fn main() -> ExitCode {
             eprintln!("tidepool: {error:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node_config(file: &str, flags: &[&str]) -> NodeConfig {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.toml");
+        std::fs::write(&path, file).unwrap();
+        let mut args = vec![
+            "tidepool",
+            "node",
+            "--insecure",
+            "--config",
+            path.to_str().unwrap(),
+        ];
+        args.extend_from_slice(flags);
+        match Cli::try_parse_from(args).unwrap().command {
+            Command::Node(args) => args.into_config().unwrap(),
+            _ => unreachable!(),
+        }
+    }
+
+    /// A flag replaces its own setting of the file, not the file's whole
+    /// section: `--coordinator` kept no zone or capacity, `--peer` no
+    /// shards, namespaces or tokens.
+    #[test]
+    fn flags_override_single_settings_of_the_file() {
+        let linked = node_config(
+            "[coordinator]\naddresses = [\"http://a:1\"]\nzone = \"zone-a\"\ncapacity_bytes = 1000\n",
+            &["--coordinator", "http://b:2"],
+        );
+        let link = linked.coordinator.unwrap();
+        assert_eq!(link.addresses, ["http://b:2"]);
+        assert_eq!((link.zone.as_str(), link.capacity_bytes), ("zone-a", 1000));
+
+        let fixed = node_config(
+            "node_id = 1\n[cluster]\nshards = 4\nreplicas = [1]\npeers = [{ id = 1, address = \"http://a:1\" }]\nnamespaces = [{ name = \"ci\", id = 3, retain_epochs = 2 }]\n",
+            &["--peer", "1=http://b:2"],
+        );
+        let cluster = fixed.cluster.unwrap();
+        assert_eq!(cluster.peers[0].address, "http://b:2");
+        assert_eq!(cluster.shards, 4);
+        assert_eq!(cluster.namespaces[0].name, "ci");
+        assert_eq!(cluster.replicas, [1]);
     }
 }

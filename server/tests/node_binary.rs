@@ -389,6 +389,21 @@ fn bad_configurations_are_refused_with_a_clear_message() {
     ]);
     assert!(!status.success());
     assert!(stderr.contains("belongs to node 7"), "{stderr}");
+    // So does a fixed cluster's node (no coordinator): its replicas' Raft
+    // state is node 7's.
+    let peer = "3=http://127.0.0.1:9";
+    let (status, stderr) = run(&[
+        "--node-id",
+        "3",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--peer",
+        peer,
+    ]);
+    assert!(!status.success());
+    assert!(stderr.contains("belongs to node 7"), "{stderr}");
 }
 
 #[test]

@@ -236,6 +236,34 @@ pub(crate) fn adopt_recorded_id(config: &mut NodeConfig) -> Result<bool> {
     }
 }
 
+/// A node of a fixed cluster (no coordinator) records its id in its data
+/// directory at first start and refuses to start under another: its
+/// replicas' Raft state (term, vote, log) is the recorded node's, and
+/// served as another voter of the same groups it could vote twice and
+/// lose committed writes (`--node-id 2` given for node 1's directory).
+pub(crate) fn bind_static_id(config: &NodeConfig) -> Result<()> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+        NodeError::Config(format!("cannot create {}: {e}", config.data_dir.display()))
+    })?;
+    match recorded_id(&config.data_dir)? {
+        Some(on_disk) if on_disk != config.node_id => Err(NodeError::Config(format!(
+            "node_id is {} but {} belongs to node {on_disk}",
+            config.node_id,
+            config.data_dir.display()
+        ))),
+        Some(_) => Ok(()),
+        None => {
+            let path = config.data_dir.join(NODE_ID_FILE);
+            write_file_atomically(
+                &FileStorage::new(),
+                &path,
+                format!("{}\n", config.node_id).as_bytes(),
+            )
+            .map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))
+        }
+    }
+}
+
 /// The last cluster map this node saved, if any.
 pub(crate) fn saved_map(data_dir: &Path) -> Result<Option<ClusterMap>> {
     let path = data_dir.join(MAP_FILE);

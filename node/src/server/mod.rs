@@ -907,6 +907,9 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     // A node that ran before serves at once and registers meanwhile; a new
     // one needs its id first.
     let restarting = config.coordinator.is_some() && coordination::adopt_recorded_id(&mut config)?;
+    if config.coordinator.is_none() {
+        coordination::bind_static_id(&config)?;
+    }
     let registered = match config.coordinator {
         Some(_) if !restarting => Some(coordination::register(&mut config, &security).await?),
         _ => None,
