@@ -1022,6 +1022,25 @@ async fn soak() {
         checking.elapsed().as_secs_f64()
     );
     eprintln!("faults: {}", faults.join(", "));
+    // The run's longest stretch without an acknowledged write, and the
+    // fault whose window holds its start, or the last one before it (a
+    // stretch between windows was reported without a cause).
+    if let Some(first) = windows.first() {
+        // As the report's gap: to the end of the run, before the reads
+        // back.
+        let to = (report.duration_s * 1e9) as u64;
+        let (gap, at) = tidepool_e2e::workload::longest_write_gap_at(&report.history, first.1, to);
+        let during = windows.iter().rev().find(|(_, from, _, _)| *from <= at);
+        let place = match during {
+            Some((fault, _, end, _)) if at <= *end => format!("during {fault}"),
+            Some((fault, _, _, _)) => format!("after the window of {fault}"),
+            None => "before the first fault".into(),
+        };
+        eprintln!(
+            "longest write gap: {gap:.2} s from {} ({place})",
+            clock.utc(at)
+        );
+    }
     eprintln!(
         "| fault | times | longest write gap, median (s) | longest write gap, most (s) | gateway requests failed |"
     );
