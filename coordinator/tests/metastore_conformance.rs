@@ -274,6 +274,11 @@ async fn embedded_store_keeps_its_keys_across_a_restart() {
         store.txn(vec![], vec![ephemeral]).await.unwrap().revision
     };
     let store = EmbeddedStore::open(&path).unwrap();
+    // One store per file: a second would overwrite the first's changes.
+    match EmbeddedStore::open(&path) {
+        Err(MetaError::File { message, .. }) => assert!(message.contains("in use"), "{message}"),
+        other => panic!("a second store opened a file in use: {other:?}"),
+    }
     let map = store.get("/map").await.unwrap().unwrap();
     assert_eq!(map.value, b"v1");
     assert_eq!(

@@ -75,6 +75,18 @@ async fn dev_mode_keeps_data_across_a_restart() {
     plaintext.timeout = Duration::from_secs(3);
     plaintext.connect_timeout = Duration::from_secs(1);
     assert!(Client::with_config(plaintext).await.is_err());
+    // A second dev cluster on the same directory: refused, the first's
+    // data untouched.
+    let second = Command::new(support::BIN)
+        .args(["dev", "--port", "0"])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!second.status.success(), "{second:?}");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(stderr.contains("in use"), "{stderr}");
+    assert_eq!(client.get("default", b"kept").await.unwrap(), content);
     drop(client);
     tokio::task::spawn_blocking(move || interrupt(child))
         .await

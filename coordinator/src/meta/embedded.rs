@@ -50,6 +50,9 @@ struct Saved {
 pub struct EmbeddedStore {
     state: Arc<Mutex<State>>,
     path: Option<PathBuf>,
+    /// The `flock`ed `<file>.lock` beside a saved store's file: a second
+    /// store on the file would overwrite the first's changes with its own.
+    _lock: Option<std::fs::File>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -67,6 +70,30 @@ fn file_error(path: &Path, e: impl std::fmt::Display) -> MetaError {
     }
 }
 
+/// Takes the exclusive hold on `<path>.lock` (an `flock`, let go when
+/// the file closes, also when the process dies). The store's file itself
+/// is replaced on every save, so it cannot carry the lock.
+fn lock_beside(path: &Path) -> MetaResult<std::fs::File> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock_path = PathBuf::from(name);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)
+        .map_err(|e| file_error(&lock_path, e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(file_error(
+            path,
+            "in use by another coordinator (its .lock file is held)",
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(file_error(&lock_path, e)),
+    }
+}
+
 impl EmbeddedStore {
     /// A store in memory only.
     pub fn in_memory() -> Self {
@@ -75,6 +102,7 @@ impl EmbeddedStore {
 
     /// A store saved to `path` after every change (created if missing).
     pub fn open(path: &Path) -> MetaResult<Self> {
+        let lock = lock_beside(path)?;
         let mut state = State::default();
         match std::fs::read(path) {
             Ok(bytes) => {
@@ -96,7 +124,9 @@ impl EmbeddedStore {
             Err(e) => return Err(file_error(path, e)),
         }
         state.oldest = state.revision + 1;
-        Ok(Self::with_state(state, Some(path.to_path_buf())))
+        let mut store = Self::with_state(state, Some(path.to_path_buf()));
+        store._lock = Some(lock);
+        Ok(store)
     }
 
     fn with_state(state: State, path: Option<PathBuf>) -> Self {
@@ -106,7 +136,11 @@ impl EmbeddedStore {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(sweep(Arc::downgrade(&state)));
         }
-        EmbeddedStore { state, path }
+        EmbeddedStore {
+            state,
+            path,
+            _lock: None,
+        }
     }
 
     fn save(&self, state: &State) -> MetaResult<()> {

@@ -126,6 +126,9 @@ pub struct Node {
     opened: std::sync::atomic::AtomicBool,
     /// One pass opening split-off groups at a time.
     adopting: parking_lot::Mutex<()>,
+    /// The hold on the data directory ([`lock_data_dir`]), let go once
+    /// every replica is closed.
+    data_dir_lock: parking_lot::Mutex<Option<tidepool_engine::storage::DirLock>>,
     /// Run the replicas' Raft owners: pools of one thread, a replica's
     /// owner always in the same one (chosen by shard id). One shared pool,
     /// where an owner ran on whichever thread was free, measured about 20%
@@ -180,6 +183,17 @@ impl Node {
     /// [`Node::open`] with TLS material already loaded.
     pub fn open_with(config: NodeConfig, security: Security) -> Result<Arc<Node>> {
         config.validate()?;
+        let lock = lock_data_dir(&config.data_dir)?;
+        Self::open_locked(config, security, lock)
+    }
+
+    /// [`Node::open_with`] holding the data directory already.
+    fn open_locked(
+        config: NodeConfig,
+        security: Security,
+        data_dir_lock: tidepool_engine::storage::DirLock,
+    ) -> Result<Arc<Node>> {
+        config.validate()?;
         let shards_dir = config.data_dir.join("shards");
         std::fs::create_dir_all(&shards_dir).map_err(|e| {
             NodeError::Config(format!("cannot create {}: {e}", shards_dir.display()))
@@ -205,6 +219,7 @@ impl Node {
             owners,
             opened: Default::default(),
             adopting: Default::default(),
+            data_dir_lock: parking_lot::Mutex::new(Some(data_dir_lock)),
             transport: Transport::new(
                 config.node_id,
                 security.clone(),
@@ -778,7 +793,31 @@ impl Node {
         for shard in shards {
             let _ = self.close_replica(shard, false);
         }
+        // Every engine is closed: another process (or this one, opening
+        // the node again) may have the directory.
+        self.data_dir_lock.lock().take();
     }
+}
+
+/// Takes the node's hold on its data directory (an `flock` on its `LOCK`
+/// file), creating the directory if needed. Everything a node does to the
+/// directory before its engines lock their own — recording or checking its
+/// id, removing unfinished splits, emptying spare slots — would otherwise
+/// undo the work of another process started on the same directory.
+fn lock_data_dir(dir: &std::path::Path) -> Result<tidepool_engine::storage::DirLock> {
+    use tidepool_engine::storage::Storage as _;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    FileStorage::new().lock(dir).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            NodeError::Config(format!(
+                "data directory {} is in use by another node",
+                dir.display()
+            ))
+        } else {
+            NodeError::Config(format!("cannot lock {}: {e}", dir.display()))
+        }
+    })
 }
 
 /// Longest a stopping node spends handing its leaderships over.
@@ -904,6 +943,9 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
     }
     config.validate()?;
     let security = security_of(&config)?;
+    // Before the id is read or recorded: two processes on one directory
+    // would otherwise both register, or share one id.
+    let lock = lock_data_dir(&config.data_dir)?;
     // A node that ran before serves at once and registers meanwhile; a new
     // one needs its id first.
     let restarting = config.coordinator.is_some() && coordination::adopt_recorded_id(&mut config)?;
@@ -914,7 +956,7 @@ pub async fn start(mut config: NodeConfig) -> Result<RunningNode> {
         Some(_) if !restarting => Some(coordination::register(&mut config, &security).await?),
         _ => None,
     };
-    let node = tokio::task::block_in_place(|| Node::open_with(config, security))?;
+    let node = tokio::task::block_in_place(|| Node::open_locked(config, security, lock))?;
     if let Some((map, lease_ttl)) = registered {
         node.set_map(map);
         coordination::spawn(node.clone(), lease_ttl);

@@ -135,3 +135,31 @@ async fn a_restart_refuses_a_replica_whose_files_are_gone() {
         "no empty engine was created in their place"
     );
 }
+
+/// A second node on the data directory of a running one — a second pod on
+/// one volume, a dev cluster started twice — is refused before it touches
+/// anything: opening removes the directories of unfinished splits, which
+/// the first node may be building at that moment. Once the first has shut
+/// down, the directory is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_on_one_data_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = one_node(dir.path());
+    let building = dir
+        .path()
+        .join("shards")
+        .join(format!("{}9", crate::replica::SPLIT_TEMP_PREFIX));
+    std::fs::create_dir_all(&building).unwrap();
+
+    let error = match Node::open(one_node_config(dir.path())) {
+        Ok(_) => panic!("a second node opened a data directory in use"),
+        Err(error) => error.to_string(),
+    };
+    assert!(error.contains("in use by another node"), "{error}");
+    assert!(building.exists(), "the first node's split was left alone");
+
+    node.shutdown();
+    let again = Node::open(one_node_config(dir.path())).unwrap();
+    assert!(!building.exists(), "the directory is the node's again");
+    again.shutdown();
+}
