@@ -340,6 +340,12 @@ impl ByteStream for Reapi {
         request: Request<Streaming<WriteRequest>>,
     ) -> Result<Response<WriteResponse>, Status> {
         let header = request.metadata().clone();
+        // The caller first: a message (up to a batch and a chunk) is read
+        // and held only for a caller the cluster knows.
+        let credential =
+            crate::Credential::from_header(header.get("authorization").map(|v| v.as_bytes()))
+                .map_err(status)?;
+        self.gateway.caller(credential).await.map_err(status)?;
         let idle = self.gateway.config.http_limits.body_idle;
         let mut stream = request.into_inner();
         let first = crate::next_message(&mut stream, idle)

@@ -615,3 +615,22 @@ async fn reapi_limits_and_digests() {
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     s.stop().await;
 }
+
+/// A ByteStream write is refused for a caller the cluster does not admit
+/// before any of its messages is read: a client that opens the stream and
+/// sends nothing (or a first message of a batch and a chunk) holds no
+/// buffer, and hears UNAUTHENTICATED at once, not after the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bytestream_writes_check_the_caller_before_reading() {
+    use bazel_remote_apis::google::bytestream::WriteRequest;
+    use std::time::Duration;
+    let s = setup(false).await;
+    let mut bytestream = s.bytestream();
+    let silent = tokio_stream::pending::<WriteRequest>();
+    let refused = tokio::time::timeout(Duration::from_secs(10), bytestream.write(silent))
+        .await
+        .expect("answered before any message was sent")
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    s.stop().await;
+}
