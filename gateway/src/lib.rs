@@ -89,8 +89,9 @@ pub struct HttpLimits {
     /// `RegisterChunkMapping`): the request then fails (`TIMEOUT`,
     /// `DEADLINE_EXCEEDED`) and nothing of it is stored.
     pub body_idle: Duration,
-    /// Connections served at once; more wait in the listen backlog until
-    /// one closes.
+    /// Connections served at once by each listener (the HTTP cache, the
+    /// restic server, and the gRPC one too); more wait in the listen
+    /// backlog until one closes.
     pub max_connections: usize,
 }
 

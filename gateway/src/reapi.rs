@@ -702,6 +702,8 @@ pub(crate) async fn serve(
     };
     // A batch's bytes plus the messages' framing.
     let limit = gateway.config.max_batch_bytes as usize + (1 << 20);
+    // The HTTP listener's bound, counted apart on this one.
+    let max_connections = gateway.config.http_limits.max_connections;
     let counted = gateway
         .metrics
         .layer(
@@ -740,12 +742,15 @@ pub(crate) async fn serve(
         // A client that sends nothing is disconnected after a while
         // (`tidepool_security::first_byte`).
         Some(config) => {
-            let incoming =
-                tidepool_security::tls::grpc_incoming_tls(listener, move || config.clone());
+            let incoming = tidepool_security::tls::grpc_incoming_tls(
+                listener,
+                move || config.clone(),
+                max_connections,
+            );
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
         None => {
-            let incoming = tidepool_security::tls::grpc_incoming_plain(listener);
+            let incoming = tidepool_security::tls::grpc_incoming_plain(listener, max_connections);
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
     };

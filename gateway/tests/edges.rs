@@ -634,3 +634,49 @@ async fn bytestream_writes_check_the_caller_before_reading() {
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
     s.stop().await;
 }
+
+/// The gRPC listener holds at most `max_connections` connections, like
+/// the HTTP one: with four held, a fifth client's call is answered only
+/// once one of them closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn surplus_grpc_connections_wait_for_a_slot() {
+    use std::time::Duration;
+    use tonic::transport::Channel;
+    let s = setup_with(true, |config| {
+        config.http_limits.max_connections = 4;
+    })
+    .await;
+    let url = format!("http://{}", s.gateway.grpc_address);
+    let ask = |channel: Channel| async move {
+        re::content_addressable_storage_client::ContentAddressableStorageClient::new(channel)
+            .find_missing_blobs(re::FindMissingBlobsRequest {
+                instance_name: "cache".into(),
+                blob_digests: vec![digest(b"absent")],
+                ..Default::default()
+            })
+            .await
+    };
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        // With the setup's own channel: four connections.
+        let channel = Channel::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        ask(channel.clone()).await.unwrap();
+        held.push(channel);
+    }
+    ask(s.channel.clone()).await.unwrap();
+    let fifth = Channel::from_shared(url.clone()).unwrap().connect_lazy();
+    let waiting = tokio::spawn(ask(fifth));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!waiting.is_finished(), "a fifth connection was served");
+    drop(held.pop());
+    let answered = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("served once a slot freed")
+        .unwrap();
+    assert_eq!(answered.unwrap().into_inner().missing_blob_digests.len(), 1);
+    s.stop().await;
+}

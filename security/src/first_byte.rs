@@ -30,6 +30,10 @@ pub struct FirstByteDeadline<I> {
     io: I,
     /// Until the first byte arrives.
     deadline: Option<Pin<Box<Sleep>>>,
+    /// The server's connection slot this connection holds, if it counts
+    /// them ([`crate::tls::grpc_incoming_plain`]): given back when the
+    /// connection is dropped.
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<I> FirstByteDeadline<I> {
@@ -38,6 +42,15 @@ impl<I> FirstByteDeadline<I> {
         FirstByteDeadline {
             io,
             deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+            _slot: None,
+        }
+    }
+
+    /// The connection, holding `slot` until it is dropped.
+    pub fn holding(self, slot: tokio::sync::OwnedSemaphorePermit) -> Self {
+        FirstByteDeadline {
+            _slot: Some(slot),
+            ..self
         }
     }
 

@@ -291,14 +291,25 @@ pub fn incoming(listener: TcpListener, tls: Arc<Tls>) -> ReceiverStream<io::Resu
 
 /// [`incoming`] with the server configuration `config` returns for each
 /// handshake (a server whose clients present no certificate, such as the
-/// build-cache gateway's, brings its own).
+/// build-cache gateway's, brings its own). At most [`HANDSHAKES_AT_ONCE`]
+/// handshakes run at once: past that the accept loop waits and new
+/// connections queue in the kernel's backlog (a flood of connections that
+/// never finish theirs held a task and a socket each for
+/// `HANDSHAKE_TIMEOUT`, without bound).
 pub fn incoming_with(
     listener: TcpListener,
     config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
 ) -> ReceiverStream<io::Result<ServerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_AT_ONCE));
     tokio::spawn(async move {
         loop {
+            let handshake = tokio::select! {
+                permit = handshakes.clone().acquire_owned() => {
+                    permit.expect("the semaphore is never closed")
+                }
+                () = tx.closed() => return,
+            };
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
                 () = tx.closed() => return,
@@ -318,6 +329,7 @@ pub fn incoming_with(
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {
                     Ok(Ok(stream)) => {
+                        drop(handshake);
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake refused: {e}"),
@@ -329,31 +341,67 @@ pub fn incoming_with(
     ReceiverStream::new(rx)
 }
 
-/// A gRPC server's TLS connections ([`incoming_with`]), each of whose
-/// clients must send a byte within [`FIRST_BYTE_TIMEOUT`] of its
-/// handshake ([`crate::first_byte`]).
+/// TLS handshakes a server runs at once ([`incoming_with`]).
+pub const HANDSHAKES_AT_ONCE: usize = 256;
+
+/// Connections a node's or coordinator's gRPC server holds at once
+/// ([`serve`]): past it, a new connection waits (in the kernel's backlog,
+/// then unanswered) until another closes. Every client process holds one
+/// or a few connections to each server.
+pub const MAX_GRPC_CONNECTIONS: usize = 8192;
+
+/// `incoming`'s connections, each holding one of `max` slots until it is
+/// dropped, and given [`FIRST_BYTE_TIMEOUT`] to send a byte
+/// ([`crate::first_byte`]). With every slot taken, the next connection
+/// waits for one (and no further one is accepted meanwhile): a client
+/// that opens connections without end holds at most `max` sockets.
+fn slotted<S>(
+    incoming: impl tokio_stream::Stream<Item = io::Result<S>> + Send + 'static,
+    max: usize,
+) -> impl tokio_stream::Stream<Item = io::Result<FirstByteDeadline<S>>> + Send + 'static
+where
+    S: Send + 'static,
+{
+    use tokio_stream::StreamExt as _;
+    let slots = Arc::new(tokio::sync::Semaphore::new(max.max(1)));
+    incoming.then(move |accepted| {
+        let slots = slots.clone();
+        async move {
+            let stream = accepted?;
+            let slot = slots
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
+            Ok(FirstByteDeadline::new(stream, FIRST_BYTE_TIMEOUT).holding(slot))
+        }
+    })
+}
+
+/// A gRPC server's TLS connections ([`incoming_with`]): at most `max` at
+/// once ([`slotted`]), each of whose clients must send a byte within
+/// [`FIRST_BYTE_TIMEOUT`] of its handshake ([`crate::first_byte`]).
 pub fn grpc_incoming_tls(
     listener: TcpListener,
     config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
+    max: usize,
 ) -> impl tokio_stream::Stream<Item = io::Result<FirstByteDeadline<ServerStream>>> + Send + 'static
 {
-    use tokio_stream::StreamExt as _;
-    incoming_with(listener, config)
-        .map(|stream| stream.map(|s| FirstByteDeadline::new(s, FIRST_BYTE_TIMEOUT)))
+    slotted(incoming_with(listener, config), max)
 }
 
 /// A gRPC server's plaintext connections: `TCP_NODELAY` (small Raft and
 /// client messages must not wait for Nagle's algorithm, 40 ms with delayed
-/// ACKs), TCP keep-alive, and a client that must send a byte within
-/// [`FIRST_BYTE_TIMEOUT`] ([`crate::first_byte`]).
+/// ACKs), TCP keep-alive, at most `max` at once ([`slotted`]), and a client
+/// that must send a byte within [`FIRST_BYTE_TIMEOUT`]
+/// ([`crate::first_byte`]).
 pub fn grpc_incoming_plain(
     listener: TcpListener,
+    max: usize,
 ) -> impl tokio_stream::Stream<Item = io::Result<FirstByteDeadline<TcpStream>>> + Send + 'static {
-    use tokio_stream::StreamExt as _;
-    tonic::transport::server::TcpIncoming::from(listener)
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
         .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(30)))
-        .map(|stream| stream.map(|s| FirstByteDeadline::new(s, FIRST_BYTE_TIMEOUT)))
+        .with_keepalive(Some(Duration::from_secs(30)));
+    slotted(incoming, max)
 }
 
 /// Dials TLS connections for a tonic endpoint, with the files current at
@@ -427,7 +475,8 @@ pub async fn server_certificate(
 /// handshakes ([`incoming`]) when `tls` is given, else plaintext TCP. Small
 /// Raft and client messages must not wait for Nagle's algorithm (40 ms
 /// with delayed ACKs): every accepted socket has `TCP_NODELAY`. A client
-/// that sends nothing is disconnected after [`FIRST_BYTE_TIMEOUT`].
+/// that sends nothing is disconnected after [`FIRST_BYTE_TIMEOUT`]; at most
+/// [`MAX_GRPC_CONNECTIONS`] connections are held at once.
 pub async fn serve<L, ResBody>(
     router: tonic::transport::server::Router<L>,
     listener: TcpListener,
@@ -448,13 +497,56 @@ where
 {
     match tls {
         Some(tls) => {
-            let incoming = grpc_incoming_tls(listener, move || tls.server_config());
+            let incoming =
+                grpc_incoming_tls(listener, move || tls.server_config(), MAX_GRPC_CONNECTIONS);
             router.serve_with_incoming_shutdown(incoming, stopped).await
         }
         None => {
             router
-                .serve_with_incoming_shutdown(grpc_incoming_plain(listener), stopped)
+                .serve_with_incoming_shutdown(
+                    grpc_incoming_plain(listener, MAX_GRPC_CONNECTIONS),
+                    stopped,
+                )
                 .await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connections that never finish their TLS handshake fill the
+    /// handshake slots, and the server accepts no more until they go: they
+    /// cannot make it hold a socket and a task each without bound.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unfinished_handshakes_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::certs::ensure_dev(dir.path(), 1).unwrap();
+        let tls = Tls::load(crate::certs::files(dir.path(), "node-1")).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let served = tls.clone();
+        let _incoming = incoming_with(listener, move || served.server_config());
+
+        let mut silent = Vec::new();
+        for _ in 0..HANDSHAKES_AT_ONCE {
+            silent.push(TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+        }
+        let waiting = tokio::spawn({
+            let tls = tls.clone();
+            async move { server_certificate(&tls, "127.0.0.1", port).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !waiting.is_finished(),
+            "a handshake ran past {HANDSHAKES_AT_ONCE} unfinished ones"
+        );
+        drop(silent);
+        let served = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("served once the silent connections closed")
+            .unwrap();
+        assert!(served.is_ok(), "{served:?}");
     }
 }

@@ -379,8 +379,8 @@ struct GatewayArgs {
     /// the request fails (`TIMEOUT`) and nothing of it is stored.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
     http_body_idle_s: u64,
-    /// HTTP endpoints: connections served at once by each; more wait in
-    /// the listen backlog.
+    /// Connections served at once by each endpoint (HTTP, restic and
+    /// gRPC); more wait in the listen backlog.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     http_max_connections: u64,
     #[command(flatten)]
