@@ -90,6 +90,9 @@ pub struct Shared {
     stop: watch::Sender<bool>,
     /// How it dials nodes (TLS material).
     pub security: tidepool_security::Security,
+    /// Channels to nodes for calls outside the reconciler's rounds (status
+    /// polls of `PrepareNodeStop`).
+    pub(crate) node_clients: crate::nodes::NodeClients,
     /// The token table of the cached map, with the map version it is of.
     tokens: Mutex<(u64, Arc<tidepool_security::guard::TokenTable>)>,
     /// Kubernetes, when the coordinator runs under the chart.
@@ -191,6 +194,7 @@ impl Shared {
             progress: Mutex::new(Progress::default()),
             epoch_drops: tokio::sync::Mutex::new(()),
             stop: watch::Sender::new(false),
+            node_clients: crate::nodes::NodeClients::new(security.clone()),
             security,
             tokens: Mutex::default(),
             orchestrator: std::sync::OnceLock::new(),

@@ -345,6 +345,47 @@ impl Shared {
         (zone, wanted)
     }
 
+    /// The status of every node holding a liveness lease, asked of each
+    /// at once (heartbeats are up to their interval apart: a follower's
+    /// older one would show it behind a leader's newer commit index); a
+    /// node that does not answer within `STATUS_POLL_TIMEOUT` is left out.
+    async fn fresh_reports(
+        &self,
+        map: &ClusterMap,
+    ) -> Result<std::collections::BTreeMap<u64, NodeStatus>, CoordinatorError> {
+        let mut polls = tokio::task::JoinSet::new();
+        for id in crate::reconcile::alive(self).await?.into_keys() {
+            let Some(node) = map.nodes.iter().find(|n| n.node_id == id) else {
+                continue;
+            };
+            let Ok(mut client) = self.node_clients.admin(&node.address) else {
+                continue;
+            };
+            polls.spawn(async move {
+                let call = client.status(tidepool_proto::v1::NodeStatusRequest {});
+                let answer =
+                    crate::nodes::NodeClients::call("status", STATUS_POLL_TIMEOUT, call).await;
+                (id, answer)
+            });
+        }
+        let mut reports = std::collections::BTreeMap::new();
+        while let Some(joined) = polls.join_next().await {
+            match joined {
+                Ok((id, Ok(status))) if status.node_id == id => {
+                    reports.insert(id, status);
+                }
+                Ok((id, Ok(_))) => {
+                    tracing::debug!(node_id = id, "another node answers at its address")
+                }
+                Ok((id, Err(error))) => {
+                    tracing::debug!(node_id = id, %error, "no status for a node's stop check")
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(reports)
+    }
+
     /// A node about to stop asks whether it leaves for good. Under
     /// Kubernetes, a pod at or above its StatefulSet's `spec.replicas` was
     /// scaled away: it is drained (and flagged `scale_down`, so growing the
@@ -431,7 +472,12 @@ impl Shared {
             // (an uninstall stops everything anyway; not under Kubernetes
             // the operator decides).
             PrepareNodeStopResponse {
-                quorum_at_risk: quorum_at_risk(&map, node_id),
+                quorum_at_risk: quorum_at_risk(
+                    &map,
+                    &self.fresh_reports(&map).await?,
+                    node_id,
+                    self.config.catch_up_slack,
+                ),
                 ..answer(
                     false,
                     &map,
@@ -789,6 +835,9 @@ fn check_bound(node: &NodeInfo, identity: Option<&str>) -> Result<(), Coordinato
     }
 }
 
+/// Longest `PrepareNodeStop` waits for a node's status.
+const STATUS_POLL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Whether a retention keeps blobs forever (unset is durable).
 fn is_durable(retention: Option<&Retention>) -> bool {
     !matches!(
@@ -810,20 +859,40 @@ fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
     ))
 }
 
-/// Shards of which `node_id` is a voter and whose other voters on nodes
-/// not `DOWN` are fewer than a majority, though enough others exist to
-/// make one when the down ones are back: stopping `node_id` now stops
-/// them, and waiting can help (with one or two voters, a restart always
-/// stops the shard, and waiting cannot). A StatefulSet's rolling update
-/// (pods in parallel) restarts the next pod once the last restarted one is
-/// ready, whatever the state of the pods not yet reached: one of those
-/// down, and the restart takes the shards it shares with it below a
-/// majority.
-pub(crate) fn quorum_at_risk(map: &ClusterMap, node_id: u64) -> u32 {
-    let live = |id: u64| {
-        map.nodes
-            .iter()
-            .any(|n| n.node_id == id && n.state != NodeState::Down as i32)
+/// Shards of which `node_id` is a voter and whose other voters that can
+/// help commit now are fewer than a majority, though enough others exist
+/// to make one when they are back: stopping `node_id` now stops them, and
+/// waiting can help (with one or two voters, a restart always stops the
+/// shard, and waiting cannot). A StatefulSet's rolling update (pods in
+/// parallel) restarts the next pod once the last restarted one is ready,
+/// whatever the state of the pods not yet reached: one of those down, or
+/// still catching up, and the restart takes the shards it shares with it
+/// below a majority.
+///
+/// A voter counts when its node answered (`reports`, asked of the nodes
+/// holding a liveness lease: a DRAINING node that died stays DRAINING in
+/// the map, but neither answers nor keeps its lease) and is not DOWN in the
+/// map, and its report shows the replica open, not receiving a snapshot,
+/// not holding its votes (`replica/votes.rs`) and with its log within
+/// `slack` entries of the commit index its shard's leader reported
+/// (unknown leader: open is enough).
+pub(crate) fn quorum_at_risk(
+    map: &ClusterMap,
+    reports: &std::collections::BTreeMap<u64, NodeStatus>,
+    node_id: u64,
+    slack: u64,
+) -> u32 {
+    let report = |node: u64, shard: u32| {
+        reports
+            .get(&node)
+            .and_then(|status| status.replicas.iter().find(|r| r.shard_id == shard))
+    };
+    let up = |id: u64| {
+        reports.contains_key(&id)
+            && map
+                .nodes
+                .iter()
+                .any(|n| n.node_id == id && n.state != NodeState::Down as i32)
     };
     map.shards
         .iter()
@@ -835,13 +904,28 @@ pub(crate) fn quorum_at_risk(map: &ClusterMap, node_id: u64) -> u32 {
                 .map(|r| r.node_id)
                 .collect();
             let majority = voters.len() / 2 + 1;
-            voters.contains(&node_id)
-                && voters.len() > majority
-                && voters
-                    .iter()
-                    .filter(|id| **id != node_id && live(**id))
-                    .count()
-                    < majority
+            if !voters.contains(&node_id) || voters.len() <= majority {
+                return false;
+            }
+            let commit = voters
+                .iter()
+                .filter_map(|v| report(*v, s.shard_id))
+                .filter(|r| r.is_leader)
+                .map(|r| r.commit_index)
+                .max();
+            let caught_up = |id: u64| {
+                up(id)
+                    && report(id, s.shard_id).is_some_and(|r| {
+                        !r.receiving_snapshot
+                            && !r.votes_held
+                            && commit.is_none_or(|c| r.last_index.saturating_add(slack) >= c)
+                    })
+            };
+            voters
+                .iter()
+                .filter(|id| **id != node_id && caught_up(**id))
+                .count()
+                < majority
         })
         .count() as u32
 }
@@ -855,7 +939,8 @@ mod tests {
     /// of three would be left one).
     #[test]
     fn a_restart_that_would_stop_a_shard_is_counted() {
-        use tidepool_proto::v1::{NodeInfo, ReplicaInfo, ReplicaRole, ShardInfo};
+        use std::collections::BTreeMap;
+        use tidepool_proto::v1::{NodeInfo, ReplicaInfo, ReplicaRole, ReplicaStatus, ShardInfo};
         let node = |id: u64, state: NodeState| NodeInfo {
             node_id: id,
             state: state as i32,
@@ -883,24 +968,86 @@ mod tests {
             ],
             ..ClusterMap::default()
         };
-        assert_eq!(quorum_at_risk(&map, 1), 0);
+        // Every node of the map reports its replicas caught up at index
+        // 100; node 3 leads every shard.
+        let caught_up = |map: &ClusterMap| -> BTreeMap<u64, NodeStatus> {
+            map.nodes
+                .iter()
+                .map(|n| {
+                    let replicas = map
+                        .shards
+                        .iter()
+                        .filter(|s| s.replicas.iter().any(|r| r.node_id == n.node_id))
+                        .map(|s| ReplicaStatus {
+                            shard_id: s.shard_id,
+                            is_leader: n.node_id == 3,
+                            commit_index: 100,
+                            last_index: 100,
+                            ..ReplicaStatus::default()
+                        })
+                        .collect();
+                    (
+                        n.node_id,
+                        NodeStatus {
+                            node_id: n.node_id,
+                            replicas,
+                            ..NodeStatus::default()
+                        },
+                    )
+                })
+                .collect()
+        };
+        let mut alive = caught_up(&map);
+        let slack = 64;
+        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 0);
         map.nodes[1].state = NodeState::Down as i32; // node 2
         // Shard 1: {3} of 3 left; shard 3: {3, 4} of 5 (node 5 unknown).
-        assert_eq!(quorum_at_risk(&map, 1), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
         // Node 4 is no voter of shard 1; shard 2 keeps {3} of 3: at risk.
-        assert_eq!(quorum_at_risk(&map, 4), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 4, slack), 2);
         map.nodes[1].state = NodeState::Draining as i32;
-        assert_eq!(quorum_at_risk(&map, 1), 0, "a draining node still serves");
+        assert_eq!(
+            quorum_at_risk(&map, &alive, 1, slack),
+            0,
+            "a draining node still serves"
+        );
+        // ... while its lease lasts: a draining node that died stays
+        // DRAINING in the map.
+        let lease = alive.remove(&2).unwrap();
+        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
+        alive.insert(2, lease);
+        // A voter receiving a snapshot, holding its votes or too far behind
+        // the leader's commit index cannot help commit yet.
+        for lagging in [
+            |r: &mut ReplicaStatus| r.receiving_snapshot = true,
+            |r: &mut ReplicaStatus| r.votes_held = true,
+            |r: &mut ReplicaStatus| r.last_index = 100 - 65,
+        ] {
+            let mut behind = alive.clone();
+            for replica in &mut behind.get_mut(&2).unwrap().replicas {
+                lagging(replica);
+            }
+            assert_eq!(quorum_at_risk(&map, &behind, 1, slack), 2);
+        }
+        let mut within = alive.clone();
+        for replica in &mut within.get_mut(&2).unwrap().replicas {
+            replica.last_index = 100 - 64;
+        }
+        assert_eq!(quorum_at_risk(&map, &within, 1, slack), 0);
+        // A voter whose node does not report the replica (not open yet).
+        let mut unopened = alive.clone();
+        unopened.get_mut(&2).unwrap().replicas.clear();
+        assert_eq!(quorum_at_risk(&map, &unopened, 1, slack), 2);
         // One or two voters: a restart stops the shard whatever waits.
         let lone = ClusterMap {
             nodes: vec![node(1, NodeState::Up), node(2, NodeState::Down)],
             shards: vec![shard(1, &[1], &[]), shard(2, &[1, 2], &[])],
             ..ClusterMap::default()
         };
-        assert_eq!(quorum_at_risk(&lone, 1), 0);
+        assert_eq!(quorum_at_risk(&lone, &caught_up(&lone), 1, slack), 0);
         map.nodes[2].state = NodeState::Down as i32; // node 3
         // Shard 3 keeps {2, 4} of 5 besides node 1 (node 5 is unknown).
-        assert_eq!(quorum_at_risk(&map, 1), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
     }
 
     fn map(cluster: &str, version: u64) -> ClusterMap {

@@ -23,6 +23,7 @@ use super::Node;
 use crate::command::Command;
 use crate::entry_context::EntrySync;
 use crate::replica::{Outcome, ReplicaStatus};
+use crate::shard::ShardState;
 use crate::shard::{Event, ShardHandle};
 
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -401,12 +402,38 @@ impl AdminApi {
     }
 }
 
+/// Whether replicas in these states let their node be ready
+/// ([`Node::readiness`]): each knows its leader and is not catching up.
+fn replicas_ready(states: &[(u32, ShardState)]) -> std::result::Result<(), String> {
+    let (mut leaderless, mut catching_up) = (Vec::new(), Vec::new());
+    for (shard_id, state) in states {
+        match &state.status {
+            Some(status) if status.leader != 0 => {
+                if state.receiving_snapshot || status.votes_held {
+                    catching_up.push(*shard_id);
+                }
+            }
+            _ => leaderless.push(*shard_id),
+        }
+    }
+    match (leaderless.is_empty(), catching_up.is_empty()) {
+        (true, true) => Ok(()),
+        (false, _) => Err(format!("shards without a known leader: {leaderless:?}")),
+        (true, false) => Err(format!("shards catching up: {catching_up:?}")),
+    }
+}
+
 impl Node {
     /// Whether the node serves (`GET /readyz`, a Kubernetes readiness
     /// probe): it is not stopping, has a cluster map, and every replica it
-    /// hosts knows its shard's leader. A node whose shards lost quorum is
-    /// not ready, so a rolling restart waits for it instead of taking the
-    /// next member of those shards down.
+    /// hosts knows its shard's leader and is not catching up — receiving a
+    /// snapshot, or holding its votes until it has caught up
+    /// (`replica/votes.rs`). A node whose shards lost quorum is not ready,
+    /// so a rolling restart waits for it instead of taking the next member
+    /// of those shards down; nor is a node whose replicas could not yet
+    /// help a majority commit (a restarted follower pulling a snapshot:
+    /// ready, the next restart left its shards a leader and a follower
+    /// that acknowledges nothing until the snapshot is in).
     pub fn readiness(&self) -> std::result::Result<(), String> {
         if self.is_stopping() {
             return Err("stopping".into());
@@ -414,17 +441,12 @@ impl Node {
         if self.map().version == 0 {
             return Err("no cluster map yet".into());
         }
-        let leaderless: Vec<u32> = self
+        let states: Vec<(u32, ShardState)> = self
             .hosted()
             .into_iter()
-            .filter(|(_, shard)| shard.state().status.is_none_or(|s| s.leader == 0))
-            .map(|(info, _)| info.shard_id)
+            .map(|(info, shard)| (info.shard_id, shard.state()))
             .collect();
-        if leaderless.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("shards without a known leader: {leaderless:?}"))
-        }
+        replicas_ready(&states)
     }
 
     /// What the node reports about itself (`NodeAdmin.Status`, heartbeats).
@@ -676,5 +698,35 @@ impl NodeAdmin for AdminApi {
         _request: Request<HeldMapRequest>,
     ) -> Result<Response<ClusterMap>, Status> {
         Ok(Response::new((*self.node.map()).clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::ReplicaStatus;
+
+    /// A node is ready when each replica knows its leader and none is
+    /// catching up: one pulling a snapshot, or holding its votes until it
+    /// has caught up, cannot help its shard commit yet.
+    #[test]
+    fn replicas_catching_up_keep_their_node_unready() {
+        let following = ShardState {
+            status: Some(ReplicaStatus {
+                leader: 2,
+                ..ReplicaStatus::default()
+            }),
+            ..ShardState::default()
+        };
+        assert_eq!(replicas_ready(&[(1, following.clone())]), Ok(()));
+        let mut snapshot = following.clone();
+        snapshot.receiving_snapshot = true;
+        let mut held = following.clone();
+        held.status.as_mut().unwrap().votes_held = true;
+        let leaderless = ShardState::default();
+        let error = replicas_ready(&[(1, following.clone()), (2, snapshot), (3, held)]);
+        assert_eq!(error, Err("shards catching up: [2, 3]".to_string()));
+        let error = replicas_ready(&[(1, following), (4, leaderless)]);
+        assert_eq!(error, Err("shards without a known leader: [4]".to_string()));
     }
 }
