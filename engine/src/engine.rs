@@ -53,6 +53,11 @@ pub(crate) struct Inner {
     /// none): the open's, until the application releases it
     /// ([`Config::hold_replay_until_released`]).
     pub replay_hold: std::sync::atomic::AtomicU64,
+    /// The end of the WAL when the engine opened: an item of a record
+    /// below it may be applied again (a replication layer re-applies from
+    /// its replay position) while the index holds something newer for its
+    /// key ([`Inner::apply_unless_superseded`]).
+    pub opened_at: u64,
     pub index: IndexStore,
     pub table: LargeTable,
     pub cache: EngineCache,

@@ -44,6 +44,49 @@ impl Inner {
         access: DiskAccess,
         update: impl Fn(&Entry) -> Option<Entry>,
     ) -> Result<bool> {
+        self.set_entry(space_index, key, record, access, |current| {
+            current.and_then(&update)
+        })
+    }
+
+    /// Records `entry` for `key`, carried by the WAL record at `record`,
+    /// unless the key's current entry — in the cell's changes, its loaded
+    /// index, or its on-disk layers (read if needed) — is newer. For items
+    /// applied again after a restart, which may be older than what the
+    /// index holds (a relocated copy of the same write, an epoch drop's
+    /// marker, a later write): [`Inner::apply`] compares with the changes
+    /// alone, and lookups that do not load a cell read its on-disk layers
+    /// newest first, so an older entry must never reach them.
+    pub(crate) fn apply_unless_superseded(
+        &self,
+        space_index: u8,
+        key: &Key,
+        entry: Entry,
+        record: u64,
+    ) -> Result<()> {
+        self.set_entry(
+            space_index,
+            key,
+            record,
+            DiskAccess::Read,
+            |current| match current {
+                Some(current) if !entry.replaces(current) => None,
+                _ => Some(entry),
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// [`Inner::update_entry`] whose `update` also decides for a key
+    /// without an entry (`None`).
+    fn set_entry(
+        &self,
+        space_index: u8,
+        key: &Key,
+        record: u64,
+        access: DiskAccess,
+        update: impl Fn(Option<&Entry>) -> Option<Entry>,
+    ) -> Result<bool> {
         let space = &self.table.spaces[usize::from(space_index)];
         let id = space.cell_of(key);
         let no_io = matches!(access, DiskAccess::Known(_));
@@ -85,7 +128,7 @@ impl Inner {
         key: &Key,
         record: u64,
         from_disk: Option<&(Layers, Option<Entry>)>,
-        update: &impl Fn(&Entry) -> Option<Entry>,
+        update: &impl Fn(Option<&Entry>) -> Option<Entry>,
     ) -> Step {
         let current = match cell.probe(key, space.key_len()) {
             Probe::Found(current) => current,
@@ -95,7 +138,7 @@ impl Inner {
                 _ => return Step::ReadDisk(layers),
             },
         };
-        let Some(replacement) = current.as_ref().and_then(update) else {
+        let Some(replacement) = update(current.as_ref()) else {
             return Step::Done(false);
         };
         let added = cell.apply(*key, replacement, record);

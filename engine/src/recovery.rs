@@ -126,6 +126,7 @@ pub(crate) fn open(
             )
         },
     )?;
+    let opened_at = values.processed().0;
     let cache = EngineCache::new(memory.cache().clone());
     let replay_hold = if config.hold_replay_until_released {
         control.replay_from.0
@@ -138,6 +139,7 @@ pub(crate) fn open(
         log_id: control.log_id,
         values,
         replay_hold: std::sync::atomic::AtomicU64::new(replay_hold),
+        opened_at,
         index: IndexStore {
             log: index,
             bits_per_key: config.bloom_bits_per_key,

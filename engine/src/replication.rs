@@ -232,8 +232,7 @@ impl Engine {
     pub fn apply(&self, appended: &Appended) -> Result<()> {
         self.inner.health.check()?;
         for item in &appended.items {
-            self.inner
-                .apply(item.space, item.key, item.entry, item.record);
+            self.apply_appended(item)?;
         }
         Ok(())
     }
@@ -243,9 +242,23 @@ impl Engine {
     /// it again is harmless.
     pub fn apply_item(&self, item: &AppendedItem) -> Result<()> {
         self.inner.health.check()?;
-        self.inner
-            .apply(item.space, item.key, item.entry, item.record);
-        Ok(())
+        self.apply_appended(item)
+    }
+
+    /// An item appended since the engine opened is newer than anything
+    /// the index holds for its key (its position is its version); one
+    /// from before may be older than a relocated copy of itself, a drop's
+    /// marker or a later write, and is compared with the key's whole
+    /// current entry, on disk too (only re-applies after a restart pay
+    /// for that).
+    fn apply_appended(&self, item: &AppendedItem) -> Result<()> {
+        let inner = &*self.inner;
+        if item.record >= inner.opened_at {
+            inner.apply(item.space, item.key, item.entry, item.record);
+            Ok(())
+        } else {
+            inner.apply_unless_superseded(item.space, &item.key, item.entry, item.record)
+        }
     }
 
     /// Reads the record at `position` back, verifying it.

@@ -271,6 +271,96 @@ fn an_item_applied_again_after_a_restart_does_not_hide_its_relocated_copy() {
     engine.close().unwrap();
 }
 
+/// The same, with the stale entry written to disk: the record applied
+/// again after a restart lands in a cell whose on-disk index is large
+/// next to its changes, so the flush that precedes reclaiming writes a
+/// delta. Lookups read a cell's on-disk layers newest first, so a delta
+/// holding the older entry hid the relocated copy once the cell was read
+/// from disk again (after a restart, or when its index did not fit in
+/// memory): the key read as a record that is gone. A record applied again
+/// must not replace a newer entry anywhere — in the changes, the loaded
+/// index, or on disk.
+#[test]
+fn an_item_applied_again_never_reaches_disk_over_its_relocated_copy() {
+    let (storage, mut config) = fault_storage();
+    config.relocation_enabled = false; // explicit passes only
+    config.snapshot_interval_ms = 3_600_000;
+    // One cell: its on-disk index outweighs the changes, so flushes write
+    // deltas.
+    config.key_spaces[0].layout = tidepool_engine::CellLayout::Uniform { cells: 1 };
+    config.index_merge_ratio = 4;
+    config.index_max_deltas = 8;
+    config.flush_dirty_entries = 10_000;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let kept = value(1, 1, 2_000);
+    let appended = engine
+        .append(
+            b"raft entry",
+            &[ItemInput {
+                space: ks,
+                op: ItemOp::Put,
+                key: &key(1),
+                value: &kept,
+                epoch: Epoch(1),
+                tag: Tag(0),
+            }],
+        )
+        .unwrap();
+    engine.wait_synced(appended.end).unwrap();
+    engine.apply(&appended).unwrap();
+    for k in 2..=12 {
+        engine
+            .put(ks, &key(k), &value(k, 0, 2_000), Durability::Buffered)
+            .unwrap();
+    }
+    let segment = config.wal_segment_bytes;
+    let first_end = WalPosition((appended.position.0 / segment + 1) * segment);
+    let mut k = 100;
+    while engine.processed_position() <= first_end {
+        engine
+            .put(ks, &key(k), &value(k, 0, 2_000), Durability::Buffered)
+            .unwrap();
+        k += 1;
+    }
+    engine
+        .relocate(Strategy::Index {
+            below: appended.end,
+        })
+        .unwrap();
+    engine.flush().unwrap();
+    engine.close().unwrap();
+    drop(engine);
+
+    let engine = open(&storage, &config).unwrap();
+    engine.apply_item(&appended.items[0]).unwrap();
+    assert_eq!(engine.get(ks, &key(1)).unwrap().as_deref(), Some(&kept[..]));
+    for k in 2..=12 {
+        engine.delete(ks, &key(k), Durability::Buffered).unwrap();
+    }
+    engine
+        .relocate(Strategy::Index { below: first_end })
+        .unwrap();
+    engine.flush().unwrap();
+    assert!(
+        engine.metrics().counters.delta_flushes > 0,
+        "the flush wrote a delta"
+    );
+    engine.close().unwrap();
+    drop(engine);
+
+    // The cell is read from disk again, and does not fit in memory: the
+    // lookup searches its blobs.
+    config.index_memory_bytes = 256;
+    let engine = open(&storage, &config).unwrap();
+    assert_eq!(
+        engine.get(ks, &key(1)).unwrap().as_deref(),
+        Some(&kept[..]),
+        "key 1 reads from its copy, its first segment reclaimed"
+    );
+    engine.close().unwrap();
+}
+
 /// With `hold_replay_until_released`, a snapshot written after a restart
 /// but before the application applied its records again (the engine's
 /// background one, seconds after opening) keeps the replay position the
