@@ -33,7 +33,7 @@ const VERSION: u32 = 3;
 const OLDEST_VERSION: u32 = 1;
 
 /// Name of the control file in the engine directory.
-pub(crate) const CONTROL_FILE: &str = "control";
+pub const CONTROL_FILE: &str = "control";
 
 /// One cell's durable state.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -99,6 +99,7 @@ pub use checkpoint::{Checkpoint, CheckpointFile, engine_exists, remove_engine_fi
 pub use config::{
     CellLayout, Config, DEFAULT_APPEND_PWRITE_MIN_BYTES, KeySpaceConfig, RecoveryMode,
 };
+pub use control::CONTROL_FILE;
 pub use engine::{Engine, Stored, StoredHead};
 pub use error::{Error, Result};
 pub use memory::{Host, MemoryBudget};

@@ -449,6 +449,15 @@ impl ShardHandle {
         self.queue.push(event, false)
     }
 
+    /// Queues a snapshot whose files were received, for its install,
+    /// however full the queue is: one transfer at a time holds the claim
+    /// ([`ShardHandle::begin_snapshot`]), and refusing it threw the whole
+    /// transfer away (the leader then prepared and sent another).
+    pub fn snapshot_received(&self, message: Message) -> std::result::Result<(), Event> {
+        self.queue
+            .push(Event::SnapshotReceived(Box::new(message)), true)
+    }
+
     /// Queues a put or delete; its completion gets `Failed` if refused.
     /// When spans are exported, the caller's current span follows the
     /// write into its Raft entry if its trace is sampled.

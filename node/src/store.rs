@@ -226,9 +226,19 @@ impl ReplicaStore {
         Ok(bytes.and_then(|b| Some(u64::from_le_bytes(b.try_into().ok()?))))
     }
 
-    /// Opens the engine in the spare slot.
+    /// Opens the engine in the spare slot, which must hold one: a slot
+    /// without an engine's control file would open as an empty engine,
+    /// and a snapshot installed so would claim entries it has no data for.
     pub fn open_spare(&self) -> Result<Arc<Engine>> {
-        self.open_engine(1 - self.live_slot()?)
+        let spare = 1 - self.live_slot()?;
+        let dir = self.slot_dir(spare);
+        if !engine_exists(&*self.storage, &dir) {
+            return Err(NodeError::Failed(format!(
+                "the snapshot in {} holds no engine (its control file is missing)",
+                dir.display()
+            )));
+        }
+        self.open_engine(spare)
     }
 
     /// Makes the spare slot the live one (the point of no return of an

@@ -20,7 +20,7 @@ use tidepool_security::Caller;
 
 use super::Node;
 use crate::error::{NodeError, Result};
-use crate::shard::{Event, ShardHandle};
+use crate::shard::ShardHandle;
 use crate::snapshot::{Receiver, SNAPSHOT_IDLE, manifest_of};
 
 /// Times a snapshot transfer resumes after a broken stream.
@@ -279,10 +279,7 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
         drop(transfer);
         match fetched {
             Ok(()) => {
-                if shard
-                    .send(Event::SnapshotReceived(Box::new(message)))
-                    .is_err()
-                {
+                if shard.snapshot_received(message).is_err() {
                     shard.abort_snapshot();
                 }
             }
@@ -304,8 +301,9 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
 /// row (the leader then sends a new snapshot).
 /// The files must be those of the snapshot the message installs: an honest
 /// sender builds both from one checkpoint; a buggy or hostile one could
-/// make a replica claim entries it has no data for (an empty manifest
-/// opened as an empty engine at the message's index).
+/// make a replica claim entries it has no data for (a manifest without
+/// the engine's control file opened as an empty engine at the message's
+/// index; `ReplicaStore::open_spare` refuses such a slot too).
 fn check_manifest(
     manifest: &tidepool_proto::v1::SnapshotManifest,
     metadata: &raft::eraftpb::SnapshotMetadata,
@@ -314,7 +312,10 @@ fn check_manifest(
     if manifest.shard_id != shard_id
         || manifest.raft_index != metadata.index
         || manifest.raft_term != metadata.term
-        || manifest.files.is_empty()
+        || !manifest
+            .files
+            .iter()
+            .any(|f| f.path == tidepool_engine::CONTROL_FILE)
     {
         return Err(NodeError::Malformed(format!(
             "snapshot manifest (shard {}, entry {} of term {}, {} files) does not match its message (shard {shard_id}, entry {} of term {})",
@@ -359,10 +360,16 @@ async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> 
     let pulling = Pulling { node, shard, idle };
     let mut last_error = None;
     let mut silent = 0;
-    for _ in 0..SNAPSHOT_ATTEMPTS {
+    // Attempts in a row that brought nothing: a stream that breaks after
+    // bringing chunks (a proxy cutting long streams) costs none, or a
+    // large snapshot over such a link never finished, and the next one
+    // started again from nothing.
+    let mut fruitless = 0;
+    while fruitless < SNAPSHOT_ATTEMPTS {
         if receiver.is_complete() {
             break;
         }
+        let before = receiver.received_bytes();
         let (file_index, offset) = receiver.resume_point();
         let request = FetchSnapshotRequest {
             shard_id: shard.shard_id,
@@ -398,10 +405,15 @@ async fn fetch_snapshot(node: &Node, shard: &ShardHandle, message: &Message) -> 
             }
             Err(PullError::Bad(error)) => return Err(error),
         }
+        if receiver.received_bytes() > before {
+            fruitless = 0;
+        } else {
+            fruitless += 1;
+        }
     }
     if !receiver.is_complete() {
         return Err(NodeError::Network(format!(
-            "snapshot {id} incomplete after {SNAPSHOT_ATTEMPTS} attempts: {}",
+            "snapshot {id} incomplete after {SNAPSHOT_ATTEMPTS} attempts in a row that brought nothing: {}",
             last_error.unwrap_or_default()
         )));
     }
@@ -541,10 +553,16 @@ mod tests {
             snapshot_id: 1,
             raft_index: 40,
             raft_term: 3,
-            files: vec![SnapshotFile {
-                path: "CONTROL".into(),
-                ..SnapshotFile::default()
-            }],
+            files: vec![
+                SnapshotFile {
+                    path: "wal/00000000000000000001.wal".into(),
+                    ..SnapshotFile::default()
+                },
+                SnapshotFile {
+                    path: tidepool_engine::CONTROL_FILE.into(),
+                    ..SnapshotFile::default()
+                },
+            ],
             source: None,
         };
         assert!(check_manifest(&good, &metadata, 7).is_ok());
@@ -563,6 +581,11 @@ mod tests {
             },
             SnapshotManifest {
                 files: Vec::new(),
+                ..good.clone()
+            },
+            // Without the engine's control file (it would open empty).
+            SnapshotManifest {
+                files: good.files[..1].to_vec(),
                 ..good.clone()
             },
         ];

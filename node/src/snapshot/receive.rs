@@ -70,8 +70,16 @@ pub const MAX_SNAPSHOT_FILE_BYTES: u64 = 1 << 40;
 /// made a node fill its disk before the first chunk arrived. Only the
 /// copied bytes take disk: past them a file stays a hole (see `advance`),
 /// so a replica whose segments are mostly unwritten is not refused for
-/// their full length.
+/// their full length. ([`Receiver::start`] asks the two halves apart, the
+/// free space once the spare slot is emptied.)
+#[cfg(test)]
 pub(super) fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) -> Result<()> {
+    check_fits(check_shape(manifest)?, store)
+}
+
+/// [`check_bounds`] without the free space: counts and sizes. Returns the
+/// bytes to copy.
+fn check_shape(manifest: &SnapshotManifest) -> Result<u64> {
     if manifest.files.len() > MAX_SNAPSHOT_FILES {
         return Err(malformed(format!(
             "a snapshot of {} files (at most {MAX_SNAPSHOT_FILES})",
@@ -88,11 +96,19 @@ pub(super) fn check_bounds(manifest: &SnapshotManifest, store: &ReplicaStore) ->
             file.path, file.file_size
         )));
     }
-    let copied = manifest
+    manifest
         .files
         .iter()
         .try_fold(0u64, |sum, f| sum.checked_add(f.size))
-        .ok_or_else(|| malformed("snapshot file sizes overflow".into()))?;
+        .ok_or_else(|| malformed("snapshot file sizes overflow".into()))
+}
+
+/// Whether `copied` bytes fit the volume's free space. Asked once the
+/// spare slot is emptied: the files of an earlier transfer left there (one
+/// cut off, or whose snapshot was never installed) hold their space until
+/// then, and counted against the next one refused every transfer of a
+/// snapshot as large as they were, on a volume less than twice as free.
+fn check_fits(copied: u64, store: &ReplicaStore) -> Result<()> {
     let free = store
         .storage()
         .available_bytes(store.dir())
@@ -118,7 +134,7 @@ impl Receiver {
     /// Starts receiving `manifest` into `store`'s spare slot, emptying it
     /// first.
     pub fn start(manifest: SnapshotManifest, store: &ReplicaStore) -> Result<Receiver> {
-        check_bounds(&manifest, store)?;
+        let copied = check_shape(&manifest)?;
         for file in &manifest.files {
             checked_path(&file.path)?;
             if file.file_size < file.size || file.sha256.len() != 32 {
@@ -132,6 +148,7 @@ impl Receiver {
             }
         }
         store.clear_spare()?;
+        check_fits(copied, store)?;
         let dir = store.spare_dir()?;
         // The slot, never the replica's directory above it: a replica
         // deleted before its transfer began is not made again.

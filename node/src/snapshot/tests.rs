@@ -321,3 +321,63 @@ fn pulls_of_an_older_offered_snapshot_count() {
     assert_eq!(outbox.pulls(7, 3), 1);
     assert_eq!(outbox.pulls(8, 2), 0, "another shard's");
 }
+
+/// A slot still holding an earlier transfer's files (one cut off, or a
+/// snapshot never installed) does not count against the next: the free
+/// space is asked once the slot is emptied. Before, a volume with less
+/// free than twice a snapshot refused every later transfer of it, and the
+/// follower never caught up.
+#[test]
+fn leftovers_in_the_spare_slot_do_not_count_against_the_next_snapshot() {
+    let prepared = prepared();
+    let manifest = manifest(&prepared);
+    let copied: u64 = manifest.files.iter().map(|f| f.size).sum();
+    let disk = FaultStorage::default();
+    let store = receiving_store(&disk);
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    for chunk in prepared.chunks(3, 0, 0) {
+        receiver.accept(&chunk.unwrap()).unwrap();
+    }
+    assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
+    // Room for half the snapshot beside the leftovers: all of it once
+    // they are gone.
+    disk.set_capacity_bytes(Some(disk.used_bytes() + copied / 2));
+    let mut receiver =
+        Receiver::start(manifest.clone(), &store).expect("the leftovers' space counts as free");
+    for chunk in prepared.chunks(3, 0, 0) {
+        receiver.accept(&chunk.unwrap()).unwrap();
+    }
+    assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
+    // A snapshot that does not fit even then is still refused, before
+    // any file is made.
+    disk.set_capacity_bytes(Some(disk.used_bytes() - copied / 2));
+    let error = Receiver::start(manifest, &store).unwrap_err().to_string();
+    assert!(error.contains("does not fit"), "{error}");
+}
+
+/// A received slot without the engine's control file (a buggy or hostile
+/// sender's manifest left it out) is not opened as an engine: opened, it
+/// was an empty one, and the install claimed entries it had no data for.
+#[test]
+fn a_snapshot_without_its_control_file_is_not_opened() {
+    let prepared = prepared();
+    let mut manifest = manifest(&prepared);
+    let control = manifest
+        .files
+        .iter()
+        .position(|f| f.path == tidepool_engine::CONTROL_FILE)
+        .expect("a checkpoint has a control file");
+    manifest.files.truncate(control);
+    let store = receiving_store(&FaultStorage::default());
+    let mut receiver = Receiver::start(manifest.clone(), &store).unwrap();
+    for chunk in prepared.chunks(3, 0, 0) {
+        let chunk = chunk.unwrap();
+        if receiver.is_complete() {
+            break;
+        }
+        receiver.accept(&chunk).unwrap();
+    }
+    assert_eq!(receiver.finish().unwrap(), manifest.snapshot_id);
+    let error = store.open_spare().map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("holds no engine"), "{error}");
+}
