@@ -378,7 +378,7 @@ where
 }
 
 /// A gRPC server's TLS connections ([`incoming_with`]): at most `max` at
-/// once ([`slotted`]), each of whose clients must send a byte within
+/// once (`slotted`), each of whose clients must send a byte within
 /// [`FIRST_BYTE_TIMEOUT`] of its handshake ([`crate::first_byte`]).
 pub fn grpc_incoming_tls(
     listener: TcpListener,
@@ -391,7 +391,7 @@ pub fn grpc_incoming_tls(
 
 /// A gRPC server's plaintext connections: `TCP_NODELAY` (small Raft and
 /// client messages must not wait for Nagle's algorithm, 40 ms with delayed
-/// ACKs), TCP keep-alive, at most `max` at once ([`slotted`]), and a client
+/// ACKs), TCP keep-alive, at most `max` at once (`slotted`), and a client
 /// that must send a byte within [`FIRST_BYTE_TIMEOUT`]
 /// ([`crate::first_byte`]).
 pub fn grpc_incoming_plain(
