@@ -59,7 +59,9 @@ impl Shared {
                 "address is at most {MAX_ADDRESS} bytes and zone at most {MAX_ZONE}"
             )));
         }
-        let (zone, rejoining) = self.kubernetes_view(&request.zone, identity).await;
+        let (looked_up, wanted) = self.kubernetes_view(&request.zone, identity).await;
+        let rejoining = wanted.unwrap_or(false);
+        let mut zone = looked_up.clone().unwrap_or_else(|| request.zone.clone());
         let mut assigned = 0;
         let map = self
             .update_map(|map| {
@@ -102,6 +104,17 @@ impl Shared {
                 };
                 match map.nodes.iter_mut().find(|n| n.node_id == id) {
                     Some(known) => {
+                        if known.scale_down && wanted.is_none() {
+                            // Whether the StatefulSet grew back over it is
+                            // what registering decides for a scaled-away
+                            // node: the node asks again.
+                            return Err(CoordinatorError::Kubernetes(format!(
+                                "node {id} was scaled away and the Kubernetes API does not say whether its pod is wanted again; retry"
+                            )));
+                        }
+                        if looked_up.is_none() {
+                            zone = known.zone.clone();
+                        }
                         let bound = match identity {
                             None => known.identity.clone(),
                             Some(name) if known.identity.is_empty() || known.identity == name => {
@@ -126,6 +139,7 @@ impl Shared {
                             state: if undrain { info.state } else { known.state },
                             identity: bound,
                             scale_down: known.scale_down && !undrain,
+                            zone: zone.clone(),
                             ..info
                         };
                         if *known == updated {
@@ -317,28 +331,34 @@ impl Shared {
     }
 
     /// Under Kubernetes, what it says of the pod registering as node
-    /// certificate `identity`: its zone (else `reported`), and whether the
+    /// certificate `identity`: its zone (`reported` when not under
+    /// Kubernetes or the node has no zone label; `None` when the API
+    /// failed: a known node keeps the zone the map has), and whether the
     /// node StatefulSet wants the pod (it grew back over a scaled-away
-    /// node). Failures of the API are logged and change nothing.
-    async fn kubernetes_view(&self, reported: &str, identity: Option<&str>) -> (String, bool) {
+    /// node; `None` when the API failed). Failures are logged.
+    async fn kubernetes_view(
+        &self,
+        reported: &str,
+        identity: Option<&str>,
+    ) -> (Option<String>, Option<bool>) {
         let (Some(k8s), Some(pod)) = (self.orchestrator(), identity) else {
-            return (reported.to_string(), false);
+            return (Some(reported.to_string()), Some(false));
         };
         let zone = match k8s.zone_of_pod(pod).await {
-            Ok(Some(zone)) if zone.len() <= MAX_ZONE => zone,
-            Ok(_) => reported.to_string(),
+            Ok(Some(zone)) if zone.len() <= MAX_ZONE => Some(zone),
+            Ok(_) => Some(reported.to_string()),
             Err(error) => {
-                tracing::warn!(%error, pod, "zone unknown; keeping the node's own");
-                reported.to_string()
+                tracing::warn!(%error, pod, "zone unknown; a known node keeps its zone");
+                None
             }
         };
         let wanted = match crate::kubernetes::ordinal(k8s.statefulset(), pod) {
-            None => false,
+            None => Some(false),
             Some(ordinal) => match k8s.desired_nodes().await {
-                Ok(desired) => desired.is_some_and(|d| ordinal < d),
+                Ok(desired) => Some(desired.is_some_and(|d| ordinal < d)),
                 Err(error) => {
                     tracing::warn!(%error, pod, "StatefulSet unknown");
-                    false
+                    None
                 }
             },
         };

@@ -18,6 +18,8 @@ use tokio::sync::watch;
 /// What the scripted API server answers.
 struct Script {
     desired: Mutex<Result<Option<u32>, String>>,
+    /// The zone lookups fail (the API unreachable).
+    zones_fail: std::sync::atomic::AtomicBool,
 }
 
 #[tonic::async_trait]
@@ -31,6 +33,9 @@ impl Orchestrator for Script {
     }
 
     async fn zone_of_pod(&self, pod: &str) -> Result<Option<String>, String> {
+        if self.zones_fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("connection refused".into());
+        }
         // Pods 0 and 2 in zone a, 1 in b, the rest unlabelled.
         Ok(match pod {
             "tp-node-0" | "tp-node-2" => Some("zone-a".into()),
@@ -87,6 +92,7 @@ fn state(shared: &Shared, node_id: u64) -> (NodeState, bool) {
 async fn scale_downs_drain_and_scale_ups_undrain() {
     let script = Arc::new(Script {
         desired: Mutex::new(Ok(Some(5))),
+        zones_fail: Default::default(),
     });
     let (shared, _stop) = leader(Some(script.clone())).await;
     let mut ids = Vec::new();
@@ -140,10 +146,45 @@ async fn scale_downs_drain_and_scale_ups_undrain() {
         .unwrap();
     assert!(!answer.leaving, "{answer:?}");
     assert_eq!(state(&shared, ids[3]), (NodeState::Up, false));
-    // Grown to 5: pod 4 comes back on its volume and registers: undrained.
+    // Grown to 5: pod 4 comes back on its volume and registers: undrained
+    // — once the API says so (while it fails, the registration fails and
+    // the node asks again; before, it stayed drained until its next stop).
+    *script.desired.lock() = Err("connection refused".into());
+    let request = RegisterNodeRequest {
+        node_id: ids[4],
+        address: "https://tp-node-4:7401".into(),
+        ..RegisterNodeRequest::default()
+    };
+    let failed = shared.register_node(request, Some("tp-node-4")).await;
+    assert!(
+        matches!(failed, Err(CoordinatorError::Kubernetes(_))),
+        "{failed:?}"
+    );
+    assert_eq!(state(&shared, ids[4]), (NodeState::Draining, true));
     *script.desired.lock() = Ok(Some(5));
     register(&shared, ids[4], "tp-node-4", "").await;
     assert_eq!(state(&shared, ids[4]), (NodeState::Up, false));
+
+    // A zone lookup that fails keeps the zone the map has (the node
+    // reports none: it was made empty, and placement took the node for a
+    // zone of its own).
+    script
+        .zones_fail
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    register(&shared, ids[0], "tp-node-0", "").await;
+    let zone = |id: u64| {
+        let map = shared.map();
+        map.nodes
+            .iter()
+            .find(|n| n.node_id == id)
+            .unwrap()
+            .zone
+            .clone()
+    };
+    assert_eq!(zone(ids[0]), "zone-a");
+    script
+        .zones_fail
+        .store(false, std::sync::atomic::Ordering::Relaxed);
 
     // An operator's drain is never undone by Kubernetes.
     shared.drain_node(ids[1]).await.unwrap();

@@ -37,6 +37,30 @@ const MAP_FILE: &str = "CLUSTER_MAP";
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Connect timeout for a coordinator.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest a registration or pre-stop call waits for its answer: a
+/// coordinator that accepted the connection and then hung (or whose host
+/// went away without a reset) held the pre-stop hook past its `undecided`
+/// bound, up to the pod's grace period.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How soon a failed heartbeat is sent again (to the next coordinator).
+const HEARTBEAT_RETRY: Duration = Duration::from_millis(200);
+
+/// `call`, or an error once `within` passed without its answer.
+async fn answered_within<T>(
+    within: Duration,
+    call: impl std::future::Future<Output = std::result::Result<T, (NodeError, Option<tonic::Status>)>>,
+) -> std::result::Result<T, (NodeError, Option<tonic::Status>)> {
+    tokio::time::timeout(within, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err((
+                NodeError::Network(format!("no answer from the coordinator within {within:?}")),
+                None,
+            ))
+        })
+}
 /// Pause between attempts to register with coordinators of another
 /// cluster (until an operator fixes their store or the node's addresses).
 const WRONG_CLUSTER_BACKOFF: Duration = Duration::from_secs(10);
@@ -142,7 +166,7 @@ pub async fn prepare_stop(
                     )
                 })
         };
-        match attempt.await {
+        match answered_within(CALL_TIMEOUT, attempt).await {
             Ok(answer)
                 if !answer.leaving && answer.quorum_at_risk > 0 && started.elapsed() < hold =>
             {
@@ -329,7 +353,7 @@ pub(crate) async fn register(
                     )
                 })
         };
-        let pause = match attempt.await {
+        let pause = match answered_within(CALL_TIMEOUT, attempt).await {
             // A coordinator that does not check the cluster (an older
             // version) registered it anyway: the map says which it serves.
             Ok(response) => match response.map.as_ref().map(|m| m.cluster_id.as_str()) {
@@ -426,16 +450,19 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
     let mut coordinators = Coordinators::new(addresses, node.security.clone());
     let stopped = node.stopped();
     tokio::pin!(stopped);
-    let mut first = true;
+    let mut wait = Duration::ZERO;
     loop {
         let interval = (lease_ttl / 3).max(Duration::from_millis(100));
-        if !first {
+        if !wait.is_zero() {
             tokio::select! {
                 _ = &mut stopped => return,
-                _ = tokio::time::sleep(interval) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
-        first = false;
+        // After a failure, the next coordinator is asked soon: two beats
+        // missed in a row (a coordinator pod gone but still behind the
+        // Service) outlasted the lease and marked the node down.
+        wait = interval;
         let status = node.status();
         let beat = async {
             let mut client = coordinators.client().await.map_err(|e| (e, None))?;
@@ -449,7 +476,9 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
                 .map(|r| r.into_inner())
                 .map_err(|s| (NodeError::Network(s.message().to_string()), Some(s)))
         };
-        match beat.await {
+        // At most a beat's interval: a hung coordinator must not hold the
+        // next beat back until the lease ran out.
+        match answered_within(interval, beat).await {
             Ok(response) => {
                 if response.lease_ttl_ms > 0 {
                     lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms));
@@ -462,6 +491,7 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
             Err((error, status)) => {
                 tracing::warn!(%error, "heartbeat failed");
                 coordinators.after_failure(status.as_ref());
+                wait = HEARTBEAT_RETRY.min(interval);
             }
         }
     }

@@ -163,3 +163,44 @@ async fn a_second_node_on_one_data_directory_is_refused() {
     assert!(!building.exists(), "the directory is the node's again");
     again.shutdown();
 }
+
+/// A pre-stop hook whose coordinator accepts the connection and never
+/// answers (hung, or its host gone without a reset) stops waiting once
+/// `undecided` has passed and the call's own deadline fired: before, the
+/// call waited for ever and held the pod for its whole grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_stop_hook_does_not_wait_on_a_hung_coordinator() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("NODE_ID"), b"1").unwrap();
+    // Accepts, reads whatever comes, answers nothing.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut sink = Vec::new();
+                let _ = tokio::io::AsyncReadExt::read_to_end(&mut socket, &mut sink).await;
+            });
+        }
+    });
+    let began = std::time::Instant::now();
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(60),
+        super::prepare_stop(
+            dir.path(),
+            vec![address],
+            tidepool_security::Security::default(),
+            Duration::from_secs(1),
+            Duration::from_secs(300),
+        ),
+    )
+    .await
+    .expect("the hook ended")
+    .unwrap();
+    assert!(
+        outcome.contains("without an answer"),
+        "{outcome} after {:?}",
+        began.elapsed()
+    );
+}
