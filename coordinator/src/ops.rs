@@ -86,6 +86,23 @@ impl Shared {
                         )));
                     }
                     request.node_id
+                } else if let Some(earlier) = identity.and_then(|name| {
+                    map.nodes.iter().find(|n| {
+                        n.identity == name
+                            && n.address == address
+                            && !map
+                                .shards
+                                .iter()
+                                .any(|s| s.replicas.iter().any(|r| r.node_id == n.node_id))
+                    })
+                }) {
+                    // The same certificate at the same address asking
+                    // again for a new id, and its id holds nothing yet: an
+                    // answer it never got (lost, or the first heartbeat
+                    // failed after the map took the id). A second id left
+                    // the first in the map, counted live until the down
+                    // grace period ran out, placement choosing it meanwhile.
+                    earlier.node_id
                 } else {
                     let last = map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0);
                     last.checked_add(1).ok_or_else(|| {

@@ -100,10 +100,20 @@ pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec
                     view.replicas.insert(*node, replica.clone());
                 }
             }
+            // A claim to lead counts only from the newest term any replica
+            // reports, with a configuration no older than the map's: a
+            // leader cut off while quiesced does not tick, so never steps
+            // down, and goes on claiming the group in its old term — with
+            // the real leader silent for a round, its old configuration
+            // went into the map and replicas added since were closed as
+            // strays. Such a shard is leaderless for the round.
+            let newest_term = view.replicas.values().map(|r| r.term).max().unwrap_or(0);
             view.leader = view
                 .replicas
                 .iter()
-                .filter(|(_, r)| r.is_leader)
+                .filter(|(_, r)| {
+                    r.is_leader && r.term >= newest_term && r.conf_version >= shard.conf_version
+                })
                 .max_by_key(|(_, r)| r.term)
                 .map(|(node, _)| *node);
             let (members, conf_version) = match view.leader_status() {
@@ -508,6 +518,39 @@ mod tests {
         assert_eq!(views[0].voters, set(&[1, 2]));
         assert_eq!(views[0].learners, set(&[3]));
         assert_eq!(views[0].conf_version, 9);
+    }
+
+    /// A leader claim from an older term than another replica reports (a
+    /// quiesced leader cut off from its group, which never steps down),
+    /// or with a configuration older than the map's, is not the shard's
+    /// leader: with the real leader silent, the shard is leaderless for
+    /// the round and nothing is planned from the stale configuration.
+    #[test]
+    fn a_stale_leader_claim_is_not_believed() {
+        let mut map = ClusterMap::default();
+        map.shards.push(tidepool_proto::v1::ShardInfo {
+            shard_id: 1,
+            conf_version: 9,
+            ..Default::default()
+        });
+        let report = |r: ReplicaStatus| NodeStatus {
+            replicas: vec![r],
+            ..Default::default()
+        };
+        let mut stale = replica(true, 10);
+        stale.term = 2;
+        stale.conf_version = 9;
+        let mut follower = replica(false, 20);
+        follower.term = 3;
+        let reports = BTreeMap::from([(1, report(stale.clone())), (3, report(follower))]);
+        assert_eq!(shard_views(&map, &reports)[0].leader, None);
+        // Alone, in the newest term it knows of, but behind the map.
+        stale.conf_version = 8;
+        let reports = BTreeMap::from([(1, report(stale.clone()))]);
+        assert_eq!(shard_views(&map, &reports)[0].leader, None);
+        stale.conf_version = 9;
+        let reports = BTreeMap::from([(1, report(stale))]);
+        assert_eq!(shard_views(&map, &reports)[0].leader, Some(1));
     }
 
     /// The learner watch: progress is a higher applied index or more

@@ -192,12 +192,14 @@ pub(crate) fn moves_of(
     live: &BTreeSet<u64>,
     slack: u64,
 ) -> Vec<(ReplicaMove, Step)> {
-    let empty = BTreeSet::new();
     views
         .iter()
         .filter(|v| v.leader.is_some())
         .filter_map(|v| {
-            let want = desired.get(&v.shard_id).unwrap_or(&empty);
+            // A shard the placement has no entry for (the map changed
+            // under the round: a restore, a split) gets no step; planned
+            // against an empty set, its voters were removed one by one.
+            let want = desired.get(&v.shard_id)?;
             let step = next_step(v, want, live, slack)?;
             let from = v.voters.iter().find(|n| !want.contains(n)).copied();
             let to = v
@@ -621,6 +623,11 @@ impl Reconciler {
                         continue;
                     };
                     let Some(leader) = view.leader else { continue };
+                    if view.conf_version < shard.conf_version {
+                        // A configuration older than the map's: never
+                        // written back over it.
+                        continue;
+                    }
                     let replicas = replica_infos(view);
                     if shard.replicas != replicas
                         || shard.leader_hint != leader
@@ -815,7 +822,10 @@ impl Reconciler {
         pending.sort_by_key(|(m, _)| {
             let v = views.iter().find(|v| v.shard_id == m.shard_id);
             let started = v.is_some_and(|v| {
-                !v.learners.is_empty() || v.voters.len() > desired[&v.shard_id].len()
+                !v.learners.is_empty()
+                    || desired
+                        .get(&v.shard_id)
+                        .is_some_and(|want| v.voters.len() > want.len())
             });
             (!started, m.shard_id)
         });
@@ -1023,10 +1033,19 @@ impl Reconciler {
     /// drop the expired epochs of every namespace with retention.
     async fn drive_epochs(&self, map: &ClusterMap, views: &[ShardView]) {
         let generation = self.shared.leadership().map(|l| l.generation);
+        // Leaders whose node did not answer a proposal this round: one
+        // stalled node (its disk hung, its status still answered from
+        // memory) cost every shard it leads a whole timeout, one after
+        // another, and held the round — moves, splits, balancing — for as
+        // long.
+        let mut silent: BTreeSet<u64> = BTreeSet::new();
         for view in views {
             let Some(status) = view.leader_status() else {
                 continue;
             };
+            if view.leader.is_some_and(|leader| silent.contains(&leader)) {
+                continue;
+            }
             // Computed and proposed under the drop gate (a retention change
             // waits for it), and only while still leading the term the
             // round began in: a deposed coordinator went on ordering drops
@@ -1081,6 +1100,9 @@ impl Reconciler {
                 Err(error) => {
                     tracing::warn!(shard_id = view.shard_id, ?op, %error, "epoch entry failed");
                     self.shared.progress.lock().errors += 1;
+                    if let (CoordinatorError::Node(_), Some(leader)) = (&error, view.leader) {
+                        silent.insert(leader);
+                    }
                 }
             }
         }
@@ -1482,6 +1504,19 @@ mod tests {
             learners: set(learners),
             ..ShardView::default()
         }
+    }
+
+    /// A shard the placement has no entry for (the map changed under the
+    /// round) gets no move: planned against an empty set, its voters were
+    /// removed one by one.
+    #[test]
+    fn a_shard_without_a_placement_is_not_moved() {
+        let v = view(7, &set(&[1, 2, 3]), &[]);
+        let live = set(&[1, 2, 3]);
+        assert!(moves_of(std::slice::from_ref(&v), &Placement::new(), &live, 64).is_empty());
+        let mut desired = Placement::new();
+        desired.insert(7, set(&[1, 2, 4]));
+        assert_eq!(moves_of(&[v], &desired, &live, 64).len(), 1);
     }
 
     #[test]

@@ -99,6 +99,10 @@ async fn scale_downs_drain_and_scale_ups_undrain() {
     for i in 0..5 {
         ids.push(register(&shared, 0, &format!("tp-node-{i}"), "reported").await);
     }
+    // A registration asked again (its answer lost) gets the same id: the
+    // same certificate and address, an id that holds nothing yet.
+    assert_eq!(register(&shared, 0, "tp-node-4", "reported").await, ids[4]);
+    assert_eq!(shared.map().nodes.len(), 5);
     let zones: Vec<String> = shared.map().nodes.iter().map(|n| n.zone.clone()).collect();
     assert_eq!(
         zones,
