@@ -651,16 +651,11 @@ impl BlobApi {
         // before the engine reads it (held until the stream is sent or
         // abandoned): taken after, concurrent reads of large blobs each
         // allocated their value before most were refused.
-        type Slot = Arc<parking_lot::Mutex<Option<ApiResult<super::InFlight>>>>;
-        let slot: Slot = Arc::default();
-        let admit = |slot: Slot, node: Arc<Node>, caller: Caller| {
-            move |len: u64| {
-                let reserved = node.reserve(len, &caller);
-                let admitted = reserved.is_ok();
-                *slot.lock() = Some(reserved);
-                admitted
-            }
-        };
+        let slot: HoldSlot<ApiResult<super::InFlight>> = Arc::default();
+        let admit =
+            |slot: HoldSlot<ApiResult<super::InFlight>>, node: Arc<Node>, caller: Caller| {
+                admission(slot, move |len| node.reserve(len, &caller))
+            };
         let mut now_admit = admit(slot.clone(), self.node.clone(), caller.clone());
         let mut wait_admit = admit(slot.clone(), self.node.clone(), caller.clone());
         let stored = self
@@ -1267,5 +1262,69 @@ impl BlobService for BlobApi {
             self.touch_inner(request).await
         })
         .await
+    }
+}
+
+/// Where a read's admission leaves its hold on the in-flight budget.
+type HoldSlot<H> = Arc<parking_lot::Mutex<Option<H>>>;
+
+/// The admission a read asks of the budget before the engine reads a value
+/// of the length it is given: reserves it into `slot` and says whether that
+/// succeeded. A hold left by an earlier admission of the same read (the
+/// read from memory found the value cold, and the blocking read asks
+/// again) is given back first: held while the second reserved, it counted
+/// the value twice, and a cold read of a value above a quarter of the
+/// budget, under a token's half share, was always refused.
+fn admission<H, E>(
+    slot: HoldSlot<Result<H, E>>,
+    reserve: impl Fn(u64) -> Result<H, E>,
+) -> impl FnMut(u64) -> bool {
+    move |len| {
+        drop(slot.lock().take());
+        let reserved = reserve(len);
+        let admitted = reserved.is_ok();
+        *slot.lock() = Some(reserved);
+        admitted
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A budget of `limit` bytes; a hold gives its bytes back when dropped.
+    struct Hold(Arc<AtomicU64>, u64);
+
+    impl Drop for Hold {
+        fn drop(&mut self) {
+            self.0.fetch_sub(self.1, Ordering::SeqCst);
+        }
+    }
+
+    /// A read admitted twice (from memory, then blocking) holds the value
+    /// once: a value above half the budget is admitted the second time.
+    #[test]
+    fn a_second_admission_gives_the_first_hold_back_first() {
+        let used = Arc::new(AtomicU64::new(0));
+        let limit = 100;
+        let reserve = {
+            let used = used.clone();
+            move |len: u64| {
+                if used.fetch_add(len, Ordering::SeqCst) + len > limit {
+                    used.fetch_sub(len, Ordering::SeqCst);
+                    return Err(());
+                }
+                Ok(Hold(used.clone(), len))
+            }
+        };
+        let slot = super::HoldSlot::default();
+        let mut now = super::admission(slot.clone(), reserve.clone());
+        let mut wait = super::admission(slot.clone(), reserve);
+        assert!(now(60));
+        assert!(wait(60), "the first hold is given back before the second");
+        assert_eq!(used.load(Ordering::SeqCst), 60);
+        drop(slot.lock().take());
+        assert_eq!(used.load(Ordering::SeqCst), 0);
     }
 }

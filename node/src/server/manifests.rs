@@ -94,10 +94,15 @@ pub(crate) async fn verify(
         .map_err(|_| node.error(ErrorCode::ShuttingDown, "the node is stopping"))?;
     let mut whole = Sha256::new();
     for chunk in &manifest.chunks {
-        // Held while the chunk is: refused (OVERLOADED, retryable) when
-        // the caller's share of the budget is taken.
-        let _held = node.reserve(chunk.size, caller)?;
+        // The read is admitted where it is served (its Get reserves the
+        // chunk's length there); once here, the chunk is held under the
+        // caller's share until it is hashed: refused (OVERLOADED,
+        // retryable) when that is taken. Reserved before the read, a chunk
+        // led by this node was counted twice while its Get ran, and at the
+        // smallest budget the configuration allows (two of the largest
+        // values) such a check never fit.
         let bytes = read_chunk(node, namespace, &chunk.key, chunk.size).await?;
+        let _held = node.reserve(chunk.size, caller)?;
         if Sha256::digest(&bytes)[..] != chunk.sha256[..] {
             return Err(node.error(
                 ErrorCode::DigestMismatch,
