@@ -75,13 +75,20 @@ impl SessionWrite<'_> {
         self.session.as_ref().expect("held until dropped")
     }
 
-    /// What an attempt of this write on `shard` sends.
+    /// What an attempt of this write on `shard` sends. It opens the
+    /// session on a shard that has not answered it only while the write
+    /// is younger than [`REOPEN_WINDOW`]: an earlier attempt that applied
+    /// unseen keeps the session for 5 minutes at least, and an older
+    /// write's attempt that opened a session the shard had forgotten since
+    /// applied again (a call deadline past 5 minutes, a shard without a
+    /// leader that long). Past it, a shard that forgot the session answers
+    /// `SESSION_EXPIRED`, which ends the write.
     pub fn tag(&self, shard: u32) -> WriteSession {
         let session = self.session();
         WriteSession {
             id: session.id.to_vec(),
             sequence: self.sequence,
-            opens: !session.opened.contains(&shard),
+            opens: !session.opened.contains(&shard) && self.began.elapsed() < REOPEN_WINDOW,
         }
     }
 
@@ -144,5 +151,21 @@ mod tests {
         let next = pool.begin();
         assert_eq!(next.tag(3).sequence, 2);
         assert!(next.tag(3).opens);
+    }
+
+    /// A write older than the re-open window opens no session, even on a
+    /// shard it never heard from: one of its attempts may have applied
+    /// there and the session since been forgotten.
+    #[test]
+    fn an_old_write_opens_no_session() {
+        let pool = SessionPool::default();
+        let mut write = pool.begin();
+        assert!(write.tag(5).opens);
+        let Some(old) = Instant::now().checked_sub(REOPEN_WINDOW) else {
+            return; // the machine has been up for less than the window
+        };
+        write.began = old;
+        assert!(!write.tag(5).opens);
+        assert!(!write.reopen(5));
     }
 }
