@@ -210,3 +210,33 @@ fn configurations_that_do_not_match_the_data_are_refused() {
     drop(engine);
     let _ = Config::default();
 }
+
+/// An epoch advanced while the disk is full, with no spare segment left
+/// to roll to, fails and leaves the epoch as it was: asked again once
+/// space returns, it rolls to a segment of the new epoch. Before, the
+/// epoch was stored first, and asking again was refused as "not after the
+/// current" — the new epoch's writes stayed in a segment of the old one.
+#[test]
+fn an_epoch_that_cannot_roll_on_a_full_disk_is_not_advanced() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    stored(&engine, 5);
+    std::thread::sleep(std::time::Duration::from_millis(100)); // spares created
+    storage.set_capacity_bytes(Some(storage.used_bytes()));
+    // The spare made before takes the first roll; none is left after.
+    let mut epoch = 2;
+    let failure = loop {
+        match engine.advance_epoch(tidepool_engine::Epoch(epoch)) {
+            Ok(()) => epoch += 1,
+            Err(e) => break e,
+        }
+        assert!(epoch < 10, "the full disk never refused a roll");
+    };
+    assert!(matches!(failure, Error::DiskFull(_)), "{failure:?}");
+    assert_eq!(engine.epoch(), tidepool_engine::Epoch(epoch - 1));
+    storage.set_capacity_bytes(None);
+    engine.advance_epoch(tidepool_engine::Epoch(epoch)).unwrap();
+    assert_eq!(engine.epoch(), tidepool_engine::Epoch(epoch));
+    assert_intact(&engine, 0..5);
+    engine.close().unwrap();
+}

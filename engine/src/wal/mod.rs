@@ -345,9 +345,14 @@ impl Log {
         shared.wait_synced(position.0)
     }
 
-    /// Syncs everything processed so far, on the calling thread.
+    /// Syncs everything processed so far, on the calling thread (or waits
+    /// for the sync under way that covers it). One sync of the log at a
+    /// time: a write-back error is reported once per open file, so a
+    /// second `fdatasync` running beside a failing one could return 0 and
+    /// advance the synced watermark over the pages that failed.
     pub fn sync_now(&self) -> Result<WalPosition> {
-        self.shared.sync_to_processed()?;
+        let shared = &*self.shared;
+        shared.sync_up_to(shared.tracker.processed())?;
         Ok(self.synced())
     }
 
@@ -361,8 +366,22 @@ impl Log {
     pub fn advance_epoch(&self, epoch: Epoch) -> Result<()> {
         let shared = &*self.shared;
         shared.health.check()?;
-        shared.epoch.store(epoch.0, Ordering::Release);
-        shared.rotate(shared.active_id()?, Some(epoch))
+        // Under the rotation lock: a rotation under way read the old epoch
+        // for its new segment's header, and one that installed it after
+        // this read the active id made the roll here a no-op — the new
+        // epoch's writes then went into a segment of the old one (a
+        // restart before the next snapshot took its epoch back).
+        let _rotating = shared.rotation.lock();
+        let before = shared.epoch.swap(epoch.0, Ordering::AcqRel);
+        let rolled = shared
+            .active_id()
+            .and_then(|active| shared.rotate_locked(active, Some(epoch)));
+        if rolled.is_err() {
+            // Not rolled (a full disk): the epoch is not advanced either,
+            // so asking again rolls.
+            shared.epoch.store(before, Ordering::Release);
+        }
+        rolled
     }
 
     /// Bytes of sealed segments whose pages were dropped from the page
@@ -633,6 +652,11 @@ impl Shared {
     /// next spare active, with a header for `epoch` (default: current).
     fn rotate(&self, full: SegmentId, epoch: Option<Epoch>) -> Result<()> {
         let _rotating = self.rotation.lock();
+        self.rotate_locked(full, epoch)
+    }
+
+    /// [`Shared::rotate`] with the rotation lock held.
+    fn rotate_locked(&self, full: SegmentId, epoch: Option<Epoch>) -> Result<()> {
         let Some(active) = self.current.load_full() else {
             return Err(Error::Closed);
         };
@@ -730,6 +754,9 @@ impl Shared {
                 .sync_range(lo, hi - lo)
                 .map_err(|e| self.health.poison_with(Error::io(&segment.path, e)))?;
         }
+        // Another sync of these pages may have failed meanwhile (and taken
+        // the error this one would have seen): never past a poison.
+        self.health.check()?;
         self.synced.fetch_max(target, Ordering::AcqRel);
         self.syncs.fetch_add(1, Ordering::Relaxed);
         self.last_sync
