@@ -153,7 +153,14 @@ pub struct LearnerWatch {
     watched: BTreeMap<(u32, u64), Watched>,
     /// Pairs given up on, until when.
     barred: BTreeMap<(u32, u64), Instant>,
+    /// Pairs whose replica could not be added (opened, or made a learner)
+    /// that many rounds in a row.
+    failed_adds: BTreeMap<(u32, u64), u32>,
 }
+
+/// Rounds in a row a replica may fail to be added to a node before the
+/// pair is barred like a stalled learner.
+pub const FAILED_ADDS: u32 = 3;
 
 #[derive(Debug)]
 struct Watched {
@@ -219,6 +226,28 @@ impl LearnerWatch {
         stalled
     }
 
+    /// The outcome of adding the replica of `pair` (opening it on its
+    /// node and making it a learner). After [`FAILED_ADDS`] failures in a
+    /// row the pair is barred for `bar` and `true` returned: a node that
+    /// cannot open replicas (its volume read-only) but stays live and
+    /// ranks first for placement held a move slot with the same failing
+    /// step every round, and shards of a dead node waiting behind it never
+    /// got one.
+    pub fn added(&mut self, pair: (u32, u64), ok: bool, now: Instant, bar: Duration) -> bool {
+        if ok {
+            self.failed_adds.remove(&pair);
+            return false;
+        }
+        let failures = self.failed_adds.entry(pair).or_default();
+        *failures += 1;
+        if *failures < FAILED_ADDS {
+            return false;
+        }
+        self.failed_adds.remove(&pair);
+        self.barred.insert(pair, now + bar);
+        true
+    }
+
     /// The pairs barred now.
     pub fn barred(&self) -> BTreeSet<(u32, u64)> {
         self.barred.keys().copied().collect()
@@ -229,6 +258,7 @@ impl LearnerWatch {
     pub fn clear(&mut self) {
         self.watched.clear();
         self.barred.clear();
+        self.failed_adds.clear();
     }
 }
 
@@ -551,6 +581,27 @@ mod tests {
         stale.conf_version = 9;
         let reports = BTreeMap::from([(1, report(stale))]);
         assert_eq!(shard_views(&map, &reports)[0].leader, Some(1));
+    }
+
+    /// A replica that cannot be added to a node (opening it fails there)
+    /// several rounds in a row bars the pair, as a stalled learner does; a
+    /// success in between starts the count again.
+    #[test]
+    fn a_replica_that_keeps_failing_to_be_added_is_placed_elsewhere() {
+        let mut watch = LearnerWatch::default();
+        let now = Instant::now();
+        let bar = Duration::from_secs(100);
+        let pair = (7, 4);
+        for _ in 1..FAILED_ADDS {
+            assert!(!watch.added(pair, false, now, bar));
+        }
+        assert!(!watch.added(pair, true, now, bar), "a success starts again");
+        for _ in 1..FAILED_ADDS {
+            assert!(!watch.added(pair, false, now, bar));
+        }
+        assert!(watch.barred().is_empty());
+        assert!(watch.added(pair, false, now, bar));
+        assert_eq!(watch.barred(), BTreeSet::from([pair]));
     }
 
     /// The learner watch: progress is a higher applied index or more

@@ -464,7 +464,19 @@ impl Reconciler {
         let desired = desired_placement(&map, &current, &node_views, &views, &barred);
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
-        let busy = self.move_replicas(&map, &views, &desired, &live).await;
+        let (busy, adds) = self.move_replicas(&map, &views, &desired, &live).await;
+        let bar = Duration::from_millis(config.learner_bar_ms);
+        for (pair, ok) in adds {
+            if self.learners.added(pair, ok, Instant::now(), bar) {
+                tracing::warn!(
+                    shard_id = pair.0,
+                    node_id = pair.1,
+                    failures = crate::plan::FAILED_ADDS,
+                    bar_ms = config.learner_bar_ms,
+                    "a replica could not be added to this node rounds in a row: placing it elsewhere"
+                );
+            }
+        }
         self.close_strays(&map, &views, &desired).await;
         if !busy {
             self.balance_leaders(&map, &views, &live, &desired).await;
@@ -813,11 +825,12 @@ impl Reconciler {
         views: &[ShardView],
         desired: &Placement,
         live: &BTreeSet<u64>,
-    ) -> bool {
+    ) -> (bool, Vec<((u32, u64), bool)>) {
         let slack = self.shared.config.catch_up_slack;
         let mut pending = moves_of(views, desired, live, slack);
+        let mut adds = Vec::new();
         if pending.is_empty() {
-            return false;
+            return (false, adds);
         }
         pending.sort_by_key(|(m, _)| {
             let v = views.iter().find(|v| v.shard_id == m.shard_id);
@@ -831,19 +844,32 @@ impl Reconciler {
         });
         let running = runnable_moves(pending, self.shared.config.max_concurrent_moves);
         if running.is_empty() {
-            return false;
+            return (false, adds);
         }
+        let generation = self.shared.leadership().map(|l| l.generation);
         for (shown, step) in running {
+            // Each step only while leading the term the round began in:
+            // steps run one after another, a minute or more in all, and a
+            // deposed coordinator went on changing memberships from its
+            // old views beside the new leader's.
+            if generation.is_none() || self.shared.leadership().map(|l| l.generation) != generation
+            {
+                break;
+            }
             let view = views
                 .iter()
                 .find(|v| v.shard_id == shown.shard_id)
                 .expect("moves come from views");
-            if let Err(error) = self.execute(map, view, step).await {
+            let result = self.execute(map, view, step).await;
+            if let Step::AddLearner(node) = step {
+                adds.push(((view.shard_id, node), result.is_ok()));
+            }
+            if let Err(error) = result {
                 tracing::warn!(shard_id = view.shard_id, ?step, %error, "move step failed");
                 self.shared.progress.lock().errors += 1;
             }
         }
-        true
+        (true, adds)
     }
 
     /// The shard leader's id and an admin client for it.
