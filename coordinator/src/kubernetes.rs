@@ -135,13 +135,30 @@ impl Orchestrator for Kubernetes {
             return Ok(None);
         };
         let nodes: Api<Node> = Api::all(self.client.clone());
-        Ok(nodes
+        let zone = nodes
             .get_opt(&host)
             .await
             .map_err(|e| api_error(&format!("node {host}"), e))?
             .and_then(|n| n.metadata.labels)
-            .and_then(|mut labels| labels.remove(ZONE_LABEL)))
+            .and_then(|mut labels| labels.remove(ZONE_LABEL));
+        Ok(Some(zone.unwrap_or_else(|| host_domain(&host))))
     }
+}
+
+/// The failure domain of a pod on Kubernetes node `host` that carries no
+/// zone label: the host itself. Without it every such pod's node reported
+/// the same empty zone, and with the chart's soft anti-affinity two node
+/// pods on one host could hold two of a shard's three replicas (one host
+/// down, the shard without a majority). At most 64 bytes (the zone limit):
+/// a longer host name is shortened to a digest of it.
+pub fn host_domain(host: &str) -> String {
+    const PREFIX: &str = "host:";
+    if PREFIX.len() + host.len() <= 64 {
+        return format!("{PREFIX}{host}");
+    }
+    let digest = tidepool_security::token::hash(host);
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{PREFIX}{hex}")
 }
 
 #[cfg(test)]
@@ -159,6 +176,19 @@ mod tests {
         assert_eq!(ordinal("tp-node", "other-1"), None);
         assert_eq!(ordinal("tp-node", "tp-node-1-2"), None);
         assert_eq!(ordinal("tp-node", "tp-node-99999999999"), None);
+    }
+
+    #[test]
+    fn unlabelled_hosts_are_domains_of_their_own_within_the_zone_limit() {
+        assert_eq!(host_domain("worker-1"), "host:worker-1");
+        let long = "x".repeat(80);
+        let domain = host_domain(&long);
+        assert!(
+            domain.len() <= 64 && domain.starts_with("host:"),
+            "{domain}"
+        );
+        assert_eq!(domain, host_domain(&long), "the same host, the same domain");
+        assert_ne!(domain, host_domain(&"y".repeat(80)));
     }
 
     #[test]
