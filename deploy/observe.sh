@@ -2,7 +2,7 @@
 # `make observe`: `tidepool dev` (on its default ports, or those of a
 # `--port` given after the binary) with a Prometheus from Debian's
 # `prometheus` package scraping its five processes and evaluating the alert
-# rules, at http://127.0.0.1:9090. Ctrl-C stops both.
+# rules, at http://127.0.0.1:9090. Ctrl-C (or a SIGTERM) stops both.
 # Prometheus' data lives in a temporary directory removed on exit.
 set -euo pipefail
 bin=${1:-./target/release/tidepool}
@@ -41,4 +41,14 @@ prom=$!
 trap 'kill $prom 2>/dev/null; wait $prom 2>/dev/null; rm -rf "$work"' EXIT
 echo "observe: Prometheus at http://127.0.0.1:9090 (alerts: /alerts), log in $work/prometheus.log"
 shift || true
-"$bin" dev "$@"
+# In the background, so that a SIGTERM to this script (bash defers traps
+# while a foreground child runs) reaches the dev cluster too: before, the
+# script waited for `tidepool dev`, which went on running.
+"$bin" dev "$@" &
+dev=$!
+trap 'kill -TERM $dev 2>/dev/null' INT TERM
+status=0
+wait $dev || status=$?
+# A signal ended the first wait; the dev cluster is stopping: wait for it.
+if kill -0 $dev 2>/dev/null; then wait $dev || status=$?; fi
+exit $status
