@@ -89,6 +89,7 @@ impl Shared {
                 } else if let Some(earlier) = identity.and_then(|name| {
                     map.nodes.iter().find(|n| {
                         n.identity == name
+                            && n.state == NodeState::Up as i32
                             && n.address == address
                             && !map
                                 .shards
@@ -509,12 +510,7 @@ impl Shared {
             // (an uninstall stops everything anyway; not under Kubernetes
             // the operator decides).
             PrepareNodeStopResponse {
-                quorum_at_risk: quorum_at_risk(
-                    &map,
-                    &self.fresh_reports(&map).await?,
-                    node_id,
-                    self.config.catch_up_slack,
-                ),
+                quorum_at_risk: quorum_at_risk(&map, &self.fresh_reports(&map).await?, node_id),
                 ..answer(
                     false,
                     &map,
@@ -909,15 +905,17 @@ fn wrong_cluster(node_id: u64, theirs: &str, ours: &str) -> CoordinatorError {
 /// A voter counts when its node answered (`reports`, asked of the nodes
 /// holding a liveness lease: a DRAINING node that died stays DRAINING in
 /// the map, but neither answers nor keeps its lease) and is not DOWN in the
-/// map, and its report shows the replica open, not receiving a snapshot,
-/// not holding its votes (`replica/votes.rs`) and with its log within
-/// `slack` entries of the commit index its shard's leader reported
-/// (unknown leader: open is enough).
+/// map, and its report shows the replica open, not receiving a snapshot
+/// and not holding its votes (`replica/votes.rs`): such a replica
+/// acknowledges nothing new until it has caught up. One behind by log
+/// entries does (as it appends them), so how far behind is not asked: a
+/// follower on a slower disk runs hundreds of entries behind under steady
+/// writes, and a fixed slack held every restart of the others for the
+/// whole hold.
 pub(crate) fn quorum_at_risk(
     map: &ClusterMap,
     reports: &std::collections::BTreeMap<u64, NodeStatus>,
     node_id: u64,
-    slack: u64,
 ) -> u32 {
     let report = |node: u64, shard: u32| {
         reports
@@ -944,19 +942,10 @@ pub(crate) fn quorum_at_risk(
             if !voters.contains(&node_id) || voters.len() <= majority {
                 return false;
             }
-            let commit = voters
-                .iter()
-                .filter_map(|v| report(*v, s.shard_id))
-                .filter(|r| r.is_leader)
-                .map(|r| r.commit_index)
-                .max();
             let caught_up = |id: u64| {
                 up(id)
-                    && report(id, s.shard_id).is_some_and(|r| {
-                        !r.receiving_snapshot
-                            && !r.votes_held
-                            && commit.is_none_or(|c| r.last_index.saturating_add(slack) >= c)
-                    })
+                    && report(id, s.shard_id)
+                        .is_some_and(|r| !r.receiving_snapshot && !r.votes_held)
             };
             voters
                 .iter()
@@ -1035,56 +1024,55 @@ mod tests {
                 .collect()
         };
         let mut alive = caught_up(&map);
-        let slack = 64;
-        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 0);
+        assert_eq!(quorum_at_risk(&map, &alive, 1), 0);
         map.nodes[1].state = NodeState::Down as i32; // node 2
         // Shard 1: {3} of 3 left; shard 3: {3, 4} of 5 (node 5 unknown).
-        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 1), 2);
         // Node 4 is no voter of shard 1; shard 2 keeps {3} of 3: at risk.
-        assert_eq!(quorum_at_risk(&map, &alive, 4, slack), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 4), 2);
         map.nodes[1].state = NodeState::Draining as i32;
         assert_eq!(
-            quorum_at_risk(&map, &alive, 1, slack),
+            quorum_at_risk(&map, &alive, 1),
             0,
             "a draining node still serves"
         );
         // ... while its lease lasts: a draining node that died stays
         // DRAINING in the map.
         let lease = alive.remove(&2).unwrap();
-        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 1), 2);
         alive.insert(2, lease);
-        // A voter receiving a snapshot, holding its votes or too far behind
-        // the leader's commit index cannot help commit yet.
+        // A voter receiving a snapshot or holding its votes cannot help
+        // commit yet.
         for lagging in [
             |r: &mut ReplicaStatus| r.receiving_snapshot = true,
             |r: &mut ReplicaStatus| r.votes_held = true,
-            |r: &mut ReplicaStatus| r.last_index = 100 - 65,
         ] {
             let mut behind = alive.clone();
             for replica in &mut behind.get_mut(&2).unwrap().replicas {
                 lagging(replica);
             }
-            assert_eq!(quorum_at_risk(&map, &behind, 1, slack), 2);
+            assert_eq!(quorum_at_risk(&map, &behind, 1), 2);
         }
-        let mut within = alive.clone();
-        for replica in &mut within.get_mut(&2).unwrap().replicas {
-            replica.last_index = 100 - 64;
+        // One behind by log entries acknowledges as it appends them.
+        let mut behind = alive.clone();
+        for replica in &mut behind.get_mut(&2).unwrap().replicas {
+            replica.last_index = 1;
         }
-        assert_eq!(quorum_at_risk(&map, &within, 1, slack), 0);
+        assert_eq!(quorum_at_risk(&map, &behind, 1), 0);
         // A voter whose node does not report the replica (not open yet).
         let mut unopened = alive.clone();
         unopened.get_mut(&2).unwrap().replicas.clear();
-        assert_eq!(quorum_at_risk(&map, &unopened, 1, slack), 2);
+        assert_eq!(quorum_at_risk(&map, &unopened, 1), 2);
         // One or two voters: a restart stops the shard whatever waits.
         let lone = ClusterMap {
             nodes: vec![node(1, NodeState::Up), node(2, NodeState::Down)],
             shards: vec![shard(1, &[1], &[]), shard(2, &[1, 2], &[])],
             ..ClusterMap::default()
         };
-        assert_eq!(quorum_at_risk(&lone, &caught_up(&lone), 1, slack), 0);
+        assert_eq!(quorum_at_risk(&lone, &caught_up(&lone), 1), 0);
         map.nodes[2].state = NodeState::Down as i32; // node 3
         // Shard 3 keeps {2, 4} of 5 besides node 1 (node 5 is unknown).
-        assert_eq!(quorum_at_risk(&map, &alive, 1, slack), 2);
+        assert_eq!(quorum_at_risk(&map, &alive, 1), 2);
     }
 
     fn map(cluster: &str, version: u64) -> ClusterMap {

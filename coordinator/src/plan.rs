@@ -100,20 +100,20 @@ pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec
                     view.replicas.insert(*node, replica.clone());
                 }
             }
-            // A claim to lead counts only from the newest term any replica
-            // reports, with a configuration no older than the map's: a
-            // leader cut off while quiesced does not tick, so never steps
-            // down, and goes on claiming the group in its old term — with
-            // the real leader silent for a round, its old configuration
-            // went into the map and replicas added since were closed as
-            // strays. Such a shard is leaderless for the round.
+            // A claim to lead counts only in the newest term any replica
+            // reports: a leader cut off while quiesced does not tick, so
+            // never steps down, and goes on claiming the group in its old
+            // term — with the real leader silent for a round, its old
+            // configuration went into the map and replicas added since were
+            // closed as strays. Such a shard is leaderless for the round.
+            // (`conf_version` cannot order claims: a replica that installed
+            // a snapshot reports the snapshot's index, others the index of
+            // the last change.)
             let newest_term = view.replicas.values().map(|r| r.term).max().unwrap_or(0);
             view.leader = view
                 .replicas
                 .iter()
-                .filter(|(_, r)| {
-                    r.is_leader && r.term >= newest_term && r.conf_version >= shard.conf_version
-                })
+                .filter(|(_, r)| r.is_leader && r.term >= newest_term)
                 .max_by_key(|(_, r)| r.term)
                 .map(|(node, _)| *node);
             let (members, conf_version) = match view.leader_status() {
@@ -551,16 +551,17 @@ mod tests {
     }
 
     /// A leader claim from an older term than another replica reports (a
-    /// quiesced leader cut off from its group, which never steps down),
-    /// or with a configuration older than the map's, is not the shard's
-    /// leader: with the real leader silent, the shard is leaderless for
-    /// the round and nothing is planned from the stale configuration.
+    /// quiesced leader cut off from its group, which never steps down) is
+    /// not the shard's leader: with the real leader silent, the shard is
+    /// leaderless for the round and nothing is planned from the stale
+    /// configuration. A claim is not judged by `conf_version` (a replica
+    /// that installed a snapshot reports the snapshot's index).
     #[test]
     fn a_stale_leader_claim_is_not_believed() {
         let mut map = ClusterMap::default();
         map.shards.push(tidepool_proto::v1::ShardInfo {
             shard_id: 1,
-            conf_version: 9,
+            conf_version: 5000,
             ..Default::default()
         });
         let report = |r: ReplicaStatus| NodeStatus {
@@ -569,16 +570,13 @@ mod tests {
         };
         let mut stale = replica(true, 10);
         stale.term = 2;
-        stale.conf_version = 9;
+        stale.conf_version = 100;
         let mut follower = replica(false, 20);
         follower.term = 3;
         let reports = BTreeMap::from([(1, report(stale.clone())), (3, report(follower))]);
         assert_eq!(shard_views(&map, &reports)[0].leader, None);
-        // Alone, in the newest term it knows of, but behind the map.
-        stale.conf_version = 8;
-        let reports = BTreeMap::from([(1, report(stale.clone()))]);
-        assert_eq!(shard_views(&map, &reports)[0].leader, None);
-        stale.conf_version = 9;
+        // In the newest term reported, with a lower conf_version than the
+        // map's (the map's came from a replica that installed a snapshot).
         let reports = BTreeMap::from([(1, report(stale))]);
         assert_eq!(shard_views(&map, &reports)[0].leader, Some(1));
     }

@@ -635,11 +635,6 @@ impl Reconciler {
                         continue;
                     };
                     let Some(leader) = view.leader else { continue };
-                    if view.conf_version < shard.conf_version {
-                        // A configuration older than the map's: never
-                        // written back over it.
-                        continue;
-                    }
                     let replicas = replica_infos(view);
                     if shard.replicas != replicas
                         || shard.leader_hint != leader

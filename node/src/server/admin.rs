@@ -402,14 +402,17 @@ impl AdminApi {
     }
 }
 
-/// Whether replicas in these states let their node be ready
-/// ([`Node::readiness`]): each knows its leader and is not catching up.
-fn replicas_ready(states: &[(u32, ShardState)]) -> std::result::Result<(), String> {
+/// Whether replicas in these states, on node `me`, let their node be
+/// ready ([`Node::readiness`]): each knows its leader, and none that votes
+/// is catching up (a learner's catching up costs its shard nothing: a
+/// node receiving new replicas as learners, for hours maybe, stays ready).
+fn replicas_ready(me: u64, states: &[(u32, ShardState)]) -> std::result::Result<(), String> {
     let (mut leaderless, mut catching_up) = (Vec::new(), Vec::new());
     for (shard_id, state) in states {
         match &state.status {
             Some(status) if status.leader != 0 => {
-                if state.receiving_snapshot || status.votes_held {
+                let learner = status.learners.contains(&me);
+                if !learner && (state.receiving_snapshot || status.votes_held) {
                     catching_up.push(*shard_id);
                 }
             }
@@ -446,7 +449,7 @@ impl Node {
             .into_iter()
             .map(|(info, shard)| (info.shard_id, shard.state()))
             .collect();
-        replicas_ready(&states)
+        replicas_ready(self.config.node_id, &states)
     }
 
     /// What the node reports about itself (`NodeAdmin.Status`, heartbeats).
@@ -706,9 +709,10 @@ mod tests {
     use super::*;
     use crate::replica::ReplicaStatus;
 
-    /// A node is ready when each replica knows its leader and none is
+    /// A node is ready when each replica knows its leader and no voter is
     /// catching up: one pulling a snapshot, or holding its votes until it
-    /// has caught up, cannot help its shard commit yet.
+    /// has caught up, cannot help its shard commit yet; a learner doing so
+    /// costs nothing.
     #[test]
     fn replicas_catching_up_keep_their_node_unready() {
         let following = ShardState {
@@ -718,15 +722,25 @@ mod tests {
             }),
             ..ShardState::default()
         };
-        assert_eq!(replicas_ready(&[(1, following.clone())]), Ok(()));
+        assert_eq!(replicas_ready(1, &[(1, following.clone())]), Ok(()));
         let mut snapshot = following.clone();
         snapshot.receiving_snapshot = true;
         let mut held = following.clone();
         held.status.as_mut().unwrap().votes_held = true;
         let leaderless = ShardState::default();
-        let error = replicas_ready(&[(1, following.clone()), (2, snapshot), (3, held)]);
+        let error = replicas_ready(
+            1,
+            &[(1, following.clone()), (2, snapshot.clone()), (3, held)],
+        );
         assert_eq!(error, Err("shards catching up: [2, 3]".to_string()));
-        let error = replicas_ready(&[(1, following), (4, leaderless)]);
+        // A learner pulling a snapshot keeps its node ready.
+        let mut learning = snapshot;
+        learning.status.as_mut().unwrap().learners = vec![1];
+        assert_eq!(
+            replicas_ready(1, &[(1, following.clone()), (5, learning)]),
+            Ok(())
+        );
+        let error = replicas_ready(1, &[(1, following), (4, leaderless)]);
         assert_eq!(error, Err("shards without a known leader: [4]".to_string()));
     }
 }
