@@ -292,24 +292,22 @@ pub fn incoming(listener: TcpListener, tls: Arc<Tls>) -> ReceiverStream<io::Resu
 /// [`incoming`] with the server configuration `config` returns for each
 /// handshake (a server whose clients present no certificate, such as the
 /// build-cache gateway's, brings its own). At most [`HANDSHAKES_AT_ONCE`]
-/// handshakes run at once: past that the accept loop waits and new
-/// connections queue in the kernel's backlog (a flood of connections that
-/// never finish theirs held a task and a socket each for
-/// `HANDSHAKE_TIMEOUT`, without bound).
+/// handshakes run at once, [`HANDSHAKES_PER_PEER`] of them from one IP
+/// address; a connection past either bound is closed at once (its client
+/// tries again). Unbounded, a flood of connections that never finish their
+/// handshake held a task and a socket each for `HANDSHAKE_TIMEOUT`; the
+/// accept loop never waits, so such connections cannot lock others out
+/// either. A handshake holds its place until its connection is taken by
+/// the server.
 pub fn incoming_with(
     listener: TcpListener,
     config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
 ) -> ReceiverStream<io::Result<ServerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_AT_ONCE));
+    let peers: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> = Arc::default();
     tokio::spawn(async move {
         loop {
-            let handshake = tokio::select! {
-                permit = handshakes.clone().acquire_owned() => {
-                    permit.expect("the semaphore is never closed")
-                }
-                () = tx.closed() => return,
-            };
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
                 () = tx.closed() => return,
@@ -323,18 +321,26 @@ pub fn incoming_with(
                     continue;
                 }
             };
+            let Ok(place) = handshakes.clone().try_acquire_owned() else {
+                tracing::debug!(%peer, "too many TLS handshakes at once: connection closed");
+                continue;
+            };
+            let Some(from_peer) = PeerHandshake::begin(&peers, peer.ip()) else {
+                tracing::debug!(%peer, "too many TLS handshakes from this address: connection closed");
+                continue;
+            };
             let _ = socket.set_nodelay(true);
             let acceptor = TlsAcceptor::from(config());
             let tx = tx.clone();
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(socket)).await {
                     Ok(Ok(stream)) => {
-                        drop(handshake);
                         let _ = tx.send(Ok(stream)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(%peer, "TLS handshake refused: {e}"),
                     Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                 }
+                drop((place, from_peer));
             });
         }
     });
@@ -342,7 +348,48 @@ pub fn incoming_with(
 }
 
 /// TLS handshakes a server runs at once ([`incoming_with`]).
-pub const HANDSHAKES_AT_ONCE: usize = 256;
+pub const HANDSHAKES_AT_ONCE: usize = 1024;
+
+/// TLS handshakes a server runs at once for one client IP address.
+pub const HANDSHAKES_PER_PEER: usize = 32;
+
+/// One handshake counted against its peer's address; uncounted when
+/// dropped.
+struct PeerHandshake {
+    peers: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl PeerHandshake {
+    /// Counts a handshake from `ip`, unless it has [`HANDSHAKES_PER_PEER`].
+    fn begin(
+        peers: &Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+        ip: std::net::IpAddr,
+    ) -> Option<Self> {
+        let mut counts = peers.lock();
+        let count = counts.entry(ip).or_default();
+        if *count >= HANDSHAKES_PER_PEER {
+            return None;
+        }
+        *count += 1;
+        Some(Self {
+            peers: peers.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerHandshake {
+    fn drop(&mut self) {
+        let mut counts = self.peers.lock();
+        if let Some(count) = counts.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
+}
 
 /// Connections a node's or coordinator's gRPC server holds at once
 /// ([`serve`]): past it, a new connection waits (in the kernel's backlog,
@@ -516,37 +563,61 @@ where
 mod tests {
     use super::*;
 
-    /// Connections that never finish their TLS handshake fill the
-    /// handshake slots, and the server accepts no more until they go: they
-    /// cannot make it hold a socket and a task each without bound.
+    /// A TLS handshake from `from` to the server at `port`.
+    async fn handshake(tls: &Tls, from: &str, port: u16) -> io::Result<()> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(format!("{from}:0").parse().unwrap())?;
+        let stream = socket
+            .connect(format!("127.0.0.1:{port}").parse().unwrap())
+            .await?;
+        let name = ServerName::try_from("127.0.0.1".to_string()).unwrap();
+        let connecting = TlsConnector::from(tls.client_config()).connect(name, stream);
+        tokio::time::timeout(Duration::from_secs(5), connecting)
+            .await
+            .map_err(|_| io::Error::other("no handshake within 5 s"))??;
+        Ok(())
+    }
+
+    /// Connections that never finish their TLS handshake are bounded per
+    /// client address: past the bound, that address's new connections are
+    /// closed at once, and another address's are served as before — the
+    /// accept loop never waits on them, so they lock nobody out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn unfinished_handshakes_are_bounded() {
+    async fn unfinished_handshakes_are_bounded_per_client() {
         let dir = tempfile::tempdir().unwrap();
         crate::certs::ensure_dev(dir.path(), 1).unwrap();
         let tls = Tls::load(crate::certs::files(dir.path(), "node-1")).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let served = tls.clone();
-        let _incoming = incoming_with(listener, move || served.server_config());
+        let mut incoming = incoming_with(listener, move || served.server_config());
+        // The server takes the connections that finish.
+        tokio::spawn(async move {
+            use tokio_stream::StreamExt as _;
+            let mut held = Vec::new();
+            while let Some(stream) = incoming.next().await {
+                held.push(stream);
+            }
+        });
 
         let mut silent = Vec::new();
-        for _ in 0..HANDSHAKES_AT_ONCE {
+        for _ in 0..HANDSHAKES_PER_PEER {
             silent.push(TcpStream::connect(("127.0.0.1", port)).await.unwrap());
         }
-        let waiting = tokio::spawn({
-            let tls = tls.clone();
-            async move { server_certificate(&tls, "127.0.0.1", port).await }
-        });
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let began = Instant::now();
         assert!(
-            !waiting.is_finished(),
-            "a handshake ran past {HANDSHAKES_AT_ONCE} unfinished ones"
+            handshake(&tls, "127.0.0.1", port).await.is_err(),
+            "a handshake past the address's bound"
         );
-        drop(silent);
-        let served = tokio::time::timeout(Duration::from_secs(5), waiting)
+        assert!(began.elapsed() < Duration::from_secs(2), "closed at once");
+        handshake(&tls, "127.0.0.2", port)
             .await
-            .expect("served once the silent connections closed")
-            .unwrap();
-        assert!(served.is_ok(), "{served:?}");
+            .expect("another address is served");
+        drop(silent);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        handshake(&tls, "127.0.0.1", port)
+            .await
+            .expect("served once the silent connections closed");
     }
 }
