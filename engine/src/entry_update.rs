@@ -44,7 +44,7 @@ impl Inner {
         access: DiskAccess,
         update: impl Fn(&Entry) -> Option<Entry>,
     ) -> Result<bool> {
-        self.set_entry(space_index, key, record, access, |current| {
+        self.set_entry(space_index, key, record, access, false, |current| {
             current.and_then(&update)
         })
     }
@@ -64,27 +64,46 @@ impl Inner {
         entry: Entry,
         record: u64,
     ) -> Result<()> {
-        self.set_entry(
+        // The key's cell is made if needed (a prefix new since the last
+        // snapshot): without it the item was dropped, and its write lost.
+        let applied = self.set_entry(
             space_index,
             key,
             record,
             DiskAccess::Read,
+            true,
             |current| match current {
                 Some(current) if !entry.replaces(current) => None,
                 _ => Some(entry),
             },
-        )
-        .map(|_| ())
+        )?;
+        if applied {
+            // As `Inner::apply` does: a cell past the threshold is flushed.
+            let space = &self.table.spaces[usize::from(space_index)];
+            let id = space.cell_of(key);
+            let threshold = self.config.flush_dirty_entries as usize;
+            let queue = space.with_cell(&id, |cell| {
+                let queue = cell.changes.len() >= threshold && !cell.queued && !cell.flushing;
+                cell.queued |= queue;
+                queue
+            });
+            if queue == Some(true) {
+                self.flush_queue.push_and_wake(space_index, id);
+            }
+        }
+        Ok(())
     }
 
     /// [`Inner::update_entry`] whose `update` also decides for a key
-    /// without an entry (`None`).
+    /// without an entry (`None`); with `create`, the key's cell is made if
+    /// it does not exist (a prefixed key space's).
     fn set_entry(
         &self,
         space_index: u8,
         key: &Key,
         record: u64,
         access: DiskAccess,
+        create: bool,
         update: impl Fn(Option<&Entry>) -> Option<Entry>,
     ) -> Result<bool> {
         let space = &self.table.spaces[usize::from(space_index)];
@@ -95,9 +114,14 @@ impl Inner {
             DiskAccess::Read => None,
         };
         for _ in 0..ATTEMPTS {
-            let step = space.with_cell(&id, |cell| {
+            let in_cell = |cell: &mut Cell| {
                 self.update_in_cell(space, cell, key, record, from_disk.as_ref(), &update)
-            });
+            };
+            let step = if create {
+                Some(space.with_cell_or_create(&id, in_cell))
+            } else {
+                space.with_cell(&id, in_cell)
+            };
             match step {
                 None | Some(Step::Done(false)) => return Ok(false),
                 Some(Step::Done(true)) => return Ok(true),

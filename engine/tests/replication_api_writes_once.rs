@@ -361,6 +361,40 @@ fn an_item_applied_again_never_reaches_disk_over_its_relocated_copy() {
     engine.close().unwrap();
 }
 
+/// A record appended before a restart and applied only after it, whose
+/// key's prefix (in a prefixed key space) had no cell yet: applying makes
+/// the cell. The comparison with the key's whole entry found no cell and
+/// dropped the item — the write was never indexed.
+#[test]
+fn an_item_applied_after_a_restart_makes_its_prefix_cell() {
+    let (storage, config) = fault_storage();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("prefixed").unwrap();
+    let key = support::prefixed_key(77, 1);
+    let appended = engine
+        .append(
+            b"raft entry",
+            &[ItemInput {
+                space: ks,
+                op: ItemOp::Put,
+                key: &key,
+                value: b"kept",
+                epoch: Epoch(1),
+                tag: Tag(0),
+            }],
+        )
+        .unwrap();
+    engine.wait_synced(appended.end).unwrap();
+    engine.close().unwrap();
+    drop(engine);
+
+    let engine = open(&storage, &config).unwrap();
+    assert_eq!(engine.get(ks, &key).unwrap(), None, "not applied yet");
+    engine.apply(&appended).unwrap();
+    assert_eq!(engine.get(ks, &key).unwrap().as_deref(), Some(&b"kept"[..]));
+    engine.close().unwrap();
+}
+
 /// With `hold_replay_until_released`, a snapshot written after a restart
 /// but before the application applied its records again (the engine's
 /// background one, seconds after opening) keeps the replay position the
