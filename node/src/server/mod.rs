@@ -195,9 +195,7 @@ impl Node {
     ) -> Result<Arc<Node>> {
         config.validate()?;
         let shards_dir = config.data_dir.join("shards");
-        std::fs::create_dir_all(&shards_dir).map_err(|e| {
-            NodeError::Config(format!("cannot create {}: {e}", shards_dir.display()))
-        })?;
+        create_dir_durably(&shards_dir)?;
         let map = config.static_map().unwrap_or_default();
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
         let (threads, low_threads) = config.worker_threads();
@@ -567,8 +565,7 @@ impl Node {
         {
             // Not while a split moves a directory of that name into place.
             let _making = crate::store::making_dirs();
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+            create_dir_durably(&dir)?;
         }
         let store = ReplicaStore::on_files(&dir, self.config.engine_config(dir.clone()))
             .with_host(self.engines.clone());
@@ -799,6 +796,16 @@ impl Node {
     }
 }
 
+/// Makes `dir` and its missing parents, each durable in its parent
+/// ([`FileStorage`]'s `create_dir_all`): a replica's files synced in a
+/// directory whose own entry was not could vanish with it at a power loss.
+fn create_dir_durably(dir: &std::path::Path) -> Result<()> {
+    use tidepool_engine::storage::Storage as _;
+    FileStorage::new()
+        .create_dir_all(dir)
+        .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))
+}
+
 /// Takes the node's hold on its data directory (an `flock` on its `LOCK`
 /// file), creating the directory if needed. Everything a node does to the
 /// directory before its engines lock their own — recording or checking its
@@ -806,8 +813,7 @@ impl Node {
 /// undo the work of another process started on the same directory.
 fn lock_data_dir(dir: &std::path::Path) -> Result<tidepool_engine::storage::DirLock> {
     use tidepool_engine::storage::Storage as _;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| NodeError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    create_dir_durably(dir)?;
     FileStorage::new().lock(dir).map_err(|e| {
         if e.kind() == std::io::ErrorKind::WouldBlock {
             NodeError::Config(format!(
