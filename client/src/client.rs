@@ -864,7 +864,30 @@ impl Client {
         namespace: &str,
         key: &[u8],
         settled: &[ErrorCode],
+        op: F,
+    ) -> Result<T>
+    where
+        F: FnMut(Channel, u64, WriteSession) -> Fut,
+        Fut: Future<Output = std::result::Result<T, Status>>,
+    {
+        self.write_once_recorded(namespace, key, settled, op, |_| true)
+            .await
+    }
+
+    /// [`Client::write_once`] for a write whose answer may say the shard
+    /// recorded nothing (`recorded` false: a content-addressed put of a
+    /// blob already there is answered without a Raft entry): the shard then
+    /// does not know the session, and it is not marked opened there — the
+    /// session's next write on that shard opens it instead of meeting
+    /// `SESSION_EXPIRED` (one more round, and a final refusal for a write
+    /// past the re-open window).
+    pub(crate) async fn write_once_recorded<T, F, Fut>(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        settled: &[ErrorCode],
         mut op: F,
+        recorded: impl Fn(&T) -> bool,
     ) -> Result<T>
     where
         F: FnMut(Channel, u64, WriteSession) -> Fut,
@@ -889,7 +912,9 @@ impl Client {
                 .await;
             match result {
                 Ok(value) => {
-                    write.opened(shard);
+                    if recorded(&value) {
+                        write.opened(shard);
+                    }
                     return Ok(value);
                 }
                 // The shard forgot the session: no attempt of this write
@@ -938,29 +963,35 @@ impl Client {
             .map(Bytes::copy_from_slice)
             .collect();
         let response = self
-            .write_once(namespace, key, &[], |channel, map_version, session| {
-                let mut messages = vec![PutRequest {
-                    msg: Some(put_request::Msg::Header(PutHeader {
-                        blob: blob_ref(namespace, key),
-                        size: content.len() as u64,
-                        expected_sha256: digest.to_vec(),
-                        kind: kind as i32,
-                        map_version,
-                        session: Some(session),
-                        durability: self.durability as i32,
-                        ..PutHeader::default()
-                    })),
-                }];
-                messages.extend(pieces.iter().map(|piece| PutRequest {
-                    msg: Some(put_request::Msg::Data(piece.clone())),
-                }));
-                async move {
-                    BlobServiceClient::new(channel)
-                        .put(tokio_stream::iter(messages))
-                        .await
-                        .map(|r| r.into_inner())
-                }
-            })
+            .write_once_recorded(
+                namespace,
+                key,
+                &[],
+                |channel, map_version, session| {
+                    let mut messages = vec![PutRequest {
+                        msg: Some(put_request::Msg::Header(PutHeader {
+                            blob: blob_ref(namespace, key),
+                            size: content.len() as u64,
+                            expected_sha256: digest.to_vec(),
+                            kind: kind as i32,
+                            map_version,
+                            session: Some(session),
+                            durability: self.durability as i32,
+                            ..PutHeader::default()
+                        })),
+                    }];
+                    messages.extend(pieces.iter().map(|piece| PutRequest {
+                        msg: Some(put_request::Msg::Data(piece.clone())),
+                    }));
+                    async move {
+                        BlobServiceClient::new(channel)
+                            .put(tokio_stream::iter(messages))
+                            .await
+                            .map(|r| r.into_inner())
+                    }
+                },
+                |response| !response.already_present,
+            )
             .await?;
         let info = response.info.unwrap_or_default();
         Ok(PutOutcome {
@@ -1985,6 +2016,39 @@ mod tests {
             map_version: 1,
             ..Default::default()
         })
+    }
+
+    /// A write answered without the shard recording anything (a
+    /// content-addressed put of a blob already there) leaves the session
+    /// unopened on that shard: the session's next write there opens it,
+    /// and the one after does not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_that_recorded_nothing_leaves_the_session_unopened() {
+        let follow = Rule::Follow {
+            before: 1,
+            after: 1,
+            switch: Duration::ZERO,
+            silent: false,
+        };
+        let (client, _) = three_replicas([Some(follow); 3], None).await;
+        let opens = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let write = |opens: Arc<parking_lot::Mutex<Vec<bool>>>| {
+            move |_: Channel, _: u64, session: WriteSession| {
+                opens.lock().push(session.opens);
+                async { Ok::<(), Status>(()) }
+            }
+        };
+        client
+            .write_once_recorded("ns", b"k", &[], write(opens.clone()), |_| false)
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            client
+                .write_once("ns", b"k", &[], write(opens.clone()))
+                .await
+                .unwrap();
+        }
+        assert_eq!(*opens.lock(), [true, true, false]);
     }
 
     /// A write whose attempts get `answers` in turn (`None`: no answer
