@@ -13,7 +13,7 @@ use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
     BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, Durability,
     ErrorCode, GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency,
-    TouchRequest, WriteSession, get_response, put_request,
+    TouchRequest, TouchResponse, WriteSession, get_response, put_request,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -1379,7 +1379,10 @@ impl Client {
     async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
         // A touch that finds nothing is a true answer after any earlier
         // attempt: nothing is there to touch now.
-        self.write_once(
+        // A blob already in the current epoch is answered without a log
+        // entry (`recorded` false): the shard then did not learn the
+        // session, which stays unopened there.
+        self.write_once_recorded(
             namespace,
             key,
             &[ErrorCode::NotFound],
@@ -1391,10 +1394,12 @@ impl Client {
                         session: Some(session),
                     })
                     .await
-                    .map(|r| r.into_inner().epoch)
+                    .map(|r| r.into_inner())
             },
+            |answer: &TouchResponse| answer.recorded,
         )
         .await
+        .map(|answer| answer.epoch)
     }
 
     pub(crate) async fn content_addressed(&self, namespace: &str) -> Result<bool> {
@@ -1447,7 +1452,7 @@ mod tests {
     use tidepool_proto::v1::blob_service_server::{BlobService, BlobServiceServer};
     use tidepool_proto::v1::{
         BatchExistsResponse, DeleteRequest as Del, DeleteResponse, GetResponse, HeadResponse,
-        PutResponse, TouchResponse,
+        PutResponse,
     };
     use tonic::{Request, Response, Streaming};
 

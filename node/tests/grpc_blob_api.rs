@@ -255,6 +255,10 @@ async fn every_operation_and_every_client_error() {
         .unwrap()
         .into_inner();
     assert_eq!(touched.epoch, 1);
+    assert!(
+        !touched.recorded,
+        "written in the current epoch: nothing to record"
+    );
     let deleted = client
         .delete(DeleteRequest {
             blob: blob("default", b"reports/q3.pdf"),

@@ -530,6 +530,22 @@ async fn admin_entries_act_on_every_replica() {
         .unwrap()
         .into_inner();
     assert_eq!(touched.epoch, 2);
+    assert!(touched.recorded, "a blob of epoch 1 moves through the log");
+    let again = cluster
+        .client(leader)
+        .await
+        .touch(TouchRequest {
+            blob: grpc_support::blob("ci", b"kept"),
+            ..TouchRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.epoch, 2);
+    assert!(
+        !again.recorded,
+        "a blob already in the current epoch is answered without a log entry"
+    );
     let presence = cluster
         .client(leader)
         .await

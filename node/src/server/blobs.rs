@@ -1060,7 +1060,8 @@ impl BlobApi {
         let stored_epoch =
             stored_epoch.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
         let epoch = target.shard.engine().epoch().0;
-        if stored_epoch.0 < epoch {
+        let recorded = stored_epoch.0 < epoch;
+        if recorded {
             let touch = Command::Touch {
                 namespace: target.namespace.id,
                 epoch,
@@ -1077,6 +1078,7 @@ impl BlobApi {
         }
         Ok(TouchResponse {
             epoch: u64::from(epoch),
+            recorded,
         })
     }
 
