@@ -702,6 +702,50 @@ pub fn settled(status: &ClusterStatus) -> bool {
             .all(|n| n.replicas.iter().all(|r| !r.files_missing))
 }
 
+/// The cluster's membership in one line, for a soak's slow faults: each
+/// node's state, then each shard's replicas (`*` the leader the map names,
+/// `~` a learner) and the moves under way — what a stretch without writes
+/// is read against.
+pub fn membership(status: &ClusterStatus) -> String {
+    let Some(map) = &status.map else {
+        return "no map".into();
+    };
+    let nodes: Vec<String> = map
+        .nodes
+        .iter()
+        .map(|n| {
+            let state = NodeState::try_from(n.state).map_or("?", |s| s.as_str_name());
+            format!("{} {}", n.node_id, state.trim_start_matches("NODE_STATE_"))
+        })
+        .collect();
+    let shards: Vec<String> = map
+        .shards
+        .iter()
+        .map(|s| {
+            let replicas: Vec<String> = s
+                .replicas
+                .iter()
+                .map(|r| {
+                    let leader = if r.node_id == s.leader_hint { "*" } else { "" };
+                    let learner = if r.role == ReplicaRole::Learner as i32 {
+                        "~"
+                    } else {
+                        ""
+                    };
+                    format!("{learner}{}{leader}", r.node_id)
+                })
+                .collect();
+            format!("{} [{}]", s.shard_id, replicas.join(" "))
+        })
+        .collect();
+    format!(
+        "nodes {}; shards {}; {} moves",
+        nodes.join(", "),
+        shards.join(", "),
+        status.moves.len()
+    )
+}
+
 impl Cluster {
     /// A client with these seeds and per-call timeout, not watching the
     /// map, with the client certificate and admin token.
@@ -710,5 +754,52 @@ impl Cluster {
         config.timeout = timeout;
         config.watch = false;
         Client::with_config(config).await.ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool_client::proto::v1::{ClusterMap, NodeInfo, ReplicaInfo, ShardInfo};
+
+    #[test]
+    fn membership_names_states_leaders_and_learners() {
+        let replica = |node_id, role: ReplicaRole| ReplicaInfo {
+            node_id,
+            role: role as i32,
+        };
+        let status = ClusterStatus {
+            map: Some(ClusterMap {
+                nodes: vec![
+                    NodeInfo {
+                        node_id: 1,
+                        state: NodeState::Up as i32,
+                        ..Default::default()
+                    },
+                    NodeInfo {
+                        node_id: 2,
+                        state: NodeState::Down as i32,
+                        ..Default::default()
+                    },
+                ],
+                shards: vec![ShardInfo {
+                    shard_id: 7,
+                    replicas: vec![
+                        replica(1, ReplicaRole::Voter),
+                        replica(2, ReplicaRole::Voter),
+                        replica(3, ReplicaRole::Learner),
+                    ],
+                    leader_hint: 2,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            membership(&status),
+            "nodes 1 UP, 2 DOWN; shards 7 [1 2* ~3]; 0 moves"
+        );
+        assert_eq!(membership(&ClusterStatus::default()), "no map");
     }
 }

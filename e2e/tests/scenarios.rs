@@ -853,6 +853,11 @@ async fn soak() {
     while std::time::Instant::now() < end {
         let began = run.now();
         let failed_before = cache.failures();
+        // Read against a slow fault's stretch without writes.
+        let membership = cluster.status().await.map_or_else(
+            || "no status".into(),
+            |s| tidepool_e2e::cluster::membership(&s),
+        );
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
         match rng.random_range(0..10) {
@@ -1000,6 +1005,7 @@ async fn soak() {
             began,
             run.now(),
             cache.failures() - failed_before,
+            membership,
         ));
         run.run_for(Duration::from_secs(rng.random_range(1..4)))
             .await;
@@ -1030,10 +1036,10 @@ async fn soak() {
         // back.
         let to = (report.duration_s * 1e9) as u64;
         let (gap, at) = tidepool_e2e::workload::longest_write_gap_at(&report.history, first.1, to);
-        let during = windows.iter().rev().find(|(_, from, _, _)| *from <= at);
+        let during = windows.iter().rev().find(|(_, from, ..)| *from <= at);
         let place = match during {
-            Some((fault, _, end, _)) if at <= *end => format!("during {fault}"),
-            Some((fault, _, _, _)) => format!("after the window of {fault}"),
+            Some((fault, _, end, ..)) if at <= *end => format!("during {fault}"),
+            Some((fault, ..)) => format!("after the window of {fault}"),
             None => "before the first fault".into(),
         };
         eprintln!(
@@ -1047,12 +1053,12 @@ async fn soak() {
     eprintln!("|---|---|---|---|---|");
     let mut by_kind: std::collections::BTreeMap<String, (Vec<f64>, u64)> = Default::default();
     let mut slow = Vec::new();
-    for (fault, from, to, failed) in windows {
+    for (fault, from, to, failed, membership) in windows {
         let (gap, at) = tidepool_e2e::workload::longest_write_gap_at(&report.history, from, to);
         if gap >= SLOW_FAULT_GAP_S {
             // Wall-clock times, to find in the processes' logs.
             slow.push(format!(
-                "{fault} (began {}): no write acknowledged for {gap:.2} s from {}",
+                "{fault} (began {}): no write acknowledged for {gap:.2} s from {}; before it: {membership}",
                 clock.utc(from),
                 clock.utc(at)
             ));
