@@ -265,7 +265,8 @@ impl Client {
             reader.sha256 = digest_of(&manifest.sha256)
                 .map_err(|_| corrupt(format!("the manifest of {} has no digest", hex(key))))?;
             // The first chunk holding `offset`; the whole blob's digest is
-            // checked only when it is read whole.
+            // checked when the range is the whole blob (a limit of its size
+            // or more, as HTTP's `Range: bytes=0-` reads ask, included).
             let mut start = 0u64;
             while reader.next_chunk < manifest.chunks.len()
                 && start + manifest.chunks[reader.next_chunk].size <= offset
@@ -276,7 +277,7 @@ impl Client {
             reader.skip = offset.saturating_sub(start);
             reader.fetch_next = reader.next_chunk;
             reader.wanted = reader.skip.saturating_add(reader.remaining);
-            if offset == 0 && limit.is_none() {
+            if offset == 0 && limit.is_none_or(|limit| limit >= manifest.size) {
                 reader.whole = Some(Sha256::new());
             }
             reader.manifest = manifest;
@@ -926,9 +927,9 @@ impl BlobReader {
             return Ok((!content.is_empty()).then_some(content));
         }
         if self.remaining == 0 || self.next_chunk >= self.manifest.chunks.len() {
-            if let Some(whole) = self.whole.take()
-                && self.next_chunk >= self.manifest.chunks.len()
-            {
+            // Read whole: the chunks (all of them: those past the range
+            // too) must make exactly the blob the manifest describes.
+            if let Some(whole) = self.whole.take() {
                 let digest: [u8; 32] = whole.finalize().into();
                 let total: u64 = self.manifest.chunks.iter().map(|c| c.size).sum();
                 if digest != self.sha256

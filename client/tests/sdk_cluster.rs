@@ -1005,3 +1005,86 @@ async fn splicing_stores_the_blob_its_chunks_make_even_of_none() {
     assert_eq!(error.code(), ErrorCode::DigestMismatch, "{error}");
     cluster.stop().await;
 }
+
+/// A range that covers the whole blob is checked as a whole read is: the
+/// chunks must add up to the blob the manifest describes. Before, only a
+/// read without a limit was, and HTTP readers ask `Range: bytes=0-` with
+/// the size (the gateway's restic server): a manifest whose chunks hold
+/// more than its size was served cut to that size, unchecked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_the_whole_blob_is_checked_as_a_whole_read() {
+    use prost::Message as _;
+    use tidepool_client::proto::v1::{
+        BlobKind, BlobRef, ChunkManifest, ChunkRef, PutHeader, PutRequest, put_request,
+    };
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .put("default", b"chunk", b"twelve bytes")
+        .await
+        .unwrap();
+    // Six bytes, says the manifest; its one chunk holds twelve.
+    let short = ChunkManifest {
+        size: 6,
+        sha256: sha256(b"twelve").to_vec(),
+        chunks: vec![ChunkRef {
+            key: b"chunk".to_vec(),
+            size: 12,
+            sha256: sha256(b"twelve bytes").to_vec(),
+        }],
+        nonce: 7,
+    }
+    .encode_to_vec();
+    let nodes: std::collections::BTreeMap<u64, String> = client
+        .map()
+        .nodes
+        .iter()
+        .map(|n| (n.node_id, n.address.clone()))
+        .collect();
+    tidepool_testkit::grpc::routed(&nodes, |url| {
+        let short = short.clone();
+        async move {
+            let header = PutHeader {
+                blob: Some(BlobRef {
+                    namespace: "default".into(),
+                    key: b"short".to_vec(),
+                }),
+                size: short.len() as u64,
+                kind: BlobKind::Manifest as i32,
+                ..PutHeader::default()
+            };
+            let messages = vec![
+                PutRequest {
+                    msg: Some(put_request::Msg::Header(header)),
+                },
+                PutRequest {
+                    msg: Some(put_request::Msg::Data(short.into())),
+                },
+            ];
+            tidepool_testkit::grpc::client(&url)
+                .await
+                .put(tokio_stream::iter(messages))
+                .await
+                .map(|r| r.into_inner())
+        }
+    })
+    .await
+    .unwrap();
+    let read = async |limit: Option<u64>| {
+        let mut reader = client.open_range("default", b"short", 0, limit).await?;
+        let mut out = Vec::new();
+        while let Some(piece) = reader.next_piece().await? {
+            out.extend_from_slice(&piece);
+        }
+        tidepool_client::Result::Ok(out)
+    };
+    for whole in [None, Some(6), Some(100)] {
+        let error = read(whole)
+            .await
+            .expect_err("the chunks hold more than the blob");
+        assert_eq!(error.code(), ErrorCode::Corrupt, "{whole:?}: {error}");
+    }
+    // A part of the blob is no claim about the whole.
+    assert_eq!(read(Some(3)).await.unwrap(), b"twe");
+    cluster.stop().await;
+}
