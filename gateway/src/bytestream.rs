@@ -28,6 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::codec::{self, Decompressor};
+use crate::http::feed;
 use crate::names::{Compression, Resource, parse_resource};
 use crate::reapi::{Reapi, status};
 use crate::{Gateway, cache};
@@ -264,6 +265,8 @@ impl ByteStream for Reapi {
                 .collect();
             return Ok(Response::new(Box::pin(tokio_stream::iter(messages))));
         }
+        // A client that takes nothing for this long loses the rest.
+        let idle = self.gateway.config.http_limits.body_idle;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             // Compressed reads: frames of the pieces, `offset` and `limit`
@@ -281,7 +284,7 @@ impl ByteStream for Reapi {
                     Some(reader) => match reader.next_piece().await {
                         Ok(piece) => piece,
                         Err(e) => {
-                            let _ = tx.send(Err(status(e))).await;
+                            let _ = feed(&tx, Err(status(e)), idle).await;
                             return;
                         }
                     },
@@ -293,7 +296,7 @@ impl ByteStream for Reapi {
                     match codec::compress(&piece) {
                         Ok(frame) => frame,
                         Err(e) => {
-                            let _ = tx.send(Err(Status::internal(e.to_string()))).await;
+                            let _ = feed(&tx, Err(Status::internal(e.to_string())), idle).await;
                             return;
                         }
                     }
@@ -305,13 +308,8 @@ impl ByteStream for Reapi {
                 remaining -= piece.len() as u64;
                 for data in piece.chunks(READ_PIECE) {
                     sent_any = true;
-                    if tx
-                        .send(Ok(ReadResponse {
-                            data: data.to_vec(),
-                        }))
-                        .await
-                        .is_err()
-                    {
+                    let data = data.to_vec();
+                    if !feed(&tx, Ok(ReadResponse { data }), idle).await {
                         return;
                     }
                 }
@@ -320,15 +318,13 @@ impl ByteStream for Reapi {
                 }
             }
             if !identity && skip > 0 {
-                let _ = tx
-                    .send(Err(Status::out_of_range(
-                        "read_offset is past the end of the compressed blob",
-                    )))
-                    .await;
+                let past =
+                    Status::out_of_range("read_offset is past the end of the compressed blob");
+                let _ = feed(&tx, Err(past), idle).await;
             } else if !sent_any && !identity {
                 // The empty blob, compressed: one empty frame.
                 if let Ok(frame) = codec::compress(&[]) {
-                    let _ = tx.send(Ok(ReadResponse { data: frame })).await;
+                    let _ = feed(&tx, Ok(ReadResponse { data: frame }), idle).await;
                 }
             }
         });

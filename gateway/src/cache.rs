@@ -12,6 +12,7 @@ use std::collections::{BTreeSet, HashSet, VecDeque};
 use bazel_remote_apis::build::bazel::remote::execution::v2::{ActionResult, Directory, Tree};
 use prost::Message as _;
 use tidepool_client::{Client, Error, ErrorCode, Result};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::names::{BlobDigest, Instance, hex};
 
@@ -266,12 +267,51 @@ pub(crate) async fn get_action_result(
     Ok(result)
 }
 
+/// Memory the output trees read by all action-result checks may hold at
+/// once (each tree whole, its decoded form and the digests it lists,
+/// counted as four times its size): one of the largest trees at a time,
+/// many small ones together. A result whose trees add up to more is a
+/// miss.
+const TREE_MEMORY_BYTES: u64 = 256 << 20;
+static TREE_MEMORY: Semaphore = Semaphore::const_new((TREE_MEMORY_BYTES >> 10) as usize);
+
+/// Holds `bytes` of a budget of `total` bytes (`budget` counts KiB) until
+/// dropped: at least 1 KiB, at most the whole budget. Callers take the
+/// budgets they hold in one fixed order (`/ac/` entries, then trees), so
+/// no two requests wait on each other.
+pub(crate) async fn hold_memory(
+    budget: &'static Semaphore,
+    total: u64,
+    bytes: u64,
+) -> SemaphorePermit<'static> {
+    let units = (bytes >> 10).clamp(1, total >> 10) as u32;
+    budget
+        .acquire_many(units)
+        .await
+        .expect("the budget is never closed")
+}
+
 /// `NOT_FOUND` unless every output of `result` is present.
 pub(crate) async fn require_outputs(
     client: &Client,
     instance: &Instance,
     result: &ActionResult,
 ) -> Result<()> {
+    let mut named = HashSet::new();
+    let trees: u64 = result
+        .output_directories
+        .iter()
+        .filter_map(|d| d.tree_digest.as_ref())
+        .filter(|d| named.insert(d.hash.as_str()))
+        .map(|d| d.size_bytes.max(0) as u64)
+        .fold(0, u64::saturating_add);
+    if trees.saturating_mul(4) > TREE_MEMORY_BYTES {
+        return Err(not_found(format!(
+            "the result's output trees add up to {trees} bytes; the gateway checks at most {} at once",
+            TREE_MEMORY_BYTES / 4
+        )));
+    }
+    let _memory = hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, trees.saturating_mul(4)).await;
     let needed = outputs(client, instance, result).await?;
     let missing = find_missing(client, instance, &needed).await?;
     if let Some(first) = missing.first() {

@@ -39,8 +39,19 @@ use tokio_stream::StreamExt as _;
 use crate::names::{BlobDigest, Instance, parse_hash};
 use crate::{Credential, Gateway, HttpLimits, cache};
 
-/// Entries of `/ac/` up to this size are checked as action results.
-const AC_CHECK_BYTES: u64 = 4 << 20;
+/// Entries of `/ac/` up to this size are read whole and checked as action
+/// results (larger ones, which no build tool's action result reaches, are
+/// streamed as stored: ccache's `bazel` layout keeps its results there).
+const AC_CHECK_BYTES: u64 = 64 << 20;
+
+/// Memory the `/ac/` entries read whole for their check may hold at once,
+/// across requests.
+const AC_MEMORY_BYTES: u64 = 256 << 20;
+static AC_MEMORY: Semaphore = Semaphore::const_new((AC_MEMORY_BYTES >> 10) as usize);
+
+/// HTTP/2 requests in flight on one connection (hyper's default is 200:
+/// each streamed response holds its blob reader's read-ahead).
+const H2_STREAMS_PER_CONNECTION: u32 = 32;
 
 /// What a path names.
 #[derive(Debug, PartialEq, Eq)]
@@ -125,7 +136,8 @@ async fn serve_connections<L: axum::serve::Listener>(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(H2_KEEPALIVE)
-        .keep_alive_timeout(H2_KEEPALIVE);
+        .keep_alive_timeout(H2_KEEPALIVE)
+        .max_concurrent_streams(H2_STREAMS_PER_CONNECTION);
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
@@ -282,11 +294,12 @@ async fn serve_request(
         Target::Ac(hash) => (&instance.ac, hash.to_vec()),
         Target::Key(key) => (&instance.ac, key.clone()),
     };
+    let idle = gateway.config.http_limits.body_idle;
     match method {
-        Method::GET => get(&client, &instance, &target, namespace, &key).await,
+        Method::GET => get(&client, &instance, &target, namespace, &key, idle).await,
         // An action-cache entry is there only with its outputs, as for GET.
         Method::HEAD if matches!(target, Target::Ac(_)) => {
-            let response = get(&client, &instance, &target, namespace, &key).await?;
+            let response = get(&client, &instance, &target, namespace, &key, idle).await?;
             let (parts, _) = response.into_parts();
             Ok(Response::from_parts(parts, Body::empty()))
         }
@@ -391,6 +404,7 @@ async fn get(
     target: &Target,
     namespace: &str,
     key: &[u8],
+    idle: Duration,
 ) -> tidepool_client::Result<Response> {
     if let Target::Cas(hash) = target
         && (BlobDigest {
@@ -405,6 +419,7 @@ async fn get(
     cache::keep_alive(client, namespace, &reader).await;
     let size = reader.size();
     if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
+        let _memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {
             bytes.extend_from_slice(&piece);
@@ -419,32 +434,41 @@ async fn get(
         )
             .into_response());
     }
-    // Streamed; a failure after the first byte cuts the response short
-    // (the client sees fewer bytes than Content-Length).
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
-    tokio::spawn(async move {
-        loop {
-            match reader.next_piece().await {
-                Ok(Some(piece)) => {
-                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
-                    return;
-                }
-            }
-        }
-    });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     Ok((
         StatusCode::OK,
         [(header::CONTENT_LENGTH, size.to_string())],
-        body,
+        streamed(reader, idle),
     )
         .into_response())
+}
+
+/// A response body streamed from `reader`. A failure after the first byte
+/// cuts it short (the client sees fewer bytes than `Content-Length`); a
+/// client that takes nothing for `idle` loses the rest, and the reader and
+/// what it fetched ahead are let go.
+pub(crate) fn streamed(mut reader: tidepool_client::BlobReader, idle: Duration) -> Body {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        loop {
+            let piece = match reader.next_piece().await {
+                Ok(Some(piece)) => Ok(Bytes::from(piece)),
+                Ok(None) => return,
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            };
+            let failed = piece.is_err();
+            if !feed(&tx, piece, idle).await || failed {
+                return;
+            }
+        }
+    });
+    Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Hands `item` to a streamed response; false once its consumer is gone
+/// or has taken nothing for `idle` (a client that stops reading must not
+/// hold what the response's producer holds for ever).
+pub(crate) async fn feed<T>(tx: &mpsc::Sender<T>, item: T, idle: Duration) -> bool {
+    matches!(tokio::time::timeout(idle, tx.send(item)).await, Ok(Ok(())))
 }
 
 async fn put(
@@ -513,4 +537,29 @@ async fn put(
     }
     upload.finish().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A streamed response's producer gives up once its consumer has taken
+    /// nothing for the idle bound (and at once when it is gone), so a
+    /// client that stops reading holds no reader.
+    #[tokio::test]
+    async fn feeding_stops_when_the_consumer_stalls_or_goes() {
+        let idle = Duration::from_millis(50);
+        let (tx, mut rx) = mpsc::channel::<u32>(1);
+        assert!(feed(&tx, 1, idle).await);
+        let began = std::time::Instant::now();
+        assert!(
+            !feed(&tx, 2, idle).await,
+            "nobody reads: the channel stays full"
+        );
+        assert!(began.elapsed() >= idle);
+        assert_eq!(rx.recv().await, Some(1));
+        assert!(feed(&tx, 3, idle).await);
+        drop(rx);
+        assert!(!feed(&tx, 4, idle).await);
+    }
 }

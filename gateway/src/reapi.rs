@@ -15,12 +15,14 @@ use re::content_addressable_storage_server::{
     ContentAddressableStorage, ContentAddressableStorageServer,
 };
 use re::{compressor, digest_function};
+use tidepool_client::proto::v1::Role;
 use tidepool_client::{Client, Error, ErrorCode};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::http::feed;
 use crate::names::{BlobDigest, Instance};
 use crate::{Credential, Gateway, cache, codec};
 
@@ -209,10 +211,9 @@ impl ContentAddressableStorage for Reapi {
                 )));
             }
         }
-        let mut tasks = tokio::task::JoinSet::new();
-        for (i, item) in request.requests.into_iter().enumerate() {
+        let responses = each_bounded(request.requests, |item| {
             let (client, instance) = (client.clone(), instance.clone());
-            tasks.spawn(async move {
+            async move {
                 let result = async {
                     let digest = digest_of(item.digest.as_ref())?;
                     let data = match item.compressor {
@@ -232,24 +233,14 @@ impl ContentAddressableStorage for Reapi {
                         .map_err(status)
                 }
                 .await;
-                (i, item.digest, result)
-            });
-        }
-        let mut responses = Vec::new();
-        while let Some(done) = tasks.join_next().await {
-            let (i, digest, result) = done.map_err(|e| Status::internal(e.to_string()))?;
-            responses.push((
-                i,
                 re::batch_update_blobs_response::Response {
-                    digest,
+                    digest: item.digest,
                     status: rpc_status(result),
-                },
-            ));
-        }
-        responses.sort_by_key(|(i, _)| *i);
-        Ok(Response::new(re::BatchUpdateBlobsResponse {
-            responses: responses.into_iter().map(|(_, r)| r).collect(),
-        }))
+                }
+            }
+        })
+        .await?;
+        Ok(Response::new(re::BatchUpdateBlobsResponse { responses }))
     }
 
     async fn batch_read_blobs(
@@ -280,14 +271,13 @@ impl ContentAddressableStorage for Reapi {
             .acceptable_compressors
             .contains(&(compressor::Value::Zstd as i32));
         let limit = self.max_batch();
-        let mut tasks = tokio::task::JoinSet::new();
-        for (i, digest) in digests.into_iter().enumerate() {
+        let responses = each_bounded(digests, |digest| {
             let (client, instance) = (client.clone(), instance.clone());
-            tasks.spawn(async move {
+            async move {
                 let read = cache::read_cas(&client, &instance, digest, limit)
                     .await
                     .map_err(status);
-                let response = match read {
+                match read {
                     Ok(data) if zstd && !data.is_empty() => match codec::compress(&data) {
                         Ok(compressed) => re::batch_read_blobs_response::Response {
                             digest: Some(digest.to_proto()),
@@ -312,18 +302,11 @@ impl ContentAddressableStorage for Reapi {
                         status: rpc_status(Err(e)),
                         ..Default::default()
                     },
-                };
-                (i, response)
-            });
-        }
-        let mut responses = Vec::new();
-        while let Some(done) = tasks.join_next().await {
-            responses.push(done.map_err(|e| Status::internal(e.to_string()))?);
-        }
-        responses.sort_by_key(|(i, _)| *i);
-        Ok(Response::new(re::BatchReadBlobsResponse {
-            responses: responses.into_iter().map(|(_, r)| r).collect(),
-        }))
+                }
+            }
+        })
+        .await?;
+        Ok(Response::new(re::BatchReadBlobsResponse { responses }))
     }
 
     type GetTreeStream = BoxStream<re::GetTreeResponse>;
@@ -357,6 +340,8 @@ impl ContentAddressableStorage for Reapi {
         // went over the limit: OUT_OF_RANGE every time). The walk waits
         // for the client to take each page.
         let limit = self.max_batch();
+        // A client that takes no page for this long loses the rest.
+        let idle = self.gateway.config.http_limits.body_idle;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
             let mut walk = cache::TreeWalk::new(root, limit);
@@ -367,7 +352,7 @@ impl ContentAddressableStorage for Reapi {
                 let next = match walk.next(&client, &instance).await {
                     Ok(next) => next,
                     Err(e) => {
-                        let _ = tx.send(Err(status(e))).await;
+                        let _ = feed(&tx, Err(status(e)), idle).await;
                         return;
                     }
                 };
@@ -385,19 +370,18 @@ impl ContentAddressableStorage for Reapi {
                         next_page_token: at.to_string(),
                     };
                     page_bytes = 0;
-                    if tx.send(Ok(full)).await.is_err() {
-                        return; // the client went away
+                    if !feed(&tx, Ok(full), idle).await {
+                        return; // the client went away, or stopped reading
                     }
                 }
                 page_bytes += bytes;
                 page.push(directory);
             }
-            let _ = tx
-                .send(Ok(re::GetTreeResponse {
-                    directories: page,
-                    next_page_token: String::new(),
-                }))
-                .await;
+            let last = re::GetTreeResponse {
+                directories: page,
+                next_page_token: String::new(),
+            };
+            let _ = feed(&tx, Ok(last), idle).await;
         });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
@@ -467,7 +451,14 @@ impl ContentAddressableStorage for Reapi {
             .iter()
             .map(|d| digest_of(Some(d)))
             .collect::<Result<Vec<_>, _>>()?;
-        splice(&client, &instance, digest, &chunks).await?;
+        splice(
+            &client,
+            &instance,
+            digest,
+            &chunks,
+            self.gateway.config.max_blob_bytes,
+        )
+        .await?;
         Ok(Response::new(re::SpliceBlobResponse {
             blob_digest: Some(digest.to_proto()),
         }))
@@ -505,7 +496,14 @@ impl ContentAddressableStorage for Reapi {
             .await
             .map_err(status)?;
         let digest = digest_of(first.blob_digest.as_ref())?;
-        splice(&client, &instance, digest, &chunks).await?;
+        splice(
+            &client,
+            &instance,
+            digest,
+            &chunks,
+            self.gateway.config.max_blob_bytes,
+        )
+        .await?;
         Ok(Response::new(re::RegisterChunkMappingResponse {
             blob_digest: Some(digest.to_proto()),
         }))
@@ -546,19 +544,63 @@ async fn split(
 
 /// Stores `digest` as the concatenation of `chunks` (already in the CAS,
 /// each at most one node entry). Verified by the SDK.
+/// `PERMISSION_DENIED` unless the caller may store blobs in `namespace`
+/// (it holds the write or append-only role there, or the cluster checks no
+/// tokens).
+async fn require_store(client: &Client, namespace: &str) -> Result<(), Status> {
+    let me = client.who_am_i().await.map_err(status)?;
+    let grant = tidepool_security::guard::Grant {
+        name: me.token_name.clone(),
+        admin: me.admin,
+        namespaces: me
+            .grants
+            .iter()
+            .map(|g| (g.namespace.clone(), g.roles().collect()))
+            .collect(),
+    };
+    if me.open || grant.holds(namespace, Role::Write) || grant.holds(namespace, Role::AppendOnly) {
+        return Ok(());
+    }
+    Err(status(Error::new(
+        ErrorCode::PermissionDenied,
+        format!(
+            "token {:?} may not store blobs in namespace {namespace:?}",
+            me.token_name
+        ),
+    )))
+}
+
 async fn splice(
     client: &Client,
     instance: &Instance,
     digest: BlobDigest,
     chunks: &[BlobDigest],
+    max_blob: u64,
 ) -> Result<(), Status> {
-    let total: u64 = chunks.iter().map(|c| c.size).sum();
-    if total != digest.size {
+    let total = chunks
+        .iter()
+        .try_fold(0u64, |sum, c| sum.checked_add(c.size));
+    if total != Some(digest.size) {
         return Err(Status::invalid_argument(format!(
-            "the chunks add up to {total} bytes, the blob is {}",
+            "the chunks add up to {} bytes, the blob is {}",
+            total.map_or_else(|| "more than 2^64".to_string(), |t| t.to_string()),
             digest.size
         )));
     }
+    if digest.size > max_blob {
+        return Err(status(Error::new(
+            ErrorCode::ValueTooLarge,
+            format!(
+                "{} bytes; blobs of at most {max_blob} are accepted",
+                digest.size
+            ),
+        )));
+    }
+    // Every chunk is read before the one write that needs the caller's
+    // write role: without this, a read-only token's request of a few
+    // megabytes naming one chunk again and again made the cluster read
+    // the whole claimed size.
+    require_store(client, &instance.cas).await?;
     let limit = client.chunk_size() as u64;
     if let Some(big) = chunks.iter().find(|c| c.size > limit) {
         return Err(Status::invalid_argument(format!(
@@ -687,6 +729,45 @@ impl ActionCache for Reapi {
     }
 }
 
+/// Items of one batch request worked on at once: each is a call to the
+/// cluster, and a batch of tens of thousands of tiny blobs must not become
+/// as many calls at once.
+const BATCH_ITEMS_AT_ONCE: usize = 64;
+
+/// `work` on every item, at most [`BATCH_ITEMS_AT_ONCE`] at a time; the
+/// results in the items' order.
+async fn each_bounded<I, R, F, Fut>(items: Vec<I>, work: F) -> Result<Vec<R>, Status>
+where
+    F: Fn(I) -> Fut,
+    Fut: std::future::Future<Output = R> + Send + 'static,
+    R: Send + 'static,
+{
+    let mut results: Vec<Option<R>> = Vec::with_capacity(items.len());
+    results.resize_with(items.len(), || None);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut done = |joined: Result<(usize, R), tokio::task::JoinError>| {
+        let (i, result) = joined.map_err(|e| Status::internal(e.to_string()))?;
+        results[i] = Some(result);
+        Ok::<(), Status>(())
+    };
+    for (i, item) in items.into_iter().enumerate() {
+        if tasks.len() >= BATCH_ITEMS_AT_ONCE
+            && let Some(joined) = tasks.join_next().await
+        {
+            done(joined)?;
+        }
+        let work = work(item);
+        tasks.spawn(async move { (i, work.await) });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        done(joined)?;
+    }
+    Ok(results
+        .into_iter()
+        .map(|r| r.expect("every item's work ended"))
+        .collect())
+}
+
 /// Most requests in flight on one gRPC connection.
 pub(crate) const GRPC_STREAMS_PER_CONNECTION: u32 = 256;
 
@@ -727,7 +808,11 @@ pub(crate) async fn serve(
         .add_service(
             ContentAddressableStorageServer::new(reapi.clone())
                 .max_decoding_message_size(limit)
-                .max_encoding_message_size(limit),
+                // A `BatchReadBlobs` answer frames each item (its digest,
+                // status and message) on top of the data the batch limit
+                // counts: a request of 15,000 small digests within the
+                // limit got an answer over it, refused every time.
+                .max_encoding_message_size(limit.saturating_mul(6)),
         )
         .add_service(
             ActionCacheServer::new(reapi.clone())
@@ -756,5 +841,37 @@ pub(crate) async fn serve(
     };
     if let Err(e) = result {
         tracing::error!(error = %e, "the gateway's gRPC server stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A batch's items are worked on at most `BATCH_ITEMS_AT_ONCE` at a
+    /// time, and their results come back in the items' order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batch_items_run_bounded_and_answer_in_order() {
+        let running = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let items: Vec<u64> = (0..500).collect();
+        let results = each_bounded(items, |item| {
+            let (running, most) = (running.clone(), most.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                // Later items finish first.
+                tokio::time::sleep(std::time::Duration::from_micros(500 - item)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                item * 2
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(results, (0..500).map(|i| i * 2).collect::<Vec<_>>());
+        let most = most.load(Ordering::SeqCst);
+        assert!(most <= BATCH_ITEMS_AT_ONCE, "{most} at once");
+        assert!(most > 1, "items run concurrently");
     }
 }

@@ -21,6 +21,7 @@
 //! user name. See `docs/design/restic.md`.
 
 use std::sync::Arc;
+use std::time::Duration;
 use tidepool_telemetry::MethodNames;
 
 use axum::Router;
@@ -286,6 +287,7 @@ async fn serve_request(
         Credential::Anonymous => None,
     };
     let client = gateway.caller(credential).await?;
+    let idle = gateway.config.http_limits.body_idle;
     let parsed = parse(&method, uri.path(), uri.query())?;
     if restic.private_repos {
         let user = basic_user(&headers).ok_or_else(|| {
@@ -326,7 +328,9 @@ async fn serve_request(
                 .await?;
             Ok(StatusCode::OK.into_response())
         }
-        (Target::List(kind), Method::GET) => list(&client, namespace, &parsed, kind, &headers),
+        (Target::List(kind), Method::GET) => {
+            list(&client, namespace, &parsed, kind, &headers, idle).await
+        }
         (Target::Config | Target::Object(..), Method::HEAD) => {
             let (namespace, key) = parsed.location(namespace);
             let meta = client.head(&namespace, &key).await?;
@@ -338,7 +342,7 @@ async fn serve_request(
         }
         (Target::Config | Target::Object(..), Method::GET) => {
             let (namespace, key) = parsed.location(namespace);
-            get(&client, &namespace, &key, &headers).await
+            get(&client, &namespace, &key, &headers, idle).await
         }
         (Target::Config | Target::Object(..), Method::POST) => {
             let (namespace, key) = parsed.location(namespace);
@@ -380,13 +384,18 @@ struct Listed<'a> {
     size: u64,
 }
 
-/// Streams the listing of one type: names and sizes of the objects.
-fn list(
+/// Streams the listing of one type: names and sizes of the objects. The
+/// first entry is fetched before the answer, so a refusal (no permission,
+/// no such namespace, shards unavailable) is the response's status; a
+/// failure later cuts the body short — broken JSON, never a partial list
+/// taken for whole.
+async fn list(
     client: &Client,
     namespace: &str,
     parsed: &Parsed,
     kind: &str,
     headers: &HeaderMap,
+    idle: Duration,
 ) -> tidepool_client::Result<Response> {
     let v2 = headers
         .get_all(header::ACCEPT)
@@ -401,30 +410,23 @@ fn list(
             ..ListOptions::default()
         },
     );
+    let mut next = Some(listed(&mut lister).await?);
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     tokio::spawn(async move {
         let mut piece = b"[".to_vec();
         let mut first = true;
         loop {
-            let next = lister.next().await;
-            // A shard holding blobs stored before keys were indexed (by an
-            // older version) cannot list them: a list without them would
-            // be taken for whole (`prune` deletes packs only unlisted
-            // index files name).
-            let next = match next {
-                Ok(_) if lister.incomplete() => Err(
-                    "a shard holds objects stored by an older version, before keys were indexed: they cannot be listed".to_string(),
-                ),
-                next => next.map_err(|e| e.to_string()),
+            let entry = match next.take() {
+                Some(entry) => Ok(entry),
+                None => listed(&mut lister).await,
             };
-            let entry = match next {
+            let entry = match entry {
                 Ok(Some(entry)) => entry,
                 Ok(None) => break,
                 Err(e) => {
-                    // The body is cut short: the client sees broken JSON,
-                    // never a partial list taken for whole.
                     tracing::warn!(error = %e, "a restic listing failed");
-                    let _ = tx.send(Err(std::io::Error::other(e))).await;
+                    let _ = crate::http::feed(&tx, Err(std::io::Error::other(e.to_string())), idle)
+                        .await;
                     return;
                 }
             };
@@ -449,16 +451,13 @@ fn list(
             };
             piece.extend_from_slice(&item.expect("serialisable"));
             if piece.len() >= 64 << 10
-                && tx
-                    .send(Ok(Bytes::from(std::mem::take(&mut piece))))
-                    .await
-                    .is_err()
+                && !crate::http::feed(&tx, Ok(Bytes::from(std::mem::take(&mut piece))), idle).await
             {
                 return;
             }
         }
         piece.push(b']');
-        let _ = tx.send(Ok(Bytes::from(piece))).await;
+        let _ = crate::http::feed(&tx, Ok(Bytes::from(piece)), idle).await;
     });
     let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     Ok((
@@ -469,8 +468,28 @@ fn list(
         .into_response())
 }
 
+/// The listing's next entry. A shard holding blobs stored before keys were
+/// indexed (by an older version) cannot list them: a list without them
+/// would be taken for whole (`prune` deletes packs only unlisted index
+/// files name), so it fails.
+async fn listed(
+    lister: &mut tidepool_client::Lister,
+) -> tidepool_client::Result<Option<tidepool_client::ListEntry>> {
+    let next = lister.next().await?;
+    if lister.incomplete() {
+        return Err(Error::new(
+            ErrorCode::Unsupported,
+            "a shard holds objects stored by an older version, before keys were indexed: they cannot be listed",
+        ));
+    }
+    Ok(next)
+}
+
 /// The byte range a `Range` header asks of a blob of `size` bytes:
-/// `(offset, length)`, or `None` for the whole blob.
+/// `(offset, length)`, `None` for the whole blob, or an error when no byte
+/// of the range exists (416). As RFC 9110 has it, a header this server
+/// does not take is ignored and the blob sent whole: another unit than
+/// `bytes`, a malformed or backwards range, several ranges.
 fn range(headers: &HeaderMap, size: u64) -> tidepool_client::Result<Option<(u64, u64)>> {
     let Some(value) = headers.get(header::RANGE) else {
         return Ok(None);
@@ -486,27 +505,35 @@ fn range(headers: &HeaderMap, size: u64) -> tidepool_client::Result<Option<(u64,
             format!("range {value:?} of a {size}-byte object"),
         )
     };
-    let text = value.to_str().map_err(|_| unsatisfiable())?;
-    let spec = text.strip_prefix("bytes=").ok_or_else(unsatisfiable)?;
-    if spec.contains(',') {
-        return Err(bad("one range per request"));
-    }
-    let (start, end) = spec.split_once('-').ok_or_else(unsatisfiable)?;
-    let number = |s: &str| s.trim().parse::<u64>().map_err(|_| unsatisfiable());
-    let (offset, last) = match (start.trim().is_empty(), end.trim().is_empty()) {
-        // The last N bytes.
-        (true, false) => {
-            let n = number(end)?.min(size);
-            (size - n, size.checked_sub(1).ok_or_else(unsatisfiable)?)
-        }
-        (false, true) => (
-            number(start)?,
-            size.checked_sub(1).ok_or_else(unsatisfiable)?,
-        ),
-        (false, false) => (number(start)?, number(end)?.min(size.saturating_sub(1))),
-        (true, true) => return Err(unsatisfiable()),
+    let Some(spec) = value.to_str().ok().and_then(|t| t.strip_prefix("bytes=")) else {
+        return Ok(None);
     };
-    if offset >= size || last < offset {
+    if spec.contains(',') {
+        return Ok(None);
+    }
+    let Some((start, end)) = spec.split_once('-') else {
+        return Ok(None);
+    };
+    let (start, end) = (start.trim(), end.trim());
+    let number = |s: &str| s.parse::<u64>().ok();
+    let (offset, last) = match (start.is_empty(), end.is_empty()) {
+        // The last N bytes; none is a range of no byte.
+        (true, false) => match number(end) {
+            Some(0) => return Err(unsatisfiable()),
+            Some(n) => (size - n.min(size), size - 1),
+            None => return Ok(None),
+        },
+        (false, true) => match number(start) {
+            Some(first) => (first, size - 1),
+            None => return Ok(None),
+        },
+        (false, false) => match (number(start), number(end)) {
+            (Some(first), Some(last)) if first <= last => (first, last.min(size - 1)),
+            _ => return Ok(None),
+        },
+        (true, true) => return Ok(None),
+    };
+    if offset >= size {
         return Err(unsatisfiable());
     }
     Ok(Some((offset, last - offset + 1)))
@@ -517,6 +544,7 @@ async fn get(
     namespace: &str,
     key: &[u8],
     headers: &HeaderMap,
+    idle: Duration,
 ) -> tidepool_client::Result<Response> {
     let size = client.head(namespace, key).await?.size;
     let range = match range(headers, size) {
@@ -531,27 +559,19 @@ async fn get(
         }
     };
     let (offset, length) = range.unwrap_or((0, size));
-    let mut reader = client
-        .open_range(namespace, key, offset, Some(length))
-        .await?;
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
-    tokio::spawn(async move {
-        loop {
-            match reader.next_piece().await {
-                Ok(Some(piece)) => {
-                    if tx.send(Ok(Bytes::from(piece))).await.is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
-                    return;
-                }
-            }
-        }
-    });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    // A range of the whole object is read as a whole one, so the object's
+    // digest and size are checked at its end (restic asks `bytes=0-`).
+    let limit = (offset > 0 || length < size).then_some(length);
+    let reader = client.open_range(namespace, key, offset, limit).await?;
+    if reader.size() != size {
+        // Replaced since its size was read (only `config` ever is): the
+        // headers would not describe the bytes.
+        return Err(Error::new(
+            ErrorCode::Conflict,
+            "the object changed while it was being read; try again",
+        ));
+    }
+    let body = crate::http::streamed(reader, idle);
     let mut response = (
         if range.is_some() {
             StatusCode::PARTIAL_CONTENT
@@ -682,14 +702,23 @@ mod tests {
         assert_eq!(range(&headers("bytes=5-"), 10).unwrap(), Some((5, 5)));
         assert_eq!(range(&headers("bytes=-3"), 10).unwrap(), Some((7, 3)));
         assert_eq!(range(&headers("bytes=8-100"), 10).unwrap(), Some((8, 2)));
-        for bad in [
-            "bytes=10-",
+        // No byte of these exists: 416.
+        for unsatisfiable in ["bytes=10-", "bytes=12-20", "bytes=-0"] {
+            assert!(
+                range(&headers(unsatisfiable), 10).is_err(),
+                "{unsatisfiable}"
+            );
+        }
+        // Ignored: the object is sent whole (RFC 9110 section 14.2).
+        for ignored in [
             "bytes=4-2",
             "items=0-1",
             "bytes=0-1,3-4",
             "bytes=-",
+            "bytes=x-3",
+            "bytes",
         ] {
-            assert!(range(&headers(bad), 10).is_err(), "{bad}");
+            assert_eq!(range(&headers(ignored), 10).unwrap(), None, "{ignored}");
         }
         assert_eq!(range(&headers("bytes=0-"), 0).unwrap(), None);
     }

@@ -1420,6 +1420,12 @@ async fn restic_rest_protocol() {
     );
     let (status, _, _) = http_with(at, "GET", &path, &[("range", "bytes=99-")], vec![]).await;
     assert_eq!(status, 416);
+    // A range this server does not take is ignored (RFC 9110): the
+    // object whole. Before: 416.
+    for ignored in ["bytes=5-2", "items=0-1", "bytes=0-1,3-4"] {
+        let (status, _, body) = http_with(at, "GET", &path, &[("range", ignored)], vec![]).await;
+        assert_eq!((status, &body), (200, &content), "{ignored}");
+    }
     // Locks live in their own namespace; deletes answer 200, then 404.
     let (lock, lock_content) = object(b"a lock");
     let lock_path = format!("/team/r/locks/{lock}");
@@ -1506,6 +1512,28 @@ async fn restic_rest_protocol() {
     assert_eq!(status, 403);
     let (status, _) = http(at, "HEAD", "/team/r/config", None, vec![]).await;
     assert_eq!(status, 401);
+    gateway.stop().await;
+    s.stop().await;
+}
+
+/// A listing the cluster refuses at once is answered with the refusal's
+/// status (here: the restic namespaces were never made), not 200 and a
+/// body cut short — which restic took for a broken connection, and
+/// retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restic_listing_refused_at_once_gets_its_status() {
+    let s = setup(true).await;
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&s.cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    config.restic = Some(tidepool_gateway::ResticConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+    ));
+    let gateway = tidepool_gateway::start(config).await.expect("starts");
+    let at = gateway.restic_address.expect("restic served");
+    let (status, body) = http(at, "GET", "/team/r/locks/", None, vec![]).await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
     gateway.stop().await;
     s.stop().await;
 }
