@@ -766,6 +766,72 @@ async fn a_silent_metrics_connection_is_closed() {
     cluster.shutdown().await;
 }
 
+/// A request the caller gives up on before it is answered (here: a put
+/// whose body never comes, under a 300 ms deadline) is counted as an error
+/// `CANCELLED`. Before, tonic's deadline dropped the handler and the
+/// request was counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_abandoned_before_its_answer_is_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = tidepool_testkit::free_port();
+    let cluster = TestCluster::start(1, 1, |c| {
+        c.metrics_listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    })
+    .await;
+    // A leader first.
+    put(&cluster, "default", b"first", b"v").await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel::<PutRequest>(1);
+    tx.send(PutRequest {
+        msg: Some(put_request::Msg::Header(PutHeader {
+            blob: blob("default", b"never"),
+            size: 10,
+            ..PutHeader::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.set_timeout(std::time::Duration::from_millis(300));
+    let status = cluster
+        .client(1)
+        .await
+        .put(request)
+        .await
+        .expect_err("the body never comes");
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+        ),
+        "{status:?}"
+    );
+    drop(tx);
+    let scrape = async || {
+        let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        socket
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        socket.read_to_string(&mut text).await.unwrap();
+        text
+    };
+    let counted =
+        "tidepool_node_request_errors_total{node_id=\"1\",op=\"put\",code=\"CANCELLED\"} 1";
+    let mut text = scrape().await;
+    for _ in 0..50 {
+        if text.contains(counted) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        text = scrape().await;
+    }
+    assert!(text.contains(counted), "{text}");
+    cluster.shutdown().await;
+}
+
 /// A Raft batch larger than any a peer sends (16 MiB of messages plus
 /// one message) is refused before it is buffered; the node serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -305,7 +305,7 @@ pub fn incoming_with(
 ) -> ReceiverStream<io::Result<ServerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_AT_ONCE));
-    let peers: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> = Arc::default();
+    let peers = PeerLimit::new(HANDSHAKES_PER_PEER);
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -325,7 +325,7 @@ pub fn incoming_with(
                 tracing::debug!(%peer, "too many TLS handshakes at once: connection closed");
                 continue;
             };
-            let Some(from_peer) = PeerHandshake::begin(&peers, peer.ip()) else {
+            let Some(from_peer) = peers.take(peer.ip()) else {
                 tracing::debug!(%peer, "too many TLS handshakes from this address: connection closed");
                 continue;
             };
@@ -353,35 +353,50 @@ pub const HANDSHAKES_AT_ONCE: usize = 1024;
 /// TLS handshakes a server runs at once for one client IP address.
 pub const HANDSHAKES_PER_PEER: usize = 32;
 
-/// One handshake counted against its peer's address; uncounted when
-/// dropped.
-struct PeerHandshake {
-    peers: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-    ip: std::net::IpAddr,
+/// Places counted per client IP address, at most `per_peer` held at once
+/// by one address (TLS handshakes here, metrics connections elsewhere): one
+/// client cannot take every place of a bounded listener.
+#[derive(Clone, Debug)]
+pub struct PeerLimit {
+    counts: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    per_peer: usize,
 }
 
-impl PeerHandshake {
-    /// Counts a handshake from `ip`, unless it has [`HANDSHAKES_PER_PEER`].
-    fn begin(
-        peers: &Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-        ip: std::net::IpAddr,
-    ) -> Option<Self> {
-        let mut counts = peers.lock();
+impl PeerLimit {
+    /// At most `per_peer` places for each address.
+    pub fn new(per_peer: usize) -> Self {
+        Self {
+            counts: Arc::default(),
+            per_peer,
+        }
+    }
+
+    /// A place for `ip`, held until dropped; `None` while it holds
+    /// `per_peer`.
+    pub fn take(&self, ip: std::net::IpAddr) -> Option<PeerPlace> {
+        let mut counts = self.counts.lock();
         let count = counts.entry(ip).or_default();
-        if *count >= HANDSHAKES_PER_PEER {
+        if *count >= self.per_peer {
             return None;
         }
         *count += 1;
-        Some(Self {
-            peers: peers.clone(),
+        Some(PeerPlace {
+            counts: self.counts.clone(),
             ip,
         })
     }
 }
 
-impl Drop for PeerHandshake {
+/// A place of a [`PeerLimit`], given back when dropped.
+#[derive(Debug)]
+pub struct PeerPlace {
+    counts: Arc<Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for PeerPlace {
     fn drop(&mut self) {
-        let mut counts = self.peers.lock();
+        let mut counts = self.counts.lock();
         if let Some(count) = counts.get_mut(&self.ip) {
             *count -= 1;
             if *count == 0 {

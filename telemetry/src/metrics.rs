@@ -7,11 +7,17 @@
 //! Limits: a connection must send its request head within
 //! [`HEADER_READ_TIMEOUT`] and is closed after [`CONNECTION_TIMEOUT`], so a
 //! client that connects and says nothing holds a socket no longer; at most
-//! [`MAX_CONNECTIONS`] connections are served at once (more wait in the
-//! listen queue).
+//! [`MAX_CONNECTIONS`] connections are served at once, [`PER_PEER`] of them
+//! for one client address, and a connection past either is closed at once
+//! (the accept loop never waits: idle connections of one client cannot
+//! keep the kubelet's probes, served here too, out). Scrapes are encoded
+//! one at a time, and a scrape that arrives while one is encoded takes the
+//! next encode's result (never one begun before it arrived): a client
+//! asking without pause costs at most one encode at a time.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -31,7 +37,9 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one connection may stay open, whatever it does.
 pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections served at once.
-pub const MAX_CONNECTIONS: usize = 64;
+pub const MAX_CONNECTIONS: usize = 256;
+/// Connections served at once for one client IP address.
+pub const PER_PEER: usize = 16;
 
 /// The `Content-Type` of OpenMetrics text 1.0.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
@@ -101,23 +109,55 @@ pub fn latency_buckets() -> impl Iterator<Item = f64> {
     .into_iter()
 }
 
+/// The endpoint's state: what it exposes, and the last scrape encoded.
+struct Endpoint {
+    exposition: Arc<dyn Exposition>,
+    /// Encodes begun so far.
+    begun: AtomicU64,
+    /// The last encode: its number, format and text.
+    last: tokio::sync::Mutex<Option<(u64, Format, Arc<String>)>>,
+}
+
 /// The router of the endpoint (also what tests drive without a socket).
 pub fn router(exposition: Arc<dyn Exposition>) -> Router {
+    let endpoint = Arc::new(Endpoint {
+        exposition,
+        begun: AtomicU64::new(0),
+        last: tokio::sync::Mutex::new(None),
+    });
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(exposition)
+        .with_state(endpoint)
 }
 
-async fn metrics(State(exposition): State<Arc<dyn Exposition>>, headers: HeaderMap) -> Response {
+async fn metrics(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> Response {
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
     let format = Format::negotiate(accept);
+    // Encodes begun before this scrape arrived: their text may predate it.
+    let arrived = endpoint.begun.load(Ordering::Acquire);
+    let mut last = endpoint.last.lock().await;
+    if let Some((number, encoded, text)) = last.as_ref()
+        && *number > arrived
+        && *encoded == format
+    {
+        let text = text.as_str().to_owned();
+        return ([(header::CONTENT_TYPE, format.content_type())], text).into_response();
+    }
+    let number = endpoint.begun.fetch_add(1, Ordering::AcqRel) + 1;
     // Collectors read shard and engine state under locks: off the
     // runtime's worker threads.
+    let exposition = endpoint.exposition.clone();
     let encoded = tokio::task::spawn_blocking(move || encode(exposition.registry(), format)).await;
     match encoded {
-        Ok(Ok(body)) => ([(header::CONTENT_TYPE, format.content_type())], body).into_response(),
+        Ok(Ok(text)) => {
+            let text = Arc::new(text);
+            *last = Some((number, format, text.clone()));
+            drop(last);
+            let text = text.as_str().to_owned();
+            ([(header::CONTENT_TYPE, format.content_type())], text).into_response()
+        }
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
     }
 }
@@ -129,11 +169,12 @@ fn probe(result: Result<(), String>, ok: &'static str) -> Response {
     }
 }
 
-async fn healthz(State(exposition): State<Arc<dyn Exposition>>) -> Response {
-    probe(exposition.alive(), "ok")
+async fn healthz(State(endpoint): State<Arc<Endpoint>>) -> Response {
+    probe(endpoint.exposition.alive(), "ok")
 }
 
-async fn readyz(State(exposition): State<Arc<dyn Exposition>>) -> Response {
+async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> Response {
+    let exposition = endpoint.exposition.clone();
     let result = tokio::task::spawn_blocking(move || exposition.ready())
         .await
         .unwrap_or_else(|_| Err("readiness check failed".into()));
@@ -148,20 +189,26 @@ pub async fn serve(
 ) {
     let service = TowerToHyperService::new(router(exposition));
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let peers = tidepool_security::tls::PeerLimit::new(PER_PEER);
     let mut stop = std::pin::pin!(stop);
     loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let accepted = tokio::select! {
             () = &mut stop => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((socket, _)) = accepted else {
+        let Ok((socket, peer)) = accepted else {
             // Out of file descriptors and the like: do not spin.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        // Past either bound the connection is closed at once.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue;
+        };
+        let Some(place) = peers.take(peer.ip()) else {
+            continue;
+        };
+        let permit = (slot, place);
         let _ = socket.set_nodelay(true);
         let service = service.clone();
         tokio::spawn(async move {
@@ -273,6 +320,105 @@ mod tests {
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         let _ = stop_tx.send(());
         server.await.unwrap();
+    }
+
+    /// A client holding more idle connections than the endpoint serves at
+    /// once keeps nobody else out: past its own [`PER_PEER`] its
+    /// connections are closed at once, and a probe from another address
+    /// is answered. Before, the accept loop waited for a free connection
+    /// slot: 64 silent connections kept every probe waiting 10 s.
+    #[tokio::test]
+    async fn idle_connections_of_one_client_keep_no_probe_out() {
+        use tokio::io::AsyncReadExt as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, fixed(), async move {
+            let _ = stop_rx.await;
+        }));
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS + 8 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            idle.push(socket.connect(address).await.unwrap());
+        }
+        // Those past the first PER_PEER are closed by the server.
+        let mut closed = 0;
+        for socket in &mut idle {
+            let mut byte = [0u8; 1];
+            if let Ok(Ok(0)) =
+                tokio::time::timeout(Duration::from_millis(200), socket.read(&mut byte)).await
+            {
+                closed += 1;
+            }
+        }
+        assert_eq!(closed, idle.len() - PER_PEER);
+        let alive = tokio::time::timeout(
+            Duration::from_secs(2),
+            request(
+                address,
+                "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            ),
+        )
+        .await
+        .expect("the probe is answered at once");
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
+        let _ = stop_tx.send(());
+        server.await.unwrap();
+    }
+
+    /// Exposes one counter, and counts its encodes.
+    struct Counting {
+        registry: Registry,
+        encodes: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Exposition for Counting {
+        fn registry(&self) -> &Registry {
+            self.encodes.fetch_add(1, Ordering::Relaxed);
+            &self.registry
+        }
+    }
+
+    /// Scrapes share encodes only with scrapes that were waiting for them:
+    /// a scrape sees every change made before it was sent, however many
+    /// run at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scrape_sees_every_change_made_before_it() {
+        use tower::ServiceExt as _;
+        let mut registry = Registry::default();
+        let counter: Counter = Counter::default();
+        registry.register("tidepool_test_things", "Things.", counter.clone());
+        let counting = Arc::new(Counting {
+            registry,
+            encodes: Default::default(),
+        });
+        let router = router(counting.clone());
+        let scrape = |router: Router| async move {
+            let request = axum::http::Request::get("/metrics")
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let response = router.oneshot(request).await.unwrap();
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            String::from_utf8(body.to_vec()).unwrap()
+        };
+        for round in 1..=20u64 {
+            counter.inc();
+            let many: Vec<_> = (0..8)
+                .map(|_| tokio::spawn(scrape(router.clone())))
+                .collect();
+            for scraped in many {
+                let text = scraped.await.unwrap();
+                assert!(
+                    text.contains(&format!("tidepool_test_things_total {round}\n")),
+                    "round {round}: {text}"
+                );
+            }
+        }
+        let encodes = counting.encodes.load(Ordering::Relaxed);
+        assert!((20..=160).contains(&encodes), "{encodes} encodes");
     }
 }
 

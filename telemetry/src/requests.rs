@@ -286,6 +286,21 @@ impl Pending {
     }
 }
 
+/// A request not answered yet, and when it began: counted `CANCELLED` if
+/// dropped so.
+struct Unanswered(Option<(Pending, Instant)>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some((pending, start)) = self.0.take() {
+            pending
+                .metrics
+                .observe_latency(pending.protocol, pending.method, start);
+            pending.finish("CANCELLED");
+        }
+    }
+}
+
 /// A response body that counts its request when its status is known: the
 /// trailers' `grpc-status`, or `CANCELLED` if the body is dropped before
 /// its end (the client went away, or the stream was reset).
@@ -382,7 +397,22 @@ where
         };
         let future = span.in_scope(|| self.inner.call(request));
         Box::pin(async move {
+            // Counted `CANCELLED` if this future is dropped before the
+            // response head: tonic's `grpc-timeout` layer, outside this
+            // one, drops it when the caller's deadline passes, and hyper
+            // when the caller resets the stream (before, such requests were
+            // counted nowhere: a shard without quorum hid its failures).
+            let mut unanswered = Unanswered(Some((
+                Pending {
+                    metrics: metrics.clone(),
+                    protocol,
+                    method,
+                    span: span.clone(),
+                },
+                start,
+            )));
             let result = future.instrument(span.clone()).await;
+            let _ = unanswered.0.take();
             metrics.observe_latency(protocol, method, start);
             let response = match result {
                 Ok(response) => response,
@@ -536,6 +566,24 @@ mod tests {
         // Nothing counted twice (every body is gone by now).
         assert_eq!(metrics.count(&grpc_labels("Read", "OK")), 1);
         assert_eq!(metrics.count(&grpc_labels("Read", "UNAVAILABLE")), 1);
+    }
+
+    /// A request whose handler is dropped before it answers (the caller's
+    /// deadline passed, or it reset the stream) is counted `CANCELLED`,
+    /// once, with its latency.
+    #[tokio::test]
+    async fn a_request_dropped_before_its_answer_is_counted_cancelled() {
+        let metrics = RequestMetrics::default();
+        let layer = metrics.layer("grpc", MethodNames::grpc(["/p.S/Put"]));
+        let mut service = layer.layer(tower::service_fn(|_: http::Request<()>| async {
+            std::future::pending::<Result<http::Response<Frames>, std::convert::Infallible>>().await
+        }));
+        let request = http::Request::builder().uri("/p.S/Put").body(()).unwrap();
+        let call = service.ready().await.unwrap().call(request);
+        let waited = tokio::time::timeout(std::time::Duration::from_millis(20), call).await;
+        assert!(waited.is_err(), "the handler never answers");
+        assert_eq!(metrics.count(&grpc_labels("Put", "CANCELLED")), 1);
+        assert_eq!(metrics.count(&grpc_labels("Put", "OK")), 0);
     }
 
     #[test]

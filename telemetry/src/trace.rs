@@ -128,7 +128,7 @@ fn provider(
     rule: Rule,
 ) -> anyhow::Result<TelemetryGuard> {
     let mut builder = SdkTracerProvider::builder();
-    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+    if !service_named_by_environment() {
         builder = builder.with_resource(
             opentelemetry_sdk::Resource::builder()
                 .with_service_name(config.service_name.clone())
@@ -163,14 +163,21 @@ fn provider(
                 .build()
         });
         let exporter = exporter.with_context(|| format!("bad OTLP endpoint {endpoint:?}"))?;
+        // The SDK reads `OTEL_BSP_*`; these defaults apply only where
+        // the environment sets nothing (a value set in code wins over it).
+        let unset = |name: &str| std::env::var_os(name).is_none();
+        let mut config = BatchConfigBuilder::default();
+        if unset("OTEL_BSP_MAX_QUEUE_SIZE") {
+            config = config.with_max_queue_size(EXPORT_QUEUE);
+        }
+        if unset("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") {
+            config = config.with_max_export_batch_size(1_024);
+        }
+        if unset("OTEL_BSP_SCHEDULE_DELAY") {
+            config = config.with_scheduled_delay(Duration::from_millis(500));
+        }
         let batch = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(
-                BatchConfigBuilder::default()
-                    .with_max_queue_size(EXPORT_QUEUE)
-                    .with_max_export_batch_size(1_024)
-                    .with_scheduled_delay(Duration::from_millis(500))
-                    .build(),
-            )
+            .with_batch_config(config.build())
             .build();
         builder = builder.with_span_processor(batch);
         runtime = Some(rt);
@@ -179,6 +186,18 @@ fn provider(
         provider: Some(builder.build()),
         runtime,
     })
+}
+
+/// Whether the environment names the service (`OTEL_SERVICE_NAME`, or
+/// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`): the process's own name
+/// is then not set over it.
+fn service_named_by_environment() -> bool {
+    std::env::var_os("OTEL_SERVICE_NAME").is_some()
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|attributes| {
+            attributes
+                .split(',')
+                .any(|pair| pair.split('=').next().map(str::trim) == Some("service.name"))
+        })
 }
 
 /// Spans that only scope log lines (their fields go on every line logged

@@ -1106,7 +1106,15 @@ impl BlobApi {
                 error_code = tracing::field::Empty
             )
         });
+        // Counted `CANCELLED` if dropped unanswered (the caller's deadline
+        // passed, or it reset the stream).
+        let unanswered = Unanswered {
+            node: &self.node,
+            operation,
+            start,
+        };
         let result = request.instrument(span.clone()).await;
+        std::mem::forget(unanswered);
         let code = result
             .as_ref()
             .err()
@@ -1124,6 +1132,21 @@ impl BlobApi {
         );
         self.node.metrics.finished(operation, start, code);
         result.map(Response::new).map_err(Status::from)
+    }
+}
+
+/// A request not answered yet: counted `CANCELLED` when dropped so.
+struct Unanswered<'a> {
+    node: &'a Node,
+    operation: usize,
+    start: Instant,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        self.node
+            .metrics
+            .finished(self.operation, self.start, Some("CANCELLED"));
     }
 }
 
