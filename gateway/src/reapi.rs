@@ -15,7 +15,7 @@ use re::content_addressable_storage_server::{
     ContentAddressableStorage, ContentAddressableStorageServer,
 };
 use re::{compressor, digest_function};
-use tidepool_client::proto::v1::Role;
+use tidepool_client::proto::v1::{Role, WhoAmIResponse};
 use tidepool_client::{Client, Error, ErrorCode};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -545,20 +545,10 @@ async fn split(
 /// Stores `digest` as the concatenation of `chunks` (already in the CAS,
 /// each at most one node entry). Verified by the SDK.
 /// `PERMISSION_DENIED` unless the caller may store blobs in `namespace`
-/// (it holds the write or append-only role there, or the cluster checks no
-/// tokens).
+/// (asked of the coordinator: [`may_store`]).
 async fn require_store(client: &Client, namespace: &str) -> Result<(), Status> {
     let me = client.who_am_i().await.map_err(status)?;
-    let grant = tidepool_security::guard::Grant {
-        name: me.token_name.clone(),
-        admin: me.admin,
-        namespaces: me
-            .grants
-            .iter()
-            .map(|g| (g.namespace.clone(), g.roles().collect()))
-            .collect(),
-    };
-    if me.open || grant.holds(namespace, Role::Write) || grant.holds(namespace, Role::AppendOnly) {
+    if may_store(&me, namespace) {
         return Ok(());
     }
     Err(status(Error::new(
@@ -568,6 +558,22 @@ async fn require_store(client: &Client, namespace: &str) -> Result<(), Status> {
             me.token_name
         ),
     )))
+}
+
+/// Whether the caller `me` describes may store blobs in `namespace`: it
+/// holds the write or append-only role there (or everywhere), is an admin,
+/// or the cluster checks no tokens.
+fn may_store(me: &WhoAmIResponse, namespace: &str) -> bool {
+    let grant = tidepool_security::guard::Grant {
+        name: me.token_name.clone(),
+        admin: me.admin,
+        namespaces: me
+            .grants
+            .iter()
+            .map(|g| (g.namespace.clone(), g.roles().collect()))
+            .collect(),
+    };
+    me.open || grant.holds(namespace, Role::Write) || grant.holds(namespace, Role::AppendOnly)
 }
 
 async fn splice(
@@ -848,6 +854,41 @@ pub(crate) async fn serve(
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use tidepool_client::proto::v1::TokenGrant;
+
+    #[test]
+    fn only_callers_who_may_write_may_splice() {
+        let me = |namespace: &str, roles: &[Role]| WhoAmIResponse {
+            token_name: "t".into(),
+            grants: vec![TokenGrant {
+                namespace: namespace.into(),
+                roles: roles.iter().map(|r| *r as i32).collect(),
+            }],
+            ..Default::default()
+        };
+        assert!(!may_store(&me("cache.cas", &[Role::Read]), "cache.cas"));
+        assert!(!may_store(&me("other", &[Role::Write]), "cache.cas"));
+        assert!(!may_store(
+            &me("cache.cas", &[Role::Read, Role::Delete]),
+            "cache.cas"
+        ));
+        assert!(may_store(&me("cache.cas", &[Role::Write]), "cache.cas"));
+        assert!(may_store(
+            &me("cache.cas", &[Role::AppendOnly]),
+            "cache.cas"
+        ));
+        assert!(may_store(&me("*", &[Role::Read, Role::Write]), "cache.cas"));
+        let admin = WhoAmIResponse {
+            admin: true,
+            ..Default::default()
+        };
+        assert!(may_store(&admin, "cache.cas"));
+        let open = WhoAmIResponse {
+            open: true,
+            ..Default::default()
+        };
+        assert!(may_store(&open, "cache.cas"));
+    }
 
     /// A batch's items are worked on at most `BATCH_ITEMS_AT_ONCE` at a
     /// time, and their results come back in the items' order.
