@@ -957,6 +957,51 @@ impl Client {
         kind: BlobKind,
         digest: [u8; 32],
     ) -> Result<PutOutcome> {
+        self.put_entry(namespace, key, content, kind, digest, false)
+            .await
+    }
+
+    /// Stores `content` under `key` only if the key holds no blob, decided
+    /// where the write applies (in log order with the key's other writes,
+    /// so of two racing calls one stores and the other is refused);
+    /// otherwise `ALREADY_EXISTS` and nothing is written. For blobs of at
+    /// most one node entry (`INVALID_ARGUMENT` for larger ones).
+    pub async fn put_if_absent(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+    ) -> Result<PutOutcome> {
+        if content.len() > self.chunk_size() {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "put_if_absent takes blobs of at most {} bytes",
+                    self.chunk_size()
+                ),
+            ));
+        }
+        self.put_entry(
+            namespace,
+            key,
+            content,
+            BlobKind::Data,
+            sha256(content),
+            true,
+        )
+        .await
+    }
+
+    /// One put of one node entry (`if_absent`: only into an empty key).
+    async fn put_entry(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+        kind: BlobKind,
+        digest: [u8; 32],
+        if_absent: bool,
+    ) -> Result<PutOutcome> {
         // Copied once; every attempt sends the same buffers.
         let pieces: Vec<Bytes> = content
             .chunks(1 << 20)
@@ -977,6 +1022,7 @@ impl Client {
                             map_version,
                             session: Some(session),
                             durability: self.durability as i32,
+                            if_absent,
                             ..PutHeader::default()
                         })),
                     }];

@@ -344,8 +344,45 @@ async fn serve_request(
             let (namespace, key) = parsed.location(namespace);
             get(&client, &namespace, &key, &headers, idle).await
         }
+        (Target::Config, Method::POST) if restic.append_only => {
+            // The one object written under a fixed name: stored only into
+            // an empty key, decided where the write applies (an existence
+            // check first let two racing `init`s both store theirs).
+            let (namespace, key) = parsed.location(namespace);
+            let mut content = Vec::new();
+            let mut stream = body.into_data_stream();
+            while let Some(piece) = crate::http::next_piece(&mut stream, idle).await? {
+                if content.len() + piece.len() > client.chunk_size() {
+                    return Err(Error::new(
+                        ErrorCode::ValueTooLarge,
+                        "a repository's config is small: this one is not accepted",
+                    ));
+                }
+                content.extend_from_slice(&piece);
+            }
+            let declared = headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            if declared.is_some_and(|length| length != content.len()) {
+                return Err(bad(format!(
+                    "Content-Length said {declared:?}, the body held {}",
+                    content.len()
+                )));
+            }
+            match client.put_if_absent(&namespace, &key, &content).await {
+                Err(e) if e.code() == ErrorCode::AlreadyExists => Err(Error::new(
+                    ErrorCode::PermissionDenied,
+                    "append-only: an existing object is never overwritten",
+                )),
+                Err(e) => Err(e),
+                Ok(_) => Ok(StatusCode::OK.into_response()),
+            }
+        }
         (Target::Config | Target::Object(..), Method::POST) => {
             let (namespace, key) = parsed.location(namespace);
+            // Objects are named by their content: two racing writers of
+            // one name store the same bytes.
             if restic.append_only && client.exists(&namespace, &key).await? {
                 return Err(Error::new(
                     ErrorCode::PermissionDenied,

@@ -1478,6 +1478,21 @@ async fn restic_rest_protocol() {
             .0,
         403
     );
+    // Two racing `init`s of one new repository: one config is stored, the
+    // other refused (an existence check before the put let both through).
+    for round in 0..5 {
+        let path = format!("/team/race{round}/config");
+        let (first, second) = tokio::join!(
+            http(at, "POST", &path, None, b"first".to_vec()),
+            http(at, "POST", &path, None, b"second".to_vec())
+        );
+        let mut statuses = [first.0, second.0];
+        statuses.sort();
+        assert_eq!(statuses, [200, 403], "round {round}");
+        let stored = http(at, "GET", &path, None, vec![]).await;
+        let winner: &[u8] = if first.0 == 200 { b"first" } else { b"second" };
+        assert_eq!(stored, (200, winner.to_vec()), "round {round}");
+    }
     let (lock, lock_content) = object(b"another lock");
     let lock_path = format!("/team/r/locks/{lock}");
     assert_eq!(
