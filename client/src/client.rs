@@ -1023,7 +1023,6 @@ impl Client {
                             session: Some(session),
                             durability: self.durability as i32,
                             if_absent,
-                            ..PutHeader::default()
                         })),
                     }];
                     messages.extend(pieces.iter().map(|piece| PutRequest {
