@@ -662,13 +662,19 @@ impl Shared {
             let mut healthy = false;
             let followed = async {
                 // Watch first, then read: nothing between the two is missed.
-                let mut events = self.store.watch(&self.keys.map(), 0).await?;
+                let key = self.keys.map();
+                let mut events = self.store.watch(&key, 0).await?;
                 if let Some((map, _)) = self.read_map().await? {
                     self.publish(map);
                 }
                 healthy = true;
                 while let Some(event) = events.recv().await {
-                    if let WatchEvent::Put(kv) = event {
+                    // A watch is by prefix: another cluster's keys under a
+                    // longer prefix (`/tidepool/map-b/…` beside
+                    // `/tidepool/map`) are not this cluster's map.
+                    if let WatchEvent::Put(kv) = event
+                        && kv.key == key
+                    {
                         self.publish(decode_map(&kv.value)?);
                     }
                 }
@@ -711,20 +717,34 @@ impl Shared {
                 won = self.try_win(ttl, &record) => won,
             };
             match won {
-                Ok(Some(leadership)) => {
-                    tracing::info!(
-                        coordinator = %self.id,
-                        generation = leadership.generation,
-                        "became the coordinator leader"
-                    );
-                    // A quarter of the lease at most: it renews only after.
-                    self.ask_nodes_for_their_maps((ttl / 4).min(Duration::from_secs(1)))
+                Ok(Some((leadership, asked))) => {
+                    // A quarter of the lease at most, its store reads
+                    // included: the lease renews only once this leads.
+                    let patience = (ttl / 4).min(Duration::from_secs(1));
+                    let _ = tokio::time::timeout(ttl / 4, self.ask_nodes_for_their_maps(patience))
                         .await;
-                    self.leadership.send_replace(Some(leadership));
-                    let resigned = self.hold(leadership, ttl, &mut stop).await;
-                    if resigned {
-                        let _ = self.store.revoke(leadership.lease).await;
-                        return;
+                    // The lease runs from when the store was asked for it:
+                    // with half of it gone (a slow store), another may win
+                    // before the first renewal; this one does not lead on it.
+                    if asked.elapsed() >= ttl / 2 {
+                        tracing::warn!(
+                            coordinator = %self.id,
+                            "half the leader lease went by before leading: giving it back"
+                        );
+                        let _ = tokio::time::timeout(ttl / 4, self.store.revoke(leadership.lease))
+                            .await;
+                    } else {
+                        tracing::info!(
+                            coordinator = %self.id,
+                            generation = leadership.generation,
+                            "became the coordinator leader"
+                        );
+                        self.leadership.send_replace(Some(leadership));
+                        let resigned = self.hold(leadership, ttl, asked, &mut stop).await;
+                        if resigned {
+                            let _ = self.store.revoke(leadership.lease).await;
+                            return;
+                        }
                     }
                 }
                 Ok(None) => {}
@@ -774,14 +794,17 @@ impl Shared {
         }
     }
 
+    /// The leader key, if nobody holds it: the leadership, and when its
+    /// lease was asked for (it runs from when the store granted it).
     async fn try_win(
         &self,
         ttl: Duration,
         record: &[u8],
-    ) -> Result<Option<Leadership>, CoordinatorError> {
+    ) -> Result<Option<(Leadership, Instant)>, CoordinatorError> {
         if self.store.get(&self.keys.leader()).await?.is_some() {
             return Ok(None);
         }
+        let asked = Instant::now();
         let lease = self.store.grant_lease(ttl).await?;
         let put = Op::Put {
             key: self.keys.leader(),
@@ -793,25 +816,29 @@ impl Shared {
             .txn(vec![Compare::Absent(self.keys.leader())], vec![put])
             .await?;
         if outcome.succeeded {
-            Ok(Some(Leadership {
-                generation: outcome.revision,
-                lease,
-            }))
+            Ok(Some((
+                Leadership {
+                    generation: outcome.revision,
+                    lease,
+                },
+                asked,
+            )))
         } else {
             let _ = self.store.revoke(lease).await;
             Ok(None)
         }
     }
 
-    /// Renews the lease until it is lost (returns false) or `stop` fires
-    /// (returns true).
+    /// Renews the lease (granted when asked for at `granted`) until it is
+    /// lost (returns false) or `stop` fires (returns true).
     async fn hold(
         &self,
         leadership: Leadership,
         ttl: Duration,
+        granted: Instant,
         stop: &mut watch::Receiver<bool>,
     ) -> bool {
-        let mut renewed = Instant::now();
+        let mut renewed = granted;
         loop {
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => {

@@ -129,10 +129,12 @@ async fn fencing_on_etcd() {
 }
 
 /// The embedded store, with lease renewals that can be made to hang (as
-/// etcd's do when it stops answering one coordinator).
+/// etcd's do when it stops answering one coordinator), and transactions
+/// that can be made slow (`slow_txn_ms`).
 struct HangingRenewals {
     inner: EmbeddedStore,
     hang: std::sync::atomic::AtomicBool,
+    slow_txn_ms: std::sync::atomic::AtomicU64,
 }
 
 #[tonic::async_trait]
@@ -144,6 +146,8 @@ impl MetaStore for HangingRenewals {
         self.inner.list(prefix).await
     }
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> MetaResult<TxnOutcome> {
+        let slow = self.slow_txn_ms.load(std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(slow)).await;
         self.inner.txn(compares, ops).await
     }
     async fn grant_lease(&self, ttl: Duration) -> MetaResult<LeaseId> {
@@ -177,6 +181,7 @@ async fn a_leader_whose_renewals_hang_steps_down_within_its_lease() {
     let store = Arc::new(HangingRenewals {
         inner: EmbeddedStore::in_memory(),
         hang: std::sync::atomic::AtomicBool::new(false),
+        slow_txn_ms: Default::default(),
     });
     let a = Shared::new(
         config(LEASE.as_millis() as u64),
@@ -209,5 +214,93 @@ async fn a_leader_whose_renewals_hang_steps_down_within_its_lease() {
         took < LEASE,
         "stepped down only after {took:?}, its lease being {LEASE:?}"
     );
+    stop.send_replace(true);
+}
+
+/// A coordinator that wins the leader key only after half its lease went
+/// by (the store slow to take the key) does not lead on that lease, which
+/// another could win before its first renewal; it leads once the store
+/// answers in time. Before, its lease was counted from when it began to
+/// lead, after the win and the nodes' maps were asked for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_win_that_took_half_the_lease_is_given_back() {
+    const LEASE: Duration = Duration::from_millis(2_000);
+    let store = Arc::new(HangingRenewals {
+        inner: EmbeddedStore::in_memory(),
+        hang: std::sync::atomic::AtomicBool::new(false),
+        slow_txn_ms: Default::default(),
+    });
+    let a = Shared::new(
+        config(LEASE.as_millis() as u64),
+        "a".into(),
+        "http://a".into(),
+        store.clone(),
+        Default::default(),
+    );
+    a.ensure_cluster().await.unwrap();
+    store
+        .slow_txn_ms
+        .store(1_200, std::sync::atomic::Ordering::SeqCst);
+    let (stop, stop_rx) = watch::channel(false);
+    tokio::spawn(a.clone().campaign(stop_rx));
+    let watching = Instant::now();
+    while watching.elapsed() < LEASE * 2 {
+        assert!(
+            a.leadership().is_none(),
+            "led on a lease more than half gone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store
+        .slow_txn_ms
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    until("a to lead", || a.leadership().is_some()).await;
+    stop.send_replace(true);
+}
+
+/// A cluster follows its own map key only: another cluster sharing the
+/// store under a longer key prefix (`/lead/map-b/` beside `/lead/`) writes
+/// a map under a key the first's watch also covers. Before, the first
+/// cluster took that map for its own once its version was higher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_follows_only_its_own_map() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let a = Shared::new(
+        config(1_000),
+        "a".into(),
+        "http://a".into(),
+        store.clone(),
+        Default::default(),
+    );
+    let b = Shared::new(
+        CoordinatorConfig {
+            key_prefix: "/lead/map-b/".into(),
+            ..config(1_000)
+        },
+        "b".into(),
+        "http://b".into(),
+        store.clone(),
+        Default::default(),
+    );
+    a.ensure_cluster().await.unwrap();
+    b.ensure_cluster().await.unwrap();
+    a.load_map().await.unwrap();
+    b.load_map().await.unwrap();
+    let own = a.map().cluster_id.clone();
+    assert_ne!(b.map().cluster_id, own);
+    let (stop, stop_rx) = watch::channel(false);
+    tokio::spawn(a.clone().follow_map(stop_rx.clone()));
+    tokio::spawn(b.clone().campaign(stop_rx));
+    until("b to lead", || b.leadership().is_some()).await;
+    // b's leader key is under a's watch too (and was no map): a's watch
+    // starts again after a pause; b's map changes come once it has.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut version = 0;
+    for _ in 0..3 {
+        version = bump(&b).await.unwrap();
+    }
+    assert!(version > a.map().version);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(a.map().cluster_id, own, "a took b's map for its own");
     stop.send_replace(true);
 }

@@ -21,6 +21,7 @@ const HISTORY: usize = 10_000;
 /// Events a watcher may have unread before it is closed.
 const WATCH_BUFFER: usize = 4_096;
 
+#[derive(Clone)]
 struct Lease {
     ttl: Duration,
     deadline: Instant,
@@ -305,6 +306,12 @@ impl MetaStore for EmbeddedStore {
                 revision: state.revision,
             });
         }
+        // Applied to the state, then saved; if the save fails the state is
+        // put back and nobody hears of the change (before, a failed save
+        // left it applied and watched: the caller saw an error for a change
+        // the coordinator then acted on, and a restart lost it).
+        let undo = (state.revision, state.keys.clone(), state.leases.clone());
+        let mut events = Vec::new();
         state.revision += 1;
         let revision = state.revision;
         for op in ops {
@@ -333,11 +340,11 @@ impl MetaStore for EmbeddedStore {
                         lease,
                     };
                     state.keys.insert(key, kv.clone());
-                    state.publish(WatchEvent::Put(kv));
+                    events.push(WatchEvent::Put(kv));
                 }
                 Op::Delete { key } => {
                     if state.keys.remove(&key).is_some() {
-                        state.publish(WatchEvent::Delete {
+                        events.push(WatchEvent::Delete {
                             key,
                             mod_revision: revision,
                         });
@@ -347,7 +354,13 @@ impl MetaStore for EmbeddedStore {
         }
         // Saved even when only leased keys changed: the revision must keep
         // growing across restarts.
-        self.save(&state)?;
+        if let Err(error) = self.save(&state) {
+            (state.revision, state.keys, state.leases) = undo;
+            return Err(error);
+        }
+        for event in events {
+            state.publish(event);
+        }
         Ok(TxnOutcome {
             succeeded: true,
             revision,
@@ -416,5 +429,42 @@ impl MetaStore for EmbeddedStore {
         }
         state.watchers.push((prefix.to_string(), tx));
         Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A change whose save fails is not made: reads and watchers see the
+    /// store as before it, and the next change that saves goes on from
+    /// there.
+    #[tokio::test]
+    async fn a_change_that_cannot_be_saved_is_not_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("store");
+        std::fs::create_dir(&home).unwrap();
+        let store = EmbeddedStore::open(&home.join("metadata.json")).unwrap();
+        let put = |value: &[u8]| Op::Put {
+            key: "/k".into(),
+            value: value.to_vec(),
+            lease: None,
+        };
+        let first = store.txn(vec![], vec![put(b"one")]).await.unwrap();
+        let mut events = store.watch("/k", 0).await.unwrap();
+        // Nowhere to write the file now.
+        std::fs::remove_dir_all(&home).unwrap();
+        assert!(store.txn(vec![], vec![put(b"two")]).await.is_err());
+        let kv = store.get("/k").await.unwrap().unwrap();
+        assert_eq!(kv.value, b"one");
+        assert_eq!(kv.mod_revision, first.revision);
+        assert!(events.try_recv().is_err(), "nobody heard of the change");
+        std::fs::create_dir(&home).unwrap();
+        let third = store.txn(vec![], vec![put(b"three")]).await.unwrap();
+        assert_eq!(third.revision, first.revision + 1);
+        match events.try_recv() {
+            Ok(WatchEvent::Put(kv)) => assert_eq!(kv.value, b"three"),
+            other => panic!("{other:?}"),
+        }
     }
 }
