@@ -171,21 +171,29 @@ impl Lister {
         }
         let smallest = self
             .shards
-            .iter_mut()
-            .filter(|c| !c.buffer.is_empty())
-            .min_by(|a, b| a.buffer[0].key.cmp(&b.buffer[0].key));
-        let Some(cursor) = smallest else {
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !c.buffer.is_empty())
+            .min_by(|(_, a), (_, b)| a.buffer[0].key.cmp(&b.buffer[0].key))
+            .map(|(i, _)| i);
+        let Some(smallest) = smallest else {
             return Ok(Some(None));
         };
-        let mut entry = cursor.buffer.pop_front().expect("not empty");
+        // Taken from the buffer only once it is answered: a caller retrying
+        // after a failed look-up must get this entry again, not the next.
+        let mut entry = self.shards[smallest].buffer[0].clone();
         if entry.chunked {
             // The manifest's own size and digest are not the blob's; and
             // the key may hold another blob by now.
-            match self.client.listed_now(&self.namespace, &entry.key).await? {
+            let now = self.client.listed_now(&self.namespace, &entry.key).await?;
+            self.shards[smallest].buffer.pop_front();
+            match now {
                 Some(now) => entry = now,
                 // Deleted since it was listed.
                 None => return Ok(None),
             }
+        } else {
+            self.shards[smallest].buffer.pop_front();
         }
         self.last = Some(entry.key.clone());
         Ok(Some(Some(entry)))
@@ -326,6 +334,13 @@ impl Client {
         options: ListOptions,
         max: usize,
     ) -> Result<ListPage> {
+        if max == 0 {
+            // A page of nothing cannot say whether more follows.
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "a page holds at least one entry",
+            ));
+        }
         let page_size = options
             .page_size
             .max((max as u32).saturating_add(1).min(10_000));

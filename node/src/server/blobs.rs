@@ -966,7 +966,6 @@ impl BlobApi {
             examined: limit.saturating_mul(4) + 1024,
             owned: target.shard.range(),
         };
-        let owned = limits.owned;
         let (prefix, start_after) = (request.prefix, request.start_after);
         let (page, complete) = self
             .engine_read(&target, move |engine, blobs| {
@@ -978,6 +977,11 @@ impl BlobApi {
                 Ok((page, complete))
             })
             .await?;
+        // The range as it is after the walk (ranges only narrow): a split
+        // applied during it may have dropped blobs of the half given away
+        // from the walk, and a page reporting the range from before looked
+        // whole — the client would never have asked the new shard.
+        let owned = target.shard.range();
         let shard_id = target.info.shard_id;
         let page = page.map_err(|e| self.node.internal_error(shard_id, e))?;
         let complete = complete.map_err(|e| self.node.internal_error(shard_id, e))?;
