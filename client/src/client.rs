@@ -964,8 +964,10 @@ impl Client {
     /// Stores `content` under `key` only if the key holds no blob, decided
     /// where the write applies (in log order with the key's other writes,
     /// so of two racing calls one stores and the other is refused);
-    /// otherwise `ALREADY_EXISTS` and nothing is written. For blobs of at
-    /// most one node entry (`INVALID_ARGUMENT` for larger ones).
+    /// otherwise `ALREADY_EXISTS` and nothing is written — except in a
+    /// content-addressed namespace, where a key already holding its blob is
+    /// the usual success (`already_present`: the same bytes). For blobs of
+    /// at most one node entry (`INVALID_ARGUMENT` for larger ones).
     pub async fn put_if_absent(
         &self,
         namespace: &str,

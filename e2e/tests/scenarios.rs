@@ -851,13 +851,14 @@ async fn soak() {
     // Each fault done: its kind, and from its start to the settled cluster.
     let mut windows = Vec::new();
     while std::time::Instant::now() < end {
-        let began = run.now();
-        let failed_before = cache.failures();
-        // Read against a slow fault's stretch without writes.
+        // Read against a slow fault's stretch without writes; asked
+        // before the fault's window opens (a status can take seconds).
         let membership = cluster.status().await.map_or_else(
             || "no status".into(),
             |s| tidepool_e2e::cluster::membership(&s),
         );
+        let began = run.now();
+        let failed_before = cache.failures();
         let node = rng.random_range(0..SOAK_NODES);
         let pause = Duration::from_secs(rng.random_range(2..6));
         match rng.random_range(0..10) {

@@ -44,8 +44,12 @@ use crate::{Credential, Gateway, HttpLimits, cache};
 /// streamed as stored: ccache's `bazel` layout keeps its results there).
 const AC_CHECK_BYTES: u64 = 64 << 20;
 
+/// Entries of `/ac/` up to this size are answered from the copy read for
+/// their check; larger ones are read again and streamed.
+const AC_INLINE_BYTES: u64 = 4 << 20;
+
 /// Memory the `/ac/` entries read whole for their check may hold at once,
-/// across requests.
+/// across requests (while being checked).
 const AC_MEMORY_BYTES: u64 = 256 << 20;
 static AC_MEMORY: Semaphore = Semaphore::const_new((AC_MEMORY_BYTES >> 10) as usize);
 
@@ -419,7 +423,8 @@ async fn get(
     cache::keep_alive(client, namespace, &reader).await;
     let size = reader.size();
     if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
-        let _memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
+        let stored = reader.sha256();
+        let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {
             bytes.extend_from_slice(&piece);
@@ -427,12 +432,25 @@ async fn get(
         if let Some(result) = cache::as_action_result(&bytes) {
             cache::require_outputs(client, instance, &result).await?;
         }
-        return Ok((
-            StatusCode::OK,
-            [(header::CONTENT_LENGTH, size.to_string())],
-            bytes,
-        )
-            .into_response());
+        if size <= AC_INLINE_BYTES {
+            return Ok((
+                StatusCode::OK,
+                [(header::CONTENT_LENGTH, size.to_string())],
+                bytes,
+            )
+                .into_response());
+        }
+        // A large entry is sent from a second read, streamed: a slow client
+        // must not hold the checked copy (nor its budget). It must be the
+        // entry checked.
+        drop((bytes, memory));
+        reader = client.open_range(namespace, key, 0, None).await?;
+        if reader.sha256() != stored {
+            return Err(Error::new(
+                ErrorCode::Conflict,
+                "the action cache entry changed while it was checked; try again",
+            ));
+        }
     }
     Ok((
         StatusCode::OK,
@@ -442,22 +460,32 @@ async fn get(
         .into_response())
 }
 
+/// Bytes handed to a streamed response at a time: a client that reads at
+/// all takes one well within the idle bound (a whole 4 MiB chunk at once
+/// cut off clients slower than about 70 KB/s).
+const STREAMED_PIECE: usize = 64 << 10;
+
 /// A response body streamed from `reader`. A failure after the first byte
 /// cuts it short (the client sees fewer bytes than `Content-Length`); a
-/// client that takes nothing for `idle` loses the rest, and the reader and
-/// what it fetched ahead are let go.
+/// client that takes less than [`STREAMED_PIECE`] for `idle` loses the
+/// rest, and the reader and what it fetched ahead are let go.
 pub(crate) fn streamed(mut reader: tidepool_client::BlobReader, idle: Duration) -> Body {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     tokio::spawn(async move {
         loop {
-            let piece = match reader.next_piece().await {
-                Ok(Some(piece)) => Ok(Bytes::from(piece)),
+            let mut piece = match reader.next_piece().await {
+                Ok(Some(piece)) => Bytes::from(piece),
                 Ok(None) => return,
-                Err(e) => Err(std::io::Error::other(e.to_string())),
+                Err(e) => {
+                    let _ = feed(&tx, Err(std::io::Error::other(e.to_string())), idle).await;
+                    return;
+                }
             };
-            let failed = piece.is_err();
-            if !feed(&tx, piece, idle).await || failed {
-                return;
+            while !piece.is_empty() {
+                let part = piece.split_to(piece.len().min(STREAMED_PIECE));
+                if !feed(&tx, Ok(part), idle).await {
+                    return;
+                }
             }
         }
     });

@@ -766,38 +766,42 @@ async fn a_silent_metrics_connection_is_closed() {
     cluster.shutdown().await;
 }
 
-/// A request the caller gives up on before it is answered (here: a put
-/// whose body never comes, under a 300 ms deadline) is counted as an error
-/// `CANCELLED`. Before, tonic's deadline dropped the handler and the
-/// request was counted nowhere.
+/// A request the caller gives up on before it is answered (here: a delete
+/// that cannot commit, its leader's followers stopped, under a 300 ms
+/// deadline) is counted as an error `CANCELLED`. Before, the deadline
+/// dropped the handler and the request was counted nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_abandoned_before_its_answer_is_counted() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let port = tidepool_testkit::free_port();
-    let cluster = TestCluster::start(1, 1, |c| {
-        c.metrics_listen = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let ports: Vec<u16> = (0..3).map(|_| tidepool_testkit::free_port()).collect();
+    let mut cluster = TestCluster::start(3, 1, |c| {
+        c.metrics_listen = Some(
+            format!("127.0.0.1:{}", ports[c.node_id as usize - 1])
+                .parse()
+                .unwrap(),
+        );
+        // A leader that lost its followers notices only after seconds.
+        c.raft.tick_ms = 500;
     })
     .await;
-    // A leader first.
-    put(&cluster, "default", b"first", b"v").await.unwrap();
-    let (tx, rx) = tokio::sync::mpsc::channel::<PutRequest>(1);
-    tx.send(PutRequest {
-        msg: Some(put_request::Msg::Header(PutHeader {
-            blob: blob("default", b"never"),
-            size: 10,
-            ..PutHeader::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    put(&cluster, "default", b"kept", b"v").await.unwrap();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    for id in 1..=3 {
+        if id != leader {
+            cluster.stop(id).await;
+        }
+    }
+    let mut request = tonic::Request::new(DeleteRequest {
+        blob: blob("default", b"kept"),
+        ..DeleteRequest::default()
+    });
     request.set_timeout(std::time::Duration::from_millis(300));
     let status = cluster
-        .client(1)
+        .client(leader)
         .await
-        .put(request)
+        .delete(request)
         .await
-        .expect_err("the body never comes");
+        .expect_err("no quorum to commit it");
     assert!(
         matches!(
             status.code(),
@@ -805,7 +809,7 @@ async fn a_request_abandoned_before_its_answer_is_counted() {
         ),
         "{status:?}"
     );
-    drop(tx);
+    let port = ports[leader as usize - 1];
     let scrape = async || {
         let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -818,17 +822,18 @@ async fn a_request_abandoned_before_its_answer_is_counted() {
         socket.read_to_string(&mut text).await.unwrap();
         text
     };
-    let counted =
-        "tidepool_node_request_errors_total{node_id=\"1\",op=\"put\",code=\"CANCELLED\"} 1";
+    let counted = format!(
+        "tidepool_node_request_errors_total{{node_id=\"{leader}\",op=\"delete\",code=\"CANCELLED\"}} 1"
+    );
     let mut text = scrape().await;
     for _ in 0..50 {
-        if text.contains(counted) {
+        if text.contains(&counted) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         text = scrape().await;
     }
-    assert!(text.contains(counted), "{text}");
+    assert!(text.contains(&counted), "{text}");
     cluster.shutdown().await;
 }
 

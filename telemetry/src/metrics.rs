@@ -376,13 +376,17 @@ mod tests {
     impl Exposition for Counting {
         fn registry(&self) -> &Registry {
             self.encodes.fetch_add(1, Ordering::Relaxed);
+            // A slow encode, as a node's with many replicas: the scrapes
+            // sent meanwhile wait for the next one.
+            std::thread::sleep(Duration::from_millis(50));
             &self.registry
         }
     }
 
     /// Scrapes share encodes only with scrapes that were waiting for them:
     /// a scrape sees every change made before it was sent, however many
-    /// run at once.
+    /// run at once; and eight scrapes at once cost about two encodes, not
+    /// eight.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_scrape_sees_every_change_made_before_it() {
         use tower::ServiceExt as _;
@@ -417,8 +421,10 @@ mod tests {
                 );
             }
         }
+        // 8 a round without sharing; 2 when the other seven arrive during
+        // the first encode (a third if one is late).
         let encodes = counting.encodes.load(Ordering::Relaxed);
-        assert!((20..=160).contains(&encodes), "{encodes} encodes");
+        assert!((20..=60).contains(&encodes), "{encodes} encodes");
     }
 }
 
