@@ -720,7 +720,9 @@ impl Shared {
                 Ok(Some((leadership, asked))) => {
                     // A quarter of the lease at most, its store reads
                     // included: the lease renews only once this leads.
-                    let patience = (ttl / 4).min(Duration::from_secs(1));
+                    // Each node's answer within half of that, so the
+                    // answers that came are compared even if a node hangs.
+                    let patience = (ttl / 8).min(Duration::from_secs(1));
                     let _ = tokio::time::timeout(ttl / 4, self.ask_nodes_for_their_maps(patience))
                         .await;
                     // The lease runs from when the store was asked for it:

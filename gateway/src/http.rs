@@ -300,10 +300,10 @@ async fn serve_request(
     };
     let idle = gateway.config.http_limits.body_idle;
     match method {
-        Method::GET => get(&client, &instance, &target, namespace, &key, idle).await,
+        Method::GET => get(&client, &instance, &target, namespace, &key, Some(idle)).await,
         // An action-cache entry is there only with its outputs, as for GET.
         Method::HEAD if matches!(target, Target::Ac(_)) => {
-            let response = get(&client, &instance, &target, namespace, &key, idle).await?;
+            let response = get(&client, &instance, &target, namespace, &key, None).await?;
             let (parts, _) = response.into_parts();
             Ok(Response::from_parts(parts, Body::empty()))
         }
@@ -408,7 +408,7 @@ async fn get(
     target: &Target,
     namespace: &str,
     key: &[u8],
-    idle: Duration,
+    body: Option<Duration>,
 ) -> tidepool_client::Result<Response> {
     if let Target::Cas(hash) = target
         && (BlobDigest {
@@ -432,7 +432,7 @@ async fn get(
         if let Some(result) = cache::as_action_result(&bytes) {
             cache::require_outputs(client, instance, &result).await?;
         }
-        if size <= AC_INLINE_BYTES {
+        if size <= AC_INLINE_BYTES || body.is_none() {
             return Ok((
                 StatusCode::OK,
                 [(header::CONTENT_LENGTH, size.to_string())],
@@ -452,6 +452,10 @@ async fn get(
             ));
         }
     }
+    // `body`: the idle bound of a GET's body; none for a HEAD.
+    let Some(idle) = body else {
+        return Ok(sized(StatusCode::OK, size));
+    };
     Ok((
         StatusCode::OK,
         [(header::CONTENT_LENGTH, size.to_string())],

@@ -310,7 +310,11 @@ impl MetaStore for EmbeddedStore {
         // put back and nobody hears of the change (before, a failed save
         // left it applied and watched: the caller saw an error for a change
         // the coordinator then acted on, and a restart lost it).
-        let undo = (state.revision, state.keys.clone(), state.leases.clone());
+        // (An in-memory store cannot fail to save: nothing to undo.)
+        let undo = self
+            .path
+            .is_some()
+            .then(|| (state.revision, state.keys.clone(), state.leases.clone()));
         let mut events = Vec::new();
         state.revision += 1;
         let revision = state.revision;
@@ -355,7 +359,9 @@ impl MetaStore for EmbeddedStore {
         // Saved even when only leased keys changed: the revision must keep
         // growing across restarts.
         if let Err(error) = self.save(&state) {
-            (state.revision, state.keys, state.leases) = undo;
+            if let Some(undo) = undo {
+                (state.revision, state.keys, state.leases) = undo;
+            }
             return Err(error);
         }
         for event in events {
