@@ -322,12 +322,21 @@ impl Tidepool {
             ],
         )?;
         let after = written(&self.node_pids);
-        let report: Value = serde_json::from_slice(&output.stdout).with_context(|| {
-            format!(
-                "tidectl bench printed no report:\n{}",
-                String::from_utf8_lossy(&output.stderr)
-            )
-        })?;
+        // The report is the first JSON value; a run with failed operations
+        // prints its error as a second one (and exits 1): the failures are
+        // counted in the report, not a reason to stop the whole benchmark.
+        let report: Value = serde_json::Deserializer::from_slice(&output.stdout)
+            .into_iter::<Value>()
+            .next()
+            .transpose()
+            .ok()
+            .flatten()
+            .with_context(|| {
+                format!(
+                    "tidectl bench printed no report:\n{}",
+                    String::from_utf8_lossy(&output.stderr)
+                )
+            })?;
         let row = &report["ops"][op];
         let errors: u64 = row["errors"]
             .as_object()

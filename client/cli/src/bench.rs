@@ -51,6 +51,13 @@ impl std::str::FromStr for Mix {
         if weights.iter().all(|w| *w == 0) {
             return Err("the mix has no operation".into());
         }
+        if weights
+            .iter()
+            .try_fold(0u32, |sum, w| sum.checked_add(*w))
+            .is_none()
+        {
+            return Err("the mix's weights add up to more than 4294967295".into());
+        }
         Ok(Mix(weights))
     }
 }
@@ -216,6 +223,7 @@ async fn worker(
     settings: Arc<Bench>,
     keys: Arc<Keys>,
     progress: Arc<Progress>,
+    value: Arc<[u8]>,
     worker: usize,
     deadline: Instant,
 ) -> [OpTally; 4] {
@@ -223,7 +231,6 @@ async fn worker(
     let mut rng = rand::rngs::SmallRng::seed_from_u64(
         settings.seed ^ (worker as u64).wrapping_mul(0x9E37_79B9),
     );
-    let value = vec![0xA5u8; settings.size];
     loop {
         if progress.stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
             break;
@@ -252,7 +259,7 @@ async fn worker(
 }
 
 /// Writes every key once (not measured).
-async fn prefill(client: &Client, settings: &Bench) -> Outcome {
+async fn prefill(client: &Client, settings: &Bench, value: &Arc<[u8]>) -> Outcome {
     let next = Arc::new(AtomicU64::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..settings.concurrency {
@@ -262,7 +269,7 @@ async fn prefill(client: &Client, settings: &Bench) -> Outcome {
             settings.prefix.clone(),
             settings.keys,
         );
-        let value = vec![0xA5u8; settings.size];
+        let value = value.clone();
         tasks.spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -306,9 +313,12 @@ pub async fn bench(json: bool, client: &Client, settings: Bench) -> Outcome {
     if settings.seconds == 0 && settings.count.is_none() {
         return Err(usage("give --seconds or --count"));
     }
+    // One value, shared by every worker (a copy each made memory grow
+    // with --concurrency times --size).
+    let value: Arc<[u8]> = vec![0xA5u8; settings.size].into();
     if settings.prefill && settings.mix.reads() {
         let began = Instant::now();
-        prefill(client, &settings).await?;
+        prefill(client, &settings, &value).await?;
         eprintln!(
             "prefill: {} keys of {} B in {:.1} s",
             settings.keys,
@@ -337,6 +347,7 @@ pub async fn bench(json: bool, client: &Client, settings: Bench) -> Outcome {
             settings.clone(),
             keys.clone(),
             progress.clone(),
+            value.clone(),
             n,
             deadline,
         )));
@@ -477,6 +488,8 @@ mod tests {
         assert_eq!("put=1,get=3".parse::<Mix>().unwrap(), Mix([1, 3, 0, 0]));
         assert_eq!("get".parse::<Mix>().unwrap(), Mix([0, 1, 0, 0]));
         assert!("put=0".parse::<Mix>().is_err());
+        // Weights whose sum wraps made every worker panic.
+        assert!("put=4294967295,get=1".parse::<Mix>().is_err());
         assert!(
             "scan=1"
                 .parse::<Mix>()

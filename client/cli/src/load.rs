@@ -38,6 +38,9 @@ pub fn content(key: &str, size: usize) -> Vec<u8> {
 struct Tally {
     acknowledged: u64,
     failed: u64,
+    /// Acknowledged puts the record could not be given (`verify` would
+    /// not check them, and pass).
+    unrecorded: u64,
     /// Times of acknowledgements, since the start.
     last_ack: Duration,
     longest_gap: Duration,
@@ -108,12 +111,20 @@ pub async fn load(json: bool, client: &Client, settings: Load) -> Outcome {
                 let began = Instant::now();
                 match client.put(&namespace, key.as_bytes(), &value).await {
                     Ok(_) => {
-                        if let Some(record) = &record {
-                            let mut file = record.lock();
-                            let _ = writeln!(file, "{key} {size}");
-                            let _ = file.flush();
-                        }
+                        let recorded = match &record {
+                            Some(record) => {
+                                let mut file = record.lock();
+                                writeln!(file, "{key} {size}").and_then(|()| file.flush())
+                            }
+                            None => Ok(()),
+                        };
                         let mut t = tally.lock();
+                        if let Err(e) = recorded {
+                            if t.unrecorded == 0 {
+                                eprintln!("the record cannot be written: {e}");
+                            }
+                            t.unrecorded += 1;
+                        }
                         t.ack(started.elapsed());
                         t.slowest = t.slowest.max(began.elapsed());
                     }
@@ -165,6 +176,15 @@ pub async fn load(json: bool, client: &Client, settings: Load) -> Outcome {
         return Err(Failure {
             code: 1,
             message: format!("{} puts failed", t.failed),
+        });
+    }
+    if t.unrecorded > 0 {
+        return Err(Failure {
+            code: 1,
+            message: format!(
+                "{} acknowledged puts are missing from the record: a verify of it would not check them",
+                t.unrecorded
+            ),
         });
     }
     Ok(())

@@ -435,10 +435,12 @@ fn parse_hex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// A key as text: itself when it is printable UTF-8, else with escapes.
+/// A key as text: itself when it is printable UTF-8 without a backslash,
+/// else with escapes (a backslash escaped too, so no two keys print alike:
+/// the text `a\x01` and the bytes `a`, 0x01 did).
 fn display_key(key: &[u8]) -> String {
     match std::str::from_utf8(key) {
-        Ok(text) if !text.chars().any(|c| c.is_control()) => text.to_string(),
+        Ok(text) if !text.chars().any(|c| c.is_control() || c == '\\') => text.to_string(),
         _ => key.escape_ascii().to_string(),
     }
 }
@@ -490,6 +492,14 @@ async fn put(
     let (key_bytes, path) = if content {
         if file.is_some() {
             return Err(usage("with --content give only NAMESPACE and FILE"));
+        }
+        // Elsewhere the key would be the 32 raw digest bytes, which no
+        // command taking keys as text can name again (stored for good in
+        // a durable namespace).
+        if !is_content_addressed(client, namespace) {
+            return Err(usage(format!(
+                "--content stores under the content's digest: namespace {namespace:?} is not content-addressed (give a KEY instead)"
+            )));
         }
         (None, PathBuf::from(key))
     } else {
@@ -1101,9 +1111,12 @@ async fn run(cli: &Cli) -> Outcome {
     config.watch = matches!(cli.command, Command::Load { .. } | Command::Bench { .. });
     credentials(cli, &mut config)?;
     let client = Client::with_config(config).await.map_err(|e| Failure {
-        // A refused credential keeps its own exit code.
+        // A refused credential keeps its own exit code, and so does bad
+        // local input (a missing TLS file, a malformed address): retrying
+        // it will not help.
         code: match e.code() {
             ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => 5,
+            ErrorCode::InvalidArgument => 2,
             _ => 4,
         },
         message: format!(
@@ -1424,6 +1437,13 @@ async fn run(cli: &Cli) -> Outcome {
         Command::Shard {
             command: ShardCommand::Split { id, at },
         } => {
+            // 0 asks the shard to choose (its middle): given by hand it is
+            // no point inside a shard, and a split cannot be undone.
+            if *at == Some(0) {
+                return Err(usage(
+                    "--at 0 is no point inside a shard: leave --at out to split at the middle",
+                ));
+            }
             let (child, at) = client.split_shard(*id, at.unwrap_or(0)).await?;
             print(
                 cli.json,
@@ -1467,6 +1487,17 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No two keys are displayed alike.
+    #[test]
+    fn keys_display_unambiguously() {
+        assert_eq!(display_key(b"reports/q3.pdf"), "reports/q3.pdf");
+        assert_eq!(display_key("été".as_bytes()), "été");
+        // The byte 0x01, and the text backslash-x-0-1.
+        assert_eq!(display_key(b"a\x01"), "a\\x01");
+        assert_eq!(display_key(b"a\\x01"), "a\\\\x01");
+        assert_ne!(display_key(b"a\x01"), display_key(b"a\\x01"));
+    }
 
     /// The dev directory's token and TLS material go only to a cluster on
     /// this machine.
