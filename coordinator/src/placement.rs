@@ -137,11 +137,39 @@ impl<'a> Planner<'a> {
         }
     }
 
+    /// A shard `from` holds and `to` does not, that may move to `to`
+    /// without its zone count dropping.
+    fn movable(&self, from: u64, to: u64) -> Option<u32> {
+        self.placement
+            .iter()
+            .filter(|(s, r)| r.contains(&from) && !r.contains(&to) && self.allowed(**s, to))
+            .map(|(s, _)| *s)
+            .find(|shard| {
+                let replicas = &self.placement[shard];
+                let mut after = replicas.clone();
+                after.remove(&from);
+                after.insert(to);
+                self.zones_of(&after).len() >= self.zones_of(replicas).len()
+            })
+    }
+
+    fn shift(&mut self, shard: u32, from: u64, to: u64) {
+        self.remove(shard, from);
+        self.add(shard, to);
+    }
+
     /// One move from the fullest node to a node with at least two fewer
-    /// replicas, keeping the shard's zone spread. Returns whether it moved.
+    /// replicas, keeping the shard's zone spread; or, where no shard of the
+    /// fullest node can go there without its zone count dropping, two:
+    /// a third node gives one of its shards to the emptier node and takes
+    /// one of the fuller node's (with two zones, a node whose every shard
+    /// has it as its one replica in its zone could not give any of them to
+    /// the other zone, and the counts stayed two apart). Returns whether it
+    /// moved.
     fn balance_once(&mut self) -> bool {
         let mut by_load: Vec<u64> = self.nodes.keys().copied().collect();
         by_load.sort_by_key(|n| std::cmp::Reverse(self.rank(*n)));
+        let mut pairs = Vec::new();
         for &from in &by_load {
             let mut targets: Vec<u64> = self
                 .nodes
@@ -151,24 +179,28 @@ impl<'a> Planner<'a> {
                 .collect();
             targets.sort_by_key(|t| self.rank(*t));
             for to in targets {
-                let shards: Vec<u32> = self
-                    .placement
-                    .iter()
-                    .filter(|(s, r)| r.contains(&from) && !r.contains(&to) && self.allowed(**s, to))
-                    .map(|(s, _)| *s)
-                    .collect();
-                for shard in shards {
-                    let replicas = &self.placement[&shard];
-                    let zones_before = self.zones_of(replicas).len();
-                    let mut after = replicas.clone();
-                    after.remove(&from);
-                    after.insert(to);
-                    if self.zones_of(&after).len() >= zones_before {
-                        self.remove(shard, from);
-                        self.add(shard, to);
-                        return true;
-                    }
+                if let Some(shard) = self.movable(from, to) {
+                    self.shift(shard, from, to);
+                    return true;
                 }
+                pairs.push((from, to));
+            }
+        }
+        let middles: Vec<u64> = self.nodes.keys().copied().collect();
+        for (from, to) in pairs {
+            for &middle in &middles {
+                if middle == from || middle == to {
+                    continue;
+                }
+                let Some(first) = self.movable(middle, to) else {
+                    continue;
+                };
+                self.shift(first, middle, to);
+                if let Some(second) = self.movable(from, middle) {
+                    self.shift(second, from, middle);
+                    return true;
+                }
+                self.shift(first, to, middle);
             }
         }
         false

