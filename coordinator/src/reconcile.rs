@@ -268,6 +268,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
         unanswered: HashMap::new(),
         learners: LearnerWatch::default(),
         failing: HashMap::new(),
+        future_epoch_start: None,
     };
     let mut leadership = shared.subscribe_leadership();
     let mut led = None;
@@ -323,6 +324,9 @@ struct Reconciler {
     learners: LearnerWatch,
     /// Replicas reporting their engine failed, since when (this term).
     failing: HashMap<(u32, u64), Instant>,
+    /// An epoch start found in the future (written by a leader whose clock
+    /// ran ahead), and when this one first saw it.
+    future_epoch_start: Option<(u64, Instant)>,
 }
 
 /// How a status poll ended.
@@ -1383,7 +1387,7 @@ impl Reconciler {
         }
     }
 
-    async fn advance_on_schedule(&self, map: &ClusterMap) -> Result<(), CoordinatorError> {
+    async fn advance_on_schedule(&mut self, map: &ClusterMap) -> Result<(), CoordinatorError> {
         let started = self
             .shared
             .store
@@ -1391,8 +1395,31 @@ impl Reconciler {
             .await?
             .and_then(|kv| String::from_utf8_lossy(&kv.value).parse::<u64>().ok())
             .unwrap_or(0);
-        let due = started + self.shared.config.epoch_interval_s * 1000;
-        if crate::core::unix_ms() >= due {
+        let interval_ms = self.shared.config.epoch_interval_s * 1000;
+        let now = crate::core::unix_ms();
+        let due = if started > now {
+            // Written by a leader whose clock ran ahead of this one's: the
+            // epoch counts from when this leader first saw that start, on
+            // its own monotonic clock. Taken as is, a clock a day fast
+            // held every advance, and so every drop, for a day.
+            let seen = match self.future_epoch_start {
+                Some((value, at)) if value == started => at,
+                _ => {
+                    tracing::warn!(
+                        started,
+                        now,
+                        "the current epoch's recorded start is in the future (a coordinator's clock ran ahead): counting from now"
+                    );
+                    let at = Instant::now();
+                    self.future_epoch_start = Some((started, at));
+                    at
+                }
+            };
+            seen.elapsed() >= Duration::from_millis(interval_ms)
+        } else {
+            now >= started.saturating_add(interval_ms)
+        };
+        if due {
             match self.shared.advance_epoch(map.epoch).await {
                 Ok(epoch) => tracing::info!(epoch, "advanced the epoch on schedule"),
                 Err(CoordinatorError::Conflict(_)) => {}

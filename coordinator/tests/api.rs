@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidepool_coordinator::meta::{EmbeddedStore, MetaStore};
+use tidepool_coordinator::meta::{EmbeddedStore, MetaStore, Op};
 use tidepool_coordinator::{CoordinatorConfig, RunningCoordinator, start_with_store};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
@@ -387,5 +387,48 @@ async fn the_epoch_advances_on_schedule_and_watchers_see_each_map() {
         took >= Duration::from_millis(900) && took < Duration::from_secs(6),
         "two scheduled advances took {took:?}"
     );
+    coordinator.stop().await.unwrap();
+}
+
+/// The current epoch's start recorded by a leader whose clock ran a day
+/// ahead: the schedule counts from when this leader first saw it, on its
+/// own clock, and advances one interval later — not a day and an interval
+/// later, holding every drop meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_start_in_the_future_delays_the_schedule_one_interval() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let coordinator = start_with_store(config(2), store.clone()).await.unwrap();
+    until("the coordinator to lead", || {
+        coordinator.shared.leadership().is_some() && coordinator.shared.map().version > 0
+    })
+    .await;
+    let ahead = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        + 86_400_000;
+    store
+        .txn(
+            Vec::new(),
+            vec![Op::Put {
+                key: coordinator.shared.keys.epoch_started(),
+                value: ahead.to_string().into_bytes(),
+                lease: None,
+            }],
+        )
+        .await
+        .unwrap();
+    let epoch = coordinator.shared.map().epoch;
+    let since = Instant::now();
+    until("an advance", || coordinator.shared.map().epoch > epoch).await;
+    let took = since.elapsed();
+    assert!(took < Duration::from_secs(8), "the advance took {took:?}");
+    let started = store
+        .get(&coordinator.shared.keys.epoch_started())
+        .await
+        .unwrap()
+        .unwrap();
+    let started: u64 = String::from_utf8_lossy(&started.value).parse().unwrap();
+    assert!(started < ahead, "the advance records this leader's clock");
     coordinator.stop().await.unwrap();
 }

@@ -608,6 +608,112 @@ async fn admin_entries_act_on_every_replica() {
     cluster.shutdown().await;
 }
 
+/// The coordinator raises the map's epoch, then asks each shard to advance
+/// in turn: a shard still behind stamps what it is asked to write or touch
+/// meanwhile with the map's epoch, not its own. Stamped with its own, a
+/// blob written in the cluster's epoch 2 counted as one of epoch 1, and the
+/// drop that followed (a namespace keeping one epoch) took it at once.
+/// And a drop compacts the log, however short: an idle shard's expired
+/// blobs stayed on disk while the log still spanned their segments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shard_behind_the_map_epoch_stamps_writes_with_the_map_epoch() {
+    use tidepool_proto::v1::{BatchExistsRequest, HeadRequest, Presence, TouchRequest};
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    for key in ["expires", "touched", "found"] {
+        put(&cluster, "ci", key.as_bytes(), b"written in epoch 1")
+            .await
+            .unwrap();
+    }
+    for id in 1..=3 {
+        let node = &cluster.running[&id].node;
+        let mut advanced = (*node.map()).clone();
+        advanced.version += 1;
+        advanced.epoch = 2;
+        node.set_map(advanced);
+    }
+    let leader = wait_leader(&cluster, 1).await;
+    assert_eq!(
+        replica_status(&cluster, leader, 1).await.unwrap().epoch,
+        1,
+        "the shard has not advanced"
+    );
+    put(&cluster, "ci", b"written", b"written in epoch 2")
+        .await
+        .unwrap();
+    let touched = cluster
+        .client(leader)
+        .await
+        .touch(TouchRequest {
+            blob: grpc_support::blob("ci", b"touched"),
+            ..TouchRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((touched.epoch, touched.recorded), (2, true));
+    let presence = cluster
+        .client(leader)
+        .await
+        .batch_exists(BatchExistsRequest {
+            namespace: "ci".into(),
+            keys: vec![b"found".to_vec()],
+            touch: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .presence;
+    assert_eq!(presence, vec![Presence::Present as i32]);
+    let head = cluster
+        .client(leader)
+        .await
+        .head(HeadRequest {
+            blob: grpc_support::blob("ci", b"written"),
+            ..HeadRequest::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap();
+    assert_eq!((head.epoch, head.current_epoch), (2, 2));
+
+    let mut first = Vec::new();
+    for id in 1..=3 {
+        wait_caught_up(&cluster, id, 1).await;
+        first.push(replica_status(&cluster, id, 1).await.unwrap().first_index);
+    }
+    drop_epochs(&cluster, leader, 2, 3).await;
+    for id in 1..=3 {
+        wait_caught_up(&cluster, id, 1).await;
+        // A drop compacts the log whatever its limits (a few entries
+        // here): the expired blobs' segments are then no longer the log's.
+        let status = replica_status(&cluster, id, 1).await.unwrap();
+        assert!(
+            status.first_index > first[id as usize - 1],
+            "node {id}: the log still starts at {}",
+            status.first_index
+        );
+        let status = get_on(&cluster, id, "ci", b"expires", ReadConsistency::AnyReplica)
+            .await
+            .unwrap_err();
+        assert_eq!(code(&status), ErrorCode::NotFound, "node {id}");
+        assert_replica_holds_in(
+            &cluster,
+            id,
+            "ci",
+            &[
+                ("written".into(), b"written in epoch 2".to_vec()),
+                ("touched".into(), b"written in epoch 1".to_vec()),
+                ("found".into(), b"written in epoch 1".to_vec()),
+            ],
+        )
+        .await;
+    }
+    cluster.shutdown().await;
+}
+
 /// A leader stopped on purpose hands its leadership over first: with an
 /// election timeout of 5 s no election can be held in the test's bound, yet
 /// another node leads as soon as the stop returns, and holds every write

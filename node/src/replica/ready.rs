@@ -233,8 +233,17 @@ impl Replica {
             return Ok(());
         }
         let entries = to + 1 - log.first();
-        if entries >= (max_entries / 4).max(1) || log.wal_bytes_through(to) >= max_bytes / 4 {
+        // After an epoch drop, whatever the limits: expired blobs in the
+        // segments the log still spans are reclaimed only once it no
+        // longer does, and an idle shard (two entries an epoch) reached a
+        // quarter of the limits after some thousand epochs — up to the
+        // byte limit of expired data per shard kept meanwhile.
+        if entries >= (max_entries / 4).max(1)
+            || log.wal_bytes_through(to) >= max_bytes / 4
+            || self.dropped_since_compaction
+        {
             self.log().compact(to)?;
+            self.dropped_since_compaction = false;
         }
         Ok(())
     }

@@ -197,6 +197,19 @@ impl BlobApi {
     /// after the read point (the read saw the key's last value here) or
     /// before it (the value may be stale: the client asks the new group).
     /// Ranges only narrow, so a key owned after the read was owned during.
+    /// The epoch a put, delete or touch takes now: the later of the
+    /// shard's and this node's map's. The coordinator raises the map's
+    /// epoch first and then asks each shard to advance, one after another
+    /// (a leader it cannot reach, later): stamped with a lagging shard's
+    /// own epoch, a blob written or touched in the cluster's epoch `e`
+    /// counted as one of `e - 1`, and the next drop took it an epoch early
+    /// (at once, in a namespace keeping one epoch). A drop walks entries
+    /// by their own epoch, so one ahead of its segment's is kept.
+    fn write_epoch(&self, target: &Target) -> u32 {
+        let map = u32::try_from(self.node.map().epoch).unwrap_or(u32::MAX);
+        target.shard.engine().epoch().0.max(map)
+    }
+
     fn check_owned(&self, target: &Target, key: &StorageKey) -> ApiResult<()> {
         if owns(target.shard.range(), key) {
             return Ok(());
@@ -451,7 +464,7 @@ impl BlobApi {
         let digest = blob::sha256(content);
         self.check_digest(&target, &header, &digest)?;
         let engine = target.shard.engine();
-        let epoch = engine.epoch().0;
+        let epoch = self.write_epoch(&target);
         if target.namespace.content_addressed {
             // "Already present" is an answer about the shard's state: taken
             // at a linearizable read point, not from whatever this replica
@@ -677,7 +690,7 @@ impl BlobApi {
         let (header, _) = blob::decode(&stored.value)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         let mut info = header.info(stored.epoch.0);
-        info.current_epoch = u64::from(target.shard.engine().epoch().0);
+        info.current_epoch = u64::from(self.write_epoch(&target));
         let size = header.size;
         let start = request.offset.min(size);
         let end = match request.length {
@@ -724,7 +737,7 @@ impl BlobApi {
         let header = blob::decode_head(&stored.prefix, stored.len)
             .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
         let mut info = header.info(stored.epoch.0);
-        info.current_epoch = u64::from(target.shard.engine().epoch().0);
+        info.current_epoch = u64::from(self.write_epoch(&target));
         Ok(HeadResponse { info: Some(info) })
     }
 
@@ -807,7 +820,7 @@ impl BlobApi {
                     },
                 )
                 .await?;
-            let current = target.shard.engine().epoch().0;
+            let current = self.write_epoch(&target);
             // Keys a split gave away meanwhile stay NOT_HERE (the client
             // asks again): ranges only narrow, so a key owned after the
             // read was owned during it.
@@ -890,7 +903,7 @@ impl BlobApi {
         let op = WriteOp {
             value: None,
             namespace: target.namespace.id,
-            epoch: target.shard.engine().epoch().0,
+            epoch: self.write_epoch(&target),
             key: target.key,
             name: request.blob.as_ref().expect("checked").key.clone(),
             session,
@@ -1063,7 +1076,7 @@ impl BlobApi {
         self.check_owned(&target, &key)?;
         let stored_epoch =
             stored_epoch.ok_or_else(|| self.node.error(ErrorCode::NotFound, "no such blob"))?;
-        let epoch = target.shard.engine().epoch().0;
+        let epoch = self.write_epoch(&target);
         let recorded = stored_epoch.0 < epoch;
         if recorded {
             let touch = Command::Touch {
