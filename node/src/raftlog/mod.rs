@@ -132,6 +132,11 @@ pub struct RaftLog {
     conf_state: ConfState,
     /// Index of the entry that made `conf_state` (0: the founding one).
     conf_index: u64,
+    /// The configurations recovered at open — the saved application
+    /// state's and every later state record's — by the index of the entry
+    /// that made each: what an entry applied again after a restart was
+    /// decided under ([`RaftLog::conf_before`]).
+    recovered_confs: BTreeMap<u64, ConfState>,
     applied: u64,
     /// Where recovery starts scanning the WAL for the log.
     scan_from: WalPosition,
@@ -190,6 +195,7 @@ impl RaftLog {
             hard_state: HardState::default(),
             conf_state: ConfState::default(),
             conf_index: 0,
+            recovered_confs: BTreeMap::new(),
             applied: 0,
             snapshots: None,
             app_state: Arc::default(),
@@ -255,6 +261,7 @@ impl RaftLog {
     fn scan(&mut self) -> Result<bool> {
         let first = self.first();
         let (mut entries, mut state) = (BTreeMap::new(), None);
+        let mut confs = BTreeMap::new();
         let mut malformed = None;
         self.engine
             .scan_appended(self.scan_from, |position, meta, _| {
@@ -271,7 +278,10 @@ impl RaftLog {
                         );
                     }
                     Ok(LogRecord::Entry(_)) => {}
-                    Ok(LogRecord::State(hs, cs, ci)) => state = Some((hs, cs, ci)),
+                    Ok(LogRecord::State(hs, cs, ci)) => {
+                        confs.insert(ci, cs.clone());
+                        state = Some((hs, cs, ci));
+                    }
                     Err(error) => {
                         malformed.get_or_insert(error);
                     }
@@ -282,6 +292,7 @@ impl RaftLog {
             return Err(error);
         }
         self.entries = entries;
+        self.recovered_confs.extend(confs);
         let found = state.is_some();
         if let Some((hs, cs, conf_index)) = state {
             self.hard_state = hs;
@@ -335,6 +346,24 @@ impl RaftLog {
     /// The configuration.
     pub fn conf_state(&self) -> &ConfState {
         &self.conf_state
+    }
+
+    /// The configuration entry `index` applies under: the one made by the
+    /// last configuration entry before it. That is the current one, except
+    /// while a restart applies entries again: the state records in the WAL
+    /// carry configurations applied after the last saved application
+    /// state, so the current one may have been made after `index` (a
+    /// membership change applied just before a kill -9). `None` if no
+    /// configuration recovered is older than `index` (never for an entry
+    /// after the saved applied index).
+    pub fn conf_before(&self, index: u64) -> Option<&ConfState> {
+        if self.conf_index < index {
+            return Some(&self.conf_state);
+        }
+        self.recovered_confs
+            .range(..index)
+            .next_back()
+            .map(|(_, conf)| conf)
     }
 
     /// Lets this log prepare snapshots (when it leads).
@@ -456,6 +485,7 @@ impl RaftLog {
             hard_state,
             conf_state: meta.get_conf_state().clone(),
             conf_index: meta.index,
+            recovered_confs: BTreeMap::new(),
             applied: meta.index,
             snapshots: None,
             app_state,
@@ -752,6 +782,8 @@ impl RaftLog {
         self.hard_state = saved.hard_state;
         self.conf_state = saved.conf_state;
         self.conf_index = saved.conf_index;
+        self.recovered_confs
+            .insert(self.conf_index, self.conf_state.clone());
         // Saved before sessions existed: every applied entry applied all
         // its ops.
         self.app_state.0.lock().sessions = saved

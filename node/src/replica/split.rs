@@ -13,7 +13,7 @@
 use std::path::Path;
 
 use prost::Message as _;
-use tidepool_engine::storage::{FileStorage, write_file_atomically};
+use tidepool_engine::storage::write_file_atomically;
 use tidepool_engine::{Decision, EntryInfo, KeySpace, RelocationFilter};
 use tidepool_proto::v1::{ReplicaInfo, ReplicaRole, ShardInfo};
 
@@ -108,14 +108,31 @@ fn refusal(
 
 impl Replica {
     /// Applies `Split { child, at }` at entry `index`.
+    ///
+    /// Decided once: an entry the saved state holds decided (applied again
+    /// after a restart) is not decided again — carried out, the state
+    /// holds its range and child; refused, nothing is to be done. One not
+    /// yet decided there is decided under the configuration as of the
+    /// entry, not the one recovered: a membership change applied after it
+    /// (and before a kill -9) made this replica alone carry out a split
+    /// every replica had refused (a learner was being added), or refuse
+    /// one every other carried out — its range left whole, it went on
+    /// applying, and as leader acknowledging, writes of the given-away half.
     pub(crate) fn apply_split(&mut self, index: u64, child: u32, at: u64) -> Result<()> {
+        if self.log().sessions().decided(index) {
+            return Ok(());
+        }
         let range = self.log().range();
-        let conf = self.log().conf_state().clone();
+        let conf = self.log().conf_before(index).cloned().ok_or_else(|| {
+            NodeError::Malformed(format!(
+                "no configuration recovered from before split entry {index}"
+            ))
+        })?;
         if let Some(why) = refusal(range, &conf, self.log().children(), child, at) {
-            // Applied again after a restart, or proposed again by a
-            // coordinator that did not see the first one apply: nothing to
-            // do, as on every replica.
+            // Proposed again by a coordinator that did not see the first
+            // one apply, or refused: nothing to do, as on every replica.
             tracing::info!(index, child, at, %why, "split not carried out");
+            self.log().sessions().finish_entry(index, Vec::new());
             return Ok(());
         }
         let (start, end) = range.expect("refusal checks the range");
@@ -126,6 +143,9 @@ impl Replica {
             end,
         };
         self.log().record_split((start, at - 1), born);
+        // After the split is recorded: a saved state holding the entry
+        // decided holds its range and child too.
+        self.log().sessions().finish_entry(index, Vec::new());
         self.show_range();
         tracing::info!(index, child, at, "split applied");
         crash_point("recorded");
@@ -174,7 +194,7 @@ impl Replica {
             ..ShardInfo::default()
         };
         let shard_file = temp.join(SHARD_FILE);
-        write_file_atomically(&FileStorage::new(), &shard_file, &info.encode_to_vec())
+        write_file_atomically(&*storage, &shard_file, &info.encode_to_vec())
             .map_err(|e| io_error(&shard_file, e))?;
         storage.sync_dir(&temp).map_err(|e| io_error(&temp, e))?;
         crash_point("rewritten");

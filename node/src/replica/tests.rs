@@ -332,3 +332,145 @@ fn a_proposal_held_through_a_transfer_keeps_its_sync_marker() {
         "seed {seed}: the entry proposed after the transfer lost its sync marker"
     );
 }
+
+/// Runs `cluster` until `slot` is answered; panics unless it applied.
+fn applied(cluster: &mut SimCluster, slot: &crate::sim::Pending, what: &str) {
+    assert!(
+        cluster
+            .run_until(500, |_| slot.lock().unwrap().is_some())
+            .unwrap(),
+        "{what}: no answer"
+    );
+    let outcome = slot.lock().unwrap().clone();
+    assert!(
+        matches!(outcome, Some(Outcome::Applied { .. })),
+        "{what}: {outcome:?}"
+    );
+}
+
+/// A three-voter group owning the whole hash space, in real files under
+/// `dir` (a split makes and renames directories); node 4 is started empty,
+/// to be added. Engines snapshot only when asked: a restart applies every
+/// entry again, the saved application state being the founding one.
+fn splittable_group(seed: u64, dir: &std::path::Path) -> SimCluster {
+    let mut template = crate::replica::ReplicaConfig::new(0, 0);
+    template.range = Some((0, u64::MAX));
+    let mut options = crate::sim::SimOptions::new(template);
+    options.engine.snapshot_interval_ms = 3_600_000;
+    options.disk_root = Some(dir.to_path_buf());
+    let mut cluster = SimCluster::with_options(seed, 3, options);
+    assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
+    cluster.add_node(4, &[]);
+    cluster
+}
+
+/// Where the splits below cut, and the child they name.
+const SPLIT_AT: u64 = 1 << 63;
+const CHILD: u32 = 2;
+
+/// Proposes the split on the leader and waits for it to apply.
+fn split(cluster: &mut SimCluster) {
+    let leader = cluster.leader().unwrap();
+    let command = crate::command::Command::Split {
+        child: CHILD,
+        at: SPLIT_AT,
+    };
+    let slot = cluster.propose(leader, &command);
+    applied(cluster, &slot, "the split");
+    cluster.run(20).unwrap();
+}
+
+/// Kills a voter other than the leader and restarts it; returns its id.
+/// First, a write every replica applies: a follower learns that the last
+/// entries committed only with the next message that says so.
+fn restart_a_follower(cluster: &mut SimCluster) -> u64 {
+    let slot = cluster.put(key(77), b"the last write".to_vec());
+    applied(cluster, &slot, "the last write");
+    let leader = cluster.leader().unwrap();
+    let last = cluster.replica(leader).unwrap().log().applied();
+    assert!(
+        cluster
+            .run_until(500, |c| c
+                .ids()
+                .into_iter()
+                .all(|id| c.replica(id).is_some_and(|r| r.log().applied() >= last)))
+            .unwrap(),
+        "the replicas never applied the last write"
+    );
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    cluster.kill(follower);
+    cluster.restart(follower).unwrap();
+    cluster.run(50).unwrap();
+    follower
+}
+
+/// A split entry applied while a learner joins is refused by every
+/// replica (the group's membership is changing). After the learner is
+/// promoted and a replica is killed and restarted, the entry applied again
+/// is decided as it was: before, it was decided under the membership
+/// recovered, the learner's promotion included, and that replica alone
+/// split — its child's copy lacked what the others went on writing.
+#[test]
+fn a_split_refused_while_a_learner_joined_stays_refused_after_a_restart() {
+    use raft::eraftpb::ConfChangeType;
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = splittable_group(seed, dir.path());
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    applied(&mut cluster, &slot, "adding the learner");
+    cluster.run(20).unwrap();
+    // The application state saved with the learner's addition applied
+    // (entries before the split are not applied again after the restart:
+    // none puts the membership of the split's time back).
+    for id in 1..=3 {
+        cluster.replica(id).unwrap().engine().flush().unwrap();
+    }
+    split(&mut cluster);
+    let slot = cluster.change_membership(ConfChangeType::AddNode, 4);
+    applied(&mut cluster, &slot, "promoting the learner");
+    cluster.run(20).unwrap();
+    let restarted = restart_a_follower(&mut cluster);
+    for id in cluster.ids() {
+        let replica = cluster.replica(id).unwrap();
+        assert!(
+            replica.log().children().is_empty(),
+            "node {id} (restarted: {restarted}) carried the refused split out, seed {seed}"
+        );
+        assert_eq!(replica.log().range(), Some((0, u64::MAX)), "node {id}");
+    }
+}
+
+/// A split carried out just before a learner joins stays carried out on
+/// a replica killed and restarted after both: decided again under the
+/// membership recovered (a learner joining), the split was refused there
+/// and that replica kept the whole range — as leader it would have
+/// acknowledged writes of the half the child owns.
+#[test]
+fn a_split_carried_out_before_a_learner_joined_stays_carried_out_after_a_restart() {
+    use raft::eraftpb::ConfChangeType;
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = splittable_group(seed, dir.path());
+    split(&mut cluster);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    applied(&mut cluster, &slot, "adding the learner");
+    let restarted = restart_a_follower(&mut cluster);
+    for id in 1..=3 {
+        let replica = cluster.replica(id).unwrap();
+        assert_eq!(
+            replica.log().range(),
+            Some((0, SPLIT_AT - 1)),
+            "node {id} (restarted: {restarted}), seed {seed}"
+        );
+        assert_eq!(
+            replica
+                .log()
+                .children()
+                .iter()
+                .map(|c| c.shard_id)
+                .collect::<Vec<_>>(),
+            vec![CHILD],
+            "node {id}"
+        );
+    }
+}
