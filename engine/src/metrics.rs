@@ -182,6 +182,9 @@ counters! {
     bytes_reclaimed,
     /// Relocation passes run.
     relocation_passes,
+    /// Live values relocation could not read (corrupt, or an I/O error):
+    /// left in place, their segments kept.
+    unreadable_values,
     /// Entries touched into the current epoch.
     touches,
 }

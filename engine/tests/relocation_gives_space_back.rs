@@ -354,3 +354,73 @@ fn relocating_below_a_cutoff_past_the_end_keeps_its_copies() {
         );
     }
 }
+
+/// A live value that fails its checksum is left where it is, its segment
+/// kept, and the pass goes on: every other segment is reclaimed and every
+/// other value reads back. Before, the pass failed on it before reclaiming
+/// anything — and the background policy, taking the oldest segments
+/// first, met the same record every pass: reclamation stopped for good.
+#[test]
+fn a_damaged_live_value_keeps_its_segment_and_the_rest_is_reclaimed() {
+    let (storage, _) = fault_storage();
+    let config = config();
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut positions = Vec::new();
+    for k in 0..KEYS {
+        positions.push(
+            engine
+                .put(ks, &key(k), &value(k, 0, VALUE_BYTES), Durability::Buffered)
+                .unwrap(),
+        );
+    }
+    let survives = |k: u64| k % 10 < 3;
+    for k in (0..KEYS).filter(|k| !survives(*k)) {
+        engine.delete(ks, &key(k), Durability::Buffered).unwrap();
+    }
+    engine.close().unwrap();
+    // Key 10 survives and lives in the first segment: its value's bytes
+    // are damaged on disk (the engine reopened reads them from there).
+    let damaged = 10;
+    let at = positions[damaged as usize].0;
+    let segment = at / config.wal_segment_bytes;
+    let path = std::path::PathBuf::from(format!("/db/wal/{segment:016x}.wal"));
+    storage
+        .corrupt(&path, at % config.wal_segment_bytes + 100, 0x01)
+        .unwrap();
+    let engine = open(&storage, &config).unwrap();
+    let before = wal_bytes(&engine);
+    let report = engine
+        .relocate(Strategy::Index {
+            below: engine.processed_position(),
+        })
+        .unwrap();
+    let after = wal_bytes(&engine);
+    println!("{before} -> {after} bytes of WAL segments; {report:?}");
+    assert_eq!(report.entries_unreadable, 1, "{report:?}");
+    assert!(report.segments_deleted > 0, "{report:?}");
+    let bound = before * 3 / 10 + 5 * config.wal_segment_bytes;
+    assert!(
+        after <= bound,
+        "{after} bytes after relocation, bound {bound}"
+    );
+    assert!(
+        engine
+            .segment_usage()
+            .unwrap()
+            .iter()
+            .any(|s| s.segment.0 == segment),
+        "the damaged value's segment is kept"
+    );
+    assert!(matches!(
+        engine.get(ks, &key(damaged)),
+        Err(tidepool_engine::Error::Corrupt { .. })
+    ));
+    for k in (0..KEYS).filter(|k| survives(*k) && *k != damaged) {
+        assert_eq!(
+            engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec()),
+            Some(value(k, 0, VALUE_BYTES)),
+            "key {k}"
+        );
+    }
+}

@@ -419,10 +419,23 @@ impl Inner {
         mover: &mut Mover<'_>,
     ) -> Result<bool> {
         match filter.decide(&self.info(space_index, &key[..space.key_len()], &entry)) {
-            Decision::Keep => {
-                let value = self.read_value(space, key, &entry)?;
-                mover.relocate(space_index, *key, entry, value.to_vec())?;
-            }
+            Decision::Keep => match self.read_value(space, key, &entry) {
+                Ok(value) => mover.relocate(space_index, *key, entry, value.to_vec())?,
+                // A value that fails its checksum, or that the disk will not
+                // read, stays where it is and keeps its segment: the pass
+                // goes on. Failing the pass instead stopped reclamation for
+                // good — the oldest segments come back as candidates every
+                // pass, each pass failed on the same record before it
+                // reclaimed anything, and the disk filled.
+                Err(Error::Corrupt { .. } | Error::Io { .. }) => {
+                    mover
+                        .kept_segments
+                        .insert(entry.location / self.config.wal_segment_bytes);
+                    mover.report.entries_unreadable += 1;
+                    Metrics::add(&self.metrics.counters().unreadable_values, 1);
+                }
+                Err(error) => return Err(error),
+            },
             Decision::Drop => mover.drop_entry(space_index, key, entry)?,
             Decision::Stop => return Ok(false),
         }

@@ -31,6 +31,9 @@ pub struct RelocationReport {
     pub segments_deleted: u64,
     /// Bytes of the deleted segment files.
     pub bytes_reclaimed: u64,
+    /// Live entries whose value could not be read (corrupt, or an I/O
+    /// error): left in place, their segments kept.
+    pub entries_unreadable: u64,
     /// Whether the pass stopped before its end: the filter said stop, or
     /// (a background pass) an epoch drop or checkpoint took the turn.
     pub stopped: bool,

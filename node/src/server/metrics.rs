@@ -443,6 +443,11 @@ const SHARD_COUNTERS: &[(&str, &str, Read)] = &[
         "Relocation passes run.",
         |s| Some(s.engine.counters.relocation_passes),
     ),
+    (
+        "tidepool_engine_unreadable_values",
+        "Live values relocation could not read (corrupt, or an I/O error); their segments are kept.",
+        |s| Some(s.engine.counters.unreadable_values),
+    ),
 ];
 
 fn encode_gauges(
