@@ -17,6 +17,7 @@ use tidepool_proto::v1::{
 };
 use tidepool_security::Channel;
 use tonic::Status;
+use tracing::Instrument as _;
 
 use crate::cluster::{Cluster, MAX_MESSAGE};
 use crate::error::{Disposition, Error, Result, Traced as _, classify};
@@ -1365,22 +1366,39 @@ impl Client {
                 }
                 _ => Vec::new(),
             };
-            let existed = self.delete_one(namespace, key).await?;
-            // The blob is gone with its manifest: a chunk that cannot be
-            // deleted now is the caller's problem no more (an error here
-            // would report a done delete as failed, and a retry would find
-            // no manifest left to name the chunks). Logged, and left.
-            for chunk in chunks {
-                if let Err(error) = self.delete_one(namespace, &chunk).await {
-                    tracing::warn!(
-                        namespace,
-                        chunk = %crate::stream::hex(&chunk),
-                        %error,
-                        "a deleted blob's chunk could not be deleted; its space stays taken"
-                    );
-                }
+            if chunks.is_empty() {
+                return self.delete_one(namespace, key).await;
             }
-            Ok(existed)
+            // Run apart from the caller, and awaited: a caller gone once
+            // the manifest's delete is sent (a gateway client
+            // disconnecting) no longer leaves the chunks behind — nothing
+            // else names them.
+            let (client, namespace, key) = (self.clone(), namespace.to_string(), key.to_vec());
+            let deleting = tokio::spawn(
+                async move {
+                    let existed = client.delete_one(&namespace, &key).await?;
+                    // The blob is gone with its manifest: a chunk that
+                    // cannot be deleted now is the caller's problem no more
+                    // (an error here would report a done delete as failed,
+                    // and a retry would find no manifest left to name the
+                    // chunks). Logged, and left.
+                    for chunk in chunks {
+                        if let Err(error) = client.delete_one(&namespace, &chunk).await {
+                            tracing::warn!(
+                                namespace,
+                                chunk = %crate::stream::hex(&chunk),
+                                %error,
+                                "a deleted blob's chunk could not be deleted; its space stays taken"
+                            );
+                        }
+                    }
+                    Ok::<_, Error>(existed)
+                }
+                .in_current_span(),
+            );
+            deleting
+                .await
+                .map_err(|e| Error::new(ErrorCode::Internal, format!("the delete failed: {e}")))?
         }
         .await;
         result.traced()

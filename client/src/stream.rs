@@ -19,6 +19,7 @@ use tidepool_proto::v1::{
     BlobInfo, BlobKind, ChunkManifest, ChunkRef, ErrorCode, GetRequest, ReadConsistency,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::Instrument as _;
 
 use crate::client::{Client, PutOutcome, blob_ref, digest_of, read_blob, sha256};
 use crate::cluster::Cluster;
@@ -325,9 +326,14 @@ impl Client {
         Ok(done)
     }
 
-    /// One stored blob, verified against its stored digest. In a
-    /// content-addressed namespace a replica that returns bad bytes is
-    /// skipped: the others are asked directly.
+    /// One stored blob, verified against its stored digest. A leader
+    /// whose copy is damaged (`CORRUPT`) is skipped: the replicas are asked
+    /// directly, and bytes are taken only if they hash to the blob's
+    /// digest — its key in a content-addressed namespace, else the one the
+    /// leader's header names (read linearizably: a replica behind holds an
+    /// older version, whose bytes do not match). Before, outside
+    /// content-addressed namespaces one damaged copy made the blob
+    /// unreadable while two good ones existed.
     async fn get_verified(
         &self,
         namespace: &str,
@@ -338,7 +344,17 @@ impl Client {
             .get_one(namespace, key, ReadConsistency::Linearizable)
             .await;
         match first {
-            Err(e) if cas && e.code() == ErrorCode::Corrupt => {
+            Err(e) if e.code() == ErrorCode::Corrupt => {
+                let (expected, kind) = if cas {
+                    (key.to_vec(), None)
+                } else {
+                    match self.head_info(namespace, key).await {
+                        Ok(head) => (head.sha256, Some(head.kind)),
+                        // The header itself is damaged: no digest to check
+                        // another copy against.
+                        Err(_) => return Err(e),
+                    }
+                };
                 let map = self.cluster.map();
                 let route = Cluster::route(&map, namespace, key)?;
                 for replica in &route.shard.replicas {
@@ -346,7 +362,8 @@ impl Client {
                         continue;
                     };
                     if let Ok((info, bytes)) = self.get_any_replica(&address, namespace, key).await
-                        && sha256(&bytes)[..] == key[..]
+                        && sha256(&bytes)[..] == expected[..]
+                        && kind.is_none_or(|k| k == info.kind)
                     {
                         return Ok((info, bytes));
                     }
@@ -442,9 +459,20 @@ impl Client {
             Err(e) if e.code() == ErrorCode::NotFound => return Ok(None),
             Err(e) => return Err(e),
         }
-        let (_, content) = self
+        // Replaced (by a plain blob) or deleted since the head: what is
+        // there now is the answer, not a manifest to decode (decoded, plain
+        // bytes made a delete, a put or a read fail CORRUPT).
+        let (info, content) = match self
             .get_one(namespace, key, ReadConsistency::Linearizable)
-            .await?;
+            .await
+        {
+            Ok(found) => found,
+            Err(e) if e.code() == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if info.kind != BlobKind::Manifest as i32 {
+            return Ok(None);
+        }
         ChunkManifest::decode(&content[..])
             .map(Some)
             .map_err(|e| corrupt(format!("the manifest of {} is unreadable: {e}", hex(key))))
@@ -525,16 +553,23 @@ impl Upload {
         }
         self.whole.update(bytes);
         self.written += bytes.len() as u64;
-        self.pending.extend_from_slice(bytes);
         // A chunk is stored once more bytes follow it, so that a blob of at
-        // most one chunk stays a plain blob.
-        while self.pending.len() > self.chunk_size {
-            let rest = self.pending.split_off(self.chunk_size);
-            let chunk = std::mem::replace(&mut self.pending, rest);
-            if let Err(e) = self.store_chunk(chunk).await {
-                self.failed = true;
-                return Err(e);
+        // most one chunk stays a plain blob. `pending` never holds more than
+        // a chunk: a large write is taken a chunk at a time (copied once,
+        // not gathered whole and then split again and again).
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            if self.pending.len() == self.chunk_size {
+                let chunk =
+                    std::mem::replace(&mut self.pending, Vec::with_capacity(self.chunk_size));
+                if let Err(e) = self.store_chunk(chunk).await {
+                    self.failed = true;
+                    return Err(e);
+                }
             }
+            let take = (self.chunk_size - self.pending.len()).min(rest.len());
+            self.pending.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
         }
         Ok(())
     }
@@ -718,31 +753,43 @@ impl Upload {
         self.manifest.size = self.written;
         self.manifest.sha256 = digest.to_vec();
         self.published = true;
-        let mut outcome = client
-            .put_one(
-                &namespace,
-                &key,
-                &self.manifest.encode_to_vec(),
-                BlobKind::Manifest,
+        let manifest = self.manifest.encode_to_vec();
+        let old_chunks = replaced.map(|old| own_chunks(&key, &old));
+        // Run apart from the caller, and awaited: a caller gone once the
+        // manifest is sent (a gateway client disconnecting) no longer cuts
+        // the old chunks' deletion short — nothing else names them.
+        let stored = tokio::spawn(
+            async move {
+                let outcome = client
+                    .put_one(&namespace, &key, &manifest, BlobKind::Manifest)
+                    .await?;
+                if let Some(chunks) = old_chunks {
+                    // The new blob is stored: the put succeeded whatever
+                    // happens to the old chunks. One not deleted (a token
+                    // without the delete role, a shard unavailable) is left
+                    // behind, like a concurrent put's (known limit).
+                    for chunk in chunks {
+                        if let Err(error) = client.delete_chunk(&namespace, &chunk).await {
+                            tracing::warn!(
+                                %error,
+                                key = %hex(&key),
+                                "an old chunk of a replaced blob was not deleted"
+                            );
+                        }
+                    }
+                }
+                Ok::<_, Error>(outcome)
+            }
+            .in_current_span(),
+        );
+        let mut outcome = stored.await.map_err(|e| {
+            Error::new(
+                ErrorCode::Internal,
+                format!("storing the manifest failed: {e}"),
             )
-            .await?;
+        })??;
         outcome.size = self.written;
         outcome.sha256 = digest;
-        if let Some(old) = replaced {
-            // The new blob is stored: the put succeeded whatever happens to
-            // the old chunks. One not deleted (a token without the delete
-            // role, a shard unavailable) is left behind, like a concurrent
-            // put's (known limit).
-            for chunk in own_chunks(&key, &old) {
-                if let Err(error) = client.delete_chunk(&namespace, &chunk).await {
-                    tracing::warn!(
-                        %error,
-                        key = %hex(&key),
-                        "an old chunk of a replaced blob was not deleted"
-                    );
-                }
-            }
-        }
         Ok(outcome)
     }
 }
