@@ -36,7 +36,8 @@ pub struct KubernetesConfig {
     /// their certificates name them so.
     pub statefulset: String,
     /// Read zones from the Kubernetes nodes (needs `get` on `nodes`, a
-    /// cluster-scoped permission). Default true.
+    /// cluster-scoped permission). Default true. Off, each pod's host is
+    /// its failure domain (read from the pod: namespaced).
     #[serde(default = "yes")]
     pub zones: bool,
 }
@@ -64,8 +65,9 @@ pub trait Orchestrator: Send + Sync + 'static {
     /// StatefulSet is gone or being deleted.
     async fn desired_nodes(&self) -> Result<Option<u32>, String>;
 
-    /// The zone of the Kubernetes node that runs `pod`; `None` when the
-    /// pod, its node or the label is missing (or zones are off).
+    /// The zone of the Kubernetes node that runs `pod` (its host's domain,
+    /// [`host_domain`], when the node has no zone label or zones are off);
+    /// `None` when the pod or its node is missing.
     async fn zone_of_pod(&self, pod: &str) -> Result<Option<String>, String>;
 }
 
@@ -121,9 +123,6 @@ impl Orchestrator for Kubernetes {
     }
 
     async fn zone_of_pod(&self, pod: &str) -> Result<Option<String>, String> {
-        if !self.config.zones {
-            return Ok(None);
-        }
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.config.namespace);
         let Some(host) = pods
             .get_opt(pod)
@@ -134,6 +133,13 @@ impl Orchestrator for Kubernetes {
         else {
             return Ok(None);
         };
+        if !self.config.zones {
+            // No permission on nodes (cluster-wide): the pod's host is its
+            // failure domain — read from the pod (namespaced). Before, a
+            // cluster without zones put every node in one empty domain,
+            // and two replicas of a shard could share a host.
+            return Ok(Some(host_domain(&host)));
+        }
         let nodes: Api<Node> = Api::all(self.client.clone());
         let zone = nodes
             .get_opt(&host)
@@ -145,6 +151,9 @@ impl Orchestrator for Kubernetes {
     }
 }
 
+/// How [`host_domain`]'s domains begin.
+pub const HOST_DOMAIN_PREFIX: &str = "host:";
+
 /// The failure domain of a pod on Kubernetes node `host` that carries no
 /// zone label: the host itself. Without it every such pod's node reported
 /// the same empty zone, and with the chart's soft anti-affinity two node
@@ -152,7 +161,7 @@ impl Orchestrator for Kubernetes {
 /// down, the shard without a majority). At most 64 bytes (the zone limit):
 /// a longer host name is shortened to a digest of it.
 pub fn host_domain(host: &str) -> String {
-    const PREFIX: &str = "host:";
+    const PREFIX: &str = HOST_DOMAIN_PREFIX;
     if PREFIX.len() + host.len() <= 64 {
         return format!("{PREFIX}{host}");
     }

@@ -363,6 +363,14 @@ impl Shared {
             return (Some(reported.to_string()), Some(false));
         };
         let zone = match k8s.zone_of_pod(pod).await {
+            // A zone the node was given (`--zone`) over the host
+            // fallback: the operator said where it is.
+            Ok(Some(zone))
+                if zone.starts_with(crate::kubernetes::HOST_DOMAIN_PREFIX)
+                    && !reported.is_empty() =>
+            {
+                Some(reported.to_string())
+            }
             Ok(Some(zone)) if zone.len() <= MAX_ZONE => Some(zone),
             Ok(_) => Some(reported.to_string()),
             Err(error) => {

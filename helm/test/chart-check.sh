@@ -96,6 +96,8 @@ refuse "additional properties" --set nodes.replica=4
 refuse "minimum" --set cluster.shards=0
 refuse "minimum" --set etcd.quotaBackendBytes=1000
 refuse "must include admin" --set tls.clients={app}
+# A Secret name: lowercase RFC 1123 (the setup Job failed on `CI_runner`).
+refuse "does not match pattern" --set 'tls.clients={admin,CI_runner}'
 refuse "set tls.ca.create=false" --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=x
 refuse "value must be one of" --set nodes.antiAffinity=sometimes
 refuse "value must be one of" --set telemetry.logFormat=xml

@@ -577,10 +577,24 @@ def etcd_refuses_other_certificates(pod):
         kubectl("exec", pod, "-c", "etcd", "--", "rm", "-rf", probe, check=False)
 
 
+def zones_are_hosts():
+    """Every node's failure domain is its Kubernetes host (kube-local's
+    node has no zone label; with coordinator.kubernetes.zones=false the
+    host is read from the pod). Before, zones=false put every node in one
+    empty domain."""
+    hosts = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods("node")}
+    for node in status()["nodes"]:
+        pod = pod_of(node["address"])
+        assert node["zone"] == f"host:{hosts[pod]}", (node, hosts)
+    log(f"every node's zone is its host ({len(hosts)} pods)")
+
+
 def smoke():
     cluster_up(4)
-    install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1"))
+    install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1",
+                   "--set", "coordinator.kubernetes.zones=false"))
     put_get()
+    zones_are_hosts()
     etcd_maintenance()
     etcd_members_fixed(1)
     client_certificate_renewed()
@@ -811,6 +825,7 @@ def full():
     install(3, 3)
     helm_test()
     put_get()
+    zones_are_hosts()
     kubectl("apply", "-f", "-", input=LOAD_POD)
     kubectl("wait", "--for=condition=Ready", "pod/load", "--timeout=120s")
     tidectl("namespace", "create", "load")
