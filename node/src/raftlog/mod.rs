@@ -349,21 +349,25 @@ impl RaftLog {
     }
 
     /// The configuration entry `index` applies under: the one made by the
-    /// last configuration entry before it. That is the current one, except
-    /// while a restart applies entries again: the state records in the WAL
-    /// carry configurations applied after the last saved application
-    /// state, so the current one may have been made after `index` (a
-    /// membership change applied just before a kill -9). `None` if no
-    /// configuration recovered is older than `index` (never for an entry
-    /// after the saved applied index).
+    /// last configuration entry before it. After a restart, up to the last
+    /// configuration recovered, that is the recovered one: entries are
+    /// applied again from the last saved application state, while raft-rs
+    /// starts from the newest configuration the WAL holds (a membership
+    /// change applied just before a kill -9), and a configuration entry
+    /// applied again is computed on top of that one — not what it made the
+    /// first time. Past them, the current one. `None` if no configuration
+    /// recovered is older than `index` (never for an entry after the saved
+    /// applied index).
     pub fn conf_before(&self, index: u64) -> Option<&ConfState> {
-        if self.conf_index < index {
-            return Some(&self.conf_state);
+        match self.recovered_confs.keys().next_back() {
+            Some(last) if index <= *last => self
+                .recovered_confs
+                .range(..index)
+                .next_back()
+                .map(|(_, conf)| conf),
+            _ if self.conf_index < index => Some(&self.conf_state),
+            _ => None,
         }
-        self.recovered_confs
-            .range(..index)
-            .next_back()
-            .map(|(_, conf)| conf)
     }
 
     /// Lets this log prepare snapshots (when it leads).

@@ -140,7 +140,7 @@ impl Replica {
                     // background (`sweep.rs`: the recorded drop is what it
                     // sweeps to); a listing skips them meanwhile.
                     self.log().record_drop(namespace, below);
-                    self.dropped_since_compaction = true;
+                    self.drop_to_compact = Some(entry.index);
                 }
             }
             Command::Split { child, at } => self.apply_split(entry.index, child, at)?,

@@ -189,9 +189,10 @@ pub struct Replica {
     /// looked at, and ticks since that changed (`ready.rs`,
     /// `maybe_compact`).
     catch_up: std::collections::BTreeMap<u64, (u64, u32)>,
-    /// An epoch drop applied since the last compaction: the next compacts
-    /// whatever the limits (`maybe_compact`).
-    dropped_since_compaction: bool,
+    /// The index of an epoch drop applied that no compaction has reached
+    /// yet: compactions go ahead whatever the limits until one does
+    /// (`maybe_compact`).
+    drop_to_compact: Option<u64>,
     /// Sweeping the name index (names outside the range, dropped ones).
     sweeping: Sweeping,
     /// Whether the group stopped ticking, having nothing to do.
@@ -315,7 +316,7 @@ impl Replica {
             transfer: TransferState::default(),
             snapshot_watch: Default::default(),
             catch_up: Default::default(),
-            dropped_since_compaction: false,
+            drop_to_compact: None,
             sweeping: Sweeping::default(),
             quiescence: Quiescence::default(),
             votes: VoteHold::default(),

@@ -240,10 +240,13 @@ impl Replica {
         // byte limit of expired data per shard kept meanwhile.
         if entries >= (max_entries / 4).max(1)
             || log.wal_bytes_through(to) >= max_bytes / 4
-            || self.dropped_since_compaction
+            || self.drop_to_compact.is_some()
         {
             self.log().compact(to)?;
-            self.dropped_since_compaction = false;
+            // (A leader's compaction waits for its slowest follower.)
+            if self.drop_to_compact.is_some_and(|drop| to >= drop) {
+                self.drop_to_compact = None;
+            }
         }
         Ok(())
     }

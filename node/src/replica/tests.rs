@@ -381,7 +381,7 @@ fn split(cluster: &mut SimCluster) {
 }
 
 /// Kills a voter other than the leader and restarts it; returns its id.
-/// First, a write every replica applies: a follower learns that the last
+/// First, a write nodes 1 to 4 apply: a follower learns that the last
 /// entries committed only with the next message that says so.
 fn restart_a_follower(cluster: &mut SimCluster) -> u64 {
     let slot = cluster.put(key(77), b"the last write".to_vec());
@@ -390,9 +390,7 @@ fn restart_a_follower(cluster: &mut SimCluster) -> u64 {
     let last = cluster.replica(leader).unwrap().log().applied();
     assert!(
         cluster
-            .run_until(500, |c| c
-                .ids()
-                .into_iter()
+            .run_until(500, |c| (1..=4)
                 .all(|id| c.replica(id).is_some_and(|r| r.log().applied() >= last)))
             .unwrap(),
         "the replicas never applied the last write"
@@ -472,5 +470,45 @@ fn a_split_carried_out_before_a_learner_joined_stays_carried_out_after_a_restart
             vec![CHILD],
             "node {id}"
         );
+    }
+}
+
+/// As above, with a membership change between the last saved application
+/// state and the split: applied again after the restart, raft-rs computes
+/// it on top of the newest configuration (the learner already promoted),
+/// not what it made the first time — decided under that, the split every
+/// replica refused was carried out on the restarted one. The membership
+/// recovered for the split's entry is the one recorded then.
+#[test]
+fn a_split_refused_after_a_membership_change_stays_refused_after_a_restart() {
+    use raft::eraftpb::ConfChangeType;
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = splittable_group(seed, dir.path());
+    cluster.add_node(5, &[]);
+    for node in [4, 5] {
+        let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, node);
+        applied(&mut cluster, &slot, "adding a learner");
+    }
+    cluster.run(20).unwrap();
+    for id in 1..=3 {
+        cluster.replica(id).unwrap().engine().flush().unwrap();
+    }
+    // After the saved state: learner 5 leaves (applied again on top of the
+    // newest configuration, where 5 is no member, it changes nothing).
+    let slot = cluster.change_membership(ConfChangeType::RemoveNode, 5);
+    applied(&mut cluster, &slot, "removing learner 5");
+    split(&mut cluster);
+    let slot = cluster.change_membership(ConfChangeType::AddNode, 4);
+    applied(&mut cluster, &slot, "promoting learner 4");
+    cluster.run(20).unwrap();
+    let restarted = restart_a_follower(&mut cluster);
+    for id in 1..=4 {
+        let replica = cluster.replica(id).unwrap();
+        assert!(
+            replica.log().children().is_empty(),
+            "node {id} (restarted: {restarted}) carried the refused split out, seed {seed}"
+        );
+        assert_eq!(replica.log().range(), Some((0, u64::MAX)), "node {id}");
     }
 }

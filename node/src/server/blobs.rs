@@ -192,11 +192,6 @@ impl BlobApi {
         }
     }
 
-    /// `WRONG_SHARD` unless the target's replica still owns `key`, checked
-    /// after reading it: a split that gave the key to a new group applied
-    /// after the read point (the read saw the key's last value here) or
-    /// before it (the value may be stale: the client asks the new group).
-    /// Ranges only narrow, so a key owned after the read was owned during.
     /// The epoch a put, delete or touch takes now: the later of the
     /// shard's and this node's map's. The coordinator raises the map's
     /// epoch first and then asks each shard to advance, one after another
@@ -210,6 +205,11 @@ impl BlobApi {
         target.shard.engine().epoch().0.max(map)
     }
 
+    /// `WRONG_SHARD` unless the target's replica still owns `key`, checked
+    /// after reading it: a split that gave the key to a new group applied
+    /// after the read point (the read saw the key's last value here) or
+    /// before it (the value may be stale: the client asks the new group).
+    /// Ranges only narrow, so a key owned after the read was owned during.
     fn check_owned(&self, target: &Target, key: &StorageKey) -> ApiResult<()> {
         if owns(target.shard.range(), key) {
             return Ok(());
@@ -724,11 +724,24 @@ impl BlobApi {
         let target = self.target(request.blob.as_ref())?;
         self.read_point(&target, request.consistency).await?;
         let key = target.key;
+        let checked = !request.unchecked;
         let stored = self
             .engine_read_now(
                 &target,
-                |engine, space| engine.get_head_now(space, &key, blob::HEADER_BYTES),
-                move |engine, space| engine.get_head(space, &key, blob::HEADER_BYTES),
+                |engine, space| {
+                    if checked {
+                        engine.get_head_now(space, &key, blob::HEADER_BYTES)
+                    } else {
+                        Ok(None)
+                    }
+                },
+                move |engine, space| {
+                    if checked {
+                        engine.get_head(space, &key, blob::HEADER_BYTES)
+                    } else {
+                        engine.get_head_unchecked(space, &key, blob::HEADER_BYTES)
+                    }
+                },
             )
             .await?;
         self.check_owned(&target, &key)?;
