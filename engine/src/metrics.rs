@@ -182,8 +182,9 @@ counters! {
     bytes_reclaimed,
     /// Relocation passes run.
     relocation_passes,
-    /// Live values relocation could not read (corrupt, or an I/O error):
-    /// left in place, their segments kept.
+    /// Segments in which relocation met a live value it could not read
+    /// (corrupt, or an I/O error), once each since the engine opened: kept,
+    /// and no longer background candidates.
     unreadable_values,
     /// Entries touched into the current epoch.
     touches,

@@ -46,6 +46,21 @@ pub(crate) fn write_snapshot_then<T>(
     inner: &Inner,
     then: impl FnOnce(&ControlData) -> Result<T>,
 ) -> Result<T> {
+    write_snapshot_seeing_moves(inner, |data, _| then(data))
+}
+
+/// [`write_snapshot_then`]; `then` also learns whether a cell held a move
+/// (or a change covering one) not yet flushed when the snapshot took its
+/// layers: then the snapshot's index may still point into a segment a
+/// relocation emptied, and that segment must stay. Asked after the
+/// snapshot instead, a move flushed meanwhile (the background flusher, or
+/// a touch's record processed during the snapshot's syncs) read as
+/// flushed in the snapshot too, and a segment its index still named was
+/// deleted.
+pub(crate) fn write_snapshot_seeing_moves<T>(
+    inner: &Inner,
+    then: impl FnOnce(&ControlData, bool) -> Result<T>,
+) -> Result<T> {
     let mut last = inner.last_snapshot.lock();
     inner.health.check()?;
     let p0 = inner.values.processed().0;
@@ -54,12 +69,14 @@ pub(crate) fn write_snapshot_then<T>(
     // applied its records again yet: `Config::hold_replay_until_released`).
     let mut replay_from = p0.min(inner.replay_hold.load(std::sync::atomic::Ordering::Acquire));
     let mut index_end = 0u64;
+    let mut held_moves = false;
     let mut spaces = Vec::new();
     for space in &inner.table.spaces {
         let mut cells = Vec::new();
         let key_len = space.key_len();
         for id in space.cell_ids() {
             space.with_cell(&id, |cell| {
+                held_moves |= cell.holds_unflushed_move();
                 for layer in cell.layers.iter() {
                     let end = layer.disk.position.0 + layer.disk.record_len(key_len) as u64;
                     index_end = index_end.max(end);
@@ -106,7 +123,7 @@ pub(crate) fn write_snapshot_then<T>(
         Metrics::add(&inner.metrics.counters().snapshots_unchanged, 1);
     }
     collect_index_garbage(inner, &data)?;
-    let result = then(&data);
+    let result = then(&data, held_moves);
     *last = Some(data);
     result
 }

@@ -416,11 +416,87 @@ fn a_damaged_live_value_keeps_its_segment_and_the_rest_is_reclaimed() {
         engine.get(ks, &key(damaged)),
         Err(tidepool_engine::Error::Corrupt { .. })
     ));
+    // Met again, the segment counts once.
+    let again = engine
+        .relocate(Strategy::Index {
+            below: engine.processed_position(),
+        })
+        .unwrap();
+    assert_eq!(again.entries_unreadable, 1, "{again:?}");
+    assert_eq!(engine.metrics().counters.unreadable_values, 1);
     for k in (0..KEYS).filter(|k| survives(*k) && *k != damaged) {
         assert_eq!(
             engine.get(ks, &key(k)).unwrap().map(|v| v.to_vec()),
             Some(value(k, 0, VALUE_BYTES)),
             "key {k}"
         );
+    }
+}
+
+/// On a full disk, background relocation gives back the segments holding
+/// nothing live first, without copying a byte. Before, it took the oldest
+/// segments first: a pass met one with live values, failed to copy them
+/// (DISK_FULL), and reclaimed none of the dead segments after it — every
+/// pass again, so the disk stayed full.
+#[test]
+fn a_full_disk_gives_back_dead_segments_before_copying_anything() {
+    let (storage, _) = fault_storage();
+    let mut config = Config::for_tests("/db");
+    config.relocation_enabled = true;
+    config.relocation_interval_ms = 20;
+    config.relocation_pressure_free_bytes = u64::MAX;
+    config.snapshot_interval_ms = 3_600_000;
+    let size = config.wal_segment_bytes;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let len = 6_000;
+    let mut segment_of = Vec::new();
+    for k in 0..60u64 {
+        let at = engine
+            .put(ks, &key(k), &value(k, 0, len), Durability::Buffered)
+            .unwrap();
+        segment_of.push(at.0 / size);
+    }
+    let first = segment_of[0];
+    // The two oldest segments keep most of their values (copying them
+    // needs more than the room left); the next three hold nothing live.
+    let mostly_live = [first, first + 1];
+    let dead = [first + 2, first + 3, first + 4];
+    let mut deleted = 0;
+    for k in 0..60u64 {
+        let s = segment_of[k as usize];
+        if dead.contains(&s) || (mostly_live.contains(&s) && k % 5 == 0) {
+            engine.delete(ks, &key(k), Durability::Buffered).unwrap();
+            deleted += 1;
+        }
+    }
+    assert!(deleted > 20);
+    engine.flush().unwrap();
+    // Room for small files (the control file, index blobs), not for a
+    // new value segment.
+    storage.set_capacity_bytes(Some(storage.used_bytes() + size / 4));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let left: Vec<u64> = engine
+            .segment_usage()
+            .unwrap()
+            .iter()
+            .map(|s| s.segment.0)
+            .filter(|s| dead.contains(s))
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "dead segments {left:?} never given back on the full disk"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    storage.set_capacity_bytes(None);
+    for k in 0..60u64 {
+        let s = segment_of[k as usize];
+        let live = !(dead.contains(&s) || (mostly_live.contains(&s) && k % 5 == 0));
+        assert_eq!(engine.get(ks, &key(k)).unwrap().is_some(), live, "key {k}");
     }
 }

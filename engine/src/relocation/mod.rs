@@ -106,6 +106,10 @@ pub(crate) struct RelocationState {
     /// The processed watermark when background relocation last took a
     /// census (0: take one at the next pass).
     census_processed: AtomicU64,
+    /// Segments holding a live value that could not be read (since the
+    /// engine opened): kept, and no longer background candidates — else
+    /// as many of them as a pass takes held every pass on themselves.
+    unreadable: Mutex<std::collections::BTreeSet<u64>>,
 }
 
 impl RelocationState {
@@ -122,6 +126,7 @@ impl RelocationState {
             census_at: AtomicU64::new(0),
             census_relocated: AtomicU64::new(0),
             census_processed: AtomicU64::new(0),
+            unreadable: Mutex::new(std::collections::BTreeSet::new()),
         }
     }
 
@@ -428,11 +433,12 @@ impl Inner {
                 // pass, each pass failed on the same record before it
                 // reclaimed anything, and the disk filled.
                 Err(Error::Corrupt { .. } | Error::Io { .. }) => {
-                    mover
-                        .kept_segments
-                        .insert(entry.location / self.config.wal_segment_bytes);
+                    let segment = entry.location / self.config.wal_segment_bytes;
+                    mover.kept_segments.insert(segment);
                     mover.report.entries_unreadable += 1;
-                    Metrics::add(&self.metrics.counters().unreadable_values, 1);
+                    if self.relocation.unreadable.lock().insert(segment) {
+                        Metrics::add(&self.metrics.counters().unreadable_values, 1);
+                    }
                 }
                 Err(error) => return Err(error),
             },
@@ -449,8 +455,8 @@ impl Inner {
     ///    durable, and `replay_from` moves past the segments);
     /// 3. delete each segment that ends at or below the durable
     ///    `replay_from`, the synced watermark and the application's
-    ///    retention, and is not active — provided no move or drop is still
-    ///    unflushed;
+    ///    retention, and is not active — provided no move or drop was
+    ///    unflushed when the snapshot took the cells' layers, nor is now;
     /// 4. sync the directory.
     ///
     /// A reader that found an entry in a deleted segment before step 3 still
@@ -463,15 +469,13 @@ impl Inner {
     ) -> Result<()> {
         crate::flush::flush_all(self)?;
         crate::index_cleaning::clean(self)?;
-        crate::snapshot::write_snapshot(self)?;
-        if segments.is_empty() || self.has_unflushed_moves() {
+        let (replay_from, held_moves) =
+            crate::snapshot::write_snapshot_seeing_moves(self, |control, held_moves| {
+                Ok((control.replay_from.0, held_moves))
+            })?;
+        if segments.is_empty() || held_moves || self.has_unflushed_moves() {
             return Ok(());
         }
-        let replay_from = self
-            .last_snapshot
-            .lock()
-            .as_ref()
-            .map_or(0, |c| c.replay_from.0);
         let limit = replay_from
             .min(self.values.synced().0)
             .min(self.relocation.retention());

@@ -104,16 +104,39 @@ pub(super) fn pass(
     } else {
         config.relocation_garbage_ratio
     };
+    let unreadable = state.unreadable.lock().clone();
     let wanted: Vec<_> = usage
         .iter()
         .filter(|u| u.sealed && (u.garbage_ratio() >= threshold || u.to_shed()))
-        .map(|u| u.segment)
+        .filter(|u| !unreadable.contains(&u.segment.0))
         .collect();
+    // Under pressure, segments holding nothing live go first, alone: they
+    // free space without copying a byte. Oldest first, a pass met a
+    // segment with live values first, failed to copy them on the full
+    // disk, and reclaimed none of the dead segments after it — every pass
+    // again. Then the least live first: the most space for the copying.
+    let mut chosen: Vec<_> = if pressure {
+        let dead: Vec<_> = wanted
+            .iter()
+            .filter(|u| u.live_bytes == 0)
+            .copied()
+            .collect();
+        if dead.is_empty() {
+            let mut least_live = wanted;
+            least_live.sort_by_key(|u| u.live_bytes);
+            least_live
+        } else {
+            dead
+        }
+    } else {
+        wanted
+    };
+    chosen.truncate(config.relocation_segments_per_pass as usize);
+    let chosen: Vec<_> = chosen.iter().map(|u| u.segment).collect();
     let candidates: Vec<_> = inner
         .sealed_segments()
         .into_iter()
-        .filter(|s| wanted.contains(&s.id))
-        .take(config.relocation_segments_per_pass as usize)
+        .filter(|s| chosen.contains(&s.id))
         .map(|s| s.id)
         .collect();
     if candidates.is_empty() {

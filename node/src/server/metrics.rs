@@ -445,7 +445,7 @@ const SHARD_COUNTERS: &[(&str, &str, Read)] = &[
     ),
     (
         "tidepool_engine_unreadable_values",
-        "Live values relocation could not read (corrupt, or an I/O error); their segments are kept.",
+        "Segments in which relocation met a live value it could not read (corrupt, or an I/O error), once each: kept, and no longer relocated.",
         |s| Some(s.engine.counters.unreadable_values),
     ),
 ];
