@@ -1167,22 +1167,37 @@ impl Client {
     #[tracing::instrument(name = "tidepool.head", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn head(&self, namespace: &str, key: &[u8]) -> Result<BlobMeta> {
         let result: Result<BlobMeta> = async {
-            let info = self.head_info(namespace, key).await?;
-            if info.kind == BlobKind::Manifest as i32 {
-                let manifest = self.manifest(namespace, key).await?;
+            // A chunked blob replaced by a plain one, or deleted, between
+            // its head and its manifest's read is looked at again (it
+            // answered INTERNAL, "not chunked").
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let info = self.head_info(namespace, key).await?;
+                if info.kind == BlobKind::Manifest as i32 {
+                    let Some(manifest) = self.manifest_if_chunked(namespace, key).await? else {
+                        if tries < 3 {
+                            continue;
+                        }
+                        return Err(Error::new(
+                            ErrorCode::Conflict,
+                            "the blob changed while it was looked at: look again",
+                        ));
+                    };
+                    return Ok(BlobMeta {
+                        size: manifest.size,
+                        sha256: digest_of(&manifest.sha256)?,
+                        epoch: info.epoch,
+                        chunked: true,
+                    });
+                }
                 return Ok(BlobMeta {
-                    size: manifest.size,
-                    sha256: digest_of(&manifest.sha256)?,
+                    size: info.size,
+                    sha256: digest_of(&info.sha256)?,
                     epoch: info.epoch,
-                    chunked: true,
+                    chunked: false,
                 });
             }
-            Ok(BlobMeta {
-                size: info.size,
-                sha256: digest_of(&info.sha256)?,
-                epoch: info.epoch,
-                chunked: false,
-            })
         }
         .await;
         result.traced()
@@ -1190,11 +1205,24 @@ impl Client {
 
     /// The stored blob's own info (a manifest's, for a chunked blob).
     pub(crate) async fn head_info(&self, namespace: &str, key: &[u8]) -> Result<BlobInfo> {
+        self.head_info_checked(namespace, key, true).await
+    }
+
+    /// [`Client::head_info`]; `checked` false reads the header alone even
+    /// where the value fails its checksum (`HeadRequest.unchecked`): a
+    /// digest to compare other copies with, never trusted alone.
+    pub(crate) async fn head_info_checked(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        checked: bool,
+    ) -> Result<BlobInfo> {
         self.on_shard(namespace, key, |channel, map_version, _| async move {
             BlobServiceClient::new(channel)
                 .head(HeadRequest {
                     blob: blob_ref(namespace, key),
                     map_version,
+                    unchecked: !checked,
                     ..HeadRequest::default()
                 })
                 .await
@@ -1441,7 +1469,7 @@ impl Client {
         result.traced()
     }
 
-    async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
+    pub(crate) async fn touch_one(&self, namespace: &str, key: &[u8]) -> Result<u64> {
         // A touch that finds nothing is a true answer after any earlier
         // attempt: nothing is there to touch now.
         // A blob already in the current epoch is answered without a log

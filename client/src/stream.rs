@@ -202,6 +202,7 @@ impl Client {
                 ..ChunkManifest::default()
             },
             storing: std::collections::VecDeque::new(),
+            chunk_epochs: Vec::new(),
             whole: Sha256::new(),
             expected: None,
             written: 0,
@@ -348,7 +349,9 @@ impl Client {
                 let (expected, kind) = if cas {
                     (key.to_vec(), None)
                 } else {
-                    match self.head_info(namespace, key).await {
+                    // The header alone, unchecked: a small blob's checked
+                    // head reads (and fails on) the whole damaged value.
+                    match self.head_info_checked(namespace, key, false).await {
                         Ok(head) => (head.sha256, Some(head.kind)),
                         // The header itself is damaged: no digest to check
                         // another copy against.
@@ -390,13 +393,6 @@ impl Client {
         read_blob(channel, request, self.chunk_size())
             .await
             .map_err(|s| Error::new(ErrorCode::Internal, s.message().to_string()))
-    }
-
-    /// The manifest stored under `key` (which must be chunked).
-    pub(crate) async fn manifest(&self, namespace: &str, key: &[u8]) -> Result<ChunkManifest> {
-        self.manifest_if_chunked(namespace, key)
-            .await?
-            .ok_or_else(|| Error::new(ErrorCode::Internal, "the blob is not chunked"))
     }
 
     /// What a listing shows of the blob under `key` now (its whole size
@@ -496,7 +492,9 @@ pub struct Upload {
     manifest: ChunkManifest,
     /// Chunks being stored, oldest first (each task hashes and stores
     /// one; their references join the manifest in this order).
-    storing: std::collections::VecDeque<tokio::task::JoinHandle<Result<ChunkRef>>>,
+    storing: std::collections::VecDeque<tokio::task::JoinHandle<Result<(ChunkRef, u64)>>>,
+    /// The epoch each stored chunk was written in (the manifest's order).
+    chunk_epochs: Vec<u64>,
     whole: Sha256,
     /// The SHA-256 the content must have ([`Upload::expect_sha256`]).
     expected: Option<[u8; 32]>,
@@ -594,14 +592,15 @@ impl Upload {
         let store = async move {
             let digest = sha256(&chunk);
             let key = named.unwrap_or(digest);
-            client
+            let stored = client
                 .put_hashed(&namespace, &key, &chunk, kind, digest)
                 .await?;
-            Ok(ChunkRef {
+            let chunk = ChunkRef {
                 key: key.to_vec(),
                 size: chunk.len() as u64,
                 sha256: digest.to_vec(),
-            })
+            };
+            Ok((chunk, stored.epoch))
         };
         self.storing
             .push_back(tokio::spawn(tracing::Instrument::in_current_span(store)));
@@ -619,8 +618,9 @@ impl Upload {
             .map_err(|e| Error::new(ErrorCode::Internal, format!("a chunk's store failed: {e}")))
             .and_then(|r| r);
         match stored {
-            Ok(chunk) => {
+            Ok((chunk, epoch)) => {
                 self.manifest.chunks.push(chunk);
+                self.chunk_epochs.push(epoch);
                 Ok(())
             }
             Err(e) => {
@@ -754,6 +754,14 @@ impl Upload {
         self.manifest.sha256 = digest.to_vec();
         self.published = true;
         let manifest = self.manifest.encode_to_vec();
+        let cas = self.cas;
+        let chunks: Vec<(Vec<u8>, u64)> = self
+            .manifest
+            .chunks
+            .iter()
+            .map(|c| c.key.clone())
+            .zip(self.chunk_epochs.iter().copied())
+            .collect();
         let old_chunks = replaced.map(|old| own_chunks(&key, &old));
         // Run apart from the caller, and awaited: a caller gone once the
         // manifest is sent (a gateway client disconnecting) no longer cuts
@@ -763,6 +771,40 @@ impl Upload {
                 let outcome = client
                     .put_one(&namespace, &key, &manifest, BlobKind::Manifest)
                     .await?;
+                // Chunks written in an epoch before the manifest's (the
+                // upload spanned an advance) are moved to it: left there,
+                // the first drop took them an epoch before the manifest,
+                // which went on saying the blob exists while its reads
+                // failed. A chunk gone already (the upload outlasted the
+                // retention) makes the blob unreadable: it is deleted
+                // (outside content-addressed namespaces; in one the node
+                // checks chunks when a manifest is stored) and the upload
+                // fails.
+                for (chunk, epoch) in chunks.iter().filter(|(_, e)| *e < outcome.epoch) {
+                    match client.touch_one(&namespace, chunk).await {
+                        Ok(_) => {}
+                        Err(e) if e.code() == ErrorCode::NotFound => {
+                            if !cas {
+                                let _ = client.delete_one(&namespace, &key).await;
+                            }
+                            return Err(Error::new(
+                                ErrorCode::Conflict,
+                                format!(
+                                    "a chunk written in epoch {epoch} expired before the upload ended: upload the blob again"
+                                ),
+                            ));
+                        }
+                        // The blob is stored and readable now: a chunk not
+                        // moved (a shard unavailable) is logged, not the
+                        // put's failure (its answer would have the chunks
+                        // deleted under a stored manifest).
+                        Err(error) => tracing::warn!(
+                            %error,
+                            key = %hex(&key),
+                            "a chunk of an earlier epoch than its manifest was not moved to the manifest's"
+                        ),
+                    }
+                }
                 if let Some(chunks) = old_chunks {
                     // The new blob is stored: the put succeeded whatever
                     // happens to the old chunks. One not deleted (a token

@@ -380,6 +380,74 @@ async fn an_upload_fails_for_good_after_a_chunk_failed() {
     cluster.stop().await;
 }
 
+/// An upload whose chunks were written before an epoch advance and whose
+/// manifest after it moves the chunks to the manifest's epoch: left in
+/// theirs, the first drop took them an epoch before the manifest, which
+/// went on saying the blob exists while every read of it failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_written_before_an_epoch_advance_move_to_the_manifests_epoch() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .create_namespace("expiring", false, RetentionPolicy::Epochs(2))
+        .await
+        .unwrap();
+    let chunk = client.chunk_size();
+    let content = vec![5u8; 2 * chunk + 1];
+    let mut upload = client.upload("expiring", b"spanning").await.unwrap();
+    upload.write(&content).await.unwrap();
+    let chunks = upload.started_chunk_keys();
+    assert_eq!(chunks.len(), 2);
+    let before = client.map().epoch;
+    // The chunks are stored (in the background) in the epoch before.
+    for key in &chunks {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let stored = loop {
+            match client.head("expiring", key).await {
+                Ok(meta) => break meta,
+                Err(e) if e.code() == ErrorCode::NotFound => {
+                    assert!(std::time::Instant::now() < deadline, "a chunk never stored");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(stored.epoch, before);
+    }
+    let advanced = client.advance_epoch(None).await.unwrap();
+    assert!(advanced > before);
+    // Every shard's leader knows of the advance before the manifest is
+    // stored: 16 puts in a row (of keys spread over both shards) say so.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (mut in_a_row, mut i) = (0, 0);
+    while in_a_row < 16 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the advance never reached the nodes"
+        );
+        let probe = format!("probe-{i}").into_bytes();
+        i += 1;
+        if client.put("expiring", &probe, b"p").await.unwrap().epoch >= advanced {
+            in_a_row += 1;
+        } else {
+            in_a_row = 0;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let stored = upload.finish().await.unwrap();
+    assert_eq!(stored.epoch, advanced);
+    for key in &chunks {
+        let meta = client.head("expiring", key).await.unwrap();
+        assert_eq!(
+            meta.epoch, advanced,
+            "a chunk stayed in epoch {}",
+            meta.epoch
+        );
+    }
+    assert_eq!(client.get("expiring", b"spanning").await.unwrap(), content);
+    cluster.stop().await;
+}
+
 /// A delete of a chunked blob dropped once its manifest is gone (a gateway
 /// client disconnecting mid-request) still deletes the blob's chunks:
 /// nothing else names them, so they were never reclaimed.
@@ -391,14 +459,15 @@ async fn a_delete_dropped_after_the_manifest_went_still_deletes_the_chunks() {
     let mut cut_short = 0;
     for round in 0..3 {
         let key = format!("deleted-{round}").into_bytes();
-        let mut upload = client.upload("default", &key).await.unwrap();
-        upload.write(&content).await.unwrap();
-        let chunks: Vec<Vec<u8>> = upload
-            .started_chunk_keys()
-            .iter()
-            .map(|k| k.to_vec())
+        client.put("default", &key, &content).await.unwrap();
+        let chunks: Vec<Vec<u8>> = client
+            .chunks("default", &key)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|c| c.key)
             .collect();
-        upload.finish().await.unwrap();
+        assert_eq!(chunks.len(), 7);
         let watcher = client.clone();
         let manifest_gone = async { while watcher.exists("default", &key).await.unwrap() {} };
         tokio::select! {
@@ -420,6 +489,59 @@ async fn a_delete_dropped_after_the_manifest_went_still_deletes_the_chunks() {
     assert!(
         cut_short > 0,
         "no delete was cut short: the test checked nothing"
+    );
+    cluster.stop().await;
+}
+
+/// A put over a chunked blob dropped once the new manifest is stored (a
+/// gateway client disconnecting) still deletes the old blob's chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_dropped_after_its_manifest_went_still_deletes_the_old_chunks() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let size = 6 * client.chunk_size() + 1;
+    let mut cut_short = 0;
+    for round in 0..3u8 {
+        let key = format!("replaced-{round}").into_bytes();
+        client.put("default", &key, &vec![1; size]).await.unwrap();
+        let old: Vec<Vec<u8>> = client
+            .chunks("default", &key)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|c| c.key)
+            .collect();
+        let watcher = client.clone();
+        let replaced = async {
+            loop {
+                if let Ok(chunks) = watcher.chunks("default", &key).await
+                    && chunks.first().map(|c| &c.key) != old.first()
+                {
+                    break;
+                }
+            }
+        };
+        let new = vec![2; size];
+        tokio::select! {
+            biased;
+            _ = replaced => cut_short += 1,
+            done = client.put("default", &key, &new) => { done.unwrap(); }
+        }
+        let mut left = old.len();
+        for _ in 0..100 {
+            let present = client.batch_exists("default", &old).await.unwrap();
+            left = present.iter().filter(|p| **p).count();
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(left, 0, "round {round}: chunks of the replaced blob stay");
+        assert_eq!(client.get("default", &key).await.unwrap(), vec![2; size]);
+    }
+    assert!(
+        cut_short > 0,
+        "no put was cut short: the test checked nothing"
     );
     cluster.stop().await;
 }
@@ -634,6 +756,9 @@ async fn corrupted_replica_bytes_are_never_returned() {
         .collect();
     let digest = client.put_content("cas", &content).await.unwrap();
     client.put("default", b"plain", &content).await.unwrap();
+    // A small blob: a head reads it whole, checked.
+    let small: Vec<u8> = (0..2_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    client.put("default", b"small", &small).await.unwrap();
     // Corrupt the leader's copy (the one linearizable reads use).
     let leader = cluster.map().shards[0].leader_hint;
     let index = cluster
@@ -648,6 +773,7 @@ async fn corrupted_replica_bytes_are_never_returned() {
             &content[1000..1064]
         ));
     }
+    assert!(corrupt_first(&cluster.node_dir(index), &small[100..164]));
     // The right bytes, from a healthy replica where the leader's copy is
     // damaged — in a content-addressed namespace checked against the key,
     // elsewhere against the digest the leader's header names (before, one
@@ -659,7 +785,11 @@ async fn corrupted_replica_bytes_are_never_returned() {
         .map(|n| (n.node_id, n.address.clone()))
         .collect();
     // Both copies on the leader are damaged: read from it, each fails.
-    for (ns, key) in [("cas", digest.to_vec()), ("default", b"plain".to_vec())] {
+    for (ns, key) in [
+        ("cas", digest.to_vec()),
+        ("default", b"plain".to_vec()),
+        ("default", b"small".to_vec()),
+    ] {
         let direct = tidepool_testkit::grpc::get_at(
             &nodes[&leader],
             ns,
@@ -673,6 +803,8 @@ async fn corrupted_replica_bytes_are_never_returned() {
     assert!(got == content, "corrupt content returned");
     let got = client.get("default", b"plain").await.unwrap();
     assert!(got == content, "corrupt content returned");
+    let got = client.get("default", b"small").await.unwrap();
+    assert!(got == small, "corrupt content returned");
     cluster.stop().await;
 }
 

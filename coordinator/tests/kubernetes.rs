@@ -36,11 +36,14 @@ impl Orchestrator for Script {
         if self.zones_fail.load(std::sync::atomic::Ordering::Relaxed) {
             return Err("connection refused".into());
         }
-        // Pods 0 and 2 in zone a, 1 in b, the rest unlabelled.
+        // Pods 0 and 2 in zone a, 1 in b; the rest on Kubernetes nodes
+        // without the label: their host is their domain.
         Ok(match pod {
             "tp-node-0" | "tp-node-2" => Some("zone-a".into()),
             "tp-node-1" => Some("zone-b".into()),
-            _ => None,
+            other => Some(tidepool_coordinator::kubernetes::host_domain(&format!(
+                "k8s-{other}"
+            ))),
         })
     }
 }
@@ -96,18 +99,26 @@ async fn scale_downs_drain_and_scale_ups_undrain() {
     });
     let (shared, _stop) = leader(Some(script.clone())).await;
     let mut ids = Vec::new();
+    // Pod 4 was given no zone.
+    let reported = |i| if i == 4 { "" } else { "reported" };
     for i in 0..5 {
-        ids.push(register(&shared, 0, &format!("tp-node-{i}"), "reported").await);
+        ids.push(register(&shared, 0, &format!("tp-node-{i}"), reported(i)).await);
     }
     // A registration asked again (its answer lost) gets the same id: the
     // same certificate and address, an id that holds nothing yet.
-    assert_eq!(register(&shared, 0, "tp-node-4", "reported").await, ids[4]);
+    assert_eq!(register(&shared, 0, "tp-node-4", "").await, ids[4]);
     assert_eq!(shared.map().nodes.len(), 5);
     let zones: Vec<String> = shared.map().nodes.iter().map(|n| n.zone.clone()).collect();
     assert_eq!(
         zones,
-        ["zone-a", "zone-b", "zone-a", "reported", "reported"],
-        "Kubernetes zones win; the node's own where there is no label"
+        [
+            "zone-a",
+            "zone-b",
+            "zone-a",
+            "reported",
+            "host:k8s-tp-node-4"
+        ],
+        "Kubernetes zones win; where the node has no label, the zone the node was given, else its host"
     );
 
     // A restart: the StatefulSet still wants every pod.

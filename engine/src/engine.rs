@@ -314,6 +314,29 @@ impl Engine {
     /// (length, key), but not by the item's CRC, which covers the whole
     /// item: a reader of the whole value gets it verified.
     pub fn get_head(&self, space: KeySpace, key: &[u8], n: usize) -> Result<Option<StoredHead>> {
+        self.get_head_checked(space, key, n, true)
+    }
+
+    /// [`Engine::get_head`] without checking the value: the first `n`
+    /// bytes as stored, even when the value would fail its checksum (a
+    /// small value is otherwise read whole and checked). For comparing
+    /// with another copy, never to be trusted alone.
+    pub fn get_head_unchecked(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        n: usize,
+    ) -> Result<Option<StoredHead>> {
+        self.get_head_checked(space, key, n, false)
+    }
+
+    fn get_head_checked(
+        &self,
+        space: KeySpace,
+        key: &[u8],
+        n: usize,
+        checked: bool,
+    ) -> Result<Option<StoredHead>> {
         let inner = &*self.inner;
         inner.health.check()?;
         let (space_table, key) = inner.key(space, key)?;
@@ -322,7 +345,7 @@ impl Engine {
             let Some(entry) = inner.lookup(space_table, &key)? else {
                 return Ok(None);
             };
-            match inner.read_value_head(space_table, &key, &entry, n, true) {
+            match inner.read_value_head_checked(space_table, &key, &entry, n, true, checked) {
                 Err(Error::NoRecord(_)) => continue,
                 result => {
                     return result.map(|head| {
@@ -884,12 +907,26 @@ impl Inner {
         n: usize,
         wait: bool,
     ) -> Result<Option<(Bytes, u64)>> {
+        self.read_value_head_checked(space, key, entry, n, wait, true)
+    }
+
+    /// [`Inner::read_value_head`]; `checked` false never reads the whole
+    /// value to check it (a small one otherwise is).
+    fn read_value_head_checked(
+        &self,
+        space: &SpaceTable,
+        key: &Key,
+        entry: &Entry,
+        n: usize,
+        wait: bool,
+        checked: bool,
+    ) -> Result<Option<(Bytes, u64)>> {
         let head = |value: Bytes| {
             let len = value.len() as u64;
             (value.slice(..n.min(value.len())), len)
         };
         let len = entry.len as usize;
-        if len <= HEAD_WHOLE_BYTES + n || self.cache.get(entry.location).is_some() {
+        if checked && (len <= HEAD_WHOLE_BYTES + n || self.cache.get(entry.location).is_some()) {
             return Ok(self.read_value_with(space, key, entry, wait)?.map(head));
         }
         let position = WalPosition(entry.location);

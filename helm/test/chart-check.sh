@@ -98,6 +98,7 @@ refuse "minimum" --set etcd.quotaBackendBytes=1000
 refuse "must include admin" --set tls.clients={app}
 # A Secret name: lowercase RFC 1123 (the setup Job failed on `CI_runner`).
 refuse "does not match pattern" --set 'tls.clients={admin,CI_runner}'
+refuse "does not match pattern" --set 'tls.clients={admin,a..b}'
 refuse "set tls.ca.create=false" --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=x
 refuse "value must be one of" --set nodes.antiAffinity=sometimes
 refuse "value must be one of" --set telemetry.logFormat=xml
