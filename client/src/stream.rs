@@ -754,7 +754,7 @@ impl Upload {
         self.manifest.sha256 = digest.to_vec();
         self.published = true;
         let manifest = self.manifest.encode_to_vec();
-        let cas = self.cas;
+        let (cas, nonce) = (self.cas, self.manifest.nonce);
         let chunks: Vec<(Vec<u8>, u64)> = self
             .manifest
             .chunks
@@ -784,7 +784,13 @@ impl Upload {
                     match client.touch_one(&namespace, chunk).await {
                         Ok(_) => {}
                         Err(e) if e.code() == ErrorCode::NotFound => {
-                            if !cas {
+                            // This upload's manifest only (its nonce): a
+                            // put that replaced it since is another's blob.
+                            if !cas
+                                && let Ok(Some(stored)) =
+                                    client.manifest_if_chunked(&namespace, &key).await
+                                && stored.nonce == nonce
+                            {
                                 let _ = client.delete_one(&namespace, &key).await;
                             }
                             return Err(Error::new(

@@ -105,10 +105,15 @@ pub(super) fn pass(
         config.relocation_garbage_ratio
     };
     let unreadable = state.unreadable.lock().clone();
+    // Only segments a pass may reclaim (sealed, below the log retention):
+    // one the retention still holds, chosen alone under pressure, held
+    // every pass on itself.
+    let reclaimable: std::collections::BTreeSet<_> =
+        inner.sealed_segments().into_iter().map(|s| s.id).collect();
     let wanted: Vec<_> = usage
         .iter()
         .filter(|u| u.sealed && (u.garbage_ratio() >= threshold || u.to_shed()))
-        .filter(|u| !unreadable.contains(&u.segment.0))
+        .filter(|u| !unreadable.contains(&u.segment.0) && reclaimable.contains(&u.segment))
         .collect();
     // Under pressure, segments holding nothing live go first, alone: they
     // free space without copying a byte. Oldest first, a pass met a
@@ -133,11 +138,9 @@ pub(super) fn pass(
     };
     chosen.truncate(config.relocation_segments_per_pass as usize);
     let chosen: Vec<_> = chosen.iter().map(|u| u.segment).collect();
-    let candidates: Vec<_> = inner
-        .sealed_segments()
+    let candidates: Vec<_> = reclaimable
         .into_iter()
-        .filter(|s| chosen.contains(&s.id))
-        .map(|s| s.id)
+        .filter(|id| chosen.contains(id))
         .collect();
     if candidates.is_empty() {
         return Ok(false);

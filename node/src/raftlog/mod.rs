@@ -279,7 +279,9 @@ impl RaftLog {
                     }
                     Ok(LogRecord::Entry(_)) => {}
                     Ok(LogRecord::State(hs, cs, ci)) => {
-                        confs.insert(ci, cs.clone());
+                        // The first record of a configuration is the one
+                        // its entry made.
+                        confs.entry(ci).or_insert_with(|| cs.clone());
                         state = Some((hs, cs, ci));
                     }
                     Err(error) => {
@@ -292,7 +294,9 @@ impl RaftLog {
             return Err(error);
         }
         self.entries = entries;
-        self.recovered_confs.extend(confs);
+        for (index, conf) in confs {
+            self.recovered_confs.entry(index).or_insert(conf);
+        }
         let found = state.is_some();
         if let Some((hs, cs, conf_index)) = state {
             self.hard_state = hs;
@@ -368,6 +372,12 @@ impl RaftLog {
             _ if self.conf_index < index => Some(&self.conf_state),
             _ => None,
         }
+    }
+
+    /// The configuration that configuration entry `index` made when first
+    /// applied, if recovered at open (the entry is being applied again).
+    pub fn recovered_conf_made_by(&self, index: u64) -> Option<&ConfState> {
+        self.recovered_confs.get(&index)
     }
 
     /// Lets this log prepare snapshots (when it leads).

@@ -57,7 +57,16 @@ impl Replica {
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {
                 let change = ConfChangeV2::decode(&entry.data[..])
                     .map_err(|e| NodeError::Malformed(format!("conf change at {index}: {e}")))?;
-                let conf_state = self.raw.apply_conf_change(&change)?;
+                let computed = self.raw.apply_conf_change(&change)?;
+                // Applied again after a restart, an entry's configuration
+                // is the one it made the first time, as recorded — not
+                // raft-rs's recomputation on top of the newest one, which,
+                // recorded, a second restart took for the entry's own.
+                let conf_state = self
+                    .log()
+                    .recovered_conf_made_by(index)
+                    .cloned()
+                    .unwrap_or(computed);
                 self.log().set_state(None, Some((&conf_state, index)))?;
             } else if entry.entry_type == EntryType::EntryNormal as i32 {
                 results = self.apply_command(&entry)?;

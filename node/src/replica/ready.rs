@@ -238,13 +238,16 @@ impl Replica {
         // longer does, and an idle shard (two entries an epoch) reached a
         // quarter of the limits after some thousand epochs — up to the
         // byte limit of expired data per shard kept meanwhile.
+        // (Only once a compaction reaches the drop: a leader's waits for
+        // its slowest follower, and forced before, every Ready flushed the
+        // engine while one was down.)
+        let drop_reached = self.drop_to_compact.is_some_and(|drop| to >= drop);
         if entries >= (max_entries / 4).max(1)
             || log.wal_bytes_through(to) >= max_bytes / 4
-            || self.drop_to_compact.is_some()
+            || drop_reached
         {
             self.log().compact(to)?;
-            // (A leader's compaction waits for its slowest follower.)
-            if self.drop_to_compact.is_some_and(|drop| to >= drop) {
+            if drop_reached {
                 self.drop_to_compact = None;
             }
         }
