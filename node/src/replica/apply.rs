@@ -149,7 +149,7 @@ impl Replica {
                     // background (`sweep.rs`: the recorded drop is what it
                     // sweeps to); a listing skips them meanwhile.
                     self.log().record_drop(namespace, below);
-                    self.drop_to_compact = Some(entry.index);
+                    self.drop_to_compact = Some((entry.index, false));
                 }
             }
             Command::Split { child, at } => self.apply_split(entry.index, child, at)?,

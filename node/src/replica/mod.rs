@@ -190,9 +190,10 @@ pub struct Replica {
     /// `maybe_compact`).
     catch_up: std::collections::BTreeMap<u64, (u64, u32)>,
     /// The index of an epoch drop applied that no compaction has reached
-    /// yet: compactions go ahead whatever the limits until one does
+    /// yet, and whether one was forced since: the first compaction after
+    /// it, and the one that reaches it, go ahead whatever the limits
     /// (`maybe_compact`).
-    drop_to_compact: Option<u64>,
+    drop_to_compact: Option<(u64, bool)>,
     /// Sweeping the name index (names outside the range, dropped ones).
     sweeping: Sweeping,
     /// Whether the group stopped ticking, having nothing to do.

@@ -238,18 +238,24 @@ impl Replica {
         // longer does, and an idle shard (two entries an epoch) reached a
         // quarter of the limits after some thousand epochs — up to the
         // byte limit of expired data per shard kept meanwhile.
-        // (Only once a compaction reaches the drop: a leader's waits for
-        // its slowest follower, and forced before, every Ready flushed the
-        // engine while one was down.)
-        let drop_reached = self.drop_to_compact.is_some_and(|drop| to >= drop);
+        // Forced once as the drop applies (a leader's compaction stops at
+        // its slowest follower, and no Ready may come when that one catches
+        // up), then once a compaction can reach the drop — not at every
+        // Ready until then: with a follower down, that flushed the engine
+        // every Ready.
+        let (forced, reached) = match self.drop_to_compact {
+            Some((drop, tried)) => (!tried || to >= drop, to >= drop),
+            None => (false, false),
+        };
         if entries >= (max_entries / 4).max(1)
             || log.wal_bytes_through(to) >= max_bytes / 4
-            || drop_reached
+            || forced
         {
             self.log().compact(to)?;
-            if drop_reached {
-                self.drop_to_compact = None;
-            }
+            self.drop_to_compact = match self.drop_to_compact {
+                Some((drop, _)) if !reached => Some((drop, true)),
+                _ => None,
+            };
         }
         Ok(())
     }
