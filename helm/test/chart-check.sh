@@ -35,7 +35,7 @@ variants=(
   "--set etcd.replicas=1 --set nodes.replicas=5 --set volumePermissions.enabled=true"
   "--set etcd.enabled=false --set etcd.external.endpoints={https://etcd.example:2379} --set etcd.external.tlsSecret=etcd-client"
   "--set tls.ca.create=false --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=ca-issuer --set tls.certManager.issuerRef.kind=ClusterIssuer --set tls.ca.certKey=tls.crt --set tls.ca.keyKey=tls.key"
-  "--set metrics.serviceMonitor.enabled=true --set metrics.prometheusRule.enabled=true --set metrics.grafanaDashboard.enabled=true --set telemetry.logFormat=json --set telemetry.otlpEndpoint=http://collector:4317 --set telemetry.traceSampling=0.1 --set networkPolicy.enabled=true --set networkPolicy.allowedNamespaces={ci}"
+  "--set metrics.serviceMonitor.enabled=true --set metrics.prometheusRule.enabled=true --set metrics.grafanaDashboard.enabled=true --set telemetry.logFormat=json --set telemetry.otlpEndpoint=http://collector:4317 --set telemetry.traceSampling=0.1 --set networkPolicy.enabled=true --set networkPolicy.allowedNamespaces={ci} --set networkPolicy.allowedCIDRs={10.20.0.0/16}"
   "--set auth.existingSecret=my-token --set tls.clients={admin,gateway}"
   "--set gateway.enabled=true --set gateway.tls.secretName=cache-tls --set gateway.anonymous=true --set gateway.instances={cache,ci}"
 )
@@ -99,6 +99,10 @@ refuse "must include admin" --set tls.clients={app}
 # A Secret name: lowercase RFC 1123 (the setup Job failed on `CI_runner`).
 refuse "does not match pattern" --set 'tls.clients={admin,CI_runner}'
 refuse "does not match pattern" --set 'tls.clients={admin,a..b}'
+refuse "does not match pattern" --set 'networkPolicy.allowedCIDRs={runners}'
+# Ranges outside the cluster reach the gateway (a LoadBalancer's clients).
+"$HELM" template t "$CHART" --set networkPolicy.enabled=true --set 'networkPolicy.allowedCIDRs={10.20.0.0/16}' \
+  | grep -q "cidr: 10.20.0.0/16" || { echo "chart-check: networkPolicy.allowedCIDRs not rendered" >&2; exit 1; }
 refuse "set tls.ca.create=false" --set tls.certManager.enabled=true --set tls.certManager.issuerRef.name=x
 refuse "value must be one of" --set nodes.antiAffinity=sometimes
 refuse "value must be one of" --set telemetry.logFormat=xml

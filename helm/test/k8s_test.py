@@ -589,12 +589,23 @@ def zones_are_hosts():
     log(f"every node's zone is its host ({len(hosts)} pods)")
 
 
+def volume_size_fixed():
+    """An upgrade changing a volume's size is refused by the chart, with
+    what to do instead (the API server refused it after rendering)."""
+    out = run("helm", "upgrade", REL, str(CHART), "-n", NS, "--reuse-values",
+              "--set", "nodes.persistence.size=5Gi", check=False)
+    assert out.returncode != 0, "a changed volume size was accepted"
+    assert "nodes.persistence.size cannot change" in out.stdout + out.stderr, out.stderr
+    log("an upgrade changing nodes.persistence.size is refused")
+
+
 def smoke():
     cluster_up(4)
     install(3, 1, ("--set", "gateway.enabled=true", "--set", "gateway.replicas=1",
                    "--set", "coordinator.kubernetes.zones=false"))
     put_get()
     zones_are_hosts()
+    volume_size_fixed()
     etcd_maintenance()
     etcd_members_fixed(1)
     client_certificate_renewed()

@@ -200,6 +200,20 @@ empty etcd cluster beside the first (1 -> 3) or leave it without a quorum
 {{- fail (printf "etcd.replicas cannot change on an installed release (it runs %d member(s), asked %d): etcd's members are fixed at its first start; keep %d" (int $etcd.spec.replicas) (int .Values.etcd.replicas) (int $etcd.spec.replicas)) -}}
 {{- end -}}
 {{- end -}}
+{{- /* A StatefulSet's volume claim templates cannot change: an upgrade
+changing a volume's size failed with the API server's "forbidden" after
+rendering. Said here, with what to do instead. */ -}}
+{{- $full := include "tidepool.fullname" . -}}
+{{- range $set := list (list "node" .Values.nodes.persistence.size "nodes") (list "etcd" .Values.etcd.persistence.size "etcd") -}}
+{{- $found := lookup "apps/v1" "StatefulSet" $.Release.Namespace (printf "%s-%s" $full (index $set 0)) -}}
+{{- if $found -}}
+{{- $claim := index $found.spec.volumeClaimTemplates 0 -}}
+{{- $size := toString $claim.spec.resources.requests.storage -}}
+{{- if ne $size (toString (index $set 1)) -}}
+{{- fail (printf "%s.persistence.size cannot change on an installed release (its volumes were made with %s, asked %s): a StatefulSet's volume claims are fixed. Keep %s here, and grow each PersistentVolumeClaim (data-%s-%s-N) with kubectl where its StorageClass allows expansion (helm/README.md)" (index $set 2) $size (toString (index $set 1)) $size $full (index $set 0)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 
