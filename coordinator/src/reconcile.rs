@@ -325,7 +325,8 @@ struct Reconciler {
     /// Replicas reporting their engine failed, since when (this term).
     failing: HashMap<(u32, u64), Instant>,
     /// An epoch start found in the future (written by a leader whose clock
-    /// ran ahead), and when this one first saw it.
+    /// ran ahead), missing or unreadable (`u64::MAX`), and when this one
+    /// first saw it.
     future_epoch_start: Option<(u64, Instant)>,
 }
 
@@ -1393,31 +1394,35 @@ impl Reconciler {
             .store
             .get(&self.shared.keys.epoch_started())
             .await?
-            .and_then(|kv| String::from_utf8_lossy(&kv.value).parse::<u64>().ok())
-            .unwrap_or(0);
+            .and_then(|kv| String::from_utf8_lossy(&kv.value).parse::<u64>().ok());
         let interval_ms = self.shared.config.epoch_interval_s * 1000;
         let now = crate::core::unix_ms();
-        let due = if started > now {
-            // Written by a leader whose clock ran ahead of this one's: the
-            // epoch counts from when this leader first saw that start, on
-            // its own monotonic clock. Taken as is, a clock a day fast
-            // held every advance, and so every drop, for a day.
-            let seen = match self.future_epoch_start {
-                Some((value, at)) if value == started => at,
-                _ => {
-                    tracing::warn!(
-                        started,
-                        now,
-                        "the current epoch's recorded start is in the future (a coordinator's clock ran ahead): counting from now"
-                    );
-                    let at = Instant::now();
-                    self.future_epoch_start = Some((started, at));
-                    at
-                }
-            };
-            seen.elapsed() >= Duration::from_millis(interval_ms)
-        } else {
-            now >= started.saturating_add(interval_ms)
+        let due = match started {
+            Some(started) if started <= now => now >= started.saturating_add(interval_ms),
+            // In the future (written by a leader whose clock ran ahead of
+            // this one's), or missing or unreadable (a store put back
+            // without it): the epoch counts from when this leader first
+            // saw that, on its own monotonic clock. Taken as is, a clock a
+            // day fast held every advance, and so every drop, for a day;
+            // a missing start, read as 1970, advanced at once — the
+            // current epoch cut short, its blobs dropped early.
+            recorded => {
+                let value = recorded.unwrap_or(u64::MAX);
+                let seen = match self.future_epoch_start {
+                    Some((seen_value, at)) if seen_value == value => at,
+                    _ => {
+                        tracing::warn!(
+                            recorded,
+                            now,
+                            "the current epoch's recorded start is in the future (a coordinator's clock ran ahead), missing or unreadable: counting from now"
+                        );
+                        let at = Instant::now();
+                        self.future_epoch_start = Some((value, at));
+                        at
+                    }
+                };
+                seen.elapsed() >= Duration::from_millis(interval_ms)
+            }
         };
         if due {
             match self.shared.advance_epoch(map.epoch).await {

@@ -432,3 +432,48 @@ async fn an_epoch_start_in_the_future_delays_the_schedule_one_interval() {
     assert!(started < ahead, "the advance records this leader's clock");
     coordinator.stop().await.unwrap();
 }
+
+/// A current epoch's start missing or unreadable (a store put back without
+/// it) counts from when the leader first saw that: read as 1970, the epoch
+/// advanced at once, cutting the current one short (its blobs dropped an
+/// epoch early).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_epoch_start_does_not_advance_the_epoch_at_once() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let coordinator = start_with_store(config(2), store.clone()).await.unwrap();
+    until("the coordinator to lead", || {
+        coordinator.shared.leadership().is_some() && coordinator.shared.map().version > 0
+    })
+    .await;
+    store
+        .txn(
+            Vec::new(),
+            vec![Op::Put {
+                key: coordinator.shared.keys.epoch_started(),
+                value: b"not a time".to_vec(),
+                lease: None,
+            }],
+        )
+        .await
+        .unwrap();
+    let epoch = coordinator.shared.map().epoch;
+    let since = Instant::now();
+    // Reconcile rounds run every 100 ms: read as 1970, the start advanced
+    // the epoch within one.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(
+        coordinator.shared.map().epoch,
+        epoch,
+        "the epoch advanced at once"
+    );
+    until("an advance one interval on", || {
+        coordinator.shared.map().epoch > epoch
+    })
+    .await;
+    let took = since.elapsed();
+    assert!(
+        took >= Duration::from_millis(1_500),
+        "the advance took {took:?}"
+    );
+    coordinator.stop().await.unwrap();
+}
