@@ -162,6 +162,15 @@ async fn gc(client: &Client) -> Result<(), Box<dyn std::error::Error>> {
         }
         count += 1;
     }
+    if recipes.incomplete() {
+        // Recipes stored before keys were indexed are missing from the
+        // listing: the chunks only they reference would be deleted.
+        return Err(
+            "the recipe listing is incomplete (blobs stored by an older version): \
+                    gc would delete chunks those recipes reference; not run"
+                .into(),
+        );
+    }
     let mut chunks = client.list("chunks", ListOptions::default());
     let (mut kept, mut deleted, mut freed) = (0u64, 0u64, 0u64);
     while let Some(chunk) = chunks.next().await? {

@@ -50,8 +50,14 @@ pub struct ListPage {
     /// Entries in key order.
     pub entries: Vec<ListEntry>,
     /// Where the next page starts (`ListOptions::start_after`); `None` when
-    /// the listing is complete.
+    /// nothing follows.
     pub next: Option<Vec<u8>>,
+    /// A shard said it holds blobs stored before keys were indexed (by an
+    /// older version): they are missing from this page and may be missing
+    /// from the others ([`Lister::incomplete`]). A caller deciding from a
+    /// listing what is unreferenced (garbage collection) must not act on
+    /// an incomplete one.
+    pub incomplete: bool,
 }
 
 /// One shard's side of a listing.
@@ -359,6 +365,7 @@ impl Client {
                     return Ok(ListPage {
                         entries,
                         next: None,
+                        incomplete: lister.incomplete(),
                     });
                 }
             }
@@ -368,6 +375,10 @@ impl Client {
             Some(_) => entries.last().map(|e| e.key.clone()),
             None => None,
         };
-        Ok(ListPage { entries, next })
+        Ok(ListPage {
+            entries,
+            next,
+            incomplete: lister.incomplete(),
+        })
     }
 }

@@ -352,6 +352,14 @@ impl<'a> NameBatch<'a> {
         out
     }
 
+    /// Records that the index lacks a blob the replica holds (a put
+    /// proposed without its name, by an older version): listings say they
+    /// are incomplete from then on, as for blobs stored before the index
+    /// existed ([`check_complete`]).
+    pub fn mark_incomplete(&mut self) {
+        self.set(state_key(), Some(vec![STATE_INCOMPLETE]));
+    }
+
     /// Writes the batch as one record.
     pub fn commit(self, durability: Durability) -> Result<()> {
         if self.overlay.is_empty() {
@@ -790,6 +798,14 @@ pub fn is_complete(engine: &Engine, names: KeySpace) -> Result<bool> {
     Ok(engine
         .get(names, &state_key())?
         .is_none_or(|value| value.first() == Some(&STATE_COMPLETE)))
+}
+
+/// Removes the indexing state, as an engine of a version from before the
+/// index has none (tests).
+#[cfg(test)]
+pub(crate) fn forget_state(engine: &Engine, names: KeySpace) -> Result<()> {
+    engine.delete(names, &state_key(), Durability::Synced)?;
+    Ok(())
 }
 
 #[cfg(test)]

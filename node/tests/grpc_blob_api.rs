@@ -183,6 +183,29 @@ async fn every_operation_and_every_client_error() {
     assert_eq!(code(&status), ErrorCode::DigestMismatch);
     let status = put(&cluster, "cas", b"short", &chunk).await.unwrap_err();
     assert_eq!(code(&status), ErrorCode::InvalidArgument);
+    // No unlisted chunk kind there: stored so, a content-addressed blob
+    // would stay out of listings for good (later puts find it present).
+    let other = b"content stored as a chunk".to_vec();
+    let as_chunk = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("cas", &Sha256::digest(&other)),
+                size: other.len() as u64,
+                kind: BlobKind::Chunk as i32,
+                ..PutHeader::default()
+            })),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(other.clone().into())),
+        },
+    ];
+    let status = cluster
+        .client(1)
+        .await
+        .put(tokio_stream::iter(as_chunk))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument);
 
     // Batch existence across both shards, from the leader of one: keys of
     // the other shard are answered there or marked NOT_HERE, never guessed.
@@ -929,4 +952,60 @@ async fn requests_are_counted_by_the_status_they_end_with() {
         count("Get", "UNAVAILABLE") >= 2,
         "NOT_LEADER is UNAVAILABLE"
     );
+}
+
+/// A content-addressed blob the name index lacks — stored before the index
+/// existed, so its replica says listings are incomplete — is indexed when
+/// put again: a replica whose index is incomplete writes it again instead
+/// of answering "already present" (which kept it unlisted for good; the
+/// listing design names re-putting chunks as how they come back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_content_addressed_put_on_an_incomplete_replica_indexes_the_blob() {
+    use tidepool_engine::Durability;
+    use tidepool_node::names::{NAMES_KEY_SPACE, NameBatch};
+    use tidepool_proto::v1::ListRequest;
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let chunk = b"a chunk stored before the index".to_vec();
+    let digest = Sha256::digest(&chunk).to_vec();
+    put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    // The leader's index as an older version left it: no name, and the
+    // mark saying so (namespace `cas` is id 2).
+    let engine = cluster.running[&leader]
+        .node
+        .shard(1)
+        .unwrap()
+        .engine()
+        .clone();
+    let names = engine.key_space(NAMES_KEY_SPACE).unwrap();
+    let mut batch = NameBatch::new(&engine, names);
+    assert!(batch.remove(2, &digest).unwrap());
+    batch.mark_incomplete();
+    batch.commit(Durability::Synced).unwrap();
+    let list = || async {
+        cluster
+            .client(leader)
+            .await
+            .list(ListRequest {
+                namespace: "cas".into(),
+                shard_id: 1,
+                ..ListRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let before = list().await;
+    assert!(before.entries.is_empty() && before.incomplete, "{before:?}");
+    let again = put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    assert!(!again.already_present, "answered present, left unlisted");
+    let after = list().await;
+    let keys: Vec<_> = after.entries.iter().map(|e| e.key.clone()).collect();
+    assert_eq!(keys, vec![digest.clone()]);
+    assert_eq!(
+        get(&cluster, "cas", &digest).await.unwrap(),
+        chunk,
+        "the blob written again"
+    );
+    cluster.shutdown().await;
 }

@@ -243,6 +243,12 @@ fn apply_write(
             // restart (today the split's checkpoint flushes the engine, so
             // none is).
             index_name(&mut names, op)?;
+        } else if op.name.is_empty() && unnamed_listable(op) {
+            // Proposed by an older version (no names in its commands): the
+            // index cannot list this blob, so listings must not claim to
+            // be complete (a garbage collector would delete what it
+            // references).
+            names.mark_incomplete();
         }
         results.push(decided.result);
     }
@@ -276,6 +282,14 @@ fn index_name(names: &mut NameBatch<'_>, op: &WriteOp) -> Result<()> {
         }
         None => names.remove(op.namespace, &op.name).map(|_| ()),
     }
+}
+
+/// Whether an applied op without a name stored a blob a listing would
+/// show: a put of anything but an SDK chunk.
+fn unnamed_listable(op: &WriteOp) -> bool {
+    op.value
+        .as_deref()
+        .is_some_and(|value| blob::decode(value).map_or(true, |(h, _)| h.kind != BlobKind::Chunk))
 }
 
 fn exists(target: &Target<'_>, key: &[u8; KEY_BYTES]) -> Result<bool> {

@@ -269,7 +269,6 @@ impl Replica {
         let engine = store.open_live()?;
         let space = engine.key_space(BLOB_KEY_SPACE)?;
         let names = engine.key_space(crate::names::NAMES_KEY_SPACE)?;
-        crate::names::check_complete(&engine, names, space)?;
         // A founding replica records that it holds its votes first
         // (`votes.rs`): a crash right after the founding must not forget it.
         let mut log =
@@ -324,6 +323,9 @@ impl Replica {
         };
         replica.open_vote_hold();
         replica.reapply_after_restart()?;
+        // After the entries applied again: a blob stored before the index
+        // existed may be one a crash left to be applied again.
+        crate::names::check_complete(replica.engine(), names, space)?;
         // Applied again: snapshots may move the replay position on.
         replica.engine().release_replay_hold();
         replica.show_range();

@@ -17,7 +17,7 @@ use raft::StateRole;
 use raft::eraftpb::{Message, Snapshot};
 use tidepool_engine::Durability;
 
-use super::Replica;
+use super::{BLOB_KEY_SPACE, Replica};
 use crate::entry_context::{must_sync, traceparent};
 use crate::error::{NodeError, Result};
 use crate::raftlog::RaftLog;
@@ -141,6 +141,11 @@ impl Replica {
         }
         let started = std::time::Instant::now();
         let engine = self.store.open_spare()?;
+        // A snapshot from a leader of an older version holds blobs and no
+        // indexing state: decided here as at an open, or the replica would
+        // answer complete listings without those blobs' names.
+        let names = engine.key_space(crate::names::NAMES_KEY_SPACE)?;
+        crate::names::check_complete(&engine, names, engine.key_space(BLOB_KEY_SPACE)?)?;
         // A leader's checkpoint: everything it applied is in its index
         // (the checkpoint flushes first), nothing to apply again.
         engine.release_replay_hold();

@@ -526,3 +526,117 @@ fn a_split_refused_after_a_membership_change_stays_refused_after_a_restart() {
         }
     }
 }
+
+/// Whether every replica of `cluster` says its listings are complete
+/// (`names::is_complete`), by node.
+fn listings_complete(cluster: &mut SimCluster) -> Vec<(u64, bool)> {
+    cluster
+        .ids()
+        .into_iter()
+        .map(|id| {
+            let engine = cluster.replica(id).unwrap().engine().clone();
+            let names = engine.key_space(crate::names::NAMES_KEY_SPACE).unwrap();
+            (id, crate::names::is_complete(&engine, names).unwrap())
+        })
+        .collect()
+}
+
+/// A put of `kind` under `key` as the SDK's node proposes it, with `name`.
+fn named_put(
+    key: [u8; 32],
+    kind: tidepool_proto::v1::BlobKind,
+    name: &[u8],
+) -> crate::command::Command {
+    let content = key.to_vec();
+    let value = crate::blob::encode(kind, &crate::blob::sha256(&content), &content);
+    crate::command::Command::Write(vec![crate::command::WriteOp {
+        name: name.to_vec(),
+        ..crate::sim::put_op(key, value)
+    }])
+}
+
+/// A put applied without its name — proposed by a version whose commands
+/// carry none — leaves a blob the name index cannot list: every replica
+/// then says its listings are incomplete (they said complete, and a
+/// garbage collector working from a listing deleted what that blob
+/// references). An SDK chunk, never listed, changes nothing.
+#[test]
+fn a_put_applied_without_its_name_makes_listings_incomplete() {
+    use tidepool_proto::v1::BlobKind;
+    let mut cluster = SimCluster::new(21, 3, Durability::Synced);
+    assert!(cluster.run_until(200, |c| c.leader().is_some()).unwrap());
+    let all = |cluster: &mut SimCluster, want: bool| {
+        listings_complete(cluster)
+            .into_iter()
+            .all(|(_, complete)| complete == want)
+    };
+    for (i, (kind, name)) in [
+        (BlobKind::Data, &b"named"[..]),
+        (BlobKind::Chunk, b""),
+        (BlobKind::Data, b""),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let leader = cluster.leader().unwrap();
+        let slot = cluster.propose(leader, &named_put(key(i as u64), kind, name));
+        applied(&mut cluster, &slot, "put");
+        cluster.run(20).unwrap();
+        let unnamed_data = kind == BlobKind::Data && name.is_empty();
+        assert!(
+            all(&mut cluster, !unnamed_data),
+            "after put {i}: {:?}",
+            listings_complete(&mut cluster)
+        );
+    }
+    // Kept across a restart.
+    let follower = cluster
+        .ids()
+        .into_iter()
+        .find(|id| Some(*id) != cluster.leader())
+        .unwrap();
+    cluster.power_off(follower);
+    cluster.restart(follower).unwrap();
+    assert!(
+        all(&mut cluster, false),
+        "{:?}",
+        listings_complete(&mut cluster)
+    );
+}
+
+/// A replica installed from the snapshot of a leader whose engine holds
+/// blobs and no indexing state (an older version's, from before names were
+/// indexed) says its listings are incomplete — as a replica opened on such
+/// an engine does — not complete with an index that lacks those blobs.
+#[test]
+fn a_replica_installed_from_a_snapshot_without_indexing_state_says_so() {
+    use raft::eraftpb::ConfChangeType;
+    use tidepool_proto::v1::BlobKind;
+    let mut cluster = SimCluster::new(22, 3, Durability::Synced);
+    assert!(cluster.run_until(200, |c| c.leader().is_some()).unwrap());
+    let leader = cluster.leader().unwrap();
+    let slot = cluster.propose(leader, &named_put(key(1), BlobKind::Data, b"one"));
+    applied(&mut cluster, &slot, "put");
+    cluster.run(20).unwrap();
+    assert!(listings_complete(&mut cluster).iter().all(|(_, c)| *c));
+    let engine = cluster.replica(leader).unwrap().engine().clone();
+    let names = engine.key_space(crate::names::NAMES_KEY_SPACE).unwrap();
+    crate::names::forget_state(&engine, names).unwrap();
+    cluster.add_node(4, &[]);
+    let slot = cluster.change_membership(ConfChangeType::AddLearnerNode, 4);
+    applied(&mut cluster, &slot, "add a learner");
+    assert!(
+        cluster
+            .run_until(500, |c| c.replica(4).is_some_and(|r| {
+                let space = r.engine().key_space("blobs").unwrap();
+                r.engine().get(space, &key(1)).unwrap().is_some()
+            }))
+            .unwrap(),
+        "the new replica never got the blob"
+    );
+    let complete: Vec<_> = listings_complete(&mut cluster);
+    assert!(
+        complete.contains(&(4, false)),
+        "node 4 installed blobs it cannot list and says complete: {complete:?}"
+    );
+}

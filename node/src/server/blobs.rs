@@ -453,6 +453,17 @@ impl BlobApi {
         }
         let kind = BlobKind::try_from(header.kind)
             .map_err(|_| invalid(&self.node, format!("unknown blob kind {}", header.kind)))?;
+        if kind == BlobKind::Chunk && target.namespace.content_addressed {
+            // A chunk is not listed; a content-addressed blob is its own
+            // chunk (the SDK stores chunks there as data), and once stored
+            // unlisted, later puts of the same content find it present and
+            // would never list it.
+            return Err(invalid(
+                &self.node,
+                "BLOB_KIND_CHUNK is for chunks outside content-addressed namespaces; \
+                 store a content-addressed chunk as data",
+            ));
+        }
         let session = self.session(header.session.as_ref())?;
         let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
@@ -487,7 +498,16 @@ impl BlobApi {
             // acknowledge a blob its owner does not hold. The client asks
             // the new group.
             self.check_owned(&target, &target.key)?;
+            // A replica whose index lacks blobs stored before it existed
+            // writes the blob again, which indexes its name: re-putting
+            // content-addressed chunks is how they are listed again.
+            let indexed = engine
+                .key_space(names::NAMES_KEY_SPACE)
+                .map_err(crate::NodeError::from)
+                .and_then(|names| names::is_complete(&engine, names))
+                .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
             if let Some(stored_epoch) = present
+                && indexed
                 && self
                     .keep_present(&target, stored_epoch.0, epoch, sync)
                     .await?
