@@ -1216,7 +1216,16 @@ impl Reconciler {
             })
             .collect();
         self.awaiting_upgrade = waiting.clone();
-        let excluded: BTreeSet<u32> = waiting.union(&self.unsplittable).copied().collect();
+        // Lost splits are put back before any is decided, and no shard
+        // whose group owns another range than the map says is split: a
+        // split decided there (every round, on size or load) kept the
+        // shard from the repair, which needs it without a split under way.
+        self.adopt_lost_splits(map, views, reports).await;
+        let excluded: BTreeSet<u32> = waiting
+            .union(&self.unsplittable)
+            .copied()
+            .chain(crate::splits::misranged(map, views))
+            .collect();
         let limit = self.shared.config.split_mib.saturating_mul(1 << 20);
         if limit > 0 {
             let over = crate::splits::over_limit(map, views, limit, &excluded);
@@ -1277,7 +1286,6 @@ impl Reconciler {
                 }
             }
         }
-        self.adopt_lost_splits(map, views, reports).await;
         for shard in &map.shards {
             let Some(intent) = shard.split else {
                 continue;
@@ -1292,13 +1300,20 @@ impl Reconciler {
                 .max_by_key(|(_, replica)| replica.term);
             if let Some((leader, status)) = child_leader {
                 let parent = shard.shard_id;
+                let mut changed = false;
                 let published = self
                     .shared
                     .update_map(|m| {
-                        Ok(crate::splits::publish(m, parent, leader, status).then(Vec::new))
+                        changed = crate::splits::publish(m, parent, leader, status);
+                        Ok(changed.then(Vec::new))
                     })
                     .await;
                 match published {
+                    Ok(_) if !changed => tracing::debug!(
+                        shard_id = parent,
+                        child_shard_id = child,
+                        "the new group's range does not start at the cut or reaches past the map's; not published"
+                    ),
                     Ok(_) => tracing::info!(
                         shard_id = parent,
                         child_shard_id = child,

@@ -69,9 +69,18 @@ pub fn decide(
 
 /// Publishes a split whose new group reported a leader (`leader`, whose
 /// status is `status`): the parent's range ends before the cut, the new
-/// shard follows it with the group's members. Returns whether the map
-/// changed (not if the intent is gone, or the new group's replicated range
-/// is not the one the intent names).
+/// shard follows it with the group's members, up to the parent's end in
+/// the map. Returns whether the map changed (not if the intent is gone, or
+/// the new group's replicated range does not start at the cut or reaches
+/// past the map's range).
+///
+/// The new group's range ends before the map's when the parent's group
+/// owned less than the map said (a split the map lost, `restore-map
+/// --allow-unanswered`, or a later split of the new group): published with
+/// the map's end all the same — nodes serve only their group's range, and
+/// [`adopt_lost`] then puts the groups owning the rest back after it.
+/// Refused instead, the intent stayed for ever and kept `adopt_lost` from
+/// the parent.
 pub fn publish(map: &mut ClusterMap, parent: u32, leader: u64, status: &ReplicaStatus) -> bool {
     let Some(position) = map.shards.iter().position(|s| s.shard_id == parent) else {
         return false;
@@ -80,8 +89,11 @@ pub fn publish(map: &mut ClusterMap, parent: u32, leader: u64, status: &ReplicaS
     let Some(intent) = shard.split else {
         return false;
     };
-    let range = status.range.as_ref().map(|r| (r.start, r.end));
-    if status.shard_id != intent.child_shard_id || range != Some((intent.at, shard.hash_end)) {
+    let covered = status
+        .range
+        .as_ref()
+        .is_some_and(|r| r.start == intent.at && r.start <= r.end && r.end <= shard.hash_end);
+    if status.shard_id != intent.child_shard_id || !covered {
         return false;
     }
     let child = ShardInfo {
@@ -252,6 +264,23 @@ pub fn unable_to_split(
                     .iter()
                     .any(|c| c == tidepool_proto::capabilities::SPLIT)
             })
+        })
+        .collect()
+}
+
+/// Shards whose leader reports another range than the map lists: the map
+/// lost a split of the group ([`adopt_lost`] puts it back) or the report
+/// is from before a split. None is split meanwhile: a split decided on the
+/// map's range (each round, on size or load) left an intent that kept the
+/// shard from the repair, withdrawn the next round and decided again.
+pub fn misranged(map: &ClusterMap, views: &[ShardView]) -> BTreeSet<u32> {
+    views
+        .iter()
+        .filter_map(|view| {
+            let reported = view.leader_status()?.range.as_ref()?;
+            let listed = map.shards.iter().find(|s| s.shard_id == view.shard_id)?;
+            ((reported.start, reported.end) != (listed.hash_start, listed.hash_end))
+                .then_some(view.shard_id)
         })
         .collect()
 }
@@ -470,6 +499,22 @@ mod tests {
     }
 
     #[test]
+    fn shards_whose_group_owns_another_range_than_the_map_are_misranged() {
+        let map = map_of(&[(1, 0, 99), (2, 100, 199), (3, 200, u64::MAX)]);
+        let views = [
+            led_by_node_1(leading(1, 0, 99, 1)),
+            // A split the map lost: the group owns less.
+            led_by_node_1(leading(2, 100, 149, 1)),
+            // No leader: nothing known.
+            ShardView {
+                shard_id: 3,
+                ..ShardView::default()
+            },
+        ];
+        assert_eq!(misranged(&map, &views), BTreeSet::from([2]));
+    }
+
+    #[test]
     fn the_middle_cuts_a_range_in_two_non_empty_halves() {
         assert_eq!(middle(0, u64::MAX), Some(1 << 63));
         assert_eq!(middle(5, 6), Some(6));
@@ -649,13 +694,13 @@ mod tests {
     }
 
     #[test]
-    fn publishing_needs_the_new_group_to_own_exactly_the_upper_half() {
+    fn publishing_needs_the_new_group_to_own_the_upper_half() {
         let mut map = map_of(&[(1, 0, 99), (2, 100, u64::MAX)]);
         decide(&mut map, 1, 40).unwrap();
         let mut status = ReplicaStatus {
             shard_id: 3,
             is_leader: true,
-            range: Some(HashRange { start: 40, end: 98 }),
+            range: Some(HashRange { start: 41, end: 99 }),
             members: vec![ReplicaInfo {
                 node_id: 7,
                 role: 1,
@@ -663,7 +708,12 @@ mod tests {
             conf_version: 1,
             ..ReplicaStatus::default()
         };
-        assert!(!publish(&mut map, 1, 7, &status), "wrong range");
+        assert!(!publish(&mut map, 1, 7, &status), "not from the cut");
+        status.range = Some(HashRange {
+            start: 40,
+            end: 100,
+        });
+        assert!(!publish(&mut map, 1, 7, &status), "past the map's range");
         status.range = Some(HashRange { start: 40, end: 99 });
         let before = map.clone();
         assert!(publish(&mut map, 1, 7, &status));
@@ -678,6 +728,29 @@ mod tests {
         assert_eq!(map.shards[1].leader_hint, 7);
         assert!(map.shards[0].split.is_none());
         assert!(!publish(&mut map, 1, 7, &status), "published once");
+    }
+
+    /// A split decided on a map whose range for the shard is wider than
+    /// its group's (a split the map lost): the new group owns less than
+    /// the map's upper half. Published all the same (the intent used to
+    /// stay for ever, holding off the repair of the lost split), and the
+    /// lost group is then put back after it.
+    #[test]
+    fn a_split_whose_new_group_owns_less_than_the_maps_upper_half_is_published() {
+        let mut map = map_of(&[(1, 0, 99), (2, 100, u64::MAX)]);
+        map.next_shard_id = 6;
+        // Shard 1's group owns 0..=69 (its split at 70 into 5 was lost).
+        let (child, at) = decide(&mut map, 1, 0).unwrap().0;
+        assert_eq!((child, at), (6, 50));
+        assert!(publish(&mut map, 1, 7, &leading(6, 50, 69, 1)));
+        assert_eq!(ranges(&map), [(1, 0, 49), (6, 50, 99), (2, 100, u64::MAX)]);
+        let unlisted = BTreeMap::from([(5, (8, leading(5, 70, 99, 4)))]);
+        assert_eq!(adopt_lost(&mut map, 6, (50, 69), &unlisted), [5]);
+        assert_eq!(
+            ranges(&map),
+            [(1, 0, 49), (6, 50, 69), (5, 70, 99), (2, 100, u64::MAX)]
+        );
+        assert_eq!(next_shard_id(&map), 7, "no id used again");
     }
 
     fn leading(shard_id: u32, start: u64, end: u64, term: u64) -> ReplicaStatus {
