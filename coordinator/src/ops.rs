@@ -451,10 +451,20 @@ impl Shared {
             .ok_or(CoordinatorError::UnknownNode(node_id))?;
         check_bound(node, identity)?;
         let hosted = |map: &ClusterMap| {
-            map.shards
+            let listed = map
+                .shards
                 .iter()
                 .filter(|s| s.replicas.iter().any(|r| r.node_id == node_id))
-                .count() as u32
+                .count() as u32;
+            // Draining is over when the reconciler says so (`Drained`): it
+            // also counts replicas the map does not list yet (a split's new
+            // group, published a moment after it elects), which the node
+            // must not stop under.
+            let draining = map
+                .nodes
+                .iter()
+                .any(|n| n.node_id == node_id && n.state == NodeState::Draining as i32);
+            if draining { listed.max(1) } else { listed }
         };
         let answer = |leaving, map: &ClusterMap, reason: &str| PrepareNodeStopResponse {
             leaving,

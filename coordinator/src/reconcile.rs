@@ -365,6 +365,36 @@ struct Founding {
 /// Most automatic splits decided per round.
 const SPLITS_PER_ROUND: usize = 4;
 
+/// Nodes hosting a replica: members of a shard in the map or in its
+/// leader's configuration, and nodes running a replica of a group the map
+/// does not list (a split's new group before it is published, with the
+/// parent's members of the moment: the parent may have moved off the node
+/// since). A draining node is drained once it hosts none.
+fn hosting(
+    map: &ClusterMap,
+    views: &[ShardView],
+    alive: &BTreeMap<u64, NodeStatus>,
+) -> BTreeSet<u64> {
+    let listed: BTreeSet<u32> = map.shards.iter().map(|s| s.shard_id).collect();
+    let unlisted = alive.iter().filter_map(|(node, status)| {
+        status
+            .replicas
+            .iter()
+            .any(|r| !listed.contains(&r.shard_id))
+            .then_some(*node)
+    });
+    views
+        .iter()
+        .flat_map(|v| v.members())
+        .chain(
+            map.shards
+                .iter()
+                .flat_map(|s| s.replicas.iter().map(|r| r.node_id)),
+        )
+        .chain(unlisted)
+        .collect()
+}
+
 impl Reconciler {
     /// The (shard, node) pairs whose replica has reported its engine failed
     /// — or whose live node has reported no replica of the shard at all —
@@ -607,15 +637,7 @@ impl Reconciler {
         self.shared
             .update_map(|map| {
                 let mut changed = false;
-                let hosting: BTreeSet<u64> = views
-                    .iter()
-                    .flat_map(|v| v.members())
-                    .chain(
-                        map.shards
-                            .iter()
-                            .flat_map(|s| s.replicas.iter().map(|r| r.node_id)),
-                    )
-                    .collect();
+                let hosting = hosting(map, views, alive);
                 for node in &mut map.nodes {
                     let state = match NodeState::try_from(node.state).unwrap_or(NodeState::Up) {
                         NodeState::Draining if !hosting.contains(&node.node_id) => {
@@ -1572,6 +1594,40 @@ mod tests {
             learners: set(learners),
             ..ShardView::default()
         }
+    }
+
+    /// A draining node running a replica of a split's new group, not yet
+    /// published, still hosts: marked drained, its pod stopped under the
+    /// group (which then ran a replica short until replaced).
+    #[test]
+    fn a_replica_of_a_group_the_map_does_not_list_counts_as_hosted() {
+        use tidepool_proto::v1::{ReplicaStatus, ShardInfo};
+        let map = ClusterMap {
+            shards: vec![ShardInfo {
+                shard_id: 1,
+                replicas: vec![ReplicaInfo {
+                    node_id: 1,
+                    role: ReplicaRole::Voter as i32,
+                }],
+                ..ShardInfo::default()
+            }],
+            ..ClusterMap::default()
+        };
+        let views = [view(1, &set(&[1, 2]), &[])];
+        let status = |shards: &[u32]| NodeStatus {
+            replicas: shards
+                .iter()
+                .map(|s| ReplicaStatus {
+                    shard_id: *s,
+                    ..ReplicaStatus::default()
+                })
+                .collect(),
+            ..NodeStatus::default()
+        };
+        let alive = BTreeMap::from([(1, status(&[1])), (2, status(&[1])), (3, status(&[7]))]);
+        assert_eq!(hosting(&map, &views, &alive), set(&[1, 2, 3]));
+        let alive = BTreeMap::from([(3, status(&[]))]);
+        assert_eq!(hosting(&map, &views, &alive), set(&[1, 2]));
     }
 
     /// A shard the placement has no entry for (the map changed under the
