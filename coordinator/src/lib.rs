@@ -109,6 +109,12 @@ pub enum CoordinatorError {
     WrongCluster(String),
 }
 
+/// Concurrent calls on one client connection (watches included).
+const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// HTTP/2 pings on an idle connection, and how long an answer may take
+/// before the connection is closed.
+const KEEPALIVE: Duration = Duration::from_secs(20);
+
 /// A coordinator serving on its socket.
 pub struct RunningCoordinator {
     /// Its state (map, leadership, progress).
@@ -276,7 +282,14 @@ pub async fn start_with_store(
     };
     let mut server_stop = stop_rx;
     let server = tokio::spawn(async move {
+        // Bounded like a node's server: a caller opening streams without
+        // end (each watch holds a task and map copies) or leaving dead
+        // connections must not exhaust the coordinator.
         let router = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+            .max_frame_size(Some(tidepool_security::MAX_FRAME_BYTES))
+            .http2_keepalive_interval(Some(KEEPALIVE))
+            .http2_keepalive_timeout(Some(KEEPALIVE))
             .layer(counted)
             .layer(guard)
             .add_service(api);

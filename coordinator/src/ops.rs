@@ -104,6 +104,22 @@ impl Shared {
                     // the first in the map, counted live until the down
                     // grace period ran out, placement choosing it meanwhile.
                     earlier.node_id
+                } else if let Some(live) = identity.and_then(|name| {
+                    map.nodes
+                        .iter()
+                        .find(|n| n.identity == name && n.state == NodeState::Up as i32)
+                }) {
+                    // A certificate whose node is up asking for another
+                    // id: one certificate registered as many nodes as it
+                    // liked (any address string will do), each placed as a
+                    // node of its own — several replicas of a shard on one
+                    // process, the map filled up. A node that lost its
+                    // volume gets its new id once its old one is down (it
+                    // retries).
+                    return Err(CoordinatorError::Conflict(format!(
+                        "certificate {:?} is node {}, which is up: a new id is given only once it is down",
+                        live.identity, live.node_id
+                    )));
                 } else {
                     let last = map.nodes.iter().map(|n| n.node_id).max().unwrap_or(0);
                     last.checked_add(1).ok_or_else(|| {

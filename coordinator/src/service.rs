@@ -131,6 +131,10 @@ impl CoordinatorService for CoordinatorApi {
         request: Request<WatchClusterMapRequest>,
     ) -> Result<Response<MapStream>, Status> {
         let member = is_member(&request);
+        // Checked at the start by the guard, and at every map after: a
+        // watch opened with a token ends when the token is revoked (it
+        // went on receiving every map).
+        let token = Caller::of(&request).token_sha256;
         let mut after = request.into_inner().after_version;
         let mut maps = self.shared.subscribe_map();
         let mut stopping = self.shared.stopping();
@@ -138,6 +142,16 @@ impl CoordinatorService for CoordinatorApi {
         tokio::spawn(async move {
             loop {
                 let map = maps.borrow_and_update().clone();
+                if let Some(hash) = &token
+                    && !map.tokens.iter().any(|t| t.sha256[..] == hash[..])
+                {
+                    let revoked = ErrorInfo::new(
+                        ErrorCode::Unauthenticated,
+                        "unknown or revoked token: the watch ends",
+                    );
+                    let _ = tx.send(Err(Status::from(revoked))).await;
+                    return;
+                }
                 if map.version > after {
                     after = map.version;
                     let map = if member {

@@ -477,3 +477,50 @@ async fn an_unreadable_epoch_start_does_not_advance_the_epoch_at_once() {
     );
     coordinator.stop().await.unwrap();
 }
+
+/// One connection holds at most 256 calls at once: a caller opening
+/// watches without end (each holds a task and copies of the map) waits
+/// for a place; before, every one was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_holds_a_bounded_number_of_calls() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let coordinator = start_with_store(config(3600), store).await.unwrap();
+    let api = client(&coordinator).await;
+    let mut watches = Vec::new();
+    for _ in 0..256 {
+        let mut watch = api
+            .clone()
+            .watch_cluster_map(WatchClusterMapRequest { after_version: 0 })
+            .await
+            .unwrap()
+            .into_inner();
+        watch.message().await.unwrap().unwrap();
+        watches.push(watch);
+    }
+    let one_more = tokio::time::timeout(
+        Duration::from_secs(1),
+        api.clone().get_cluster_map(GetClusterMapRequest {}),
+    )
+    .await;
+    assert!(
+        one_more.is_err(),
+        "a 257th call on the connection was served at once"
+    );
+    // A place freed: served.
+    drop(watches.pop());
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        api.clone().get_cluster_map(GetClusterMapRequest {}),
+    )
+    .await
+    .expect("served once a call ended")
+    .unwrap();
+    // Another connection is not held up.
+    client(&coordinator)
+        .await
+        .get_cluster_map(GetClusterMapRequest {})
+        .await
+        .unwrap();
+    drop(watches);
+    coordinator.stop().await.unwrap();
+}

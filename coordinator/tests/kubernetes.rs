@@ -234,6 +234,32 @@ async fn scale_downs_drain_and_scale_ups_undrain() {
     assert_eq!(state(&shared, ids[4]), (NodeState::Up, false));
 }
 
+/// One node certificate gets one id while that node is up: asked again
+/// under another address string it is refused (it got a new id every
+/// time — as many "nodes" as it liked, placement putting several replicas
+/// of a shard on one process); asked again the same way (an answer lost),
+/// it gets the same id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_whose_node_is_up_gets_no_second_id() {
+    let (shared, _stop) = leader(None).await;
+    let id = register(&shared, 0, "tp-node-7", "rack-1").await;
+    assert_eq!(register(&shared, 0, "tp-node-7", "rack-1").await, id);
+    for address in ["https://tp-node-7:7401/", "https://tp-node-7:7401/?1"] {
+        let request = RegisterNodeRequest {
+            address: address.into(),
+            ..RegisterNodeRequest::default()
+        };
+        let refused = shared.register_node(request, Some("tp-node-7")).await;
+        assert!(
+            matches!(refused, Err(CoordinatorError::Conflict(_))),
+            "{address}: {refused:?}"
+        );
+    }
+    assert_eq!(shared.map().nodes.len(), 1);
+    // Another certificate is another node.
+    assert_ne!(register(&shared, 0, "tp-node-8", "rack-1").await, id);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outside_kubernetes_a_stop_is_a_restart() {
     let (shared, _stop) = leader(None).await;

@@ -667,8 +667,33 @@ async fn roles_hold_and_a_revoked_token_stops_on_every_node_within_five_seconds(
             );
         }
     }
+    // A map watch opened with the token before it is revoked.
+    let mut watch = CoordinatorServiceClient::new(
+        as_cert(&cluster, "client", Some(&ro), &cluster.coordinators[0].url).await,
+    )
+    .watch_cluster_map(pb::WatchClusterMapRequest::default())
+    .await
+    .expect("a watch with a read token")
+    .into_inner();
+    assert!(watch.message().await.unwrap().is_some(), "the current map");
     let revoked_at = Instant::now();
     assert!(admin.revoke_token("ro").await.unwrap());
+    // The watch ends with the revocation: it went on receiving every map
+    // (tokens and namespaces created later included).
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match watch.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the watch still runs 5 s after its token was revoked");
+    match ended {
+        Err(status) => assert_eq!(code(&status), ErrorCode::Unauthenticated, "{status:?}"),
+        Ok(end) => panic!("the watch ended without an error: {end:?}"),
+    }
     let mut refused = vec![None; per_node.len()];
     while refused.iter().any(Option::is_none) && revoked_at.elapsed() < Duration::from_secs(10) {
         for (i, node) in per_node.iter_mut().enumerate() {

@@ -143,10 +143,18 @@ fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let tmp = path.with_extension("pem.tmp");
+    // A file left there (a crash, or planted: readable by others, or a
+    // link elsewhere) is removed and the file made anew: opened as it
+    // was, it kept its own mode (a key written world-readable) or wrote
+    // through the link. `create_new` follows no link either.
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(file_error(&tmp, e)),
+    }
     let mut file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(mode)
         .open(&tmp)
         .map_err(|e| file_error(&tmp, e))?;
@@ -249,6 +257,32 @@ mod tests {
         assert!(
             Identity::of_certificate(&ca_der[0]).is_err(),
             "a CA names no one"
+        );
+    }
+
+    /// A temporary file left where a key is written — readable by others,
+    /// or a link to elsewhere — is replaced, not written through: the key
+    /// ends up mode 0600 and the link's target untouched.
+    #[test]
+    fn a_key_is_written_private_whatever_was_left_in_its_place() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = new_ca("test", CA_VALIDITY).unwrap();
+        let left = dir.path().join("ca-key.pem.tmp");
+        std::fs::write(&left, b"left over").unwrap();
+        std::fs::set_permissions(&left, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write(dir.path(), "ca", &ca).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir.path().join("ca-key.pem")), 0o600);
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::write(&elsewhere, b"someone's file").unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &left).unwrap();
+        write(dir.path(), "ca", &ca).unwrap();
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), b"someone's file");
+        assert_eq!(mode(&dir.path().join("ca-key.pem")), 0o600);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("ca-key.pem")).unwrap(),
+            ca.key_pem
         );
     }
 

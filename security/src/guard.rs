@@ -123,6 +123,9 @@ pub struct Caller {
     pub identity: Option<Identity>,
     /// The bearer token's grant.
     pub grant: Option<Arc<Grant>>,
+    /// SHA-256 of the bearer token (how the map stores it): a long call
+    /// (a map watch) ends once the token is revoked.
+    pub token_sha256: Option<[u8; 32]>,
     /// A node reading a blob for another node (a chunk of a manifest it
     /// verifies): `read` in every namespace, nothing else.
     pub peer_read: bool,
@@ -297,7 +300,7 @@ impl<S> Guard<S> {
             .ok_or_else(|| refuse(ErrorCode::Unauthenticated, "no client certificate"))?;
         let identity = Identity::of_certificate(leaf)
             .map_err(|e| refuse(ErrorCode::Unauthenticated, e.to_string()))?;
-        let grant = match request.headers().get(http::header::AUTHORIZATION) {
+        let token_sha256 = match request.headers().get(http::header::AUTHORIZATION) {
             None => None,
             Some(value) => {
                 let secret = token::from_header(value.as_bytes()).ok_or_else(|| {
@@ -306,11 +309,16 @@ impl<S> Guard<S> {
                         "authorization must be `Bearer <token>`",
                     )
                 })?;
-                Some(authority.token(&token::hash(secret)).ok_or_else(|| {
-                    refuse(ErrorCode::Unauthenticated, "unknown or revoked token")
-                })?)
+                Some(token::hash(secret))
             }
         };
+        let grant =
+            match &token_sha256 {
+                None => None,
+                Some(hash) => Some(authority.token(hash).ok_or_else(|| {
+                    refuse(ErrorCode::Unauthenticated, "unknown or revoked token")
+                })?),
+            };
         // Nodes read blobs from each other (chunks of a manifest they
         // verify) with their certificate alone.
         let peer_read =
@@ -322,6 +330,7 @@ impl<S> Guard<S> {
             open: false,
             identity: Some(identity),
             grant,
+            token_sha256,
             peer_read,
         })
     }
@@ -442,6 +451,7 @@ mod tests {
             open: false,
             identity: None,
             grant: Some(Arc::new(grant(false))),
+            token_sha256: None,
             peer_read: false,
         };
         assert!(caller.may("ci", Role::Read));
