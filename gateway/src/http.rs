@@ -160,7 +160,8 @@ async fn serve_connections<L: axum::serve::Listener>(
         tokio::spawn(async move {
             // hyper reads a connection's first bytes to tell HTTP/1 from
             // HTTP/2 before any of its timeouts applies: a connection that
-            // sends nothing is closed by this deadline instead.
+            // sends nothing, or a prefix of HTTP/2's preface and then
+            // nothing, is closed by this deadline instead.
             let io = FirstByteDeadline::new(io, header_timeout);
             let connection = builder.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);

@@ -6,9 +6,12 @@
 //! timeout applies: a client that connects (and completes its TLS
 //! handshake) and then sends nothing held its connection and task for
 //! ever. [`FirstByteDeadline`] wraps an accepted connection so that a read
-//! fails with [`std::io::ErrorKind::TimedOut`] if no byte arrived within
-//! its deadline; after the first byte the server's own timeouts (HTTP/1
-//! header timeout, HTTP/2 keep-alive) take over.
+//! fails with [`std::io::ErrorKind::TimedOut`] if the client's first
+//! [`OPENING_BYTES`] did not arrive within its deadline; after them the
+//! server's own timeouts (HTTP/1 header timeout, HTTP/2 keep-alive) take
+//! over. Not the first byte alone: a client sending `P` and then nothing
+//! stalled both HTTP/2's preface read and hyper's version detection (a
+//! prefix of the preface), holding every connection slot for ever.
 
 use std::future::Future as _;
 use std::io;
@@ -23,13 +26,23 @@ use tokio::time::Sleep;
 /// preface, which a client sends as soon as it connects).
 pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Bytes a client must send within the deadline: HTTP/2's connection
+/// preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`), which every gRPC client
+/// sends first and after which hyper's HTTP/2 keep-alive applies; also as
+/// much as hyper reads to tell HTTP/1 from HTTP/2 (an HTTP/1 request line
+/// and its `Host` header are longer).
+pub const OPENING_BYTES: usize = 24;
+
 /// An accepted connection that fails its reads once `timeout` passed
-/// without a byte from the client (see the module docs).
+/// before the client's first [`OPENING_BYTES`] arrived (see the module
+/// docs).
 #[derive(Debug)]
 pub struct FirstByteDeadline<I> {
     io: I,
-    /// Until the first byte arrives.
+    /// Until the opening bytes arrived.
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Opening bytes still to come.
+    awaited: usize,
     /// The server's connection slot this connection holds, if it counts
     /// them ([`crate::tls::grpc_incoming_plain`]): given back when the
     /// connection is dropped.
@@ -37,11 +50,12 @@ pub struct FirstByteDeadline<I> {
 }
 
 impl<I> FirstByteDeadline<I> {
-    /// Wraps `io`, accepted now, giving its client `timeout` to send a byte.
+    /// Wraps `io`, accepted now, giving its client `timeout` to send its opening bytes.
     pub fn new(io: I, timeout: Duration) -> Self {
         FirstByteDeadline {
             io,
             deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+            awaited: OPENING_BYTES,
             _slot: None,
         }
     }
@@ -69,7 +83,9 @@ impl<I: AsyncRead + Unpin> AsyncRead for FirstByteDeadline<I> {
         let before = buf.filled().len();
         match Pin::new(&mut self.io).poll_read(cx, buf) {
             Poll::Ready(result) => {
-                if buf.filled().len() > before {
+                let read = buf.filled().len() - before;
+                self.awaited = self.awaited.saturating_sub(read);
+                if self.awaited == 0 {
                     self.deadline = None;
                 }
                 Poll::Ready(result)
@@ -148,12 +164,25 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(200));
         drop(client);
 
+        // One byte, then nothing (a prefix of HTTP/2's preface, on which
+        // hyper's version detection and the preface read both wait): the
+        // deadline still holds.
         let (mut client, server) = tokio::io::duplex(64);
         let mut server = FirstByteDeadline::new(server, Duration::from_millis(200));
-        client.write_all(b"x").await.unwrap();
+        client.write_all(b"P").await.unwrap();
         assert_eq!(server.read(&mut byte).await.unwrap(), 1);
-        // Silent after its first byte: waits past the deadline (the
+        let error = server.read(&mut byte).await.unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        // The whole preface, then silence: waits past the deadline (the
         // server's own timeouts apply from here).
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = FirstByteDeadline::new(server, Duration::from_millis(200));
+        client
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+        let mut preface = [0u8; OPENING_BYTES];
+        server.read_exact(&mut preface).await.unwrap();
         let waited = tokio::time::timeout(Duration::from_millis(400), server.read(&mut byte)).await;
         assert!(waited.is_err(), "{waited:?}");
     }

@@ -413,7 +413,7 @@ impl Drop for PeerPlace {
 pub const MAX_GRPC_CONNECTIONS: usize = 8192;
 
 /// `incoming`'s connections, each holding one of `max` slots until it is
-/// dropped, and given [`FIRST_BYTE_TIMEOUT`] to send a byte
+/// dropped, and given [`FIRST_BYTE_TIMEOUT`] to send its opening bytes
 /// ([`crate::first_byte`]). With every slot taken, the next connection
 /// waits for one (and no further one is accepted meanwhile): a client
 /// that opens connections without end holds at most `max` sockets.
@@ -440,7 +440,7 @@ where
 }
 
 /// A gRPC server's TLS connections ([`incoming_with`]): at most `max` at
-/// once (`slotted`), each of whose clients must send a byte within
+/// once (`slotted`), each of whose clients must send its opening bytes within
 /// [`FIRST_BYTE_TIMEOUT`] of its handshake ([`crate::first_byte`]).
 pub fn grpc_incoming_tls(
     listener: TcpListener,
@@ -454,7 +454,7 @@ pub fn grpc_incoming_tls(
 /// A gRPC server's plaintext connections: `TCP_NODELAY` (small Raft and
 /// client messages must not wait for Nagle's algorithm, 40 ms with delayed
 /// ACKs), TCP keep-alive, at most `max` at once (`slotted`), and a client
-/// that must send a byte within [`FIRST_BYTE_TIMEOUT`]
+/// that must send its opening bytes within [`FIRST_BYTE_TIMEOUT`]
 /// ([`crate::first_byte`]).
 pub fn grpc_incoming_plain(
     listener: TcpListener,
