@@ -349,6 +349,13 @@ impl SimCluster {
         });
     }
 
+    /// Kills a node's process with its disk as `image` shows it (one taken
+    /// earlier with `FaultStorage::restart_process`: a kill -9 at that
+    /// moment, whatever the node did since).
+    pub fn kill_as_of(&mut self, id: u64, image: FaultStorage) {
+        self.stop(id, move |_| NodeDisk::Fault(image));
+    }
+
     /// Cuts a node's power: on restart it has what it synced, plus torn
     /// unsynced sectors.
     pub fn power_off(&mut self, id: u64) {

@@ -110,6 +110,10 @@ struct Located {
     term: u64,
 }
 
+/// What a test runs in the middle of a compaction ([`RaftLog::compact`]).
+#[cfg(test)]
+pub(crate) type CompactHook = Box<dyn FnMut(&Arc<Engine>) + Send>;
+
 /// The replica's Raft log and state, on its engine.
 pub struct RaftLog {
     engine: Arc<Engine>,
@@ -144,6 +148,11 @@ pub struct RaftLog {
     snapshots: Option<SnapshotSender>,
     /// What the engine persists at each snapshot (shared with it).
     app_state: Arc<AppStateCell>,
+    /// Run by [`RaftLog::compact`] once the new first index is in the
+    /// application state, before it is made durable (tests: a snapshot or
+    /// a crash at that moment).
+    #[cfg(test)]
+    pub(crate) compact_hook: Option<CompactHook>,
 }
 
 impl std::fmt::Debug for RaftLog {
@@ -199,6 +208,8 @@ impl RaftLog {
             applied: 0,
             snapshots: None,
             app_state: Arc::default(),
+            #[cfg(test)]
+            compact_hook: None,
         };
         // The application state is durable only at engine snapshots: after
         // an early crash it may be missing although the WAL holds a log.
@@ -503,6 +514,8 @@ impl RaftLog {
             applied: meta.index,
             snapshots: None,
             app_state,
+            #[cfg(test)]
+            compact_hook: None,
         };
         log.persist_state()?;
         log.save_app_state();
@@ -531,17 +544,36 @@ impl RaftLog {
             self.entries.get(&to).map(|l| l.term).ok_or_else(|| {
                 NodeError::Malformed(format!("compaction to {to}: no such entry"))
             })?;
+        // Everything applied through `to` reaches the on-disk index first,
+        // under the state as it is: a snapshot the engine takes on its own
+        // (its maintenance, any moment) must never hold the new first index
+        // with a replay position before those entries' unflushed effects —
+        // a restart re-applies from the first index only, and their writes
+        // were lost from this replica's index. Nothing applies meanwhile:
+        // compaction runs where entries are applied.
+        self.engine.flush()?;
         self.truncated = (to, term);
         self.entries = self.entries.split_off(&(to + 1));
         self.scan_from = match self.entries.values().next() {
             Some(first) => first.position,
             None => self.engine.processed_position(),
         };
-        self.app_state.0.lock().sessions.forget_before(to + 1);
-        self.save_app_state();
-        // Everything applied through `to` reaches the on-disk index, and the
-        // new first index and scan start become durable, before relocation
-        // may delete the segments of the discarded entries.
+        // The sessions' forgotten decisions and the new first index change
+        // together (one hold of the cell): a snapshot between the two held
+        // the old first index without the records of the ops its entries
+        // refused, and re-applied after a crash they were applied.
+        let base = self.encode_app_state_base();
+        {
+            let mut cell = self.app_state.0.lock();
+            cell.sessions.forget_before(to + 1);
+            cell.base = base;
+        }
+        #[cfg(test)]
+        if let Some(hook) = self.compact_hook.as_mut() {
+            hook(&self.engine);
+        }
+        // The new first index and scan start become durable before
+        // relocation may delete the segments of the discarded entries.
         self.engine.flush()?;
         self.engine.set_log_retention(self.scan_from);
         Ok(())
@@ -771,7 +803,14 @@ impl RaftLog {
     /// The application state persisted with every engine snapshot (the
     /// sessions are added when the engine asks: `AppStateCell`).
     fn save_app_state(&self) {
-        let bytes = encode_base(
+        let bytes = self.encode_app_state_base();
+        self.app_state.0.lock().base = bytes;
+    }
+
+    /// The application state saved with every engine snapshot, up to and
+    /// including the Raft state record (the sessions follow it).
+    fn encode_app_state_base(&self) -> Vec<u8> {
+        encode_base(
             [
                 self.applied,
                 self.truncated.0,
@@ -781,8 +820,7 @@ impl RaftLog {
             &self.drops,
             (self.range, &self.children),
             &meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index),
-        );
-        self.app_state.0.lock().base = bytes;
+        )
     }
 
     fn restore_app_state(&mut self, bytes: &[u8]) -> Result<()> {
