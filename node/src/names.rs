@@ -471,6 +471,10 @@ pub fn walk(
 struct Located<'a> {
     at: NameKey,
     frames: &'a [Frame],
+    /// Nodes the walk entered so far (each one an engine scan): a page or
+    /// a sweep step stops on them as on leaves, or a trie of long chains
+    /// (names sharing hundreds of bytes) made one page enter millions.
+    entered: usize,
 }
 
 /// [`walk`], telling the visitor where each leaf is.
@@ -483,18 +487,21 @@ fn walk_located(
     mut visit: impl FnMut(&[u8], &Meta, Located<'_>) -> Result<Step>,
 ) -> Result<Walked> {
     let mut stack: Vec<Frame> = Vec::new();
-    let push = |stack: &mut Vec<Frame>, scope: Scope, path: Vec<u8>| -> Result<()> {
-        if let Some(range) = label_range(&path, prefix, start_after) {
-            let keys = node_keys(engine, space, &scope, range)?;
-            stack.push(Frame {
-                scope,
-                path,
-                keys: keys.into_iter(),
-            });
-        }
-        Ok(())
-    };
-    push(&mut stack, root(namespace), Vec::new())?;
+    let mut entered = 0;
+    let push =
+        |stack: &mut Vec<Frame>, entered: &mut usize, scope: Scope, path: Vec<u8>| -> Result<()> {
+            if let Some(range) = label_range(&path, prefix, start_after) {
+                *entered += 1;
+                let keys = node_keys(engine, space, &scope, range)?;
+                stack.push(Frame {
+                    scope,
+                    path,
+                    keys: keys.into_iter(),
+                });
+            }
+            Ok(())
+        };
+    push(&mut stack, &mut entered, root(namespace), Vec::new())?;
     while let Some(frame) = stack.last_mut() {
         let Some(at) = frame.keys.next() else {
             stack.pop();
@@ -514,6 +521,7 @@ fn walk_located(
                         NodeError::Malformed(format!("name index: a key of {} bytes", at.len()))
                     })?,
                     frames: &stack,
+                    entered,
                 };
                 if let Step::Stop = visit(name, &meta, located)? {
                     return Ok(Walked::StoppedAfter(name.to_vec()));
@@ -530,7 +538,7 @@ fn walk_located(
                 let scope = child(&frame.scope, byte);
                 let mut path = frame.path.clone();
                 path.push(byte);
-                push(&mut stack, scope, path)?;
+                push(&mut stack, &mut entered, scope, path)?;
             }
         }
     }
@@ -568,6 +576,10 @@ pub struct PageLimits {
     pub name_bytes: usize,
     /// Most leaves examined (dead ones included).
     pub examined: usize,
+    /// Most trie nodes entered (each an engine scan): the page ends at the
+    /// first leaf after it, so a trie of long chains (names sharing
+    /// hundreds of bytes) costs a page no more than this plus one chain.
+    pub entered: usize,
     /// Only names whose blob's hash position is in this range (the
     /// replica's group's: after a split, the other group's names stay in
     /// the index until swept, and are not this group's to list); `None`:
@@ -607,13 +619,13 @@ pub fn list_page(
 ) -> Result<Page> {
     let mut entries = Vec::new();
     let (mut examined, mut bytes) = (0, 0);
-    let walked = walk(
+    let walked = walk_located(
         engine,
         names,
         namespace,
         prefix,
         start_after,
-        |name, meta| {
+        |name, meta, located| {
             examined += 1;
             if let Some(epoch) = blob_epoch(engine, blobs, namespace, name, limits.owned)? {
                 bytes += name.len();
@@ -625,7 +637,8 @@ pub fn list_page(
             }
             let full = entries.len() >= limits.entries
                 || bytes >= limits.name_bytes
-                || examined >= limits.examined;
+                || examined >= limits.examined
+                || located.entered >= limits.entered;
             Ok(if full { Step::Stop } else { Step::Continue })
         },
     )?;
@@ -749,7 +762,10 @@ pub fn sweep_step(
             removed += 1;
         }
         Ok(
-            if examined >= max_leaves || std::time::Instant::now() >= until {
+            if examined >= max_leaves
+                || located.entered >= max_leaves
+                || std::time::Instant::now() >= until
+            {
                 Step::Stop
             } else {
                 Step::Continue

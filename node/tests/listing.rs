@@ -124,6 +124,7 @@ fn check(cluster: &mut SimCluster, model: &Model, rng: &mut StdRng, when: &str) 
                 entries: rng.random_range(1..7),
                 name_bytes: 1 << 20,
                 examined: rng.random_range(1..20),
+                entered: rng.random_range(1..60),
                 owned: None,
             };
             let mut listed = Vec::new();
