@@ -427,6 +427,53 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
         assert!(!answered, "a client certificate of {what} was accepted");
     }
 
+    // 7b. A node certificate reads blobs without a token only while the
+    //     map binds its name: one of the cluster's CA naming no node (a
+    //     retired pod's, one issued by mistake) reads nothing.
+    let ghost = certs::issue(
+        &ca,
+        &Request {
+            identity: Identity::Node("ghost".into()),
+            hosts: Vec::new(),
+            valid_for: certs::CERT_VALIDITY,
+            expired: false,
+        },
+    )
+    .unwrap();
+    certs::write(&foreign, "ghost", &ghost).unwrap();
+    let ghost_files = TlsFiles {
+        cert: foreign.join("ghost.pem"),
+        key: foreign.join("ghost-key.pem"),
+        ca: cluster.credentials.dir.join("ca.pem"),
+    };
+    let get = pb::GetRequest {
+        blob: Some(BlobRef {
+            namespace: "private".into(),
+            key: b"kept-1".to_vec(),
+        }),
+        consistency: pb::ReadConsistency::AnyReplica as i32,
+        ..pb::GetRequest::default()
+    };
+    let first_answer = |mut stream: tonic::Streaming<pb::GetResponse>| async move {
+        stream.message().await.map(|m| m.is_some())
+    };
+    for i in 0..cluster.nodes.len() {
+        let url = node_url(&cluster, i);
+        let mut ghost =
+            BlobServiceClient::new(channel(&cluster, ghost_files.clone(), None, &url).await);
+        let answer = match ghost.get(get.clone()).await {
+            Ok(stream) => first_answer(stream.into_inner()).await,
+            Err(status) => Err(status),
+        };
+        expect_code(
+            "Get with an unbound node certificate",
+            answer,
+            ErrorCode::PermissionDenied,
+        );
+    }
+    // Bound node certificates still read from each other: the manifest
+    // checks below need it.
+
     // 8. A forged manifest in a content-addressed namespace, under the
     //    digest of content it does not describe: refused by the node (it
     //    reads the chunks and hashes them), so the real content stays

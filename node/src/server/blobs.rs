@@ -395,6 +395,24 @@ impl BlobApi {
 
     /// `PERMISSION_DENIED` unless the caller holds `role` in `namespace`.
     fn allow(&self, caller: &Caller, namespace: Option<&str>, role: Role) -> ApiResult<()> {
+        if caller.peer_read && !caller.open {
+            // A node's certificate reads without a token only while the
+            // map binds its name to a node (a retired pod's certificate,
+            // or one issued by mistake, read every namespace until it
+            // expired).
+            let map = self.node.map();
+            let bound = caller
+                .node_name()
+                .is_some_and(|name| map.nodes.iter().any(|n| n.identity == name));
+            if !bound {
+                let mut info = ErrorInfo::new(
+                    ErrorCode::PermissionDenied,
+                    "this node certificate names no node of the cluster",
+                );
+                info.detail.map_version = map.version;
+                return Err(info);
+            }
+        }
         caller
             .require(namespace.unwrap_or_default(), role)
             .map_err(|mut info| {
@@ -1010,6 +1028,7 @@ impl BlobApi {
             entries: limit,
             name_bytes: MAX_LIST_NAME_BYTES,
             examined: limit.saturating_mul(4) + 1024,
+            entered: limit.saturating_mul(4) + 1024,
             owned: target.shard.range(),
         };
         let (prefix, start_after) = (request.prefix, request.start_after);
