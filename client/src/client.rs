@@ -316,6 +316,18 @@ pub(crate) async fn read_blob(
     request: GetRequest,
     limit: usize,
 ) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
+    read_blob_sized(channel, request, limit, None).await
+}
+
+/// [`read_blob`], ended with `NOT_FOUND` as soon as the info message names
+/// a blob stored whole whose size is not `size` (a manifest's own size is
+/// not its blob's: read on).
+pub(crate) async fn read_blob_sized(
+    channel: Channel,
+    request: GetRequest,
+    limit: usize,
+    size: Option<u64>,
+) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
     let mut stream = BlobServiceClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE)
         .get(request)
@@ -331,6 +343,18 @@ pub(crate) async fn read_blob(
                         "a node announced a blob of {} bytes; the cluster stores at most {limit}",
                         i.size
                     )));
+                }
+                if let Some(size) = size
+                    && i.kind != BlobKind::Manifest as i32
+                    && i.size != size
+                {
+                    return Err(tidepool_proto::status_with_detail(
+                        tidepool_proto::v1::ErrorDetail {
+                            code: ErrorCode::NotFound as i32,
+                            message: format!("the blob is {} bytes, not {size}", i.size),
+                            ..Default::default()
+                        },
+                    ));
                 }
                 content.reserve(i.size as usize);
                 info = i;
@@ -1058,9 +1082,21 @@ impl Client {
         key: &[u8],
         consistency: ReadConsistency,
     ) -> Result<(BlobInfo, Vec<u8>)> {
+        self.get_sized(namespace, key, consistency, None).await
+    }
+
+    /// [`Client::get_one`] of a blob that must be `size` bytes if stored
+    /// whole (`read_blob_sized`).
+    pub(crate) async fn get_sized(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        consistency: ReadConsistency,
+        size: Option<u64>,
+    ) -> Result<(BlobInfo, Vec<u8>)> {
         let (info, content) = self
             .on_shard(namespace, key, |channel, map_version, _| {
-                read_blob(
+                read_blob_sized(
                     channel,
                     GetRequest {
                         blob: blob_ref(namespace, key),
@@ -1069,6 +1105,7 @@ impl Client {
                         ..GetRequest::default()
                     },
                     self.chunk_size(),
+                    size,
                 )
             })
             .await?;
@@ -1554,6 +1591,7 @@ mod tests {
     struct Liar {
         announced: u64,
         sent: usize,
+        kind: BlobKind,
     }
 
     type GetStream =
@@ -1575,6 +1613,7 @@ mod tests {
             let info = GetResponse {
                 msg: Some(get_response::Msg::Info(BlobInfo {
                     size: self.announced,
+                    kind: self.kind as i32,
                     ..BlobInfo::default()
                 })),
             };
@@ -1620,6 +1659,14 @@ mod tests {
         liar: Liar,
         limit: usize,
     ) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
+        read_sized_from(liar, limit, None).await
+    }
+
+    async fn read_sized_from(
+        liar: Liar,
+        limit: usize,
+        size: Option<u64>,
+    ) -> std::result::Result<(BlobInfo, Vec<u8>), Status> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -1631,7 +1678,7 @@ mod tests {
         let security = tidepool_security::Security::insecure();
         let endpoint = security.endpoint(&format!("http://{address}")).unwrap();
         let channel = security.connect(&endpoint).await.unwrap();
-        read_blob(channel, GetRequest::default(), limit).await
+        read_blob_sized(channel, GetRequest::default(), limit, size).await
     }
 
     fn code_of(status: &Status) -> ErrorCode {
@@ -1648,6 +1695,7 @@ mod tests {
             Liar {
                 announced: 1 << 62,
                 sent: 10,
+                kind: BlobKind::Data,
             },
             4 << 20,
         )
@@ -1659,6 +1707,7 @@ mod tests {
             Liar {
                 announced: 10,
                 sent: 11,
+                kind: BlobKind::Data,
             },
             4 << 20,
         )
@@ -1670,11 +1719,41 @@ mod tests {
             Liar {
                 announced: 10,
                 sent: 10,
+                kind: BlobKind::Data,
             },
             4 << 20,
         )
         .await
         .unwrap();
+        assert_eq!((info.size, bytes.len()), (10, 10));
+    }
+
+    /// A read naming the size it wants ends at the info message when a
+    /// blob stored whole has another size: the bytes after it are never
+    /// read (here ones a read would refuse, more than announced: the
+    /// answer is `NOT_FOUND`, not `CORRUPT`). A manifest's own size is not
+    /// its blob's: read on.
+    #[tokio::test]
+    async fn a_sized_read_ends_at_an_info_of_another_size() {
+        let liar = |kind| Liar {
+            announced: 10,
+            sent: 11,
+            kind,
+        };
+        let status = read_sized_from(liar(BlobKind::Data), 4 << 20, Some(9))
+            .await
+            .unwrap_err();
+        assert_eq!(code_of(&status), ErrorCode::NotFound, "{status:?}");
+        let status = read_sized_from(liar(BlobKind::Manifest), 4 << 20, Some(9))
+            .await
+            .unwrap_err();
+        assert_eq!(code_of(&status), ErrorCode::Corrupt, "{status:?}");
+        let honest = Liar {
+            announced: 10,
+            sent: 10,
+            kind: BlobKind::Data,
+        };
+        let (info, bytes) = read_sized_from(honest, 4 << 20, Some(10)).await.unwrap();
         assert_eq!((info.size, bytes.len()), (10, 10));
     }
 

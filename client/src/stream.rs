@@ -136,7 +136,7 @@ impl Client {
         let mut manifest = ChunkManifest::default();
         let mut epoch = 0;
         for chunk in chunks {
-            let (info, bytes) = self.get_verified(namespace, chunk, true).await?;
+            let (info, bytes) = self.get_verified(namespace, chunk, true, None).await?;
             epoch = info.epoch;
             if info.kind == BlobKind::Manifest as i32 || sha256(&bytes)[..] != chunk[..] {
                 return Err(Error::new(
@@ -214,7 +214,6 @@ impl Client {
 
     /// Opens a blob for reading in verified pieces ([`BlobReader`]),
     /// from `offset`, at most `limit` bytes (`None`: to the end).
-    #[tracing::instrument(name = "tidepool.open_range", level = "info", skip_all, fields(namespace = %namespace, offset, error_code = tracing::field::Empty))]
     pub async fn open_range(
         &self,
         namespace: &str,
@@ -222,9 +221,47 @@ impl Client {
         offset: u64,
         limit: Option<u64>,
     ) -> Result<BlobReader> {
+        self.open_checked(namespace, key, offset, limit, None).await
+    }
+
+    /// [`Client::open_range`] of the blob only if it is `size` bytes:
+    /// `NOT_FOUND` otherwise, as soon as the node's answer names another
+    /// size — before the bytes of a blob stored whole are sent (a caller
+    /// naming blobs by hash and size, as build caches do, is not made to
+    /// read and hash a blob of another size; a chunked blob's size is
+    /// known from its manifest).
+    pub async fn open_sized(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        size: u64,
+        offset: u64,
+        limit: Option<u64>,
+    ) -> Result<BlobReader> {
+        let reader = self
+            .open_checked(namespace, key, offset, limit, Some(size))
+            .await?;
+        if reader.size() != size {
+            return Err(Error::new(
+                ErrorCode::NotFound,
+                format!("the blob is {} bytes, not {size}", reader.size()),
+            ));
+        }
+        Ok(reader)
+    }
+
+    #[tracing::instrument(name = "tidepool.open_range", level = "info", skip_all, fields(namespace = %namespace, offset, error_code = tracing::field::Empty))]
+    async fn open_checked(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        offset: u64,
+        limit: Option<u64>,
+        size: Option<u64>,
+    ) -> Result<BlobReader> {
         let result: Result<BlobReader> = async {
             let cas = self.content_addressed(namespace).await?;
-            let (info, mut content) = self.get_verified(namespace, key, cas).await?;
+            let (info, mut content) = self.get_verified(namespace, key, cas, size).await?;
             let mut reader = BlobReader {
                 client: self.clone(),
                 namespace: namespace.to_string(),
@@ -340,9 +377,10 @@ impl Client {
         namespace: &str,
         key: &[u8],
         cas: bool,
+        size: Option<u64>,
     ) -> Result<(BlobInfo, Vec<u8>)> {
         let first = self
-            .get_one(namespace, key, ReadConsistency::Linearizable)
+            .get_sized(namespace, key, ReadConsistency::Linearizable, size)
             .await;
         match first {
             Err(e) if e.code() == ErrorCode::Corrupt => {
@@ -1091,7 +1129,7 @@ impl BlobReader {
                 chunk.key.clone(),
                 self.cas,
             );
-            let fetch = async move { client.get_verified(&namespace, &key, cas).await };
+            let fetch = async move { client.get_verified(&namespace, &key, cas, None).await };
             self.fetching
                 .push_back(tokio::spawn(tracing::Instrument::in_current_span(fetch)));
             self.fetch_next += 1;

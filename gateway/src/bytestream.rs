@@ -217,7 +217,15 @@ impl ByteStream for Reapi {
         let limit = (limit > 0).then_some(limit);
         let digest = resource.digest;
         let identity = resource.compression == Compression::Identity;
-        if identity && offset > digest.size {
+        // REAPI: a compressed read's offset counts uncompressed bytes (a
+        // client resuming a download counts what it decompressed), and it
+        // takes no limit.
+        if !identity && limit.is_some() {
+            return Err(invalid(
+                "read_limit must be 0 for compressed-blobs (REAPI)".into(),
+            ));
+        }
+        if offset > digest.size {
             return Err(Status::out_of_range(format!(
                 "read_offset {offset} is past the end of the {}-byte blob",
                 digest.size
@@ -226,22 +234,18 @@ impl ByteStream for Reapi {
         let mut reader = if digest.is_empty_blob() {
             None
         } else {
+            // The size is checked before the bytes come (a blob of this
+            // hash and another size is not the one asked for).
             let reader = client
-                .open_range(
+                .open_sized(
                     &resource.instance.cas,
                     &digest.hash,
-                    if identity { offset } else { 0 },
-                    if identity { limit } else { None },
+                    digest.size,
+                    offset,
+                    limit,
                 )
                 .await
                 .map_err(status)?;
-            if reader.size() != digest.size {
-                return Err(Status::not_found(format!(
-                    "the blob of this hash is {} bytes, not {}",
-                    reader.size(),
-                    digest.size
-                )));
-            }
             cache::keep_alive(&client, &resource.instance.cas, &reader).await;
             Some(reader)
         };
@@ -269,14 +273,8 @@ impl ByteStream for Reapi {
         let idle = self.gateway.config.http_limits.body_idle;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
-            // Compressed reads: frames of the pieces, `offset` and `limit`
-            // counted in compressed bytes.
-            let mut skip = if identity { 0 } else { offset };
-            let mut remaining = if identity {
-                u64::MAX
-            } else {
-                limit.unwrap_or(u64::MAX)
-            };
+            // Compressed reads: a frame of each piece from `offset` on (a
+            // resumed read is a zstd stream of its own).
             let mut sent_any = false;
             loop {
                 let piece = match reader.as_mut() {
@@ -290,7 +288,7 @@ impl ByteStream for Reapi {
                     },
                 };
                 let Some(piece) = piece else { break };
-                let mut piece = if identity {
+                let piece = if identity {
                     piece
                 } else {
                     match codec::compress(&piece) {
@@ -301,11 +299,6 @@ impl ByteStream for Reapi {
                         }
                     }
                 };
-                let dropped = skip.min(piece.len() as u64) as usize;
-                skip -= dropped as u64;
-                piece.drain(..dropped);
-                piece.truncate(remaining.min(piece.len() as u64) as usize);
-                remaining -= piece.len() as u64;
                 for data in piece.chunks(READ_PIECE) {
                     sent_any = true;
                     let data = data.to_vec();
@@ -313,15 +306,8 @@ impl ByteStream for Reapi {
                         return;
                     }
                 }
-                if remaining == 0 {
-                    break;
-                }
             }
-            if !identity && skip > 0 {
-                let past =
-                    Status::out_of_range("read_offset is past the end of the compressed blob");
-                let _ = feed(&tx, Err(past), idle).await;
-            } else if !sent_any && !identity {
+            if !sent_any && !identity {
                 // The empty blob, compressed: one empty frame.
                 if let Ok(frame) = codec::compress(&[]) {
                     let _ = feed(&tx, Ok(ReadResponse { data: frame }), idle).await;

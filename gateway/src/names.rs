@@ -116,8 +116,9 @@ pub fn hex(bytes: &[u8]) -> String {
 pub enum Compression {
     /// As they are.
     Identity,
-    /// zstd-compressed (`compressed-blobs/zstd/…`); offsets count
-    /// compressed bytes.
+    /// zstd-compressed (`compressed-blobs/zstd/…`); a read's offset counts
+    /// uncompressed bytes (REAPI), an upload's compressed bytes after its
+    /// start.
     Zstd,
 }
 
