@@ -4,7 +4,9 @@
 //! they share with durable data — under whatever faults a scenario
 //! injects. The durable data is checked by the scenario's own checks (the
 //! histories, the listing, the churn); this writer checks its own side:
-//! every blob written since the last drop was applied everywhere is there.
+//! every blob written since the last drop was applied everywhere is there
+//! with its own bytes (checked before each advance and at the end), and
+//! every blob written before an advance is gone once its drop applied.
 //!
 //! Why that is exact: once every shard has applied the drop below epoch
 //! `c` (the scenario waits for it, `Expiring::applied`), every shard is at
@@ -76,13 +78,13 @@ impl Expiring {
         let task = tokio::spawn(async move {
             let mut ticker = tokio::time::interval(pace);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let value = vec![0x5c; size];
             for n in 0u64.. {
                 ticker.tick().await;
                 if *stopped.borrow() {
                     break;
                 }
                 let key = format!("scratch-{n}").into_bytes();
+                let value = value_of(&key, size);
                 let began = {
                     let s = shared.lock();
                     (s.generation, s.dropping)
@@ -104,12 +106,18 @@ impl Expiring {
     }
 
     /// The cluster epoch is about to advance: what is written from now on
-    /// may be dropped.
-    pub fn advancing(&self) {
+    /// may be dropped. Returns the keys acknowledged since the last drop
+    /// applied (to be gone once this one is).
+    pub fn advancing(&self) -> Vec<Vec<u8>> {
         let mut s = self.state.lock();
         s.generation += 1;
         s.dropping = true;
-        s.current.clear();
+        std::mem::take(&mut s.current)
+    }
+
+    /// The keys acknowledged since the last drop applied, so far.
+    pub fn current(&self) -> Vec<Vec<u8>> {
+        self.state.lock().current.clone()
     }
 
     /// Every shard has applied the drop that followed the advance.
@@ -136,20 +144,77 @@ impl Expiring {
 impl ExpiringLog {
     /// Every blob written since the last drop was applied is readable.
     pub async fn verify(&self, client: &Client) -> Result<(), String> {
-        for key in &self.current {
+        verify_present(client, &self.current).await
+    }
+}
+
+/// A blob's bytes: its key, repeated to `size` bytes (so a read that
+/// returns another key's blob is caught).
+fn value_of(key: &[u8], size: usize) -> Vec<u8> {
+    key.iter()
+        .copied()
+        .cycle()
+        .take(size.max(key.len()))
+        .collect()
+}
+
+/// Each of `keys` holds its own blob. Read failures are retried for a
+/// while (the cluster may be settling after a fault).
+async fn verify_present(client: &Client, keys: &[Vec<u8>]) -> Result<(), String> {
+    for key in keys {
+        let name = String::from_utf8_lossy(key);
+        let mut tries = 0;
+        loop {
+            tries += 1;
             match client.get(NAMESPACE, key).await {
-                Ok(_) => {}
-                Err(e) if e.code() == ErrorCode::NotFound => {
+                Ok(bytes) if bytes == value_of(key, bytes.len()) && bytes.len() >= key.len() => {
+                    break;
+                }
+                Ok(bytes) => {
                     return Err(format!(
-                        "{} was written after the last drop and is gone",
-                        String::from_utf8_lossy(key)
+                        "{name} holds {} bytes that are not its blob",
+                        bytes.len()
                     ));
                 }
-                Err(e) => return Err(format!("{}: {e}", String::from_utf8_lossy(key))),
+                Err(e) if e.code() == ErrorCode::NotFound => {
+                    return Err(format!(
+                        "{name} was written after the last drop and is gone"
+                    ));
+                }
+                Err(e) if tries < 30 => {
+                    eprintln!("expiring: reading {name} failed ({e}); again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => return Err(format!("{name}: {e}")),
             }
         }
-        Ok(())
     }
+    Ok(())
+}
+
+/// Each of `keys` is gone (their epoch's drop applied everywhere).
+async fn verify_gone(client: &Client, keys: &[Vec<u8>]) -> Result<(), String> {
+    for key in keys {
+        let name = String::from_utf8_lossy(key);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match client.get(NAMESPACE, key).await {
+                Err(e) if e.code() == ErrorCode::NotFound => break,
+                Ok(_) => {
+                    return Err(format!(
+                        "{name} was written before the epoch advanced and survived its drop"
+                    ));
+                }
+                Err(e) if tries < 30 => {
+                    eprintln!("expiring: reading {name} failed ({e}); again");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => return Err(format!("{name}: {e}")),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Advances the cluster epoch (announcing it to `expiring` first) and
@@ -162,7 +227,12 @@ pub async fn advance_and_drop(
     expiring: &Expiring,
     timeout: Duration,
 ) -> u64 {
-    expiring.advancing();
+    // What was written since the last drop is there now, and will be gone
+    // once the drop that follows this advance applied everywhere.
+    if let Err(e) = verify_present(admin, &expiring.current()).await {
+        panic!("expiring blobs before an advance: {e}");
+    }
+    let doomed = expiring.advancing();
     let epoch = admin.advance_epoch(None).await.expect("advance the epoch");
     let deadline = std::time::Instant::now() + timeout;
     loop {
@@ -179,6 +249,9 @@ pub async fn advance_and_drop(
             });
         if done {
             expiring.applied();
+            if let Err(e) = verify_gone(admin, &doomed).await {
+                panic!("expiring blobs after their drop: {e}");
+            }
             return epoch;
         }
         assert!(

@@ -299,8 +299,18 @@ impl Run {
         self.stop.send_replace(true);
         self.task.await.expect("the workload panicked");
         let end = self.recorder.now();
-        crate::workload::read_back(&self.client, &self.workload, &self.recorder).await;
+        let unread = crate::workload::read_back(&self.client, &self.workload, &self.recorder).await;
         let history = self.recorder.history();
+        let mut violations = check_all(&history);
+        violations.extend(unread.into_iter().map(|key| crate::history::Violation {
+            key,
+            what: "the read-back after the run never answered: an acknowledged write there goes unchecked".into(),
+            slice: history
+                .iter()
+                .filter(|e| e.key == key && e.client == self.workload.clients)
+                .cloned()
+                .collect(),
+        }));
         let from = self.fault_from.unwrap_or(0);
         Report {
             scenario: scenario.to_string(),
@@ -310,7 +320,7 @@ impl Run {
             errors: self.recorder.errors(),
             write_gap_s: self.recorder.longest_write_gap(from, end),
             duration_s: end as f64 / 1e9,
-            violations: check_all(&history),
+            violations,
             history,
         }
     }

@@ -279,26 +279,47 @@ pub async fn run(
     }
 }
 
-/// After the clients stopped: one read of every key, recorded as client
+/// How long the read-back may go on retrying a key that fails to read.
+const READ_BACK_PATIENCE: Duration = Duration::from_secs(60);
+
+/// After the clients stopped: a read of every key, recorded as client
 /// `workload.clients` — so a write acknowledged just before the end that
-/// no client read again is checked too.
-pub async fn read_back(client: &Client, workload: &Workload, recorder: &Recorder) {
+/// no client read again is checked too. A read that fails is recorded and
+/// tried again (the cluster may still be settling) until one answers or
+/// [`READ_BACK_PATIENCE`] has passed; returns the keys no read answered.
+/// A failed read says nothing of the key, so the checkers leave it out:
+/// a key whose every read failed would hide a lost write.
+pub async fn read_back(client: &Client, workload: &Workload, recorder: &Recorder) -> Vec<u32> {
     let client = client.clone().with_timeout(workload.op_timeout);
+    let deadline = tokio::time::Instant::now() + READ_BACK_PATIENCE;
+    let mut unread = Vec::new();
     for key in 0..workload.keys {
-        let invoked = recorder.now();
-        let (op, status) = match client.get("default", &key_name(key)).await {
-            Ok(bytes) => (Op::Read(Some(decode(&bytes))), Status::Ok),
-            Err(e) if e.code() == ErrorCode::NotFound => (Op::Read(None), Status::Ok),
-            Err(e) => (Op::Read(None), failed(&e)),
-        };
-        recorder.record(Event {
-            client: workload.clients,
-            key,
-            op,
-            invoked,
-            completed: recorder.now(),
-            status,
-            attempts: 0,
-        });
+        loop {
+            let invoked = recorder.now();
+            let (op, status) = match client.get("default", &key_name(key)).await {
+                Ok(bytes) => (Op::Read(Some(decode(&bytes))), Status::Ok),
+                Err(e) if e.code() == ErrorCode::NotFound => (Op::Read(None), Status::Ok),
+                Err(e) => (Op::Read(None), failed(&e)),
+            };
+            let answered = status == Status::Ok;
+            recorder.record(Event {
+                client: workload.clients,
+                key,
+                op,
+                invoked,
+                completed: recorder.now(),
+                status,
+                attempts: 0,
+            });
+            if answered {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                unread.push(key);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
+    unread
 }
