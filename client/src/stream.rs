@@ -225,11 +225,11 @@ impl Client {
     }
 
     /// [`Client::open_range`] of the blob only if it is `size` bytes:
-    /// `NOT_FOUND` otherwise, as soon as the node's answer names another
-    /// size — before the bytes of a blob stored whole are sent (a caller
-    /// naming blobs by hash and size, as build caches do, is not made to
-    /// read and hash a blob of another size; a chunked blob's size is
-    /// known from its manifest).
+    /// `NOT_FOUND` otherwise, as soon as the node's first answer names
+    /// another size: the rest of a blob stored whole is neither received
+    /// nor hashed (a caller naming blobs by hash and size, as build caches
+    /// do, is not made to fetch and hash a blob of another size; a chunked
+    /// blob's size is known from its manifest).
     pub async fn open_sized(
         &self,
         namespace: &str,

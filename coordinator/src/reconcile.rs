@@ -366,21 +366,27 @@ struct Founding {
 const SPLITS_PER_ROUND: usize = 4;
 
 /// Nodes hosting a replica: members of a shard in the map or in its
-/// leader's configuration, and nodes running a replica of a group the map
-/// does not list (a split's new group before it is published, with the
-/// parent's members of the moment: the parent may have moved off the node
-/// since). A draining node is drained once it hosts none.
+/// leader's configuration, and nodes running a replica of a split's new
+/// group not yet published (with the parent's members of the moment: the
+/// parent may have moved off the node since). A draining node is drained
+/// once it hosts none. (Not any replica of a group the map does not list:
+/// nothing closes one the map will never list — a lost group that cannot
+/// be adopted — and it held the drain for ever.)
 fn hosting(
     map: &ClusterMap,
     views: &[ShardView],
     alive: &BTreeMap<u64, NodeStatus>,
 ) -> BTreeSet<u64> {
-    let listed: BTreeSet<u32> = map.shards.iter().map(|s| s.shard_id).collect();
+    let pending: BTreeSet<u32> = map
+        .shards
+        .iter()
+        .filter_map(|s| s.split.map(|intent| intent.child_shard_id))
+        .collect();
     let unlisted = alive.iter().filter_map(|(node, status)| {
         status
             .replicas
             .iter()
-            .any(|r| !listed.contains(&r.shard_id))
+            .any(|r| pending.contains(&r.shard_id))
             .then_some(*node)
     });
     views
@@ -1598,10 +1604,11 @@ mod tests {
 
     /// A draining node running a replica of a split's new group, not yet
     /// published, still hosts: marked drained, its pod stopped under the
-    /// group (which then ran a replica short until replaced).
+    /// group (which then ran a replica short until replaced). A replica
+    /// of a group the map will never list does not hold the drain.
     #[test]
-    fn a_replica_of_a_group_the_map_does_not_list_counts_as_hosted() {
-        use tidepool_proto::v1::{ReplicaStatus, ShardInfo};
+    fn a_replica_of_a_split_not_yet_published_counts_as_hosted() {
+        use tidepool_proto::v1::{ReplicaStatus, ShardInfo, SplitIntent};
         let map = ClusterMap {
             shards: vec![ShardInfo {
                 shard_id: 1,
@@ -1609,6 +1616,10 @@ mod tests {
                     node_id: 1,
                     role: ReplicaRole::Voter as i32,
                 }],
+                split: Some(SplitIntent {
+                    child_shard_id: 7,
+                    at: 1 << 63,
+                }),
                 ..ShardInfo::default()
             }],
             ..ClusterMap::default()
@@ -1628,6 +1639,8 @@ mod tests {
         assert_eq!(hosting(&map, &views, &alive), set(&[1, 2, 3]));
         let alive = BTreeMap::from([(3, status(&[]))]);
         assert_eq!(hosting(&map, &views, &alive), set(&[1, 2]));
+        let alive = BTreeMap::from([(3, status(&[9]))]);
+        assert_eq!(hosting(&map, &views, &alive), set(&[1, 2]), "a lost group");
     }
 
     /// A shard the placement has no entry for (the map changed under the

@@ -280,7 +280,7 @@ pub async fn run(
 }
 
 /// How long the read-back may go on retrying a key that fails to read.
-const READ_BACK_PATIENCE: Duration = Duration::from_secs(60);
+pub const READ_BACK_PATIENCE: Duration = Duration::from_secs(60);
 
 /// After the clients stopped: a read of every key, recorded as client
 /// `workload.clients` — so a write acknowledged just before the end that

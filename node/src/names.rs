@@ -222,6 +222,33 @@ impl<'a> NameBatch<'a> {
         Ok(true)
     }
 
+    /// Whether the index holds `name` (in namespace `namespace`).
+    pub fn contains(&self, namespace: u32, name: &[u8]) -> Result<bool> {
+        let mut scope = root(namespace);
+        let mut depth = 0;
+        loop {
+            let at = match name.get(depth) {
+                None => key(&scope, END),
+                Some(&byte) => key(&scope, child_label(byte)),
+            };
+            let Some(value) = self.get(&at)? else {
+                return Ok(false);
+            };
+            match decode(&value)? {
+                Node::Leaf(_, other) => return Ok(other == name),
+                Node::Interior if depth < name.len() => {
+                    scope = child(&scope, name[depth]);
+                    depth += 1;
+                }
+                Node::Interior => {
+                    return Err(NodeError::Malformed(
+                        "name index: an END label holds an interior node".into(),
+                    ));
+                }
+            }
+        }
+    }
+
     /// Records `name` (in namespace `namespace`) with its metadata,
     /// replacing what the index held for it.
     pub fn insert(&mut self, namespace: u32, name: &[u8], meta: &Meta) -> Result<()> {

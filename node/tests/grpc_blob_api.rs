@@ -997,11 +997,37 @@ async fn a_content_addressed_put_on_an_incomplete_replica_indexes_the_blob() {
     };
     let before = list().await;
     assert!(before.entries.is_empty() && before.incomplete, "{before:?}");
-    let again = put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    // Put again only if absent, as an append-only caller's put is: written
+    // again all the same (no overwrite: the key holds only its content).
+    let if_absent = vec![
+        PutRequest {
+            msg: Some(put_request::Msg::Header(PutHeader {
+                blob: blob("cas", &digest),
+                size: chunk.len() as u64,
+                if_absent: true,
+                ..PutHeader::default()
+            })),
+        },
+        PutRequest {
+            msg: Some(put_request::Msg::Data(chunk.clone().into())),
+        },
+    ];
+    let again = cluster
+        .client(leader)
+        .await
+        .put(tokio_stream::iter(if_absent))
+        .await
+        .expect("a put of present content is no overwrite")
+        .into_inner();
     assert!(!again.already_present, "answered present, left unlisted");
     let after = list().await;
     let keys: Vec<_> = after.entries.iter().map(|e| e.key.clone()).collect();
     assert_eq!(keys, vec![digest.clone()]);
+    // Indexed now: the next put is the usual no-op, though the replica
+    // still says its listings are incomplete (other blobs may be missing).
+    let third = put(&cluster, "cas", &digest, &chunk).await.unwrap();
+    assert!(third.already_present);
+    assert!(list().await.incomplete);
     assert_eq!(
         get(&cluster, "cas", &digest).await.unwrap(),
         chunk,

@@ -9,9 +9,12 @@
 //! fails with [`std::io::ErrorKind::TimedOut`] if the client's first
 //! [`OPENING_BYTES`] did not arrive within its deadline; after them the
 //! server's own timeouts (HTTP/1 header timeout, HTTP/2 keep-alive) take
-//! over. Not the first byte alone: a client sending `P` and then nothing
-//! stalled both HTTP/2's preface read and hyper's version detection (a
-//! prefix of the preface), holding every connection slot for ever.
+//! over — or as soon as they stop matching HTTP/2's preface (an HTTP/1
+//! request: hyper's version detection is done, and its header timeout
+//! applies). Not the first byte alone: a client sending `P` and then
+//! nothing stalled both HTTP/2's preface read and hyper's version
+//! detection (a prefix of the preface), holding every connection slot for
+//! ever.
 
 use std::future::Future as _;
 use std::io;
@@ -26,12 +29,14 @@ use tokio::time::Sleep;
 /// preface, which a client sends as soon as it connects).
 pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Bytes a client must send within the deadline: HTTP/2's connection
-/// preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`), which every gRPC client
-/// sends first and after which hyper's HTTP/2 keep-alive applies; also as
-/// much as hyper reads to tell HTTP/1 from HTTP/2 (an HTTP/1 request line
-/// and its `Host` header are longer).
-pub const OPENING_BYTES: usize = 24;
+/// HTTP/2's connection preface, which every gRPC client sends first and
+/// after which hyper's HTTP/2 keep-alive applies; hyper reads as much of
+/// it as matches to tell HTTP/1 from HTTP/2.
+pub const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Bytes a client must send within the deadline, unless they stop
+/// matching [`PREFACE`] earlier.
+pub const OPENING_BYTES: usize = PREFACE.len();
 
 /// An accepted connection that fails its reads once `timeout` passed
 /// before the client's first [`OPENING_BYTES`] arrived (see the module
@@ -83,10 +88,16 @@ impl<I: AsyncRead + Unpin> AsyncRead for FirstByteDeadline<I> {
         let before = buf.filled().len();
         match Pin::new(&mut self.io).poll_read(cx, buf) {
             Poll::Ready(result) => {
-                let read = buf.filled().len() - before;
-                self.awaited = self.awaited.saturating_sub(read);
-                if self.awaited == 0 {
-                    self.deadline = None;
+                if self.deadline.is_some() {
+                    let at = OPENING_BYTES - self.awaited;
+                    let new = &buf.filled()[before..];
+                    let wanted = &PREFACE[at..];
+                    let compared = new.len().min(wanted.len());
+                    let preface = new[..compared] == wanted[..compared];
+                    self.awaited -= compared;
+                    if self.awaited == 0 || !preface {
+                        self.deadline = None;
+                    }
                 }
                 Poll::Ready(result)
             }
@@ -183,6 +194,16 @@ mod tests {
             .unwrap();
         let mut preface = [0u8; OPENING_BYTES];
         server.read_exact(&mut preface).await.unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(400), server.read(&mut byte)).await;
+        assert!(waited.is_err(), "{waited:?}");
+        // An HTTP/1 request shorter than the preface, then silence (its
+        // answer being written): no longer a preface, so the server's own
+        // timeouts apply, not this deadline.
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut server = FirstByteDeadline::new(server, Duration::from_millis(200));
+        client.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
+        let mut request = [0u8; 18];
+        server.read_exact(&mut request).await.unwrap();
         let waited = tokio::time::timeout(Duration::from_millis(400), server.read(&mut byte)).await;
         assert!(waited.is_err(), "{waited:?}");
     }

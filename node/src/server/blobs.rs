@@ -447,7 +447,7 @@ impl BlobApi {
         };
         // A `write` role may overwrite; an `append-only` one only creates.
         let namespace = header.blob.as_ref().map(|b| b.namespace.as_str());
-        let if_absent = match self.allow(&caller, namespace, Role::Write) {
+        let mut if_absent = match self.allow(&caller, namespace, Role::Write) {
             Ok(()) => header.if_absent,
             Err(denied) => {
                 self.allow(&caller, namespace, Role::AppendOnly)
@@ -517,15 +517,30 @@ impl BlobApi {
             // the new group.
             self.check_owned(&target, &target.key)?;
             // A replica whose index lacks blobs stored before it existed
-            // writes the blob again, which indexes its name: re-putting
-            // content-addressed chunks is how they are listed again.
-            let indexed = engine
-                .key_space(names::NAMES_KEY_SPACE)
-                .map_err(crate::NodeError::from)
-                .and_then(|names| names::is_complete(&engine, names))
-                .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+            // writes a present blob whose name it lacks again, which
+            // indexes the name: re-putting content-addressed chunks is how
+            // they are listed again (once: then the name is there).
+            let unindexed = present.is_some()
+                && engine
+                    .key_space(names::NAMES_KEY_SPACE)
+                    .map_err(crate::NodeError::from)
+                    .and_then(|space| {
+                        if names::is_complete(&engine, space)? {
+                            return Ok(false);
+                        }
+                        let key = &header.blob.as_ref().expect("checked").key;
+                        let index = names::NameBatch::new(&engine, space);
+                        Ok(!index.contains(target.namespace.id, key)?)
+                    })
+                    .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+            // Writing it again is no overwrite: a content-addressed key
+            // holds only its content (an append-only caller's put would
+            // otherwise be refused as one, ALREADY_EXISTS).
+            if unindexed {
+                if_absent = false;
+            }
             if let Some(stored_epoch) = present
-                && indexed
+                && !unindexed
                 && self
                     .keep_present(&target, stored_epoch.0, epoch, sync)
                     .await?
