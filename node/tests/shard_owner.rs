@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 use raft::eraftpb::Message;
@@ -253,15 +253,27 @@ fn a_follower_whose_disk_fills_keeps_what_it_acknowledged() {
     let leader_handle = net.nodes.read()[&leader_id].clone();
     let value = |i: u64| format!("{i:>1000}").into_bytes();
     let put_value = |i: u64| put_value(&leader_handle, i, value(i));
+    let victim_failed = || net.nodes.read()[&victim].state().failed.is_some();
     let mut acknowledged = Vec::new();
+    // The replica fails, is reopened after its backoff and fails again at
+    // its next append: it is sampled after every put, since at any one
+    // moment it can be between a reopening and its next failure.
+    let mut seen_failed = false;
     for i in 0..1_500u64 {
         if matches!(put_value(i), Outcome::Applied { .. }) {
             acknowledged.push(i);
         }
+        seen_failed |= victim_failed();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen_failed && Instant::now() < deadline {
+        seen_failed = victim_failed();
+        std::thread::sleep(Duration::from_millis(10));
     }
     assert!(
-        net.nodes.read()[&victim].state().failed.is_some(),
-        "the follower's disk filled up"
+        seen_failed,
+        "the follower's disk filled up: {:#?}",
+        net.nodes.read()[&victim].state()
     );
     assert!(acknowledged.len() > 1_000, "the majority went on writing");
 
