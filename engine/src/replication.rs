@@ -37,8 +37,19 @@ use crate::wal::format::{
 /// thread, or from the caller of [`Engine::flush`] or
 /// [`Engine::checkpoint`]; it must not call back into the engine.
 pub trait AppStateSource: Send + Sync {
+    /// The state as of now, with `capture` run under the same hold of it
+    /// as the state is read: whatever the application applies to the
+    /// engine while holding its state (and records in it) is either
+    /// wholly before both or wholly after both. A snapshot reads its index
+    /// state in `capture`. `capture` only takes engine locks that the
+    /// application's appliers take after their hold of the state, never
+    /// before it.
+    fn app_state_with(&self, capture: &mut dyn FnMut()) -> Vec<u8>;
+
     /// The state as of now.
-    fn app_state(&self) -> Vec<u8>;
+    fn app_state(&self) -> Vec<u8> {
+        self.app_state_with(&mut || {})
+    }
 }
 
 /// The application state: bytes, or a source asked at each snapshot.
@@ -59,11 +70,22 @@ impl std::fmt::Debug for AppState {
 /// The application state now. The source is asked outside the engine's
 /// lock, so whatever it locks never orders against engine locks.
 pub(crate) fn current_app_state(inner: &Inner) -> Vec<u8> {
+    app_state_with(inner, &mut || {})
+}
+
+/// The application state now, with `capture` run under the source's hold
+/// of it ([`AppStateSource::app_state_with`]); state set as bytes is read
+/// first.
+pub(crate) fn app_state_with(inner: &Inner, capture: &mut dyn FnMut()) -> Vec<u8> {
     let source = match &*inner.app_state.lock() {
-        AppState::Bytes(bytes) => return bytes.clone(),
+        AppState::Bytes(bytes) => {
+            let bytes = bytes.clone();
+            capture();
+            return bytes;
+        }
         AppState::Source(source) => source.clone(),
     };
-    source.app_state()
+    source.app_state_with(capture)
 }
 
 /// What an item of a replicated record does.
@@ -342,10 +364,13 @@ impl Engine {
     }
 
     /// From now on every snapshot persists what `source` produces when the
-    /// snapshot is written. The source is asked before the snapshot reads
-    /// the index state, so every record the application applied before
-    /// producing the state is either in the snapshot's index or at or after
-    /// its replay position ([`Engine::recovered_replay_from`]).
+    /// snapshot is written. The snapshot reads its index state under the
+    /// source's hold of the application state
+    /// ([`AppStateSource::app_state_with`]), so every record the
+    /// application applied before producing the state is either in the
+    /// snapshot's index or at or after its replay position
+    /// ([`Engine::recovered_replay_from`]), and none it applied after is
+    /// in the snapshot's on-disk index.
     pub fn set_app_state_source(&self, source: Arc<dyn AppStateSource>) {
         *self.inner.app_state.lock() = AppState::Source(source);
     }

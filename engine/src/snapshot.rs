@@ -2,10 +2,11 @@
 //! them.
 //!
 //! A snapshot, in order:
-//! 1. read the WAL's processed watermark P0 and the application state;
-//! 2. for each cell, record its on-disk index (its blobs) and its replay position
-//!    `min(oldest unflushed change, P0)`; `replay_from` is the least of them
-//!    (P0 if none is lower);
+//! 1. read the WAL's processed watermark P0;
+//! 2. under the application's hold of its state, read that state and, for
+//!    each cell, record its on-disk index (its blobs) and its replay
+//!    position `min(oldest unflushed change, P0)`; `replay_from` is the
+//!    least of them (P0 if none is lower);
 //! 3. make the value WAL durable up to the current processed watermark
 //!    (every entry a flushed index points at lies below it);
 //! 4. make the index log durable up to the end of every blob the snapshot
@@ -23,7 +24,11 @@
 //! Why nothing is lost: a write below P0 had updated its cell before the
 //! watermark passed it, so it is either in a flushed blob (durable by step
 //! 4) or an unflushed change at or after its cell's replay position; a write
-//! at or after P0 is replayed because `replay_from <= P0`.
+//! at or after P0 is replayed because `replay_from <= P0`. A replicated
+//! record the application applied under its hold of the state before step
+//! 2 is in the saved state and (as above) in the index or replayed; one it
+//! applied after is in neither the state nor the saved on-disk index, and
+//! the application applies it again as new.
 
 use std::collections::BTreeSet;
 
@@ -64,7 +69,66 @@ pub(crate) fn write_snapshot_seeing_moves<T>(
     let mut last = inner.last_snapshot.lock();
     inner.health.check()?;
     let p0 = inner.values.processed().0;
-    let app_state = crate::replication::current_app_state(inner);
+    // The cells are read under the application's hold of its state: an
+    // entry it applies (index effects and its own records of them, such as
+    // a replica's write sessions) is wholly in both or in neither. Read
+    // before the cells instead, the state missed an entry applied in
+    // between whose effects a flush then put in the saved index: applied
+    // again after a crash as if new, a put-if-absent found its own blob.
+    let mut captured = None;
+    let app_state = crate::replication::app_state_with(inner, &mut || {
+        captured = Some(capture_cells(inner, p0));
+    });
+    let Captured {
+        spaces,
+        replay_from,
+        index_end,
+        held_moves,
+    } = captured.expect("the application state source runs the capture");
+    inner.values.wait_synced(inner.values.processed())?;
+    inner.index.log.wait_synced(WalPosition(index_end))?;
+    inner.index.log.sync_now()?;
+    let data = ControlData {
+        log_id: inner.log_id,
+        wal_segment_bytes: inner.config.wal_segment_bytes,
+        index_segment_bytes: inner.config.index_segment_bytes,
+        epoch: inner.values.epoch(),
+        replay_from: WalPosition(replay_from),
+        synced: inner.values.synced(),
+        app_state,
+        spaces,
+    };
+    // The control file holds the last snapshot written (or read at open):
+    // an engine with nothing new since keeps it instead of rewriting the
+    // same bytes (two fsyncs, and a node's idle replicas did that every
+    // interval).
+    if last.as_ref() != Some(&data) {
+        let path = inner.config.dir.join(CONTROL_FILE);
+        write_file_atomically(&*inner.storage, &path, &data.encode())
+            .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
+        Metrics::add(&inner.metrics.counters().snapshots, 1);
+    } else {
+        Metrics::add(&inner.metrics.counters().snapshots_unchanged, 1);
+    }
+    collect_index_garbage(inner, &data)?;
+    let result = then(&data, held_moves);
+    *last = Some(data);
+    result
+}
+
+/// The index state a snapshot saves, read from the cells.
+struct Captured {
+    spaces: Vec<SpaceControl>,
+    /// The least replay position of a cell, P0, or the open's hold.
+    replay_from: u64,
+    /// The end of the last index blob a cell references.
+    index_end: u64,
+    /// Whether a cell held an unflushed move.
+    held_moves: bool,
+}
+
+/// Reads every cell's on-disk index and replay position (step 2).
+fn capture_cells(inner: &Inner, p0: u64) -> Captured {
     // Not past the open's while the application holds it (it has not
     // applied its records again yet: `Config::hold_replay_until_released`).
     let mut replay_from = p0.min(inner.replay_hold.load(std::sync::atomic::Ordering::Acquire));
@@ -97,35 +161,12 @@ pub(crate) fn write_snapshot_seeing_moves<T>(
             cells,
         });
     }
-    inner.values.wait_synced(inner.values.processed())?;
-    inner.index.log.wait_synced(WalPosition(index_end))?;
-    inner.index.log.sync_now()?;
-    let data = ControlData {
-        log_id: inner.log_id,
-        wal_segment_bytes: inner.config.wal_segment_bytes,
-        index_segment_bytes: inner.config.index_segment_bytes,
-        epoch: inner.values.epoch(),
-        replay_from: WalPosition(replay_from),
-        synced: inner.values.synced(),
-        app_state,
+    Captured {
         spaces,
-    };
-    // The control file holds the last snapshot written (or read at open):
-    // an engine with nothing new since keeps it instead of rewriting the
-    // same bytes (two fsyncs, and a node's idle replicas did that every
-    // interval).
-    if last.as_ref() != Some(&data) {
-        let path = inner.config.dir.join(CONTROL_FILE);
-        write_file_atomically(&*inner.storage, &path, &data.encode())
-            .map_err(|e| inner.health.poison_unless_full(Error::io(&path, e)))?;
-        Metrics::add(&inner.metrics.counters().snapshots, 1);
-    } else {
-        Metrics::add(&inner.metrics.counters().snapshots_unchanged, 1);
+        replay_from,
+        index_end,
+        held_moves,
     }
-    collect_index_garbage(inner, &data)?;
-    let result = then(&data, held_moves);
-    *last = Some(data);
-    result
 }
 
 /// Deletes sealed index segments that hold no blob referenced by the
@@ -156,11 +197,17 @@ fn collect_index_garbage(inner: &Inner, durable: &ControlData) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc;
+    use std::sync::{Arc, Weak, mpsc};
     use std::time::Duration;
 
+    use parking_lot::Mutex;
+
+    use crate::storage::{FaultStorage, Storage};
     use crate::wal::format::{self, Kind};
-    use crate::{Config, Durability, Engine, KeySpace};
+    use crate::{
+        AppStateSource, Appended, Config, Durability, Engine, Epoch, ItemInput, ItemOp, KeySpace,
+        Tag,
+    };
 
     /// Regression (e2e soak: a learner's index log read "unwritten" right
     /// after it installed a snapshot). Index appends are claimed in order
@@ -229,5 +276,88 @@ mod tests {
                 "the control region references index blobs past the synced watermark"
             );
         });
+    }
+
+    /// A snapshot reads the index under the application's hold of its
+    /// state. It used to read the state first: an entry the application
+    /// applied right after (the applier waiting for that hold) and a
+    /// flush of its cell both came before the cells were read, so the
+    /// saved index held the entry's effects while the saved state did not
+    /// have it applied. A replica's sessions, re-deciding it after a crash,
+    /// then found a put-if-absent's own blob there.
+    #[test]
+    fn a_snapshot_reads_the_index_under_the_application_state_hold() {
+        let storage = FaultStorage::default();
+        let mut config = Config::for_tests("/db");
+        config.snapshot_interval_ms = 60_000;
+        config.relocation_enabled = false;
+        let open = |storage: &FaultStorage| {
+            let storage: Arc<dyn Storage> = Arc::new(storage.clone());
+            Engine::open_with_storage(config.clone(), storage).map(Arc::new)
+        };
+        let engine = open(&storage).unwrap();
+        let space = KeySpace::default();
+        let put = |key: &'static [u8; 32]| ItemInput {
+            space,
+            op: ItemOp::Put,
+            key,
+            value: b"value",
+            epoch: Epoch(0),
+            tag: Tag(0),
+        };
+        let first = engine.append(b"1", &[put(&[1; 32])]).unwrap();
+        let second = engine.append(b"2", &[put(&[2; 32])]).unwrap();
+        engine.wait_synced(second.end).unwrap();
+        engine.apply(&first).unwrap();
+        engine.flush().unwrap();
+
+        let source = Arc::new(Applier {
+            applied: Mutex::new(1),
+            waiting: Mutex::new(Some((Arc::downgrade(&engine), second))),
+        });
+        engine.set_app_state_source(source.clone());
+        engine.write_control_snapshot().unwrap();
+        assert_eq!(*source.applied.lock(), 2, "the second entry was applied");
+        // A kill -9 now; the engine's close would snapshot again.
+        let image = storage.restart_process();
+        drop(engine);
+
+        let engine = open(&image).unwrap();
+        assert_eq!(engine.app_state(), vec![1], "the saved state");
+        assert_eq!(
+            engine.get(space, &[1; 32]).unwrap().as_deref(),
+            Some(&b"value"[..])
+        );
+        assert_eq!(
+            engine.get(space, &[2; 32]).unwrap(),
+            None,
+            "the saved index holds an entry the saved state has not applied"
+        );
+    }
+
+    /// An application whose state is the last entry it applied; `waiting`
+    /// is an entry an applier applies (and a flusher flushes) the moment
+    /// the state's hold is released.
+    struct Applier {
+        applied: Mutex<u8>,
+        waiting: Mutex<Option<(Weak<Engine>, Appended)>>,
+    }
+
+    impl AppStateSource for Applier {
+        fn app_state_with(&self, capture: &mut dyn FnMut()) -> Vec<u8> {
+            let state = {
+                let applied = self.applied.lock();
+                capture();
+                vec![*applied]
+            };
+            if let Some((engine, entry)) = self.waiting.lock().take() {
+                let engine = engine.upgrade().expect("the engine is open");
+                let mut applied = self.applied.lock();
+                engine.apply(&entry).unwrap();
+                *applied = 2;
+                crate::flush::flush_all(&engine.inner).unwrap();
+            }
+            state
+        }
     }
 }

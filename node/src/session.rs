@@ -18,8 +18,14 @@
 //! restricted to one write in flight per session so that one remembered
 //! (sequence, outcome) per session suffices.
 //!
-//! Time is the proposing leader's wall clock, stamped into each tag; the
-//! shard's clock is the largest stamp applied. A session idle for
+//! Time is stamped into each tag by the node that proposes it; the shard's
+//! clock is the largest stamp applied. A node's stamps run at its
+//! monotonic clock's rate from the shard's clock as its replica applied it
+//! ([`SessionClock`]), never from its wall clock once the shard has one: a
+//! wall clock hours ahead made the next sweep forget every session (a
+//! write retried after that could open its session again and apply
+//! twice), and one behind froze expiry until real time caught up. A
+//! session idle for
 //! [`SESSION_TTL_MS`] is forgotten at the next sweep (every
 //! [`SWEEP_EVERY_MS`] of shard clock); when [`MAX_SESSIONS`] are held, a
 //! new session first evicts those idle for [`EVICTABLE_IDLE_MS`], and is
@@ -64,6 +70,71 @@ pub struct SessionTag {
     pub opens: bool,
     /// The proposing leader's wall clock, milliseconds since the epoch.
     pub time_ms: u64,
+}
+
+/// Where a node stamps the sessioned writes it proposes on one shard: a
+/// clock that runs at the node's monotonic rate from an anchor — the
+/// shard's clock as the node's replica last applied it (anchored again
+/// whenever that is ahead of the running clock: another node stamped
+/// further), or the wall clock while the shard has applied no stamp.
+///
+/// So the shard's clock (the largest stamp applied) never runs faster than
+/// real time on the nodes stamping it, whatever their wall clocks say: a
+/// session is never forgotten sooner than [`SESSION_TTL_MS`] of real time
+/// after its last write (a client may retry a write that opens its session
+/// only within its re-open window, far shorter). It may run slower (the
+/// time between a stamp and its apply is lost at each anchoring): sessions
+/// are then kept longer, which is safe.
+#[derive(Debug, Default)]
+pub struct SessionClock {
+    state: parking_lot::Mutex<ClockState>,
+}
+
+#[derive(Debug, Default)]
+struct ClockState {
+    /// The shard's clock as the replica last applied it (0: no stamp yet).
+    applied_ms: u64,
+    /// The running clock's value at an instant.
+    anchor: Option<(u64, std::time::Instant)>,
+}
+
+impl SessionClock {
+    /// The shard's clock as the node's replica applied it (at its opening,
+    /// after each entry, and when it installs a snapshot).
+    pub fn applied(&self, clock_ms: u64) {
+        self.state.lock().applied_ms = clock_ms;
+    }
+
+    /// A stamp for a write proposed now.
+    pub fn stamp(&self) -> u64 {
+        self.stamp_at(std::time::Instant::now(), wall_clock_ms)
+    }
+
+    /// A stamp at `now`, with `wall_ms` the wall clock.
+    fn stamp_at(&self, now: std::time::Instant, wall_ms: impl FnOnce() -> u64) -> u64 {
+        let mut state = self.state.lock();
+        let running = state.anchor.map(|(ms, at)| {
+            ms.saturating_add(now.saturating_duration_since(at).as_millis() as u64)
+        });
+        match running {
+            Some(ms) if ms >= state.applied_ms => ms,
+            _ => {
+                let base = match state.applied_ms {
+                    0 => wall_ms(),
+                    applied => applied,
+                };
+                state.anchor = Some((base, now));
+                base
+            }
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Bytes of an encoded [`SessionTag`].
@@ -248,6 +319,11 @@ impl Sessions {
     /// Entries before `first` left the log: they are never applied again.
     pub fn forget_before(&mut self, first: u64) {
         self.skipped = self.skipped.split_off(&first);
+    }
+
+    /// The shard's clock: the largest stamp applied.
+    pub fn clock_ms(&self) -> u64 {
+        self.clock_ms
     }
 
     /// Sessions remembered.
@@ -466,5 +542,74 @@ mod tests {
             };
             assert!(Sessions::decode(&mut r).is_err(), "cut at {cut}");
         }
+    }
+
+    /// Stamps run at the monotonic clock's rate from the shard's applied
+    /// clock: a wall clock hours ahead or behind changes nothing once the
+    /// shard has a clock, and a node whose running clock fell behind what
+    /// another node stamped catches up with the applied clock.
+    #[test]
+    fn stamps_follow_the_applied_clock_not_the_wall_clock() {
+        let start = std::time::Instant::now();
+        let at = |ms: u64| start + std::time::Duration::from_millis(ms);
+        let hours_ahead = || 1_764_000_000_000 + 5 * 3_600_000;
+        let never = || -> u64 { panic!("the wall clock is not asked") };
+
+        // A new shard: the first stamp is the wall clock's.
+        let clock = SessionClock::default();
+        assert_eq!(
+            clock.stamp_at(at(0), || 1_764_000_000_000),
+            1_764_000_000_000
+        );
+        assert_eq!(clock.stamp_at(at(250), never), 1_764_000_000_250);
+
+        // A shard with a clock: stamps start from it and advance at the
+        // monotonic rate, whatever the wall clock says.
+        let clock = SessionClock::default();
+        clock.applied(1_000_000);
+        assert_eq!(clock.stamp_at(at(0), hours_ahead), 1_000_000);
+        assert_eq!(clock.stamp_at(at(60_000), hours_ahead), 1_060_000);
+        // Its own stamps applied: nothing changes.
+        clock.applied(1_060_000);
+        assert_eq!(clock.stamp_at(at(61_000), never), 1_061_000);
+        // Another node stamped further (its anchor was later): the running
+        // clock catches up with the applied one and runs on from there.
+        clock.applied(1_100_000);
+        assert_eq!(clock.stamp_at(at(62_000), never), 1_100_000);
+        assert_eq!(clock.stamp_at(at(63_000), never), 1_101_000);
+        // An applied clock that goes back (a snapshot from a replica that
+        // applied less) never moves stamps back.
+        clock.applied(5);
+        assert_eq!(clock.stamp_at(at(64_000), never), 1_102_000);
+
+        // Sessions of a shard stamped so by a node whose wall clock is
+        // hours ahead are swept no sooner than their TTL of real time.
+        let mut sessions = Sessions::default();
+        let clock = SessionClock::default();
+        clock.applied(1_000);
+        apply(
+            &mut sessions,
+            tag(1, 1, true, clock.stamp_at(at(0), never)),
+            false,
+        );
+        clock.applied(sessions.clock_ms());
+        for minute in 1..30 {
+            let stamp = clock.stamp_at(at(minute * 60_000), hours_ahead);
+            apply(
+                &mut sessions,
+                tag(u128::from(minute) + 1, 1, true, stamp),
+                false,
+            );
+            clock.applied(sessions.clock_ms());
+        }
+        assert_eq!(
+            apply(
+                &mut sessions,
+                tag(1, 1, false, clock.stamp_at(at(29 * 60_000 + 1), never)),
+                false
+            ),
+            Admission::Duplicate(OpResult::DONE),
+            "session 1 is remembered 29 minutes on"
+        );
     }
 }

@@ -71,7 +71,8 @@ const APP_STATE_VERSION_2: u8 = 2;
 /// own small state, encoded at every change, and the write sessions,
 /// encoded only when a snapshot is written (they may be large). One lock
 /// covers both, so a snapshot never sees sessions from one moment and an
-/// applied index from another.
+/// applied index from another, and the engine reads its index state under
+/// it too (`AppStateSource::app_state_with`).
 #[derive(Default)]
 pub(crate) struct AppStateCell(Mutex<CellState>);
 
@@ -82,9 +83,14 @@ struct CellState {
     sessions: Sessions,
 }
 
+/// The engine reads its index state in `capture` under the same hold as
+/// the sessions: the applier holds them for each entry it applies (its
+/// index effects and its sessions' records of them), so a snapshot holds
+/// both of an entry or neither.
 impl AppStateSource for AppStateCell {
-    fn app_state(&self) -> Vec<u8> {
+    fn app_state_with(&self, capture: &mut dyn FnMut()) -> Vec<u8> {
         let cell = self.0.lock();
+        capture();
         let mut bytes = cell.base.clone();
         cell.sessions.encode(&mut bytes);
         bytes
@@ -868,7 +874,8 @@ impl RaftLog {
 
     /// The replica's write sessions, locked: the applier decides and
     /// records each entry's sessioned ops while holding them (see
-    /// `session.rs`). Never held across a call that snapshots the engine.
+    /// `session.rs`). Never held across a call that snapshots the engine
+    /// (the snapshot takes this lock: it would wait for ever).
     pub(crate) fn sessions(&self) -> MappedMutexGuard<'_, Sessions> {
         MutexGuard::map(self.app_state.0.lock(), |cell| &mut cell.sessions)
     }

@@ -73,7 +73,14 @@ impl Replica {
             }
             // Decisions first, then the applied index (a snapshot between
             // the two sees sessions ahead of the index, never behind).
-            self.log().sessions().finish_entry(index, Vec::new());
+            let clock_ms = {
+                let mut sessions = self.log().sessions();
+                sessions.finish_entry(index, Vec::new());
+                sessions.clock_ms()
+            };
+            if let Some(clock) = &self.config.session_clock {
+                clock.applied(clock_ms);
+            }
             self.log().set_applied(index);
             self.proposals.applied(index, entry.term, results);
         }

@@ -101,6 +101,11 @@ pub struct ReplicaConfig {
     /// before any read completes after the change: a node routing and
     /// serving reads by it never reads a key the group gave away.
     pub range_cell: Option<RangeCell>,
+    /// Where the replica shows its shard's session clock as applied (at
+    /// its opening, after each entry, at a snapshot's install): the node
+    /// stamps the sessioned writes it proposes from it
+    /// ([`crate::session::SessionClock`]).
+    pub session_clock: Option<Arc<crate::session::SessionClock>>,
     /// The ids of the namespaces the node's map names (shared by the
     /// node's replicas): after a split, the replica sweeps those
     /// namespaces' names outside its range from its name index (the index
@@ -156,6 +161,7 @@ impl ReplicaConfig {
             early_campaign: false,
             range: None,
             range_cell: None,
+            session_clock: None,
             namespaces: None,
             lease: None,
             lease_clock: LeaseClock::Monotonic,
@@ -329,6 +335,7 @@ impl Replica {
         // Applied again: snapshots may move the replay position on.
         replica.engine().release_replay_hold();
         replica.show_range();
+        replica.show_session_clock();
         replica.reads.never_answered = replica.config.durability == Durability::Synced
             && replica.raw.raft.term <= crate::raftlog::FOUNDING_TERM;
         let voters = replica.voters_sorted();
@@ -361,6 +368,14 @@ impl Replica {
         let mut voters: Vec<u64> = self.raw.raft.prs().conf().voters().ids().iter().collect();
         voters.sort_unstable();
         voters
+    }
+
+    /// Shows the shard's session clock as applied in the configured
+    /// clock.
+    pub(crate) fn show_session_clock(&mut self) {
+        if let Some(clock) = self.config.session_clock.clone() {
+            clock.applied(self.log().sessions().clock_ms());
+        }
     }
 
     /// Shows the group's range in the configured cell, and has the engine's

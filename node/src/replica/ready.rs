@@ -160,6 +160,7 @@ impl Replica {
         self.proposals
             .superseded_through(snapshot.get_metadata().index);
         self.show_range();
+        self.show_session_clock();
         // The old engine's data is superseded; a failing close loses nothing.
         let _ = old.engine().close();
         drop(old);

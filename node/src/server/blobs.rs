@@ -309,8 +309,13 @@ impl BlobApi {
         info
     }
 
-    /// A request's session: checked, and stamped with this node's clock.
-    fn session(&self, session: Option<&WriteSession>) -> ApiResult<Option<SessionTag>> {
+    /// A request's session: checked, and stamped with the shard's session
+    /// clock on this node.
+    fn session(
+        &self,
+        target: &Target,
+        session: Option<&WriteSession>,
+    ) -> ApiResult<Option<SessionTag>> {
         let Some(session) = session else {
             return Ok(None);
         };
@@ -323,14 +328,11 @@ impl BlobApi {
         if session.sequence == 0 {
             return Err(invalid(&self.node, "session.sequence starts at 1"));
         }
-        let time_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         Ok(Some(SessionTag {
             id: u128::from_le_bytes(id),
             seq: session.sequence,
             opens: session.opens,
-            time_ms,
+            time_ms: target.shard.session_stamp(),
         }))
     }
 
@@ -482,7 +484,7 @@ impl BlobApi {
                  store a content-addressed chunk as data",
             ));
         }
-        let session = self.session(header.session.as_ref())?;
+        let session = self.session(&target, header.session.as_ref())?;
         let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
         // Held until the put is answered: its bytes are in memory till then.
@@ -961,7 +963,7 @@ impl BlobApi {
 
     async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
-        let session = self.session(request.session.as_ref())?;
+        let session = self.session(&target, request.session.as_ref())?;
         self.require_leader(&target)?;
         // Always proposed; whether the key existed is decided when the
         // delete applies, in log order (so it is exact, and a retried
@@ -1126,7 +1128,7 @@ impl BlobApi {
 
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
-        let session = self.session(request.session.as_ref())?;
+        let session = self.session(&target, request.session.as_ref())?;
         self.require_leader(&target)?;
         // As for delete: no NOT_FOUND for a blob whose put this leader has
         // not applied yet.
