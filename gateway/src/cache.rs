@@ -7,9 +7,9 @@
 //! and a chunked blob's chunks — into the current epoch, through the
 //! `touch` flag of `BatchExists` (which the read role allows).
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
-use bazel_remote_apis::build::bazel::remote::execution::v2::{ActionResult, Directory, Tree};
+use bazel_remote_apis::build::bazel::remote::execution::v2::{ActionResult, Directory};
 use prost::Message as _;
 use tidepool_client::{Client, Error, ErrorCode, Result};
 use tokio::sync::{Semaphore, SemaphorePermit};
@@ -51,49 +51,67 @@ pub(crate) async fn find_missing(
         .collect();
     // Chunked blobs' manifests and chunks are looked up side by side: one
     // after another, a request naming thousands of large outputs took
-    // three round trips each, past a build tool's deadline.
+    // three round trips each, past a build tool's deadline. Each hash
+    // once, however many sizes name it (a request naming one large blob
+    // with thousands of sizes read its manifest and looked up its chunks
+    // as many times); a digest whose size is not the stored blob's counts
+    // as missing (its reads would say `NOT_FOUND`).
     let chunk = client.chunk_size() as u64;
     let mut chunked = wanted
         .iter()
         .filter(|d| d.size > chunk && !absent.contains(&d.hash[..]))
-        .copied();
-    let mut incomplete = HashSet::new();
+        .map(|d| d.hash)
+        .collect::<BTreeSet<_>>()
+        .into_iter();
+    let mut stored_sizes = HashMap::new();
     let mut tasks = tokio::task::JoinSet::new();
     loop {
         while tasks.len() < CHUNKED_AT_ONCE {
-            let Some(digest) = chunked.next() else { break };
+            let Some(hash) = chunked.next() else { break };
             let (client, namespace) = (client.clone(), instance.cas.clone());
             tasks.spawn(async move {
-                let present = chunks_present(&client, &namespace, &digest.hash).await;
-                (digest, present)
+                let size = complete_size(&client, &namespace, &hash).await;
+                (hash, size)
             });
         }
         let Some(joined) = tasks.join_next().await else {
             break;
         };
-        let (digest, present) =
+        let (hash, size) =
             joined.map_err(|e| Error::new(ErrorCode::Internal, format!("a look-up task: {e}")))?;
-        if !present? {
-            incomplete.insert(digest);
-        }
+        stored_sizes.insert(hash, size?);
     }
     Ok(wanted
         .into_iter()
-        .filter(|d| absent.contains(&d.hash[..]) || incomplete.contains(d))
+        .filter(|d| {
+            absent.contains(&d.hash[..])
+                || stored_sizes
+                    .get(&d.hash)
+                    .is_some_and(|size| *size != Some(d.size))
+        })
         .collect())
 }
 
 /// Chunked blobs [`find_missing`] checks at once.
 const CHUNKED_AT_ONCE: usize = 32;
 
-/// Whether every chunk of a chunked blob is present (touching them).
-async fn chunks_present(client: &Client, namespace: &str, key: &[u8]) -> Result<bool> {
+/// The size of a blob stored in chunks if every chunk is present (touching
+/// them); `None` if one is not.
+async fn complete_size(client: &Client, namespace: &str, key: &[u8]) -> Result<Option<u64>> {
     let chunks = match client.chunks(namespace, key).await {
-        Err(e) if e.code() == ErrorCode::NotFound => return Ok(false),
+        Err(e) if e.code() == ErrorCode::NotFound => return Ok(None),
         chunks => chunks?,
     };
+    let size = chunks
+        .iter()
+        .map(|c| c.size)
+        .fold(0u64, u64::saturating_add);
     let keys: Vec<Vec<u8>> = chunks.into_iter().map(|c| c.key).collect();
-    Ok(client.find_missing(namespace, &keys).await?.is_empty())
+    Ok(client
+        .find_missing(namespace, &keys)
+        .await?
+        .is_empty()
+        .then_some(size))
 }
 
 /// Moves a blob read in an older epoch into the current one. Failing to
@@ -233,16 +251,17 @@ async fn outputs(
             }
             Err(e) => return Err(e),
         };
-        let tree = Tree::decode(&bytes[..]).map_err(|e| {
+        // Its files' digests, read from the wire form: never the decoded
+        // tree (millions of empty entries, a few bytes each stored, took
+        // gigabytes decoded, past the memory budget held for it).
+        let files = crate::wire::tree_file_digests(&bytes).map_err(|e| {
             not_found(format!(
                 "output tree {} is unreadable: {e}",
                 hex(&tree.hash)
             ))
         })?;
-        for directory in tree.root.iter().chain(&tree.children) {
-            for file in &directory.files {
-                digests.push(BlobDigest::from_proto(file.digest.as_ref()).map_err(invalid)?);
-            }
+        for digest in files {
+            digests.push(BlobDigest::from_proto(digest.as_ref()).map_err(invalid)?);
         }
     }
     Ok(digests)
@@ -276,6 +295,12 @@ pub(crate) async fn get_action_result(
         )));
     }
     let bytes = read_opened(client, &instance.ac, &action.hash, reader, limit).await?;
+    if !crate::wire::decodes_in_bounds(&bytes) {
+        return Err(not_found(format!(
+            "the action cache entry of {} would take too much memory decoded (its entries are nearly empty)",
+            hex(&action.hash)
+        )));
+    }
     let result = ActionResult::decode(&bytes[..]).map_err(|e| {
         not_found(format!(
             "the action cache entry of {} is not an ActionResult: {e}",
@@ -287,8 +312,9 @@ pub(crate) async fn get_action_result(
 }
 
 /// Memory the output trees read by all action-result checks may hold at
-/// once (each tree whole, its decoded form and the digests it lists,
-/// counted as four times its size): one of the largest trees at a time,
+/// once (each tree whole and the digests it lists — read from its wire
+/// form, never decoded: `wire::tree_file_digests` — counted as four times
+/// its size): one of the largest trees at a time,
 /// many small ones together. A result whose trees add up to more is a
 /// miss.
 const TREE_MEMORY_BYTES: u64 = 256 << 20;
@@ -348,6 +374,9 @@ pub(crate) async fn require_outputs(
 /// well-formed (the HTTP cache's `/ac/` also holds other tools' entries,
 /// which are returned as they are).
 pub(crate) fn as_action_result(bytes: &[u8]) -> Option<ActionResult> {
+    if !crate::wire::decodes_in_bounds(bytes) {
+        return None;
+    }
     let result = ActionResult::decode(bytes).ok()?;
     let digests = result
         .output_files
@@ -418,18 +447,31 @@ impl TreeWalk {
         self.index
     }
 
-    /// The next directory, `None` at the end.
+    /// The next directory, `None` at the end — or once `abandoned` says
+    /// so, asked before each read (directories missing from the CAS are
+    /// skipped without returning: a directory naming tens of thousands of
+    /// missing ones would otherwise be read to the end for nobody).
     pub(crate) async fn next(
         &mut self,
         client: &Client,
         instance: &Instance,
+        abandoned: impl Fn() -> bool,
     ) -> Result<Option<Directory>> {
         while let Some(digest) = self.queue.pop_front() {
+            if abandoned() {
+                return Ok(None);
+            }
             let bytes = match read_cas(client, instance, digest, self.limit).await {
                 Ok(bytes) => bytes,
                 Err(e) if e.code() == ErrorCode::NotFound && digest != self.root => continue,
                 Err(e) => return Err(e),
             };
+            if !crate::wire::decodes_in_bounds(&bytes) {
+                return Err(invalid(format!(
+                    "{} would take too much memory decoded (its entries are nearly empty)",
+                    hex(&digest.hash)
+                )));
+            }
             let directory = Directory::decode(&bytes[..])
                 .map_err(|e| invalid(format!("{} is not a Directory: {e}", hex(&digest.hash))))?;
             for child in &directory.directories {

@@ -425,7 +425,10 @@ async fn get(
     let size = reader.size();
     if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
         let stored = reader.sha256();
-        let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
+        // The entry, and its decoded form if it decodes
+        // (`wire::decodes_in_bounds`).
+        let held = size.saturating_mul(1 + crate::wire::MAX_DECODED_RATIO);
+        let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {
             bytes.extend_from_slice(&piece);

@@ -30,6 +30,7 @@ mod http;
 mod names;
 mod reapi;
 pub mod restic;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -348,8 +348,14 @@ impl ContentAddressableStorage for Reapi {
             let mut page: Vec<re::Directory> = Vec::new();
             let mut page_bytes = 0u64;
             loop {
+                // A client that went away ends the walk (a walk that gave
+                // out no page, skipping to its token or past missing
+                // directories, went on to the end without anyone).
+                if tx.is_closed() {
+                    return;
+                }
                 let at = walk.index();
-                let next = match walk.next(&client, &instance).await {
+                let next = match walk.next(&client, &instance, || tx.is_closed()).await {
                     Ok(next) => next,
                     Err(e) => {
                         let _ = feed(&tx, Err(status(e)), idle).await;
@@ -699,8 +705,15 @@ impl ActionCache for Reapi {
         {
             result.stderr_raw = bytes;
         }
+        // A set: matched against each output file (a list scanned per file
+        // was quadratic, seconds of a worker thread for a large request).
+        let inline_paths: std::collections::HashSet<&str> = request
+            .inline_output_files
+            .iter()
+            .map(String::as_str)
+            .collect();
         for file in &mut result.output_files {
-            if request.inline_output_files.contains(&file.path)
+            if inline_paths.contains(file.path.as_str())
                 && let Some(bytes) = inline(file.digest.as_ref()).await
             {
                 file.contents = bytes;

@@ -730,3 +730,155 @@ async fn a_batch_read_of_many_small_blobs_is_answered() {
     );
     s.stop().await;
 }
+
+/// Stored messages that would decode huge, and digests of the wrong size:
+/// - a chunked blob named with sizes it does not have is missing (reads
+///   of those digests say `NOT_FOUND`), named with its own it is present;
+/// - an action-cache entry of nearly empty entries (stored over HTTP,
+///   unchecked) is a miss, not decoded: 1 MiB of empty output files is
+///   half a million structs decoded;
+/// - `GetTree` refuses a directory of nearly empty entries;
+/// - an output tree is read from its wire form: a result whose tree holds
+///   a present file is a hit, one whose tree names a missing file a miss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wrong_sizes_and_nearly_empty_messages() {
+    use prost::Message as _;
+    let s = setup(true).await;
+    let large = blob(90, 3 * CHUNK + 17);
+    bytestream_write(&s, &format!("uploads/u1/{}", blob_name(&large)), &large)
+        .await
+        .unwrap();
+    let right = digest(&large);
+    let wrong = |size: i64| re::Digest {
+        hash: right.hash.clone(),
+        size_bytes: size,
+    };
+    let missing = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: String::new(),
+            blob_digests: vec![wrong(5), right.clone(), wrong(right.size_bytes + 1)],
+            digest_function: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .missing_blob_digests;
+    assert_eq!(missing, vec![wrong(5), wrong(right.size_bytes + 1)]);
+    let read = bytestream_read(&s, &format!("blobs/{}/5", right.hash), 0, 0).await;
+    assert_eq!(read.unwrap_err().code(), Code::NotFound);
+
+    // Half a million empty output files.
+    let mut empties = Vec::new();
+    while empties.len() < 1 << 20 {
+        empties.extend([0x12, 0x00]);
+    }
+    assert_eq!(
+        re::ActionResult::decode(&empties[..])
+            .unwrap()
+            .output_files
+            .len(),
+        1 << 19
+    );
+    let action = hex(&Sha256::digest(b"nearly empty"));
+    let (code, _) = http(
+        s.gateway.http_address,
+        "PUT",
+        &format!("/ac/{action}"),
+        None,
+        empties.clone(),
+    )
+    .await;
+    assert_eq!(code, 200);
+    let miss = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            action_digest: Some(re::Digest {
+                hash: action.clone(),
+                size_bytes: 1,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(miss.code(), Code::NotFound, "{miss:?}");
+    // Over HTTP it is another tool's entry: returned as stored.
+    let (code, body) = http(
+        s.gateway.http_address,
+        "GET",
+        &format!("/ac/{action}"),
+        None,
+        vec![],
+    )
+    .await;
+    assert_eq!((code, body.len()), (200, empties.len()));
+
+    // A directory of half a million empty file nodes.
+    let mut directory = Vec::new();
+    while directory.len() < 1 << 20 {
+        directory.extend([0x0a, 0x00]);
+    }
+    upload(&s, "", &directory).await;
+    let refused = async {
+        let mut stream = s
+            .cas()
+            .get_tree(re::GetTreeRequest {
+                root_digest: Some(digest(&directory)),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        while stream.message().await?.is_some() {}
+        Ok::<(), tonic::Status>(())
+    }
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+
+    // Trees read from the wire: a present file, then a missing one.
+    let present = blob(91, 500);
+    upload(&s, "", &present).await;
+    for (name, file, hit) in [
+        ("a", digest(&present), true),
+        ("b", digest(b"never stored"), false),
+    ] {
+        let tree = re::Tree {
+            root: Some(re::Directory {
+                files: vec![re::FileNode {
+                    name: name.into(),
+                    digest: Some(file),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            children: Vec::new(),
+        }
+        .encode_to_vec();
+        upload(&s, "", &tree).await;
+        let action = digest(name.as_bytes());
+        s.ac()
+            .update_action_result(re::UpdateActionResultRequest {
+                action_digest: Some(action.clone()),
+                action_result: Some(re::ActionResult {
+                    output_directories: vec![re::OutputDirectory {
+                        path: "out".into(),
+                        tree_digest: Some(digest(&tree)),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let got = s
+            .ac()
+            .get_action_result(re::GetActionResultRequest {
+                action_digest: Some(action),
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(got.is_ok(), hit, "{name}: {got:?}");
+    }
+    s.stop().await;
+}
