@@ -823,11 +823,27 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             });
             nodes.push(tidepool_node::server::start(node).await?);
         }
-        // Ready once every shard reports a leader.
+        // Ready once every shard has a leader in this run: one of the nodes
+        // here leads it, and the map names a leader for clients. (The map
+        // alone said ready at once on a restart: its leader hints are
+        // saved with it, and a hint is not cleared when its leader goes.)
         let ready = async {
             loop {
                 let map = coordinator.shared.map();
-                if !map.shards.is_empty() && map.shards.iter().all(|s| s.leader_hint != 0) {
+                let led_here = |shard_id: u32| {
+                    nodes.iter().any(|n| {
+                        n.node
+                            .shard(shard_id)
+                            .and_then(|shard| shard.state().status)
+                            .is_some_and(|status| status.is_leader)
+                    })
+                };
+                if !map.shards.is_empty()
+                    && map
+                        .shards
+                        .iter()
+                        .all(|s| s.leader_hint != 0 && led_here(s.shard_id))
+                {
                     return;
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
