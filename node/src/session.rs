@@ -96,13 +96,24 @@ struct ClockState {
     applied_ms: u64,
     /// The running clock's value at an instant.
     anchor: Option<(u64, std::time::Instant)>,
+    /// The anchor is the wall clock's (taken while the replica had applied
+    /// no stamp): dropped once it has.
+    provisional: bool,
 }
 
 impl SessionClock {
     /// The shard's clock as the node's replica applied it (at its opening,
-    /// after each entry, and when it installs a snapshot).
+    /// after each entry, and when it installs a snapshot). A wall-clock
+    /// anchor goes once the shard has a clock: kept, a replica that opened
+    /// empty (to receive a snapshot) and stamped meanwhile ran on its own
+    /// wall clock, hours ahead perhaps, for ever after.
     pub fn applied(&self, clock_ms: u64) {
-        self.state.lock().applied_ms = clock_ms;
+        let mut state = self.state.lock();
+        state.applied_ms = clock_ms;
+        if clock_ms > 0 && state.provisional {
+            state.anchor = None;
+            state.provisional = false;
+        }
     }
 
     /// A stamp for a write proposed now.
@@ -123,6 +134,7 @@ impl SessionClock {
                     0 => wall_ms(),
                     applied => applied,
                 };
+                state.provisional = state.applied_ms == 0;
                 state.anchor = Some((base, now));
                 base
             }
@@ -562,6 +574,14 @@ mod tests {
             1_764_000_000_000
         );
         assert_eq!(clock.stamp_at(at(250), never), 1_764_000_000_250);
+        // A replica that opened empty stamped on its wall clock, hours
+        // ahead; once it has the shard's clock (a snapshot installed), it
+        // stamps from that.
+        let clock = SessionClock::default();
+        assert_eq!(clock.stamp_at(at(0), hours_ahead), hours_ahead());
+        clock.applied(2_000_000);
+        assert_eq!(clock.stamp_at(at(1_000), never), 2_000_000);
+        assert_eq!(clock.stamp_at(at(3_000), never), 2_002_000);
 
         // A shard with a clock: stamps start from it and advance at the
         // monotonic rate, whatever the wall clock says.

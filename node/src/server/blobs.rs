@@ -484,9 +484,10 @@ impl BlobApi {
                  store a content-addressed chunk as data",
             ));
         }
-        let session = self.session(&target, header.session.as_ref())?;
         let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
+        // Stamped by the leader only (`SessionClock`).
+        let session = self.session(&target, header.session.as_ref())?;
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size, &caller)?;
         // The engine value: header room, then the content as received.
@@ -963,8 +964,8 @@ impl BlobApi {
 
     async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
-        let session = self.session(&target, request.session.as_ref())?;
         self.require_leader(&target)?;
+        let session = self.session(&target, request.session.as_ref())?;
         // Always proposed; whether the key existed is decided when the
         // delete applies, in log order (so it is exact, and a retried
         // delete of a session answers what its first copy found).
@@ -1128,8 +1129,8 @@ impl BlobApi {
 
     async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
-        let session = self.session(&target, request.session.as_ref())?;
         self.require_leader(&target)?;
+        let session = self.session(&target, request.session.as_ref())?;
         // As for delete: no NOT_FOUND for a blob whose put this leader has
         // not applied yet.
         self.read_point(&target, ReadConsistency::Linearizable as i32)
