@@ -42,7 +42,12 @@ use crate::{Credential, Gateway, HttpLimits, cache};
 /// Entries of `/ac/` up to this size are read whole and checked as action
 /// results (larger ones, which no build tool's action result reaches, are
 /// streamed as stored: ccache's `bazel` layout keeps its results there).
-const AC_CHECK_BYTES: u64 = 64 << 20;
+/// Each is charged its size and its decoded form's bound
+/// (`wire::MAX_DECODED_RATIO` times its size) against [`AC_MEMORY_BYTES`],
+/// which must hold that whole: at 64 MiB, an entry charged the whole
+/// budget could take several times it.
+const AC_CHECK_BYTES: u64 = 8 << 20;
+const _: () = assert!(AC_CHECK_BYTES * (1 + crate::wire::MAX_DECODED_RATIO) <= AC_MEMORY_BYTES);
 
 /// Entries of `/ac/` up to this size are answered from the copy read for
 /// their check; larger ones are read again and streamed.
@@ -426,7 +431,8 @@ async fn get(
     if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
         let stored = reader.sha256();
         // The entry, and its decoded form if it decodes
-        // (`wire::decodes_in_bounds`).
+        // (`wire::decodes_in_bounds`): within the budget, never clamped to
+        // it (`AC_CHECK_BYTES`).
         let held = size.saturating_mul(1 + crate::wire::MAX_DECODED_RATIO);
         let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
         let mut bytes = Vec::with_capacity(size as usize);

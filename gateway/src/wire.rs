@@ -70,11 +70,51 @@ impl<'a> Fields<'a> {
             }
             WireType::SixtyFourBit => self.skip(8, tag)?,
             WireType::ThirtyTwoBit => self.skip(4, tag)?,
-            WireType::StartGroup | WireType::EndGroup => {
-                return Err(format!("field {tag} is a group"));
+            // Skipped whole, as prost skips a group of a field it does not
+            // know (refused here, a group let a message past the bound of
+            // `decodes_in_bounds` that prost then decoded).
+            WireType::StartGroup => {
+                self.skip_group(tag, GROUP_DEPTH)?;
+                Value::Fixed
             }
+            WireType::EndGroup => return Err(format!("field {tag} ends a group never started")),
         };
         Ok((tag, value))
+    }
+
+    /// Skips the rest of group `tag` (its start read), nested groups too.
+    fn skip_group(&mut self, tag: u32, depth: usize) -> Result<(), String> {
+        if depth == 0 {
+            return Err("groups nested too deep".into());
+        }
+        loop {
+            if self.rest.is_empty() {
+                return Err(format!("group {tag} never ends"));
+            }
+            let (inner, wire_type) = decode_key(&mut self.rest).map_err(|e| e.to_string())?;
+            match wire_type {
+                WireType::EndGroup if inner == tag => return Ok(()),
+                WireType::EndGroup => return Err(format!("group {tag} ended by field {inner}")),
+                WireType::StartGroup => self.skip_group(inner, depth - 1)?,
+                WireType::Varint => {
+                    decode_varint(&mut self.rest).map_err(|e| e.to_string())?;
+                }
+                WireType::LengthDelimited => {
+                    let len = decode_varint(&mut self.rest).map_err(|e| e.to_string())?;
+                    let len = usize::try_from(len)
+                        .ok()
+                        .filter(|len| *len <= self.rest.len())
+                        .ok_or_else(|| format!("field {inner} runs past the end"))?;
+                    self.rest = &self.rest[len..];
+                }
+                WireType::SixtyFourBit => {
+                    self.skip(8, inner)?;
+                }
+                WireType::ThirtyTwoBit => {
+                    self.skip(4, inner)?;
+                }
+            }
+        }
     }
 
     fn skip(&mut self, len: usize, tag: u32) -> Result<Value<'a>, String> {
@@ -85,6 +125,10 @@ impl<'a> Fields<'a> {
         Ok(Value::Fixed)
     }
 }
+
+/// Groups nested in groups that are skipped (prost allows 100 levels of
+/// nesting in all; REAPI uses no group).
+const GROUP_DEPTH: usize = 100;
 
 /// The length-delimited payload of field `tag`, or an error naming `what`.
 fn nested<'a>(tag: u32, value: Value<'a>, what: &str) -> Result<&'a [u8], String> {
@@ -142,53 +186,59 @@ pub(crate) fn tree_file_digests(tree: &[u8]) -> Result<Vec<Option<re::Digest>>, 
     Ok(digests)
 }
 
-/// Memory charged per length-delimited field by [`decodes_in_bounds`]:
-/// about the largest REAPI struct kept in a list, or a string's header
-/// and its allocation's overhead.
-const FIELD_BYTES: u64 = 160;
+/// Memory charged per nested message by [`decodes_in_bounds`]: about the
+/// largest REAPI struct kept in a list (a file node is some 140 bytes
+/// decoded; a list's growth can double it).
+const MESSAGE_BYTES: u64 = 160;
 
 /// Message levels [`decodes_in_bounds`] looks into (REAPI nests about
-/// six deep).
+/// five deep); a length-delimited field at the last level counts as a
+/// message.
 const DEPTH: usize = 8;
 
-/// Most a message's decoded form may take, as a multiple of its
-/// encoding, to be decoded (well-formed REAPI messages count up to about
-/// eight: a file node with a SHA-256 digest is some 80 bytes and four
-/// length-delimited fields).
-pub(crate) const MAX_DECODED_RATIO: u64 = 12;
+/// Most a message's decoded form may take, by [`decodes_in_bounds`]'s
+/// count, as a multiple of its encoding (and 64 KiB more). Well-formed
+/// REAPI messages count up to about 20: a symlink node with a one-letter
+/// name and target `..`, 160 bytes for 9 stored (a file node with a
+/// SHA-256 digest counts two messages in some 80 bytes: 5). Empty
+/// entries count 80 and more.
+pub(crate) const MAX_DECODED_RATIO: u64 = 24;
 
 /// Whether `bytes`, decoded as any message, may be decoded: a bound of
-/// its decoded size — its encoding plus [`FIELD_BYTES`] for every
-/// length-delimited field, in it and in every such field that reads as a
-/// message, [`DEPTH`] levels down — is at most [`MAX_DECODED_RATIO`]
-/// times its encoding (and 64 KiB more).
+/// its decoded size — its encoding plus [`MESSAGE_BYTES`] for every
+/// length-delimited field that reads as a message (strings and bytes that
+/// do not read as one cost their length, already counted), [`DEPTH`]
+/// levels down — is at most [`MAX_DECODED_RATIO`] times its encoding and
+/// 64 KiB more. Bytes that do not read as a message pass (decoding them
+/// fails, at no cost).
 pub(crate) fn decodes_in_bounds(bytes: &[u8]) -> bool {
     let len = bytes.len() as u64;
-    let bound = len.saturating_add(delimited_fields(bytes, DEPTH).saturating_mul(FIELD_BYTES));
+    let messages = nested_messages(bytes, DEPTH).unwrap_or(0);
+    let bound = len.saturating_add(messages.saturating_mul(MESSAGE_BYTES));
     bound
         <= len
             .saturating_mul(MAX_DECODED_RATIO)
             .saturating_add(64 << 10)
 }
 
-/// The length-delimited fields of `bytes` read as a message, with those of
-/// each of them that reads as one, `depth` levels down; 0 if `bytes` does
-/// not read as a message. Each byte is read at most `depth` times.
-fn delimited_fields(bytes: &[u8], depth: usize) -> u64 {
+/// The messages nested in `bytes` read as a message — each
+/// length-delimited field that reads as one, with those nested in it,
+/// `depth` levels down — or `None` if `bytes` does not read as a message.
+/// Each byte is read at most `depth` times.
+fn nested_messages(bytes: &[u8], depth: usize) -> Option<u64> {
     let mut count = 0u64;
     for field in fields(bytes) {
-        match field {
-            Ok((_, Value::Bytes(inner))) => {
-                count += 1;
-                if depth > 1 {
-                    count = count.saturating_add(delimited_fields(inner, depth - 1));
+        match field.ok()? {
+            (_, Value::Bytes(_)) if depth <= 1 => count += 1,
+            (_, Value::Bytes(inner)) => {
+                if let Some(nested) = nested_messages(inner, depth - 1) {
+                    count = count.saturating_add(1 + nested);
                 }
             }
-            Ok(_) => {}
-            Err(_) => return 0,
+            _ => {}
         }
     }
-    count
+    Some(count)
 }
 
 #[cfg(test)]
@@ -288,7 +338,19 @@ mod tests {
                 bytes.len()
             );
         }
-        assert!(tree_file_digests(&[0x0b, 0x0c]).is_err(), "a group");
+        // A group is skipped, as decoding skips one of an unknown field.
+        let mut grouped = bytes.clone();
+        grouped.extend([0xc3, 0x3e, 0x08, 0x01, 0xc4, 0x3e]);
+        re::Tree::decode(&grouped[..]).unwrap();
+        assert_eq!(tree_file_digests(&grouped).unwrap(), expected);
+        assert!(
+            tree_file_digests(&[0xc3, 0x3e]).is_err(),
+            "a group never ended"
+        );
+        assert!(
+            tree_file_digests(&[0xc4, 0x3e]).is_err(),
+            "an end of no group"
+        );
     }
 
     /// Well-formed REAPI messages decode; millions of empty entries (a
@@ -349,5 +411,62 @@ mod tests {
         prost::encoding::encode_varint(empty_files.len() as u64, &mut tree);
         tree.extend(&empty_files);
         assert!(!decodes_in_bounds(&tree), "nested one level down");
+        // A group after them hides nothing (prost skips it and decodes the
+        // rest).
+        let mut grouped = empty_files.clone();
+        grouped.extend([0xc3, 0x3e, 0x12, 0x00, 0xc4, 0x3e]);
+        assert_eq!(
+            re::Directory::decode(&grouped[..]).unwrap().files.len(),
+            1 << 19
+        );
+        assert!(!decodes_in_bounds(&grouped), "a group at the end");
+        let mut nested = tree.clone();
+        nested.extend([0xc3, 0x3e, 0xc4, 0x3e]);
+        assert!(!decodes_in_bounds(&nested), "a group one level up");
+    }
+
+    /// Directories of many short symlinks, or of files with node
+    /// properties and short names, decode.
+    #[test]
+    fn short_symlinks_and_node_properties_pass() {
+        let symlinks = re::Directory {
+            symlinks: (0..20_000)
+                .map(|i| re::SymlinkNode {
+                    name: format!("{}", i % 10),
+                    target: "..".into(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(decodes_in_bounds(&symlinks.encode_to_vec()));
+        let properties = re::Directory {
+            files: (0..20_000)
+                .map(|i| re::FileNode {
+                    name: format!("f{}", i % 100),
+                    digest: Some(digest(i as u8, 1)),
+                    node_properties: Some({
+                        let mut properties = re::NodeProperties {
+                            properties: vec![re::NodeProperty {
+                                name: "p".into(),
+                                value: "v".into(),
+                            }],
+                            mtime: Some(Default::default()),
+                            unix_mode: Some(Default::default()),
+                        };
+                        if let Some(mtime) = properties.mtime.as_mut() {
+                            mtime.seconds = 1_700_000_000;
+                        }
+                        if let Some(mode) = properties.unix_mode.as_mut() {
+                            mode.value = 0o755;
+                        }
+                        properties
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(decodes_in_bounds(&properties.encode_to_vec()));
     }
 }
