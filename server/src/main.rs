@@ -804,30 +804,38 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         let scheme = if args.insecure { "http" } else { "https" };
         let coordinator_url = format!("{scheme}://{}", coordinator.address);
         let mut nodes = Vec::new();
-        for i in 1..=DEV_NODES {
-            let mut node = NodeConfig::new(0);
-            node.listen = SocketAddr::from(([127, 0, 0, 1], port(i)));
-            node.metrics_listen = Some(SocketAddr::from((
-                [127, 0, 0, 1],
-                port(DEV_METRICS_OFFSET + i),
-            )));
-            node.data_dir = data_dir.join(format!("node-{i}"));
-            node.engine.wal_segment_mib = 16;
-            node.memory.budget_mib = DEV_MEMORY_MIB;
-            node.raft.durability = args.durability.name().into();
-            node.tls = files(&format!("node-{i}"));
-            node.coordinator = Some(CoordinatorLink {
-                addresses: vec![coordinator_url.clone()],
-                zone: String::new(),
-                capacity_bytes: 0,
-            });
-            nodes.push(tidepool_node::server::start(node).await?);
-        }
-        // Ready once every shard has a leader in this run: one of the nodes
-        // here leads it, and the map names a leader for clients. (The map
-        // alone said ready at once on a restart: its leader hints are
-        // saved with it, and a hint is not cleared when its leader goes.)
-        let ready = async {
+        let mut gateway = None;
+        // Start-up, which a stop ends wherever it is (a node replaying a
+        // large log, a registration the coordinator keeps refusing: before,
+        // Ctrl-C waited for all of it); whatever started is stopped below,
+        // after an error too (before, an error left the nodes and the
+        // coordinator unstopped).
+        let started = async {
+            for i in 1..=DEV_NODES {
+                let mut node = NodeConfig::new(0);
+                node.listen = SocketAddr::from(([127, 0, 0, 1], port(i)));
+                node.metrics_listen = Some(SocketAddr::from((
+                    [127, 0, 0, 1],
+                    port(DEV_METRICS_OFFSET + i),
+                )));
+                node.data_dir = data_dir.join(format!("node-{i}"));
+                node.engine.wal_segment_mib = 16;
+                node.memory.budget_mib = DEV_MEMORY_MIB;
+                node.raft.durability = args.durability.name().into();
+                node.tls = files(&format!("node-{i}"));
+                node.coordinator = Some(CoordinatorLink {
+                    addresses: vec![coordinator_url.clone()],
+                    zone: String::new(),
+                    capacity_bytes: 0,
+                });
+                nodes.push(tidepool_node::server::start(node).await?);
+            }
+            // Ready once every shard has a leader in this run: one of the nodes
+            // here leads it, and the map names a leader for clients. (The map
+            // alone said ready at once on a restart: its leader hints are
+            // saved with it, and a hint is not cleared when its leader goes.)
+            let waiting_since = std::time::Instant::now();
+            let mut warned_at = waiting_since;
             loop {
                 let map = coordinator.shared.map();
                 let led_here = |shard_id: u32| {
@@ -844,21 +852,29 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                         .iter()
                         .all(|s| s.leader_hint != 0 && led_here(s.shard_id))
                 {
-                    return;
+                    break;
+                }
+                // Never a silent wait: every 30 s, the shards still without
+                // a leader (a replica that cannot open, node directories
+                // wiped).
+                if warned_at.elapsed() >= std::time::Duration::from_secs(30) {
+                    warned_at = std::time::Instant::now();
+                    let leaderless: Vec<u32> = map
+                        .shards
+                        .iter()
+                        .filter(|s| !led_here(s.shard_id))
+                        .map(|s| s.shard_id)
+                        .collect();
+                    tracing::warn!(
+                        waited_s = waiting_since.elapsed().as_secs(),
+                        ?leaderless,
+                        "not ready yet: shards without a leader (Ctrl-C stops)"
+                    );
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
-        };
-        let interrupted = tokio::select! {
-            _ = ready => false,
-            () = stop.requested() => true,
-        };
-        let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
-        // The build-cache gateway, with the admin token as its own, and
-        // the default instance (`cache`).
-        let gateway = if interrupted {
-            None
-        } else {
+            // The build-cache gateway, with the admin token as its own,
+            // and the default instance (`cache`).
             let mut client = tidepool_client::ClientConfig::new(std::slice::from_ref(&coordinator_url));
             if !args.insecure {
                 client = client.with_dev_credentials(&data_dir);
@@ -875,93 +891,150 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                 port(82),
             ))));
             config.anonymous = args.insecure;
-            let gateway = tidepool_gateway::start(config).await?;
-            gateway
+            let started = gateway.insert(tidepool_gateway::start(config).await?);
+            started
                 .create_instance(tidepool_gateway::DEFAULT_INSTANCE, DEV_CACHE_RETAIN)
                 .await?;
-            gateway.create_restic_namespaces().await?;
-            Some(gateway)
+            started.create_restic_namespaces().await?;
+            anyhow::Ok(())
         };
-        if let Some(gateway) = gateway.as_ref().filter(|_| !interrupted) {
-            let security = if args.insecure {
-                "INSECURE: no TLS, no tokens".to_string()
-            } else {
-                format!(
-                    "TLS material in {}, admin token in {} (tidectl finds both when run from the directory holding {})",
-                    tls_dir.display(),
-                    token_file.display(),
-                    args.data_dir.display()
-                )
-            };
-            let header = if args.insecure {
-                String::new()
-            } else {
-                format!(
-                    " --remote_header=authorization=\"Bearer $(cat {})\"",
-                    token_file.display()
-                )
-            };
-            let restic_auth = if args.insecure {
-                String::new()
-            } else {
-                format!("restic:$(cat {})@", token_file.display())
-            };
-            let http_auth = if args.insecure {
-                String::new()
-            } else {
-                format!("|bearer-token=$(cat {})", token_file.display())
-            };
-            let writes = match args.durability {
-                DevDurability::Synced => "Writes acknowledged once fsynced on a majority (synced)",
-                DevDurability::Buffered => {
-                    "BUFFERED: writes acknowledged before they are fsynced (synced within 100 ms; \
-                     a crash of the machine can lose the last ones)"
+        let outcome = tokio::select! {
+            result = started => Some(result),
+            () = stop.requested() => None,
+        };
+        let mut failure = None;
+        match outcome {
+            Some(Err(error)) => failure = Some(error),
+            None => {}
+            Some(Ok(())) => {
+                let gateway = gateway.as_ref().expect("started");
+                let node_list: Vec<String> = nodes.iter().map(|n| n.address.to_string()).collect();
+                let security = if args.insecure {
+                    "INSECURE: no TLS, no tokens".to_string()
+                } else {
+                    format!(
+                        "TLS material in {}, admin token in {} (tidectl finds both in its --dev-dir)",
+                        tls_dir.display(),
+                        token_file.display(),
+                    )
+                };
+                let tidectl = tidectl_command(&coordinator_url, args.port, args.insecure, &data_dir);
+                let header = if args.insecure {
+                    String::new()
+                } else {
+                    format!(
+                        " --remote_header=authorization=\"Bearer $(cat {})\"",
+                        token_file.display()
+                    )
+                };
+                let restic_auth = if args.insecure {
+                    String::new()
+                } else {
+                    format!("restic:$(cat {})@", token_file.display())
+                };
+                let http_auth = if args.insecure {
+                    String::new()
+                } else {
+                    format!("|bearer-token=$(cat {})", token_file.display())
+                };
+                let writes = match args.durability {
+                    DevDurability::Synced => "Writes acknowledged once fsynced on a majority (synced)",
+                    DevDurability::Buffered => {
+                        "BUFFERED: writes acknowledged before they are fsynced (synced within 100 ms; \
+                         a crash of the machine can lose the last ones)"
+                    }
+                };
+                let mut metrics: Vec<String> = Vec::new();
+                metrics.extend(coordinator.metrics_address.map(|a| format!("coordinator http://{a}/metrics")));
+                for (i, node) in nodes.iter().enumerate() {
+                    metrics.extend(node.metrics_address.map(|a| format!("node {} http://{a}/metrics", i + 1)));
                 }
-            };
-            let mut metrics: Vec<String> = Vec::new();
-            metrics.extend(coordinator.metrics_address.map(|a| format!("coordinator http://{a}/metrics")));
-            for (i, node) in nodes.iter().enumerate() {
-                metrics.extend(node.metrics_address.map(|a| format!("node {} http://{a}/metrics", i + 1)));
+                metrics.extend(gateway.metrics_address.map(|a| format!("gateway http://{a}/metrics")));
+                println!(
+                    "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
+                 {security}.\n\
+                 {writes}.\n\
+                 Metrics (Prometheus):\n  {}\n\
+                 Build cache (instance `cache`, entries kept {DEV_CACHE_RETAIN} epochs after their last use):\n  \
+                   bazel build --remote_cache=grpc://{grpc}{header} //...\n  \
+                   bazel build --remote_cache=http://{http}{header} //...\n  \
+                   ccache: remote_storage=\"http://{http}/ccache{http_auth}\"\n\
+                 Backups (namespace `restic`):\n  \
+                   restic -r rest:http://{restic_auth}{restic}/REPO/ init\n\
+                 Try, in another shell:\n  \
+                   {tidectl} put default hello README.md\n  \
+                   {tidectl} get default hello\n  \
+                   {tidectl} cluster status\n\
+                 Ctrl-C stops it; starting it again keeps the data.",
+                    node_list.join(", "),
+                    data_dir.display(),
+                    metrics.join("\n  "),
+                    grpc = gateway.grpc_address,
+                    http = gateway.http_address,
+                    restic = gateway
+                        .restic_address
+                        .map(|a| a.to_string())
+                        .unwrap_or_default(),
+                );
+                stop.requested().await;
             }
-            metrics.extend(gateway.metrics_address.map(|a| format!("gateway http://{a}/metrics")));
-            println!(
-                "Tidepool dev cluster ready: coordinator {coordinator_url}, nodes {}, data in {}.\n\
-             {security}.\n\
-             {writes}.\n\
-             Metrics (Prometheus):\n  {}\n\
-             Build cache (instance `cache`, entries kept {DEV_CACHE_RETAIN} epochs after their last use):\n  \
-               bazel build --remote_cache=grpc://{grpc}{header} //...\n  \
-               bazel build --remote_cache=http://{http}{header} //...\n  \
-               ccache: remote_storage=\"http://{http}/ccache{http_auth}\"\n\
-             Backups (namespace `restic`):\n  \
-               restic -r rest:http://{restic_auth}{restic}/REPO/ init\n\
-             Try, in another shell:\n  \
-               target/release/tidectl put default hello README.md\n  \
-               target/release/tidectl get default hello\n  \
-               target/release/tidectl cluster status\n\
-             Ctrl-C stops it; starting it again keeps the data.",
-                node_list.join(", "),
-                data_dir.display(),
-                metrics.join("\n  "),
-                grpc = gateway.grpc_address,
-                http = gateway.http_address,
-                restic = gateway
-                    .restic_address
-                    .map(|a| a.to_string())
-                    .unwrap_or_default(),
-            );
-            stop.requested().await;
         }
         tracing::info!("stopping");
-        if let Some(gateway) = gateway {
-            gateway.stop().await;
+        let shutdown = async {
+            if let Some(gateway) = gateway {
+                gateway.stop().await;
+            }
+            for node in nodes {
+                if let Err(error) = node.stop().await {
+                    failure.get_or_insert(error.into());
+                }
+            }
+            if let Err(error) = coordinator.stop().await {
+                failure.get_or_insert(error.into());
+            }
+        };
+        // A second stop ends the process at once.
+        tokio::select! {
+            () = shutdown => {}
+            () = stop.requested() => {
+                eprintln!("tidepool dev: stopped again during shutdown; exiting at once");
+                std::process::exit(130);
+            }
         }
-        for node in nodes {
-            node.stop().await?;
-        }
-        coordinator.stop().await?;
-        Ok(())
+        failure.map_or(Ok(()), Err)
     })
+}
+
+/// The `tidectl` command line that reaches a dev cluster from the current
+/// directory: the flags its defaults (coordinator on port 7400, material
+/// in `./tidepool-dev`, TLS when that holds a CA) do not give. Before, the
+/// banner printed none, and its commands failed for a cluster on another
+/// port or directory, or an insecure one started where a secure one had
+/// left its CA.
+fn tidectl_command(
+    coordinator_url: &str,
+    port: u16,
+    insecure: bool,
+    data_dir: &std::path::Path,
+) -> String {
+    let mut command = String::from("target/release/tidectl");
+    if port != 7400 {
+        command.push_str(&format!(" --coordinator {coordinator_url}"));
+    }
+    if insecure {
+        command.push_str(" --insecure");
+    } else if std::fs::canonicalize("tidepool-dev").ok().as_deref() != Some(data_dir) {
+        let dir = data_dir.display().to_string();
+        let plain = dir
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@".contains(c));
+        if plain {
+            command.push_str(&format!(" --dev-dir {dir}"));
+        } else {
+            command.push_str(&format!(" --dev-dir '{}'", dir.replace('\'', r"'\''")));
+        }
+    }
+    command
 }
 
 fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {

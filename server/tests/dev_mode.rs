@@ -56,8 +56,20 @@ async fn dev_mode_keeps_data_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let content: Vec<u8> = (0..100_000u32).map(|i| (i % 97) as u8).collect();
 
-    let (child, url) = start(dir.path());
+    let (child, banner) = support::start_dev_banner(dir.path(), &[]);
+    let url = support::banner_url(&banner);
     assert!(url.starts_with("https://"), "{url}");
+    // The banner's tidectl commands name the port and the directory (the
+    // defaults are 7400 and ./tidepool-dev).
+    let dir_path = std::fs::canonicalize(dir.path()).unwrap();
+    let tidectl = format!(
+        "tidectl --coordinator {url} --dev-dir {} cluster status",
+        dir_path.display()
+    );
+    assert!(
+        banner.iter().any(|line| line.trim().ends_with(&tidectl)),
+        "{tidectl} in {banner:#?}"
+    );
     let client = connect(dir.path(), &url).await;
     assert_eq!(client.map().nodes.len(), 3);
     assert_eq!(
@@ -111,7 +123,13 @@ async fn dev_mode_keeps_data_across_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dev_mode_is_ready_again_only_once_every_shard_has_a_leader() {
     let dir = tempfile::tempdir().unwrap();
-    let (child, url) = support::start_dev(dir.path(), &["--insecure"]);
+    let (child, banner) = support::start_dev_banner(dir.path(), &["--insecure"]);
+    let url = support::banner_url(&banner);
+    let tidectl = format!("tidectl --coordinator {url} --insecure get default hello");
+    assert!(
+        banner.iter().any(|line| line.trim().ends_with(&tidectl)),
+        "{tidectl} in {banner:#?}"
+    );
     let client = Client::with_config(ClientConfig::new(&[url.as_str()]))
         .await
         .unwrap();
@@ -121,30 +139,56 @@ async fn dev_mode_is_ready_again_only_once_every_shard_has_a_leader() {
         .await
         .unwrap();
 
-    let (child, url) = support::start_dev(dir.path(), &["--insecure"]);
+    let (child, banner) = support::start_dev_banner(dir.path(), &["--insecure"]);
+    let url = support::banner_url(&banner);
+    // The nodes' addresses as the banner gives them (the map may still
+    // name a node's address of the last run: it registers meanwhile).
+    let nodes: Vec<String> = banner[0]
+        .split(", nodes ")
+        .nth(1)
+        .and_then(|rest| rest.split(", data in").next())
+        .unwrap()
+        .split(", ")
+        .map(|address| format!("http://{address}"))
+        .collect();
+    assert_eq!(nodes.len(), 3, "{banner:?}");
     let client = Client::with_config(ClientConfig::new(&[url.as_str()]))
         .await
         .unwrap();
-    let map = client.map();
+    let shards: std::collections::BTreeSet<u32> =
+        client.map().shards.iter().map(|s| s.shard_id).collect();
+    // Asked of the three nodes at once, a few times within half a second
+    // (a leader the coordinator moves between two nodes' answers leads on
+    // neither for a moment); an election takes longer than that.
     let mut leading = std::collections::BTreeSet::new();
-    for node in &map.nodes {
-        let mut admin = NodeAdminClient::connect(node.address.clone())
-            .await
-            .unwrap();
-        let status = admin
-            .status(NodeStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        leading.extend(
-            status
-                .replicas
-                .iter()
-                .filter(|r| r.is_leader)
-                .map(|r| r.shard_id),
-        );
+    for _ in 0..5 {
+        let asked: Vec<_> = nodes
+            .iter()
+            .map(|node| {
+                let node = node.clone();
+                tokio::spawn(async move {
+                    let mut admin = NodeAdminClient::connect(node).await.ok()?;
+                    let status = admin.status(NodeStatusRequest {}).await.ok()?.into_inner();
+                    Some(
+                        status
+                            .replicas
+                            .iter()
+                            .filter(|r| r.is_leader)
+                            .map(|r| r.shard_id)
+                            .collect::<Vec<u32>>(),
+                    )
+                })
+            })
+            .collect();
+        leading.clear();
+        for answer in asked {
+            leading.extend(answer.await.unwrap().into_iter().flatten());
+        }
+        if leading == shards {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let shards: std::collections::BTreeSet<u32> = map.shards.iter().map(|s| s.shard_id).collect();
     assert_eq!(leading, shards, "shards with a leader at the banner");
     assert_eq!(client.get("default", b"kept").await.unwrap(), b"value");
     drop(client);
@@ -238,4 +282,41 @@ fn gateway_http_limits_refuse_zero() {
         let stderr = String::from_utf8_lossy(&refused.stderr);
         assert!(stderr.contains(flag), "{flag}: {stderr}");
     }
+}
+
+/// A start-up that fails after the coordinator and the nodes started (here
+/// the gateway's port is taken) stops them and says why, instead of
+/// returning past them.
+#[test]
+fn a_failed_start_stops_what_started_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    // The gateway's gRPC port is --port + 80.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = taken.local_addr().unwrap().port() - 80;
+    let started = Instant::now();
+    let output = Command::new(support::BIN)
+        .args([
+            "dev",
+            "--insecure",
+            "--port",
+            &base.to_string(),
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let port = (base + 80).to_string();
+    assert!(stderr.contains(&port), "names the taken port: {stderr}");
+    assert!(
+        stderr.contains("stopping"),
+        "stops what had started: {stderr}"
+    );
+    drop(taken);
 }
