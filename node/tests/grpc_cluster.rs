@@ -689,12 +689,21 @@ async fn a_shard_behind_the_map_epoch_stamps_writes_with_the_map_epoch() {
         wait_caught_up(&cluster, id, 1).await;
         // A drop compacts the log whatever its limits (a few entries
         // here): the expired blobs' segments are then no longer the log's.
-        let status = replica_status(&cluster, id, 1).await.unwrap();
-        assert!(
-            status.first_index > first[id as usize - 1],
-            "node {id}: the log still starts at {}",
-            status.first_index
-        );
+        // A leader's compaction waits for its slowest follower to have the
+        // drop (then at its next Ready: a heartbeat at the latest).
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let status = replica_status(&cluster, id, 1).await.unwrap();
+            if status.first_index > first[id as usize - 1] {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node {id}: the log still starts at {} 10 s after the drop",
+                status.first_index
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let status = get_on(&cluster, id, "ci", b"expires", ReadConsistency::AnyReplica)
             .await
             .unwrap_err();
