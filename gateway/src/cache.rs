@@ -297,7 +297,7 @@ pub(crate) async fn get_action_result(
     let bytes = read_opened(client, &instance.ac, &action.hash, reader, limit).await?;
     if !crate::wire::decodes_in_bounds(&bytes) {
         return Err(not_found(format!(
-            "the action cache entry of {} would take too much memory decoded (its entries are nearly empty)",
+            "the action cache entry of {} is no ActionResult, or one that would take too much memory decoded (nearly empty entries)",
             hex(&action.hash)
         )));
     }
@@ -356,7 +356,13 @@ pub(crate) async fn require_outputs(
             TREE_MEMORY_BYTES / 4
         )));
     }
-    let _memory = hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, trees.saturating_mul(4)).await;
+    // A result without trees holds none of the budget: its permits are
+    // handed out in request order, and every lookup waited behind one
+    // holding it all for a large tree.
+    let _memory = match trees {
+        0 => None,
+        trees => Some(hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, trees.saturating_mul(4)).await),
+    };
     let needed = outputs(client, instance, result).await?;
     let missing = find_missing(client, instance, &needed).await?;
     if let Some(first) = missing.first() {
@@ -468,7 +474,7 @@ impl TreeWalk {
             };
             if !crate::wire::decodes_in_bounds(&bytes) {
                 return Err(invalid(format!(
-                    "{} would take too much memory decoded (its entries are nearly empty)",
+                    "{} is no Directory, or one that would take too much memory decoded (nearly empty entries)",
                     hex(&digest.hash)
                 )));
             }
@@ -484,5 +490,55 @@ impl TreeWalk {
             return Ok(Some(directory));
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bazel_remote_apis::build::bazel::remote::execution::v2 as re;
+    use sha2::Digest as _;
+    use tidepool_client::{Client, RetentionPolicy};
+    use tidepool_testkit::cluster::LocalCluster;
+
+    use super::*;
+
+    /// A lookup of a result without output trees takes none of the tree
+    /// budget: with all of it held (a lookup of a large tree), it is
+    /// answered at once instead of queueing behind it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_result_without_trees_does_not_wait_for_the_tree_budget() {
+        let cluster = LocalCluster::start(1, 1, 1).await;
+        let client = Client::connect(std::slice::from_ref(&cluster.url))
+            .await
+            .unwrap();
+        let instance = Instance::parse("").unwrap();
+        client
+            .create_namespace(&instance.cas, true, RetentionPolicy::Durable)
+            .await
+            .unwrap();
+        let content = b"an output file".to_vec();
+        let hash: [u8; 32] = sha2::Sha256::digest(&content).into();
+        client.put(&instance.cas, &hash, &content).await.unwrap();
+        let result = ActionResult {
+            output_files: vec![re::OutputFile {
+                path: "out".into(),
+                digest: Some(re::Digest {
+                    hash: hex(&hash),
+                    size_bytes: content.len() as i64,
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let all = hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, TREE_MEMORY_BYTES).await;
+        tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            require_outputs(&client, &instance, &result),
+        )
+        .await
+        .expect("answered while the tree budget is held")
+        .unwrap();
+        drop(all);
+        cluster.stop().await;
     }
 }

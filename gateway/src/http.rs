@@ -46,8 +46,11 @@ use crate::{Credential, Gateway, HttpLimits, cache};
 /// (`wire::MAX_DECODED_RATIO` times its size) against [`AC_MEMORY_BYTES`],
 /// which must hold that whole: at 64 MiB, an entry charged the whole
 /// budget could take several times it.
-const AC_CHECK_BYTES: u64 = 8 << 20;
-const _: () = assert!(AC_CHECK_BYTES * (1 + crate::wire::MAX_DECODED_RATIO) <= AC_MEMORY_BYTES);
+const AC_CHECK_BYTES: u64 = 6 << 20;
+const _: () = assert!(
+    AC_CHECK_BYTES * (1 + crate::wire::MAX_DECODED_RATIO) + crate::wire::SLACK_BYTES
+        <= AC_MEMORY_BYTES
+);
 
 /// Entries of `/ac/` up to this size are answered from the copy read for
 /// their check; larger ones are read again and streamed.
@@ -433,7 +436,9 @@ async fn get(
         // The entry, and its decoded form if it decodes
         // (`wire::decodes_in_bounds`): within the budget, never clamped to
         // it (`AC_CHECK_BYTES`).
-        let held = size.saturating_mul(1 + crate::wire::MAX_DECODED_RATIO);
+        let held = size
+            .saturating_mul(1 + crate::wire::MAX_DECODED_RATIO)
+            .saturating_add(crate::wire::SLACK_BYTES);
         let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {

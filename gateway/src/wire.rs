@@ -186,10 +186,10 @@ pub(crate) fn tree_file_digests(tree: &[u8]) -> Result<Vec<Option<re::Digest>>, 
     Ok(digests)
 }
 
-/// Memory charged per nested message by [`decodes_in_bounds`]: about the
-/// largest REAPI struct kept in a list (a file node is some 140 bytes
-/// decoded; a list's growth can double it).
-const MESSAGE_BYTES: u64 = 160;
+/// Memory charged per nested message by [`decodes_in_bounds`]: about
+/// twice the largest REAPI struct kept in a list (a file node is some 140
+/// bytes decoded, and a list's growth can double it).
+const MESSAGE_BYTES: u64 = 320;
 
 /// Message levels [`decodes_in_bounds`] looks into (REAPI nests about
 /// five deep); a length-delimited field at the last level counts as a
@@ -197,48 +197,55 @@ const MESSAGE_BYTES: u64 = 160;
 const DEPTH: usize = 8;
 
 /// Most a message's decoded form may take, by [`decodes_in_bounds`]'s
-/// count, as a multiple of its encoding (and 64 KiB more). Well-formed
-/// REAPI messages count up to about 20: a symlink node with a one-letter
-/// name and target `..`, 160 bytes for 9 stored (a file node with a
-/// SHA-256 digest counts two messages in some 80 bytes: 5). Empty
-/// entries count 80 and more.
-pub(crate) const MAX_DECODED_RATIO: u64 = 24;
+/// count, as a multiple of its encoding (and [`SLACK_BYTES`] more).
+/// Well-formed REAPI messages count up to about 37: a symlink node with a
+/// one-letter name and target `..`, 320 bytes for 9 stored (a file node
+/// with a SHA-256 digest counts two messages in some 80 bytes: 9; one with
+/// node properties about 20). Empty entries count 160 and more.
+pub(crate) const MAX_DECODED_RATIO: u64 = 40;
 
-/// Whether `bytes`, decoded as any message, may be decoded: a bound of
-/// its decoded size — its encoding plus [`MESSAGE_BYTES`] for every
-/// length-delimited field that reads as a message (strings and bytes that
-/// do not read as one cost their length, already counted), [`DEPTH`]
-/// levels down — is at most [`MAX_DECODED_RATIO`] times its encoding and
-/// 64 KiB more. Bytes that do not read as a message pass (decoding them
-/// fails, at no cost).
+/// What [`decodes_in_bounds`] allows beyond [`MAX_DECODED_RATIO`] times
+/// the encoding (small messages always decode).
+pub(crate) const SLACK_BYTES: u64 = 64 << 10;
+
+/// Whether `bytes` may be decoded as a message: a bound of its decoded
+/// size — its encoding plus [`MESSAGE_BYTES`] for every length-delimited
+/// field that reads as a message (strings and bytes that do not read as
+/// one cost their length, already counted; one that reads as one until a
+/// bad byte is charged the messages before it, as prost builds them before
+/// it fails), [`DEPTH`] levels down — is at most [`MAX_DECODED_RATIO`]
+/// times its encoding and [`SLACK_BYTES`] more. Bytes that do not read as
+/// a message are refused (prost would build all it read before failing).
 pub(crate) fn decodes_in_bounds(bytes: &[u8]) -> bool {
     let len = bytes.len() as u64;
-    let messages = nested_messages(bytes, DEPTH).unwrap_or(0);
+    let (messages, whole) = nested_messages(bytes, DEPTH);
     let bound = len.saturating_add(messages.saturating_mul(MESSAGE_BYTES));
-    bound
-        <= len
-            .saturating_mul(MAX_DECODED_RATIO)
-            .saturating_add(64 << 10)
+    whole
+        && bound
+            <= len
+                .saturating_mul(MAX_DECODED_RATIO)
+                .saturating_add(SLACK_BYTES)
 }
 
 /// The messages nested in `bytes` read as a message — each
 /// length-delimited field that reads as one, with those nested in it,
-/// `depth` levels down — or `None` if `bytes` does not read as a message.
-/// Each byte is read at most `depth` times.
-fn nested_messages(bytes: &[u8], depth: usize) -> Option<u64> {
+/// `depth` levels down — and whether all of `bytes` reads as a message
+/// (if not, the count is of what came before the first bad byte). Each
+/// byte is read at most `depth` times.
+fn nested_messages(bytes: &[u8], depth: usize) -> (u64, bool) {
     let mut count = 0u64;
     for field in fields(bytes) {
-        match field.ok()? {
-            (_, Value::Bytes(_)) if depth <= 1 => count += 1,
-            (_, Value::Bytes(inner)) => {
-                if let Some(nested) = nested_messages(inner, depth - 1) {
-                    count = count.saturating_add(1 + nested);
-                }
+        match field {
+            Err(_) => return (count, false),
+            Ok((_, Value::Bytes(_))) if depth <= 1 => count += 1,
+            Ok((_, Value::Bytes(inner))) => {
+                let (nested, whole) = nested_messages(inner, depth - 1);
+                count = count.saturating_add(nested + u64::from(whole));
             }
-            _ => {}
+            Ok(_) => {}
         }
     }
-    Some(count)
+    (count, true)
 }
 
 #[cfg(test)]
@@ -423,6 +430,23 @@ mod tests {
         let mut nested = tree.clone();
         nested.extend([0xc3, 0x3e, 0xc4, 0x3e]);
         assert!(!decodes_in_bounds(&nested), "a group one level up");
+        // A bad byte at the end: prost builds everything before it.
+        let mut bad = empty_files.clone();
+        bad.push(0x00);
+        assert!(!decodes_in_bounds(&bad), "a bad byte at the end");
+        let mut inner_bad = empty_files.clone();
+        inner_bad.push(0x00);
+        let mut wrapped = Vec::new();
+        prost::encoding::encode_key(1, WireType::LengthDelimited, &mut wrapped);
+        prost::encoding::encode_varint(inner_bad.len() as u64, &mut wrapped);
+        wrapped.extend(&inner_bad);
+        assert!(!decodes_in_bounds(&wrapped), "a bad byte one level down");
+        // Entries of 7 bytes (an output file with a 3-letter path).
+        let mut sevens = Vec::new();
+        while sevens.len() < 1 << 20 {
+            sevens.extend([0x12, 0x05, 0x0a, 0x03, b'a', b'b', b'c']);
+        }
+        assert!(!decodes_in_bounds(&sevens), "7-byte entries");
     }
 
     /// Directories of many short symlinks, or of files with node
