@@ -805,11 +805,12 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         let coordinator_url = format!("{scheme}://{}", coordinator.address);
         let mut nodes = Vec::new();
         let mut gateway = None;
-        // Start-up, which a stop ends wherever it is (a node replaying a
-        // large log, a registration the coordinator keeps refusing: before,
-        // Ctrl-C waited for all of it); whatever started is stopped below,
-        // after an error too (before, an error left the nodes and the
-        // coordinator unstopped).
+        // Start-up, which a stop ends at its next wait (a registration the
+        // coordinator keeps refusing, the wait for leaders: before, Ctrl-C
+        // waited for all of it; a node opening its replicas is not
+        // interrupted); whatever started is stopped below, after an error
+        // too (before, an error left the nodes and the coordinator
+        // unstopped).
         let started = async {
             for i in 1..=DEV_NODES {
                 let mut node = NodeConfig::new(0);
@@ -862,13 +863,14 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                     let leaderless: Vec<u32> = map
                         .shards
                         .iter()
-                        .filter(|s| !led_here(s.shard_id))
+                        .filter(|s| s.leader_hint == 0 || !led_here(s.shard_id))
                         .map(|s| s.shard_id)
                         .collect();
                     tracing::warn!(
                         waited_s = waiting_since.elapsed().as_secs(),
                         ?leaderless,
-                        "not ready yet: shards without a leader (Ctrl-C stops)"
+                        shards = map.shards.len(),
+                        "not ready yet: shards without a leader here or in the map, or no map yet (Ctrl-C stops)"
                     );
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -904,7 +906,11 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         };
         let mut failure = None;
         match outcome {
-            Some(Err(error)) => failure = Some(error),
+            Some(Err(error)) => {
+                // Said now: a second stop during the shutdown exits at once.
+                tracing::error!(error = format!("{error:#}"), "start-up failed; stopping");
+                failure = Some(error);
+            }
             None => {}
             Some(Ok(())) => {
                 let gateway = gateway.as_ref().expect("started");
@@ -924,18 +930,18 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                 } else {
                     format!(
                         " --remote_header=authorization=\"Bearer $(cat {})\"",
-                        token_file.display()
+                        shell_word(&token_file)
                     )
                 };
                 let restic_auth = if args.insecure {
                     String::new()
                 } else {
-                    format!("restic:$(cat {})@", token_file.display())
+                    format!("restic:$(cat {})@", shell_word(&token_file))
                 };
                 let http_auth = if args.insecure {
                     String::new()
                 } else {
-                    format!("|bearer-token=$(cat {})", token_file.display())
+                    format!("|bearer-token=$(cat {})", shell_word(&token_file))
                 };
                 let writes = match args.durability {
                     DevDurability::Synced => "Writes acknowledged once fsynced on a majority (synced)",
@@ -1024,17 +1030,23 @@ fn tidectl_command(
     if insecure {
         command.push_str(" --insecure");
     } else if std::fs::canonicalize("tidepool-dev").ok().as_deref() != Some(data_dir) {
-        let dir = data_dir.display().to_string();
-        let plain = dir
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@".contains(c));
-        if plain {
-            command.push_str(&format!(" --dev-dir {dir}"));
-        } else {
-            command.push_str(&format!(" --dev-dir '{}'", dir.replace('\'', r"'\''")));
-        }
+        command.push_str(&format!(" --dev-dir {}", shell_word(data_dir)));
     }
     command
+}
+
+/// `path` as one word of a POSIX shell command line: as it is when that
+/// is safe, else single-quoted.
+fn shell_word(path: &std::path::Path) -> String {
+    let text = path.display().to_string();
+    let plain = text
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+,:@".contains(c));
+    if plain {
+        text
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
 }
 
 fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
