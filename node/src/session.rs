@@ -18,14 +18,13 @@
 //! restricted to one write in flight per session so that one remembered
 //! (sequence, outcome) per session suffices.
 //!
-//! Time is stamped into each tag by the node that proposes it; the shard's
-//! clock is the largest stamp applied. A node's stamps run at its
-//! monotonic clock's rate from the shard's clock as its replica applied it
-//! ([`SessionClock`]), never from its wall clock once the shard has one: a
-//! wall clock hours ahead made the next sweep forget every session (a
-//! write retried after that could open its session again and apply
-//! twice), and one behind froze expiry until real time caught up. A
-//! session idle for
+//! Time is stamped into each tag by the leader that proposes it; the
+//! shard's clock is the largest stamp applied. A leader's stamps run at
+//! its monotonic clock's rate from the shard's clock as its replica applied
+//! it ([`SessionClock`]), never from a wall clock: with wall-clock stamps a
+//! leader hours ahead made the next sweep forget every session (a write
+//! retried after that could open its session again and apply twice), and
+//! one behind froze expiry until real time caught up. A session idle for
 //! [`SESSION_TTL_MS`] is forgotten at the next sweep (every
 //! [`SWEEP_EVERY_MS`] of shard clock); when [`MAX_SESSIONS`] are held, a
 //! new session first evicts those idle for [`EVICTABLE_IDLE_MS`], and is
@@ -68,23 +67,30 @@ pub struct SessionTag {
     pub seq: u64,
     /// The client may start the session with this write.
     pub opens: bool,
-    /// The proposing leader's wall clock, milliseconds since the epoch.
+    /// The proposing leader's session clock, milliseconds
+    /// ([`SessionClock`]; older versions stamped their wall clock).
     pub time_ms: u64,
 }
 
-/// Where a node stamps the sessioned writes it proposes on one shard: a
+/// Where a leader stamps the sessioned writes it proposes on one shard: a
 /// clock that runs at the node's monotonic rate from an anchor — the
-/// shard's clock as the node's replica last applied it (anchored again
-/// whenever that is ahead of the running clock: another node stamped
-/// further), or the wall clock while the shard has applied no stamp.
+/// shard's clock as the node's replica last applied it (0 on a shard that
+/// applied no stamp yet), anchored again whenever that is ahead of the
+/// running clock (another leader stamped further). No wall clock is read:
+/// a clock's origin does not matter, only how fast it runs.
 ///
 /// So the shard's clock (the largest stamp applied) never runs faster than
-/// real time on the nodes stamping it, whatever their wall clocks say: a
-/// session is never forgotten sooner than [`SESSION_TTL_MS`] of real time
-/// after its last write (a client may retry a write that opens its session
-/// only within its re-open window, far shorter). It may run slower (the
-/// time between a stamp and its apply is lost at each anchoring): sessions
-/// are then kept longer, which is safe.
+/// real time on the nodes stamping it: every anchor is at most the shard's
+/// clock when it is taken. A session is never forgotten sooner than
+/// [`SESSION_TTL_MS`] of real time after its last write (a client may
+/// retry a write that opens its session only within its re-open window,
+/// far shorter). It may run slower (the time between a stamp and its apply
+/// is lost at each anchoring; a leader that has not applied its
+/// predecessors' stamps yet stamps behind them, and the shard's clock
+/// waits): sessions are then kept longer, which is safe. (An earlier
+/// version anchored a replica that had applied no stamp at its wall
+/// clock: a new leader not yet caught up with the shard's first stamps
+/// could jump its clock by hours.)
 #[derive(Debug, Default)]
 pub struct SessionClock {
     state: parking_lot::Mutex<ClockState>,
@@ -92,37 +98,26 @@ pub struct SessionClock {
 
 #[derive(Debug, Default)]
 struct ClockState {
-    /// The shard's clock as the replica last applied it (0: no stamp yet).
+    /// The shard's clock as the replica last applied it.
     applied_ms: u64,
     /// The running clock's value at an instant.
     anchor: Option<(u64, std::time::Instant)>,
-    /// The anchor is the wall clock's (taken while the replica had applied
-    /// no stamp): dropped once it has.
-    provisional: bool,
 }
 
 impl SessionClock {
     /// The shard's clock as the node's replica applied it (at its opening,
-    /// after each entry, and when it installs a snapshot). A wall-clock
-    /// anchor goes once the shard has a clock: kept, a replica that opened
-    /// empty (to receive a snapshot) and stamped meanwhile ran on its own
-    /// wall clock, hours ahead perhaps, for ever after.
+    /// after each entry, and when it installs a snapshot).
     pub fn applied(&self, clock_ms: u64) {
-        let mut state = self.state.lock();
-        state.applied_ms = clock_ms;
-        if clock_ms > 0 && state.provisional {
-            state.anchor = None;
-            state.provisional = false;
-        }
+        self.state.lock().applied_ms = clock_ms;
     }
 
     /// A stamp for a write proposed now.
     pub fn stamp(&self) -> u64 {
-        self.stamp_at(std::time::Instant::now(), wall_clock_ms)
+        self.stamp_at(std::time::Instant::now())
     }
 
-    /// A stamp at `now`, with `wall_ms` the wall clock.
-    fn stamp_at(&self, now: std::time::Instant, wall_ms: impl FnOnce() -> u64) -> u64 {
+    /// A stamp at `now`.
+    fn stamp_at(&self, now: std::time::Instant) -> u64 {
         let mut state = self.state.lock();
         let running = state.anchor.map(|(ms, at)| {
             ms.saturating_add(now.saturating_duration_since(at).as_millis() as u64)
@@ -130,23 +125,12 @@ impl SessionClock {
         match running {
             Some(ms) if ms >= state.applied_ms => ms,
             _ => {
-                let base = match state.applied_ms {
-                    0 => wall_ms(),
-                    applied => applied,
-                };
-                state.provisional = state.applied_ms == 0;
+                let base = state.applied_ms;
                 state.anchor = Some((base, now));
                 base
             }
         }
     }
-}
-
-/// Milliseconds since the Unix epoch.
-fn wall_clock_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Bytes of an encoded [`SessionTag`].
@@ -557,64 +541,54 @@ mod tests {
     }
 
     /// Stamps run at the monotonic clock's rate from the shard's applied
-    /// clock: a wall clock hours ahead or behind changes nothing once the
-    /// shard has a clock, and a node whose running clock fell behind what
-    /// another node stamped catches up with the applied clock.
+    /// clock (no wall clock is read), and a node whose running clock fell
+    /// behind what another node stamped catches up with the applied clock.
     #[test]
-    fn stamps_follow_the_applied_clock_not_the_wall_clock() {
+    fn stamps_follow_the_applied_clock() {
         let start = std::time::Instant::now();
         let at = |ms: u64| start + std::time::Duration::from_millis(ms);
-        let hours_ahead = || 1_764_000_000_000 + 5 * 3_600_000;
-        let never = || -> u64 { panic!("the wall clock is not asked") };
 
-        // A new shard: the first stamp is the wall clock's.
+        // A new shard: its clock starts at 0.
         let clock = SessionClock::default();
-        assert_eq!(
-            clock.stamp_at(at(0), || 1_764_000_000_000),
-            1_764_000_000_000
-        );
-        assert_eq!(clock.stamp_at(at(250), never), 1_764_000_000_250);
-        // A replica that opened empty stamped on its wall clock, hours
-        // ahead; once it has the shard's clock (a snapshot installed), it
-        // stamps from that.
+        assert_eq!(clock.stamp_at(at(0)), 0);
+        assert_eq!(clock.stamp_at(at(250)), 250);
+        // A replica that opened empty and stamped meanwhile: once it has
+        // the shard's clock (a snapshot installed), it stamps from that.
         let clock = SessionClock::default();
-        assert_eq!(clock.stamp_at(at(0), hours_ahead), hours_ahead());
+        assert_eq!(clock.stamp_at(at(0)), 0);
         clock.applied(2_000_000);
-        assert_eq!(clock.stamp_at(at(1_000), never), 2_000_000);
-        assert_eq!(clock.stamp_at(at(3_000), never), 2_002_000);
+        assert_eq!(clock.stamp_at(at(1_000)), 2_000_000);
+        assert_eq!(clock.stamp_at(at(3_000)), 2_002_000);
 
         // A shard with a clock: stamps start from it and advance at the
-        // monotonic rate, whatever the wall clock says.
+        // monotonic rate.
         let clock = SessionClock::default();
         clock.applied(1_000_000);
-        assert_eq!(clock.stamp_at(at(0), hours_ahead), 1_000_000);
-        assert_eq!(clock.stamp_at(at(60_000), hours_ahead), 1_060_000);
+        assert_eq!(clock.stamp_at(at(0)), 1_000_000);
+        assert_eq!(clock.stamp_at(at(60_000)), 1_060_000);
         // Its own stamps applied: nothing changes.
         clock.applied(1_060_000);
-        assert_eq!(clock.stamp_at(at(61_000), never), 1_061_000);
+        assert_eq!(clock.stamp_at(at(61_000)), 1_061_000);
         // Another node stamped further (its anchor was later): the running
         // clock catches up with the applied one and runs on from there.
         clock.applied(1_100_000);
-        assert_eq!(clock.stamp_at(at(62_000), never), 1_100_000);
-        assert_eq!(clock.stamp_at(at(63_000), never), 1_101_000);
+        assert_eq!(clock.stamp_at(at(62_000)), 1_100_000);
+        assert_eq!(clock.stamp_at(at(63_000)), 1_101_000);
         // An applied clock that goes back (a snapshot from a replica that
         // applied less) never moves stamps back.
         clock.applied(5);
-        assert_eq!(clock.stamp_at(at(64_000), never), 1_102_000);
+        assert_eq!(clock.stamp_at(at(64_000)), 1_102_000);
 
-        // Sessions of a shard stamped so by a node whose wall clock is
-        // hours ahead are swept no sooner than their TTL of real time.
+        // A shard's sessions, stamped so, are swept no sooner than their
+        // TTL of real time: a write every minute, and the first session is
+        // still remembered 29 minutes on.
         let mut sessions = Sessions::default();
         let clock = SessionClock::default();
         clock.applied(1_000);
-        apply(
-            &mut sessions,
-            tag(1, 1, true, clock.stamp_at(at(0), never)),
-            false,
-        );
+        apply(&mut sessions, tag(1, 1, true, clock.stamp_at(at(0))), false);
         clock.applied(sessions.clock_ms());
         for minute in 1..30 {
-            let stamp = clock.stamp_at(at(minute * 60_000), hours_ahead);
+            let stamp = clock.stamp_at(at(minute * 60_000));
             apply(
                 &mut sessions,
                 tag(u128::from(minute) + 1, 1, true, stamp),
@@ -625,7 +599,7 @@ mod tests {
         assert_eq!(
             apply(
                 &mut sessions,
-                tag(1, 1, false, clock.stamp_at(at(29 * 60_000 + 1), never)),
+                tag(1, 1, false, clock.stamp_at(at(29 * 60_000 + 1))),
                 false
             ),
             Admission::Duplicate(OpResult::DONE),
