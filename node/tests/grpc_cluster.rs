@@ -579,12 +579,22 @@ async fn admin_entries_act_on_every_replica() {
 
     for id in 1..=3 {
         wait_caught_up(&cluster, id, 1).await;
-        let status = replica_status(&cluster, id, 1).await.unwrap();
-        assert_eq!(
-            (status.epoch, drop_bounds(&status)),
-            (2, vec![(3, 2)]),
-            "node {id}"
-        );
+        // The status a node publishes may lag its apply by a moment (the
+        // leader's commit index waited for above too): asked until the
+        // drop shows, 10 s at most.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let status = replica_status(&cluster, id, 1).await.unwrap();
+            let seen = (status.epoch, drop_bounds(&status));
+            if seen == (2, vec![(3, 2)]) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node {id}: {seen:?} 10 s after the drop"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
         let status = get_on(&cluster, id, "ci", b"old", ReadConsistency::AnyReplica)
             .await
             .unwrap_err();
