@@ -215,9 +215,20 @@ pub async fn wait_leader(cluster: &TestCluster, shard: u32) -> u64 {
     }
 }
 
-/// Waits (up to 30 s) until node `id` has applied everything the leader
-/// of `shard` has committed.
+/// Waits (up to 30 s each time) until node `id` has applied everything the
+/// leader of `shard` has committed — twice, 50 ms apart: a node publishes
+/// its status after the Ready that applied an operation, so a commit index
+/// read right after an acknowledged operation can predate it (a drop an
+/// admin call had applied was then not yet on the node "caught up").
 pub async fn wait_caught_up(cluster: &TestCluster, id: u64, shard: u32) {
+    wait_applied_to_commit(cluster, id, shard).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    wait_applied_to_commit(cluster, id, shard).await;
+}
+
+/// Waits (up to 30 s) until node `id` has applied everything the leader
+/// of `shard` has committed, as their published statuses say.
+async fn wait_applied_to_commit(cluster: &TestCluster, id: u64, shard: u32) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let leader = wait_leader(cluster, shard).await;
