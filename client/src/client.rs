@@ -13,7 +13,7 @@ use tidepool_proto::v1::blob_service_client::BlobServiceClient;
 use tidepool_proto::v1::{
     BatchExistsRequest, BlobInfo, BlobKind, BlobRef, ClusterMap, DeleteRequest, Durability,
     ErrorCode, GetRequest, HeadRequest, Presence, PutHeader, PutRequest, ReadConsistency,
-    TouchRequest, TouchResponse, WriteSession, get_response, put_request,
+    ReplacedChunks, TouchRequest, TouchResponse, WriteSession, get_response, put_request,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -982,8 +982,22 @@ impl Client {
         kind: BlobKind,
         digest: [u8; 32],
     ) -> Result<PutOutcome> {
-        self.put_entry(namespace, key, content, kind, digest, false)
-            .await
+        let (outcome, replaced) = self
+            .put_entry(namespace, key, content, kind, digest, false)
+            .await?;
+        let chunks = crate::stream::replaced_chunks(key, replaced, None);
+        if !chunks.is_empty() {
+            // Run apart from the caller, and awaited: a caller gone once
+            // the put is answered no longer cuts the deletion short —
+            // nothing else names these chunks.
+            let (client, namespace, key) = (self.clone(), namespace.to_string(), key.to_vec());
+            let deleting = tokio::spawn(
+                async move { client.delete_old_chunks(&namespace, &key, chunks).await }
+                    .in_current_span(),
+            );
+            let _ = deleting.await;
+        }
+        Ok(outcome)
     }
 
     /// Stores `content` under `key` only if the key holds no blob, decided
@@ -1017,10 +1031,14 @@ impl Client {
             true,
         )
         .await
+        .map(|(outcome, _)| outcome)
     }
 
     /// One put of one node entry (`if_absent`: only into an empty key).
-    async fn put_entry(
+    /// Also returns the chunked blob the put replaced, as the node
+    /// answered it (`None` if none, or not known: a duplicate attempt, an
+    /// older node, a token without the delete role).
+    pub(crate) async fn put_entry(
         &self,
         namespace: &str,
         key: &[u8],
@@ -1028,7 +1046,7 @@ impl Client {
         kind: BlobKind,
         digest: [u8; 32],
         if_absent: bool,
-    ) -> Result<PutOutcome> {
+    ) -> Result<(PutOutcome, Option<ReplacedChunks>)> {
         // Copied once; every attempt sends the same buffers.
         let pieces: Vec<Bytes> = content
             .chunks(1 << 20)
@@ -1066,12 +1084,13 @@ impl Client {
             )
             .await?;
         let info = response.info.unwrap_or_default();
-        Ok(PutOutcome {
+        let outcome = PutOutcome {
             size: info.size,
             sha256: digest,
             epoch: info.epoch,
             already_present: response.already_present,
-        })
+        };
+        Ok((outcome, response.replaced))
     }
 
     /// Reads one stored blob whole: its info and bytes, verified against
@@ -1447,16 +1466,7 @@ impl Client {
                     // (an error here would report a done delete as failed,
                     // and a retry would find no manifest left to name the
                     // chunks). Logged, and left.
-                    for chunk in chunks {
-                        if let Err(error) = client.delete_one(&namespace, &chunk).await {
-                            tracing::warn!(
-                                namespace,
-                                chunk = %crate::stream::hex(&chunk),
-                                %error,
-                                "a deleted blob's chunk could not be deleted; its space stays taken"
-                            );
-                        }
-                    }
+                    client.delete_old_chunks(&namespace, &key, chunks).await;
                     Ok::<_, Error>(existed)
                 }
                 .in_current_span(),

@@ -8,8 +8,9 @@
 //! chunks are shared and deduplicated; deleting a blob leaves them to
 //! retention); elsewhere `SHA-256("tidepool.v1.chunk" || key || nonce ||
 //! index)` with a random nonce per put, so concurrent puts of one key never
-//! mix chunks, and a replaced or deleted blob's chunks are deleted after
-//! the new manifest is stored.
+//! mix chunks, and a replaced or deleted blob's chunks are deleted once the
+//! new blob is stored (a put's answer names the chunked blob it replaced)
+//! or the manifest deleted.
 
 use std::collections::VecDeque;
 
@@ -17,6 +18,7 @@ use prost::Message as _;
 use sha2::{Digest, Sha256};
 use tidepool_proto::v1::{
     BlobInfo, BlobKind, ChunkManifest, ChunkRef, ErrorCode, GetRequest, ReadConsistency,
+    ReplacedChunks,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::Instrument as _;
@@ -328,6 +330,47 @@ impl Client {
 
     async fn delete_chunk(&self, namespace: &str, key: &[u8]) -> Result<()> {
         self.delete_one(namespace, key).await.map(|_| ())
+    }
+
+    /// Deletes `chunks`, the chunks of a blob under `key` that was
+    /// replaced or deleted, [`DELETE_DEPTH`] at a time (a small put over a
+    /// blob of thousands of chunks waited for them one by one). The
+    /// blob's fate is settled: a chunk not deleted (a token without the
+    /// delete role, a shard unavailable) is logged and left behind, its
+    /// space taken.
+    pub(crate) async fn delete_old_chunks(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        chunks: Vec<[u8; 32]>,
+    ) {
+        let mut deleting = tokio::task::JoinSet::new();
+        let log = |result: std::result::Result<Result<()>, tokio::task::JoinError>| {
+            let error = match result {
+                Ok(Ok(())) => return,
+                Ok(Err(error)) => error.to_string(),
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(
+                %error,
+                key = %hex(key),
+                "a chunk of a replaced or deleted blob was not deleted; its space stays taken"
+            );
+        };
+        for chunk in chunks {
+            if deleting.len() >= DELETE_DEPTH
+                && let Some(done) = deleting.join_next().await
+            {
+                log(done);
+            }
+            let (client, namespace) = (self.clone(), namespace.to_string());
+            deleting.spawn(
+                async move { client.delete_chunk(&namespace, &chunk).await }.in_current_span(),
+            );
+        }
+        while let Some(done) = deleting.join_next().await {
+            log(done);
+        }
     }
 
     /// Writes the blob to `writer` (reassembling a chunked one); returns
@@ -800,15 +843,24 @@ impl Upload {
             .map(|c| c.key.clone())
             .zip(self.chunk_epochs.iter().copied())
             .collect();
-        let old_chunks = replaced.map(|old| own_chunks(&key, &old));
+        let old_nonce = replaced.as_ref().map(|old| old.nonce);
+        let mut old_chunks = replaced.map_or_else(Vec::new, |old| own_chunks(&key, &old));
         // Run apart from the caller, and awaited: a caller gone once the
         // manifest is sent (a gateway client disconnecting) no longer cuts
         // the old chunks' deletion short — nothing else names them.
         let stored = tokio::spawn(
             async move {
-                let outcome = client
-                    .put_one(&namespace, &key, &manifest, BlobKind::Manifest)
+                let digest = sha256(&manifest);
+                let (outcome, replaced) = client
+                    .put_entry(&namespace, &key, &manifest, BlobKind::Manifest, digest, false)
                     .await?;
+                // What the put replaced where it applied, with what was
+                // there before the upload ended (an older node does not
+                // say; a concurrent put may have come between): both are
+                // gone from the key now.
+                if replaced.map(|r| r.nonce) != old_nonce {
+                    old_chunks.extend(replaced_chunks(&key, replaced, Some(nonce)));
+                }
                 // Chunks written in an epoch before the manifest's (the
                 // upload spanned an advance) are moved to it: left there,
                 // the first drop took them an epoch before the manifest,
@@ -849,21 +901,9 @@ impl Upload {
                         ),
                     }
                 }
-                if let Some(chunks) = old_chunks {
-                    // The new blob is stored: the put succeeded whatever
-                    // happens to the old chunks. One not deleted (a token
-                    // without the delete role, a shard unavailable) is left
-                    // behind, like a concurrent put's (known limit).
-                    for chunk in chunks {
-                        if let Err(error) = client.delete_chunk(&namespace, &chunk).await {
-                            tracing::warn!(
-                                %error,
-                                key = %hex(&key),
-                                "an old chunk of a replaced blob was not deleted"
-                            );
-                        }
-                    }
-                }
+                // The new blob is stored: the put succeeded whatever
+                // happens to the old chunks.
+                client.delete_old_chunks(&namespace, &key, old_chunks).await;
                 Ok::<_, Error>(outcome)
             }
             .in_current_span(),
@@ -917,6 +957,9 @@ fn refused_for_sure(error: &Error) -> bool {
             | ErrorCode::Unspecified
     )
 }
+
+/// Old chunks a put or a delete deletes at once.
+pub(crate) const DELETE_DEPTH: usize = 16;
 
 /// Chunks an [`Upload`] stores at once: one in flight while the next
 /// fills keeps a single stream's disk and network busy through each
@@ -1153,6 +1196,36 @@ pub(crate) fn own_chunks(key: &[u8], manifest: &ChunkManifest) -> Vec<[u8; 32]> 
         .map(|(derived, _)| derived)
         .collect()
 }
+
+/// The chunks to delete after a put under `key` answered that it
+/// replaced a chunked blob (`replaced`; `None`: nothing replaced, or not
+/// said): the keys derived from the key and its nonce, unless it is this
+/// very upload's (`nonce`), whose chunks are the stored blob's.
+pub(crate) fn replaced_chunks(
+    key: &[u8],
+    replaced: Option<ReplacedChunks>,
+    nonce: Option<u64>,
+) -> Vec<[u8; 32]> {
+    match replaced {
+        Some(old) if old.count > MAX_REPLACED_CHUNKS => {
+            tracing::warn!(
+                count = old.count,
+                key = %hex(key),
+                "a node named more chunks replaced than a manifest can list: none deleted"
+            );
+            Vec::new()
+        }
+        Some(old) if old.nonce != 0 && Some(old.nonce) != nonce => (0..old.count)
+            .map(|index| chunk_key(key, old.nonce, index))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// More chunks than an SDK manifest can list (each of its chunk references
+/// takes more than 64 bytes; a node value is at most 64 MiB): a larger
+/// count is no SDK blob's, and nothing is deleted for it.
+const MAX_REPLACED_CHUNKS: u64 = 1 << 20;
 
 /// Lower-case hex of `bytes` (keys in messages).
 pub fn hex(bytes: &[u8]) -> String {

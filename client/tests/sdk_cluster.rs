@@ -546,6 +546,75 @@ async fn a_put_dropped_after_its_manifest_went_still_deletes_the_old_chunks() {
     cluster.stop().await;
 }
 
+/// A blob of one chunk or less put over a chunked one — by `put` or by an
+/// upload — deletes the old blob's chunks (the node answers with the
+/// manifest the put replaced): before, only a chunked put did (it reads
+/// the old manifest first), and a small overwrite left them stored,
+/// unlisted and unnamed, for ever. A refused put deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_put_over_a_chunked_blob_deletes_its_chunks() {
+    let cluster = LocalCluster::start(3, 2, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let size = 3 * client.chunk_size() + 1;
+    let chunks_of = |key: &'static [u8]| {
+        let client = client.clone();
+        async move {
+            client
+                .chunks("default", key)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|c| c.key)
+                .collect::<Vec<_>>()
+        }
+    };
+    for (round, by_upload) in [(0u8, false), (1, true)] {
+        let key: &'static [u8] = if by_upload {
+            b"small-upload"
+        } else {
+            b"small-put"
+        };
+        client
+            .put("default", key, &vec![round; size])
+            .await
+            .unwrap();
+        let old = chunks_of(key).await;
+        assert_eq!(old.len(), 4, "the blob is chunked");
+        assert_eq!(
+            client.batch_exists("default", &old).await.unwrap(),
+            vec![true; 4]
+        );
+        if by_upload {
+            let mut upload = client.upload("default", key).await.unwrap();
+            upload.write(b"now small").await.unwrap();
+            upload.finish().await.unwrap();
+        } else {
+            client.put("default", key, b"now small").await.unwrap();
+        }
+        assert_eq!(client.get("default", key).await.unwrap(), b"now small");
+        let present = client.batch_exists("default", &old).await.unwrap();
+        assert_eq!(
+            present,
+            vec![false; 4],
+            "by upload: {by_upload}: the replaced blob's chunks stay"
+        );
+    }
+    // A put refused (only if absent) deletes nothing.
+    client
+        .put("default", b"kept", &vec![9; size])
+        .await
+        .unwrap();
+    let kept = chunks_of(b"kept").await;
+    let refused = client.put_if_absent("default", b"kept", b"x").await;
+    assert_eq!(refused.unwrap_err().code(), ErrorCode::AlreadyExists);
+    assert_eq!(
+        client.batch_exists("default", &kept).await.unwrap(),
+        vec![true; 4]
+    );
+    assert_eq!(client.get("default", b"kept").await.unwrap(), vec![9; size]);
+    cluster.stop().await;
+}
+
 /// An upload that ends without storing its blob — dropped (a client gone
 /// mid-body), or refused at the end because the content is not the one
 /// expected — deletes the chunks it stored: nothing else names them, so

@@ -686,6 +686,55 @@ async fn roles_hold_and_a_revoked_token_stops_on_every_node_within_five_seconds(
         .unwrap();
     assert!(writer.get("default", b"chunked").await.unwrap() == second);
 
+    // A put's answer names the chunked blob it replaced (what the key
+    // held) only to a caller that may delete its chunks.
+    let (rwd, _) = admin
+        .create_token(
+            "ci-delete",
+            false,
+            grant(&[Role::Read, Role::Write, Role::Delete]),
+        )
+        .await
+        .unwrap();
+    for (token, named) in [(&rw, false), (&rwd, true)] {
+        admin
+            .put_stream("default", b"named", &first[..])
+            .await
+            .unwrap();
+        let small = |content: &'static [u8]| {
+            tokio_stream::iter(vec![
+                pb::PutRequest {
+                    msg: Some(pb::put_request::Msg::Header(pb::PutHeader {
+                        blob: Some(BlobRef {
+                            namespace: "default".into(),
+                            key: b"named".to_vec(),
+                        }),
+                        size: content.len() as u64,
+                        ..pb::PutHeader::default()
+                    })),
+                },
+                pb::PutRequest {
+                    msg: Some(pb::put_request::Msg::Data(content.to_vec().into())),
+                },
+            ])
+        };
+        let mut answers = Vec::new();
+        for i in 0..cluster.nodes.len() {
+            let url = node_url(&cluster, i);
+            let mut node =
+                BlobServiceClient::new(as_cert(&cluster, "client", Some(token), &url).await);
+            match node.put(small(b"small")).await {
+                Ok(answer) => answers.push(answer.into_inner()),
+                Err(status) => assert!(
+                    matches!(code(&status), ErrorCode::NotLeader | ErrorCode::WrongShard),
+                    "{status:?}"
+                ),
+            }
+        }
+        assert_eq!(answers.len(), 1, "one leader answers: {answers:?}");
+        assert_eq!(answers[0].replaced.is_some(), named, "{answers:?}");
+    }
+
     // Revocation reaches every node: ask each one directly.
     let head = HeadRequest {
         blob: Some(BlobRef {

@@ -6,11 +6,13 @@
 mod grpc_support;
 
 use grpc_support::{TestCluster, blob, code, get, get_on, put, put_on};
+use prost::Message as _;
 use sha2::{Digest, Sha256};
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::{
-    BatchExistsRequest, BlobKind, DeleteRequest, ErrorCode, GetRequest, HeadRequest, Presence,
-    PutHeader, PutRequest, ReadConsistency, TouchRequest, WriteSession, get_response, put_request,
+    BatchExistsRequest, BlobKind, ChunkManifest, ChunkRef, DeleteRequest, ErrorCode, GetRequest,
+    HeadRequest, Presence, PutHeader, PutRequest, PutResponse, ReadConsistency, ReplacedChunks,
+    TouchRequest, WriteSession, get_response, put_request,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -323,11 +325,23 @@ async fn session_put(
     key: &[u8],
     content: &[u8],
     session: WriteSession,
-) -> Result<(), tonic::Status> {
+) -> Result<PutResponse, tonic::Status> {
+    session_put_kind(cluster, id, key, content, session, BlobKind::Data).await
+}
+
+async fn session_put_kind(
+    cluster: &TestCluster,
+    id: u64,
+    key: &[u8],
+    content: &[u8],
+    session: WriteSession,
+    kind: BlobKind,
+) -> Result<PutResponse, tonic::Status> {
     let header = PutHeader {
         blob: blob("default", key),
         size: content.len() as u64,
         session: Some(session),
+        kind: kind as i32,
         ..PutHeader::default()
     };
     let messages = vec![
@@ -343,7 +357,7 @@ async fn session_put(
         .await
         .put(tokio_stream::iter(messages))
         .await
-        .map(|_| ())
+        .map(|r| r.into_inner())
 }
 
 fn session(id: u8, sequence: u64, opens: bool) -> WriteSession {
@@ -352,6 +366,87 @@ fn session(id: u8, sequence: u64, opens: bool) -> WriteSession {
         sequence,
         opens,
     }
+}
+
+/// A put that overwrites a chunked blob (an SDK manifest) answers with
+/// the chunks it replaced (the manifest's nonce and chunk count, read
+/// where the put applied), so the SDK can delete them (nothing else names
+/// them); a duplicate copy of that put answers without them — the blob
+/// there by then may be another writer's, whose chunks are in use — and
+/// so does a put over a plain blob, or over a manifest without a nonce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_put_over_a_chunked_blob_answers_with_the_chunks_it_replaced() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let key = b"was-chunked";
+    put(&cluster, "default", key, b"plain").await.unwrap();
+    let mut leader = 0;
+    for id in 1..=3 {
+        if get_on(&cluster, id, "default", key, ReadConsistency::Linearizable)
+            .await
+            .is_ok()
+        {
+            leader = id;
+        }
+    }
+    assert_ne!(leader, 0);
+    let manifest = |nonce: u64, chunks: usize| {
+        ChunkManifest {
+            size: 10,
+            sha256: vec![1; 32],
+            chunks: vec![ChunkRef::default(); chunks],
+            nonce,
+        }
+        .encode_to_vec()
+    };
+    let put_manifest = |nonce: u64, chunks: usize, session: WriteSession| {
+        let cluster = &cluster;
+        let bytes = manifest(nonce, chunks);
+        async move {
+            session_put_kind(cluster, leader, key, &bytes, session, BlobKind::Manifest)
+                .await
+                .unwrap()
+        }
+    };
+    let stored = put_manifest(77, 3, session(9, 1, true)).await;
+    assert_eq!(
+        stored.replaced, None,
+        "a put over a plain blob replaced none"
+    );
+    let over = session_put(&cluster, leader, key, b"small", session(9, 2, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        over.replaced,
+        Some(ReplacedChunks {
+            nonce: 77,
+            count: 3
+        })
+    );
+    // Another writer stores a manifest there; the duplicate of write 2
+    // changes nothing and names nothing (these chunks are in use).
+    put_manifest(78, 5, session(10, 1, true)).await;
+    let duplicate = session_put(&cluster, leader, key, b"small", session(9, 2, false))
+        .await
+        .unwrap();
+    assert_eq!(duplicate.replaced, None);
+    // Write 3 replaces it: named.
+    let third = session_put(&cluster, leader, key, b"small", session(9, 3, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        third.replaced,
+        Some(ReplacedChunks {
+            nonce: 78,
+            count: 5
+        })
+    );
+    // A manifest without a nonce (older SDKs, content-addressed uploads):
+    // its chunks' keys cannot be derived; nothing named.
+    put_manifest(0, 2, session(10, 2, false)).await;
+    let fourth = session_put(&cluster, leader, key, b"small", session(9, 4, false))
+        .await
+        .unwrap();
+    assert_eq!(fourth.replaced, None);
 }
 
 /// Writes in a session over the wire: a retried copy answers the first

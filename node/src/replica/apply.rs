@@ -1,5 +1,7 @@
 //! Applying committed entries to the engine. A Write only points the index
-//! at the values already in the WAL (`Engine::apply_item`); touches, epoch
+//! at the values already in the WAL (`Engine::apply_item`) — and, on the
+//! replica that proposed it, reads the header of each value a put
+//! overwrites, to answer which chunked blob it replaced; touches, epoch
 //! advances and epoch drops act at the entry's index on every replica, with
 //! everything they depend on carried in the entry, so replicas agree.
 //!
@@ -18,7 +20,7 @@ use tidepool_engine::{
 };
 
 use super::Replica;
-use tidepool_proto::v1::BlobKind;
+use tidepool_proto::v1::{BlobKind, ChunkManifest, ReplacedChunks};
 
 use crate::blob;
 use crate::command::{Command, KEY_BYTES, WriteOp};
@@ -27,6 +29,10 @@ use crate::error::{NodeError, Result};
 use crate::names::{Meta, NameBatch};
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
 use crate::tracing_context::{Place, Step, entry_span};
+
+/// What applying an entry's write ops did: each op's result, and the
+/// chunked blobs its puts replaced by op ordinal (see `Outcome::Applied`).
+type Applied = (Vec<OpResult>, Vec<(u32, ReplacedChunks)>);
 
 /// Drops one namespace's entries, keeps the rest.
 struct Namespace(u32);
@@ -54,6 +60,7 @@ impl Replica {
             let span = entry_span(Step::Apply, traceparent(&entry.context), place, index);
             let _entered = span.enter();
             let mut results = Vec::new();
+            let mut replaced = Vec::new();
             if entry.entry_type == EntryType::EntryConfChangeV2 as i32 {
                 let change = ConfChangeV2::decode(&entry.data[..])
                     .map_err(|e| NodeError::Malformed(format!("conf change at {index}: {e}")))?;
@@ -69,7 +76,7 @@ impl Replica {
                     .unwrap_or(computed);
                 self.log().set_state(None, Some((&conf_state, index)))?;
             } else if entry.entry_type == EntryType::EntryNormal as i32 {
-                results = self.apply_command(&entry)?;
+                (results, replaced) = self.apply_command(&entry)?;
             }
             // Decisions first, then the applied index (a snapshot between
             // the two sees sessions ahead of the index, never behind).
@@ -82,15 +89,20 @@ impl Replica {
                 clock.applied(clock_ms);
             }
             self.log().set_applied(index);
-            self.proposals.applied(index, entry.term, results);
+            self.proposals.applied(index, entry.term, results, replaced);
         }
         Ok(())
     }
 
-    /// Applies one normal entry; returns what each of its write ops did.
-    fn apply_command(&mut self, entry: &Entry) -> Result<Vec<OpResult>> {
+    /// Applies one normal entry; returns what each of its write ops did,
+    /// and the chunked blobs its puts replaced (only when this replica
+    /// proposed the entry: see [`Outcome::Applied`](super::proposals::Outcome)).
+    fn apply_command(
+        &mut self,
+        entry: &Entry,
+    ) -> Result<Applied> {
         if entry.data.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         let engine = self.engine().clone();
         let space = self.space;
@@ -111,6 +123,7 @@ impl Replica {
                     space,
                     names,
                     range: self.log().range(),
+                    answered: self.proposals.waits_for(entry.index, entry.term),
                 };
                 let mut sessions = self.log().sessions();
                 return apply_write(&target, &mut sessions, entry.index, &ops, &appended.items);
@@ -126,7 +139,7 @@ impl Replica {
                 let first_time = !sessions.decided(entry.index);
                 if first_time && !owns(range, &key) {
                     sessions.finish_entry(entry.index, vec![0]);
-                    return Ok(vec![OpResult::Refused(Refusal::WrongShard)]);
+                    return Ok((vec![OpResult::Refused(Refusal::WrongShard)], Vec::new()));
                 }
                 // `existed`: whether the blob was still there (a delete or a
                 // dropped epoch may have applied since the touch was asked).
@@ -140,7 +153,7 @@ impl Replica {
                     let skipped = if decided.applied { Vec::new() } else { vec![0] };
                     sessions.finish_entry(entry.index, skipped);
                 }
-                return Ok(vec![decided.result]);
+                return Ok((vec![decided.result], Vec::new()));
             }
             Command::AdvanceEpoch(epoch) => {
                 if Epoch(epoch) > engine.epoch() {
@@ -162,7 +175,7 @@ impl Replica {
             Command::Split { child, at } => self.apply_split(entry.index, child, at)?,
             Command::Noop => {}
         }
-        Ok(Vec::new())
+        Ok((Vec::new(), Vec::new()))
     }
 
     /// After a restart, re-applies the applied entries whose index effects
@@ -192,6 +205,9 @@ struct Target<'a> {
     names: KeySpace,
     /// The hash range the group owns (`None`: not recorded, not checked).
     range: Option<(u64, u64)>,
+    /// Whether this replica proposed the entry and waits for its answer
+    /// (what a put replaced is read only then).
+    answered: bool,
 }
 
 /// Whether a group owning `range` owns `key` (a storage key: its first 8
@@ -211,15 +227,18 @@ struct Decided {
 
 /// Applies a Write's ops in order through the sessions; records which were
 /// not applied. An entry decided before applies what it applied then.
+/// Returns the ops' results and, when the entry is answered here, the
+/// chunked blobs its puts replaced by op ordinal.
 fn apply_write(
     target: &Target<'_>,
     sessions: &mut Sessions,
     index: u64,
     ops: &[WriteOp],
     items: &[AppendedItem],
-) -> Result<Vec<OpResult>> {
+) -> Result<Applied> {
     let first_time = !sessions.decided(index);
     let mut results = Vec::with_capacity(ops.len());
+    let mut replaced = Vec::new();
     let mut skipped = Vec::new();
     let mut names = NameBatch::new(target.engine, target.names);
     for (ordinal, (op, item)) in ops.iter().zip(items).enumerate() {
@@ -237,6 +256,20 @@ fn apply_write(
             let existed = first && (op.value.is_none() || op.if_absent) && exists(target, &op.key)?;
             if existed && op.if_absent {
                 return Ok(None);
+            }
+            // Read in log order, just before the put overwrites it, and
+            // only by an application that is this op's one and only
+            // (`first`: not a duplicate, not a re-application), for a put
+            // that is not itself a chunk (chunks never overwrite blobs).
+            if first
+                && target.answered
+                && !op.if_absent
+                && op.value.as_deref().is_some_and(|value| {
+                    blob::decode(value).is_ok_and(|(h, _)| h.kind != BlobKind::Chunk)
+                })
+                && let Some(chunks) = replaced_chunks(target, &op.key)
+            {
+                replaced.push((ordinal as u32, chunks));
             }
             target.engine.apply_item(item)?;
             Ok(Some(existed))
@@ -269,7 +302,46 @@ fn apply_write(
     if first_time {
         sessions.finish_entry(index, skipped);
     }
-    Ok(results)
+    Ok((results, replaced))
+}
+
+/// The chunks of the chunked blob stored under `key`, if an SDK upload
+/// stored one there (a manifest with a nonce). Only the stored value's
+/// header is read unless it is a manifest (not checked: a manifest is
+/// then read whole and checked). Best effort: a failed read loses only
+/// the chance to delete the old chunks (logged), never the write.
+fn replaced_chunks(target: &Target<'_>, key: &[u8; KEY_BYTES]) -> Option<ReplacedChunks> {
+    let read = || -> Result<Option<ReplacedChunks>> {
+        let Some(head) = target
+            .engine
+            .get_head_unchecked(target.space, key, blob::HEADER_BYTES)?
+        else {
+            return Ok(None);
+        };
+        if blob::decode_head(&head.prefix, head.len)?.kind != BlobKind::Manifest {
+            return Ok(None);
+        }
+        let Some(value) = target.engine.get(target.space, key)? else {
+            return Ok(None);
+        };
+        let (header, content) = blob::decode(&value)?;
+        if header.kind != BlobKind::Manifest {
+            return Ok(None);
+        }
+        let manifest = <ChunkManifest as prost::Message>::decode(content)
+            .map_err(|e| NodeError::Malformed(format!("a stored manifest: {e}")))?;
+        Ok((manifest.nonce != 0).then_some(ReplacedChunks {
+            nonce: manifest.nonce,
+            count: manifest.chunks.len() as u64,
+        }))
+    };
+    read().unwrap_or_else(|error| {
+        tracing::warn!(
+            %error,
+            "the blob a put replaces could not be read: if it was chunked, its chunks stay"
+        );
+        None
+    })
 }
 
 /// Records an applied op in the name index.
@@ -403,14 +475,99 @@ mod tests {
             space,
             names,
             range: None,
+            answered: true,
         };
         let mut sessions = Sessions::starting_at(4);
-        let results = apply_write(&target, &mut sessions, 5, &ops, &appended.items).unwrap();
+        let (results, replaced) =
+            apply_write(&target, &mut sessions, 5, &ops, &appended.items).unwrap();
         assert_eq!(results, vec![OpResult::Done { existed: false }]);
+        assert!(replaced.is_empty());
         assert!(
             sessions.decided(5),
             "the entry is decided in the same hold as its ops' records"
         );
         assert!(sessions.was_applied(5, 0));
+    }
+
+    /// What a put replaced is read where it applies, in log order: the
+    /// chunks of a manifest it overwrites (nonce, count), for the op that
+    /// overwrote it in the entry (a batch's second put of the key names
+    /// the first's manifest), only when this replica waits for the answer,
+    /// never for a chunk's put, a put only if absent, or a manifest without
+    /// a nonce.
+    #[test]
+    fn a_put_names_the_chunked_blob_it_overwrites() {
+        use prost::Message as _;
+        let storage: Arc<dyn Storage> = Arc::new(FaultStorage::default());
+        let engine = Engine::open_with_storage(crate::sim::engine_config(), storage).unwrap();
+        let space = engine.key_space(crate::replica::BLOB_KEY_SPACE).unwrap();
+        let names = engine.key_space(crate::names::NAMES_KEY_SPACE).unwrap();
+        let manifest = |nonce: u64, chunks: usize| {
+            let content = ChunkManifest {
+                size: 1,
+                sha256: vec![0; 32],
+                chunks: vec![Default::default(); chunks],
+                nonce,
+            }
+            .encode_to_vec();
+            blob::encode(BlobKind::Manifest, &blob::sha256(&content), &content)
+        };
+        let data = |kind: BlobKind| blob::encode(kind, &blob::sha256(b"x"), b"x");
+        let mut index = 10;
+        let mut apply = |ops: Vec<WriteOp>, answered: bool| {
+            index += 1;
+            let items: Vec<_> = ops
+                .iter()
+                .map(|op| tidepool_engine::ItemInput {
+                    space,
+                    op: tidepool_engine::ItemOp::Put,
+                    key: &op.key,
+                    value: op.value.as_deref().unwrap(),
+                    epoch: Epoch(1),
+                    tag: Tag(1),
+                })
+                .collect();
+            let appended = engine.append(b"entry", &items).unwrap();
+            let target = Target {
+                engine: &engine,
+                space,
+                names,
+                range: None,
+                answered,
+            };
+            let mut sessions = Sessions::starting_at(index - 1);
+            apply_write(&target, &mut sessions, index, &ops, &appended.items)
+                .unwrap()
+                .1
+        };
+        let key = [5; 32];
+        let put = |value: Vec<u8>| crate::sim::put_op(key, value);
+        let chunks = |nonce, count| ReplacedChunks { nonce, count };
+        assert!(apply(vec![put(manifest(7, 3))], true).is_empty());
+        // Not answered here (a follower): nothing read.
+        assert!(apply(vec![put(data(BlobKind::Data))], false).is_empty());
+        assert!(apply(vec![put(manifest(8, 2))], true).is_empty());
+        // A batch: a plain put over manifest 8, then manifest 9, then a
+        // plain put over manifest 9.
+        let replaced = apply(
+            vec![
+                put(data(BlobKind::Data)),
+                put(manifest(9, 4)),
+                put(data(BlobKind::Data)),
+            ],
+            true,
+        );
+        assert_eq!(replaced, vec![(0, chunks(8, 2)), (2, chunks(9, 4))]);
+        // A chunk's put, a put only if absent, a manifest without a nonce.
+        apply(vec![put(manifest(10, 1))], true);
+        assert!(apply(vec![put(data(BlobKind::Chunk))], true).is_empty());
+        apply(vec![put(manifest(11, 1))], true);
+        let absent = WriteOp {
+            if_absent: true,
+            ..put(data(BlobKind::Data))
+        };
+        assert!(apply(vec![absent], true).is_empty());
+        apply(vec![put(manifest(0, 6))], true);
+        assert!(apply(vec![put(data(BlobKind::Data))], true).is_empty());
     }
 }

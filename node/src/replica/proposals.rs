@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use tidepool_proto::v1::ReplacedChunks;
+
 use crate::session::OpResult;
 
 /// How a proposal ended.
@@ -14,6 +16,10 @@ pub enum Outcome {
         index: u64,
         /// What each write op of the entry did (empty for other entries).
         results: Arc<[OpResult]>,
+        /// The chunked blobs the entry's puts replaced, by op ordinal:
+        /// only ops this replica proposed and applied now (not
+        /// duplicates), so only the proposer's answer carries them.
+        replaced: Arc<[(u32, ReplacedChunks)]>,
     },
     /// This replica does not lead; `leader` does (0: unknown). Nothing was
     /// proposed.
@@ -38,9 +44,18 @@ impl Outcome {
     /// The outcome as seen by op `ordinal` of the entry: only its result.
     pub fn for_op(&self, ordinal: usize) -> Outcome {
         match self {
-            Outcome::Applied { index, results } => Outcome::Applied {
+            Outcome::Applied {
+                index,
+                results,
+                replaced,
+            } => Outcome::Applied {
                 index: *index,
                 results: results.get(ordinal).copied().into_iter().collect(),
+                replaced: replaced
+                    .iter()
+                    .filter(|(op, _)| *op as usize == ordinal)
+                    .map(|(_, chunks)| (0, *chunks))
+                    .collect(),
             },
             other => other.clone(),
         }
@@ -53,6 +68,18 @@ impl Outcome {
             Outcome::Applied { results, .. } => {
                 Some(results.first().copied().unwrap_or(OpResult::DONE))
             }
+            _ => None,
+        }
+    }
+
+    /// The chunked blob an applied single op's put replaced (see
+    /// [`Outcome::Applied`]), if any.
+    pub fn replaced_chunks(&self) -> Option<ReplacedChunks> {
+        match self {
+            Outcome::Applied { replaced, .. } => replaced
+                .iter()
+                .find(|(op, _)| *op == 0)
+                .map(|(_, chunks)| *chunks),
             _ => None,
         }
     }
@@ -75,15 +102,31 @@ impl Proposals {
         }
     }
 
-    /// Entry `index` of `term` was applied, its write ops with `results`:
-    /// its proposal (if ours and of that term) succeeded; a proposal for the
-    /// same index from another term was dropped.
-    pub fn applied(&mut self, index: u64, term: u64, results: Vec<OpResult>) {
+    /// Whether a proposal of this replica waits for entry `index` of
+    /// `term` (its answer is wanted).
+    pub fn waits_for(&self, index: u64, term: u64) -> bool {
+        self.pending
+            .get(&index)
+            .is_some_and(|(proposed_term, _)| *proposed_term == term)
+    }
+
+    /// Entry `index` of `term` was applied, its write ops with `results`
+    /// (and the chunked blobs they `replaced`): its proposal (if ours and of
+    /// that term) succeeded; a proposal for the same index from another
+    /// term was dropped.
+    pub fn applied(
+        &mut self,
+        index: u64,
+        term: u64,
+        results: Vec<OpResult>,
+        replaced: Vec<(u32, ReplacedChunks)>,
+    ) {
         if let Some((proposed_term, done)) = self.pending.remove(&index) {
             done(if proposed_term == term {
                 Outcome::Applied {
                     index,
                     results: results.into(),
+                    replaced: replaced.into(),
                 }
             } else {
                 Outcome::Dropped
@@ -152,7 +195,7 @@ mod tests {
                 .all(|(_, o)| matches!(o, Outcome::Failed(r) if r.contains("unknown")))
         );
         assert!(!proposals.is_empty());
-        proposals.applied(9, 3, Vec::new());
+        proposals.applied(9, 3, Vec::new(), Vec::new());
         assert!(proposals.is_empty());
         assert!(matches!(
             ended.lock().unwrap().last(),

@@ -19,8 +19,8 @@ use tidepool_proto::v1::{
     BatchExistsRequest, BatchExistsResponse, BlobInfo, BlobKind, BlobRef, DeleteRequest,
     DeleteResponse, Durability, ErrorCode, GetRequest, GetResponse, HeadRequest, HeadResponse,
     ListEntry, ListRequest, ListResponse, Namespace, Presence, PutHeader, PutRequest, PutResponse,
-    ReadConsistency, Role, ShardInfo, TouchRequest, TouchResponse, WriteSession, get_response,
-    put_request,
+    ReadConsistency, ReplacedChunks, Role, ShardInfo, TouchRequest, TouchResponse, WriteSession,
+    get_response, put_request,
 };
 use tidepool_proto::{ErrorInfo, KEY_MAX_BYTES, StorageKey, storage_key};
 use tidepool_security::Caller;
@@ -261,10 +261,30 @@ impl BlobApi {
         rx: oneshot::Receiver<Outcome>,
     ) -> ApiResult<OpResult> {
         let outcome = self.wait(target, rx).await?;
+        self.op_result(target, &outcome)
+    }
+
+    /// `commit` of a put: also the chunked blob it replaced
+    /// (see [`Outcome::Applied`]).
+    async fn commit_put(
+        &self,
+        target: &Target,
+        proposal: Proposal,
+    ) -> ApiResult<Option<ReplacedChunks>> {
+        let outcome = self.wait(target, submit(target, proposal)).await?;
+        self.op_result(target, &outcome)?;
+        Ok(outcome.replaced_chunks())
+    }
+
+    /// What an ended proposal's op did (a write op the sessions refused
+    /// is an error).
+    fn op_result(&self, target: &Target, outcome: &Outcome) -> ApiResult<OpResult> {
         match outcome.op_result() {
             Some(OpResult::Refused(why)) => Err(self.refused(target, why)),
             Some(result) => Ok(result),
-            None => Err(self.node.outcome_error(target.info.shard_id, outcome)),
+            None => Err(self
+                .node
+                .outcome_error(target.info.shard_id, outcome.clone())),
         }
     }
 
@@ -558,6 +578,7 @@ impl BlobApi {
                         .info(epoch),
                     ),
                     already_present: true,
+                    replaced: None,
                 });
             }
         }
@@ -581,7 +602,13 @@ impl BlobApi {
             session,
             if_absent,
         };
-        self.commit(&target, Proposal::Write(op, sync)).await?;
+        let replaced = self.commit_put(&target, Proposal::Write(op, sync)).await?;
+        // Said to a caller that may delete them (the SDK does) and may so
+        // learn what the key held; content-addressed chunks are shared.
+        let replaced = replaced.filter(|_| {
+            !target.namespace.content_addressed
+                && self.allow(&caller, namespace, Role::Delete).is_ok()
+        });
         self.node.metrics.put_bytes.inc_by(size);
         tracing::Span::current().record("bytes", size);
         Ok(PutResponse {
@@ -594,6 +621,7 @@ impl BlobApi {
                 .info(epoch),
             ),
             already_present: false,
+            replaced,
         })
     }
 
