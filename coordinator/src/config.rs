@@ -108,6 +108,12 @@ pub struct CoordinatorConfig {
     /// read from a file's TOML).
     #[serde(skip)]
     pub bootstrap_token: Option<String>,
+    /// Make the bootstrap token the admin token `bootstrap` even when the
+    /// cluster holds tokens (replacing the one of that name): dev mode,
+    /// when its token file was missing and made anew — the file is its
+    /// owner's, and the new token must admit (never from a file's TOML).
+    #[serde(skip)]
+    pub bootstrap_token_resets: bool,
     /// Run without `[tls]` on purpose (what `--insecure` says); the
     /// `tidepool coordinator` binary refuses to start with neither.
     pub insecure: bool,
@@ -169,6 +175,7 @@ impl Default for CoordinatorConfig {
             etcd_tls: None,
             bootstrap_token_file: None,
             bootstrap_token: None,
+            bootstrap_token_resets: false,
             insecure: false,
             kubernetes: None,
         }

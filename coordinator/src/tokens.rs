@@ -117,7 +117,8 @@ impl Shared {
     /// Adopts the configured bootstrap token as admin token `bootstrap`
     /// while the cluster holds no token at all (its first start; an admin
     /// who later revokes every token gets it back only by restarting with
-    /// it configured).
+    /// it configured), or, with `bootstrap_token_resets`, in place of the
+    /// token named `bootstrap` (dev mode's reset).
     pub async fn adopt_bootstrap_token(&self) -> Result<(), CoordinatorError> {
         let secret = match (
             &self.config.bootstrap_token,
@@ -135,20 +136,34 @@ impl Shared {
             grants: Vec::new(),
             created_ms: unix_ms(),
         };
+        let resets = self.config.bootstrap_token_resets;
         let adopted = self
-            .change_map_unled(|map| {
-                if !map.tokens.is_empty() {
-                    return false;
-                }
-                map.tokens.push(record.clone());
-                true
-            })
+            .change_map_unled(|map| adopt(map, &record, resets))
             .await?;
         if adopted {
-            tracing::info!("adopted the bootstrap admin token");
+            tracing::info!(resets, "adopted the bootstrap admin token");
         }
         Ok(())
     }
+}
+
+/// Puts the bootstrap token `record` in `map`: while it holds no token,
+/// or (`resets`) in place of the one named `bootstrap`, whatever else it
+/// holds. Whether the map changed.
+fn adopt(map: &mut ClusterMap, record: &TokenRecord, resets: bool) -> bool {
+    if resets {
+        if let Some(held) = map.tokens.iter_mut().find(|t| t.name == BOOTSTRAP) {
+            if held.sha256 == record.sha256 && held.admin {
+                return false;
+            }
+            *held = record.clone();
+            return true;
+        }
+    } else if !map.tokens.is_empty() {
+        return false;
+    }
+    map.tokens.push(record.clone());
+    true
 }
 
 /// The map served to a caller that is not a node or coordinator: without
@@ -157,5 +172,42 @@ pub fn for_clients(map: &ClusterMap) -> ClusterMap {
     ClusterMap {
         tokens: Vec::new(),
         ..map.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(name: &str, secret: &str) -> TokenRecord {
+        TokenRecord {
+            name: name.into(),
+            sha256: token::hash(secret).to_vec(),
+            admin: true,
+            grants: Vec::new(),
+            created_ms: 1,
+        }
+    }
+
+    /// The bootstrap token is adopted by an empty cluster only; a reset
+    /// (dev mode's token file made anew) replaces the token named
+    /// `bootstrap` and nothing else, once.
+    #[test]
+    fn a_reset_replaces_only_the_bootstrap_token() {
+        let mut map = ClusterMap::default();
+        assert!(adopt(&mut map, &record(BOOTSTRAP, "first"), false));
+        map.tokens.push(record("ci", "ci-secret"));
+        assert!(!adopt(&mut map, &record(BOOTSTRAP, "second"), false));
+        assert_eq!(map.tokens[0].sha256, token::hash("first").to_vec());
+
+        assert!(adopt(&mut map, &record(BOOTSTRAP, "second"), true));
+        assert!(!adopt(&mut map, &record(BOOTSTRAP, "second"), true));
+        assert_eq!(map.tokens.len(), 2);
+        assert_eq!(map.tokens[0].sha256, token::hash("second").to_vec());
+        assert_eq!(map.tokens[1].sha256, token::hash("ci-secret").to_vec());
+        // Revoked since: a reset puts it back.
+        map.tokens.remove(0);
+        assert!(adopt(&mut map, &record(BOOTSTRAP, "third"), true));
+        assert_eq!(map.tokens.len(), 2);
     }
 }

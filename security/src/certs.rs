@@ -179,11 +179,19 @@ pub fn files(dir: &Path, base: &str) -> crate::TlsFiles {
     }
 }
 
-/// Makes (once) a CA and certificates in `dir` for a cluster on this host:
-/// `ca`, `coordinator`, `node-1` .. `node-<nodes>` (served as `localhost`
-/// and 127.0.0.1) and `client` (for `tidectl` and the SDK). Existing files
-/// are kept, so restarts keep their identities.
-pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<()> {
+/// How long before it expires [`ensure_dev`] renews a certificate.
+pub const RENEW_BEFORE: Duration = Duration::from_secs(30 * 86_400);
+
+/// Makes a CA and certificates in `dir` for a cluster on this host: `ca`,
+/// `coordinator`, `node-1` .. `node-<nodes>` (served as `localhost` and
+/// 127.0.0.1) and `client` (for `tidectl` and the SDK). Certificates that
+/// are fit are kept, so restarts keep their identities; one that is
+/// missing, not signed by the CA in `ca.pem` (the CA was made anew: every
+/// handshake with it failed), not matching its key, or expiring within
+/// [`RENEW_BEFORE`] is issued anew. Returns why each existing certificate
+/// was replaced, for the operator.
+pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<Vec<String>> {
+    let mut replaced = Vec::new();
     let ca = match read(dir, "ca") {
         Ok(ca) => ca,
         Err(_) => {
@@ -213,9 +221,17 @@ pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<()> {
             local.clone(),
         ));
     }
+    let now = OffsetDateTime::now_utc();
     for (base, identity, hosts) in wanted {
         if dir.join(format!("{base}.pem")).exists() {
-            continue;
+            let why = match read(dir, &base) {
+                Ok(existing) => unfit(&ca, &existing, now),
+                Err(e) => Some(e.to_string()),
+            };
+            let Some(why) = why else {
+                continue;
+            };
+            replaced.push(format!("{base}.pem issued anew: {why}"));
         }
         let issued = issue(
             &ca,
@@ -228,7 +244,45 @@ pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<()> {
         )?;
         write(dir, &base, &issued)?;
     }
-    Ok(())
+    Ok(replaced)
+}
+
+/// Why `issued` is not fit to keep under `ca` at `now` (`None`: fit): a
+/// peer trusting `ca` would refuse it, it is not its key's, or it expires
+/// within [`RENEW_BEFORE`].
+fn unfit(ca: &Issued, issued: &Issued, now: OffsetDateTime) -> Option<String> {
+    use x509_parser::pem::parse_x509_pem;
+    let parse = |pem: &str| -> std::result::Result<_, String> {
+        let (_, pem) = parse_x509_pem(pem.as_bytes()).map_err(|e| format!("unreadable: {e}"))?;
+        Ok(pem)
+    };
+    let (ca_pem, pem) = match (parse(&ca.cert_pem), parse(&issued.cert_pem)) {
+        (Ok(ca), Ok(cert)) => (ca, cert),
+        (Err(e), _) => return Some(format!("the CA certificate is {e}")),
+        (_, Err(e)) => return Some(format!("the certificate is {e}")),
+    };
+    let (ca_cert, cert) = match (ca_pem.parse_x509(), pem.parse_x509()) {
+        (Ok(ca), Ok(cert)) => (ca, cert),
+        (Err(e), _) => return Some(format!("the CA certificate is unreadable: {e}")),
+        (_, Err(e)) => return Some(format!("the certificate is unreadable: {e}")),
+    };
+    if cert.verify_signature(Some(ca_cert.public_key())).is_err() {
+        return Some("it is not signed by the CA in ca.pem (was the CA made anew?)".into());
+    }
+    match KeyPair::from_pem(&issued.key_pem) {
+        Ok(key) if key.public_key_raw() == &cert.public_key().subject_public_key.data[..] => {}
+        Ok(_) => return Some("its key file holds another key".into()),
+        Err(e) => return Some(format!("its key is unreadable: {e}")),
+    }
+    let renew_at = now + time::Duration::seconds(RENEW_BEFORE.as_secs() as i64);
+    let not_after = cert.validity().not_after.timestamp();
+    if not_after <= renew_at.unix_timestamp() {
+        return Some(format!(
+            "it expires within {} days",
+            RENEW_BEFORE.as_secs() / 86_400
+        ));
+    }
+    None
 }
 
 #[cfg(test)]
@@ -258,6 +312,80 @@ mod tests {
             Identity::of_certificate(&ca_der[0]).is_err(),
             "a CA names no one"
         );
+    }
+
+    /// Dev material is kept while fit and made anew when not: a CA made
+    /// anew (its files deleted) had every certificate issued by the old
+    /// one kept, and every handshake failed; a certificate near its end,
+    /// or whose key file holds another key, was never renewed.
+    #[test]
+    fn dev_certificates_are_issued_anew_when_unfit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path();
+        assert!(ensure_dev(path, 2).unwrap().is_empty());
+        let bases = ["coordinator", "client", "node-1", "node-2"];
+        let certs = |bases: &[&str]| -> Vec<String> {
+            bases
+                .iter()
+                .map(|b| read(path, b).unwrap().cert_pem)
+                .collect()
+        };
+        let signed_by_ca = || {
+            let ca = read(path, "ca").unwrap();
+            bases
+                .iter()
+                .all(|b| unfit(&ca, &read(path, b).unwrap(), OffsetDateTime::now_utc()).is_none())
+        };
+        assert!(signed_by_ca());
+        // Fit: kept as they are.
+        let first = certs(&bases);
+        assert!(ensure_dev(path, 2).unwrap().is_empty());
+        assert_eq!(certs(&bases), first);
+
+        // The CA made anew: every certificate issued again under it.
+        std::fs::remove_file(path.join("ca.pem")).unwrap();
+        std::fs::remove_file(path.join("ca-key.pem")).unwrap();
+        let notes = ensure_dev(path, 2).unwrap();
+        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert!(notes[0].contains("not signed by the CA"), "{notes:?}");
+        assert!(signed_by_ca());
+        let second = certs(&bases);
+        assert!(second.iter().zip(&first).all(|(a, b)| a != b));
+
+        // One expiring within the renewal window, one whose key file holds
+        // another key: only those two issued again.
+        let ca = read(path, "ca").unwrap();
+        let short = issue(
+            &ca,
+            &Request {
+                identity: Identity::Node("node-1".into()),
+                hosts: vec!["localhost".into()],
+                valid_for: Duration::from_secs(5 * 86_400),
+                expired: false,
+            },
+        )
+        .unwrap();
+        write(path, "node-1", &short).unwrap();
+        let mut swapped = read(path, "client").unwrap();
+        swapped.key_pem = read(path, "node-2").unwrap().key_pem;
+        write(path, "client", &swapped).unwrap();
+        let notes = ensure_dev(path, 2).unwrap();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with("client.pem") && n.contains("another key"))
+        );
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with("node-1.pem") && n.contains("expires"))
+        );
+        assert!(signed_by_ca());
+        let third = certs(&bases);
+        assert_eq!(third[0], second[0], "the coordinator's is kept");
+        assert_eq!(third[3], second[3], "node-2's is kept");
+        assert_ne!(third[2], short.cert_pem);
     }
 
     /// A temporary file left where a key is written — readable by others,

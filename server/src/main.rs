@@ -277,9 +277,10 @@ struct DevArgs {
     /// metrics up to 94 above it (0: any free ports).
     #[arg(long, default_value_t = 7400, value_parser = clap::value_parser!(u16).range(0..=65_441))]
     port: u16,
-    /// Shards of the cluster (when it is created).
-    #[arg(long, default_value_t = 4)]
-    shards: u32,
+    /// Shards of the cluster when it is created [default: 4]; a cluster
+    /// that exists keeps its own (it grows by splits).
+    #[arg(long)]
+    shards: Option<u32>,
     /// Split a shard whose values pass this many MiB (0: never).
     #[arg(long, default_value_t = tidepool_coordinator::config::DEFAULT_SPLIT_MIB)]
     split_mib: u64,
@@ -742,6 +743,9 @@ const DEV_MEMORY_MIB: u64 = 256;
 /// (nodes) and + 94 (gateway).
 const DEV_METRICS_OFFSET: u16 = 90;
 
+/// Shards of a new dev cluster unless `--shards` says otherwise.
+const DEV_SHARDS: u32 = 4;
+
 /// Epochs dev mode's build cache keeps unused entries.
 const DEV_CACHE_RETAIN: u32 = 7;
 
@@ -757,8 +761,16 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
     // otherwise.
     let tls_dir = data_dir.join("tls");
     let token_file = data_dir.join("admin.token");
+    // A token file made anew on a directory that held a cluster (deleted:
+    // the way to reset dev mode's admin token) replaces the cluster's
+    // bootstrap token: before, the store kept the old one's hash and every
+    // call of this run, dev mode's own included, was UNAUTHENTICATED.
+    let mut token_made = false;
+    let had_cluster = data_dir.join("metadata.json").exists();
     if !args.insecure {
-        tidepool_security::certs::ensure_dev(&tls_dir, u32::from(DEV_NODES))?;
+        for replaced in tidepool_security::certs::ensure_dev(&tls_dir, u32::from(DEV_NODES))? {
+            tracing::warn!(dir = %tls_dir.display(), "{replaced}");
+        }
         if !token_file.exists() {
             // Whole or not at all: the store adopts the token's hash, and
             // a file a crash left empty locked the admin out for good.
@@ -777,6 +789,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             std::fs::rename(&tmp, &token_file)
                 .with_context(|| format!("cannot create {}", token_file.display()))?;
             std::fs::File::open(&data_dir)?.sync_all()?;
+            token_made = true;
         }
     }
     let files =
@@ -794,11 +807,24 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
             split_rps: args.split_rps,
             ..CoordinatorConfig::default()
         };
-        config.cluster.shards = args.shards;
+        config.cluster.shards = args.shards.unwrap_or(DEV_SHARDS);
+        if had_cluster && let Some(asked) = args.shards {
+            tracing::warn!(
+                dir = %data_dir.display(),
+                "--shards {asked} is for a new cluster: the one in this directory keeps its shards (a shard splits as it grows; `tidectl shard split` splits one by hand)"
+            );
+        }
         config.cluster.replication_factor = u32::from(DEV_NODES);
         config.tls = files("coordinator");
         if !args.insecure {
             config.bootstrap_token_file = Some(token_file.clone());
+            config.bootstrap_token_resets = token_made;
+            if token_made && had_cluster {
+                tracing::warn!(
+                    file = %token_file.display(),
+                    "the admin token file was missing: made a new one, which replaces the cluster's bootstrap admin token"
+                );
+            }
         }
         let coordinator = tidepool_coordinator::start_with_store(config, store).await?;
         let scheme = if args.insecure { "http" } else { "https" };

@@ -114,6 +114,42 @@ async fn dev_mode_keeps_data_across_a_restart() {
     tokio::task::spawn_blocking(move || interrupt(child))
         .await
         .unwrap();
+
+    // Its CA and admin token deleted (a reset): made anew, and what they
+    // admit gets in — before, the old certificates stayed (signed by a CA
+    // nobody trusted any more: every handshake failed) and the store kept
+    // the old token (every call UNAUTHENTICATED, dev mode's own too).
+    let old = credentials(dir.path(), &url);
+    for file in ["tls/ca.pem", "tls/ca-key.pem", "admin.token"] {
+        std::fs::remove_file(dir.path().join(file)).unwrap();
+    }
+    // And --shards, which is for a new cluster: said, not silently dropped.
+    let (child, url) = support::start_dev(dir.path(), &["--shards", "8"]);
+    let client = connect(dir.path(), &url).await;
+    assert_eq!(client.get("default", b"kept").await.unwrap(), content);
+    client.put("default", b"after", b"reset").await.unwrap();
+    assert_eq!(client.map().shards.len(), 4, "the cluster keeps its shards");
+    let log = std::fs::read_to_string(dir.path().join("dev.log")).unwrap();
+    for said in [
+        "node-1.pem issued anew: it is not signed by the CA",
+        "replaces the cluster's bootstrap admin token",
+        "--shards 8 is for a new cluster",
+    ] {
+        assert!(log.contains(said), "{said:?} in {log}");
+    }
+    let mut stale = old;
+    stale.seeds = vec![url.clone()];
+    stale.timeout = Duration::from_secs(5);
+    let refused = Client::with_config(stale).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        ErrorCode::Unauthenticated,
+        "the old token no longer admits: {refused}"
+    );
+    drop(client);
+    tokio::task::spawn_blocking(move || interrupt(child))
+        .await
+        .unwrap();
 }
 
 /// Started again on its directory, dev mode says it is ready only once
