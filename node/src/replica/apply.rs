@@ -97,10 +97,7 @@ impl Replica {
     /// Applies one normal entry; returns what each of its write ops did,
     /// and the chunked blobs its puts replaced (only when this replica
     /// proposed the entry: see [`Outcome::Applied`](super::proposals::Outcome)).
-    fn apply_command(
-        &mut self,
-        entry: &Entry,
-    ) -> Result<Applied> {
+    fn apply_command(&mut self, entry: &Entry) -> Result<Applied> {
         if entry.data.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
