@@ -193,6 +193,15 @@ pub struct LimitSettings {
     /// A put stream that sends nothing for this long is dropped (its
     /// buffered bytes freed), milliseconds.
     pub put_idle_timeout_ms: u64,
+    /// A put that would open its write session (`opens`) but whose body
+    /// took longer than this to arrive may not open it: it applies only if
+    /// the shard knows the session (else `SESSION_EXPIRED`, nothing
+    /// applied), milliseconds; at most 120,000. Exactly-once rests on it:
+    /// the SDK opens a session again only within 2 minutes of a write's
+    /// start, and a crowded shard may forget a session idle for 5; an
+    /// attempt proposed later than that, after an earlier attempt applied
+    /// and the session was forgotten, would apply a second time.
+    pub opening_put_ms: u64,
     /// Most requests (HTTP/2 streams) in flight on one connection.
     pub max_streams_per_connection: u32,
     /// Largest client request message, bytes: a put chunk is 1 MiB; a
@@ -217,6 +226,7 @@ impl Default for LimitSettings {
     fn default() -> Self {
         Self {
             put_idle_timeout_ms: 30_000,
+            opening_put_ms: 60_000,
             max_streams_per_connection: 1024,
             max_request_bytes: 8 << 20,
             keepalive_ms: 30_000,
@@ -551,6 +561,9 @@ impl NodeConfig {
                 "limits.put_idle_timeout_ms and limits.max_streams_per_connection must be positive"
                     .into(),
             );
+        }
+        if self.limits.opening_put_ms == 0 || self.limits.opening_put_ms > 120_000 {
+            return bad("limits.opening_put_ms must be between 1 and 120000".into());
         }
         if self.limits.max_request_bytes < MIN_REQUEST_BYTES {
             return bad(format!(

@@ -368,6 +368,75 @@ fn session(id: u8, sequence: u64, opens: bool) -> WriteSession {
     }
 }
 
+/// A put that would open its write session but whose body came slowly
+/// (past `limits.opening_put_ms`) may not open it: refused with
+/// `SESSION_EXPIRED`, nothing stored, when the shard does not know the
+/// session — the client decided `opens` when it sent the header, and an
+/// earlier attempt applied and then forgotten by a crowded shard would
+/// apply again. The same slow put in a session the shard knows applies, and
+/// so does a prompt opening put.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_put_may_not_open_its_session() {
+    let cluster = TestCluster::start(3, 1, |c| c.limits.opening_put_ms = 300).await;
+    let key = b"slow";
+    put(&cluster, "default", key, b"first").await.unwrap();
+    let mut leader = 0;
+    for id in 1..=3 {
+        if get_on(&cluster, id, "default", key, ReadConsistency::Linearizable)
+            .await
+            .is_ok()
+        {
+            leader = id;
+        }
+    }
+    assert_ne!(leader, 0);
+    let slow_put = |session: WriteSession, content: &'static [u8]| {
+        let cluster = &cluster;
+        async move {
+            let (tx, rx) = tokio::sync::mpsc::channel(2);
+            tx.send(PutRequest {
+                msg: Some(put_request::Msg::Header(PutHeader {
+                    blob: blob("default", key),
+                    size: content.len() as u64,
+                    session: Some(session),
+                    ..PutHeader::default()
+                })),
+            })
+            .await
+            .unwrap();
+            let body = tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+                tx.send(PutRequest {
+                    msg: Some(put_request::Msg::Data(content.to_vec().into())),
+                })
+                .await
+                .unwrap();
+            });
+            let answer = cluster
+                .client(leader)
+                .await
+                .put(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await;
+            body.await.unwrap();
+            answer
+        }
+    };
+    let refused = slow_put(session(21, 1, true), b"slow opener").await;
+    assert_eq!(code(&refused.unwrap_err()), ErrorCode::SessionExpired);
+    assert_eq!(get(&cluster, "default", key).await.unwrap(), b"first");
+    // Opened promptly, then a slow put of the same session: applied.
+    session_put(&cluster, leader, key, b"prompt", session(21, 2, true))
+        .await
+        .unwrap();
+    slow_put(session(21, 3, true), b"slow, known session")
+        .await
+        .unwrap();
+    assert_eq!(
+        get(&cluster, "default", key).await.unwrap(),
+        b"slow, known session"
+    );
+}
+
 /// A put that overwrites a chunked blob (an SDK manifest) answers with
 /// the chunks it replaced (the manifest's nonce and chunk count, read
 /// where the put applied), so the SDK can delete them (nothing else names

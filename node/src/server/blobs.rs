@@ -507,11 +507,23 @@ impl BlobApi {
         let sync = self.entry_sync(header.durability);
         self.require_leader(&target)?;
         // Stamped by the leader only (`SessionClock`).
-        let session = self.session(&target, header.session.as_ref())?;
+        let mut session = self.session(&target, header.session.as_ref())?;
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size, &caller)?;
         // The engine value: header room, then the content as received.
+        let receiving = std::time::Instant::now();
         let value = self.receive(&mut stream, header.size).await?;
+        // A body that came slowly may no longer open the session: the
+        // client decided `opens` when it sent the header, and its reasoning
+        // (no earlier attempt applied unseen, or the shard would still know
+        // the session) holds only for an attempt proposed soon after
+        // (`limits.opening_put_ms`).
+        if let Some(tag) = session.as_mut()
+            && tag.opens
+            && receiving.elapsed() > Duration::from_millis(self.node.config.limits.opening_put_ms)
+        {
+            tag.opens = false;
+        }
         let content = &value[blob::HEADER_BYTES..];
         let digest = blob::sha256(content);
         self.check_digest(&target, &header, &digest)?;
