@@ -98,7 +98,7 @@ pub(crate) async fn serve(
 const H2_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// How long a stopping endpoint lets requests under way finish.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `app` on `listener` until `stop` (TLS when `tls` is given),
 /// within `limits`.

@@ -271,7 +271,21 @@ impl ContentAddressableStorage for Reapi {
             .acceptable_compressors
             .contains(&(compressor::Value::Zstd as i32));
         let limit = self.max_batch();
-        let responses = each_bounded(digests, |digest| {
+        // Each distinct digest read once, every occurrence answered: a
+        // request naming one small blob (or a missing one) tens of
+        // thousands of times, within the batch limit, read it as often.
+        let mut distinct = Vec::new();
+        let mut slots = std::collections::HashMap::new();
+        let order: Vec<usize> = digests
+            .iter()
+            .map(|digest| {
+                *slots.entry(*digest).or_insert_with(|| {
+                    distinct.push(*digest);
+                    distinct.len() - 1
+                })
+            })
+            .collect();
+        let answers = each_bounded(distinct, |digest| {
             let (client, instance) = (client.clone(), instance.clone());
             async move {
                 let read = cache::read_cas(&client, &instance, digest, limit)
@@ -306,6 +320,7 @@ impl ContentAddressableStorage for Reapi {
             }
         })
         .await?;
+        let responses = order.into_iter().map(|i| answers[i].clone()).collect();
         Ok(Response::new(re::BatchReadBlobsResponse { responses }))
     }
 
@@ -855,27 +870,49 @@ pub(crate) async fn serve(
                 .max_encoding_message_size(limit),
         )
         .add_service(crate::bytestream::server(reapi, limit));
+    let mut drain = stop.clone();
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let result = match tls {
-        // A client that sends nothing is disconnected after a while
-        // (`tidepool_security::first_byte`).
-        Some(config) => {
-            let incoming = tidepool_security::tls::grpc_incoming_tls(
-                listener,
-                move || config.clone(),
-                max_connections,
-            );
-            router.serve_with_incoming_shutdown(incoming, stopped).await
-        }
-        None => {
-            let incoming = tidepool_security::tls::grpc_incoming_plain(listener, max_connections);
-            router.serve_with_incoming_shutdown(incoming, stopped).await
+    let serving = async move {
+        match tls {
+            // A client that sends nothing is disconnected after a while
+            // (`tidepool_security::first_byte`).
+            Some(config) => {
+                let incoming = tidepool_security::tls::grpc_incoming_tls(
+                    listener,
+                    move || config.clone(),
+                    max_connections,
+                );
+                router.serve_with_incoming_shutdown(incoming, stopped).await
+            }
+            None => {
+                let incoming =
+                    tidepool_security::tls::grpc_incoming_plain(listener, max_connections);
+                router.serve_with_incoming_shutdown(incoming, stopped).await
+            }
         }
     };
-    if let Err(e) = result {
-        tracing::error!(error = %e, "the gateway's gRPC server stopped");
+    // Requests under way get the drain's time to finish, as on the HTTP
+    // listener; then the server is dropped. Before, a stream that never
+    // ended (a ByteStream read whose client stopped reading) held the
+    // stop, and dev mode's Ctrl-C, for ever.
+    let drained = async move {
+        let _ = drain.wait_for(|s| *s).await;
+        tokio::time::sleep(crate::http::DRAIN_TIMEOUT).await;
+    };
+    tokio::select! {
+        result = serving => {
+            if let Err(e) = result {
+                tracing::error!(error = %e, "the gateway's gRPC server stopped");
+            }
+        }
+        () = drained => {
+            tracing::warn!(
+                drain_s = crate::http::DRAIN_TIMEOUT.as_secs(),
+                "gRPC requests still under way after the drain: no longer waited for (they end with the process)"
+            );
+        }
     }
 }
 

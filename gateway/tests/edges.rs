@@ -706,12 +706,22 @@ async fn surplus_grpc_connections_wait_for_a_slot() {
 /// small blobs it names: the answer frames each (digest, status) on top of
 /// the data the limit counts. Before, 15,000 four-byte blobs under a 64 KiB
 /// limit (a request of about 1 MB) got an answer over the message limit:
-/// `OUT_OF_RANGE`, every time.
+/// `OUT_OF_RANGE`, every time. A digest named many times is read once
+/// (before, 15,000 times: 60,000 bytes of gets for a 4-byte blob).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_read_of_many_small_blobs_is_answered() {
     let s = setup_with(true, |config| config.max_batch_bytes = 64 << 10).await;
     let bytes = b"four".to_vec();
     upload(&s, "cache", &bytes).await;
+    let got = |s: &Setup| -> u64 {
+        s.cluster
+            .nodes
+            .iter()
+            .flatten()
+            .map(|n| n.node.metrics.get_bytes.get())
+            .sum()
+    };
+    let before = got(&s);
     let read = s
         .cas()
         .batch_read_blobs(re::BatchReadBlobsRequest {
@@ -727,6 +737,11 @@ async fn a_batch_read_of_many_small_blobs_is_answered() {
         read.responses
             .iter()
             .all(|r| r.data == bytes && r.status.as_ref().is_none_or(|s| s.code == 0))
+    );
+    let read_bytes = got(&s) - before;
+    assert!(
+        (4..=16).contains(&read_bytes),
+        "{read_bytes} bytes read from the nodes for one 4-byte blob"
     );
     s.stop().await;
 }
@@ -881,4 +896,43 @@ async fn wrong_sizes_and_nearly_empty_messages() {
         assert_eq!(got.is_ok(), hit, "{name}: {got:?}");
     }
     s.stop().await;
+}
+
+/// A stop ends within the drain even when a gRPC stream never does: a
+/// ByteStream read whose client stopped reading held the gateway's stop
+/// (and dev mode's Ctrl-C) for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_does_not_wait_for_a_stalled_grpc_stream() {
+    use bazel_remote_apis::google::bytestream::ReadRequest;
+    let s = setup(true).await;
+    let content = blob(77, 6 << 20);
+    bytestream_write(&s, &format!("uploads/u1/{}", blob_name(&content)), &content)
+        .await
+        .unwrap();
+    let mut stream = s
+        .bytestream()
+        .read(ReadRequest {
+            resource_name: blob_name(&content),
+            read_offset: 0,
+            read_limit: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // One message read, then none: flow control stops the gateway's
+    // sending, and the stream never ends.
+    assert!(!stream.message().await.unwrap().unwrap().data.is_empty());
+    let started = std::time::Instant::now();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(30), s.gateway.stop()).await;
+    assert!(
+        stopped.is_ok(),
+        "the stop waited for the stalled stream for 30 s"
+    );
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(9),
+        "the stream was given the drain ({:?})",
+        started.elapsed()
+    );
+    drop(stream);
+    s.cluster.stop().await;
 }
