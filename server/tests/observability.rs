@@ -9,7 +9,9 @@
 //!   series, and every other alert);
 //! - the dashboard and the rules name only metrics the processes export;
 //! - a real Prometheus scrapes all five, sees the request counters, and
-//!   evaluates every rule without error.
+//!   evaluates every rule without error;
+//! - `make observe`'s script says Prometheus is there only once it is, and
+//!   refuses a dev cluster on random ports (it could not find them).
 
 mod support;
 
@@ -400,4 +402,51 @@ fn scrape_with_prometheus(dir: &Path, targets: &[(String, String)], rules: &Path
     let _ = prometheus.wait();
     let log = std::fs::read_to_string(dir.join("prometheus.log")).unwrap_or_default();
     assert!(done, "Prometheus: {last}\n{log}");
+}
+
+/// `deploy/observe.sh` (what `make observe` runs) with a stand-in for the
+/// `tidepool` binary that exits at once: Prometheus announced when it
+/// serves; its failure (its port taken) said with its log, exit 1 — before,
+/// announced all the same; `--port 0` refused (the metrics ports would be
+/// random: before, it scraped ports 90 to 94).
+#[test]
+fn make_observe_says_what_it_started() {
+    support::require("prometheus");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/observe.sh");
+    let run = |port: u16, args: &[&str]| {
+        let output = Command::new(&script)
+            .arg("/bin/true")
+            .args(args)
+            .env("OBSERVE_PROMETHEUS_PORT", port.to_string())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.code(), text)
+    };
+    let port = free_port();
+    let (code, text) = run(port, &[]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains(&format!("Prometheus at http://127.0.0.1:{port}")),
+        "{text}"
+    );
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let (code, text) = run(port, &[]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("Prometheus did not start"), "{text}");
+    assert!(!text.contains("Prometheus at"), "{text}");
+    drop(taken);
+
+    let (code, text) = run(free_port(), &["--port", "0"]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.contains("needs the dev cluster on fixed ports"),
+        "{text}"
+    );
 }
