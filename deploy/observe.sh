@@ -9,6 +9,9 @@ set -euo pipefail
 bin=${1:-./target/release/tidepool}
 root=$(cd "$(dirname "$0")/.." && pwd)
 prom_port=${OBSERVE_PROMETHEUS_PORT:-9090}
+case "$prom_port" in
+  ''|*[!0-9]*) echo "observe: OBSERVE_PROMETHEUS_PORT must be a port number, not $prom_port" >&2; exit 2 ;;
+esac
 command -v prometheus >/dev/null || { echo "observe: prometheus not found: run make deps" >&2; exit 1; }
 # The dev cluster serves metrics on its --port + 90 (coordinator), + 91..93
 # (nodes), + 94 (gateway).
@@ -26,7 +29,7 @@ case "$port" in
 esac
 targets=""
 for offset in 90 91 92 93 94; do
-  targets="$targets'127.0.0.1:$((port + offset))', "
+  targets="$targets'127.0.0.1:$((10#$port + offset))', "
 done
 work=$(mktemp -d)
 cat > "$work/prometheus.yml" <<YAML
@@ -43,7 +46,9 @@ YAML
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
   --web.listen-address=127.0.0.1:$prom_port > "$work/prometheus.log" 2>&1 &
 prom=$!
-trap 'kill $prom 2>/dev/null; wait $prom 2>/dev/null; rm -rf "$work"' EXIT
+# Each step may fail (Prometheus gone already) without stopping the
+# others: under `set -e` a failed kill ended the trap before the removal.
+trap 'kill $prom 2>/dev/null || true; wait $prom 2>/dev/null || true; rm -rf "$work"' EXIT
 # Said only once it listens: before, a Prometheus that failed (port 9090
 # taken, a bad rule file) was announced all the same.
 ready() {
@@ -62,7 +67,7 @@ for _ in $(seq 1 300); do
   sleep 0.1
 done
 if [ -z "$listening" ]; then
-  echo "observe: Prometheus did not start (is port $prom_port taken?); its log:" >&2
+  echo "observe: Prometheus did not start (is port $prom_port taken?); its log ($work/prometheus.log, removed now):" >&2
   cat "$work/prometheus.log" >&2
   exit 1
 fi

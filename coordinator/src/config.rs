@@ -110,8 +110,8 @@ pub struct CoordinatorConfig {
     pub bootstrap_token: Option<String>,
     /// Make the bootstrap token the admin token `bootstrap` even when the
     /// cluster holds tokens (replacing the one of that name): dev mode,
-    /// when its token file was missing and made anew — the file is its
-    /// owner's, and the new token must admit (never from a file's TOML).
+    /// whose token file is its owner's and is made anew when deleted — the
+    /// new token must admit (never from a file's TOML).
     #[serde(skip)]
     pub bootstrap_token_resets: bool,
     /// Run without `[tls]` on purpose (what `--insecure` says); the

@@ -193,8 +193,9 @@ pub struct LimitSettings {
     /// A put stream that sends nothing for this long is dropped (its
     /// buffered bytes freed), milliseconds.
     pub put_idle_timeout_ms: u64,
-    /// A put that would open its write session (`opens`) but whose body
-    /// took longer than this to arrive may not open it: it applies only if
+    /// A put that would open its write session (`opens`) but that reached
+    /// its proposal longer than this after its call began (a slow body,
+    /// a slow content-addressed check) may not open it: it applies only if
     /// the shard knows the session (else `SESSION_EXPIRED`, nothing
     /// applied), milliseconds; at most 120,000. Exactly-once rests on it:
     /// the SDK opens a session again only within 2 minutes of a write's

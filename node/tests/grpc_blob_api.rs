@@ -421,8 +421,11 @@ async fn a_slow_put_may_not_open_its_session() {
             answer
         }
     };
-    let refused = slow_put(session(21, 1, true), b"slow opener").await;
-    assert_eq!(code(&refused.unwrap_err()), ErrorCode::SessionExpired);
+    let refused = slow_put(session(21, 1, true), b"slow opener")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::SessionExpired);
+    assert!(refused.message().contains("slow body"), "{refused:?}");
     assert_eq!(get(&cluster, "default", key).await.unwrap(), b"first");
     // Opened promptly, then a slow put of the same session: applied.
     session_put(&cluster, leader, key, b"prompt", session(21, 2, true))

@@ -192,12 +192,21 @@ pub const RENEW_BEFORE: Duration = Duration::from_secs(30 * 86_400);
 /// was replaced, for the operator.
 pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<Vec<String>> {
     let mut replaced = Vec::new();
-    let ca = match read(dir, "ca") {
-        Ok(ca) => ca,
-        Err(_) => {
+    let now = OffsetDateTime::now_utc();
+    // A CA whose key is not its own (a crash between its two files) or
+    // that nears its end is made anew too (every certificate then follows).
+    let existing = read(dir, "ca").ok();
+    let ca = match existing.filter(|ca| match unfit(ca, ca, now) {
+        None => true,
+        Some(why) => {
+            replaced.push(format!("ca.pem made anew: {why}"));
+            false
+        }
+    }) {
+        Some(ca) => ca,
+        None => {
             let ca = new_ca("dev", CA_VALIDITY)?;
             write(dir, "ca", &ca)?;
-            // Only the CA certificate under the name peers trust.
             ca
         }
     };
@@ -221,7 +230,6 @@ pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<Vec<String>> {
             local.clone(),
         ));
     }
-    let now = OffsetDateTime::now_utc();
     for (base, identity, hosts) in wanted {
         if dir.join(format!("{base}.pem")).exists() {
             let why = match read(dir, &base) {
@@ -249,7 +257,8 @@ pub fn ensure_dev(dir: &Path, nodes: u32) -> Result<Vec<String>> {
 
 /// Why `issued` is not fit to keep under `ca` at `now` (`None`: fit): a
 /// peer trusting `ca` would refuse it, it is not its key's, or it expires
-/// within [`RENEW_BEFORE`].
+/// within [`RENEW_BEFORE`]. (A CA checked against itself: self-signed,
+/// its own key's, not near its end.)
 fn unfit(ca: &Issued, issued: &Issued, now: OffsetDateTime) -> Option<String> {
     use x509_parser::pem::parse_x509_pem;
     let parse = |pem: &str| -> std::result::Result<_, String> {
@@ -386,6 +395,16 @@ mod tests {
         assert_eq!(third[0], second[0], "the coordinator's is kept");
         assert_eq!(third[3], second[3], "node-2's is kept");
         assert_ne!(third[2], short.cert_pem);
+
+        // A CA whose key file holds another key: made anew, and every
+        // certificate with it.
+        let mut ca = read(path, "ca").unwrap();
+        ca.key_pem = read(path, "node-2").unwrap().key_pem;
+        write(path, "ca", &ca).unwrap();
+        let notes = ensure_dev(path, 2).unwrap();
+        assert_eq!(notes.len(), 5, "{notes:?}");
+        assert!(notes[0].starts_with("ca.pem made anew") && notes[0].contains("another key"));
+        assert!(signed_by_ca());
     }
 
     /// A temporary file left where a key is written — readable by others,

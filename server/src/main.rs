@@ -818,7 +818,11 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
         config.tls = files("coordinator");
         if !args.insecure {
             config.bootstrap_token_file = Some(token_file.clone());
-            config.bootstrap_token_resets = token_made;
+            // Always: a start that failed after making the file (a port
+            // taken, Ctrl-C) left it there, and the next start, finding
+            // it, did not reset. The token named `bootstrap` follows the
+            // file (a no-op when it already holds its hash).
+            config.bootstrap_token_resets = true;
             if token_made && had_cluster {
                 tracing::warn!(
                     file = %token_file.display(),

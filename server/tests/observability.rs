@@ -434,12 +434,26 @@ fn make_observe_says_what_it_started() {
         text.contains(&format!("Prometheus at http://127.0.0.1:{port}")),
         "{text}"
     );
+    // Its scratch directory removed on exit (a failed `kill` of a
+    // Prometheus gone already stopped the exit trap before the removal).
+    let work = text
+        .split("log in ")
+        .nth(1)
+        .and_then(|rest| rest.split("/prometheus.log").next())
+        .unwrap();
+    assert!(!Path::new(work).exists(), "{work} left behind");
 
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let (code, text) = run(port, &[]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("Prometheus did not start"), "{text}");
+    let work = text
+        .split("its log (")
+        .nth(1)
+        .and_then(|rest| rest.split("/prometheus.log").next())
+        .unwrap();
+    assert!(!Path::new(work).exists(), "{work} left behind");
     assert!(!text.contains("Prometheus at"), "{text}");
     drop(taken);
 

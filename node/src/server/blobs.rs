@@ -448,6 +448,7 @@ impl BlobApi {
         caller: Caller,
         mut stream: Streaming<PutRequest>,
     ) -> ApiResult<PutResponse> {
+        let began = std::time::Instant::now();
         // The header too within the idle timeout: a stream opened and
         // never written was held (with its task) for good.
         let idle = Duration::from_millis(self.node.config.limits.put_idle_timeout_ms);
@@ -511,19 +512,7 @@ impl BlobApi {
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size, &caller)?;
         // The engine value: header room, then the content as received.
-        let receiving = std::time::Instant::now();
         let value = self.receive(&mut stream, header.size).await?;
-        // A body that came slowly may no longer open the session: the
-        // client decided `opens` when it sent the header, and its reasoning
-        // (no earlier attempt applied unseen, or the shard would still know
-        // the session) holds only for an attempt proposed soon after
-        // (`limits.opening_put_ms`).
-        if let Some(tag) = session.as_mut()
-            && tag.opens
-            && receiving.elapsed() > Duration::from_millis(self.node.config.limits.opening_put_ms)
-        {
-            tag.opens = false;
-        }
         let content = &value[blob::HEADER_BYTES..];
         let digest = blob::sha256(content);
         self.check_digest(&target, &header, &digest)?;
@@ -599,6 +588,22 @@ impl BlobApi {
             super::manifests::verify(&self.node, &caller, &target.namespace, key, content).await?;
         }
         self.check_space(&target)?;
+        // A copy that took long to reach its proposal may no longer open
+        // the session: the client decided `opens` when it sent the header,
+        // and its reasoning (no earlier copy applied unseen, or the shard
+        // would still know the session) holds only for a copy proposed
+        // soon after (`limits.opening_put_ms`, counted from the start of
+        // this call: the header's wait, the body, a content-addressed
+        // put's read point, touch and manifest check).
+        let opening = Duration::from_millis(self.node.config.limits.opening_put_ms);
+        let mut cleared = false;
+        if let Some(tag) = session.as_mut()
+            && tag.opens
+            && began.elapsed() > opening
+        {
+            tag.opens = false;
+            cleared = true;
+        }
         let size = header.size;
         let op = WriteOp {
             value: Some(blob::seal(kind, &digest, value)),
@@ -614,7 +619,18 @@ impl BlobApi {
             session,
             if_absent,
         };
-        let replaced = self.commit_put(&target, Proposal::Write(op, sync)).await?;
+        let replaced = self
+            .commit_put(&target, Proposal::Write(op, sync))
+            .await
+            .map_err(|mut info| {
+                if cleared && info.detail.code == ErrorCode::SessionExpired as i32 {
+                    info.detail.message = format!(
+                        "this copy of the put reached its proposal more than {opening:?} after it began (a slow body), so it may not start its write session, which shard {} does not know: this copy was not applied (an earlier copy may have been)",
+                        target.info.shard_id
+                    );
+                }
+                info
+            })?;
         // Said to a caller that may delete them (the SDK does) and may so
         // learn what the key held; content-addressed chunks are shared.
         let replaced = replaced.filter(|_| {
