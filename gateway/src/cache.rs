@@ -453,7 +453,7 @@ impl TreeWalk {
         self.index
     }
 
-    /// The next directory, `None` at the end — or once `abandoned` says
+    /// The next directory and its digest, `None` at the end — or once `abandoned` says
     /// so, asked before each read (directories missing from the CAS are
     /// skipped without returning: a directory naming tens of thousands of
     /// missing ones would otherwise be read to the end for nobody).
@@ -462,7 +462,7 @@ impl TreeWalk {
         client: &Client,
         instance: &Instance,
         abandoned: impl Fn() -> bool,
-    ) -> Result<Option<Directory>> {
+    ) -> Result<Option<(BlobDigest, Directory)>> {
         while let Some(digest) = self.queue.pop_front() {
             if abandoned() {
                 return Ok(None);
@@ -487,7 +487,7 @@ impl TreeWalk {
                 }
             }
             self.index += 1;
-            return Ok(Some(directory));
+            return Ok(Some((digest, directory)));
         }
         Ok(None)
     }

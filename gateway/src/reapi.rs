@@ -341,13 +341,24 @@ impl ContentAddressableStorage for Reapi {
             0 => 1000,
             n => (n as usize).min(10_000),
         };
-        let start: usize = if request.page_token.is_empty() {
-            0
+        // A token is the position of the next directory and its hash: a
+        // directory missing when the walk passed it and stored since moves
+        // every later position, and a resumed walk would repeat or skip
+        // directories; with the hash it says so instead. (A bare position,
+        // from an older gateway, is taken as it is.)
+        let bad_token = || Status::invalid_argument("page_token is not one this server gave");
+        let (start, expected): (usize, Option<[u8; 32]>) = if request.page_token.is_empty() {
+            (0, None)
         } else {
-            request
-                .page_token
-                .parse()
-                .map_err(|_| Status::invalid_argument("page_token is not one this server gave"))?
+            let (at, hash) = match request.page_token.split_once(':') {
+                Some((at, hash)) => (at, Some(hash)),
+                None => (request.page_token.as_str(), None),
+            };
+            let hash = match hash {
+                None => None,
+                Some(hash) => Some(crate::names::parse_hash(hash).map_err(|_| bad_token())?),
+            };
+            (at.parse().map_err(|_| bad_token())?, hash)
         };
         // The rest of the tree, one traversal, each page sent as soon as
         // it is full — by count, or by bytes below the send limit (before,
@@ -383,12 +394,24 @@ impl ContentAddressableStorage for Reapi {
                     }
                     continue;
                 }
-                let Some(directory) = next else { break };
+                let Some((digest, directory)) = next else {
+                    break;
+                };
+                if at == start
+                    && let Some(expected) = expected
+                    && digest.hash != expected
+                {
+                    let changed = Status::invalid_argument(
+                        "the tree changed since this page token was given (a directory missing then is stored now): call GetTree again without a token",
+                    );
+                    let _ = feed(&tx, Err(changed), idle).await;
+                    return;
+                }
                 let bytes = directory.encoded_len() as u64 + 8;
                 if !page.is_empty() && (page.len() == page_size || page_bytes + bytes > limit) {
                     let full = re::GetTreeResponse {
                         directories: std::mem::take(&mut page),
-                        next_page_token: at.to_string(),
+                        next_page_token: format!("{at}:{}", crate::names::hex(&digest.hash)),
                     };
                     page_bytes = 0;
                     if !feed(&tx, Ok(full), idle).await {

@@ -936,3 +936,68 @@ async fn a_stop_does_not_wait_for_a_stalled_grpc_stream() {
     drop(stream);
     s.cluster.stop().await;
 }
+
+/// A `GetTree` page token names the next directory too: a directory
+/// missing when the first page was walked and stored before the next page
+/// moves every later position, and the resumed walk repeated one (here:
+/// `b` twice) — it now says the tree changed. An unchanged tree pages as
+/// before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_get_tree_token_says_when_the_tree_changed_under_it() {
+    use prost::Message as _;
+    let s = setup(true).await;
+    let leaf = |name: &str| re::Directory {
+        files: vec![re::FileNode {
+            name: name.into(),
+            digest: Some(digest(name.as_bytes())),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let (a, b, c) = (leaf("a.txt"), leaf("b.txt"), leaf("c.txt"));
+    let node = |name: &str, d: &re::Directory| re::DirectoryNode {
+        name: name.into(),
+        digest: Some(digest(&d.encode_to_vec())),
+    };
+    let top = re::Directory {
+        directories: vec![node("a", &a), node("b", &b), node("c", &c)],
+        ..Default::default()
+    };
+    // `a` not stored yet.
+    for d in [&b, &c, &top] {
+        upload(&s, "cache", &d.encode_to_vec()).await;
+    }
+    let page = |token: String| {
+        let s = &s;
+        let top = &top;
+        async move {
+            let mut stream = s
+                .cas()
+                .get_tree(re::GetTreeRequest {
+                    instance_name: "cache".into(),
+                    root_digest: Some(digest(&top.encode_to_vec())),
+                    page_size: 2,
+                    page_token: token,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            stream.message().await.map(|p| p.expect("a page"))
+        }
+    };
+    let first = page(String::new()).await.unwrap();
+    assert_eq!(first.directories, vec![top.clone(), b.clone()]);
+    // Unchanged: the next page is `c`.
+    let next = page(first.next_page_token.clone()).await.unwrap();
+    assert_eq!(next.directories, vec![c.clone()]);
+    assert!(next.next_page_token.is_empty());
+    // `a` stored since: the token's position now points at `b`.
+    upload(&s, "cache", &a.encode_to_vec()).await;
+    let changed = page(first.next_page_token.clone()).await.unwrap_err();
+    assert_eq!(changed.code(), Code::InvalidArgument, "{changed:?}");
+    assert!(changed.message().contains("tree changed"), "{changed:?}");
+    // From the start, the whole tree.
+    let whole = page(String::new()).await.unwrap();
+    assert_eq!(whole.directories, vec![top.clone(), a.clone()]);
+    s.stop().await;
+}
