@@ -320,7 +320,26 @@ impl ContentAddressableStorage for Reapi {
             }
         })
         .await?;
-        let responses = order.into_iter().map(|i| answers[i].clone()).collect();
+        // Each answer moved to its last occurrence, cloned only for the
+        // earlier ones (a batch without repeats copies nothing).
+        let mut left = vec![0usize; answers.len()];
+        for &i in &order {
+            left[i] += 1;
+        }
+        let mut answers: Vec<Option<_>> = answers.into_iter().map(Some).collect();
+        let responses = order
+            .into_iter()
+            .map(|i| {
+                left[i] -= 1;
+                if left[i] == 0 {
+                    answers[i]
+                        .take()
+                        .expect("moved at its last occurrence only")
+                } else {
+                    answers[i].clone().expect("not moved yet")
+                }
+            })
+            .collect();
         Ok(Response::new(re::BatchReadBlobsResponse { responses }))
     }
 

@@ -743,6 +743,38 @@ async fn a_batch_read_of_many_small_blobs_is_answered() {
         (4..=16).contains(&read_bytes),
         "{read_bytes} bytes read from the nodes for one 4-byte blob"
     );
+    // Repeats among others: every occurrence answered, in order.
+    let other = b"other".to_vec();
+    upload(&s, "cache", &other).await;
+    let missing = b"never stored".to_vec();
+    let asked = [&bytes, &other, &bytes, &missing, &other];
+    let read = s
+        .cas()
+        .batch_read_blobs(re::BatchReadBlobsRequest {
+            instance_name: "cache".into(),
+            digests: asked.iter().map(|b| digest(b)).collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("answered")
+        .into_inner();
+    let got: Vec<(Option<re::Digest>, Vec<u8>, i32)> = read
+        .responses
+        .into_iter()
+        .map(|r| (r.digest, r.data, r.status.map_or(0, |s| s.code)))
+        .collect();
+    let want: Vec<(Option<re::Digest>, Vec<u8>, i32)> = asked
+        .iter()
+        .map(|b| {
+            let found = **b != missing;
+            (
+                Some(digest(b)),
+                if found { b.to_vec() } else { Vec::new() },
+                if found { 0 } else { Code::NotFound as i32 },
+            )
+        })
+        .collect();
+    assert_eq!(got, want);
     s.stop().await;
 }
 

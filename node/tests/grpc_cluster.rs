@@ -244,7 +244,16 @@ async fn replica_behind_a_compacted_log_is_caught_up_by_a_snapshot_over_grpc() {
     let written = write_keys(&cluster, "k", 150, 0, 8_000).await;
     // The log no longer reaches back to where the stopped replica was.
     let leader = wait_leader(&cluster, 1).await;
-    let status = replica_status(&cluster, leader, 1).await.unwrap();
+    // Compaction follows the Ready that applied the writes, and the status
+    // is published after it: asked until it shows (10 s at most).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        let status = replica_status(&cluster, leader, 1).await.unwrap();
+        if status.first_index > 20 || std::time::Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert!(
         status.first_index > 20,
         "the leader never compacted: {status:?}"
