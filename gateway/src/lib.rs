@@ -417,6 +417,24 @@ impl RunningGateway {
         Ok(instance)
     }
 
+    /// An error if a restic namespace — `NAMESPACE` or `NAMESPACE.locks`
+    /// — exists but cannot hold restic's objects: expiring (a backup's
+    /// packs would be dropped under it) or content-addressed. Its requests
+    /// are refused too (500), whenever the namespace is made so.
+    pub fn check_restic_namespaces(&self) -> Result<(), StartError> {
+        let Some(restic) = &self.gateway.config.restic else {
+            return Ok(());
+        };
+        let map = self.gateway.client.map();
+        let locks = format!("{}{}", restic.namespace, restic::LOCKS_SUFFIX);
+        for namespace in [&restic.namespace, &locks] {
+            if let Some(e) = restic::unfit_namespace(&map, namespace) {
+                return Err(e.to_string().into());
+            }
+        }
+        Ok(())
+    }
+
     /// Creates the restic namespaces — `NAMESPACE` and `NAMESPACE.locks`,
     /// durable — where they do not exist yet (with the gateway's own token,
     /// which must be an admin's). Nothing to do without restic.

@@ -30,6 +30,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode, Uri, header};
+use tidepool_client::proto::v1::{ClusterMap, retention};
 use tidepool_client::{Client, Error, ErrorCode, ListOptions};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -319,6 +320,7 @@ async fn serve_request(
         }
     }
     let namespace = restic.namespace.as_str();
+    unfit_namespace(&client.map(), &parsed.location(namespace).0).map_or(Ok(()), Err)?;
     match (&parsed.target, method) {
         (Target::Repo, Method::POST) => {
             // Nothing to make: a repository is its keys. Checked only so a
@@ -344,10 +346,12 @@ async fn serve_request(
             let (namespace, key) = parsed.location(namespace);
             get(&client, &namespace, &key, &headers, idle).await
         }
-        (Target::Config, Method::POST) if restic.append_only => {
+        (Target::Config, Method::POST) => {
             // The one object written under a fixed name: stored only into
-            // an empty key, decided where the write applies (an existence
-            // check first let two racing `init`s both store theirs).
+            // an empty key, in every mode, as rest-server does — decided
+            // where the write applies (an existence check first let two
+            // racing `init`s both store theirs, and the second locked the
+            // first out of its repository).
             let (namespace, key) = parsed.location(namespace);
             let mut content = Vec::new();
             let mut stream = body.into_data_stream();
@@ -371,29 +375,53 @@ async fn serve_request(
                 )));
             }
             match client.put_if_absent(&namespace, &key, &content).await {
-                Err(e) if e.code() == ErrorCode::AlreadyExists => Err(Error::new(
-                    ErrorCode::PermissionDenied,
-                    "append-only: an existing object is never overwritten",
-                )),
+                // The same config again is a retry of a store whose answer
+                // was lost (a timeout): done.
+                Err(e) if e.code() == ErrorCode::AlreadyExists => {
+                    if client.get(&namespace, &key).await? == content {
+                        Ok(StatusCode::OK.into_response())
+                    } else {
+                        Err(Error::new(
+                            ErrorCode::PermissionDenied,
+                            "the repository has a config already; it is never overwritten \
+                             (delete it first, as restic's migrations do)",
+                        ))
+                    }
+                }
                 Err(e) => Err(e),
                 Ok(_) => Ok(StatusCode::OK.into_response()),
             }
         }
-        (Target::Config | Target::Object(..), Method::POST) => {
+        (Target::Object(_, name), Method::POST) => {
             let (namespace, key) = parsed.location(namespace);
-            // Objects are named by their content: two racing writers of
-            // one name store the same bytes.
-            if restic.append_only && client.exists(&namespace, &key).await? {
-                return Err(Error::new(
-                    ErrorCode::PermissionDenied,
-                    "append-only: an existing object is never overwritten",
-                ));
+            let expected = crate::names::parse_hash(name).map_err(bad)?;
+            // An object is named by the SHA-256 of its bytes: one stored
+            // whole under its name (its hash checked on upload) holds these
+            // bytes already. Answered once the body is seen to hash to the
+            // name, without storing it again: a retry after a lost answer
+            // succeeds in append-only mode (where an overwrite is refused,
+            // and restic gives up on a refusal), and no upload of chunks
+            // is left behind for a caller that may not delete them.
+            match client.head(&namespace, &key).await {
+                Ok(meta) if meta.sha256 == expected => {
+                    return confirm(gateway, &headers, body, &expected).await;
+                }
+                // Something else (written around the gateway): replaced,
+                // where overwrites are allowed.
+                Ok(_) if restic.append_only => {
+                    return Err(Error::new(
+                        ErrorCode::PermissionDenied,
+                        "append-only: an existing object is never overwritten",
+                    ));
+                }
+                Ok(_) => {}
+                Err(e) if e.code() == ErrorCode::NotFound => {}
+                Err(e) => return Err(e),
             }
-            let name = match &parsed.target {
-                Target::Object(_, name) => Some(name.as_str()),
-                _ => None,
-            };
-            put(gateway, &client, &namespace, &key, name, &headers, body).await?;
+            put(
+                gateway, &client, &namespace, &key, &expected, &headers, body,
+            )
+            .await?;
             Ok(StatusCode::OK.into_response())
         }
         (Target::Config | Target::Object(..), Method::DELETE) => {
@@ -405,11 +433,12 @@ async fn serve_request(
                 ));
             }
             let (namespace, key) = parsed.location(namespace);
-            if client.delete(&namespace, &key).await? {
-                Ok(StatusCode::OK.into_response())
-            } else {
-                Err(Error::new(ErrorCode::NotFound, "no such object"))
-            }
+            // Gone either way: a missing object is no error (rest-server
+            // makes deletes idempotent; a retry of a delete whose answer
+            // was lost found nothing, and a 404 there failed restic's
+            // prune).
+            client.delete(&namespace, &key).await?;
+            Ok(StatusCode::OK.into_response())
         }
         _ => Ok(StatusCode::METHOD_NOT_ALLOWED.into_response()),
     }
@@ -630,16 +659,35 @@ async fn get(
     Ok(response)
 }
 
-/// Stores a body; an object (`name` given) only if it hashes to its name.
-async fn put(
-    gateway: &Gateway,
-    client: &Client,
-    namespace: &str,
-    key: &[u8],
-    name: Option<&str>,
-    headers: &HeaderMap,
-    body: Body,
-) -> tidepool_client::Result<()> {
+/// Why `namespace` cannot hold restic's objects, if it cannot: blobs that
+/// expire (a pack is never written again, and reads touch nothing, so a
+/// backup's packs would be dropped under it) or keys that must be digests
+/// (restic's names are paths). `None` also for a namespace the map does
+/// not hold (its requests answer `NAMESPACE_NOT_FOUND`).
+pub(crate) fn unfit_namespace(map: &ClusterMap, namespace: &str) -> Option<Error> {
+    let found = map.namespaces.iter().find(|n| n.name == namespace)?;
+    let durable = matches!(
+        found.retention.as_ref().and_then(|r| r.policy.as_ref()),
+        None | Some(retention::Policy::Durable(_))
+    );
+    let why = if found.content_addressed {
+        "is content-addressed (its keys must be digests; restic's are paths)"
+    } else if !durable {
+        "drops blobs some epochs after their last write (restic writes a pack once and never again: a backup would lose its data)"
+    } else {
+        return None;
+    };
+    Some(Error::new(
+        ErrorCode::Internal,
+        format!(
+            "namespace {namespace:?} {why}: the gateway's restic namespaces must be durable and not content-addressed (see docs/design/restic.md)"
+        ),
+    ))
+}
+
+/// The body's length as its `Content-Length` declares it, refused above
+/// the gateway's largest blob.
+fn declared_length(gateway: &Gateway, headers: &HeaderMap) -> tidepool_client::Result<Option<u64>> {
     let max = gateway.config.max_blob_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -653,33 +701,99 @@ async fn put(
             format!("{length} bytes; at most {max} are accepted"),
         ));
     }
-    let mut upload = client.upload(namespace, key).await?;
-    if let Some(name) = name {
-        // The upload hashes what it stores; it stores nothing under the
-        // key unless the bytes hash to the name (DIGEST_MISMATCH).
-        upload.expect_sha256(crate::names::parse_hash(name).map_err(bad)?);
+    Ok(declared)
+}
+
+/// The pieces of an upload's body: at most the gateway's largest blob, and
+/// as many bytes as `Content-Length` declared, if it did (checked at the
+/// end).
+struct Pieces {
+    stream: axum::body::BodyDataStream,
+    idle: Duration,
+    max: u64,
+    declared: Option<u64>,
+    taken: u64,
+}
+
+impl Pieces {
+    fn new(gateway: &Gateway, headers: &HeaderMap, body: Body) -> tidepool_client::Result<Self> {
+        Ok(Self {
+            stream: body.into_data_stream(),
+            idle: gateway.config.http_limits.body_idle,
+            max: gateway.config.max_blob_bytes,
+            declared: declared_length(gateway, headers)?,
+            taken: 0,
+        })
     }
-    let mut stream = body.into_data_stream();
-    let idle = gateway.config.http_limits.body_idle;
-    while let Some(frame) = crate::http::next_piece(&mut stream, idle).await? {
-        if upload.written() + frame.len() as u64 > max {
+
+    /// The next piece; `None` at the end of a body of the declared length.
+    async fn next(&mut self) -> tidepool_client::Result<Option<Bytes>> {
+        let Some(piece) = crate::http::next_piece(&mut self.stream, self.idle).await? else {
+            if let Some(length) = self.declared
+                && length != self.taken
+            {
+                return Err(bad(format!(
+                    "Content-Length said {length}, the body held {}",
+                    self.taken
+                )));
+            }
+            return Ok(None);
+        };
+        if self.taken + piece.len() as u64 > self.max {
             return Err(Error::new(
                 ErrorCode::ValueTooLarge,
-                format!("more than {max} bytes; not accepted"),
+                format!("more than {} bytes; not accepted", self.max),
             ));
         }
-        upload.write(&frame).await?;
+        self.taken += piece.len() as u64;
+        Ok(Some(piece))
     }
-    if let Some(length) = declared
-        && length != upload.written()
-    {
-        return Err(bad(format!(
-            "Content-Length said {length}, the body held {}",
-            upload.written()
-        )));
+}
+
+/// Stores a body under `key` if it hashes to `expected` (its name).
+async fn put(
+    gateway: &Gateway,
+    client: &Client,
+    namespace: &str,
+    key: &[u8],
+    expected: &[u8; 32],
+    headers: &HeaderMap,
+    body: Body,
+) -> tidepool_client::Result<()> {
+    let mut pieces = Pieces::new(gateway, headers, body)?;
+    let mut upload = client.upload(namespace, key).await?;
+    // The upload hashes what it stores; it stores nothing under the key
+    // unless the bytes hash to the name (DIGEST_MISMATCH).
+    upload.expect_sha256(*expected);
+    while let Some(piece) = pieces.next().await? {
+        upload.write(&piece).await?;
     }
     upload.finish().await?;
     Ok(())
+}
+
+/// Answers the upload of an object stored already: 200 if the body hashes
+/// to its name (the stored bytes, then), else what an upload of it would
+/// have answered. Nothing is stored.
+async fn confirm(
+    gateway: &Gateway,
+    headers: &HeaderMap,
+    body: Body,
+    expected: &[u8; 32],
+) -> tidepool_client::Result<Response> {
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    let mut pieces = Pieces::new(gateway, headers, body)?;
+    while let Some(piece) = pieces.next().await? {
+        hasher.update(&piece);
+    }
+    if hasher.finalize()[..] != expected[..] {
+        return Err(Error::new(
+            ErrorCode::DigestMismatch,
+            "the body does not hash to the object's name",
+        ));
+    }
+    Ok(StatusCode::OK.into_response())
 }
 
 #[cfg(test)]

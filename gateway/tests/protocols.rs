@@ -11,7 +11,7 @@ use http_body_util::{BodyExt as _, Full};
 use prost::Message as _;
 use re::capabilities_client::CapabilitiesClient;
 use sha2::{Digest as _, Sha256};
-use tidepool_client::ClientConfig;
+use tidepool_client::{ClientConfig, RetentionPolicy};
 use tidepool_gateway::{GatewayConfig, RunningGateway};
 use tidepool_testkit::cluster::LocalCluster;
 use tonic::Code;
@@ -1376,8 +1376,42 @@ async fn restic_rest_protocol() {
             .0,
         200
     );
+    // The same config again is a retry whose answer was lost: 200; another
+    // is refused (never overwritten, in any mode: rest-server's rule; a
+    // second `init` racing the first locked it out of its repository).
+    assert_eq!(
+        http(at, "POST", "/team/r/config", None, b"cfg".to_vec())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "POST", "/team/r/config", None, b"other".to_vec())
+            .await
+            .0,
+        403
+    );
     let (status, body) = http(at, "GET", "/team/r/config", None, vec![]).await;
     assert_eq!((status, body), (200, b"cfg".to_vec()));
+    let (first, second) = tokio::join!(
+        http(
+            at,
+            "POST",
+            "/team/open-race/config",
+            None,
+            b"first".to_vec()
+        ),
+        http(
+            at,
+            "POST",
+            "/team/open-race/config",
+            None,
+            b"second".to_vec()
+        )
+    );
+    let mut statuses = [first.0, second.0];
+    statuses.sort();
+    assert_eq!(statuses, [200, 403], "two inits, one config");
     // Objects: verified against their names, listed v2 and v1, ranged.
     let (name, content) = object(b"a pack of bytes");
     let path = format!("/team/r/data/{name}");
@@ -1392,6 +1426,41 @@ async fn restic_rest_protocol() {
     )
     .await;
     assert_eq!(status, 400, "an object must hash to its name");
+    // Stored already: the same bytes again are 200, other bytes under its
+    // name 400 (as for a new object), and nothing changes.
+    assert_eq!(http(at, "POST", &path, None, content.clone()).await.0, 200);
+    assert_eq!(
+        http(at, "POST", &path, None, b"other bytes".to_vec())
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        http(at, "GET", &path, None, vec![]).await,
+        (200, content.clone())
+    );
+    // Bytes written around the gateway under an object's name that are
+    // not its content are replaced by an upload of the right ones.
+    let (fixed, fixed_content) = object(b"repaired");
+    let fixed_path = format!("/team/r/snapshots/{fixed}");
+    s.client
+        .put(
+            "restic",
+            format!("team/r/snapshots/{fixed}").as_bytes(),
+            b"damaged",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        http(at, "POST", &fixed_path, None, fixed_content.clone())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        http(at, "GET", &fixed_path, None, vec![]).await,
+        (200, fixed_content)
+    );
     assert_eq!(
         http(at, "HEAD", &format!("/team/r/data/{wrong}"), None, vec![])
             .await
@@ -1441,7 +1510,9 @@ async fn restic_rest_protocol() {
         let (status, _, body) = http_with(at, "GET", &path, &[("range", ignored)], vec![]).await;
         assert_eq!((status, &body), (200, &content), "{ignored}");
     }
-    // Locks live in their own namespace; deletes answer 200, then 404.
+    // Locks live in their own namespace; deletes answer 200, and again
+    // once the lock is gone (a retried delete whose first answer was lost
+    // found nothing: a 404 there failed restic's prune and unlock).
     let (lock, lock_content) = object(b"a lock");
     let lock_path = format!("/team/r/locks/{lock}");
     assert_eq!(
@@ -1455,7 +1526,8 @@ async fn restic_rest_protocol() {
             .unwrap()
     );
     assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
-    assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 404);
+    assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "HEAD", &lock_path, None, vec![]).await.0, 404);
     // Bad paths.
     assert_eq!(
         http(at, "GET", "/team/r/data/NOTHEX", None, vec![]).await.0,
@@ -1482,8 +1554,38 @@ async fn restic_rest_protocol() {
             .0,
         200
     );
+    // The same object again (a retry whose answer was lost) is no
+    // overwrite: 200, which restic needs to go on (it gives up on a 403).
     assert_eq!(
         http(at, "POST", &other_path, None, other_content).await.0,
+        200
+    );
+    assert_eq!(
+        http(at, "POST", &other_path, None, b"not it".to_vec())
+            .await
+            .0,
+        400
+    );
+    // Other bytes stored under an object's name stay: no overwrite here.
+    let (kept, kept_content) = object(b"kept as it is");
+    s.client
+        .put(
+            "restic",
+            format!("team/r/index/{kept}").as_bytes(),
+            b"written around the gateway",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        http(
+            at,
+            "POST",
+            &format!("/team/r/index/{kept}"),
+            None,
+            kept_content
+        )
+        .await
+        .0,
         403
     );
     assert_eq!(http(at, "DELETE", &path, None, vec![]).await.0, 403);
@@ -1542,6 +1644,72 @@ async fn restic_rest_protocol() {
     assert_eq!(status, 403);
     let (status, _) = http(at, "HEAD", "/team/r/config", None, vec![]).await;
     assert_eq!(status, 401);
+    gateway.stop().await;
+    s.stop().await;
+}
+
+/// A restic namespace made to expire blobs (restic writes a pack once and
+/// never touches it: a backup would lose its data) or content-addressed
+/// is refused: the gateway does not start, and a gateway already serving
+/// answers 500 once the map says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restic_namespace_that_expires_is_refused() {
+    let s = setup(true).await;
+    let (gateway, at) = restic_gateway(&s, false, false).await;
+    gateway.check_restic_namespaces().expect("made durable");
+    let (name, content) = (hex(&Sha256::digest(b"pack")), b"pack".to_vec());
+    let path = format!("/backups/r/data/{name}");
+    s.client
+        .create_namespace("backups", false, RetentionPolicy::Epochs(2))
+        .await
+        .unwrap();
+    s.client
+        .create_namespace("backups.locks", false, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&s.cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    let mut restic = tidepool_gateway::ResticConfig::new("127.0.0.1:0".parse().unwrap());
+    restic.namespace = "backups".into();
+    config.restic = Some(restic);
+    let expiring = tidepool_gateway::start(config).await.expect("starts");
+    let error = expiring.check_restic_namespaces().unwrap_err().to_string();
+    assert!(error.contains("\"backups\" drops blobs"), "{error}");
+    let expiring_at = expiring.restic_address.unwrap();
+    let (status, body) = http(expiring_at, "POST", &path, None, content.clone()).await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        !s.client
+            .exists("backups", &path.as_bytes()[1..])
+            .await
+            .unwrap()
+    );
+    expiring.stop().await;
+    // The fit gateway still serves, and one whose namespace is
+    // content-addressed is refused too.
+    assert_eq!(
+        http(at, "POST", &format!("/r/data/{name}"), None, content)
+            .await
+            .0,
+        200
+    );
+    s.client
+        .create_namespace("digests", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let mut config = GatewayConfig::new(ClientConfig::new(std::slice::from_ref(&s.cluster.url)));
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.anonymous = true;
+    let mut restic = tidepool_gateway::ResticConfig::new("127.0.0.1:0".parse().unwrap());
+    restic.namespace = "digests".into();
+    config.restic = Some(restic);
+    let addressed = tidepool_gateway::start(config).await.expect("starts");
+    let error = addressed.check_restic_namespaces().unwrap_err().to_string();
+    assert!(error.contains("content-addressed"), "{error}");
+    addressed.stop().await;
     gateway.stop().await;
     s.stop().await;
 }

@@ -928,6 +928,7 @@ fn run_dev(args: DevArgs) -> anyhow::Result<()> {
                 .create_instance(tidepool_gateway::DEFAULT_INSTANCE, DEV_CACHE_RETAIN)
                 .await?;
             started.create_restic_namespaces().await?;
+            started.check_restic_namespaces()?;
             anyhow::Ok(())
         };
         let outcome = tokio::select! {
@@ -1144,6 +1145,10 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         }
         if let Err(e) = gateway.create_restic_namespaces().await {
             tracing::warn!(error = %e, "restic namespaces not created (create them with an admin token)");
+        }
+        if let Err(e) = gateway.check_restic_namespaces() {
+            gateway.stop().await;
+            return Err(anyhow::Error::from(e));
         }
         let restic = gateway
             .restic_address
