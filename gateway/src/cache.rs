@@ -284,7 +284,7 @@ pub(crate) async fn get_action_result(
     action: BlobDigest,
     limit: u64,
 ) -> Result<ActionResult> {
-    let reader = client
+    let mut reader = client
         .open_range(&instance.ac, &action.hash, 0, None)
         .await?;
     if reader.size() > limit {
@@ -294,7 +294,10 @@ pub(crate) async fn get_action_result(
             reader.size()
         )));
     }
-    let bytes = read_opened(client, &instance.ac, &action.hash, reader, limit).await?;
+    let mut bytes = Vec::with_capacity(reader.size() as usize);
+    while let Some(piece) = reader.next_piece().await? {
+        bytes.extend_from_slice(&piece);
+    }
     if !crate::wire::decodes_in_bounds(&bytes) {
         return Err(not_found(format!(
             "the action cache entry of {} is no ActionResult, or one that would take too much memory decoded (nearly empty entries)",
@@ -308,6 +311,11 @@ pub(crate) async fn get_action_result(
         ))
     })?;
     require_outputs(client, instance, &result).await?;
+    // Kept alive only as a hit: an entry whose outputs are gone, moved to
+    // the current epoch at every lookup, never expired — and a caller who
+    // may not overwrite (append-only) could never replace it, so the
+    // action missed at every build for good.
+    keep_alive(client, &instance.ac, &reader).await;
     Ok(result)
 }
 

@@ -429,9 +429,12 @@ async fn get(
         return Ok(sized(StatusCode::OK, 0));
     }
     let mut reader = client.open_range(namespace, key, 0, None).await?;
-    cache::keep_alive(client, namespace, &reader).await;
     let size = reader.size();
-    if matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES {
+    let checked = matches!(target, Target::Ac(_)) && size <= AC_CHECK_BYTES;
+    if !checked {
+        cache::keep_alive(client, namespace, &reader).await;
+    }
+    if checked {
         let stored = reader.sha256();
         // The entry, and its decoded form if it decodes
         // (`wire::decodes_in_bounds`): within the budget, never clamped to
@@ -447,6 +450,11 @@ async fn get(
         if let Some(result) = cache::as_action_result(&bytes) {
             cache::require_outputs(client, instance, &result).await?;
         }
+        // Kept alive only as a hit: an entry whose outputs are gone, moved
+        // to the current epoch at every lookup, never expired — and a
+        // caller who may not overwrite (append-only) could never replace
+        // it, so the action missed at every build for good.
+        cache::keep_alive(client, namespace, &reader).await;
         if size <= AC_INLINE_BYTES || body.is_none() {
             return Ok((
                 StatusCode::OK,

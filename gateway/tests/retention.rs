@@ -189,3 +189,73 @@ async fn a_read_after_an_advance_is_due_a_touch_while_the_map_lags() {
     );
     s.stop().await;
 }
+
+/// A cached action whose output is gone is a miss, and the miss does not
+/// keep the entry alive: touched at every lookup before its outputs were
+/// checked, it never expired, and a caller who may not overwrite
+/// (`append-only`) could never replace it — the action missed at every
+/// build for good. Both lookups: `GetActionResult` and HTTP `GET /ac/…`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_miss_does_not_keep_its_action_entry_alive() {
+    let s = setup(true).await;
+    let instance = s
+        .gateway
+        .create_instance("stale", 2)
+        .await
+        .expect("instance");
+    let output = blob(7, 1_200);
+    upload(&s, "stale", &output).await;
+    let written = s.client.map().epoch;
+    let mut actions = Vec::new();
+    for name in [&b"looked up over gRPC"[..], b"looked up over HTTP"] {
+        let action = digest(name);
+        s.ac()
+            .update_action_result(re::UpdateActionResultRequest {
+                instance_name: "stale".into(),
+                action_digest: Some(action.clone()),
+                action_result: Some(re::ActionResult {
+                    output_files: vec![re::OutputFile {
+                        path: "out".into(),
+                        digest: Some(digest(&output)),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect("update action result");
+        actions.push(action);
+    }
+    // The output goes (as if it expired before its entry).
+    assert!(
+        s.client
+            .delete(&instance.cas, &tidepool_client::sha256(&output))
+            .await
+            .unwrap()
+    );
+    advance(&s.client).await;
+    let status = s
+        .ac()
+        .get_action_result(re::GetActionResultRequest {
+            instance_name: "stale".into(),
+            action_digest: Some(actions[0].clone()),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a miss: its output is gone");
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    let path = format!("/stale/ac/{}", actions[1].hash);
+    let (status, _) = http(s.gateway.http_address, "GET", &path, None, Vec::new()).await;
+    assert_eq!(status, 404);
+    for name in [&b"looked up over gRPC"[..], b"looked up over HTTP"] {
+        let key = tidepool_client::sha256(name);
+        let meta = s.client.head(&instance.ac, &key).await.expect("stored");
+        assert_eq!(
+            meta.epoch, written,
+            "a miss moved the entry to epoch {}",
+            meta.epoch
+        );
+    }
+    s.stop().await;
+}
