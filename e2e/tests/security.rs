@@ -1003,4 +1003,36 @@ async fn one_token_cannot_hold_a_nodes_whole_in_flight_budget() {
         .unwrap();
     assert!(neighbour.get("default", b"neighbour").await.unwrap() == value);
     drop(stalled);
+
+    // At this smallest budget (two of the largest values) a token's half
+    // is one value: a content-addressed put of a chunked blob, whose
+    // manifest check holds a chunk while the put holds the manifest, is
+    // stored. Before, the chunk was counted under the token's half too:
+    // OVERLOADED at every try, for every chunked put made with a token.
+    admin
+        .create_namespace("digests", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let (deduper, _) = admin
+        .create_token(
+            "deduper",
+            false,
+            vec![TokenGrant {
+                namespace: "digests".into(),
+                roles: vec![Role::Read as i32, Role::Write as i32],
+            }],
+        )
+        .await
+        .unwrap();
+    let deduper = client_with(&cluster, &deduper).await;
+    let blob: Vec<u8> = (0..deduper.chunk_size() + 1000)
+        .map(|i| (i % 253) as u8)
+        .collect();
+    let key = tidepool_client::sha256(&blob);
+    deduper
+        .put("digests", &key, &blob)
+        .await
+        .expect("a chunked content-addressed put within a token's half");
+    assert_eq!(deduper.chunks("digests", &key).await.unwrap().len(), 2);
+    assert!(deduper.get("digests", &key).await.unwrap() == blob);
 }

@@ -1202,3 +1202,176 @@ async fn a_content_addressed_put_on_an_incomplete_replica_indexes_the_blob() {
     );
     cluster.shutdown().await;
 }
+
+/// A chunk put under a listed blob's key (no SDK makes one: its chunk keys
+/// are hashes; a hand-made put might) replaces the blob, whose name leaves
+/// the listing: before, the listing went on showing the old blob's kind,
+/// size and SHA-256 for a key holding a chunk. A blob put there again is
+/// listed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_chunk_put_over_a_listed_blob_unlists_it() {
+    use tidepool_proto::v1::ListRequest;
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let key = b"report.pdf";
+    put(&cluster, "default", key, b"the report").await.unwrap();
+    put(&cluster, "default", b"other", b"stays").await.unwrap();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    let list = || async {
+        let page = cluster
+            .client(leader)
+            .await
+            .list(ListRequest {
+                namespace: "default".into(),
+                shard_id: 1,
+                ..ListRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        page.entries
+            .into_iter()
+            .map(|e| (e.key, e.info.map_or(0, |i| i.size)))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        list().await,
+        vec![(b"other".to_vec(), 5), (key.to_vec(), 10)]
+    );
+    session_put_kind(
+        &cluster,
+        leader,
+        key,
+        b"a chunk",
+        session(30, 1, true),
+        BlobKind::Chunk,
+    )
+    .await
+    .unwrap();
+    assert_eq!(list().await, vec![(b"other".to_vec(), 5)]);
+    put(&cluster, "default", key, b"again").await.unwrap();
+    assert_eq!(
+        list().await,
+        vec![(b"other".to_vec(), 5), (key.to_vec(), 5)]
+    );
+    cluster.shutdown().await;
+}
+
+/// A content-addressed manifest that lists a chunk with another size than
+/// the stored chunk's is refused at once with `DIGEST_MISMATCH` (final):
+/// before, the check took the wrong size for an unavailable replica, read
+/// the chunk again from every replica with back-offs, and answered
+/// `NO_QUORUM` — retryable, so clients retried a put that can never be
+/// stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_manifest_listing_a_chunk_with_a_wrong_size_is_refused_at_once() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let whole: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+    let (first, second) = whole.split_at(1000);
+    let sha = |bytes: &[u8]| Sha256::digest(bytes).to_vec();
+    for part in [first, second] {
+        put(&cluster, "cas", &sha(part), part).await.unwrap();
+    }
+    // Sizes swapped: they still add up to the whole.
+    let manifest = ChunkManifest {
+        size: whole.len() as u64,
+        sha256: sha(&whole),
+        chunks: vec![
+            ChunkRef {
+                key: sha(first),
+                size: second.len() as u64,
+                sha256: sha(first),
+            },
+            ChunkRef {
+                key: sha(second),
+                size: first.len() as u64,
+                sha256: sha(second),
+            },
+        ],
+        nonce: 0,
+    }
+    .encode_to_vec();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    let refused = cluster
+        .client(leader)
+        .await
+        .put(tokio_stream::iter(vec![
+            PutRequest {
+                msg: Some(put_request::Msg::Header(PutHeader {
+                    blob: blob("cas", &sha(&whole)),
+                    size: manifest.len() as u64,
+                    kind: BlobKind::Manifest as i32,
+                    ..PutHeader::default()
+                })),
+            },
+            PutRequest {
+                msg: Some(put_request::Msg::Data(manifest.clone().into())),
+            },
+        ]))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::DigestMismatch, "{refused:?}");
+    assert!(
+        refused.message().contains("lists as 2000 bytes holds 1000"),
+        "{refused:?}"
+    );
+    let status = get(&cluster, "cas", &sha(&whole)).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NotFound);
+    cluster.shutdown().await;
+}
+
+/// Requests a node cannot honour as sent get their typed error: an unknown
+/// durability is `INVALID_ARGUMENT` (before: silently the configured one),
+/// and a namespace name of a megabyte is `NAMESPACE_NOT_FOUND` with the
+/// name cut short in the message (before: quoted whole into the error's
+/// headers, which the client could not take — a transport error instead
+/// of the typed one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_durabilities_and_huge_namespace_names_get_typed_errors() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    let put_with = |namespace: String, durability: i32| {
+        tokio_stream::iter(vec![
+            PutRequest {
+                msg: Some(put_request::Msg::Header(PutHeader {
+                    blob: blob(&namespace, b"k"),
+                    size: 1,
+                    durability,
+                    ..PutHeader::default()
+                })),
+            },
+            PutRequest {
+                msg: Some(put_request::Msg::Data(vec![1u8].into())),
+            },
+        ])
+    };
+    let mut client = cluster.client(leader).await;
+    let status = client.put(put_with("default".into(), 9)).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("durability 9"), "{status:?}");
+    let status = client
+        .delete(DeleteRequest {
+            blob: blob("default", b"k"),
+            durability: 9,
+            ..DeleteRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument, "{status:?}");
+    assert!(
+        get(&cluster, "default", b"k").await.is_err(),
+        "nothing was stored"
+    );
+    let huge = "n".repeat(1 << 20);
+    let status = client.put(put_with(huge.clone(), 0)).await.unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NamespaceNotFound, "{status:?}");
+    assert!(status.message().len() < 400, "{}", status.message().len());
+    let status = client
+        .get(GetRequest {
+            blob: blob(&huge, b"k"),
+            ..GetRequest::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::NamespaceNotFound, "{status:?}");
+    cluster.shutdown().await;
+}

@@ -56,6 +56,21 @@ pub fn even_shard_ranges(shards: u32) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// A namespace name as an error message may quote it: a name the caller
+/// sent can be megabytes long (no valid one is over 63 bytes), and an
+/// error carrying it whole in its headers arrived as a transport error
+/// instead of the typed one, if at all.
+pub fn quoted_namespace(name: &str) -> String {
+    if name.len() <= NAMESPACE_NAME_MAX_BYTES {
+        return format!("{name:?}");
+    }
+    let mut end = NAMESPACE_NAME_MAX_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &name[..end], name.len())
+}
+
 /// Checks a namespace name: 1 to 63 bytes of `[a-z0-9._-]`, starting with a
 /// letter or digit. Returns a sentence saying what is wrong.
 pub fn validate_namespace_name(name: &str) -> Result<(), String> {

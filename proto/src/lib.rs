@@ -55,5 +55,5 @@ pub use error::{
 };
 pub use keys::{
     KEY_MAX_BYTES, NAMESPACE_NAME_MAX_BYTES, STORAGE_KEY_BYTES, StorageKey, even_shard_ranges,
-    hash_position, storage_key, validate_namespace_name,
+    hash_position, quoted_namespace, storage_key, validate_namespace_name,
 };

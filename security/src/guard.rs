@@ -168,9 +168,10 @@ impl Caller {
         Err(ErrorInfo::new(
             ErrorCode::PermissionDenied,
             format!(
-                "token {:?} does not hold role {} in namespace {namespace:?}",
+                "token {:?} does not hold role {} in namespace {}",
                 self.grant.as_ref().map_or("", |g| g.name.as_str()),
-                role_name(role)
+                role_name(role),
+                tidepool_proto::quoted_namespace(namespace)
             ),
         ))
     }

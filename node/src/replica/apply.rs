@@ -347,7 +347,11 @@ fn index_name(names: &mut NameBatch<'_>, op: &WriteOp) -> Result<()> {
         Some(value) => {
             let (header, _) = blob::decode(value)?;
             if header.kind == BlobKind::Chunk {
-                return Ok(());
+                // Never listed, and what the key held before is gone: a
+                // chunk put under a listed blob's key (no SDK makes one;
+                // its chunk keys are hashes) unlists it. Versions before
+                // this one sent chunks without names.
+                return names.remove(op.namespace, &op.name).map(|_| ());
             }
             let meta = Meta {
                 kind: header.kind as u8,

@@ -505,7 +505,7 @@ impl BlobApi {
                  store a content-addressed chunk as data",
             ));
         }
-        let sync = self.entry_sync(header.durability);
+        let sync = self.entry_sync(header.durability)?;
         self.require_leader(&target)?;
         // Stamped by the leader only (`SessionClock`).
         let mut session = self.session(&target, header.session.as_ref())?;
@@ -527,12 +527,17 @@ impl BlobApi {
             // acknowledged for a blob that is gone (a backup's chunk).
             self.read_point(&target, ReadConsistency::Linearizable as i32)
                 .await?;
-            let space = engine
-                .key_space(BLOB_KEY_SPACE)
-                .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
-            let present = engine
-                .epoch_of(space, &target.key)
-                .map_err(|e| self.node.internal_error(target.info.shard_id, e.into()))?;
+            // Off the request's thread unless the index answers from
+            // memory: a lookup that waits on the disk held a runtime
+            // worker (two on this host) and every request queued behind.
+            let key = target.key;
+            let present = self
+                .engine_read_now(
+                    &target,
+                    move |engine, space| engine.epoch_of_now(space, &key),
+                    move |engine, space| engine.epoch_of(space, &key),
+                )
+                .await?;
             // Read as reads are: a split may have given the key to a new
             // group while the bytes came in, and this engine still indexes
             // the key (shared segments shed nothing) after the new owner
@@ -544,19 +549,29 @@ impl BlobApi {
             // writes a present blob whose name it lacks again, which
             // indexes the name: re-putting content-addressed chunks is how
             // they are listed again (once: then the name is there).
-            let unindexed = present.is_some()
-                && engine
-                    .key_space(names::NAMES_KEY_SPACE)
-                    .map_err(crate::NodeError::from)
-                    .and_then(|space| {
-                        if names::is_complete(&engine, space)? {
-                            return Ok(false);
-                        }
-                        let key = &header.blob.as_ref().expect("checked").key;
-                        let index = names::NameBatch::new(&engine, space);
-                        Ok(!index.contains(target.namespace.id, key)?)
-                    })
-                    .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+            let unindexed = if present.is_some() {
+                let engine = engine.clone();
+                let name = header.blob.as_ref().expect("checked").key.clone();
+                let namespace = target.namespace.id;
+                tokio::task::spawn_blocking(move || {
+                    let space = engine
+                        .key_space(names::NAMES_KEY_SPACE)
+                        .map_err(crate::NodeError::from)?;
+                    if names::is_complete(&engine, space)? {
+                        return Ok(false);
+                    }
+                    let index = names::NameBatch::new(&engine, space);
+                    Ok(!index.contains(namespace, &name)?)
+                })
+                .await
+                .map_err(|e| {
+                    self.node
+                        .error(ErrorCode::Internal, format!("read task: {e}"))
+                })?
+                .map_err(|e| self.node.internal_error(target.info.shard_id, e))?
+            } else {
+                false
+            };
             // Writing it again is no overwrite: a content-addressed key
             // holds only its content (an append-only caller's put would
             // otherwise be refused as one, ALREADY_EXISTS).
@@ -585,7 +600,7 @@ impl BlobApi {
         }
         if target.namespace.content_addressed && kind == BlobKind::Manifest {
             let key = &header.blob.as_ref().expect("checked").key;
-            super::manifests::verify(&self.node, &caller, &target.namespace, key, content).await?;
+            super::manifests::verify(&self.node, &target.namespace, key, content).await?;
         }
         self.check_space(&target)?;
         // A copy that took long to reach its proposal may no longer open
@@ -610,12 +625,10 @@ impl BlobApi {
             namespace: target.namespace.id,
             epoch,
             key: target.key,
-            // SDK chunks are listed through their blob's manifest.
-            name: if kind == BlobKind::Chunk {
-                Vec::new()
-            } else {
-                header.blob.as_ref().expect("checked").key.clone()
-            },
+            // Named for chunks too, though a chunk is never listed (its
+            // blob is, through the manifest): a chunk put under a listed
+            // blob's key replaces that blob, whose name then goes.
+            name: header.blob.as_ref().expect("checked").key.clone(),
             session,
             if_absent,
         };
@@ -658,17 +671,27 @@ impl BlobApi {
     /// syncs before acknowledging it, so it commits on the disks of a
     /// majority (`entry_context`). A `BUFFERED` request on a synced cluster
     /// gets the stronger guarantee anyway.
-    fn entry_sync(&self, requested: i32) -> EntrySync {
+    /// A durability this node does not know is `INVALID_ARGUMENT` (as an
+    /// unknown kind or consistency is), not silently the configured one.
+    fn entry_sync(&self, requested: i32) -> ApiResult<EntrySync> {
+        if Durability::try_from(requested).is_err() {
+            return Err(invalid(
+                &self.node,
+                format!("unknown durability {requested}"),
+            ));
+        }
         let configured = self
             .node
             .config
             .durability()
             .unwrap_or(EngineDurability::Synced);
-        if requested == Durability::Synced as i32 && configured == EngineDurability::Buffered {
-            EntrySync::Always
-        } else {
-            EntrySync::AsConfigured
-        }
+        Ok(
+            if requested == Durability::Synced as i32 && configured == EngineDurability::Buffered {
+                EntrySync::Always
+            } else {
+                EntrySync::AsConfigured
+            },
+        )
     }
 
     /// The content of a put stream — exactly `size` bytes, in chunks of at
@@ -1034,7 +1057,7 @@ impl BlobApi {
             session,
             if_absent: false,
         };
-        let sync = self.entry_sync(request.durability);
+        let sync = self.entry_sync(request.durability)?;
         let existed = match self.commit(&target, Proposal::Write(op, sync)).await? {
             OpResult::Done { existed } => existed,
             OpResult::Refused(why) => return Err(self.refused(&target, why)),

@@ -11,7 +11,7 @@
 //! as a peer reading with its own certificate — and hashes them in order:
 //! the manifest is stored only if every chunk exists and the whole
 //! digest is the key. One chunk is held at a time, counted against the
-//! caller's in-flight budget while held, and at most [`CHECKS_AT_ONCE`]
+//! node's in-flight budget while held, and at most [`CHECKS_AT_ONCE`]
 //! checks run on a node (others wait their turn): a manifest listing one
 //! chunk 55,000 times makes its node read about 220 GiB, and many of them
 //! at once held a chunk each outside every budget.
@@ -47,7 +47,6 @@ fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
 /// malformed.
 pub(crate) async fn verify(
     node: &Arc<Node>,
-    caller: &tidepool_security::Caller,
     namespace: &Namespace,
     key: &[u8],
     content: &[u8],
@@ -96,13 +95,18 @@ pub(crate) async fn verify(
     for chunk in &manifest.chunks {
         // The read is admitted where it is served (its Get reserves the
         // chunk's length there); once here, the chunk is held under the
-        // caller's share until it is hashed: refused (OVERLOADED,
+        // node's budget until it is hashed: refused (OVERLOADED,
         // retryable) when that is taken. Reserved before the read, a chunk
         // led by this node was counted twice while its Get ran, and at the
         // smallest budget the configuration allows (two of the largest
-        // values) such a check never fit.
+        // values) such a check never fit. Not under the caller's token's
+        // half of the budget: the put holds its manifest there already,
+        // and at that smallest budget the half is one value — manifest and
+        // chunk never fitted, and every chunked content-addressed put made
+        // with a token was OVERLOADED. What all checks hold at once is
+        // bounded by `CHECKS_AT_ONCE`.
         let bytes = read_chunk(node, namespace, &chunk.key, chunk.size).await?;
-        let _held = node.reserve(chunk.size, caller)?;
+        let _held = node.reserve(chunk.size, &tidepool_security::Caller::default())?;
         if Sha256::digest(&bytes)[..] != chunk.sha256[..] {
             return Err(node.error(
                 ErrorCode::DigestMismatch,
@@ -152,7 +156,13 @@ async fn read_chunk(
             )
             .await
             {
-                Ok(Ok(bytes)) => return Ok(bytes),
+                Ok(Ok(Ok(bytes))) => return Ok(bytes),
+                Ok(Ok(Err(why))) => {
+                    return Err(node.error(
+                        ErrorCode::DigestMismatch,
+                        format!("{why}: the chunks are not the manifest's; nothing was stored"),
+                    ));
+                }
                 Ok(Err(status)) => {
                     let detail = error_detail(&status);
                     let peer_code = detail.as_ref().map(|d| d.code());
@@ -197,13 +207,16 @@ async fn read_chunk(
     Err(last)
 }
 
+/// A chunk read whole from the replica at `address`; `Ok(Err(why))` when
+/// it is not the `size` bytes the manifest says (a final answer: the
+/// manifest is wrong, whichever replica is asked).
 async fn get(
     node: &Arc<Node>,
     address: &str,
     namespace: &Namespace,
     key: &[u8],
     size: u64,
-) -> Result<Vec<u8>, tonic::Status> {
+) -> Result<Result<Vec<u8>, String>, tonic::Status> {
     let channel = node.peer_channel(address)?;
     // Get answers carry at most 1 MiB of data per message.
     let mut client = BlobServiceClient::new(channel).max_decoding_message_size(2 << 20);
@@ -221,19 +234,25 @@ async fn get(
     let mut bytes = Vec::new();
     while let Some(message) = stream.next().await {
         match message?.msg {
+            // The manifest is wrong, not the replica: a final answer (as
+            // NO_QUORUM, retryable, it was read again from every replica
+            // and the client retried a put that can never be stored).
             Some(get_response::Msg::Info(info)) if info.size != size => {
-                return Err(tonic::Status::data_loss(
-                    "the chunk's size is not the manifest's",
-                ));
+                return Ok(Err(format!(
+                    "a chunk the manifest lists as {size} bytes holds {}",
+                    info.size
+                )));
             }
             Some(get_response::Msg::Data(data)) => {
                 if bytes.len() as u64 + data.len() as u64 > size {
-                    return Err(tonic::Status::data_loss("more chunk bytes than announced"));
+                    return Ok(Err(format!(
+                        "a chunk the manifest lists as {size} bytes holds more"
+                    )));
                 }
                 bytes.extend_from_slice(&data);
             }
             _ => {}
         }
     }
-    Ok(bytes)
+    Ok(Ok(bytes))
 }

@@ -675,7 +675,7 @@ impl Node {
             .ok_or_else(|| {
                 self.error(
                     ErrorCode::NamespaceNotFound,
-                    format!("no namespace {name:?}"),
+                    format!("no namespace {}", tidepool_proto::quoted_namespace(name)),
                 )
             })
     }
