@@ -116,7 +116,12 @@ pub struct PutOutcome {
     pub size: u64,
     /// SHA-256 of the blob.
     pub sha256: [u8; 32],
-    /// Epoch of the write.
+    /// Epoch of the write. For a put the SDK sent again (an attempt
+    /// ended without a definite answer), the epoch of the copy that was
+    /// answered: an earlier copy that applied in an earlier epoch is
+    /// answered as a duplicate with the later copy's epoch, so the blob
+    /// may have been stored one epoch earlier than this says. (Chunks of a
+    /// blob the SDK uploads are moved to their manifest's epoch then.)
     pub epoch: u64,
     /// A content-addressed key that was already stored (nothing written).
     pub already_present: bool,
@@ -982,7 +987,24 @@ impl Client {
         kind: BlobKind,
         digest: [u8; 32],
     ) -> Result<PutOutcome> {
-        let (outcome, replaced) = self
+        self.put_hashed_retried(namespace, key, content, kind, digest)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`Client::put_hashed`], also saying whether more than one attempt
+    /// was sent: then the answer may be a later copy's, found a duplicate
+    /// of an earlier one that applied, and `epoch` is the later copy's —
+    /// the blob may have been stored in an earlier epoch.
+    pub(crate) async fn put_hashed_retried(
+        &self,
+        namespace: &str,
+        key: &[u8],
+        content: &[u8],
+        kind: BlobKind,
+        digest: [u8; 32],
+    ) -> Result<(PutOutcome, bool)> {
+        let (outcome, replaced, retried) = self
             .put_entry(namespace, key, content, kind, digest, false)
             .await?;
         let chunks = crate::stream::replaced_chunks(key, replaced, None);
@@ -997,7 +1019,7 @@ impl Client {
             );
             let _ = deleting.await;
         }
-        Ok(outcome)
+        Ok((outcome, retried))
     }
 
     /// Stores `content` under `key` only if the key holds no blob, decided
@@ -1031,7 +1053,7 @@ impl Client {
             true,
         )
         .await
-        .map(|(outcome, _)| outcome)
+        .map(|(outcome, _, _)| outcome)
     }
 
     /// One put of one node entry (`if_absent`: only into an empty key).
@@ -1046,18 +1068,20 @@ impl Client {
         kind: BlobKind,
         digest: [u8; 32],
         if_absent: bool,
-    ) -> Result<(PutOutcome, Option<ReplacedChunks>)> {
+    ) -> Result<(PutOutcome, Option<ReplacedChunks>, bool)> {
         // Copied once; every attempt sends the same buffers.
         let pieces: Vec<Bytes> = content
             .chunks(1 << 20)
             .map(Bytes::copy_from_slice)
             .collect();
+        let mut attempts = 0u32;
         let response = self
             .write_once_recorded(
                 namespace,
                 key,
                 &[],
                 |channel, map_version, session| {
+                    attempts += 1;
                     let mut messages = vec![PutRequest {
                         msg: Some(put_request::Msg::Header(PutHeader {
                             blob: blob_ref(namespace, key),
@@ -1090,7 +1114,7 @@ impl Client {
             epoch: info.epoch,
             already_present: response.already_present,
         };
-        Ok((outcome, response.replaced))
+        Ok((outcome, response.replaced, attempts > 1))
     }
 
     /// Reads one stored blob whole: its info and bytes, verified against

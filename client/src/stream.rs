@@ -283,6 +283,7 @@ impl Client {
                 fetch_next: 0,
                 wanted: 0,
                 requested: 0,
+                failed: None,
             };
             if info.kind != BlobKind::Manifest as i32 {
                 // `get_verified` checked the bytes against this digest.
@@ -673,15 +674,21 @@ impl Upload {
         let store = async move {
             let digest = sha256(&chunk);
             let key = named.unwrap_or(digest);
-            let stored = client
-                .put_hashed(&namespace, &key, &chunk, kind, digest)
+            let (stored, retried) = client
+                .put_hashed_retried(&namespace, &key, &chunk, kind, digest)
                 .await?;
             let chunk = ChunkRef {
                 key: key.to_vec(),
                 size: chunk.len() as u64,
                 sha256: digest.to_vec(),
             };
-            Ok((chunk, stored.epoch))
+            // A retried put may have been answered for an earlier copy
+            // that applied in an earlier epoch (the node answers a
+            // duplicate with the epoch of the copy it refused): epoch 0
+            // says "unknown", so the chunk is moved to its manifest's
+            // epoch whatever that is. Taken at its word, the chunk was
+            // dropped an epoch before its manifest.
+            Ok((chunk, if retried { 0 } else { stored.epoch }))
         };
         self.storing
             .push_back(tokio::spawn(tracing::Instrument::in_current_span(store)));
@@ -691,13 +698,19 @@ impl Upload {
     /// Waits for the oldest chunk being stored and adds it to the
     /// manifest.
     async fn stored_oldest(&mut self) -> Result<()> {
-        let Some(task) = self.storing.pop_front() else {
+        // Awaited where it stands, taken out only once it ended: an upload
+        // dropped during this wait (its caller gone) still finds the store
+        // among those its cleanup waits for before deleting the chunks —
+        // taken out first, it could apply after the delete of its key and
+        // leave its chunk stored, unnamed, for good.
+        let Some(task) = self.storing.front_mut() else {
             return Ok(());
         };
         let stored = task
             .await
             .map_err(|e| Error::new(ErrorCode::Internal, format!("a chunk's store failed: {e}")))
             .and_then(|r| r);
+        self.storing.pop_front();
         match stored {
             Ok((chunk, epoch)) => {
                 self.manifest.chunks.push(chunk);
@@ -851,7 +864,7 @@ impl Upload {
         let stored = tokio::spawn(
             async move {
                 let digest = sha256(&manifest);
-                let (outcome, replaced) = client
+                let (outcome, replaced, _) = client
                     .put_entry(&namespace, &key, &manifest, BlobKind::Manifest, digest, false)
                     .await?;
                 // What the put replaced where it applied, with what was
@@ -1004,6 +1017,10 @@ pub struct BlobReader {
     /// range is fetched ahead.
     wanted: u64,
     requested: u64,
+    /// The error a piece ended with: every later call answers it again (a
+    /// reader past a failed chunk handed out the following chunk's bytes
+    /// as if they came next, or panicked).
+    failed: Option<(ErrorCode, String)>,
 }
 
 impl Drop for BlobReader {
@@ -1060,7 +1077,9 @@ impl BlobReader {
     /// (which deletes the old chunks once the new manifest is stored):
     /// `CONFLICT`, read it again. Otherwise the chunk's own error.
     async fn chunk_gone(&mut self, error: Error) -> Error {
-        self.fetching.clear();
+        for task in self.fetching.drain(..) {
+            task.abort();
+        }
         match self
             .client
             .manifest_if_chunked(&self.namespace, &self.key)
@@ -1095,8 +1114,27 @@ impl BlobReader {
         Some(content)
     }
 
-    /// The next verified piece; `None` at the end of the range.
+    /// The next verified piece; `None` at the end of the range. After an
+    /// error the reader is done: every later call fails the same way (a
+    /// retry opens the blob again).
     pub async fn next_piece(&mut self) -> Result<Option<Vec<u8>>> {
+        if let Some((code, message)) = &self.failed {
+            return Err(Error::new(
+                *code,
+                format!("{message} (an earlier read of this reader failed: open the blob again)"),
+            ));
+        }
+        let piece = self.next_piece_once().await;
+        if let Err(error) = &piece {
+            self.failed = Some((error.code(), error.to_string()));
+            for task in self.fetching.drain(..) {
+                task.abort();
+            }
+        }
+        piece
+    }
+
+    async fn next_piece_once(&mut self) -> Result<Option<Vec<u8>>> {
         if let Some(mut content) = self.plain.take() {
             content.truncate(self.remaining.min(content.len() as u64) as usize);
             self.remaining -= content.len() as u64;
