@@ -533,8 +533,13 @@ impl Client {
         F: FnMut(Channel, u64, u32) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        self.on_route(|map| Cluster::route(map, namespace, key), op, &mut false)
-            .await
+        self.on_route(
+            |map| Cluster::route(map, namespace, key),
+            op,
+            &mut false,
+            Instant::now() + self.timeout,
+        )
+        .await
     }
 
     /// Runs `op` on shard `shard_id`'s leader, as [`Client::on_shard`]
@@ -566,6 +571,7 @@ impl Client {
             },
             op,
             &mut false,
+            Instant::now() + self.timeout,
         )
         .await
     }
@@ -573,18 +579,19 @@ impl Client {
     /// Runs `op` on the leader of the shard `locate` finds. `uncertain` is
     /// set once an attempt ended without a definite answer (none came in
     /// time, the connection failed, or the node could not say whether its
-    /// proposal committed): a write may have applied through it.
+    /// proposal committed): a write may have applied through it. Gives up
+    /// at `deadline` (`TIMEOUT`).
     async fn on_route<T, F, Fut>(
         &self,
         locate: impl Fn(&ClusterMap) -> Result<crate::cluster::Route>,
         mut op: F,
         uncertain: &mut bool,
+        deadline: Instant,
     ) -> Result<T>
     where
         F: FnMut(Channel, u64, u32) -> Fut,
         Fut: Future<Output = std::result::Result<T, Status>>,
     {
-        let deadline = Instant::now() + self.timeout;
         let mut redirect: Option<String> = None;
         let mut attempt = 0usize;
         let mut refreshed = false;
@@ -925,6 +932,10 @@ impl Client {
     {
         let mut write = self.sessions.begin();
         let mut reopened = false;
+        // One deadline for the call, across a session reopened: routed
+        // anew with a fresh one, a write refused near its deadline ran
+        // for almost twice the client's timeout.
+        let deadline = Instant::now() + self.timeout;
         // An attempt of this write ended without a definite answer: it
         // may have applied.
         let mut uncertain = false;
@@ -938,6 +949,7 @@ impl Client {
                         op(channel, map_version, write.tag(shard_id))
                     },
                     &mut uncertain,
+                    deadline,
                 )
                 .await;
             match result {
@@ -949,9 +961,13 @@ impl Client {
                 }
                 // The shard forgot the session: no attempt of this write
                 // applied (see `session.rs`); open it anew, once.
+                // (Not past the deadline: sent again then, the attempt
+                // would be cut short by it — a definite "not applied" made
+                // an unknown outcome.)
                 Err(error)
                     if error.code() == ErrorCode::SessionExpired
                         && !reopened
+                        && Instant::now() < deadline
                         && write.reopen(shard) =>
                 {
                     reopened = true;
@@ -1468,15 +1484,17 @@ impl Client {
     #[tracing::instrument(name = "tidepool.delete", level = "info", skip_all, fields(namespace = %namespace, error_code = tracing::field::Empty))]
     pub async fn delete(&self, namespace: &str, key: &[u8]) -> Result<bool> {
         let result: Result<bool> = async {
-            let chunks = match self.manifest_if_chunked(namespace, key).await? {
+            // Read first for a node that does not say what its delete
+            // removed (an older version): the chunks of the blob stored
+            // now. The node's answer names what the delete did remove,
+            // where it applied: a blob put between this read and the
+            // delete was otherwise deleted without its chunks.
+            let read = match self.manifest_if_chunked(namespace, key).await? {
                 Some(manifest) if !self.content_addressed(namespace).await? => {
                     crate::stream::own_chunks(key, &manifest)
                 }
                 _ => Vec::new(),
             };
-            if chunks.is_empty() {
-                return self.delete_one(namespace, key).await;
-            }
             // Run apart from the caller, and awaited: a caller gone once
             // the manifest's delete is sent (a gateway client
             // disconnecting) no longer leaves the chunks behind — nothing
@@ -1484,13 +1502,21 @@ impl Client {
             let (client, namespace, key) = (self.clone(), namespace.to_string(), key.to_vec());
             let deleting = tokio::spawn(
                 async move {
-                    let existed = client.delete_one(&namespace, &key).await?;
+                    let (existed, removed) = client.delete_one_replaced(&namespace, &key).await?;
+                    let mut chunks = read;
+                    for chunk in crate::stream::replaced_chunks(&key, removed, None) {
+                        if !chunks.contains(&chunk) {
+                            chunks.push(chunk);
+                        }
+                    }
                     // The blob is gone with its manifest: a chunk that
-                    // cannot be deleted now is the caller's problem no more
-                    // (an error here would report a done delete as failed,
-                    // and a retry would find no manifest left to name the
-                    // chunks). Logged, and left.
-                    client.delete_old_chunks(&namespace, &key, chunks).await;
+                    // cannot be deleted now is the caller's problem no
+                    // more (an error here would report a done delete as
+                    // failed, and a retry would find no manifest left to
+                    // name the chunks). Logged, and left.
+                    if !chunks.is_empty() {
+                        client.delete_old_chunks(&namespace, &key, chunks).await;
+                    }
                     Ok::<_, Error>(existed)
                 }
                 .in_current_span(),
@@ -1504,6 +1530,19 @@ impl Client {
     }
 
     pub(crate) async fn delete_one(&self, namespace: &str, key: &[u8]) -> Result<bool> {
+        self.delete_one_replaced(namespace, key)
+            .await
+            .map(|(existed, _)| existed)
+    }
+
+    /// [`Client::delete_one`], also returning the chunked blob the delete
+    /// removed, as the node answered it (`None` if none, or not known: a
+    /// duplicate attempt, an older node).
+    pub(crate) async fn delete_one_replaced(
+        &self,
+        namespace: &str,
+        key: &[u8],
+    ) -> Result<(bool, Option<ReplacedChunks>)> {
         self.write_once(
             namespace,
             key,
@@ -1517,7 +1556,10 @@ impl Client {
                         durability: self.durability as i32,
                     })
                     .await
-                    .map(|r| r.into_inner().existed)
+                    .map(|r| {
+                        let response = r.into_inner();
+                        (response.existed, response.replaced)
+                    })
             },
         )
         .await

@@ -665,6 +665,10 @@ async fn an_unfinished_upload_deletes_its_chunks() {
     )
     .await;
     assert!(cut.is_err(), "the write did not wait for a store");
+    // Cancelled, the write took bytes no chunk holds: the upload is over
+    // (a `finish` stored a blob whose size and digest counted them).
+    let after = upload.write(b"more").await.unwrap_err();
+    assert_eq!(after.code(), ErrorCode::InvalidArgument, "{after}");
     drop(upload);
     assert!(gone_soon(keys).await, "the cut upload's chunks stay");
     // Refused at the end: the content is not the one expected.
@@ -1411,5 +1415,21 @@ async fn a_reader_stays_failed_after_a_chunk_failed() {
         }
     }
     assert_eq!(failed, Some(ErrorCode::NotFound));
+    // A read cancelled while it waits for a chunk ends the reader too: it
+    // had taken that chunk, and the next call handed out the one after.
+    client.put("default", b"whole", &blob).await.unwrap();
+    let mut reader = client
+        .open_range("default", b"whole", 0, None)
+        .await
+        .unwrap();
+    let cut = tokio::time::timeout(Duration::from_micros(1), reader.next_piece()).await;
+    assert!(cut.is_err(), "the read did not wait for its chunk");
+    match reader.next_piece().await {
+        Err(after) => assert_eq!(after.code(), ErrorCode::Internal, "{after}"),
+        Ok(piece) => panic!(
+            "{:?} bytes handed out after a cancelled read",
+            piece.map(|p| p.len())
+        ),
+    }
     cluster.stop().await;
 }

@@ -176,6 +176,9 @@ pub struct Options {
     pub election_spread_ticks: Option<usize>,
     /// The nodes' `limits.in_flight_mib` (`None`: their default).
     pub in_flight_mib: Option<u64>,
+    /// The nodes' `limits.session_opens_per_second` and
+    /// `limits.session_opens_burst` (`None`: their defaults).
+    pub session_opens: Option<(u64, u64)>,
 }
 
 impl Default for Options {
@@ -193,6 +196,7 @@ impl Default for Options {
             compact_log_entries: None,
             election_spread_ticks: None,
             in_flight_mib: None,
+            session_opens: None,
         }
     }
 }
@@ -251,8 +255,17 @@ impl Cluster {
         if !raft.is_empty() {
             node_config.push_str(&format!("[raft]\n{raft}"));
         }
+        let mut limits = String::new();
         if let Some(mib) = options.in_flight_mib {
-            node_config.push_str(&format!("[limits]\nin_flight_mib = {mib}\n"));
+            limits.push_str(&format!("in_flight_mib = {mib}\n"));
+        }
+        if let Some((per_second, burst)) = options.session_opens {
+            limits.push_str(&format!(
+                "session_opens_per_second = {per_second}\nsession_opens_burst = {burst}\n"
+            ));
+        }
+        if !limits.is_empty() {
+            node_config.push_str(&format!("[limits]\n{limits}"));
         }
         std::fs::write(&config, node_config).expect("node config");
         let mut cluster = Cluster {

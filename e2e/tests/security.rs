@@ -1036,3 +1036,122 @@ async fn one_token_cannot_hold_a_nodes_whole_in_flight_budget() {
     assert_eq!(deduper.chunks("digests", &key).await.unwrap().len(), 2);
     assert!(deduper.get("digests", &key).await.unwrap() == blob);
 }
+
+/// One token cannot fill a shard's table of write sessions: a client that
+/// opens a fresh session with every put (here 8 at a time) is refused —
+/// `OVERLOADED`, with the wait — once it has opened its burst (50 here,
+/// then one a second; 2,000 and 100 by default), while another token's
+/// first writes, and the same token's writes in sessions it holds, go on.
+/// Before, a few hundred opens a second kept the table's 100,000 sessions
+/// busy, and every other client's first write on the shard was refused for
+/// as long as it went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_cannot_fill_a_shards_write_sessions() {
+    use tidepool_client::proto::v1::{PutHeader, PutRequest, WriteSession, put_request};
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start(Options {
+        shards: 1,
+        session_opens: Some((1, 50)),
+        ..Options::default()
+    })
+    .await;
+    let admin = cluster.client().await;
+    let grant = vec![TokenGrant {
+        namespace: "default".into(),
+        roles: vec![Role::Read as i32, Role::Write as i32],
+    }];
+    let (opener, _) = admin
+        .create_token("opener", false, grant.clone())
+        .await
+        .unwrap();
+    let (other, _) = admin.create_token("other", false, grant).await.unwrap();
+    let map = admin.cluster_status().await.unwrap().map.unwrap();
+    let put = |channel: Channel, key: String, id: [u8; 16], sequence: u64, opens: bool| async move {
+        let header = PutHeader {
+            blob: Some(BlobRef {
+                namespace: "default".into(),
+                key: key.into_bytes(),
+            }),
+            size: 1,
+            session: Some(WriteSession {
+                id: id.to_vec(),
+                sequence,
+                opens,
+            }),
+            ..PutHeader::default()
+        };
+        BlobServiceClient::new(channel)
+            .put(tokio_stream::iter(vec![
+                PutRequest {
+                    msg: Some(put_request::Msg::Header(header)),
+                },
+                PutRequest {
+                    msg: Some(put_request::Msg::Data(vec![1u8].into())),
+                },
+            ]))
+            .await
+    };
+    // The shard's leader (a follower answers NOT_LEADER).
+    let mut leader = None;
+    for node in &map.nodes {
+        let channel = as_cert(&cluster, "client", Some(&opener), &node.address).await;
+        match put(channel.clone(), "held".into(), [1; 16], 1, true).await {
+            Ok(_) => {
+                leader = Some(channel);
+                break;
+            }
+            Err(status) => assert_eq!(code(&status), ErrorCode::NotLeader, "{status:?}"),
+        }
+    }
+    let channel = leader.expect("a node leads the shard");
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for task in 0..8u8 {
+        let (channel, refused) = (channel.clone(), refused.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut opened = 0u64;
+            for i in 0..100u64 {
+                if refused.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let mut id = [0u8; 16];
+                id[0] = task;
+                id[8..].copy_from_slice(&(i + 1).to_le_bytes());
+                match put(channel.clone(), format!("k-{task}-{i}"), id, 1, true).await {
+                    Ok(_) => opened += 1,
+                    Err(status) => {
+                        assert_eq!(code(&status), ErrorCode::Overloaded, "{status:?}");
+                        assert!(
+                            status.message().contains("opens write sessions"),
+                            "{status:?}"
+                        );
+                        let detail = tidepool_client::proto::error_detail(&status).unwrap();
+                        assert!(detail.retry_after_ms >= 1, "{detail:?}");
+                        refused.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+            opened
+        }));
+    }
+    let mut opened = 0;
+    for task in tasks {
+        opened += task.await.unwrap();
+    }
+    assert!(
+        refused.load(std::sync::atomic::Ordering::Relaxed),
+        "{opened} sessions opened, none refused"
+    );
+    // The first (`held`) and 49 more: the burst.
+    assert!(opened >= 49, "refused after {opened} opens");
+    // The same token, in the session it holds: no open, not refused.
+    put(channel.clone(), "held".into(), [1; 16], 2, false)
+        .await
+        .expect("a write in a session held");
+    // Another token's first writes (new sessions) go through.
+    let neighbour = client_with(&cluster, &other).await;
+    neighbour
+        .put("default", b"neighbour", b"first write")
+        .await
+        .expect("another tenant opens its session");
+}

@@ -711,13 +711,17 @@ async fn splice(
             .await
             .map_err(status);
     }
-    let keys: Vec<[u8; 32]> = chunks
+    // Read with their sizes: a chunk named with another size than it is
+    // stored with ends the splice at its first answer (NOT_FOUND: that
+    // digest is not stored) — named by hash only, one stored chunk named
+    // a million times as 0 bytes made the cluster read it every time.
+    let keys: Vec<([u8; 32], u64)> = chunks
         .iter()
         .filter(|c| !c.is_empty_blob())
-        .map(|c| c.hash)
+        .map(|c| (c.hash, c.size))
         .collect();
     client
-        .splice(&instance.cas, &digest.hash, &keys)
+        .splice_sized(&instance.cas, &digest.hash, &keys)
         .await
         .map_err(status)?;
     Ok(())

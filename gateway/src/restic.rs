@@ -320,7 +320,10 @@ async fn serve_request(
         }
     }
     let namespace = restic.namespace.as_str();
-    unfit_namespace(&client.map(), &parsed.location(namespace).0).map_or(Ok(()), Err)?;
+    let map = client.map();
+    for name in [namespace.to_string(), format!("{namespace}{LOCKS_SUFFIX}")] {
+        unfit_namespace(&map, &name).map_or(Ok(()), Err)?;
+    }
     match (&parsed.target, method) {
         (Target::Repo, Method::POST) => {
             // Nothing to make: a repository is its keys. Checked only so a
@@ -440,7 +443,15 @@ async fn serve_request(
             client.delete(&namespace, &key).await?;
             Ok(StatusCode::OK.into_response())
         }
-        _ => Ok(StatusCode::METHOD_NOT_ALLOWED.into_response()),
+        // With the methods the path takes (RFC 9110 requires `Allow`).
+        (target, _) => {
+            let allow = match target {
+                Target::Repo => "POST",
+                Target::List(_) => "GET",
+                Target::Config | Target::Object(..) => "HEAD, GET, POST, DELETE",
+            };
+            Ok((StatusCode::METHOD_NOT_ALLOWED, [(header::ALLOW, allow)]).into_response())
+        }
     }
 }
 

@@ -984,6 +984,42 @@ async fn action_results_trees_and_splicing() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // A stored chunk named twice with its size, then a thousand times as
+    // 0 bytes: the sizes add up, and each chunk is read with its size, so
+    // the first one named with a wrong size ends the splice (NOT_FOUND:
+    // that digest is not stored). Named by hash only, every one was read
+    // whole before the final digest check failed.
+    let served = || -> u64 {
+        s.cluster
+            .nodes
+            .iter()
+            .flatten()
+            .map(|n| n.node.metrics.get_bytes.get())
+            .sum()
+    };
+    // (A chunk over half a node entry, so the two make a blob larger than
+    // one: spliced from its chunks, not read into one value.)
+    let big = blob(34, 600_000);
+    upload(&s, "", &big).await;
+    let before = served();
+    let mut named = vec![digest(&big), digest(&big)];
+    named.extend((0..1000).map(|_| re::Digest {
+        size_bytes: 0,
+        ..digest(&big)
+    }));
+    let e = s
+        .cas()
+        .splice_blob(re::SpliceBlobRequest {
+            instance_name: String::new(),
+            blob_digest: Some(digest(&[&big[..], &big[..]].concat())),
+            chunk_digests: named,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let read = served() - before;
+    assert!(read <= 4 * 600_000, "{read} bytes read for the splice");
     s.stop().await;
 }
 
@@ -1528,6 +1564,13 @@ async fn restic_rest_protocol() {
     assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
     assert_eq!(http(at, "DELETE", &lock_path, None, vec![]).await.0, 200);
     assert_eq!(http(at, "HEAD", &lock_path, None, vec![]).await.0, 404);
+    // A method a path does not take: 405, naming those it does.
+    let (status, headers, _) = http_with(at, "PUT", "/team/r/config", &[], vec![]).await;
+    assert_eq!(status, 405);
+    assert_eq!(headers["allow"], "HEAD, GET, POST, DELETE");
+    let (status, headers, _) = http_with(at, "DELETE", "/team/r/data/", &[], vec![]).await;
+    assert_eq!(status, 405);
+    assert_eq!(headers["allow"], "GET");
     // Bad paths.
     assert_eq!(
         http(at, "GET", "/team/r/data/NOTHEX", None, vec![]).await.0,

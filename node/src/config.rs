@@ -217,6 +217,12 @@ pub struct LimitSettings {
     /// exceed it is refused `OVERLOADED` instead of growing the node's
     /// memory. Requests made with one token hold at most half of it.
     pub in_flight_mib: u64,
+    /// Write sessions one token may open each second on one shard this
+    /// node leads, once its burst is spent (a shard remembers at most
+    /// 100,000 sessions, shared by every client; beyond: `OVERLOADED`).
+    pub session_opens_per_second: u64,
+    /// Write sessions one token may open at once on one shard.
+    pub session_opens_burst: u64,
 }
 
 /// Smallest `limits.max_request_bytes`: a put's 1 MiB piece and its
@@ -232,6 +238,8 @@ impl Default for LimitSettings {
             max_request_bytes: 8 << 20,
             keepalive_ms: 30_000,
             in_flight_mib: 1024,
+            session_opens_per_second: 100,
+            session_opens_burst: 2_000,
         }
     }
 }
@@ -560,6 +568,12 @@ impl NodeConfig {
         if self.limits.put_idle_timeout_ms == 0 || self.limits.max_streams_per_connection == 0 {
             return bad(
                 "limits.put_idle_timeout_ms and limits.max_streams_per_connection must be positive"
+                    .into(),
+            );
+        }
+        if self.limits.session_opens_per_second == 0 || self.limits.session_opens_burst == 0 {
+            return bad(
+                "limits.session_opens_per_second and limits.session_opens_burst must be positive"
                     .into(),
             );
         }
@@ -1036,6 +1050,8 @@ mod tests {
                 "max_streams_per_connection",
             ),
             ("max_request_bytes = 65536", "max_request_bytes"),
+            ("session_opens_per_second = 0", "session_opens_per_second"),
+            ("session_opens_burst = 0", "session_opens_burst"),
         ] {
             let text = format!(
                 "node_id = 1\n[limits]\n{limits}\n[cluster]\nshards = 1\nreplicas = [1]\npeers = [{{ id = 1, address = \"http://a\" }}]\n"

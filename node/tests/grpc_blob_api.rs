@@ -1375,3 +1375,69 @@ async fn unknown_durabilities_and_huge_namespace_names_get_typed_errors() {
     assert_eq!(code(&status), ErrorCode::NamespaceNotFound, "{status:?}");
     cluster.shutdown().await;
 }
+
+/// A delete of a chunked blob answers with the chunks it removed, read
+/// where it applied (so the SDK deletes the chunks of the blob the delete
+/// really removed: one put after the SDK read the manifest was deleted
+/// without its chunks, which nothing named any more); a duplicate of the
+/// delete, and a delete of a plain blob or of nothing, name none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delete_of_a_chunked_blob_answers_with_the_chunks_it_removed() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let key = b"chunked-then-deleted";
+    put(&cluster, "default", key, b"plain").await.unwrap();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    let manifest = ChunkManifest {
+        size: 10,
+        sha256: vec![1; 32],
+        chunks: vec![ChunkRef::default(); 4],
+        nonce: 91,
+    }
+    .encode_to_vec();
+    session_put_kind(
+        &cluster,
+        leader,
+        key,
+        &manifest,
+        session(40, 1, true),
+        BlobKind::Manifest,
+    )
+    .await
+    .unwrap();
+    let delete = |sequence: u64| {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .client(leader)
+                .await
+                .delete(DeleteRequest {
+                    blob: blob("default", key),
+                    session: Some(session(41, sequence, sequence == 1)),
+                    ..DeleteRequest::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let first = delete(1).await;
+    assert!(first.existed);
+    assert_eq!(
+        first.replaced,
+        Some(ReplacedChunks {
+            nonce: 91,
+            count: 4
+        })
+    );
+    // The same delete again: a duplicate, which removed nothing now.
+    let duplicate = delete(1).await;
+    assert!(duplicate.existed, "the first copy's answer");
+    assert_eq!(duplicate.replaced, None);
+    // Nothing there, then a plain blob: none named.
+    assert_eq!(delete(2).await.replaced, None);
+    put(&cluster, "default", key, b"plain again").await.unwrap();
+    let plain = delete(3).await;
+    assert!(plain.existed);
+    assert_eq!(plain.replaced, None);
+    cluster.shutdown().await;
+}

@@ -1,7 +1,8 @@
 //! Applying committed entries to the engine. A Write only points the index
 //! at the values already in the WAL (`Engine::apply_item`) — and, on the
 //! replica that proposed it, reads the header of each value a put
-//! overwrites, to answer which chunked blob it replaced; touches, epoch
+//! overwrites or a delete removes, to answer which chunked blob it
+//! replaced; touches, epoch
 //! advances and epoch drops act at the entry's index on every replica, with
 //! everything they depend on carried in the entry, so replicas agree.
 //!
@@ -254,16 +255,21 @@ fn apply_write(
             if existed && op.if_absent {
                 return Ok(None);
             }
-            // Read in log order, just before the put overwrites it, and
-            // only by an application that is this op's one and only
-            // (`first`: not a duplicate, not a re-application), for a put
-            // that is not itself a chunk (chunks never overwrite blobs).
+            // Read in log order, just before the put overwrites it or the
+            // delete removes it, and only by an application that is this
+            // op's one and only (`first`: not a duplicate, not a
+            // re-application), for a put that is not itself a chunk
+            // (chunks never overwrite blobs) and a delete of a key that
+            // held something.
             if first
                 && target.answered
                 && !op.if_absent
-                && op.value.as_deref().is_some_and(|value| {
-                    blob::decode(value).is_ok_and(|(h, _)| h.kind != BlobKind::Chunk)
-                })
+                && match op.value.as_deref() {
+                    Some(value) => {
+                        blob::decode(value).is_ok_and(|(h, _)| h.kind != BlobKind::Chunk)
+                    }
+                    None => existed,
+                }
                 && let Some(chunks) = replaced_chunks(target, &op.key)
             {
                 replaced.push((ordinal as u32, chunks));

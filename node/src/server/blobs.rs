@@ -356,6 +356,45 @@ impl BlobApi {
         }))
     }
 
+    /// Counts a write that would open its session against the caller's
+    /// token's session opens on the shard (`opens.rs`): `OVERLOADED`, with
+    /// the wait, beyond them. Called just before the write is proposed, so
+    /// a write that proposes nothing (a content-addressed blob present
+    /// already, a refused one) opens nothing and is not counted.
+    fn charge_open(
+        &self,
+        target: &Target,
+        session: Option<&SessionTag>,
+        caller: &Caller,
+    ) -> ApiResult<()> {
+        let (Some(tag), Some(grant)) = (session, caller.grant.as_ref()) else {
+            return Ok(());
+        };
+        if !tag.opens {
+            return Ok(());
+        }
+        let Err(wait_ms) = self.node.session_opens.take(
+            &grant.name,
+            target.info.shard_id,
+            std::time::Instant::now(),
+        ) else {
+            return Ok(());
+        };
+        let mut info = self.node.error(
+            ErrorCode::Overloaded,
+            format!(
+                "token {:?} opens write sessions on shard {} faster than {} a second (a shard remembers at most {} sessions, shared by every client); nothing was applied",
+                grant.name,
+                target.info.shard_id,
+                self.node.session_opens.rate(),
+                crate::session::MAX_SESSIONS
+            ),
+        );
+        info.detail.retry_after_ms = wait_ms;
+        info.detail.shard_id = Some(target.info.shard_id);
+        Err(info)
+    }
+
     /// Refuses writes when the shard's volume is nearly full (reads go on).
     fn check_space(&self, target: &Target) -> ApiResult<()> {
         let store = target.shard.store();
@@ -600,7 +639,7 @@ impl BlobApi {
         }
         if target.namespace.content_addressed && kind == BlobKind::Manifest {
             let key = &header.blob.as_ref().expect("checked").key;
-            super::manifests::verify(&self.node, &target.namespace, key, content).await?;
+            super::manifests::verify(&self.node, &caller, &target.namespace, key, content).await?;
         }
         self.check_space(&target)?;
         // A copy that took long to reach its proposal may no longer open
@@ -619,6 +658,7 @@ impl BlobApi {
             tag.opens = false;
             cleared = true;
         }
+        self.charge_open(&target, session.as_ref(), &caller)?;
         let size = header.size;
         let op = WriteOp {
             value: Some(blob::seal(kind, &digest, value)),
@@ -1041,10 +1081,16 @@ impl BlobApi {
         })
     }
 
-    async fn delete_inner(&self, request: DeleteRequest) -> ApiResult<DeleteResponse> {
+    async fn delete_inner(
+        &self,
+        request: DeleteRequest,
+        caller: &Caller,
+    ) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
         let session = self.session(&target, request.session.as_ref())?;
+        let sync = self.entry_sync(request.durability)?;
+        self.charge_open(&target, session.as_ref(), caller)?;
         // Always proposed; whether the key existed is decided when the
         // delete applies, in log order (so it is exact, and a retried
         // delete of a session answers what its first copy found).
@@ -1057,12 +1103,21 @@ impl BlobApi {
             session,
             if_absent: false,
         };
-        let sync = self.entry_sync(request.durability)?;
-        let existed = match self.commit(&target, Proposal::Write(op, sync)).await? {
+        let outcome = self
+            .wait(&target, submit(&target, Proposal::Write(op, sync)))
+            .await?;
+        let existed = match self.op_result(&target, &outcome)? {
             OpResult::Done { existed } => existed,
             OpResult::Refused(why) => return Err(self.refused(&target, why)),
         };
-        Ok(DeleteResponse { existed })
+        // The chunks of the chunked blob this delete removed, as it found
+        // it where it applied (a put between the SDK's read of the
+        // manifest and this delete stored another's); content-addressed
+        // chunks are shared.
+        let replaced = outcome
+            .replaced_chunks()
+            .filter(|_| !target.namespace.content_addressed);
+        Ok(DeleteResponse { existed, replaced })
     }
 
     async fn list_inner(&self, request: ListRequest) -> ApiResult<ListResponse> {
@@ -1206,7 +1261,11 @@ impl BlobApi {
         Ok(true)
     }
 
-    async fn touch_inner(&self, request: TouchRequest) -> ApiResult<TouchResponse> {
+    async fn touch_inner(
+        &self,
+        request: TouchRequest,
+        caller: &Caller,
+    ) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
         let session = self.session(&target, request.session.as_ref())?;
@@ -1228,6 +1287,7 @@ impl BlobApi {
         let epoch = self.write_epoch(&target);
         let recorded = stored_epoch.0 < epoch;
         if recorded {
+            self.charge_open(&target, session.as_ref(), caller)?;
             let touch = Command::Touch {
                 namespace: target.namespace.id,
                 epoch,
@@ -1421,7 +1481,7 @@ impl BlobService for BlobApi {
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
                 Role::Delete,
             )?;
-            self.delete_inner(request).await
+            self.delete_inner(request, &caller).await
         })
         .await
     }
@@ -1450,7 +1510,7 @@ impl BlobService for BlobApi {
                 request.blob.as_ref().map(|b| b.namespace.as_str()),
                 Role::Write,
             )?;
-            self.touch_inner(request).await
+            self.touch_inner(request, &caller).await
         })
         .await
     }

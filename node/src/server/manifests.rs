@@ -11,7 +11,7 @@
 //! as a peer reading with its own certificate — and hashes them in order:
 //! the manifest is stored only if every chunk exists and the whole
 //! digest is the key. One chunk is held at a time, counted against the
-//! node's in-flight budget while held, and at most [`CHECKS_AT_ONCE`]
+//! caller's in-flight budget while held, and at most [`CHECKS_AT_ONCE`]
 //! checks run on a node (others wait their turn): a manifest listing one
 //! chunk 55,000 times makes its node read about 220 GiB, and many of them
 //! at once held a chunk each outside every budget.
@@ -47,6 +47,7 @@ fn invalid(node: &Node, message: impl Into<String>) -> ErrorInfo {
 /// malformed.
 pub(crate) async fn verify(
     node: &Arc<Node>,
+    caller: &tidepool_security::Caller,
     namespace: &Namespace,
     key: &[u8],
     content: &[u8],
@@ -95,18 +96,17 @@ pub(crate) async fn verify(
     for chunk in &manifest.chunks {
         // The read is admitted where it is served (its Get reserves the
         // chunk's length there); once here, the chunk is held under the
-        // node's budget until it is hashed: refused (OVERLOADED,
+        // caller's share until it is hashed: refused (OVERLOADED,
         // retryable) when that is taken. Reserved before the read, a chunk
         // led by this node was counted twice while its Get ran, and at the
         // smallest budget the configuration allows (two of the largest
-        // values) such a check never fit. Not under the caller's token's
-        // half of the budget: the put holds its manifest there already,
-        // and at that smallest budget the half is one value — manifest and
-        // chunk never fitted, and every chunked content-addressed put made
-        // with a token was OVERLOADED. What all checks hold at once is
-        // bounded by `CHECKS_AT_ONCE`.
+        // values) such a check never fit. The share is at least the
+        // manifest the put holds and the chunk together (at that smallest
+        // budget a token's half is one value: the two never fitted, and
+        // every chunked content-addressed put made with a token was
+        // OVERLOADED).
         let bytes = read_chunk(node, namespace, &chunk.key, chunk.size).await?;
-        let _held = node.reserve(chunk.size, &tidepool_security::Caller::default())?;
+        let _held = node.reserve_beside(chunk.size, content.len() as u64, caller)?;
         if Sha256::digest(&bytes)[..] != chunk.sha256[..] {
             return Err(node.error(
                 ErrorCode::DigestMismatch,
@@ -244,10 +244,10 @@ async fn get(
                 )));
             }
             Some(get_response::Msg::Data(data)) => {
+                // More than the replica announced: its fault, not the
+                // manifest's (another replica is asked).
                 if bytes.len() as u64 + data.len() as u64 > size {
-                    return Ok(Err(format!(
-                        "a chunk the manifest lists as {size} bytes holds more"
-                    )));
+                    return Err(tonic::Status::data_loss("more chunk bytes than announced"));
                 }
                 bytes.extend_from_slice(&data);
             }

@@ -17,6 +17,7 @@ mod errors;
 mod liveness;
 mod manifests;
 mod metrics;
+mod opens;
 mod raft_service;
 mod transport;
 
@@ -105,6 +106,9 @@ pub struct Node {
     /// KiB of it each token holds now (by token name): one token takes at
     /// most half.
     in_flight_by_token: TokenTally,
+    /// Write sessions each token may still open on each shard this node
+    /// leads (`opens.rs`).
+    pub(crate) session_opens: opens::SessionOpens,
     /// Manifest checks running at once (`manifests::verify`): each reads
     /// every chunk a manifest lists from the cluster.
     pub(crate) manifest_checks: Arc<tokio::sync::Semaphore>,
@@ -198,6 +202,10 @@ impl Node {
         create_dir_durably(&shards_dir)?;
         let map = config.static_map().unwrap_or_default();
         let in_flight_kib = config.limits.in_flight_mib.saturating_mul(1024);
+        let session_opens = opens::SessionOpens::new(
+            config.limits.session_opens_per_second,
+            config.limits.session_opens_burst,
+        );
         let (threads, low_threads) = config.worker_threads();
         let workers = tidepool_engine::WorkerPool::with_sync_lane(
             "tidepool-worker",
@@ -234,6 +242,7 @@ impl Node {
             outbox: Arc::new(Outbox::default()),
             metrics: NodeMetrics::default(),
             in_flight_by_token: Arc::default(),
+            session_opens,
             manifest_checks: Arc::new(tokio::sync::Semaphore::new(manifests::CHECKS_AT_ONCE)),
             in_flight: Arc::new(tokio::sync::Semaphore::new(
                 in_flight_kib.min(u64::from(u32::MAX)) as usize,
@@ -424,7 +433,23 @@ impl Node {
         bytes: u64,
         caller: &tidepool_security::Caller,
     ) -> std::result::Result<InFlight, ErrorInfo> {
+        self.reserve_beside(bytes, 0, caller)
+    }
+
+    /// [`Node::reserve`] for a request that holds `beside` bytes already:
+    /// the token's share is at least the two together (a manifest being
+    /// checked holds one of its chunks; at the smallest budget allowed, two
+    /// of the largest values, the half is one value and the two never
+    /// fitted: every chunked content-addressed put made with a token was
+    /// `OVERLOADED`).
+    pub(crate) fn reserve_beside(
+        &self,
+        bytes: u64,
+        beside: u64,
+        caller: &tidepool_security::Caller,
+    ) -> std::result::Result<InFlight, ErrorInfo> {
         let kib = u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+        let beside_kib = u32::try_from(beside.div_ceil(1024)).unwrap_or(u32::MAX);
         let overloaded = |message: String| {
             let mut info = self.error(ErrorCode::Overloaded, message);
             info.detail.retry_after_ms = 100;
@@ -448,7 +473,9 @@ impl Node {
             });
         };
         let budget_kib = self.config.limits.in_flight_mib.saturating_mul(1024);
-        let share = u32::try_from(budget_kib / 2).unwrap_or(u32::MAX).max(kib);
+        let share = u32::try_from(budget_kib / 2)
+            .unwrap_or(u32::MAX)
+            .max(kib.saturating_add(beside_kib));
         let mut held = self.in_flight_by_token.lock();
         let now = held.get(&name).copied().unwrap_or(0);
         if now.saturating_add(kib) > share {
