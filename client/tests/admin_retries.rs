@@ -406,3 +406,104 @@ async fn a_coordinator_with_an_old_map_is_passed_over_once_a_node_shows_a_newer_
     assert_eq!(client.get("newer", b"k").await.unwrap(), b"written");
     cluster.stop().await;
 }
+
+/// A coordinator cut off from its store that keeps a map watch open: it
+/// sends the map it cached, then nothing more; everything else it refuses,
+/// so a node's heartbeats go to the next coordinator.
+struct SilentWatch {
+    map: ClusterMap,
+}
+
+#[tonic::async_trait]
+impl CoordinatorService for SilentWatch {
+    type WatchClusterMapStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<ClusterMap, Status>> + Send>>;
+
+    async fn get_cluster_map(
+        &self,
+        _: Request<GetClusterMapRequest>,
+    ) -> Result<Response<ClusterMap>, Status> {
+        Ok(Response::new(self.map.clone()))
+    }
+
+    async fn watch_cluster_map(
+        &self,
+        request: Request<WatchClusterMapRequest>,
+    ) -> Result<Response<Self::WatchClusterMapStream>, Status> {
+        let first =
+            (self.map.version > request.get_ref().after_version).then(|| Ok(self.map.clone()));
+        let stream =
+            tokio_stream::StreamExt::chain(tokio_stream::iter(first), tokio_stream::pending());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    unavailable! {
+        advance_epoch(AdvanceEpochRequest) -> AdvanceEpochResponse;
+        create_namespace(CreateNamespaceRequest) -> Namespace;
+        register_node(RegisterNodeRequest) -> RegisterNodeResponse;
+        heartbeat(HeartbeatRequest) -> HeartbeatResponse;
+        prepare_node_stop(PrepareNodeStopRequest) -> PrepareNodeStopResponse;
+        list_namespaces(ListNamespacesRequest) -> ListNamespacesResponse;
+        set_retention(SetRetentionRequest) -> Namespace;
+        get_epoch_status(GetEpochStatusRequest) -> EpochStatus;
+        drain_node(DrainNodeRequest) -> DrainNodeResponse;
+        split_shard(SplitShardRequest) -> SplitShardResponse;
+        get_cluster_status(GetClusterStatusRequest) -> ClusterStatus;
+        create_token(CreateTokenRequest) -> CreateTokenResponse;
+        list_tokens(ListTokensRequest) -> ListTokensResponse;
+        revoke_token(RevokeTokenRequest) -> RevokeTokenResponse;
+        who_am_i(WhoAmIRequest) -> WhoAmIResponse;
+        restore_map(RestoreMapRequest) -> RestoreMapResponse;
+    }
+}
+
+/// A node whose map watch is held by a coordinator that no longer follows
+/// its store (open, silent) catches up all the same: its heartbeats, which
+/// another coordinator answers, carry the current map version, and a node
+/// behind for two beats fetches the map there and watches elsewhere.
+/// Before, the node kept its old map for as long as that coordinator stayed
+/// cut off — revoked tokens accepted, new namespaces unknown, writes
+/// stamped with an old epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_map_watch_went_silent_catches_up_through_its_heartbeats() {
+    let mut cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let old = client.refresh_map().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(CoordinatorServiceServer::new(SilentWatch {
+                map: (*old).clone(),
+            }))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let real = cluster.url.clone();
+    let i = cluster
+        .add_node_with(|config| {
+            if let Some(link) = config.coordinator.as_mut() {
+                link.addresses = vec![silent_url.clone(), real.clone()];
+            }
+        })
+        .await;
+    // The map moves on: the node registered (through the real one), and a
+    // namespace is created.
+    client
+        .create_namespace("later", false, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let current = client.refresh_map().await.unwrap().version;
+    assert!(current > old.version);
+    let node = cluster.nodes[i].as_ref().unwrap().node.clone();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while node.map().version < current {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node's map stayed at version {} (the coordinators' is {current})",
+            node.map().version
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(node.map().namespaces.iter().any(|n| n.name == "later"));
+    cluster.stop().await;
+}

@@ -16,7 +16,10 @@
 //!
 //! `GET`, `HEAD`, `PUT` (200), `DELETE` (200, or 404 when absent).
 
+use std::future::Future as _;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -32,6 +35,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use tidepool_client::{Client, Error, ErrorCode};
 use tidepool_security::first_byte::FirstByteDeadline;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_stream::StreamExt as _;
@@ -61,10 +65,6 @@ const AC_INLINE_BYTES: u64 = 4 << 20;
 const AC_MEMORY_BYTES: u64 = 256 << 20;
 static AC_MEMORY: Semaphore = Semaphore::const_new((AC_MEMORY_BYTES >> 10) as usize);
 
-/// HTTP/2 requests in flight on one connection (hyper's default is 200:
-/// each streamed response holds its blob reader's read-ahead).
-const H2_STREAMS_PER_CONNECTION: u32 = 32;
-
 /// What a path names.
 #[derive(Debug, PartialEq, Eq)]
 enum Target {
@@ -92,10 +92,6 @@ pub(crate) async fn serve(
         .layer(counted);
     serve_app(app, listener, tls, limits, stop).await;
 }
-
-/// HTTP/2 connections are pinged this often when quiet, and closed when a
-/// ping goes unanswered for as long (a peer gone without a FIN).
-const H2_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// How long a stopping endpoint lets requests under way finish.
 pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -139,17 +135,17 @@ async fn serve_connections<L: axum::serve::Listener>(
     limits: HttpLimits,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut builder = Builder::new(TokioExecutor::new());
+    // HTTP/1.1 only: the clients of these endpoints (Bazel's and ccache's
+    // HTTP caches, restic) speak it, and hyper's HTTP/2 server has no idle
+    // timeout — a client that sent the preface and answered pings held a
+    // connection slot for ever, so a few thousand of them locked every
+    // build tool out. An idle HTTP/1.1 connection is closed by the header
+    // timeout, which also bounds the wait for each next request.
+    let mut builder = Builder::new(TokioExecutor::new()).http1_only();
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(H2_KEEPALIVE)
-        .keep_alive_timeout(H2_KEEPALIVE)
-        .max_concurrent_streams(H2_STREAMS_PER_CONNECTION);
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
@@ -164,13 +160,13 @@ async fn serve_connections<L: axum::serve::Listener>(
         let service = TowerToHyperService::new(app.clone());
         let builder = builder.clone();
         let mut stop = stop.clone();
-        let header_timeout = limits.header_timeout;
+        let (header_timeout, body_idle) = (limits.header_timeout, limits.body_idle);
         tokio::spawn(async move {
             // hyper reads a connection's first bytes to tell HTTP/1 from
             // HTTP/2 before any of its timeouts applies: a connection that
             // sends nothing, or a prefix of HTTP/2's preface and then
             // nothing, is closed by this deadline instead.
-            let io = FirstByteDeadline::new(io, header_timeout);
+            let io = WriteStall::new(FirstByteDeadline::new(io, header_timeout), body_idle);
             let connection = builder.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
@@ -185,6 +181,96 @@ async fn serve_connections<L: axum::serve::Listener>(
     }
     // Requests under way finish (or the drain times out on each).
     let _ = slots.acquire_many(limits.max_connections as u32).await;
+}
+
+/// A connection whose writes fail (`TimedOut`) once one has waited for
+/// `stall` without the client taking a byte: hyper has no write timeout,
+/// so a client that stopped reading a response (its receive window full)
+/// held the connection, its slot and what the response had queued for as
+/// long as it kept the socket open.
+struct WriteStall<I> {
+    io: I,
+    stall: Duration,
+    /// Armed while a write waits.
+    waiting: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<I> WriteStall<I> {
+    fn new(io: I, stall: Duration) -> Self {
+        WriteStall {
+            io,
+            stall,
+            waiting: None,
+        }
+    }
+
+    /// What a write that returned `poll` becomes: its result once ready
+    /// (disarming the deadline), an error once it waited `stall`.
+    fn judge<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if poll.is_ready() {
+            self.waiting = None;
+            return poll;
+        }
+        let stall = self.stall;
+        let waiting = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        if waiting.as_mut().poll(cx).is_ready() {
+            self.waiting = None;
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client took nothing of the response",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for WriteStall<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for WriteStall<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write(cx, data);
+        self.judge(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, data);
+        self.judge(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.judge(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 async fn stopped(stop: &mut watch::Receiver<bool>) {
@@ -436,19 +522,27 @@ async fn get(
     }
     if checked {
         let stored = reader.sha256();
-        // The entry, and its decoded form if it decodes
-        // (`wire::decodes_in_bounds`): within the budget, never clamped to
-        // it (`AC_CHECK_BYTES`).
-        let held = size
-            .saturating_mul(1 + crate::wire::MAX_DECODED_RATIO)
-            .saturating_add(crate::wire::SLACK_BYTES);
-        let memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
+        // The entry within the budget (never clamped to it:
+        // `AC_CHECK_BYTES`), and its decoded form only if it decodes
+        // (`wire::decodes_in_bounds`): counted 41 times over for every
+        // entry, a ccache result of 5 MiB (not an `ActionResult`) held
+        // most of the budget, and every action-cache lookup queued behind.
+        let mut memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {
             bytes.extend_from_slice(&piece);
         }
-        if let Some(result) = cache::as_action_result(&bytes) {
-            cache::require_outputs(client, instance, &result).await?;
+        if crate::wire::decodes_in_bounds(&bytes) {
+            // Given back before asking for more: two requests each holding
+            // part and waiting for the rest never both get it.
+            drop(memory);
+            let held = size
+                .saturating_mul(1 + crate::wire::MAX_DECODED_RATIO)
+                .saturating_add(crate::wire::SLACK_BYTES);
+            memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
+            if let Some(result) = cache::as_action_result(&bytes) {
+                cache::require_outputs(client, instance, &result).await?;
+            }
         }
         // Kept alive only as a hit: an entry whose outputs are gone, moved
         // to the current epoch at every lookup, never expired — and a
@@ -508,9 +602,12 @@ pub(crate) fn streamed(mut reader: tidepool_client::BlobReader, idle: Duration) 
                     return;
                 }
             };
+            // Copied out, not shared: parts queued for a client that stopped
+            // reading would each keep the whole piece (up to a chunk) alive
+            // after the producer let it go.
             while !piece.is_empty() {
                 let part = piece.split_to(piece.len().min(STREAMED_PIECE));
-                if !feed(&tx, Ok(part), idle).await {
+                if !feed(&tx, Ok(Bytes::copy_from_slice(&part)), idle).await {
                     return;
                 }
             }

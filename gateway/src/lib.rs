@@ -485,7 +485,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
                 tidepool_security::tls::server_only_config(&files.cert, &files.key, alpn)
                     .map_err(|e| format!("the gateway's TLS material: {e}"))
             };
-            Some((config(&[b"h2"])?, config(&[b"h2", b"http/1.1"])?))
+            // HTTP/1.1 only on the HTTP endpoints (`http::serve_connections`).
+            Some((config(&[b"h2"])?, config(&[b"http/1.1"])?))
         }
     };
     let restic = match &config.restic {

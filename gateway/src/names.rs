@@ -34,6 +34,18 @@ impl Instance {
     /// The instance `name` names: `""` is [`DEFAULT_INSTANCE`]; any other
     /// must be a namespace name short enough to take [`AC_SUFFIX`].
     pub fn parse(name: &str) -> Result<Instance, String> {
+        // ccache's `subdirs` layout puts the default instance's keys at
+        // `/<two hex digits>/…`: an instance of such a name took over (and
+        // stored into another tenant's namespace) 1 in 256 of them.
+        if name.len() == 2
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return Err(format!(
+                "instance name {name:?} is two hex digits, which ccache's `subdirs` layout uses as paths of its own: not an instance"
+            ));
+        }
         let base = if name.is_empty() {
             DEFAULT_INSTANCE
         } else {
@@ -217,6 +229,12 @@ mod tests {
         assert!(Instance::parse("a/b").is_err());
         assert!(Instance::parse(&"a".repeat(61)).is_err());
         assert!(Instance::parse(&"a".repeat(60)).is_ok());
+        // ccache `subdirs` paths, never instances.
+        for name in ["ab", "0f", "99"] {
+            assert!(Instance::parse(name).is_err(), "{name}");
+        }
+        assert!(Instance::parse("ag").is_ok());
+        assert!(Instance::parse("abc").is_ok());
     }
 
     #[test]

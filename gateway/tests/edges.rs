@@ -258,19 +258,26 @@ async fn slow_idle_and_surplus_http_clients_are_bounded() {
         "closed after {closed:?}, answering {answer:?}"
     );
 
-    // The start of HTTP/2's preface, then nothing: hyper's version
-    // detection waits for more before its header timeout applies; closed
-    // after the timeout all the same (it was held for ever).
-    let (mut reader, mut writer) = connect().await;
-    let start = Instant::now();
-    writer.write_all(b"PRI * HTTP/2.0").await.unwrap();
-    let (_, closed) = until_closed(&mut reader, start).await;
-    let closed = closed.expect("a connection stalled in a preface is closed");
-    assert!(
-        closed >= Duration::from_millis(900),
-        "closed after {closed:?}"
-    );
-    drop(writer);
+    // HTTP/2 is not served here: its preface, whole or only begun, closes
+    // the connection at once. (Served, an HTTP/2 connection stayed open
+    // for as long as its client answered pings, whatever it asked; with
+    // HTTP/2 served, the start of the preface and then nothing waited for
+    // the header timeout.)
+    for preface in [
+        &b"PRI * HTTP/2.0"[..],
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",
+    ] {
+        let (mut reader, mut writer) = connect().await;
+        let start = Instant::now();
+        writer.write_all(preface).await.unwrap();
+        let (_, closed) = until_closed(&mut reader, start).await;
+        let closed = closed.expect("an HTTP/2 client is refused");
+        assert!(
+            closed < Duration::from_millis(900),
+            "closed after {closed:?}: served until the header timeout"
+        );
+        drop(writer);
+    }
 
     // An idle keep-alive connection: one request answered, then closed.
     let (mut reader, mut writer) = connect().await;
@@ -1031,5 +1038,57 @@ async fn a_get_tree_token_says_when_the_tree_changed_under_it() {
     // From the start, the whole tree.
     let whole = page(String::new()).await.unwrap();
     assert_eq!(whole.directories, vec![top.clone(), a.clone()]);
+    s.stop().await;
+}
+
+/// A client that stops reading a response (its receive window full) loses
+/// the connection once a write has waited for the body idle bound: hyper
+/// has no write timeout, and such connections held their slots (and what
+/// their responses had queued) for as long as their clients kept the
+/// sockets open — here four of them locked out every other client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_stops_reading_loses_its_connection() {
+    use std::time::{Duration, Instant};
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(true, |config| {
+        config.http_limits = tidepool_gateway::HttpLimits {
+            header_timeout: Duration::from_secs(1),
+            body_idle: Duration::from_secs(1),
+            max_connections: 4,
+        };
+    })
+    .await;
+    let at = s.gateway.http_address;
+    let content = blob(63, 8 << 20);
+    let path = format!("/cas/{}", hex(&Sha256::digest(&content)));
+    assert_eq!(http(at, "PUT", &path, None, content.clone()).await.0, 200);
+    // Four GETs of 8 MiB whose clients read nothing (small receive
+    // buffers: the server's writes wait once its send buffer is full).
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let stream = socket.connect(at).await.unwrap();
+        let (reader, mut writer) = stream.into_split();
+        let head = format!("GET {path} HTTP/1.1\r\nhost: gateway\r\n\r\n");
+        writer.write_all(head.as_bytes()).await.unwrap();
+        stalled.push((reader, writer));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // A fifth client is served: the stalled ones were let go.
+    let (mut reader, mut writer) = tokio::net::TcpStream::connect(at)
+        .await
+        .unwrap()
+        .into_split();
+    let start = Instant::now();
+    let missing = format!("/cas/{}", hex(&Sha256::digest(b"not stored here")));
+    let head = format!("GET {missing} HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n");
+    writer.write_all(head.as_bytes()).await.unwrap();
+    let (answer, closed) = until_closed(&mut reader, start).await;
+    assert!(
+        closed.is_some() && answer.starts_with("HTTP/1.1 404"),
+        "not served while four clients held their responses: {answer:?}"
+    );
+    drop(stalled);
     s.stop().await;
 }

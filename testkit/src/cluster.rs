@@ -66,6 +66,12 @@ impl LocalCluster {
 
     /// Starts one more node. Returns its index.
     pub async fn add_node(&mut self) -> usize {
+        self.add_node_with(|_| {}).await
+    }
+
+    /// [`LocalCluster::add_node`] with `adjust` applied to the node's
+    /// configuration.
+    pub async fn add_node_with(&mut self, adjust: impl FnOnce(&mut NodeConfig)) -> usize {
         let i = self.nodes.len();
         let mut config = NodeConfig::new(0);
         config.listen = "127.0.0.1:0".parse().expect("address");
@@ -79,6 +85,7 @@ impl LocalCluster {
             zone: String::new(),
             capacity_bytes: 0,
         });
+        adjust(&mut config);
         let node = tidepool_node::server::start(config)
             .await
             .expect("the node starts");

@@ -20,8 +20,8 @@ use tidepool_engine::storage::{FileStorage, read_whole_file, write_file_atomical
 use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::{
-    ClusterMap, ErrorCode, HeartbeatRequest, PrepareNodeStopRequest, RegisterNodeRequest,
-    WatchClusterMapRequest,
+    ClusterMap, ErrorCode, GetClusterMapRequest, HeartbeatRequest, PrepareNodeStopRequest,
+    RegisterNodeRequest, WatchClusterMapRequest,
 };
 use tidepool_security::{Channel, Security};
 
@@ -442,12 +442,33 @@ pub(crate) fn spawn(node: Arc<Node>, lease_ttl: Duration) {
     let Some(link) = node.config.coordinator.clone() else {
         return;
     };
-    tokio::spawn(heartbeats(node.clone(), link.addresses.clone(), lease_ttl));
-    tokio::spawn(watch_map(node, link.addresses));
+    let behind = Arc::new(tokio::sync::Notify::new());
+    tokio::spawn(heartbeats(
+        node.clone(),
+        link.addresses.clone(),
+        lease_ttl,
+        behind.clone(),
+    ));
+    tokio::spawn(watch_map(node, link.addresses, behind));
 }
 
-async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Duration) {
+/// Heartbeats that answer a newer map version than the node holds, in a
+/// row, before the node fetches the map itself: the watch delivers a new
+/// map within moments, but a watch held by a coordinator cut off from its
+/// store stays open and silent, and the node went on for as long with an
+/// old map — revoked tokens accepted, new namespaces unknown, writes
+/// stamped with an old epoch, a deposed coordinator's commands judged by
+/// it.
+const BEATS_BEHIND: u32 = 2;
+
+async fn heartbeats(
+    node: Arc<Node>,
+    addresses: Vec<String>,
+    mut lease_ttl: Duration,
+    behind: Arc<tokio::sync::Notify>,
+) {
     let mut coordinators = Coordinators::new(addresses, node.security.clone());
+    let mut beats_behind = 0u32;
     let stopped = node.stopped();
     tokio::pin!(stopped);
     let mut wait = Duration::ZERO;
@@ -483,6 +504,39 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
                 if response.lease_ttl_ms > 0 {
                     lease_ttl = Duration::from_millis(u64::from(response.lease_ttl_ms));
                 }
+                if response.map_version <= node.map().version {
+                    beats_behind = 0;
+                    continue;
+                }
+                beats_behind += 1;
+                if beats_behind < BEATS_BEHIND {
+                    continue;
+                }
+                // From the coordinator that answered (it holds the newer
+                // map), and the watch moves on to another.
+                tracing::warn!(
+                    held = node.map().version,
+                    current = response.map_version,
+                    "the cluster map watch is behind the coordinators; fetching the map"
+                );
+                behind.notify_one();
+                let fetch = async {
+                    let mut client = coordinators.client().await.map_err(|e| (e, None))?;
+                    client
+                        .get_cluster_map(GetClusterMapRequest {})
+                        .await
+                        .map(|r| r.into_inner())
+                        .map_err(|s| (NodeError::Network(s.message().to_string()), Some(s)))
+                };
+                match answered_within(interval, fetch).await {
+                    Ok(map) => {
+                        node.set_map(map);
+                        beats_behind = 0;
+                    }
+                    Err((error, _)) => {
+                        tracing::warn!(%error, "fetching the cluster map failed");
+                    }
+                }
             }
             Err((error, status)) if status.as_ref().is_some_and(is_wrong_cluster) => {
                 tracing::error!(%error, "{WRONG_CLUSTER_HELP}");
@@ -497,7 +551,7 @@ async fn heartbeats(node: Arc<Node>, addresses: Vec<String>, mut lease_ttl: Dura
     }
 }
 
-async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
+async fn watch_map(node: Arc<Node>, addresses: Vec<String>, behind: Arc<tokio::sync::Notify>) {
     let mut coordinators = Coordinators::new(addresses, node.security.clone());
     let stopped = node.stopped();
     tokio::pin!(stopped);
@@ -530,6 +584,12 @@ async fn watch_map(node: Arc<Node>, addresses: Vec<String>) {
                 if let Err(error) = result {
                     tracing::warn!(%error, "cluster map watch ended; reconnecting");
                 }
+                coordinators.after_failure(None);
+            }
+            // The heartbeats saw the coordinators ahead of this watch: it
+            // is held by one that no longer follows the store.
+            () = behind.notified() => {
+                tracing::warn!("cluster map watch behind the heartbeats' map version; watching another coordinator");
                 coordinators.after_failure(None);
             }
         }
