@@ -1148,6 +1148,13 @@ async fn one_token_cannot_fill_a_shards_write_sessions() {
     put(channel.clone(), "held".into(), [1; 16], 2, false)
         .await
         .expect("a write in a session held");
+    // A request naming no blob is INVALID_ARGUMENT whatever the token's
+    // roles (it was PERMISSION_DENIED in namespace "").
+    let status = BlobServiceClient::new(channel.clone())
+        .delete(pb::DeleteRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&status), ErrorCode::InvalidArgument, "{status:?}");
     // Another token's first writes (new sessions) go through.
     let neighbour = client_with(&cluster, &other).await;
     neighbour

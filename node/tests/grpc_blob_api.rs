@@ -1373,6 +1373,26 @@ async fn unknown_durabilities_and_huge_namespace_names_get_typed_errors() {
         .await
         .unwrap_err();
     assert_eq!(code(&status), ErrorCode::NamespaceNotFound, "{status:?}");
+    // A listing with an unknown consistency: INVALID_ARGUMENT from every
+    // replica (a follower answered NOT_LEADER first).
+    for id in 1..=3 {
+        let status = cluster
+            .client(id)
+            .await
+            .list(tidepool_proto::v1::ListRequest {
+                namespace: "default".into(),
+                shard_id: 1,
+                consistency: 9,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            code(&status),
+            ErrorCode::InvalidArgument,
+            "node {id}: {status:?}"
+        );
+    }
     cluster.shutdown().await;
 }
 

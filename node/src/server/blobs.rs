@@ -454,8 +454,16 @@ impl BlobApi {
         }
     }
 
-    /// `PERMISSION_DENIED` unless the caller holds `role` in `namespace`.
+    /// `PERMISSION_DENIED` unless the caller holds `role` in `namespace`;
+    /// `INVALID_ARGUMENT` for a request naming no blob (`None`), whatever
+    /// the caller's roles (it was `PERMISSION_DENIED` in namespace "").
     fn allow(&self, caller: &Caller, namespace: Option<&str>, role: Role) -> ApiResult<()> {
+        let Some(namespace) = namespace else {
+            return Err(invalid(
+                &self.node,
+                "the request names no blob (`blob` is required)",
+            ));
+        };
         if caller.peer_read && !caller.open {
             // A node's certificate reads without a token only while the
             // map binds its name to a node (a retired pod's certificate,
@@ -474,12 +482,10 @@ impl BlobApi {
                 return Err(info);
             }
         }
-        caller
-            .require(namespace.unwrap_or_default(), role)
-            .map_err(|mut info| {
-                info.detail.map_version = self.node.map().version;
-                info
-            })
+        caller.require(namespace, role).map_err(|mut info| {
+            info.detail.map_version = self.node.map().version;
+            info
+        })
     }
 
     async fn put_inner(
@@ -1170,6 +1176,15 @@ impl BlobApi {
             info,
             shard,
         };
+        // An unknown consistency is the request's error, answered by any
+        // replica (a follower answered NOT_LEADER first, and the leader
+        // then INVALID_ARGUMENT).
+        if ReadConsistency::try_from(request.consistency).is_err() {
+            return Err(invalid(
+                &self.node,
+                format!("unknown consistency {}", request.consistency),
+            ));
+        }
         if request.consistency != ReadConsistency::AnyReplica as i32 {
             self.require_leader(&target)?;
         }
