@@ -12,7 +12,7 @@ use tidepool_proto::v1::{
     AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
     GetClusterMapRequest, GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest,
     Namespace, RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest,
-    SplitShardRequest, TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
+    SetRetentionRequest, SplitShardRequest, TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -195,6 +195,24 @@ impl Client {
             tracing::debug!(%error, "map refresh after creating a namespace");
         }
         Ok(namespace)
+    }
+
+    /// Changes a namespace's retention; returns the namespace as changed.
+    /// A durable namespace never becomes an expiring one
+    /// (`INVALID_ARGUMENT`). Answered once every shard has recorded the
+    /// new retention (no drop computed under the former one applies
+    /// afterwards); the coordinator's `NO_QUORUM` while some shard has not
+    /// is tried again until the client's timeout (the call is idempotent).
+    pub async fn set_retention(&self, name: &str, retention: RetentionPolicy) -> Result<Namespace> {
+        self.on_coordinator(|mut c| async move {
+            c.set_retention(SetRetentionRequest {
+                name: name.to_string(),
+                retention: Some(retention.into()),
+            })
+            .await
+            .map(|r| r.into_inner())
+        })
+        .await
     }
 
     /// Every namespace, by name.

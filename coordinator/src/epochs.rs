@@ -7,10 +7,28 @@
 //! is the drop each shard is ordered to apply. Epochs start at 1, so a
 //! target of 1 or less drops nothing and is not ordered.
 
-use tidepool_proto::v1::{EpochStatus, Namespace, NamespaceDropStatus, ShardDropProgress};
+use tidepool_proto::v1::{
+    ClusterMap, EpochStatus, Namespace, NamespaceDropStatus, ReplicaStatus, RetainOp,
+    ShardDropProgress,
+};
 
-use crate::plan::ShardView;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tidepool_proto::v1::{ProposeAdminRequest, propose_admin_request::Op as AdminOp};
+
+use crate::CoordinatorError;
+use crate::core::Shared;
+use crate::nodes::NodeClients;
+use crate::plan::{ShardView, shard_views};
 use crate::schema::retained_epochs;
+
+/// How long `SetRetention` goes on having shards record a retention.
+const RECORD_TIMEOUT: Duration = Duration::from_secs(20);
+/// Longest wait for one shard's retain entry.
+const RECORD_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause between passes over the shards that have not recorded it yet.
+const RECORD_PAUSE: Duration = Duration::from_millis(250);
 
 /// The `below` bound of the drop a namespace needs at cluster epoch
 /// `epoch`, or `None` when it keeps everything (durable, or too young).
@@ -18,6 +36,176 @@ pub fn drop_target(namespace: &Namespace, epoch: u64) -> Option<u64> {
     let keep = retained_epochs(namespace)?;
     let target = (epoch + 1).checked_sub(u64::from(keep))?;
     (target >= 2).then_some(target)
+}
+
+/// The epochs a shard records for `namespace` in a retain entry: those
+/// its retention keeps, 0 for a durable one (no drop allowed).
+pub fn recorded_epochs(namespace: &Namespace) -> u32 {
+    retained_epochs(namespace).unwrap_or(0)
+}
+
+/// The retain entry `namespace` needs on every shard for `map`'s
+/// retention to hold there whatever drop is still in flight.
+pub fn retain_op(map: &ClusterMap, namespace: &Namespace) -> RetainOp {
+    RetainOp {
+        namespace_id: namespace.id,
+        epochs: recorded_epochs(namespace),
+        map_version: map.version,
+    }
+}
+
+/// Whether the shard whose leader reports `status` holds `namespace`'s
+/// retention from `map_version` or a newer map.
+pub fn holds_retention(status: &ReplicaStatus, namespace: u32, map_version: u64) -> bool {
+    status
+        .retained
+        .iter()
+        .any(|r| r.namespace_id == namespace && r.map_version >= map_version)
+}
+
+/// The retain entry a shard's leader needs before the next drop: for the
+/// first namespace of `map` whose retention it holds with other epochs
+/// (shortened since: its drops would be refused at apply). A shard that
+/// holds none of a namespace needs none — its drops are judged by the
+/// nodes' maps, as before retain entries; `SetRetention` records one in
+/// every shard before it answers.
+pub fn retain_needed(map: &ClusterMap, status: &ReplicaStatus) -> Option<RetainOp> {
+    map.namespaces.iter().find_map(|ns| {
+        let held = status.retained.iter().find(|r| r.namespace_id == ns.id)?;
+        (held.epochs != recorded_epochs(ns) && held.map_version < map.version)
+            .then(|| retain_op(map, ns))
+    })
+}
+
+impl Shared {
+    /// Has every shard with replicas record `namespace`'s retention as
+    /// `map` (the map holding it, as written) has it: a retain entry
+    /// applied by the shard's leader, or one from a newer map held. From
+    /// then on no drop computed under an earlier retention — in a leader's
+    /// log with its commit delayed, or still in transit from this or a
+    /// deposed coordinator — applies there: every replica refuses it at
+    /// apply. Shards split off meanwhile are included as the map lists
+    /// them. A shard a node of which runs a version without retain entries
+    /// is skipped (there the nodes' maps alone guard drops, as before; said
+    /// in the log). Fails (`Unrecorded`, retryable) naming the shards that
+    /// have not recorded it within `RECORD_TIMEOUT`: the map holds the new
+    /// retention, and calling again finishes the job.
+    pub(crate) async fn record_retention(
+        &self,
+        map: &ClusterMap,
+        namespace: &Namespace,
+    ) -> Result<(), CoordinatorError> {
+        let op = retain_op(map, namespace);
+        let deadline = tokio::time::Instant::now() + RECORD_TIMEOUT;
+        let mut done = BTreeSet::new();
+        let mut skipped = BTreeSet::new();
+        let mut failures: BTreeMap<u32, String> = BTreeMap::new();
+        loop {
+            if self.leadership().is_none() {
+                return Err(CoordinatorError::NotLeader);
+            }
+            let current = self.map();
+            let reports = self.fresh_reports(&current).await?;
+            let views = shard_views(&current, &reports);
+            let mut calls = tokio::task::JoinSet::new();
+            for shard in current.shards.iter().filter(|s| !s.replicas.is_empty()) {
+                let id = shard.shard_id;
+                if done.contains(&id) || skipped.contains(&id) {
+                    continue;
+                }
+                let lacking = crate::splits::lacking(
+                    &current,
+                    id,
+                    &reports,
+                    tidepool_proto::capabilities::RETAIN,
+                );
+                if !lacking.is_empty() {
+                    tracing::warn!(
+                        shard_id = id,
+                        nodes = ?lacking,
+                        namespace = %namespace.name,
+                        "retention not recorded in a shard whose nodes run a version without retain entries"
+                    );
+                    skipped.insert(id);
+                    continue;
+                }
+                let view = views.iter().find(|v| v.shard_id == id);
+                let Some((leader, status)) =
+                    view.and_then(|v| Some((v.leader?, v.leader_status()?)))
+                else {
+                    failures.insert(id, "no leader known".into());
+                    continue;
+                };
+                if holds_retention(status, op.namespace_id, op.map_version) {
+                    done.insert(id);
+                    failures.remove(&id);
+                    continue;
+                }
+                let Some(address) = current
+                    .nodes
+                    .iter()
+                    .find(|n| n.node_id == leader)
+                    .map(|n| n.address.clone())
+                else {
+                    failures.insert(id, format!("leader node {leader} not in the map"));
+                    continue;
+                };
+                let mut client = match self.node_clients.admin(&address) {
+                    Ok(client) => client,
+                    Err(error) => {
+                        failures.insert(id, error.to_string());
+                        continue;
+                    }
+                };
+                let request = ProposeAdminRequest {
+                    shard_id: id,
+                    op: Some(AdminOp::Retain(op)),
+                };
+                let wait = RECORD_CALL_TIMEOUT
+                    .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+                calls.spawn(async move {
+                    let call = client.propose_admin(request);
+                    (id, NodeClients::call("retain", wait, call).await)
+                });
+            }
+            while let Some(joined) = calls.join_next().await {
+                match joined {
+                    Ok((id, Ok(_))) => {
+                        done.insert(id);
+                        failures.remove(&id);
+                    }
+                    Ok((id, Err(error))) => {
+                        failures.insert(id, error.to_string());
+                    }
+                    Err(error) => tracing::warn!(%error, "a retain call failed to run"),
+                }
+            }
+            let pending: Vec<u32> = failures
+                .keys()
+                .filter(|id| !done.contains(id))
+                .copied()
+                .collect();
+            if pending.is_empty() {
+                tracing::info!(
+                    namespace = %namespace.name,
+                    epochs = op.epochs,
+                    map_version = op.map_version,
+                    shards = done.len(),
+                    skipped = skipped.len(),
+                    "retention recorded in the shards"
+                );
+                return Ok(());
+            }
+            if tokio::time::Instant::now() + RECORD_PAUSE >= deadline {
+                let (id, reason) = failures.iter().next().expect("pending is not empty");
+                return Err(CoordinatorError::Unrecorded(format!(
+                    "namespace {:?}'s retention is in the cluster map (v{}), but shards {pending:?} have not recorded it yet (shard {id}: {reason}); until they do, a drop computed under the former retention may still apply there: call again",
+                    namespace.name, op.map_version
+                )));
+            }
+            tokio::time::sleep(RECORD_PAUSE).await;
+        }
+    }
 }
 
 /// What a shard's leader reports it has dropped in `namespace`.
@@ -100,6 +288,43 @@ mod tests {
         };
         assert_eq!(drop_target(&durable, 100), None);
         assert_eq!(drop_target(&Namespace::default(), 100), None);
+    }
+
+    #[test]
+    fn a_retention_held_with_other_epochs_is_recorded_again() {
+        use tidepool_proto::v1::RetentionApplied;
+        let map = ClusterMap {
+            version: 9,
+            namespaces: vec![retaining(2)],
+            ..ClusterMap::default()
+        };
+        let holding = |epochs, map_version| ReplicaStatus {
+            retained: vec![RetentionApplied {
+                namespace_id: 2,
+                epochs,
+                map_version,
+            }],
+            ..ReplicaStatus::default()
+        };
+        // None held: none needed (SetRetention records one everywhere).
+        assert_eq!(retain_needed(&map, &ReplicaStatus::default()), None);
+        assert_eq!(retain_needed(&map, &holding(2, 4)), None);
+        let needed = retain_needed(&map, &holding(5, 4)).unwrap();
+        assert_eq!(
+            (needed.namespace_id, needed.epochs, needed.map_version),
+            (2, 2, 9)
+        );
+        // Held from this map or a newer one (another coordinator's newer
+        // map): not proposed from an older one.
+        assert_eq!(retain_needed(&map, &holding(5, 9)), None);
+        assert!(holds_retention(&holding(5, 9), 2, 9));
+        assert!(!holds_retention(&holding(5, 8), 2, 9));
+        assert!(!holds_retention(&holding(5, 9), 3, 9));
+        let durable = Namespace {
+            retention: Some(crate::schema::durable()),
+            ..retaining(1)
+        };
+        assert_eq!(recorded_epochs(&durable), 0);
     }
 
     #[test]

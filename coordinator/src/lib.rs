@@ -78,6 +78,10 @@ pub enum CoordinatorError {
     /// The shard has no known leader.
     #[error("shard {0} has no known leader")]
     NoLeader(u32),
+    /// A retention is in the map but not yet recorded by every shard
+    /// (`Shared::record_retention`); calling again finishes it.
+    #[error("{0}")]
+    Unrecorded(String),
     /// The request conflicts with the current state.
     #[error("conflict: {0}")]
     Conflict(String),

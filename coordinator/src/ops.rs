@@ -328,12 +328,17 @@ impl Shared {
                 Ok(Some(Vec::new()))
             })
             .await?;
-        Ok(map
+        let namespace = map
             .namespaces
             .iter()
             .find(|ns| ns.name == name)
             .cloned()
-            .expect("present after the change"))
+            .expect("present after the change");
+        // Answered only once every shard holds it (a call repeated with
+        // the same retention finishes the job): a drop computed under the
+        // former retention is refused from then on, wherever it is.
+        self.record_retention(&map, &namespace).await?;
+        Ok(namespace)
     }
 
     /// Starts the next cluster epoch; with `expected` non-zero, only if the
@@ -411,7 +416,7 @@ impl Shared {
     /// at once (heartbeats are up to their interval apart: a follower's
     /// older one would show it behind a leader's newer commit index); a
     /// node that does not answer within `STATUS_POLL_TIMEOUT` is left out.
-    async fn fresh_reports(
+    pub(crate) async fn fresh_reports(
         &self,
         map: &ClusterMap,
     ) -> Result<std::collections::BTreeMap<u64, NodeStatus>, CoordinatorError> {

@@ -522,7 +522,7 @@ impl Reconciler {
         if !busy {
             self.balance_leaders(&map, &views, &live, &desired).await;
         }
-        self.drive_epochs(&map, &views).await;
+        self.drive_epochs(&map, &views, &reports).await;
         self.drive_splits(&map, &views, &reports).await;
         if shared.config.epoch_interval_s > 0 {
             self.advance_on_schedule(&map).await?;
@@ -1083,9 +1083,16 @@ impl Reconciler {
         }
     }
 
-    /// Orders each shard's leader to advance to the cluster epoch, then to
-    /// drop the expired epochs of every namespace with retention.
-    async fn drive_epochs(&self, map: &ClusterMap, views: &[ShardView]) {
+    /// Orders each shard's leader to advance to the cluster epoch, to
+    /// record again a retention it holds with other epochs than the map
+    /// (`epochs::retain_needed`), then to drop the expired epochs of every
+    /// namespace with retention.
+    async fn drive_epochs(
+        &self,
+        map: &ClusterMap,
+        views: &[ShardView],
+        reports: &BTreeMap<u64, NodeStatus>,
+    ) {
         let generation = self.shared.leadership().map(|l| l.generation);
         // Leaders whose node did not answer a proposal this round: one
         // stalled node (its disk hung, its status still answered from
@@ -1115,8 +1122,22 @@ impl Reconciler {
             // shard dropped after that. The older of the two epochs.
             let fresh = self.shared.map();
             let epoch = map.epoch.min(fresh.epoch);
+            let retain = || {
+                let lacking = crate::splits::lacking(
+                    &fresh,
+                    view.shard_id,
+                    reports,
+                    tidepool_proto::capabilities::RETAIN,
+                );
+                lacking
+                    .is_empty()
+                    .then(|| crate::epochs::retain_needed(&fresh, status))
+                    .flatten()
+            };
             let op = if status.epoch < map.epoch {
                 Some(AdminOp::AdvanceEpoch(AdvanceEpochOp { epoch: map.epoch }))
+            } else if let Some(op) = retain() {
+                Some(AdminOp::Retain(op))
             } else {
                 fresh.namespaces.iter().find_map(|ns| {
                     let target = drop_target(ns, epoch)?;

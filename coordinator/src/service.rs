@@ -448,7 +448,7 @@ impl From<&CoordinatorError> for ErrorInfo {
             E::WrongCluster(_) => ErrorCode::WrongCluster,
             E::TokenNotFound(_) => ErrorCode::NotFound,
             E::InvalidArgument(_) | E::Config(_) => ErrorCode::InvalidArgument,
-            E::Meta(_) | E::NoLeader(_) | E::NoCluster => ErrorCode::NoQuorum,
+            E::Meta(_) | E::NoLeader(_) | E::NoCluster | E::Unrecorded(_) => ErrorCode::NoQuorum,
             E::Corrupt(_) | E::Node(_) | E::NodeCall { .. } | E::Io(_) | E::Kubernetes(_) => {
                 ErrorCode::Internal
             }

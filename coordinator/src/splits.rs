@@ -250,6 +250,18 @@ pub fn unable_to_split(
     shard_id: u32,
     reports: &BTreeMap<u64, NodeStatus>,
 ) -> Vec<u64> {
+    lacking(map, shard_id, reports, tidepool_proto::capabilities::SPLIT)
+}
+
+/// Nodes holding a replica of `shard_id` (as the map says) whose report in
+/// `reports` lacks `capability`; a node not heard from is not counted (see
+/// [`unable_to_split`]).
+pub fn lacking(
+    map: &ClusterMap,
+    shard_id: u32,
+    reports: &BTreeMap<u64, NodeStatus>,
+    capability: &str,
+) -> Vec<u64> {
     let Some(shard) = map.shards.iter().find(|s| s.shard_id == shard_id) else {
         return Vec::new();
     };
@@ -258,12 +270,9 @@ pub fn unable_to_split(
         .iter()
         .map(|r| r.node_id)
         .filter(|node| {
-            reports.get(node).is_some_and(|status| {
-                !status
-                    .capabilities
-                    .iter()
-                    .any(|c| c == tidepool_proto::capabilities::SPLIT)
-            })
+            reports
+                .get(node)
+                .is_some_and(|status| !status.capabilities.iter().any(|c| c == capability))
         })
         .collect()
 }

@@ -101,6 +101,18 @@ pub enum Command {
         /// First hash position of the child's range.
         at: u64,
     },
+    /// Record a namespace's retention in the replicated state: later
+    /// drops it does not allow are refused at apply
+    /// (`docs/design/epochs-cluster.md`, "Retention in the shards").
+    Retain {
+        /// Namespace id.
+        namespace: u32,
+        /// Epochs retained; 0: durable (no drop).
+        epochs: u32,
+        /// The cluster map version it was read from: an older one than
+        /// the group holds is ignored.
+        map_version: u64,
+    },
 }
 
 /// Command kinds on the wire.
@@ -119,6 +131,8 @@ pub enum Kind {
     Noop = 5,
     /// [`Command::Split`].
     Split = 6,
+    /// [`Command::Retain`].
+    Retain = 7,
 }
 
 impl Kind {
@@ -130,6 +144,7 @@ impl Kind {
             4 => Kind::DropEpochs,
             5 => Kind::Noop,
             6 => Kind::Split,
+            7 => Kind::Retain,
             _ => return None,
         })
     }
@@ -173,6 +188,7 @@ impl Command {
             Command::DropEpochs { .. } => Kind::DropEpochs,
             Command::Noop => Kind::Noop,
             Command::Split { .. } => Kind::Split,
+            Command::Retain { .. } => Kind::Retain,
         }
     }
 
@@ -217,6 +233,15 @@ impl Command {
                 out.extend_from_slice(&child.to_le_bytes());
                 out.extend_from_slice(&at.to_le_bytes());
             }
+            Command::Retain {
+                namespace,
+                epochs,
+                map_version,
+            } => {
+                out.extend_from_slice(&namespace.to_le_bytes());
+                out.extend_from_slice(&epochs.to_le_bytes());
+                out.extend_from_slice(&map_version.to_le_bytes());
+            }
         }
         out
     }
@@ -260,6 +285,11 @@ impl Command {
             Kind::Split => Command::Split {
                 child: r.u32()?,
                 at: r.u64()?,
+            },
+            Kind::Retain => Command::Retain {
+                namespace: r.u32()?,
+                epochs: r.u32()?,
+                map_version: r.u64()?,
             },
         };
         if r.at != bytes.len() {
@@ -420,6 +450,11 @@ mod tests {
             Command::Split {
                 child: 7,
                 at: 1 << 63,
+            },
+            Command::Retain {
+                namespace: 4,
+                epochs: 3,
+                map_version: 1 << 40,
             },
         ]
     }

@@ -40,8 +40,11 @@ pub mod capabilities {
     /// Shard splits: the split entry (command kind 6) and the groups split
     /// off in the replicated state (app state version 5).
     pub const SPLIT: &str = "split";
+    /// Retention in the shards: the retain entry (command kind 7) and the
+    /// retentions in the replicated state (app state version 6).
+    pub const RETAIN: &str = "retain";
     /// Every capability of this version.
-    pub const ALL: &[&str] = &[SPLIT];
+    pub const ALL: &[&str] = &[SPLIT, RETAIN];
 }
 
 /// Generated types and services of `tidepool.v1`.

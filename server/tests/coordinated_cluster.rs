@@ -1619,6 +1619,237 @@ async fn expired_epochs_are_dropped_on_every_replica() {
     cluster.assert_no_panics();
 }
 
+/// The retention of namespace `id` each replica of each node holds in its
+/// group's replicated state: (node, shard, epochs, map version).
+async fn retained_by_replica(map: &ClusterMap, id: u32) -> Vec<(u64, u32, u32, u64)> {
+    let mut out = Vec::new();
+    for (node, url) in node_urls(map) {
+        let mut admin = NodeAdminClient::connect(url).await.unwrap();
+        let status = admin
+            .status(NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        for replica in status.replicas {
+            for held in replica.retained.iter().filter(|r| r.namespace_id == id) {
+                out.push((node, replica.shard_id, held.epochs, held.map_version));
+            }
+        }
+    }
+    out
+}
+
+/// `SetRetention` answers once every shard holds the new retention in its
+/// replicated state (a retain entry its leader applied), so a drop
+/// computed under the former one — delayed in a leader's log, or sent by
+/// a deposed coordinator — is refused at apply wherever it lands
+/// (`docs/design/epochs-cluster.md`, "Retention in the shards"; the apply
+/// is tested in `node/src/replica/tests.rs`). Here: lengthened, every
+/// shard's leader holds it when the call answers, and a drop the former
+/// retention allowed is refused; a retain entry from an older map (a
+/// deposed coordinator's, arriving late) changes nothing; shortened, the
+/// shards record it and the drop it allows is carried out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_change_is_recorded_by_every_shard_before_it_answers() {
+    use tidepool_proto::v1::{
+        DropEpochsOp, ProposeAdminRequest, RetainOp, SetRetentionRequest, propose_admin_request::Op,
+    };
+    let _serial = SERIAL.lock().await;
+    let mut settings = FAST.to_vec();
+    settings[1] = "2";
+    let (cluster, status) = Cluster::settled(1, &settings, 3, &[], 3).await;
+    let mut coordinator = cluster.coordinator().await.unwrap();
+    let cache = coordinator
+        .create_namespace(CreateNamespaceRequest {
+            name: "cache".into(),
+            content_addressed: false,
+            retention: retain(1),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let map = status.map.unwrap();
+    let nodes = node_urls(&map);
+    for i in 0..20 {
+        put(&nodes, "cache", format!("old-{i}").as_bytes(), b"epoch 1")
+            .await
+            .unwrap();
+    }
+    let lengthened = coordinator
+        .set_retention(SetRetentionRequest {
+            name: "cache".into(),
+            retention: retain(3),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(lengthened.retention, retain(3));
+    // Every shard's leader holds it as the call answers.
+    let held = retained_by_replica(&map, cache.id).await;
+    let mut leaders: BTreeMap<u32, u64> = BTreeMap::new();
+    for (node, url) in &nodes {
+        let mut admin = NodeAdminClient::connect(url.clone()).await.unwrap();
+        let status = admin
+            .status(NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        for replica in status.replicas.iter().filter(|r| r.is_leader) {
+            leaders.insert(replica.shard_id, *node);
+        }
+    }
+    assert_eq!(leaders.len(), map.shards.len(), "{leaders:?}");
+    for (shard, leader) in &leaders {
+        assert!(
+            held.iter()
+                .any(|(n, s, e, _)| (n, s, *e) == (leader, shard, 3)),
+            "shard {shard}'s leader {leader} does not hold retain 3: {held:?}"
+        );
+    }
+    coordinator
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: 1,
+        })
+        .await
+        .unwrap();
+    // What a drop computed under "retain 1" at epoch 2 orders; every
+    // shard refuses it (retain 3 keeps epoch 1 until epoch 4).
+    let admin_of = |node: u64| NodeAdminClient::connect(nodes[&node].clone());
+    for (shard, leader) in &leaders {
+        let mut admin = admin_of(*leader).await.unwrap();
+        let mut proposed = None;
+        for _ in 0..50 {
+            let answer = admin
+                .propose_admin(ProposeAdminRequest {
+                    shard_id: *shard,
+                    op: Some(Op::DropEpochs(DropEpochsOp {
+                        namespace_id: cache.id,
+                        below: 2,
+                    })),
+                })
+                .await;
+            // Until the shard has the epoch advance.
+            if answer
+                .as_ref()
+                .is_err_and(|e| e.message().contains("include the current one"))
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            proposed = Some(answer);
+            break;
+        }
+        let answer = proposed.expect("the shard never reached epoch 2");
+        assert_eq!(
+            answer.map_err(|e| code(&e)).err(),
+            Some(ErrorCode::Conflict),
+            "shard {shard}"
+        );
+        // A deposed coordinator's retain entry from an older map.
+        admin
+            .propose_admin(ProposeAdminRequest {
+                shard_id: *shard,
+                op: Some(Op::Retain(RetainOp {
+                    namespace_id: cache.id,
+                    epochs: 1,
+                    map_version: 1,
+                })),
+            })
+            .await
+            .unwrap();
+    }
+    let held = retained_by_replica(&map, cache.id).await;
+    assert!(
+        held.iter().all(|(_, _, epochs, _)| *epochs == 3),
+        "an older map's retain entry replaced a newer one: {held:?}"
+    );
+    for i in 0..20 {
+        let key = format!("old-{i}");
+        get(&nodes, "cache", key.as_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("{key}: {e:?}"));
+    }
+    // Shortened to 1: at epoch 2, epoch 1 expires on every shard.
+    coordinator
+        .set_retention(SetRetentionRequest {
+            name: "cache".into(),
+            retention: retain(1),
+        })
+        .await
+        .unwrap();
+    cluster
+        .wait_for(
+            "every shard to drop epoch 1 of cache",
+            Duration::from_secs(60),
+            |s| {
+                let epochs = s.epochs.as_ref().unwrap();
+                let cache = epochs.namespaces.iter().find(|n| n.namespace == "cache");
+                cache.is_some_and(|c| c.drop_below == 2 && c.shards_done == c.shards_total)
+            },
+        )
+        .await;
+    for i in 0..20 {
+        let key = format!("old-{i}");
+        assert_eq!(
+            get(&nodes, "cache", key.as_bytes())
+                .await
+                .map(|_| ())
+                .map_err(|e| code(&e)),
+            Err(ErrorCode::NotFound),
+            "{key}"
+        );
+    }
+    let held = retained_by_replica(&map, cache.id).await;
+    assert!(
+        !held.is_empty() && held.iter().all(|(_, _, epochs, _)| *epochs == 1),
+        "{held:?}"
+    );
+    // Two nodes of three down: no shard can record a retention. The call
+    // fails, retryably, naming the shards (the map holds the change); the
+    // same call once they are back finishes the job.
+    let mut cluster = cluster;
+    cluster.nodes[0].process.kill();
+    cluster.nodes[1].process.kill();
+    let lengthen = SetRetentionRequest {
+        name: "cache".into(),
+        retention: retain(2),
+    };
+    let refused = coordinator
+        .set_retention(lengthen.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), ErrorCode::NoQuorum, "{refused:?}");
+    assert!(
+        refused.message().contains("have not recorded it yet"),
+        "{}",
+        refused.message()
+    );
+    for i in [0, 1] {
+        let args = cluster.nodes[i].args.clone();
+        let log = cluster.dir.path().join(format!("node-{i}-again.log"));
+        cluster.nodes[i].process = TestProcess::spawn(BIN, &args, log);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match coordinator.set_retention(lengthen.clone()).await {
+            Ok(_) => break,
+            Err(status) => {
+                assert_eq!(code(&status), ErrorCode::NoQuorum, "{status:?}");
+                assert!(Instant::now() < deadline, "{status:?}");
+            }
+        }
+    }
+    let held = retained_by_replica(&map, cache.id).await;
+    let shards: BTreeSet<u32> = held
+        .iter()
+        .filter(|(_, _, epochs, _)| *epochs == 2)
+        .map(|(_, shard, _, _)| *shard)
+        .collect();
+    assert_eq!(shards.len(), map.shards.len(), "{held:?}");
+    cluster.assert_no_panics();
+}
+
 /// A `tidepool gateway` process serving restic for `cluster`, anonymous
 /// callers allowed; returns it and the restic endpoint's `host:port`.
 async fn start_restic_gateway(cluster: &Cluster) -> (TestProcess, String) {

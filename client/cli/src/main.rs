@@ -303,6 +303,17 @@ enum NamespaceCommand {
         #[arg(long)]
         content_addressed: bool,
     },
+    /// Change a namespace's retention (answered once every shard holds it).
+    SetRetention {
+        /// Name.
+        name: String,
+        /// Drop blobs this many epochs after their last write or touch.
+        #[arg(long, conflicts_with = "durable", required_unless_present = "durable")]
+        retain: Option<u32>,
+        /// Never drop blobs (a durable namespace never becomes expiring).
+        #[arg(long)]
+        durable: bool,
+    },
     /// List namespaces.
     List,
 }
@@ -1378,6 +1389,27 @@ async fn run(cli: &Cli) -> Outcome {
                     ns.id,
                     retention_text(&ns)
                 ),
+            );
+            Ok(())
+        }
+        Command::Namespace {
+            command:
+                NamespaceCommand::SetRetention {
+                    name,
+                    retain,
+                    durable: _,
+                },
+        } => {
+            let retention = match retain {
+                Some(0) => return Err(usage("--retain must be at least 1")),
+                Some(n) => RetentionPolicy::Epochs(*n),
+                None => RetentionPolicy::Durable,
+            };
+            let ns = client.set_retention(name, retention).await?;
+            print(
+                cli.json,
+                json!({"name": ns.name, "id": ns.id, "retention": retention_text(&ns)}),
+                format!("namespace {}: {}", ns.name, retention_text(&ns)),
             );
             Ok(())
         }

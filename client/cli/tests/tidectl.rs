@@ -119,6 +119,48 @@ async fn every_command_and_its_errors() {
         expect(&out, 0);
         expect(&run(&url, &["namespace", "create", "cache"], b""), 2);
         expect(&run(&url, &["namespace", "create", "Bad Name"], b""), 2);
+        // Retention changes: longer, durable, and never back from durable.
+        let out = run(
+            &url,
+            &[
+                "--json",
+                "namespace",
+                "set-retention",
+                "cache",
+                "--retain",
+                "3",
+            ],
+            b"",
+        );
+        expect(&out, 0);
+        let changed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(changed["retention"], "retain 3 epochs", "{changed}");
+        let out = run(
+            &url,
+            &["namespace", "set-retention", "cas", "--durable"],
+            b"",
+        );
+        expect(&out, 0);
+        let out = run(
+            &url,
+            &["namespace", "set-retention", "cas", "--retain", "1"],
+            b"",
+        );
+        expect(&out, 2);
+        assert!(
+            text(&out.stderr).contains("durable"),
+            "{}",
+            text(&out.stderr)
+        );
+        expect(&run(&url, &["namespace", "set-retention", "cas"], b""), 2);
+        expect(
+            &run(
+                &url,
+                &["namespace", "set-retention", "nope", "--durable"],
+                b"",
+            ),
+            3,
+        );
         let out = run(&url, &["--json", "namespace", "list"], b"");
         expect(&out, 0);
         let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -58,8 +58,13 @@ impl SnapshotSender {
 const APP_STATE_MAGIC: &[u8; 4] = b"TPRM";
 /// Version 2 added the epoch drops applied per namespace; version 3 the
 /// length of the raft state record and the write sessions after it;
-/// version 4 the hash range; version 5 the groups split off.
-const APP_STATE_VERSION: u8 = 5;
+/// version 4 the hash range; version 5 the groups split off; version 6 the
+/// retentions recorded per namespace (written only once the group holds
+/// one, so that a node of an older version reads the state of a group
+/// that never received a retain entry — `capabilities::RETAIN`).
+const APP_STATE_VERSION: u8 = 6;
+/// Before the retentions were part of it (still written without them).
+const APP_STATE_VERSION_5: u8 = 5;
 /// Before the groups split off were part of it.
 const APP_STATE_VERSION_4: u8 = 4;
 /// Before the shard's hash range was part of it.
@@ -109,6 +114,28 @@ pub struct SplitChild {
     pub end: u64,
 }
 
+/// A namespace's retention as the group's replicated state holds it (a
+/// retain entry applied: `docs/design/epochs-cluster.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retained {
+    /// Epochs retained; 0: durable (no drop allowed).
+    pub epochs: u32,
+    /// The cluster map version it was read from.
+    pub map_version: u64,
+}
+
+impl Retained {
+    /// Whether a drop of the epochs below `below` is allowed at group
+    /// epoch `epoch`: a blob of epoch `e` stays while the epoch is below
+    /// `e + epochs`, so the epochs below `epoch + 1 - epochs` may go.
+    pub fn allows_drop(&self, below: u32, epoch: u32) -> bool {
+        self.epochs != 0 && u64::from(below) + u64::from(self.epochs) <= u64::from(epoch) + 1
+    }
+}
+
+/// Retentions recorded, by namespace id.
+pub type Retentions = BTreeMap<u32, Retained>;
+
 /// Where an entry's record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Located {
@@ -131,6 +158,9 @@ pub struct RaftLog {
     truncated: (u64, u64),
     /// Epoch drops applied: namespace id → blobs below this epoch are gone.
     drops: BTreeMap<u32, u32>,
+    /// Retentions recorded by retain entries: drops they do not allow are
+    /// refused at apply.
+    retained: Retentions,
     /// The hash range the group owns (inclusive), as replicated: set when
     /// the group is founded, carried by snapshots, changed only by applying
     /// an entry (`docs/design/splits.md`). `None` for a group founded
@@ -205,6 +235,7 @@ impl RaftLog {
             unapplied: BTreeMap::new(),
             truncated: (0, 0),
             drops: BTreeMap::new(),
+            retained: Retentions::new(),
             range: None,
             children: Vec::new(),
             hard_state: HardState::default(),
@@ -434,7 +465,7 @@ impl RaftLog {
             space,
             meta,
             hard_state,
-            saved.drops,
+            (saved.drops, saved.retained),
             (saved.range, saved.children),
             sessions,
         )
@@ -476,7 +507,7 @@ impl RaftLog {
             space,
             &meta,
             hard_state,
-            saved.drops,
+            (saved.drops, saved.retained),
             (Some(range), Vec::new()),
             sessions,
         )
@@ -496,7 +527,7 @@ impl RaftLog {
         space: KeySpace,
         meta: &SnapshotMetadata,
         hard_state: HardState,
-        drops: BTreeMap<u32, u32>,
+        (drops, retained): (BTreeMap<u32, u32>, Retentions),
         (range, children): (Option<(u64, u64)>, Vec<SplitChild>),
         sessions: Sessions,
     ) -> Result<RaftLog> {
@@ -511,6 +542,7 @@ impl RaftLog {
             unapplied: BTreeMap::new(),
             truncated: (meta.index, meta.term),
             drops,
+            retained,
             range,
             children,
             hard_state,
@@ -799,6 +831,27 @@ impl RaftLog {
         self.save_app_state();
     }
 
+    /// Retentions recorded by retain entries, by namespace id.
+    pub fn retained(&self) -> &Retentions {
+        &self.retained
+    }
+
+    /// Records a retain entry's retention of `namespace` unless the group
+    /// holds one from a newer map version; whether it did (persisted with
+    /// the application state, as a drop).
+    pub fn record_retain(&mut self, namespace: u32, retained: Retained) -> bool {
+        if self
+            .retained
+            .get(&namespace)
+            .is_some_and(|held| held.map_version > retained.map_version)
+        {
+            return false;
+        }
+        self.retained.insert(namespace, retained);
+        self.save_app_state();
+        true
+    }
+
     /// Records that everything up to `index` is applied.
     pub fn set_applied(&mut self, index: u64) {
         self.applied = index;
@@ -823,7 +876,7 @@ impl RaftLog {
                 self.truncated.1,
                 self.scan_from.0,
             ],
-            &self.drops,
+            (&self.drops, &self.retained),
             (self.range, &self.children),
             &meta::encode_state(&self.hard_state, &self.conf_state, self.conf_index),
         )
@@ -835,6 +888,7 @@ impl RaftLog {
         self.truncated = saved.truncated;
         self.scan_from = saved.scan_from;
         self.drops = saved.drops;
+        self.retained = saved.retained;
         self.range = saved.range;
         self.children = saved.children;
         self.hard_state = saved.hard_state;
@@ -887,13 +941,17 @@ impl RaftLog {
 /// each), the raft state record.
 fn encode_base(
     fields: [u64; 4],
-    drops: &BTreeMap<u32, u32>,
+    (drops, retained): (&BTreeMap<u32, u32>, &Retentions),
     (range, children): (Option<(u64, u64)>, &[SplitChild]),
     state: &[u8],
 ) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(128 + children.len() * 20);
+    let mut bytes = Vec::with_capacity(128 + children.len() * 20 + retained.len() * 16);
     bytes.extend_from_slice(APP_STATE_MAGIC);
-    bytes.push(APP_STATE_VERSION);
+    bytes.push(if retained.is_empty() {
+        APP_STATE_VERSION_5
+    } else {
+        APP_STATE_VERSION
+    });
     for v in fields {
         bytes.extend_from_slice(&v.to_le_bytes());
     }
@@ -911,6 +969,14 @@ fn encode_base(
         bytes.extend_from_slice(&child.shard_id.to_le_bytes());
         bytes.extend_from_slice(&child.start.to_le_bytes());
         bytes.extend_from_slice(&child.end.to_le_bytes());
+    }
+    if !retained.is_empty() {
+        bytes.extend_from_slice(&(retained.len() as u32).to_le_bytes());
+        for (namespace, held) in retained {
+            bytes.extend_from_slice(&namespace.to_le_bytes());
+            bytes.extend_from_slice(&held.epochs.to_le_bytes());
+            bytes.extend_from_slice(&held.map_version.to_le_bytes());
+        }
     }
     bytes.extend_from_slice(&(state.len() as u32).to_le_bytes());
     bytes.extend_from_slice(state);
@@ -930,9 +996,16 @@ pub(crate) fn fuzz_app_state(sessions: &Sessions) -> Vec<u8> {
         commit: 90,
     };
     let drops = BTreeMap::from([(3, 2), (5, 7)]);
+    let retained = Retentions::from([(
+        3,
+        Retained {
+            epochs: 4,
+            map_version: 77,
+        },
+    )]);
     let mut bytes = encode_base(
         [90, 40, 3, 4096],
-        &drops,
+        (&drops, &retained),
         (
             Some((1 << 62, u64::MAX)),
             &[SplitChild {
@@ -988,6 +1061,8 @@ struct AppState {
     truncated: (u64, u64),
     scan_from: WalPosition,
     drops: BTreeMap<u32, u32>,
+    /// Empty in a state saved before retentions (or of a group without).
+    retained: Retentions,
     /// `None` in a state saved before ranges (or of a group without one).
     range: Option<(u64, u64)>,
     /// Empty in a state saved before splits.
@@ -1010,6 +1085,7 @@ impl AppState {
         let version = r.u8()?;
         if ![
             APP_STATE_VERSION,
+            APP_STATE_VERSION_5,
             APP_STATE_VERSION_4,
             APP_STATE_VERSION_3,
             APP_STATE_VERSION_2,
@@ -1041,7 +1117,7 @@ impl AppState {
         } else {
             None
         };
-        let children = if version >= APP_STATE_VERSION {
+        let children = if version >= APP_STATE_VERSION_5 {
             let count = r.u32()?;
             let mut children = Vec::new();
             for _ in 0..count {
@@ -1061,6 +1137,19 @@ impl AppState {
         } else {
             Vec::new()
         };
+        let mut retained = Retentions::new();
+        if version >= APP_STATE_VERSION {
+            for _ in 0..r.u32()? {
+                let (namespace, epochs, map_version) = (r.u32()?, r.u32()?, r.u64()?);
+                retained.insert(
+                    namespace,
+                    Retained {
+                        epochs,
+                        map_version,
+                    },
+                );
+            }
+        }
         let state = if version == APP_STATE_VERSION_2 {
             &bytes[r.at..]
         } else {
@@ -1088,6 +1177,7 @@ impl AppState {
             truncated,
             scan_from,
             drops,
+            retained,
             range,
             children,
             hard_state,

@@ -188,6 +188,79 @@ fn applied_index_and_conf_state_are_kept_in_the_engine_snapshot() {
     assert_eq!(log.last(), 6);
 }
 
+/// Retentions recorded by retain entries persist with the application
+/// state, an older map's never replaces a newer one's, and a group split
+/// off starts with them. A state holding none is still written in the
+/// version before retentions (a node of that version reads it: retain
+/// entries are proposed only once every node reports the capability).
+#[test]
+fn retentions_persist_and_pass_to_a_split_off_group() {
+    use super::Retained;
+    let storage = FaultStorage::default();
+    let mut log = RaftLog::open(engine(&storage), KeySpace::default(), &[1]).unwrap();
+    log.set_applied(1);
+    log.engine().flush().unwrap();
+    let version = |log: &RaftLog| log.engine().app_state()[4];
+    assert_eq!(version(&log), 5, "no retention held: the older version");
+    let held = Retained {
+        epochs: 3,
+        map_version: 10,
+    };
+    assert!(log.record_retain(7, held));
+    let older = Retained {
+        epochs: 1,
+        map_version: 9,
+    };
+    assert!(!log.record_retain(7, older), "an older map's retention");
+    assert!(log.record_retain(
+        8,
+        Retained {
+            epochs: 0,
+            map_version: 4
+        }
+    ));
+    log.engine().flush().unwrap();
+    assert_eq!(version(&log), 6);
+    let expected = vec![
+        (7, held),
+        (
+            8,
+            Retained {
+                epochs: 0,
+                map_version: 4,
+            },
+        ),
+    ];
+    let listed = |log: &RaftLog| {
+        log.retained()
+            .iter()
+            .map(|(n, r)| (*n, *r))
+            .collect::<Vec<_>>()
+    };
+    // A copy of the engine, as a split makes one for the group split off.
+    let copy = FaultStorage::default();
+    log.engine()
+        .checkpoint()
+        .unwrap()
+        .materialize(&copy, std::path::Path::new("/replica"))
+        .unwrap();
+    log.engine().close().unwrap();
+    drop(log);
+    let log = RaftLog::open(engine(&storage), KeySpace::default(), &[]).unwrap();
+    assert_eq!(listed(&log), expected, "after a restart");
+    let child = RaftLog::split_child(engine(&copy), KeySpace::default(), &[1], (5, 9)).unwrap();
+    assert_eq!(listed(&child), expected, "in the group split off");
+    // Allowed drops: the epochs below `epoch + 1 - epochs`.
+    assert!(held.allows_drop(2, 4) && !held.allows_drop(3, 4) && held.allows_drop(3, 5));
+    assert!(
+        !Retained {
+            epochs: 0,
+            map_version: 4
+        }
+        .allows_drop(1, u32::MAX)
+    );
+}
+
 /// Regression (found by the cluster scenarios): relocation reclaimed
 /// segments that still held entries of the log, and a restarted replica
 /// found a gap. The log pins its segments with the engine's log retention.

@@ -28,6 +28,7 @@ use crate::command::{Command, KEY_BYTES, WriteOp};
 use crate::entry_context::traceparent;
 use crate::error::{NodeError, Result};
 use crate::names::{Meta, NameBatch};
+use crate::raftlog::Retained;
 use crate::session::{Admission, OpResult, Refusal, SessionTag, Sessions};
 use crate::tracing_context::{Place, Step, entry_span};
 
@@ -159,9 +160,22 @@ impl Replica {
                 }
             }
             Command::DropEpochs { namespace, below } => {
-                // A drop past the current epoch is refused by every replica
-                // alike: nothing to do.
-                if Epoch(below) <= engine.epoch() {
+                // A drop past the current epoch, or one the retention the
+                // group holds does not allow (computed under a shorter one
+                // that a retain entry since replaced), is refused by every
+                // replica alike: nothing to do.
+                let epoch = engine.epoch();
+                let retained = self.log().retained().get(&namespace).copied();
+                if retained.is_some_and(|r| !r.allows_drop(below, epoch.0)) {
+                    tracing::warn!(
+                        shard_id = self.shard_id(),
+                        namespace,
+                        below,
+                        ?retained,
+                        epoch = epoch.0,
+                        "epoch drop refused: the recorded retention keeps those epochs"
+                    );
+                } else if Epoch(below) <= epoch {
                     engine.drop_epochs_below(Epoch(below), &Namespace(namespace))?;
                     // The dropped blobs' names leave the index in the
                     // background (`sweep.rs`: the recorded drop is what it
@@ -171,6 +185,24 @@ impl Replica {
                 }
             }
             Command::Split { child, at } => self.apply_split(entry.index, child, at)?,
+            Command::Retain {
+                namespace,
+                epochs,
+                map_version,
+            } => {
+                let retained = Retained {
+                    epochs,
+                    map_version,
+                };
+                if !self.log().record_retain(namespace, retained) {
+                    tracing::info!(
+                        shard_id = self.shard_id(),
+                        namespace,
+                        map_version,
+                        "retain entry from an older map than the group holds: ignored"
+                    );
+                }
+            }
             Command::Noop => {}
         }
         Ok((Vec::new(), Vec::new()))

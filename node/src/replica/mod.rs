@@ -244,6 +244,8 @@ pub struct ReplicaStatus {
     pub conf_index: u64,
     /// Epoch drops applied: (namespace id, blobs below this epoch gone).
     pub drops: Vec<(u32, u32)>,
+    /// Retentions recorded by retain entries, by namespace id.
+    pub retained: Vec<(u32, crate::raftlog::Retained)>,
     /// On a leader: entries the slowest voter has yet to append (its
     /// matched index behind the last index); 0 on followers.
     pub append_lag: u64,
@@ -742,6 +744,13 @@ impl Replica {
                 .drops()
                 .iter()
                 .map(|(n, b)| (*n, *b))
+                .collect(),
+            retained: self
+                .raw
+                .store()
+                .retained()
+                .iter()
+                .map(|(n, r)| (*n, *r))
                 .collect(),
         }
     }

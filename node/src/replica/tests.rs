@@ -688,3 +688,115 @@ fn a_snapshot_in_the_middle_of_a_compaction_loses_no_applied_write() {
         .collect();
     assert!(missing.is_empty(), "applied writes lost: {missing:?}");
 }
+
+/// A drop of epochs the retention recorded in the group keeps (computed
+/// under a shorter retention that a retain entry replaced: in the log
+/// with its commit delayed, or sent by a deposed coordinator) is refused
+/// by every replica alike, also after a restart; a retain entry from an
+/// older map is ignored; once a shorter retention is recorded, the drop it
+/// allows applies.
+#[test]
+fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
+    use crate::command::Command;
+    use crate::raftlog::Retained;
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let mut cluster = SimCluster::new(seed, 3, Durability::Synced);
+    assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
+    // Namespace 1, epoch 1 (`sim::put_op`).
+    let slot = cluster.put(key(1), b"kept".to_vec());
+    applied(&mut cluster, &slot, "the put");
+    let propose = |cluster: &mut SimCluster, command: Command, what: &str| {
+        let leader = cluster.leader().unwrap();
+        let slot = cluster.propose(leader, &command);
+        applied(cluster, &slot, what);
+        cluster.run(20).unwrap();
+    };
+    for epoch in 2..=4 {
+        propose(
+            &mut cluster,
+            Command::AdvanceEpoch(epoch),
+            "an epoch advance",
+        );
+    }
+    let held = Retained {
+        epochs: 3,
+        map_version: 10,
+    };
+    propose(
+        &mut cluster,
+        Command::Retain {
+            namespace: 1,
+            epochs: 3,
+            map_version: 10,
+        },
+        "retain 3",
+    );
+    // Computed under "retain 1" at epoch 4: drops epochs 1 to 3, which
+    // "retain 3" keeps until epoch 4 ends.
+    propose(
+        &mut cluster,
+        Command::DropEpochs {
+            namespace: 1,
+            below: 4,
+        },
+        "the stale drop",
+    );
+    propose(
+        &mut cluster,
+        Command::Retain {
+            namespace: 1,
+            epochs: 1,
+            map_version: 9,
+        },
+        "an older map's retain",
+    );
+    let follower = (1..=3).find(|id| Some(*id) != cluster.leader()).unwrap();
+    cluster.kill(follower);
+    cluster.restart(follower).unwrap();
+    assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
+    cluster.run(50).unwrap();
+    let present = |cluster: &mut SimCluster, id: u64| {
+        let engine = cluster.replica(id).unwrap().engine().clone();
+        let space = engine.key_space("blobs").unwrap();
+        engine.get(space, &key(1)).unwrap().is_some()
+    };
+    for id in 1..=3 {
+        assert!(
+            present(&mut cluster, id),
+            "node {id} (restarted: {follower}) dropped a blob the recorded retention keeps, seed {seed}"
+        );
+        let log = cluster.replica(id).unwrap().log();
+        assert_eq!(
+            log.retained().get(&1),
+            Some(&held),
+            "node {id}, seed {seed}"
+        );
+        assert_eq!(log.drops().get(&1), None, "node {id}, seed {seed}");
+    }
+    // Shortened to 2 epochs (a newer map): at epoch 4 the epochs below 3 go.
+    propose(
+        &mut cluster,
+        Command::Retain {
+            namespace: 1,
+            epochs: 2,
+            map_version: 11,
+        },
+        "retain 2",
+    );
+    propose(
+        &mut cluster,
+        Command::DropEpochs {
+            namespace: 1,
+            below: 3,
+        },
+        "the drop retain 2 allows",
+    );
+    for id in 1..=3 {
+        assert!(!present(&mut cluster, id), "node {id}, seed {seed}");
+        assert_eq!(
+            cluster.replica(id).unwrap().log().drops().get(&1),
+            Some(&3),
+            "node {id}, seed {seed}"
+        );
+    }
+}

@@ -13,8 +13,8 @@ use tidepool_proto::v1::{
     ClusterMap, Durability, EpochDropApplied, ErrorCode, HashRange, HeldMapRequest,
     MembershipChange, NodeStatus, NodeStatusRequest, OpenReplicaRequest, OpenReplicaResponse,
     ProposeAdminRequest, ProposeAdminResponse, ReplicaInfo, ReplicaRole,
-    ReplicaStatus as WireReplicaStatus, ShardInfo, SplitOp, TransferLeaderRequest,
-    TransferLeaderResponse, propose_admin_request, retention,
+    ReplicaStatus as WireReplicaStatus, RetentionApplied, ShardInfo, SplitOp,
+    TransferLeaderRequest, TransferLeaderResponse, propose_admin_request, retention,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -327,7 +327,7 @@ impl AdminApi {
     ) -> ApiResult<ProposeAdminResponse> {
         let shard_id = request.shard_id;
         let shard = self.shard(shard_id)?;
-        self.leader_status(shard_id, &shard)?;
+        let status = self.leader_status(shard_id, &shard)?;
         let epoch = |value: u64, field: &str| {
             u32::try_from(value).map_err(|_| {
                 self.node.error(
@@ -352,9 +352,38 @@ impl AdminApi {
                         ),
                     ));
                 }
+                // The retention the group holds, as the apply will judge
+                // it (the node's map may be older than the last retain).
+                if let Some((_, held)) = status
+                    .retained
+                    .iter()
+                    .find(|(namespace, _)| *namespace == op.namespace_id)
+                    && !held.allows_drop(below, current)
+                {
+                    return Err(self.node.error(
+                        ErrorCode::Conflict,
+                        format!(
+                            "shard {shard_id} holds a retention of {} epochs for namespace id {} (map v{}): at epoch {current} it does not allow dropping the epochs below {below}",
+                            held.epochs, op.namespace_id, held.map_version
+                        ),
+                    ));
+                }
                 Command::DropEpochs {
                     namespace: op.namespace_id,
                     below,
+                }
+            }
+            Some(propose_admin_request::Op::Retain(op)) => {
+                if op.map_version == 0 {
+                    return Err(self.node.error(
+                        ErrorCode::InvalidArgument,
+                        "map_version is required (the cluster map version the retention was read from)",
+                    ));
+                }
+                Command::Retain {
+                    namespace: op.namespace_id,
+                    epochs: op.epochs,
+                    map_version: op.map_version,
                 }
             }
             Some(propose_admin_request::Op::Split(op)) => {
@@ -489,6 +518,15 @@ impl Node {
                         .map(|(namespace_id, below)| EpochDropApplied {
                             namespace_id: *namespace_id,
                             dropped_below: u64::from(*below),
+                        })
+                        .collect(),
+                    retained: status
+                        .retained
+                        .iter()
+                        .map(|(namespace_id, held)| RetentionApplied {
+                            namespace_id: *namespace_id,
+                            epochs: held.epochs,
+                            map_version: held.map_version,
                         })
                         .collect(),
                     conf_version: status.conf_index,
