@@ -54,26 +54,33 @@ pub fn retain_op(map: &ClusterMap, namespace: &Namespace) -> RetainOp {
     }
 }
 
-/// Whether the shard whose leader reports `status` holds `namespace`'s
-/// retention from `map_version` or a newer map.
-pub fn holds_retention(status: &ReplicaStatus, namespace: u32, map_version: u64) -> bool {
-    status
-        .retained
-        .iter()
-        .any(|r| r.namespace_id == namespace && r.map_version >= map_version)
+/// Whether the shard whose leader reports `status` holds what `op`
+/// records: from a newer map, or from the same version with the same
+/// epochs (a version written again after a restore of the store may have
+/// other epochs).
+pub fn holds_retention(status: &ReplicaStatus, op: &RetainOp) -> bool {
+    status.retained.iter().any(|r| {
+        r.namespace_id == op.namespace_id
+            && (r.map_version > op.map_version
+                || (r.map_version == op.map_version && r.epochs == op.epochs))
+    })
 }
 
 /// The retain entry a shard's leader needs before the next drop: for the
-/// first namespace of `map` whose retention it holds with other epochs
-/// (shortened since: its drops would be refused at apply). A shard that
-/// holds none of a namespace needs none — its drops are judged by the
-/// nodes' maps, as before retain entries; `SetRetention` records one in
-/// every shard before it answers.
+/// first namespace of `map` with retention that the shard holds none of
+/// (created since, or the shard's nodes were upgraded since the last
+/// `SetRetention`), or whose retention it holds with other epochs
+/// (shortened since: the drops the new one allows would be refused at
+/// apply) from this map or an older one. Once per namespace and shard: an
+/// idle cluster proposes none. A durable namespace the shard holds none of
+/// needs none (no drop is ever computed for it).
 pub fn retain_needed(map: &ClusterMap, status: &ReplicaStatus) -> Option<RetainOp> {
     map.namespaces.iter().find_map(|ns| {
-        let held = status.retained.iter().find(|r| r.namespace_id == ns.id)?;
-        (held.epochs != recorded_epochs(ns) && held.map_version < map.version)
-            .then(|| retain_op(map, ns))
+        let needed = match status.retained.iter().find(|r| r.namespace_id == ns.id) {
+            None => retained_epochs(ns).is_some(),
+            Some(held) => held.epochs != recorded_epochs(ns) && held.map_version <= map.version,
+        };
+        needed.then(|| retain_op(map, ns))
     })
 }
 
@@ -120,6 +127,7 @@ impl Shared {
                     tidepool_proto::capabilities::RETAIN,
                 );
                 if !lacking.is_empty() {
+                    failures.remove(&id);
                     tracing::warn!(
                         shard_id = id,
                         nodes = ?lacking,
@@ -136,7 +144,7 @@ impl Shared {
                     failures.insert(id, "no leader known".into());
                     continue;
                 };
-                if holds_retention(status, op.namespace_id, op.map_version) {
+                if holds_retention(status, &op) {
                     done.insert(id);
                     failures.remove(&id);
                     continue;
@@ -180,10 +188,16 @@ impl Shared {
                     Err(error) => tracing::warn!(%error, "a retain call failed to run"),
                 }
             }
-            let pending: Vec<u32> = failures
-                .keys()
-                .filter(|id| !done.contains(id))
-                .copied()
+            // Every shard with replicas the map lists now, but those that
+            // recorded it or were skipped (a call that ended without an
+            // answer counts as not recorded).
+            let pending: Vec<u32> = self
+                .map()
+                .shards
+                .iter()
+                .filter(|s| !s.replicas.is_empty())
+                .map(|s| s.shard_id)
+                .filter(|id| !done.contains(id) && !skipped.contains(id))
                 .collect();
             if pending.is_empty() {
                 tracing::info!(
@@ -197,9 +211,14 @@ impl Shared {
                 return Ok(());
             }
             if tokio::time::Instant::now() + RECORD_PAUSE >= deadline {
-                let (id, reason) = failures.iter().next().expect("pending is not empty");
+                let reason = failures
+                    .iter()
+                    .find(|(id, _)| pending.contains(id))
+                    .map_or_else(String::new, |(id, reason)| {
+                        format!(" (shard {id}: {reason})")
+                    });
                 return Err(CoordinatorError::Unrecorded(format!(
-                    "namespace {:?}'s retention is in the cluster map (v{}), but shards {pending:?} have not recorded it yet (shard {id}: {reason}); until they do, a drop computed under the former retention may still apply there: call again",
+                    "namespace {:?}'s retention is in the cluster map (v{}), but shards {pending:?} have not recorded it yet{reason}; until they do, a drop computed under the former retention may still apply there: call again",
                     namespace.name, op.map_version
                 )));
             }
@@ -306,25 +325,48 @@ mod tests {
             }],
             ..ReplicaStatus::default()
         };
-        // None held: none needed (SetRetention records one everywhere).
-        assert_eq!(retain_needed(&map, &ReplicaStatus::default()), None);
+        let wanted = RetainOp {
+            namespace_id: 2,
+            epochs: 2,
+            map_version: 9,
+        };
+        // None held (a namespace created, nodes upgraded), or other epochs
+        // held from this map or an older one: recorded.
+        assert_eq!(retain_needed(&map, &ReplicaStatus::default()), Some(wanted));
+        assert_eq!(retain_needed(&map, &holding(5, 4)), Some(wanted));
+        assert_eq!(retain_needed(&map, &holding(5, 9)), Some(wanted));
         assert_eq!(retain_needed(&map, &holding(2, 4)), None);
-        let needed = retain_needed(&map, &holding(5, 4)).unwrap();
-        assert_eq!(
-            (needed.namespace_id, needed.epochs, needed.map_version),
-            (2, 2, 9)
+        // Held from a newer map (another coordinator's): not proposed from
+        // an older one, which the apply would ignore.
+        assert_eq!(retain_needed(&map, &holding(5, 10)), None);
+        assert!(holds_retention(&holding(2, 9), &wanted));
+        assert!(holds_retention(&holding(5, 10), &wanted));
+        assert!(
+            !holds_retention(&holding(5, 9), &wanted),
+            "same version, other epochs"
         );
-        // Held from this map or a newer one (another coordinator's newer
-        // map): not proposed from an older one.
-        assert_eq!(retain_needed(&map, &holding(5, 9)), None);
-        assert!(holds_retention(&holding(5, 9), 2, 9));
-        assert!(!holds_retention(&holding(5, 8), 2, 9));
-        assert!(!holds_retention(&holding(5, 9), 3, 9));
+        assert!(!holds_retention(&holding(2, 8), &wanted));
+        let other = RetainOp {
+            namespace_id: 3,
+            ..wanted
+        };
+        assert!(!holds_retention(&holding(2, 9), &other));
+        // A durable namespace: recorded as 0 where some retention is held,
+        // never proposed where none is.
         let durable = Namespace {
             retention: Some(crate::schema::durable()),
             ..retaining(1)
         };
         assert_eq!(recorded_epochs(&durable), 0);
+        let map = ClusterMap {
+            namespaces: vec![durable],
+            ..map
+        };
+        assert_eq!(retain_needed(&map, &ReplicaStatus::default()), None);
+        assert_eq!(
+            retain_needed(&map, &holding(2, 4)).map(|op| op.epochs),
+            Some(0)
+        );
     }
 
     #[test]

@@ -305,8 +305,11 @@ impl Shared {
     ) -> Result<Namespace, CoordinatorError> {
         let retention = check_retention(retention)?;
         // No drop computed with the old retention is in flight, nor starts
-        // before the change is in the map (`Shared::epoch_drops`).
-        let _drops = self.epoch_drops.lock().await;
+        // before the change is in the map (`Shared::epoch_drops`); every
+        // drop computed after it reads the new map, so the gate is not held
+        // while the shards record it (up to 20 s each call: held, it kept
+        // the reconciler's epoch step waiting shard after shard).
+        let drops = self.epoch_drops.lock().await;
         let map = self
             .update_map(|map| {
                 let ns = map
@@ -328,6 +331,7 @@ impl Shared {
                 Ok(Some(Vec::new()))
             })
             .await?;
+        drop(drops);
         let namespace = map
             .namespaces
             .iter()

@@ -194,7 +194,18 @@ impl Replica {
                     epochs,
                     map_version,
                 };
-                if !self.log().record_retain(namespace, retained) {
+                if self.log().record_retain(namespace, retained) {
+                    // Saved at once (an engine snapshot): the application
+                    // state is saved only at snapshots, and after a crash
+                    // the entries since the last one apply again — a drop
+                    // before this entry was then judged under the older
+                    // retention saved and the newest epoch the engine
+                    // recovered, a mix no replica ever had, and could
+                    // apply on that replica alone. Now no entry before a
+                    // retain entry applies again after it. (Rare: one per
+                    // retention change per shard.)
+                    engine.flush()?;
+                } else {
                     tracing::info!(
                         shard_id = self.shard_id(),
                         namespace,

@@ -692,19 +692,27 @@ fn a_snapshot_in_the_middle_of_a_compaction_loses_no_applied_write() {
 /// A drop of epochs the retention recorded in the group keeps (computed
 /// under a shorter retention that a retain entry replaced: in the log
 /// with its commit delayed, or sent by a deposed coordinator) is refused
-/// by every replica alike, also after a restart; a retain entry from an
-/// older map is ignored; once a shorter retention is recorded, the drop it
-/// allows applies.
+/// by every replica alike; a retain entry from an older map is ignored;
+/// once a shorter retention is recorded, the drop it allows applies.
+///
+/// Also after a kill -9: the refused drop, applied again after a restart
+/// (the application state is saved only at engine snapshots), was judged
+/// under the retention saved before it and the epoch the engine recovered
+/// (the newest) — a mix no replica ever had — and allowed there: that
+/// replica alone dropped a blob the retention recorded since (retain 5)
+/// keeps. A retain entry now makes the engine snapshot at once, so no
+/// entry before it is applied again after it.
 #[test]
 fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
-    use crate::command::Command;
+    use crate::command::{Command, WriteOp};
     use crate::raftlog::Retained;
     let seed = tidepool_testkit::seed_from_env("SIM_SEED");
-    let mut cluster = SimCluster::new(seed, 3, Durability::Synced);
+    let mut options = crate::sim::SimOptions::new(crate::replica::ReplicaConfig::new(0, 0));
+    // No engine snapshot of its own during the test: the restarted replica
+    // applies again every entry since the last one a retain entry made.
+    options.engine.snapshot_interval_ms = 3_600_000;
+    let mut cluster = SimCluster::with_options(seed, 3, options);
     assert!(cluster.run_until(300, |c| c.leader().is_some()).unwrap());
-    // Namespace 1, epoch 1 (`sim::put_op`).
-    let slot = cluster.put(key(1), b"kept".to_vec());
-    applied(&mut cluster, &slot, "the put");
     let propose = |cluster: &mut SimCluster, command: Command, what: &str| {
         let leader = cluster.leader().unwrap();
         let slot = cluster.propose(leader, &command);
@@ -718,10 +726,12 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
             "an epoch advance",
         );
     }
-    let held = Retained {
-        epochs: 3,
-        map_version: 10,
+    // A blob of namespace 1 written in epoch 3.
+    let write = WriteOp {
+        epoch: 3,
+        ..crate::sim::put_op(key(1), b"kept".to_vec())
     };
+    propose(&mut cluster, Command::Write(vec![write]), "the put");
     propose(
         &mut cluster,
         Command::Retain {
@@ -732,7 +742,7 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
         "retain 3",
     );
     // Computed under "retain 1" at epoch 4: drops epochs 1 to 3, which
-    // "retain 3" keeps until epoch 4 ends.
+    // "retain 3" keeps until epoch 5 ends.
     propose(
         &mut cluster,
         Command::DropEpochs {
@@ -750,6 +760,28 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
         },
         "an older map's retain",
     );
+    // Lengthened to 5 (the blob stays through epoch 7), then two advances:
+    // at epoch 6, "retain 3" would allow the stale drop.
+    let held = Retained {
+        epochs: 5,
+        map_version: 12,
+    };
+    propose(
+        &mut cluster,
+        Command::Retain {
+            namespace: 1,
+            epochs: 5,
+            map_version: 12,
+        },
+        "retain 5",
+    );
+    for epoch in 5..=6 {
+        propose(
+            &mut cluster,
+            Command::AdvanceEpoch(epoch),
+            "an epoch advance",
+        );
+    }
     let follower = (1..=3).find(|id| Some(*id) != cluster.leader()).unwrap();
     cluster.kill(follower);
     cluster.restart(follower).unwrap();
@@ -773,13 +805,13 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
         );
         assert_eq!(log.drops().get(&1), None, "node {id}, seed {seed}");
     }
-    // Shortened to 2 epochs (a newer map): at epoch 4 the epochs below 3 go.
+    // Shortened to 2 epochs (a newer map): at epoch 6 the epochs below 5 go.
     propose(
         &mut cluster,
         Command::Retain {
             namespace: 1,
             epochs: 2,
-            map_version: 11,
+            map_version: 13,
         },
         "retain 2",
     );
@@ -787,7 +819,7 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
         &mut cluster,
         Command::DropEpochs {
             namespace: 1,
-            below: 3,
+            below: 5,
         },
         "the drop retain 2 allows",
     );
@@ -795,7 +827,7 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
         assert!(!present(&mut cluster, id), "node {id}, seed {seed}");
         assert_eq!(
             cluster.replica(id).unwrap().log().drops().get(&1),
-            Some(&3),
+            Some(&5),
             "node {id}, seed {seed}"
         );
     }
