@@ -156,6 +156,9 @@ pub struct Client {
     pub(crate) caller_token: Option<Arc<str>>,
     /// What puts and deletes wait for ([`Client::with_durability`]).
     pub(crate) durability: Durability,
+    /// What the uploads of this client and its clones may buffer at once
+    /// ([`Client::with_upload_memory`]; `None`: unbounded).
+    pub(crate) upload_memory: Option<Arc<crate::stream::UploadMemory>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -435,6 +438,7 @@ impl Client {
             attempts: None,
             caller_token: None,
             durability: Durability::Default,
+            upload_memory: None,
         })
     }
 
@@ -457,6 +461,23 @@ impl Client {
     pub fn with_durability(&self, durability: Durability) -> Client {
         Client {
             durability,
+            ..self.clone()
+        }
+    }
+
+    /// The same client, its [`Upload`](crate::Upload)s — and those of the
+    /// clones made from it, which share the budget — buffering at most
+    /// `bytes` at once: each reserves, before it buffers, the rest of the
+    /// chunk it fills (the rest of the blob when
+    /// [`Upload::size_hint`](crate::Upload::size_hint) says it is
+    /// smaller), and gives it back when that chunk is stored or the upload
+    /// ends. A write waits for its reservation at most the call timeout,
+    /// then fails `OVERLOADED` (the upload is over: start it again). What a
+    /// server taking uploads from many clients (a gateway) bounds its
+    /// memory with. A reservation never exceeds the whole budget.
+    pub fn with_upload_memory(&self, bytes: u64) -> Client {
+        Client {
+            upload_memory: Some(Arc::new(crate::stream::UploadMemory::new(bytes))),
             ..self.clone()
         }
     }
@@ -2054,6 +2075,7 @@ mod tests {
             attempts: None,
             caller_token: None,
             durability: Durability::Default,
+            upload_memory: None,
         };
         (client, calls)
     }

@@ -13,6 +13,7 @@
 //! or the manifest deleted.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use prost::Message as _;
 use sha2::{Digest, Sha256};
@@ -238,6 +239,10 @@ impl Client {
             failed: false,
             published: false,
             started: 0,
+            memory: self.upload_memory.clone(),
+            reserved: None,
+            flushed: 0,
+            size_hint: None,
         })
     }
 
@@ -610,6 +615,39 @@ pub struct Upload {
     published: bool,
     /// Chunks whose store was started (stored, being stored or failed).
     started: u64,
+    /// The client's upload budget, if it has one.
+    memory: Option<Arc<UploadMemory>>,
+    /// What `pending` may grow to under the budget: (bytes, the
+    /// reservation). Moves with the chunk to its store.
+    reserved: Option<(usize, tokio::sync::OwnedSemaphorePermit)>,
+    /// Bytes handed to chunk stores so far.
+    flushed: u64,
+    /// The blob's size, when the caller knows it ([`Upload::size_hint`]).
+    size_hint: Option<u64>,
+}
+
+/// A budget of upload memory shared by a client's clones
+/// ([`Client::with_upload_memory`]), counted in KiB.
+#[derive(Debug)]
+pub(crate) struct UploadMemory {
+    permits: Arc<tokio::sync::Semaphore>,
+    /// The whole budget, KiB.
+    units: u32,
+}
+
+impl UploadMemory {
+    pub(crate) fn new(bytes: u64) -> UploadMemory {
+        let units = (bytes >> 10).clamp(1, u64::from(u32::MAX >> 4)) as u32;
+        UploadMemory {
+            permits: Arc::new(tokio::sync::Semaphore::new(units as usize)),
+            units,
+        }
+    }
+
+    /// KiB units holding `bytes` (at least 1, at most the whole budget).
+    fn units_for(&self, bytes: usize) -> u32 {
+        (bytes.div_ceil(1024) as u64).clamp(1, u64::from(self.units)) as u32
+    }
 }
 
 impl std::fmt::Debug for Upload {
@@ -635,6 +673,64 @@ impl Upload {
     /// Bytes written so far.
     pub fn written(&self) -> u64 {
         self.written
+    }
+
+    /// The blob's size, when known before it is written: under an upload
+    /// budget ([`Client::with_upload_memory`]) a blob smaller than a chunk
+    /// reserves its size, not a whole chunk. Bytes past it are reserved
+    /// as they come (a wrong hint costs waits, never correctness).
+    pub fn size_hint(&mut self, bytes: u64) {
+        self.size_hint = Some(bytes);
+    }
+
+    /// Reserves, under the client's upload budget, room for `pending` to
+    /// hold `more` bytes beyond what it holds: the rest of the chunk (or
+    /// of the blob, by the size hint) at once, so that an upload never
+    /// waits holding part of what it needs while others do the same.
+    /// `OVERLOADED` after the call timeout.
+    async fn reserve(&mut self, more: usize) -> Result<()> {
+        let Some(memory) = self.memory.clone() else {
+            return Ok(());
+        };
+        let needed = self.pending.len() + more;
+        let held = self.reserved.as_ref().map_or(0, |(bytes, _)| *bytes);
+        if needed <= held {
+            return Ok(());
+        }
+        let rest_of_blob = self.size_hint.map_or(usize::MAX, |size| {
+            usize::try_from(size.saturating_sub(self.flushed)).unwrap_or(usize::MAX)
+        });
+        let target = rest_of_blob.min(self.chunk_size).max(needed);
+        let have = self
+            .reserved
+            .as_ref()
+            .map_or(0, |(_, permit)| permit.num_permits() as u32);
+        let want = memory.units_for(target);
+        if want > have {
+            let acquire = memory.permits.clone().acquire_many_owned(want - have);
+            let permit = match tokio::time::timeout(self.client.timeout, acquire).await {
+                Ok(Ok(permit)) => permit,
+                Ok(Err(_)) => unreachable!("the upload budget is never closed"),
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorCode::Overloaded,
+                        format!(
+                            "this client's upload memory ({} MiB) stayed taken by other uploads for {:?}; start the upload again later",
+                            u64::from(memory.units) >> 10,
+                            self.client.timeout
+                        ),
+                    ));
+                }
+            };
+            match &mut self.reserved {
+                Some((_, held)) => held.merge(permit),
+                None => self.reserved = Some((0, permit)),
+            }
+        }
+        if let Some((bytes, _)) = &mut self.reserved {
+            *bytes = target;
+        }
+        Ok(())
     }
 
     /// Keys of the chunks whose store was started so far, outside a
@@ -675,6 +771,7 @@ impl Upload {
                 self.store_chunk(chunk).await?;
             }
             let take = (self.chunk_size - self.pending.len()).min(rest.len());
+            self.reserve(take).await?;
             self.pending.extend_from_slice(&rest[..take]);
             rest = &rest[take..];
         }
@@ -699,7 +796,11 @@ impl Upload {
             BlobKind::Chunk
         };
         let (client, namespace) = (self.client.clone(), self.namespace.clone());
+        // The chunk's reservation goes with it, given back once stored.
+        self.flushed += chunk.len() as u64;
+        let reserved = self.reserved.take();
         let store = async move {
+            let _reserved = reserved;
             let digest = sha256(&chunk);
             let key = named.unwrap_or(digest);
             let (stored, retried) = client

@@ -1433,3 +1433,75 @@ async fn a_reader_stays_failed_after_a_chunk_failed() {
     }
     cluster.stop().await;
 }
+
+/// Uploads share their client's memory budget: each reserves before it
+/// buffers — its declared size when smaller than a chunk, else the rest of
+/// the chunk it fills — and gives it back when that chunk is stored or the
+/// upload ends (finished, failed or dropped). Past the budget a write
+/// waits, then fails `OVERLOADED` at the call timeout, and the upload is
+/// over. Before, nothing bounded what concurrent uploads buffered (a
+/// gateway took up to three chunks per upload from any number of clients).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_wait_for_their_clients_upload_memory() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    // Half a chunk (1 MiB here): a chunk is larger than the budget.
+    let chunk = client.chunk_size();
+    let client = client
+        .with_upload_memory(chunk as u64 / 2)
+        .with_timeout(Duration::from_secs(2));
+    let piece = vec![5u8; chunk * 3 / 10];
+    // 30% of a chunk declared: that much of the 50% reserved.
+    let mut first = client.upload("default", b"first").await.unwrap();
+    first.size_hint(piece.len() as u64);
+    first.write(&piece).await.unwrap();
+    // Another 30% does not fit until the first ends.
+    let second = {
+        let (client, piece) = (client.clone(), piece.clone());
+        tokio::spawn(async move {
+            let mut upload = client.upload("default", b"second").await?;
+            upload.size_hint(piece.len() as u64);
+            upload.write(&piece).await?;
+            upload.finish().await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!second.is_finished(), "the second upload did not wait");
+    first.finish().await.unwrap();
+    second.await.unwrap().unwrap();
+    assert_eq!(client.get("default", b"second").await.unwrap(), piece);
+    // Without a declared size an upload reserves a chunk: here the whole
+    // budget. Another waits the call timeout, then is refused for good.
+    let mut whole = client.upload("default", b"whole").await.unwrap();
+    whole.write(b"a few bytes").await.unwrap();
+    let mut refused = client.upload("default", b"refused").await.unwrap();
+    let started = std::time::Instant::now();
+    let error = refused.write(b"x").await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
+    assert!(started.elapsed() >= Duration::from_secs(2), "{error}");
+    let after = refused.write(b"x").await.unwrap_err();
+    assert_eq!(after.code(), ErrorCode::InvalidArgument, "{after}");
+    // A dropped upload gives its reservation back.
+    drop(whole);
+    let mut next = client.upload("default", b"next").await.unwrap();
+    next.write(&piece).await.unwrap();
+    // A blob of several chunks goes through a budget smaller than one
+    // chunk: each chunk's reservation is given back once it is stored.
+    drop(next);
+    let content: Vec<u8> = (0..2 * chunk + 77).map(|i| (i % 251) as u8).collect();
+    let mut large = client.upload("default", b"large").await.unwrap();
+    for part in content.chunks(chunk / 10) {
+        large.write(part).await.unwrap();
+    }
+    large.finish().await.unwrap();
+    assert!(client.get("default", b"large").await.unwrap() == content);
+    // Clones share the budget (a gateway acts as each caller).
+    let mut held = client.upload("default", b"held").await.unwrap();
+    held.write(b"y").await.unwrap();
+    let clone = client.acting_as("some-token").unwrap();
+    let mut blocked = clone.upload("default", b"blocked").await.unwrap();
+    let error = blocked.write(b"z").await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
+    drop(held);
+    cluster.stop().await;
+}

@@ -394,12 +394,13 @@ impl ByteStream for Reapi {
         }
         if first.write_offset == 0 {
             // A fresh start.
-            session.upload = Some(
-                client
-                    .upload(&resource.instance.cas, &digest.hash)
-                    .await
-                    .map_err(status)?,
-            );
+            let mut upload = client
+                .upload(&resource.instance.cas, &digest.hash)
+                .await
+                .map_err(status)?;
+            // Decompressed, the blob is the digest's size.
+            upload.size_hint(digest.size);
+            session.upload = Some(upload);
             session.decompressor = if compressed {
                 Some(Decompressor::new(digest.size).map_err(|e| Status::internal(e.to_string()))?)
             } else {

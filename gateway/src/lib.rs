@@ -75,6 +75,13 @@ pub struct GatewayConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// What a client of the HTTP endpoints (the cache, restic) may hold.
     pub http_limits: HttpLimits,
+    /// What the uploads being received (HTTP and restic PUTs, ByteStream
+    /// writes, paused ones included) may buffer at once, bytes
+    /// (`Client::with_upload_memory`): each reserves the rest of the chunk
+    /// it fills (of the blob, when its size is declared); past the budget
+    /// a write waits, then fails `OVERLOADED` (HTTP 503, gRPC
+    /// `UNAVAILABLE`).
+    pub upload_memory_bytes: u64,
 }
 
 /// Bounds on what clients of an HTTP endpoint may hold, against slow,
@@ -119,7 +126,7 @@ pub struct ServeTls {
 
 impl GatewayConfig {
     /// Defaults: gRPC on 127.0.0.1:7480, HTTP on 127.0.0.1:7481, blobs up
-    /// to 64 GiB, batches up to 4 MiB.
+    /// to 64 GiB, batches up to 4 MiB, 256 MiB of uploads buffered.
     pub fn new(client: ClientConfig) -> GatewayConfig {
         GatewayConfig {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7480)),
@@ -133,6 +140,7 @@ impl GatewayConfig {
             restic: None,
             metrics_listen: None,
             http_limits: HttpLimits::default(),
+            upload_memory_bytes: 256 << 20,
         }
     }
 }
@@ -471,7 +479,8 @@ impl RunningGateway {
 pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
     let client = Client::with_config(config.client.clone())
         .await
-        .map_err(|e| format!("cannot reach the cluster: {e}"))?;
+        .map_err(|e| format!("cannot reach the cluster: {e}"))?
+        .with_upload_memory(config.upload_memory_bytes);
     let grpc = TcpListener::bind(config.grpc_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.grpc_listen))?;

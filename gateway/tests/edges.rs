@@ -1092,3 +1092,66 @@ async fn a_client_that_stops_reading_loses_its_connection() {
     drop(stalled);
     s.stop().await;
 }
+
+/// Uploads buffer at most the gateway's upload memory at once: a PUT
+/// whose client sends part of its body and then waits holds its declared
+/// size of it; another PUT that does not fit waits, then is refused (503)
+/// at the gateway's call timeout and stores nothing; once the first
+/// connection goes, its reservation is given back and a PUT is stored.
+/// Before, nothing bounded it: every upload held up to three chunks, from
+/// any number of connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uploads_past_the_memory_budget_are_refused() {
+    use std::time::{Duration, Instant};
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(true, |config| {
+        config.upload_memory_bytes = 1 << 20;
+        config.client.timeout = Duration::from_secs(2);
+    })
+    .await;
+    let at = s.gateway.http_address;
+    // 900 KiB declared, 500 KiB sent, then nothing (within the body idle
+    // bound): the gateway holds 900 KiB of the 1 MiB.
+    let held = blob(71, 900 << 10);
+    let held_path = format!("/cas/{}", hex(&Sha256::digest(&held)));
+    let stream = tokio::net::TcpStream::connect(at).await.unwrap();
+    let (reader, mut writer) = stream.into_split();
+    let head = format!(
+        "PUT {held_path} HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n",
+        held.len()
+    );
+    writer.write_all(head.as_bytes()).await.unwrap();
+    writer.write_all(&held[..500 << 10]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // 300 KiB more does not fit: refused after the 2 s call timeout.
+    let other = blob(72, 300 << 10);
+    let other_path = format!("/cas/{}", hex(&Sha256::digest(&other)));
+    let started = Instant::now();
+    let answer = raw_put(at, &other_path, &other, other.len()).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1900),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(http(at, "HEAD", &other_path, None, vec![]).await.0, 404);
+    // The held upload's client goes: its reservation comes back.
+    drop(writer);
+    drop(reader);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = http(at, "PUT", &other_path, None, other.clone()).await;
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{status} {}",
+            String::from_utf8_lossy(&body)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(http(at, "HEAD", &other_path, None, vec![]).await.0, 200);
+    assert_eq!(http(at, "HEAD", &held_path, None, vec![]).await.0, 404);
+    s.stop().await;
+}

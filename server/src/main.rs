@@ -384,6 +384,11 @@ struct GatewayArgs {
     /// gRPC); more wait in the listen backlog.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     http_max_connections: u64,
+    /// MiB the uploads being received (HTTP and restic PUTs, ByteStream
+    /// writes) may buffer at once; past it a write waits, then fails
+    /// `OVERLOADED` (HTTP 503).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    upload_memory_mib: u64,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -1100,6 +1105,7 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         body_idle: std::time::Duration::from_secs(args.http_body_idle_s),
         max_connections: args.http_max_connections as usize,
     };
+    config.upload_memory_bytes = args.upload_memory_mib << 20;
     if let Some(listen) = args.restic_listen {
         let mut restic = tidepool_gateway::ResticConfig::new(listen);
         restic.namespace = args.restic_namespace.clone();
