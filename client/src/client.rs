@@ -467,14 +467,16 @@ impl Client {
 
     /// The same client, its [`Upload`](crate::Upload)s — and those of the
     /// clones made from it, which share the budget — buffering at most
-    /// `bytes` at once: each reserves, before it buffers, the rest of the
-    /// chunk it fills (the rest of the blob when
-    /// [`Upload::size_hint`](crate::Upload::size_hint) says it is
-    /// smaller), and gives it back when that chunk is stored or the upload
-    /// ends. A write waits for its reservation at most the call timeout,
-    /// then fails `OVERLOADED` (the upload is over: start it again). What a
+    /// `bytes` at once: each reserves room for the bytes it buffers as
+    /// they come, and gives it back when the chunk holding them is stored
+    /// or the upload ends. With no room left, an upload buffering at least
+    /// 256 KiB stores that at once as a chunk of its own (a blob smaller
+    /// than a chunk may then be stored chunked); one buffering less waits,
+    /// at most the call timeout, then fails `OVERLOADED` (the upload is
+    /// over: start it again). Chunks are at most `bytes` long. What a
     /// server taking uploads from many clients (a gateway) bounds its
-    /// memory with. A reservation never exceeds the whole budget.
+    /// memory with; a chunk being sent is copied once more into its
+    /// messages, so the process may hold up to about twice the budget.
     pub fn with_upload_memory(&self, bytes: u64) -> Client {
         Client {
             upload_memory: Some(Arc::new(crate::stream::UploadMemory::new(bytes))),

@@ -225,7 +225,10 @@ impl Client {
             namespace: namespace.to_string(),
             key: key.to_vec(),
             cas,
-            chunk_size: self.chunk_size(),
+            // Under a budget smaller than a chunk, chunks fit it.
+            chunk_size: self.upload_memory.as_ref().map_or(self.chunk_size(), |m| {
+                self.chunk_size().min(m.bytes()).max(EARLY_CHUNK_MIN)
+            }),
             pending: Vec::new(),
             manifest: ChunkManifest {
                 nonce: if cas { 0 } else { rand::random() },
@@ -241,8 +244,6 @@ impl Client {
             started: 0,
             memory: self.upload_memory.clone(),
             reserved: None,
-            flushed: 0,
-            size_hint: None,
         })
     }
 
@@ -617,13 +618,9 @@ pub struct Upload {
     started: u64,
     /// The client's upload budget, if it has one.
     memory: Option<Arc<UploadMemory>>,
-    /// What `pending` may grow to under the budget: (bytes, the
-    /// reservation). Moves with the chunk to its store.
-    reserved: Option<(usize, tokio::sync::OwnedSemaphorePermit)>,
-    /// Bytes handed to chunk stores so far.
-    flushed: u64,
-    /// The blob's size, when the caller knows it ([`Upload::size_hint`]).
-    size_hint: Option<u64>,
+    /// The room `pending` holds under the budget (KiB units). Moves with
+    /// the chunk to its store.
+    reserved: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// A budget of upload memory shared by a client's clones
@@ -648,7 +645,17 @@ impl UploadMemory {
     fn units_for(&self, bytes: usize) -> u32 {
         (bytes.div_ceil(1024) as u64).clamp(1, u64::from(self.units)) as u32
     }
+
+    /// The whole budget, bytes.
+    fn bytes(&self) -> usize {
+        (self.units as usize) << 10
+    }
 }
+
+/// Under an upload budget with no room left, an upload that buffers at
+/// least this much stores it at once as a chunk of its own (its room
+/// comes back once stored) instead of waiting; with less it waits.
+const EARLY_CHUNK_MIN: usize = 256 << 10;
 
 impl std::fmt::Debug for Upload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -675,61 +682,75 @@ impl Upload {
         self.written
     }
 
-    /// The blob's size, when known before it is written: under an upload
-    /// budget ([`Client::with_upload_memory`]) a blob smaller than a chunk
-    /// reserves its size, not a whole chunk. Bytes past it are reserved
-    /// as they come (a wrong hint costs waits, never correctness).
-    pub fn size_hint(&mut self, bytes: u64) {
-        self.size_hint = Some(bytes);
-    }
-
-    /// Reserves, under the client's upload budget, room for `pending` to
-    /// hold `more` bytes beyond what it holds: the rest of the chunk (or
-    /// of the blob, by the size hint) at once, so that an upload never
-    /// waits holding part of what it needs while others do the same.
-    /// `OVERLOADED` after the call timeout.
+    /// Makes room under the client's upload budget for `pending` to hold
+    /// `more` bytes beyond what it holds: reserved as the bytes come (a
+    /// client holds room only for bytes it sent). With no room left, a
+    /// pending piece of at least [`EARLY_CHUNK_MIN`] is stored at once as
+    /// a chunk of its own — storing needs no room, and gives its room back
+    /// when done — so an upload never waits holding much while the others
+    /// do the same; with less, it waits, at most the call timeout
+    /// (`OVERLOADED`).
     async fn reserve(&mut self, more: usize) -> Result<()> {
         let Some(memory) = self.memory.clone() else {
             return Ok(());
         };
-        let needed = self.pending.len() + more;
-        let held = self.reserved.as_ref().map_or(0, |(bytes, _)| *bytes);
-        if needed <= held {
-            return Ok(());
-        }
-        let rest_of_blob = self.size_hint.map_or(usize::MAX, |size| {
-            usize::try_from(size.saturating_sub(self.flushed)).unwrap_or(usize::MAX)
-        });
-        let target = rest_of_blob.min(self.chunk_size).max(needed);
-        let have = self
-            .reserved
-            .as_ref()
-            .map_or(0, |(_, permit)| permit.num_permits() as u32);
-        let want = memory.units_for(target);
-        if want > have {
-            let acquire = memory.permits.clone().acquire_many_owned(want - have);
-            let permit = match tokio::time::timeout(self.client.timeout, acquire).await {
-                Ok(Ok(permit)) => permit,
-                Ok(Err(_)) => unreachable!("the upload budget is never closed"),
+        loop {
+            let have = self.reserved.as_ref().map_or(0, |p| p.num_permits() as u32);
+            let want = memory.units_for(self.pending.len() + more);
+            if want <= have {
+                return Ok(());
+            }
+            let permit = match memory.permits.clone().try_acquire_many_owned(want - have) {
+                Ok(permit) => permit,
+                Err(_) if self.pending.len() >= EARLY_CHUNK_MIN => {
+                    let chunk = std::mem::take(&mut self.pending);
+                    self.store_chunk(chunk).await?;
+                    continue;
+                }
                 Err(_) => {
-                    return Err(Error::new(
-                        ErrorCode::Overloaded,
-                        format!(
-                            "this client's upload memory ({} MiB) stayed taken by other uploads for {:?}; start the upload again later",
-                            u64::from(memory.units) >> 10,
-                            self.client.timeout
-                        ),
-                    ));
+                    let acquire = memory.permits.clone().acquire_many_owned(want - have);
+                    match tokio::time::timeout(self.client.timeout, acquire).await {
+                        Ok(Ok(permit)) => permit,
+                        Ok(Err(_)) => unreachable!("the upload budget is never closed"),
+                        Err(_) => {
+                            return Err(Error::new(
+                                ErrorCode::Overloaded,
+                                format!(
+                                    "this client's upload memory ({} KiB) stayed taken by other uploads for {:?}; start the upload again later",
+                                    memory.units, self.client.timeout
+                                ),
+                            ));
+                        }
+                    }
                 }
             };
             match &mut self.reserved {
-                Some((_, held)) => held.merge(permit),
-                None => self.reserved = Some((0, permit)),
+                Some(held) => held.merge(permit),
+                None => self.reserved = Some(permit),
             }
+            return Ok(());
         }
-        if let Some((bytes, _)) = &mut self.reserved {
-            *bytes = target;
+    }
+
+    /// Stores what the upload buffers as a chunk of its own now, if it is
+    /// at least 256 KiB (what a server does for an upload its
+    /// client paused, so the upload holds no room meanwhile under the
+    /// client's budget). The blob is then stored as a manifest whatever
+    /// its size.
+    pub async fn store_buffered(&mut self) -> Result<()> {
+        if self.failed {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "an earlier write of this upload failed or was cancelled; start the upload again",
+            ));
         }
+        if self.pending.len() < EARLY_CHUNK_MIN {
+            return Ok(());
+        }
+        self.failed = true;
+        let chunk = std::mem::take(&mut self.pending);
+        self.store_chunk(chunk).await?;
+        self.failed = false;
         Ok(())
     }
 
@@ -796,8 +817,7 @@ impl Upload {
             BlobKind::Chunk
         };
         let (client, namespace) = (self.client.clone(), self.namespace.clone());
-        // The chunk's reservation goes with it, given back once stored.
-        self.flushed += chunk.len() as u64;
+        // The chunk's room goes with it, given back once stored.
         let reserved = self.reserved.take();
         let store = async move {
             let _reserved = reserved;

@@ -1434,34 +1434,35 @@ async fn a_reader_stays_failed_after_a_chunk_failed() {
     cluster.stop().await;
 }
 
-/// Uploads share their client's memory budget: each reserves before it
-/// buffers — its declared size when smaller than a chunk, else the rest of
-/// the chunk it fills — and gives it back when that chunk is stored or the
-/// upload ends (finished, failed or dropped). Past the budget a write
-/// waits, then fails `OVERLOADED` at the call timeout, and the upload is
-/// over. Before, nothing bounded what concurrent uploads buffered (a
-/// gateway took up to three chunks per upload from any number of clients).
+/// Uploads share their client's memory budget, reserving room for the
+/// bytes they buffer as the bytes come and giving it back when a chunk is
+/// stored or the upload ends (finished, failed or dropped). With no room
+/// left, an upload that buffers at least 256 KiB stores it at once as a
+/// chunk of its own instead of waiting; one that buffers less waits, then
+/// fails `OVERLOADED` at the call timeout, and is over. Before, nothing
+/// bounded what concurrent uploads buffered (a gateway took up to three
+/// chunks per upload from any number of clients).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_wait_for_their_clients_upload_memory() {
     let cluster = LocalCluster::start(3, 1, 3).await;
     let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
-    // Half a chunk (1 MiB here): a chunk is larger than the budget.
     let chunk = client.chunk_size();
+    assert_eq!(chunk, 1 << 20, "the test cluster's chunk");
+    // 512 KiB, shared by the clones made from it; `impatient` waits 2 s.
     let client = client
-        .with_upload_memory(chunk as u64 / 2)
-        .with_timeout(Duration::from_secs(2));
-    let piece = vec![5u8; chunk * 3 / 10];
-    // 30% of a chunk declared: that much of the 50% reserved.
+        .with_upload_memory(512 << 10)
+        .with_timeout(Duration::from_secs(30));
+    let impatient = client.with_timeout(Duration::from_secs(2));
+    let kib = |n: usize| vec![(n % 251) as u8; n << 10];
+
+    // 200 KiB held; 400 KiB more do not fit until the first upload ends.
     let mut first = client.upload("default", b"first").await.unwrap();
-    first.size_hint(piece.len() as u64);
-    first.write(&piece).await.unwrap();
-    // Another 30% does not fit until the first ends.
+    first.write(&kib(200)).await.unwrap();
     let second = {
-        let (client, piece) = (client.clone(), piece.clone());
+        let client = client.clone();
         tokio::spawn(async move {
             let mut upload = client.upload("default", b"second").await?;
-            upload.size_hint(piece.len() as u64);
-            upload.write(&piece).await?;
+            upload.write(&kib(400)).await?;
             upload.finish().await
         })
     };
@@ -1469,25 +1470,49 @@ async fn uploads_wait_for_their_clients_upload_memory() {
     assert!(!second.is_finished(), "the second upload did not wait");
     first.finish().await.unwrap();
     second.await.unwrap().unwrap();
-    assert_eq!(client.get("default", b"second").await.unwrap(), piece);
-    // Without a declared size an upload reserves a chunk: here the whole
-    // budget. Another waits the call timeout, then is refused for good.
-    let mut whole = client.upload("default", b"whole").await.unwrap();
-    whole.write(b"a few bytes").await.unwrap();
-    let mut refused = client.upload("default", b"refused").await.unwrap();
+    assert_eq!(client.get("default", b"second").await.unwrap(), kib(400));
+
+    // 300 KiB held by one upload, 150 KiB by another: 100 KiB more for the
+    // first do not fit, and it stores its 300 KiB at once as a chunk
+    // instead of waiting — the blob (400 KiB, under a chunk) is chunked.
+    let mut early = client.upload("default", b"early").await.unwrap();
+    early.write(&kib(300)).await.unwrap();
+    let mut small = client.upload("default", b"small").await.unwrap();
+    small.write(&kib(150)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), early.write(&kib(100)))
+        .await
+        .expect("the write waited instead of storing what it buffered")
+        .unwrap();
+    assert_eq!(early.started_chunk_keys().len(), 1);
+    early.finish().await.unwrap();
+    let mut whole = kib(300);
+    whole.extend_from_slice(&kib(100));
+    assert!(client.get("default", b"early").await.unwrap() == whole);
+
+    // Buffering under 256 KiB, an upload waits for room; at the timeout
+    // it is refused, for good.
+    let mut holding = client.upload("default", b"holding").await.unwrap();
+    holding.write(&kib(300)).await.unwrap();
+    let mut refused = impatient.upload("default", b"refused").await.unwrap();
     let started = std::time::Instant::now();
-    let error = refused.write(b"x").await.unwrap_err();
+    let error = refused.write(&kib(100)).await.unwrap_err();
     assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
     assert!(started.elapsed() >= Duration::from_secs(2), "{error}");
     let after = refused.write(b"x").await.unwrap_err();
     assert_eq!(after.code(), ErrorCode::InvalidArgument, "{after}");
-    // A dropped upload gives its reservation back.
-    drop(whole);
-    let mut next = client.upload("default", b"next").await.unwrap();
-    next.write(&piece).await.unwrap();
-    // A blob of several chunks goes through a budget smaller than one
-    // chunk: each chunk's reservation is given back once it is stored.
+    // Clones share the budget (a gateway acts as each caller).
+    let clone = impatient.acting_as("some-token").unwrap();
+    let mut blocked = clone.upload("default", b"blocked").await.unwrap();
+    let error = blocked.write(&kib(100)).await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
+    // Dropped uploads give their room back.
+    drop((holding, small));
+    let mut next = impatient.upload("default", b"next").await.unwrap();
+    next.write(&kib(500)).await.unwrap();
     drop(next);
+
+    // A blob of several chunks goes through a budget of half a chunk:
+    // its chunks fit the budget, each one's room given back once stored.
     let content: Vec<u8> = (0..2 * chunk + 77).map(|i| (i % 251) as u8).collect();
     let mut large = client.upload("default", b"large").await.unwrap();
     for part in content.chunks(chunk / 10) {
@@ -1495,13 +1520,5 @@ async fn uploads_wait_for_their_clients_upload_memory() {
     }
     large.finish().await.unwrap();
     assert!(client.get("default", b"large").await.unwrap() == content);
-    // Clones share the budget (a gateway acts as each caller).
-    let mut held = client.upload("default", b"held").await.unwrap();
-    held.write(b"y").await.unwrap();
-    let clone = client.acting_as("some-token").unwrap();
-    let mut blocked = clone.upload("default", b"blocked").await.unwrap();
-    let error = blocked.write(b"z").await.unwrap_err();
-    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
-    drop(held);
     cluster.stop().await;
 }

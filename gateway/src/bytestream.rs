@@ -394,13 +394,12 @@ impl ByteStream for Reapi {
         }
         if first.write_offset == 0 {
             // A fresh start.
-            let mut upload = client
-                .upload(&resource.instance.cas, &digest.hash)
-                .await
-                .map_err(status)?;
-            // Decompressed, the blob is the digest's size.
-            upload.size_hint(digest.size);
-            session.upload = Some(upload);
+            session.upload = Some(
+                client
+                    .upload(&resource.instance.cas, &digest.hash)
+                    .await
+                    .map_err(status)?,
+            );
             session.decompressor = if compressed {
                 Some(Decompressor::new(digest.size).map_err(|e| Status::internal(e.to_string()))?)
             } else {
@@ -434,9 +433,16 @@ impl ByteStream for Reapi {
             if request.finish_write {
                 break true;
             }
-            message = crate::next_message(&mut stream, idle).await?;
+            message = match crate::next_message(&mut stream, idle).await {
+                Ok(message) => message,
+                Err(error) => {
+                    pause(&mut session).await;
+                    return Err(error);
+                }
+            };
         };
         if !finished {
+            pause(&mut session).await;
             return Err(invalid(format!(
                 "the write of {name} ended without finish_write; {} bytes are committed",
                 session.received
@@ -503,6 +509,20 @@ impl ByteStream for Reapi {
 /// dropped at an await in between (a client's reset) left the session
 /// counting bytes its upload had only partly taken — a resumption from
 /// there passed the size check and its manifest was refused.
+/// An upload whose client stopped before `finish_write` stays, paused, for
+/// a resumption: what it buffers is stored now as a chunk (from 256 KiB),
+/// so a paused upload holds no room under the gateway's upload memory for
+/// as long as it waits (`upload_idle`, 10 minutes). Failing, it is
+/// forgotten (the client starts again).
+async fn pause(session: &mut Session) {
+    if let Some(upload) = session.upload.as_mut()
+        && let Err(error) = upload.store_buffered().await
+    {
+        tracing::info!(%error, "a paused upload could not store what it buffered: forgotten");
+        session.upload = None;
+    }
+}
+
 async fn append(session: &mut Session, data: &[u8], size: u64) -> Result<(), Status> {
     let mut upload = session
         .upload

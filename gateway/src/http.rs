@@ -667,9 +667,6 @@ async fn put(
         return Ok(());
     }
     let mut upload = client.upload(namespace, key).await?;
-    if let Some(length) = declared {
-        upload.size_hint(length);
-    }
     while let Some(frame) = next_piece(&mut stream, idle).await? {
         if upload.written() + frame.len() as u64 > max {
             return Err(Error::new(

@@ -773,9 +773,6 @@ async fn put(
 ) -> tidepool_client::Result<()> {
     let mut pieces = Pieces::new(gateway, headers, body)?;
     let mut upload = client.upload(namespace, key).await?;
-    if let Some(length) = pieces.declared {
-        upload.size_hint(length);
-    }
     // The upload hashes what it stores; it stores nothing under the key
     // unless the bytes hash to the name (DIGEST_MISMATCH).
     upload.expect_sha256(*expected);

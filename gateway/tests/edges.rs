@@ -1094,12 +1094,12 @@ async fn a_client_that_stops_reading_loses_its_connection() {
 }
 
 /// Uploads buffer at most the gateway's upload memory at once: a PUT
-/// whose client sends part of its body and then waits holds its declared
-/// size of it; another PUT that does not fit waits, then is refused (503)
-/// at the gateway's call timeout and stores nothing; once the first
-/// connection goes, its reservation is given back and a PUT is stored.
-/// Before, nothing bounded it: every upload held up to three chunks, from
-/// any number of connections.
+/// whose client sends 900 KiB of its body and then waits holds that much
+/// of the 1 MiB; another PUT that does not fit (buffering under 256 KiB,
+/// it cannot store early) waits, then is refused (503) at the gateway's
+/// call timeout and stores nothing; once the first connection goes, its
+/// room is given back and a PUT is stored. Before, nothing bounded it:
+/// every upload held up to three chunks, from any number of connections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn uploads_past_the_memory_budget_are_refused() {
     use std::time::{Duration, Instant};
@@ -1110,9 +1110,9 @@ async fn uploads_past_the_memory_budget_are_refused() {
     })
     .await;
     let at = s.gateway.http_address;
-    // 900 KiB declared, 500 KiB sent, then nothing (within the body idle
-    // bound): the gateway holds 900 KiB of the 1 MiB.
-    let held = blob(71, 900 << 10);
+    // 1000 KiB declared, 900 KiB sent, then nothing (within the body
+    // idle bound): the gateway holds 900 KiB of the 1 MiB.
+    let held = blob(71, 1000 << 10);
     let held_path = format!("/cas/{}", hex(&Sha256::digest(&held)));
     let stream = tokio::net::TcpStream::connect(at).await.unwrap();
     let (reader, mut writer) = stream.into_split();
@@ -1121,8 +1121,8 @@ async fn uploads_past_the_memory_budget_are_refused() {
         held.len()
     );
     writer.write_all(head.as_bytes()).await.unwrap();
-    writer.write_all(&held[..500 << 10]).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    writer.write_all(&held[..900 << 10]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     // 300 KiB more does not fit: refused after the 2 s call timeout.
     let other = blob(72, 300 << 10);
     let other_path = format!("/cas/{}", hex(&Sha256::digest(&other)));
@@ -1153,5 +1153,62 @@ async fn uploads_past_the_memory_budget_are_refused() {
     }
     assert_eq!(http(at, "HEAD", &other_path, None, vec![]).await.0, 200);
     assert_eq!(http(at, "HEAD", &held_path, None, vec![]).await.0, 404);
+    s.stop().await;
+}
+
+/// A ByteStream upload its client paused (the stream ended without
+/// `finish_write`) stores what it buffered at once and waits for its
+/// resumption holding no upload memory: other uploads are served
+/// meanwhile, and the resumed write completes the blob. Paused uploads
+/// held their buffered bytes for the ten minutes they wait (64 of them,
+/// a chunk each: the whole default budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_bytestream_upload_holds_no_upload_memory() {
+    use std::time::Duration;
+    let s = setup_with(true, |config| {
+        config.upload_memory_bytes = 1 << 20;
+        config.client.timeout = Duration::from_secs(2);
+    })
+    .await;
+    let content = blob(81, 2 * CHUNK + 333);
+    let name = format!("uploads/paused-1/{}", blob_name(&content));
+    let paused = 900 << 10;
+    let first = write_requests(&name, &content[..paused], 0, 64 << 10, false);
+    let e = s
+        .bytestream()
+        .write(tokio_stream::iter(first))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // 600 KiB more fits only if the paused upload holds nothing.
+    let other = blob(82, 600 << 10);
+    let other_path = format!("/cas/{}", hex(&Sha256::digest(&other)));
+    assert_eq!(
+        http(
+            s.gateway.http_address,
+            "PUT",
+            &other_path,
+            None,
+            other.clone()
+        )
+        .await
+        .0,
+        200
+    );
+    let rest = write_requests(&name, &content, paused, 64 << 10, true);
+    let committed = s
+        .bytestream()
+        .write(tokio_stream::iter(rest))
+        .await
+        .unwrap()
+        .into_inner()
+        .committed_size;
+    assert_eq!(committed, content.len() as i64);
+    assert_eq!(
+        bytestream_read(&s, &blob_name(&content), 0, 0)
+            .await
+            .unwrap(),
+        content
+    );
     s.stop().await;
 }
