@@ -158,7 +158,10 @@ pub struct Client {
     pub(crate) durability: Durability,
     /// What the uploads of this client and its clones may buffer at once
     /// ([`Client::with_upload_memory`]; `None`: unbounded).
-    pub(crate) upload_memory: Option<Arc<crate::stream::UploadMemory>>,
+    pub(crate) upload_memory: Option<Arc<crate::stream::MemoryBudget>>,
+    /// What the readers of this client and its clones may hold at once
+    /// ([`Client::with_read_memory`]; `None`: unbounded).
+    pub(crate) read_memory: Option<Arc<crate::stream::MemoryBudget>>,
 }
 
 impl std::fmt::Debug for Client {
@@ -439,6 +442,7 @@ impl Client {
             caller_token: None,
             durability: Durability::Default,
             upload_memory: None,
+            read_memory: None,
         })
     }
 
@@ -479,7 +483,26 @@ impl Client {
     /// messages, so the process may hold up to about twice the budget.
     pub fn with_upload_memory(&self, bytes: u64) -> Client {
         Client {
-            upload_memory: Some(Arc::new(crate::stream::UploadMemory::new(bytes))),
+            upload_memory: Some(Arc::new(crate::stream::MemoryBudget::new(bytes))),
+            ..self.clone()
+        }
+    }
+
+    /// The same client, its [`BlobReader`](crate::BlobReader)s — and those
+    /// of the clones made from it, which share the budget — holding at
+    /// most `bytes` at once: a reader takes room before it asks a node for
+    /// bytes (the size it was opened with, else a whole chunk, cut to what
+    /// it read), a chunk takes room for its size before it is fetched (one
+    /// ahead only with room to spare), and the room of a piece handed out
+    /// comes back at the next call or
+    /// when the reader is dropped. Room not given within the call timeout
+    /// fails the read `OVERLOADED`. What a server streaming blobs to many
+    /// clients (a gateway: a client that reads slowly holds what it is
+    /// sent) bounds its memory with. A caller that keeps the pieces it is
+    /// handed holds them outside the budget.
+    pub fn with_read_memory(&self, bytes: u64) -> Client {
+        Client {
+            read_memory: Some(Arc::new(crate::stream::MemoryBudget::new(bytes))),
             ..self.clone()
         }
     }
@@ -2078,6 +2101,7 @@ mod tests {
             caller_token: None,
             durability: Durability::Default,
             upload_memory: None,
+            read_memory: None,
         };
         (client, calls)
     }

@@ -296,7 +296,25 @@ impl Client {
     ) -> Result<BlobReader> {
         let result: Result<BlobReader> = async {
             let cas = self.content_addressed(namespace).await?;
+            // Room for what the read may hold, taken before it is asked
+            // for: the size named, else a whole chunk; cut to the size read.
+            let mut room = match &self.read_memory {
+                None => None,
+                Some(memory) => {
+                    let most = self.chunk_size() as u64;
+                    let bytes = size.map_or(most, |size| size.min(most)) as usize;
+                    Some(memory.hold(bytes, self.timeout, "read").await?)
+                }
+            };
             let (info, mut content) = self.get_verified(namespace, key, cas, size).await?;
+            if let (Some(memory), Some(room)) = (&self.read_memory, room.as_mut()) {
+                let kept = if info.kind == BlobKind::Manifest as i32 {
+                    0
+                } else {
+                    content.len()
+                };
+                memory.shrink(room, kept);
+            }
             let mut reader = BlobReader {
                 client: self.clone(),
                 namespace: namespace.to_string(),
@@ -317,6 +335,7 @@ impl Client {
                 wanted: 0,
                 requested: 0,
                 failed: None,
+                held: None,
             };
             if info.kind != BlobKind::Manifest as i32 {
                 // `get_verified` checked the bytes against this digest.
@@ -332,6 +351,7 @@ impl Client {
                 let start = offset.min(reader.size) as usize;
                 content.drain(..start);
                 reader.plain = Some(content);
+                reader.held = room;
                 return Ok(reader);
             }
             let manifest = ChunkManifest::decode(&content[..])
@@ -617,25 +637,26 @@ pub struct Upload {
     /// Chunks whose store was started (stored, being stored or failed).
     started: u64,
     /// The client's upload budget, if it has one.
-    memory: Option<Arc<UploadMemory>>,
+    memory: Option<Arc<MemoryBudget>>,
     /// The room `pending` holds under the budget (KiB units). Moves with
     /// the chunk to its store.
     reserved: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
-/// A budget of upload memory shared by a client's clones
-/// ([`Client::with_upload_memory`]), counted in KiB.
+/// A budget of memory shared by a client's clones, counted in KiB: what
+/// its uploads buffer ([`Client::with_upload_memory`]), or what its
+/// readers hold ([`Client::with_read_memory`]).
 #[derive(Debug)]
-pub(crate) struct UploadMemory {
+pub(crate) struct MemoryBudget {
     permits: Arc<tokio::sync::Semaphore>,
     /// The whole budget, KiB.
     units: u32,
 }
 
-impl UploadMemory {
-    pub(crate) fn new(bytes: u64) -> UploadMemory {
+impl MemoryBudget {
+    pub(crate) fn new(bytes: u64) -> MemoryBudget {
         let units = (bytes >> 10).clamp(1, u64::from(u32::MAX >> 4)) as u32;
-        UploadMemory {
+        MemoryBudget {
             permits: Arc::new(tokio::sync::Semaphore::new(units as usize)),
             units,
         }
@@ -649,6 +670,47 @@ impl UploadMemory {
     /// The whole budget, bytes.
     fn bytes(&self) -> usize {
         (self.units as usize) << 10
+    }
+
+    /// Room for `bytes` (at most the whole budget), waited for at most
+    /// `timeout`: `OVERLOADED` then, saying what it was for.
+    async fn hold(
+        &self,
+        bytes: usize,
+        timeout: std::time::Duration,
+        what: &str,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit> {
+        let acquire = self
+            .permits
+            .clone()
+            .acquire_many_owned(self.units_for(bytes));
+        match tokio::time::timeout(timeout, acquire).await {
+            Ok(Ok(permit)) => Ok(permit),
+            Ok(Err(_)) => unreachable!("a memory budget is never closed"),
+            Err(_) => Err(Error::new(
+                ErrorCode::Overloaded,
+                format!(
+                    "this client's {what} memory ({} KiB) stayed taken for {timeout:?}; try again later",
+                    self.units
+                ),
+            )),
+        }
+    }
+
+    /// Room for `bytes` (at most the whole budget) if there is some now.
+    fn try_hold(&self, bytes: usize) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.permits
+            .clone()
+            .try_acquire_many_owned(self.units_for(bytes))
+            .ok()
+    }
+
+    /// Gives back the room of `permit` beyond what `bytes` take.
+    fn shrink(&self, permit: &mut tokio::sync::OwnedSemaphorePermit, bytes: usize) {
+        let keep = self.units_for(bytes) as usize;
+        if permit.num_permits() > keep {
+            drop(permit.split(permit.num_permits() - keep));
+        }
     }
 }
 
@@ -708,20 +770,13 @@ impl Upload {
                     continue;
                 }
                 Err(_) => {
-                    let acquire = memory.permits.clone().acquire_many_owned(want - have);
-                    match tokio::time::timeout(self.client.timeout, acquire).await {
-                        Ok(Ok(permit)) => permit,
-                        Ok(Err(_)) => unreachable!("the upload budget is never closed"),
-                        Err(_) => {
-                            return Err(Error::new(
-                                ErrorCode::Overloaded,
-                                format!(
-                                    "this client's upload memory ({} KiB) stayed taken by other uploads for {:?}; start the upload again later",
-                                    memory.units, self.client.timeout
-                                ),
-                            ));
-                        }
-                    }
+                    memory
+                        .hold(
+                            ((want - have) as usize) << 10,
+                            self.client.timeout,
+                            "upload",
+                        )
+                        .await?
                 }
             };
             match &mut self.reserved {
@@ -1130,7 +1185,12 @@ pub const UPLOAD_DEPTH: usize = 2;
 
 /// A chunk being fetched: its stored blob, verified against its stored
 /// digest.
-type ChunkFetch = tokio::task::JoinHandle<Result<(BlobInfo, Vec<u8>)>>;
+type ChunkFetch = tokio::task::JoinHandle<
+    Result<(
+        (BlobInfo, Vec<u8>),
+        Option<tokio::sync::OwnedSemaphorePermit>,
+    )>,
+>;
 
 /// Chunks a [`BlobReader`] fetches beyond the one it hands out next: the
 /// next chunk's round trip overlaps the caller's use of this one (as
@@ -1170,6 +1230,9 @@ pub struct BlobReader {
     /// reader past a failed chunk handed out the following chunk's bytes
     /// as if they came next, or panicked).
     failed: Option<(ErrorCode, String)>,
+    /// Room under the client's read budget for the bytes this reader
+    /// holds or handed out last (given back at the next call).
+    held: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for BlobReader {
@@ -1294,6 +1357,10 @@ impl BlobReader {
     }
 
     async fn next_piece_once(&mut self) -> Result<Option<Vec<u8>>> {
+        // The piece handed out last is the caller's now.
+        if self.plain.is_none() {
+            self.held = None;
+        }
         if let Some(mut content) = self.plain.take() {
             content.truncate(self.remaining.min(content.len() as u64) as usize);
             self.remaining -= content.len() as u64;
@@ -1317,7 +1384,7 @@ impl BlobReader {
             }
             return Ok(None);
         }
-        self.fetch_ahead();
+        self.fetch_ahead().await?;
         let chunk = self.manifest.chunks[self.next_chunk].clone();
         self.next_chunk += 1;
         let task = self
@@ -1327,12 +1394,13 @@ impl BlobReader {
         let fetched = task
             .await
             .map_err(|e| Error::new(ErrorCode::Internal, format!("a chunk's fetch failed: {e}")))?;
-        let (_, mut bytes) = match fetched {
+        let ((_, mut bytes), room) = match fetched {
             Err(error) if error.code() == ErrorCode::NotFound => {
                 return Err(self.chunk_gone(error).await);
             }
             other => other?,
         };
+        self.held = room;
         if sha256(&bytes)[..] != chunk.sha256[..] || bytes.len() as u64 != chunk.size {
             return Err(corrupt(format!(
                 "chunk {} of {} does not match its manifest",
@@ -1355,12 +1423,32 @@ impl BlobReader {
     }
 
     /// Starts fetching the next chunk if it is not under way, and up to
-    /// [`READ_AHEAD`] more while they hold bytes of the range.
-    fn fetch_ahead(&mut self) {
+    /// [`READ_AHEAD`] more while they hold bytes of the range. Under a read
+    /// budget, the next chunk waits for its room here (the reader holds
+    /// nothing else then: the piece handed out last was given back), in
+    /// order; one ahead is fetched only with room to spare at once — taken
+    /// by tasks racing each other, the room went to a chunk ahead while the
+    /// one needed first waited for it for ever.
+    async fn fetch_ahead(&mut self) -> Result<()> {
         while self.fetch_next < self.manifest.chunks.len()
             && (self.fetching.is_empty()
                 || (self.fetching.len() <= READ_AHEAD && self.requested < self.wanted))
         {
+            let chunk = &self.manifest.chunks[self.fetch_next];
+            let room = match &self.client.read_memory {
+                None => None,
+                Some(memory) => {
+                    let bytes = chunk.size.min(self.client.chunk_size() as u64) as usize;
+                    if self.fetching.is_empty() {
+                        Some(memory.hold(bytes, self.client.timeout, "read").await?)
+                    } else {
+                        match memory.try_hold(bytes) {
+                            Some(room) => Some(room),
+                            None => break,
+                        }
+                    }
+                }
+            };
             let chunk = &self.manifest.chunks[self.fetch_next];
             self.requested = self.requested.saturating_add(chunk.size);
             let (client, namespace, key, cas) = (
@@ -1369,11 +1457,15 @@ impl BlobReader {
                 chunk.key.clone(),
                 self.cas,
             );
-            let fetch = async move { client.get_verified(&namespace, &key, cas, None).await };
+            let fetch = async move {
+                let read = client.get_verified(&namespace, &key, cas, None).await?;
+                Ok((read, room))
+            };
             self.fetching
                 .push_back(tokio::spawn(tracing::Instrument::in_current_span(fetch)));
             self.fetch_next += 1;
         }
+        Ok(())
     }
 }
 

@@ -1522,3 +1522,76 @@ async fn uploads_wait_for_their_clients_upload_memory() {
     assert!(client.get("default", b"large").await.unwrap() == content);
     cluster.stop().await;
 }
+
+/// Readers share their client's read memory: a reader takes room before
+/// it asks for bytes — the size it was opened with, else a whole chunk —
+/// cut to what it read; a chunk fetched takes room for its size; a piece's
+/// room comes back at the reader's next call or when it is dropped. Past
+/// the budget a read waits, then fails `OVERLOADED` at the call timeout.
+/// Before, nothing bounded what readers held (a gateway held every blob it
+/// streamed, up to two chunks per read, for as long as its client took to
+/// read it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_wait_for_their_clients_read_memory() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let writer = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    let chunk = writer.chunk_size();
+    assert_eq!(chunk, 1 << 20, "the test cluster's chunk");
+    let kib = |n: usize| vec![(n % 251) as u8; n << 10];
+    writer.put("default", b"900", &kib(900)).await.unwrap();
+    writer.put("default", b"300", &kib(300)).await.unwrap();
+    let large: Vec<u8> = (0..2 * chunk + 77).map(|i| (i % 249) as u8).collect();
+    writer.put("default", b"large", &large).await.unwrap();
+    // 1.5 MiB, shared by the clones made from it; `impatient` waits 2 s.
+    let client = writer
+        .with_read_memory(1536 << 10)
+        .with_timeout(Duration::from_secs(30));
+    let impatient = client.with_timeout(Duration::from_secs(2));
+
+    // Opened: 900 KiB held (a chunk taken, cut to the blob).
+    let mut first = client.open_range("default", b"900", 0, None).await.unwrap();
+    // A read of unknown size takes a chunk first: 600 KiB are left.
+    let started = std::time::Instant::now();
+    let error = impatient
+        .open_range("default", b"300", 0, None)
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
+    assert!(started.elapsed() >= Duration::from_secs(2), "{error}");
+    // One of a known size takes that size.
+    let sized = impatient
+        .open_sized("default", b"300", 300 << 10, 0, None)
+        .await
+        .unwrap();
+    drop(sized);
+    // Another waits until the first reader's piece is taken and the
+    // reader called again.
+    let waiting = {
+        let clone = client.acting_as("some-token").unwrap();
+        tokio::spawn(async move {
+            clone
+                .open_range("default", b"300", 0, None)
+                .await
+                .map(|_| ())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "the read did not wait");
+    assert_eq!(first.next_piece().await.unwrap(), Some(kib(900)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the piece handed out was not counted"
+    );
+    assert_eq!(first.next_piece().await.unwrap(), None);
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the read still waits")
+        .unwrap()
+        .unwrap();
+    drop(first);
+    // A blob of chunks goes through a budget of one and a half chunks,
+    // each chunk fetched once the one before was handed on.
+    assert!(client.get("default", b"large").await.unwrap() == large);
+    cluster.stop().await;
+}

@@ -82,6 +82,14 @@ pub struct GatewayConfig {
     /// a write waits, then fails `OVERLOADED` (HTTP 503, gRPC
     /// `UNAVAILABLE`).
     pub upload_memory_bytes: u64,
+    /// What the blob readers serving requests (GETs, ByteStream reads,
+    /// batch reads, action cache checks) may hold at once, bytes
+    /// (`Client::with_read_memory`): a read takes room before it asks for
+    /// bytes (the digest's size, else a chunk, cut to what it read), and a
+    /// client that reads slowly holds what it is being sent; past the
+    /// budget a read waits, then fails `OVERLOADED` (HTTP 503, gRPC
+    /// `UNAVAILABLE`).
+    pub read_memory_bytes: u64,
 }
 
 /// Bounds on what clients of an HTTP endpoint may hold, against slow,
@@ -126,7 +134,8 @@ pub struct ServeTls {
 
 impl GatewayConfig {
     /// Defaults: gRPC on 127.0.0.1:7480, HTTP on 127.0.0.1:7481, blobs up
-    /// to 64 GiB, batches up to 4 MiB, 256 MiB of uploads buffered.
+    /// to 64 GiB, batches up to 4 MiB, 256 MiB of uploads buffered and
+    /// 256 MiB held by readers.
     pub fn new(client: ClientConfig) -> GatewayConfig {
         GatewayConfig {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7480)),
@@ -141,6 +150,7 @@ impl GatewayConfig {
             metrics_listen: None,
             http_limits: HttpLimits::default(),
             upload_memory_bytes: 256 << 20,
+            read_memory_bytes: 256 << 20,
         }
     }
 }
@@ -480,7 +490,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let client = Client::with_config(config.client.clone())
         .await
         .map_err(|e| format!("cannot reach the cluster: {e}"))?
-        .with_upload_memory(config.upload_memory_bytes);
+        .with_upload_memory(config.upload_memory_bytes)
+        .with_read_memory(config.read_memory_bytes);
     let grpc = TcpListener::bind(config.grpc_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.grpc_listen))?;

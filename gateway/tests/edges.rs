@@ -1212,3 +1212,62 @@ async fn a_paused_bytestream_upload_holds_no_upload_memory() {
     );
     s.stop().await;
 }
+
+/// Reads hold at most the gateway's read memory: a client that stops
+/// reading a large blob keeps what it is being sent (its chunks), and
+/// another read then waits and is refused (503) at the call timeout; once
+/// the slow client goes, its room comes back and reads are served. Before,
+/// every read held up to two chunks for as long as its client took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_past_the_memory_budget_are_refused() {
+    use std::time::{Duration, Instant};
+    use tokio::io::AsyncWriteExt as _;
+    let s = setup_with(true, |config| {
+        config.read_memory_bytes = 1536 << 10;
+        config.max_blob_bytes = 32 << 20;
+        config.client.timeout = Duration::from_secs(2);
+    })
+    .await;
+    let at = s.gateway.http_address;
+    let large = blob(91, 16 * CHUNK);
+    let large_path = format!("/cas/{}", hex(&Sha256::digest(&large)));
+    assert_eq!(
+        http(at, "PUT", &large_path, None, large.clone()).await.0,
+        200
+    );
+    let small = blob(92, 1000);
+    let small_path = format!("/cas/{}", hex(&Sha256::digest(&small)));
+    assert_eq!(
+        http(at, "PUT", &small_path, None, small.clone()).await.0,
+        200
+    );
+    // A GET whose client reads nothing (a small receive buffer): what the
+    // socket does not take stays with the gateway.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut slow = socket.connect(at).await.unwrap();
+    slow.write_all(format!("GET {large_path} HTTP/1.1\r\nhost: gateway\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    let (status, _) = http(at, "GET", &small_path, None, vec![]).await;
+    assert_eq!(status, 503);
+    assert!(
+        started.elapsed() >= Duration::from_millis(1900),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    drop(slow);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = http(at, "GET", &small_path, None, vec![]).await;
+        if status == 200 {
+            assert!(body == small);
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.stop().await;
+}

@@ -389,6 +389,11 @@ struct GatewayArgs {
     /// `OVERLOADED` (HTTP 503).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     upload_memory_mib: u64,
+    /// MiB the blob reads being served (GETs, ByteStream and batch reads)
+    /// may hold at once, slow clients' included; past it a read waits,
+    /// then fails `OVERLOADED` (HTTP 503).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    read_memory_mib: u64,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -1106,6 +1111,7 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         max_connections: args.http_max_connections as usize,
     };
     config.upload_memory_bytes = args.upload_memory_mib << 20;
+    config.read_memory_bytes = args.read_memory_mib << 20;
     if let Some(listen) = args.restic_listen {
         let mut restic = tidepool_gateway::ResticConfig::new(listen);
         restic.namespace = args.restic_namespace.clone();

@@ -124,8 +124,25 @@ where
 {
     let mut target = *nodes.keys().next().expect("no node is running");
     let deadline = tokio::time::Instant::now() + ROUTE_DEADLINE;
+    // Nodes that did not know the namespace: one whose map is older than
+    // the namespace (restarted with the map it held, not caught up yet)
+    // says so, as the SDK knows (`Client::on_shard`); the answer stands
+    // only once every node gave it.
+    let mut unknown = std::collections::BTreeSet::new();
     loop {
         match call(nodes[&target].clone()).await {
+            Err(status)
+                if code(&status) == ErrorCode::NamespaceNotFound
+                    && unknown.len() + 1 < nodes.len()
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                unknown.insert(target);
+                target = nodes
+                    .keys()
+                    .copied()
+                    .find(|id| !unknown.contains(id))
+                    .expect("a node not asked yet");
+            }
             Err(status) if retry_elsewhere(&status) && tokio::time::Instant::now() < deadline => {
                 let hint = error_detail(&status)
                     .and_then(|d| d.leader_hint)
