@@ -446,6 +446,11 @@ impl Client {
         })
     }
 
+    /// The deadline of each call (retries included).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The same client (shared map, connections and sessions) with another
     /// deadline for each call:
     /// `client.with_timeout(Duration::from_secs(2)).get(..)`.

@@ -66,7 +66,7 @@ pub use admin::RetentionPolicy;
 pub use client::{BlobMeta, Client, ClientConfig, DEFAULT_HEDGE_AFTER, PutOutcome, sha256};
 pub use error::{Error, Result};
 pub use list::{ListEntry, ListOptions, ListPage, Lister};
-pub use stream::{BlobReader, READ_AHEAD, UPLOAD_DEPTH, Upload, hex};
+pub use stream::{BlobReader, READ_AHEAD, ReadRoom, UPLOAD_DEPTH, Upload, hex};
 pub use tidepool_proto as proto;
 pub use tidepool_proto::v1::{Durability, ErrorCode};
 pub use tidepool_security::TlsFiles;

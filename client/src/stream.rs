@@ -643,6 +643,11 @@ pub struct Upload {
     reserved: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
+/// Room under a client's read budget, given back when dropped
+/// ([`BlobReader::take_room`]).
+#[derive(Debug)]
+pub struct ReadRoom(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
 /// A budget of memory shared by a client's clones, counted in KiB: what
 /// its uploads buffer ([`Client::with_upload_memory`]), or what its
 /// readers hold ([`Client::with_read_memory`]).
@@ -1354,6 +1359,15 @@ impl BlobReader {
             }
         }
         piece
+    }
+
+    /// The room under the client's read budget
+    /// ([`Client::with_read_memory`]) of the piece handed out last, kept
+    /// by the caller (until dropped) instead of coming back at the next
+    /// call: for a caller that holds the pieces after the reader's end (a
+    /// server answering with a small blob whole). `None` without a budget.
+    pub fn take_room(&mut self) -> Option<ReadRoom> {
+        self.held.take().map(ReadRoom)
     }
 
     async fn next_piece_once(&mut self) -> Result<Option<Vec<u8>>> {

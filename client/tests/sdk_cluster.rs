@@ -1591,7 +1591,40 @@ async fn readers_wait_for_their_clients_read_memory() {
         .unwrap();
     drop(first);
     // A blob of chunks goes through a budget of one and a half chunks,
-    // each chunk fetched once the one before was handed on.
+    // each chunk fetched once the one before was handed on (the room went
+    // to the chunk fetched ahead while the one needed first waited for it,
+    // for ever, when fetch tasks took it themselves).
     assert!(client.get("default", b"large").await.unwrap() == large);
+    // All of it came back: two readers of 700 KiB fit.
+    writer.put("default", b"700", &kib(700)).await.unwrap();
+    let both = (
+        impatient
+            .open_sized("default", b"700", 700 << 10, 0, None)
+            .await
+            .unwrap(),
+        impatient
+            .open_sized("default", b"700", 700 << 10, 0, None)
+            .await
+            .unwrap(),
+    );
+    drop(both);
+    // A caller that keeps the room of the last piece past the reader's end
+    // holds it until it lets it go.
+    let mut kept = client.open_range("default", b"900", 0, None).await.unwrap();
+    assert_eq!(kept.next_piece().await.unwrap(), Some(kib(900)));
+    let room = kept.take_room();
+    assert!(room.is_some());
+    assert_eq!(kept.next_piece().await.unwrap(), None);
+    drop(kept);
+    let error = impatient
+        .open_sized("default", b"700", 700 << 10, 0, None)
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::Overloaded, "{error}");
+    drop(room);
+    impatient
+        .open_sized("default", b"700", 700 << 10, 0, None)
+        .await
+        .unwrap();
     cluster.stop().await;
 }

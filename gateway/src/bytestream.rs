@@ -252,11 +252,16 @@ impl ByteStream for Reapi {
         // A blob stored whole (most of a build's): answered from the one
         // read already made, without a task.
         if identity && digest.size <= client.chunk_size() as u64 {
-            // (One piece, unless it was spliced from smaller chunks.)
+            // (One piece, unless it was spliced from smaller chunks.) Its
+            // room under the read budget is kept until the answer is sent
+            // (or dropped): given back at the reader's end, the blob sat
+            // in the answer uncounted for as long as a slow client took.
             let mut piece = Vec::new();
+            let mut rooms = Vec::new();
             if let Some(reader) = reader.as_mut() {
                 while let Some(more) = reader.next_piece().await.map_err(status)? {
                     piece.extend_from_slice(&more);
+                    rooms.extend(reader.take_room());
                 }
             }
             let messages: Vec<Result<ReadResponse, Status>> = piece
@@ -267,7 +272,11 @@ impl ByteStream for Reapi {
                     })
                 })
                 .collect();
-            return Ok(Response::new(Box::pin(tokio_stream::iter(messages))));
+            let answer = tokio_stream::StreamExt::map(tokio_stream::iter(messages), move |m| {
+                let _held = &rooms;
+                m
+            });
+            return Ok(Response::new(Box::pin(answer)));
         }
         // A client that takes nothing for this long loses the rest.
         let idle = self.gateway.config.http_limits.body_idle;

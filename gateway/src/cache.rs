@@ -329,19 +329,29 @@ const TREE_MEMORY_BYTES: u64 = 256 << 20;
 static TREE_MEMORY: Semaphore = Semaphore::const_new((TREE_MEMORY_BYTES >> 10) as usize);
 
 /// Holds `bytes` of a budget of `total` bytes (`budget` counts KiB) until
-/// dropped: at least 1 KiB, at most the whole budget. Callers take the
-/// budgets they hold in one fixed order (`/ac/` entries, then trees), so
-/// no two requests wait on each other.
+/// dropped: at least 1 KiB, at most the whole budget; `OVERLOADED` after
+/// waiting `timeout`. Callers take these budgets in one fixed order
+/// (`/ac/` entries, then trees), but hold room under the client's read
+/// budget meanwhile (the entry just read) and may need read room while
+/// holding them (a chunked entry, the trees read): the timeout ends such a
+/// cycle (before, the wait had none).
 pub(crate) async fn hold_memory(
     budget: &'static Semaphore,
     total: u64,
     bytes: u64,
-) -> SemaphorePermit<'static> {
+    timeout: std::time::Duration,
+) -> Result<SemaphorePermit<'static>> {
     let units = (bytes >> 10).clamp(1, total >> 10) as u32;
-    budget
-        .acquire_many(units)
-        .await
-        .expect("the budget is never closed")
+    match tokio::time::timeout(timeout, budget.acquire_many(units)).await {
+        Ok(permit) => Ok(permit.expect("the budget is never closed")),
+        Err(_) => Err(Error::new(
+            ErrorCode::Overloaded,
+            format!(
+                "the gateway's memory for action cache checks ({} MiB) stayed taken for {timeout:?}; try again",
+                total >> 20
+            ),
+        )),
+    }
 }
 
 /// `NOT_FOUND` unless every output of `result` is present.
@@ -369,7 +379,15 @@ pub(crate) async fn require_outputs(
     // holding it all for a large tree.
     let _memory = match trees {
         0 => None,
-        trees => Some(hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, trees.saturating_mul(4)).await),
+        trees => Some(
+            hold_memory(
+                &TREE_MEMORY,
+                TREE_MEMORY_BYTES,
+                trees.saturating_mul(4),
+                client.timeout(),
+            )
+            .await?,
+        ),
     };
     let needed = outputs(client, instance, result).await?;
     let missing = find_missing(client, instance, &needed).await?;
@@ -538,7 +556,14 @@ mod tests {
             }],
             ..Default::default()
         };
-        let all = hold_memory(&TREE_MEMORY, TREE_MEMORY_BYTES, TREE_MEMORY_BYTES).await;
+        let all = hold_memory(
+            &TREE_MEMORY,
+            TREE_MEMORY_BYTES,
+            TREE_MEMORY_BYTES,
+            client.timeout(),
+        )
+        .await
+        .unwrap();
         tokio::time::timeout(
             std::time::Duration::from_secs(20),
             require_outputs(&client, &instance, &result),

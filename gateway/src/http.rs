@@ -527,7 +527,8 @@ async fn get(
         // (`wire::decodes_in_bounds`): counted 41 times over for every
         // entry, a ccache result of 5 MiB (not an `ActionResult`) held
         // most of the budget, and every action-cache lookup queued behind.
-        let mut memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size).await;
+        let mut memory =
+            cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, size, client.timeout()).await?;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(piece) = reader.next_piece().await? {
             bytes.extend_from_slice(&piece);
@@ -539,7 +540,8 @@ async fn get(
             let held = size
                 .saturating_mul(1 + crate::wire::MAX_DECODED_RATIO)
                 .saturating_add(crate::wire::SLACK_BYTES);
-            memory = cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held).await;
+            memory =
+                cache::hold_memory(&AC_MEMORY, AC_MEMORY_BYTES, held, client.timeout()).await?;
             if let Some(result) = cache::as_action_result(&bytes) {
                 cache::require_outputs(client, instance, &result).await?;
             }
