@@ -373,6 +373,64 @@ impl Shared {
         Ok(map.epoch)
     }
 
+    /// [`advance_epoch`](Self::advance_epoch), answered once every live
+    /// node holds the new map: a node stamps a write with the later of its
+    /// map's epoch and its shard's, and the shards follow the map, so a
+    /// write a lagging node took after the answer was stamped with the
+    /// epoch before and expired one epoch early. Fails (`Unrecorded`)
+    /// naming the nodes still behind after [`Shared::map_taken`]'s wait;
+    /// the epoch has advanced either way. A refusal (`CONFLICT`: the epoch
+    /// moved) waits alike, so a caller whose answer was lost, repeating
+    /// the call and reading the refusal as its success, learns as much.
+    pub async fn advance_epoch_confirmed(&self, expected: u64) -> Result<u64, CoordinatorError> {
+        let advanced = self.advance_epoch(expected).await;
+        let map = self.map();
+        let what = match &advanced {
+            Ok(epoch) => format!("the epoch advanced to {epoch}, but"),
+            Err(CoordinatorError::Conflict(_)) => format!("the epoch is {}, but", map.epoch),
+            Err(_) => return advanced,
+        };
+        self.map_taken(map.version, &what).await?;
+        advanced
+    }
+
+    /// Waits until every node holding a liveness lease holds map `version`
+    /// or a newer one, as its last heartbeat or a status call now says; a
+    /// node whose lease ends is no longer waited for (it serves nothing
+    /// new before it registers again, and registering hands it the map).
+    /// A live node still behind after two node leases — heartbeating, yet
+    /// neither its watch nor its own fetch brought the map — fails the
+    /// wait (`Unrecorded`, naming it after `what`).
+    pub(crate) async fn map_taken(&self, version: u64, what: &str) -> Result<(), CoordinatorError> {
+        let deadline = tokio::time::Instant::now() + self.config.node_lease() * 2;
+        loop {
+            let map = self.map();
+            let mut behind: std::collections::BTreeSet<u64> = crate::reconcile::alive(self)
+                .await?
+                .into_iter()
+                .filter(|(id, status)| {
+                    status.map_version < version && map.nodes.iter().any(|n| n.node_id == *id)
+                })
+                .map(|(id, _)| id)
+                .collect();
+            if !behind.is_empty() {
+                let polled = self.poll_statuses(&map, &behind, MAP_POLL_TIMEOUT).await;
+                behind.retain(|id| polled.get(id).is_none_or(|s| s.map_version < version));
+            }
+            if behind.is_empty() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CoordinatorError::Unrecorded(format!(
+                    "{what} nodes {:?} have not taken map version {version} within {:?}",
+                    behind.iter().collect::<Vec<_>>(),
+                    self.config.node_lease() * 2
+                )));
+            }
+            tokio::time::sleep(MAP_POLL_PAUSE).await;
+        }
+    }
+
     /// Under Kubernetes, what it says of the pod registering as node
     /// certificate `identity`: its zone (`reported` when not under
     /// Kubernetes or the node has no zone label; `None` when the API
@@ -424,8 +482,20 @@ impl Shared {
         &self,
         map: &ClusterMap,
     ) -> Result<std::collections::BTreeMap<u64, NodeStatus>, CoordinatorError> {
+        let alive = crate::reconcile::alive(self).await?.into_keys().collect();
+        Ok(self.poll_statuses(map, &alive, STATUS_POLL_TIMEOUT).await)
+    }
+
+    /// The status of each of `ids` the map lists, asked of all at once; a
+    /// node that does not answer within `timeout` is left out.
+    async fn poll_statuses(
+        &self,
+        map: &ClusterMap,
+        ids: &std::collections::BTreeSet<u64>,
+        timeout: std::time::Duration,
+    ) -> std::collections::BTreeMap<u64, NodeStatus> {
         let mut polls = tokio::task::JoinSet::new();
-        for id in crate::reconcile::alive(self).await?.into_keys() {
+        for &id in ids {
             let Some(node) = map.nodes.iter().find(|n| n.node_id == id) else {
                 continue;
             };
@@ -434,8 +504,7 @@ impl Shared {
             };
             polls.spawn(async move {
                 let call = client.status(tidepool_proto::v1::NodeStatusRequest {});
-                let answer =
-                    crate::nodes::NodeClients::call("status", STATUS_POLL_TIMEOUT, call).await;
+                let answer = crate::nodes::NodeClients::call("status", timeout, call).await;
                 (id, answer)
             });
         }
@@ -449,12 +518,12 @@ impl Shared {
                     tracing::debug!(node_id = id, "another node answers at its address")
                 }
                 Ok((id, Err(error))) => {
-                    tracing::debug!(node_id = id, %error, "no status for a node's stop check")
+                    tracing::debug!(node_id = id, %error, "no status from a node")
                 }
                 Err(_) => {}
             }
         }
-        Ok(reports)
+        reports
     }
 
     /// A node about to stop asks whether it leaves for good. Under
@@ -913,6 +982,11 @@ fn check_bound(node: &NodeInfo, identity: Option<&str>) -> Result<(), Coordinato
 
 /// Longest `PrepareNodeStop` waits for a node's status.
 const STATUS_POLL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Longest [`Shared::map_taken`] waits for a node's status in one round
+/// (a node not answering is judged by its heartbeats meanwhile).
+const MAP_POLL_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+/// Between [`Shared::map_taken`]'s rounds.
+const MAP_POLL_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Whether a retention keeps blobs forever (unset is durable).
 fn is_durable(retention: Option<&Retention>) -> bool {

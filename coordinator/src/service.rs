@@ -284,7 +284,7 @@ impl CoordinatorService for CoordinatorApi {
         let expected = request.into_inner().expected_current;
         let result = self
             .shared
-            .advance_epoch(expected)
+            .advance_epoch_confirmed(expected)
             .await
             .map(|epoch| AdvanceEpochResponse { epoch });
         self.respond(result).await

@@ -111,6 +111,12 @@ impl Shared {
         if existed {
             tracing::info!(token = %name, "token revoked");
         }
+        // Answered once every live node's map lacks it (a repeat after a
+        // lost answer waits too): before, nodes took its calls until the
+        // map watch brought them the change.
+        let version = self.map().version;
+        self.map_taken(version, &format!("token {name:?} is revoked, but"))
+            .await?;
         Ok(existed)
     }
 

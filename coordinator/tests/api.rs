@@ -12,9 +12,10 @@ use tidepool_proto::error_detail;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::retention::{Policy, RetainEpochs};
 use tidepool_proto::v1::{
-    AdvanceEpochRequest, CreateNamespaceRequest, DrainNodeRequest, ErrorCode, GetClusterMapRequest,
-    GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest, ListNamespacesRequest,
-    NodeStatus, RegisterNodeRequest, Retention, SetRetentionRequest, WatchClusterMapRequest,
+    AdvanceEpochRequest, CreateNamespaceRequest, CreateTokenRequest, DrainNodeRequest, ErrorCode,
+    GetClusterMapRequest, GetClusterStatusRequest, GetEpochStatusRequest, HeartbeatRequest,
+    ListNamespacesRequest, NodeStatus, RegisterNodeRequest, Retention, RevokeTokenRequest,
+    SetRetentionRequest, WatchClusterMapRequest,
 };
 use tonic::transport::Channel;
 
@@ -522,5 +523,174 @@ async fn one_connection_holds_a_bounded_number_of_calls() {
         .await
         .unwrap();
     drop(watches);
+    coordinator.stop().await.unwrap();
+}
+
+/// `AdvanceEpoch` and `RevokeToken` answer once every node holding a
+/// liveness lease holds the new map: a node stamps writes with its map's
+/// epoch and checks tokens against its map, so one still behind after the
+/// answer stamped writes an epoch early (they expired an epoch early) and
+/// took the revoked token. A node whose lease ends is no longer waited
+/// for; one heartbeating but never taking the map fails the call
+/// (`NO_QUORUM`, naming it) after two leases — the change is made either
+/// way. The node here answers no status call (nothing listens at its
+/// address): only its heartbeats say which map it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epoch_advances_and_revocations_answer_once_every_live_node_holds_the_map() {
+    let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::in_memory());
+    let mut settings = config(0);
+    settings.node_lease_ms = 1_500;
+    let coordinator = start_with_store(settings, store).await.unwrap();
+    let mut api = client(&coordinator).await;
+    let registered = api
+        .register_node(RegisterNodeRequest {
+            node_id: 0,
+            address: "http://127.0.0.1:1".into(),
+            zone: "z".into(),
+            capacity_bytes: 1 << 30,
+            cluster_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let node_id = registered.node_id;
+    let cluster_id = registered.map.unwrap().cluster_id;
+    let beat = {
+        let api = api.clone();
+        move |map_version: u64| {
+            let mut api = api.clone();
+            let cluster_id = cluster_id.clone();
+            async move {
+                api.heartbeat(HeartbeatRequest {
+                    status: Some(NodeStatus {
+                        node_id,
+                        map_version,
+                        ..NodeStatus::default()
+                    }),
+                    cluster_id,
+                })
+                .await
+                .unwrap();
+            }
+        }
+    };
+    let version = || coordinator.shared.map().version;
+    beat(version()).await;
+
+    // Held until the node reports the new map.
+    let epoch = coordinator.shared.map().epoch;
+    let advance = tokio::spawn({
+        let mut api = api.clone();
+        async move { api.advance_epoch(AdvanceEpochRequest::default()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !advance.is_finished(),
+        "answered while the node held the old map"
+    );
+    assert_eq!(coordinator.shared.map().epoch, epoch + 1, "advanced first");
+    beat(version()).await;
+    let answered = tokio::time::timeout(Duration::from_secs(2), advance)
+        .await
+        .expect("answered once the node reported the map")
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    assert_eq!(answered.epoch, epoch + 1);
+
+    // A revocation likewise.
+    api.create_token(CreateTokenRequest {
+        name: "leaving".into(),
+        admin: true,
+        grants: Vec::new(),
+    })
+    .await
+    .unwrap();
+    beat(version()).await;
+    let revoke = tokio::spawn({
+        let mut api = api.clone();
+        async move {
+            api.revoke_token(RevokeTokenRequest {
+                name: "leaving".into(),
+            })
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !revoke.is_finished(),
+        "answered while the node still held the token"
+    );
+    beat(version()).await;
+    let revoked = tokio::time::timeout(Duration::from_secs(2), revoke)
+        .await
+        .expect("answered once the node reported the map")
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    assert!(revoked.existed);
+
+    // A node that stops beating is waited for until its lease ends.
+    let last_beat = Instant::now();
+    let answered = api
+        .advance_epoch(AdvanceEpochRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answered.epoch, epoch + 2);
+    let waited = last_beat.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_000) && waited < Duration::from_secs(5),
+        "answered {waited:?} after the node's last heartbeat (lease 1.5 s)"
+    );
+
+    // One beating but never taking the map fails the call, which names it.
+    beat(version() - 1).await;
+    let stuck = tokio::spawn({
+        let beat = beat.clone();
+        let behind = version();
+        async move {
+            loop {
+                beat(behind).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    });
+    let started = Instant::now();
+    let e = api
+        .advance_epoch(AdvanceEpochRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NoQuorum, "{}", e.message());
+    assert!(
+        e.message().contains(&format!("[{node_id}]")) && e.message().contains("advanced to"),
+        "{}",
+        e.message()
+    );
+    assert!(started.elapsed() >= Duration::from_millis(2_500));
+    assert_eq!(coordinator.shared.map().epoch, epoch + 3, "advanced still");
+    // A refusal waits as well: the repeat of a call whose answer was lost
+    // reads it as its success.
+    let e = api
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: epoch + 2,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::NoQuorum, "{}", e.message());
+    assert!(
+        e.message()
+            .contains(&format!("the epoch is {}, but", epoch + 3)),
+        "{}",
+        e.message()
+    );
+    stuck.abort();
+    let e = api
+        .advance_epoch(AdvanceEpochRequest {
+            expected_current: epoch + 2,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), ErrorCode::Conflict, "{}", e.message());
     coordinator.stop().await.unwrap();
 }
