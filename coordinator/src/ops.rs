@@ -378,7 +378,7 @@ impl Shared {
     /// map's epoch and its shard's, and the shards follow the map, so a
     /// write a lagging node took after the answer was stamped with the
     /// epoch before and expired one epoch early. Fails (`Unrecorded`)
-    /// naming the nodes still behind after [`Shared::map_taken`]'s wait;
+    /// naming the nodes still behind after the wait of `map_taken`;
     /// the epoch has advanced either way. A refusal (`CONFLICT`: the epoch
     /// moved) waits alike, so a caller whose answer was lost, repeating
     /// the call and reading the refusal as its success, learns as much.
