@@ -1280,3 +1280,153 @@ async fn reads_past_the_memory_budget_are_refused() {
     }
     s.stop().await;
 }
+
+/// REAPI batch calls take room for their largest message before their
+/// request is read, until their answer is sent: with room for one call, a
+/// `BatchUpdateBlobs` whose client sent a few bytes of its request and
+/// stopped, then a `BatchReadBlobs` whose client does not read its answer,
+/// each make a batch call wait the call timeout and fail `UNAVAILABLE`,
+/// while calls outside the budget (`FindMissingBlobs`) are answered; once
+/// the holder goes, batches are served again. Before, each such call held
+/// its message (up to a batch and 1 MiB) apart, without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_calls_past_the_message_budget_wait_then_fail() {
+    use http_body_util::BodyExt as _;
+    use std::time::{Duration, Instant};
+    let s = setup_with(true, |config| {
+        config.message_memory_bytes = 1;
+        config.client.timeout = Duration::from_secs(2);
+    })
+    .await;
+    let stored = blob(93, 1_500_000);
+    upload(&s, "cache", &stored).await;
+    // A raw HTTP/2 connection, with a small window: what the client does
+    // not read stays with the gateway.
+    let connect = || async {
+        let tcp = tokio::net::TcpStream::connect(s.gateway.grpc_address)
+            .await
+            .unwrap();
+        let (sender, connection) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .initial_stream_window_size(65_535)
+                .initial_connection_window_size(65_535)
+                .handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .unwrap();
+        let driver = tokio::spawn(connection);
+        (sender, driver)
+    };
+    let request = |method: &str, body| {
+        http::Request::post(format!(
+            "http://{}/build.bazel.remote.execution.v2.ContentAddressableStorage/{method}",
+            s.gateway.grpc_address
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(body)
+        .unwrap()
+    };
+    let small = blob(94, 100);
+    let batch = || {
+        let mut cas = s.cas();
+        let small = small.clone();
+        async move {
+            cas.batch_update_blobs(re::BatchUpdateBlobsRequest {
+                instance_name: "cache".into(),
+                requests: vec![re::batch_update_blobs_request::Request {
+                    digest: Some(digest(&small)),
+                    data: small,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+        }
+    };
+    let refused = || async {
+        let started = Instant::now();
+        let e = batch().await.expect_err("a batch call past the budget");
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("stayed taken"), "{e:?}");
+        assert!(
+            started.elapsed() >= Duration::from_millis(1_900),
+            "refused after {:?}",
+            started.elapsed()
+        );
+        let found = s
+            .cas()
+            .find_missing_blobs(re::FindMissingBlobsRequest {
+                instance_name: "cache".into(),
+                blob_digests: vec![digest(&stored)],
+                ..Default::default()
+            })
+            .await
+            .expect("outside the budget");
+        assert!(found.into_inner().missing_blob_digests.is_empty());
+    };
+    let served = || async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match batch().await {
+                Ok(_) => break,
+                Err(e) => {
+                    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+                    assert!(Instant::now() < deadline, "never served again: {e:?}");
+                }
+            }
+        }
+    };
+
+    let streamed = || {
+        let (tx, rx) = tokio::sync::mpsc::channel::<
+            Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>,
+        >(1);
+        let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        (tx, body)
+    };
+
+    // A request begun and never finished: its length prefix says 1 MB.
+    let (mut sender, driver) = connect().await;
+    let (tx, body) = streamed();
+    let mut prefix = vec![0u8];
+    prefix.extend_from_slice(&1_000_000u32.to_be_bytes());
+    prefix.extend_from_slice(&[0x0a; 16]);
+    tx.send(Ok(http_body::Frame::data(prefix.into())))
+        .await
+        .unwrap();
+    let pending = tokio::spawn(sender.send_request(request("BatchUpdateBlobs", body)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    refused().await;
+    drop(tx);
+    pending.abort();
+    driver.abort();
+    served().await;
+
+    // An answer never read.
+    let (mut sender, driver) = connect().await;
+    let ask = re::BatchReadBlobsRequest {
+        instance_name: "cache".into(),
+        digests: vec![digest(&stored)],
+        ..Default::default()
+    };
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(prost::Message::encoded_len(&ask) as u32).to_be_bytes());
+    framed.extend_from_slice(&prost::Message::encode_to_vec(&ask));
+    let (tx, body) = streamed();
+    tx.send(Ok(http_body::Frame::data(framed.into())))
+        .await
+        .unwrap();
+    drop(tx);
+    let answer = sender
+        .send_request(request("BatchReadBlobs", body))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    refused().await;
+    // The answer is whole: read, it frees the room.
+    let read = answer.into_body().collect().await.unwrap().to_bytes();
+    assert!(read.len() > stored.len(), "{} bytes", read.len());
+    driver.abort();
+    served().await;
+    s.stop().await;
+}
