@@ -9,10 +9,11 @@ use tidepool_proto::v1::CreateTokenRequest;
 use tidepool_proto::v1::coordinator_service_client::CoordinatorServiceClient;
 use tidepool_proto::v1::retention::{Durable, Policy, RetainEpochs};
 use tidepool_proto::v1::{
-    AdvanceEpochRequest, ClusterStatus, CreateNamespaceRequest, DrainNodeRequest, ErrorCode,
-    GetClusterMapRequest, GetClusterStatusRequest, ListNamespacesRequest, ListTokensRequest,
-    Namespace, RestoreMapRequest, RestoreMapResponse, Retention, RevokeTokenRequest,
-    SetRetentionRequest, SplitShardRequest, TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
+    AdvanceEpochRequest, AdvanceEpochResponse, ClusterStatus, CreateNamespaceRequest,
+    DrainNodeRequest, ErrorCode, GetClusterMapRequest, GetClusterStatusRequest,
+    ListNamespacesRequest, ListTokensRequest, Namespace, RestoreMapRequest, RestoreMapResponse,
+    Retention, RevokeTokenRequest, RevokeTokenResponse, SetRetentionRequest, SplitShardRequest,
+    TokenGrant, TokenRecord, WhoAmIRequest, WhoAmIResponse,
 };
 use tidepool_security::Channel;
 use tonic::Status;
@@ -239,7 +240,38 @@ impl Client {
     /// call's attempt was among the advances is unknown). Without
     /// `expected`, a refusal because the epoch moved before a certain
     /// attempt reads the epoch again and tries again.
+    ///
+    /// The coordinator answers once every live node holds the map of the
+    /// new epoch, so a write begun after this returns is stamped with it;
+    /// live nodes still behind after its wait (two node leases) are logged
+    /// here as a warning ([`advance_epoch_answer`](Self::advance_epoch_answer)
+    /// returns them).
     pub async fn advance_epoch(&self, expected: Option<u64>) -> Result<u64> {
+        Ok(self.advance_epoch_answer(expected).await?.epoch)
+    }
+
+    /// [`advance_epoch`](Self::advance_epoch), with the live nodes that had
+    /// not taken the new epoch's map when the coordinator stopped waiting
+    /// (`behind_nodes`: writes they take until they do carry the epoch
+    /// before). Empty after a repeat whose refusal was read as this call's
+    /// success (the refusal waited for the nodes too, and names any still
+    /// behind only in its message, logged).
+    pub async fn advance_epoch_answer(
+        &self,
+        expected: Option<u64>,
+    ) -> Result<AdvanceEpochResponse> {
+        let answer = self.advance_epoch_tried(expected).await?;
+        if !answer.behind_nodes.is_empty() {
+            tracing::warn!(
+                epoch = answer.epoch,
+                nodes = ?answer.behind_nodes,
+                "epoch advanced; live nodes had not taken its map yet: writes they take carry the epoch before until they do"
+            );
+        }
+        Ok(answer)
+    }
+
+    async fn advance_epoch_tried(&self, expected: Option<u64>) -> Result<AdvanceEpochResponse> {
         let deadline = Instant::now() + self.timeout;
         loop {
             let from = match expected {
@@ -259,7 +291,7 @@ impl Client {
                         expected_current: from,
                     })
                     .await
-                    .map(|r| r.into_inner().epoch)
+                    .map(|r| r.into_inner())
                 })
                 .await;
             let error = match tried.result {
@@ -269,7 +301,13 @@ impl Client {
             let now = self.epoch_now().await?;
             if tried.uncertain {
                 if now == from + 1 {
-                    return Ok(now);
+                    if error.to_string().contains("have not taken") {
+                        tracing::warn!(%error, "epoch advanced");
+                    }
+                    return Ok(AdvanceEpochResponse {
+                        epoch: now,
+                        behind_nodes: Vec::new(),
+                    });
                 }
                 // Moved further: whether one of the moves was this call's
                 // is unknown, and trying again could make it two.
@@ -345,18 +383,36 @@ impl Client {
         .await
     }
 
-    /// Revokes a token (admin); whether it existed. Every node refuses it
-    /// once its map watch delivers the change (normally well within a
-    /// second).
+    /// Revokes a token (admin); whether it existed. The coordinator
+    /// answers once every live node holds the map without it, so no live
+    /// node takes it after this returns; live nodes still behind after its
+    /// wait (two node leases) are logged here as a warning
+    /// ([`revoke_token_answer`](Self::revoke_token_answer) returns them).
     pub async fn revoke_token(&self, name: &str) -> Result<bool> {
-        self.on_coordinator(|mut c| async move {
-            c.revoke_token(RevokeTokenRequest {
-                name: name.to_string(),
+        Ok(self.revoke_token_answer(name).await?.existed)
+    }
+
+    /// [`revoke_token`](Self::revoke_token), with the live nodes that had
+    /// not taken the map without the token when the coordinator stopped
+    /// waiting (`behind_nodes`: they may take it until they do).
+    pub async fn revoke_token_answer(&self, name: &str) -> Result<RevokeTokenResponse> {
+        let answer = self
+            .on_coordinator(|mut c| async move {
+                c.revoke_token(RevokeTokenRequest {
+                    name: name.to_string(),
+                })
+                .await
+                .map(|r| r.into_inner())
             })
-            .await
-            .map(|r| r.into_inner().existed)
-        })
-        .await
+            .await?;
+        if !answer.behind_nodes.is_empty() {
+            tracing::warn!(
+                token = name,
+                nodes = ?answer.behind_nodes,
+                "token revoked; live nodes had not taken the map without it yet"
+            );
+        }
+        Ok(answer)
     }
 
     /// Splits a shard's hash range at `at` (0: the middle). Returns the new

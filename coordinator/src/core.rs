@@ -495,7 +495,14 @@ impl Shared {
                 None => return Err(self.store_went_back(seen, 0)),
             };
             let mut next = current.clone();
-            let Some(mut ops) = change(&mut next)? else {
+            // A refusal is judged on the map read here: the cache takes it
+            // too (a caller waiting for the nodes to hold the map the
+            // refusal names must not wait on an older one).
+            let changed = change(&mut next);
+            if changed.is_err() {
+                self.publish(current.clone());
+            }
+            let Some(mut ops) = changed? else {
                 self.publish(current.clone());
                 return Ok(Arc::new(current));
             };

@@ -377,57 +377,92 @@ impl Shared {
     /// node holds the new map: a node stamps a write with the later of its
     /// map's epoch and its shard's, and the shards follow the map, so a
     /// write a lagging node took after the answer was stamped with the
-    /// epoch before and expired one epoch early. Fails (`Unrecorded`)
-    /// naming the nodes still behind after the wait of `map_taken`;
-    /// the epoch has advanced either way. A refusal (`CONFLICT`: the epoch
-    /// moved) waits alike, so a caller whose answer was lost, repeating
-    /// the call and reading the refusal as its success, learns as much.
-    pub async fn advance_epoch_confirmed(&self, expected: u64) -> Result<u64, CoordinatorError> {
-        let advanced = self.advance_epoch(expected).await;
-        let map = self.map();
-        let what = match &advanced {
-            Ok(epoch) => format!("the epoch advanced to {epoch}, but"),
-            Err(CoordinatorError::Conflict(_)) => format!("the epoch is {}, but", map.epoch),
-            Err(_) => return advanced,
-        };
-        self.map_taken(map.version, &what).await?;
-        advanced
+    /// epoch before and expired one epoch early. Returns the new epoch and
+    /// the live nodes still behind when the wait ended (`map_taken`). A
+    /// refusal (`CONFLICT`: the epoch moved) waits alike, so a caller whose
+    /// answer was lost, repeating the call and reading the refusal as its
+    /// success, learns as much; nodes still behind are named in its
+    /// message.
+    pub async fn advance_epoch_confirmed(
+        &self,
+        expected: u64,
+    ) -> Result<(u64, Vec<u64>), CoordinatorError> {
+        match self.advance_epoch(expected).await {
+            Ok(epoch) => {
+                let behind = self.map_taken(self.map().version).await?;
+                if !behind.is_empty() {
+                    tracing::warn!(
+                        epoch,
+                        nodes = ?behind,
+                        "epoch advanced; live nodes have not taken its map yet: writes they take carry the epoch before until they do"
+                    );
+                }
+                Ok((epoch, behind))
+            }
+            Err(CoordinatorError::Conflict(message)) => {
+                // The refusal published the map it read (`change_map`).
+                let behind = self.map_taken(self.map().version).await?;
+                Err(CoordinatorError::Conflict(if behind.is_empty() {
+                    message
+                } else {
+                    format!("{message} (live nodes {behind:?} have not taken its map yet)")
+                }))
+            }
+            Err(error) => Err(error),
+        }
     }
 
     /// Waits until every node holding a liveness lease holds map `version`
-    /// or a newer one, as its last heartbeat or a status call now says; a
-    /// node whose lease ends is no longer waited for (it serves nothing
-    /// new before it registers again, and registering hands it the map).
-    /// A live node still behind after two node leases — heartbeating, yet
-    /// neither its watch nor its own fetch brought the map — fails the
-    /// wait (`Unrecorded`, naming it after `what`).
-    pub(crate) async fn map_taken(&self, version: u64, what: &str) -> Result<(), CoordinatorError> {
+    /// or a newer one, as its last heartbeat or a status call now says, and
+    /// returns the nodes still behind after two node leases (empty: none),
+    /// or when the coordinator stops. A node whose lease ended is no longer
+    /// waited for: cut off from every coordinator, it serves with the map
+    /// it has until a heartbeat succeeds again (a known gap,
+    /// `docs/design/epochs-cluster.md`). A live node still behind after
+    /// the wait is heartbeating, yet neither its watch nor its own fetch
+    /// brought it the map. The store failing every round fails the wait.
+    pub(crate) async fn map_taken(&self, version: u64) -> Result<Vec<u64>, CoordinatorError> {
         let deadline = tokio::time::Instant::now() + self.config.node_lease() * 2;
+        let mut stopping = self.stopping();
+        let mut behind: Option<std::collections::BTreeSet<u64>> = None;
         loop {
             let map = self.map();
-            let mut behind: std::collections::BTreeSet<u64> = crate::reconcile::alive(self)
-                .await?
-                .into_iter()
-                .filter(|(id, status)| {
-                    status.map_version < version && map.nodes.iter().any(|n| n.node_id == *id)
-                })
-                .map(|(id, _)| id)
-                .collect();
-            if !behind.is_empty() {
-                let polled = self.poll_statuses(&map, &behind, MAP_POLL_TIMEOUT).await;
-                behind.retain(|id| polled.get(id).is_none_or(|s| s.map_version < version));
+            match crate::reconcile::alive(self).await {
+                Ok(alive) => {
+                    let mut now: std::collections::BTreeSet<u64> = alive
+                        .into_iter()
+                        .filter(|(id, status)| {
+                            status.map_version < version
+                                && map.nodes.iter().any(|n| n.node_id == *id)
+                        })
+                        .map(|(id, _)| id)
+                        .collect();
+                    if !now.is_empty() {
+                        let polled = self.poll_statuses(&map, &now, MAP_POLL_TIMEOUT).await;
+                        now.retain(|id| polled.get(id).is_none_or(|s| s.map_version < version));
+                    }
+                    if now.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    behind = Some(now);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "the store failed while waiting for nodes to take a map");
+                    if tokio::time::Instant::now() >= deadline {
+                        return match behind {
+                            Some(behind) => Ok(behind.into_iter().collect()),
+                            None => Err(error),
+                        };
+                    }
+                }
             }
-            if behind.is_empty() {
-                return Ok(());
+            if tokio::time::Instant::now() >= deadline || *stopping.borrow() {
+                return Ok(behind.unwrap_or_default().into_iter().collect());
             }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(CoordinatorError::Unrecorded(format!(
-                    "{what} nodes {:?} have not taken map version {version} within {:?}",
-                    behind.iter().collect::<Vec<_>>(),
-                    self.config.node_lease() * 2
-                )));
+            tokio::select! {
+                () = tokio::time::sleep(MAP_POLL_PAUSE) => {}
+                _ = stopping.changed() => {}
             }
-            tokio::time::sleep(MAP_POLL_PAUSE).await;
         }
     }
 

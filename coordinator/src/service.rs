@@ -282,11 +282,14 @@ impl CoordinatorService for CoordinatorApi {
         request: Request<AdvanceEpochRequest>,
     ) -> Result<Response<AdvanceEpochResponse>, Status> {
         let expected = request.into_inner().expected_current;
-        let result = self
-            .shared
-            .advance_epoch_confirmed(expected)
-            .await
-            .map(|epoch| AdvanceEpochResponse { epoch });
+        let result =
+            self.shared
+                .advance_epoch_confirmed(expected)
+                .await
+                .map(|(epoch, behind_nodes)| AdvanceEpochResponse {
+                    epoch,
+                    behind_nodes,
+                });
         self.respond(result).await
     }
 
@@ -399,7 +402,10 @@ impl CoordinatorService for CoordinatorApi {
             .shared
             .revoke_token(&request.into_inner().name)
             .await
-            .map(|existed| RevokeTokenResponse { existed });
+            .map(|(existed, behind_nodes)| RevokeTokenResponse {
+                existed,
+                behind_nodes,
+            });
         self.respond(result).await
     }
 

@@ -98,8 +98,10 @@ impl Shared {
         tokens
     }
 
-    /// Removes the token named `name`; whether it existed.
-    pub async fn revoke_token(&self, name: &str) -> Result<bool, CoordinatorError> {
+    /// Removes the token named `name`; whether it existed, and the live
+    /// nodes that had not yet taken the map without it when the wait for
+    /// them ended (`map_taken`; empty: none takes the token any more).
+    pub async fn revoke_token(&self, name: &str) -> Result<(bool, Vec<u64>), CoordinatorError> {
         let mut existed = false;
         self.update_map(|map| {
             let before = map.tokens.len();
@@ -114,10 +116,15 @@ impl Shared {
         // Answered once every live node's map lacks it (a repeat after a
         // lost answer waits too): before, nodes took its calls until the
         // map watch brought them the change.
-        let version = self.map().version;
-        self.map_taken(version, &format!("token {name:?} is revoked, but"))
-            .await?;
-        Ok(existed)
+        let behind = self.map_taken(self.map().version).await?;
+        if !behind.is_empty() {
+            tracing::warn!(
+                token = %name,
+                nodes = ?behind,
+                "token revoked; live nodes have not taken the map without it yet"
+            );
+        }
+        Ok((existed, behind))
     }
 
     /// Adopts the configured bootstrap token as admin token `bootstrap`

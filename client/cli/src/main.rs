@@ -1103,13 +1103,24 @@ async fn token_command(cli: &Cli, client: &Client, command: &TokenCommand) -> Ou
             print(cli.json, value, rows.join("\n"));
         }
         TokenCommand::Revoke { name } => {
-            if !client.revoke_token(name).await? {
+            let answer = client.revoke_token_answer(name).await?;
+            if !answer.existed {
                 return Err(Failure {
                     code: 3,
                     message: format!("no token {name:?}"),
                 });
             }
-            print(cli.json, json!({"revoked": name}), String::new());
+            if !answer.behind_nodes.is_empty() {
+                eprintln!(
+                    "warning: live nodes {:?} had not taken the map without the token yet; they may take it until they do",
+                    answer.behind_nodes
+                );
+            }
+            print(
+                cli.json,
+                json!({"revoked": name, "behind_nodes": answer.behind_nodes}),
+                String::new(),
+            );
         }
     }
     Ok(())
@@ -1448,8 +1459,20 @@ async fn run(cli: &Cli) -> Outcome {
         Command::Epoch {
             command: EpochCommand::Advance { expect },
         } => {
-            let epoch = client.advance_epoch(*expect).await?;
-            print(cli.json, json!({"epoch": epoch}), format!("epoch {epoch}"));
+            let answer = client.advance_epoch_answer(*expect).await?;
+            let epoch = answer.epoch;
+            if !answer.behind_nodes.is_empty() {
+                eprintln!(
+                    "warning: live nodes {:?} had not taken the new epoch's map yet; writes they take until they do carry epoch {}",
+                    answer.behind_nodes,
+                    epoch - 1
+                );
+            }
+            print(
+                cli.json,
+                json!({"epoch": epoch, "behind_nodes": answer.behind_nodes}),
+                format!("epoch {epoch}"),
+            );
             Ok(())
         }
         Command::Token { command } => token_command(cli, &client, command).await,
