@@ -27,7 +27,6 @@ mod bytestream;
 mod cache;
 mod codec;
 mod http;
-mod messages;
 mod names;
 mod reapi;
 pub mod restic;
@@ -91,13 +90,6 @@ pub struct GatewayConfig {
     /// budget a read waits, then fails `OVERLOADED` (HTTP 503, gRPC
     /// `UNAVAILABLE`).
     pub read_memory_bytes: u64,
-    /// What the messages of the gRPC calls that carry blobs in their
-    /// messages (`BatchUpdateBlobs`, `BatchReadBlobs`,
-    /// `UpdateActionResult`) may hold at once, bytes: each call takes room
-    /// for its largest message (a batch and 1 MiB) before its request is
-    /// read, until its answer is sent; past the budget a call waits, then
-    /// fails `UNAVAILABLE`. At least one call runs, whatever the budget.
-    pub message_memory_bytes: u64,
 }
 
 /// Bounds on what clients of an HTTP endpoint may hold, against slow,
@@ -142,8 +134,8 @@ pub struct ServeTls {
 
 impl GatewayConfig {
     /// Defaults: gRPC on 127.0.0.1:7480, HTTP on 127.0.0.1:7481, blobs up
-    /// to 64 GiB, batches up to 4 MiB, 256 MiB of uploads buffered,
-    /// 256 MiB held by readers and 256 MiB by batch calls' messages.
+    /// to 64 GiB, batches up to 4 MiB, 256 MiB of uploads buffered and
+    /// 256 MiB held by readers.
     pub fn new(client: ClientConfig) -> GatewayConfig {
         GatewayConfig {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 7480)),
@@ -159,7 +151,6 @@ impl GatewayConfig {
             http_limits: HttpLimits::default(),
             upload_memory_bytes: 256 << 20,
             read_memory_bytes: 256 << 20,
-            message_memory_bytes: 256 << 20,
         }
     }
 }

@@ -881,11 +881,6 @@ pub(crate) async fn serve(
     let limit = gateway.config.max_batch_bytes as usize + (1 << 20);
     // The HTTP listener's bound, counted apart on this one.
     let max_connections = gateway.config.http_limits.max_connections;
-    let messages = crate::messages::MessageBudget::new(
-        gateway.config.message_memory_bytes,
-        limit as u64,
-        gateway.client.timeout(),
-    );
     let counted = gateway
         .metrics
         .layer(
@@ -907,23 +902,18 @@ pub(crate) async fn serve(
         .layer(counted)
         .add_service(CapabilitiesServer::new(reapi.clone()))
         .add_service(
-            messages.bound(
-                ContentAddressableStorageServer::new(reapi.clone())
-                    .max_decoding_message_size(limit)
-                    // A `BatchReadBlobs` answer frames each item (its
-                    // digest, status and message) on top of the data the
-                    // batch limit counts: a request of 15,000 small digests
-                    // within the limit got an answer over it, refused
-                    // every time.
-                    .max_encoding_message_size(limit.saturating_mul(6)),
-            ),
+            ContentAddressableStorageServer::new(reapi.clone())
+                .max_decoding_message_size(limit)
+                // A `BatchReadBlobs` answer frames each item (its digest,
+                // status and message) on top of the data the batch limit
+                // counts: a request of 15,000 small digests within the
+                // limit got an answer over it, refused every time.
+                .max_encoding_message_size(limit.saturating_mul(6)),
         )
         .add_service(
-            messages.bound(
-                ActionCacheServer::new(reapi.clone())
-                    .max_decoding_message_size(limit)
-                    .max_encoding_message_size(limit),
-            ),
+            ActionCacheServer::new(reapi.clone())
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
         )
         .add_service(crate::bytestream::server(reapi, limit));
     let mut drain = stop.clone();

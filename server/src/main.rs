@@ -394,13 +394,6 @@ struct GatewayArgs {
     /// then fails `OVERLOADED` (HTTP 503).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     read_memory_mib: u64,
-    /// MiB the messages of REAPI batch calls (`BatchUpdateBlobs`,
-    /// `BatchReadBlobs`, `UpdateActionResult`) may hold at once, each
-    /// counted at its largest (a batch and 1 MiB) from before its request
-    /// is read until its answer is sent; past it a call waits, then fails
-    /// `UNAVAILABLE`.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
-    message_memory_mib: u64,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -1119,7 +1112,6 @@ fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     };
     config.upload_memory_bytes = args.upload_memory_mib << 20;
     config.read_memory_bytes = args.read_memory_mib << 20;
-    config.message_memory_bytes = args.message_memory_mib << 20;
     if let Some(listen) = args.restic_listen {
         let mut restic = tidepool_gateway::ResticConfig::new(listen);
         restic.namespace = args.restic_namespace.clone();
