@@ -389,7 +389,7 @@ impl Shared {
     ) -> Result<(u64, Vec<u64>), CoordinatorError> {
         match self.advance_epoch(expected).await {
             Ok(epoch) => {
-                let behind = self.map_taken(self.map().version).await?;
+                let behind = self.map_taken(self.map().version).await;
                 if !behind.is_empty() {
                     tracing::warn!(
                         epoch,
@@ -401,7 +401,7 @@ impl Shared {
             }
             Err(CoordinatorError::Conflict(message)) => {
                 // The refusal published the map it read (`change_map`).
-                let behind = self.map_taken(self.map().version).await?;
+                let behind = self.map_taken(self.map().version).await;
                 Err(CoordinatorError::Conflict(if behind.is_empty() {
                     message
                 } else {
@@ -414,14 +414,17 @@ impl Shared {
 
     /// Waits until every node holding a liveness lease holds map `version`
     /// or a newer one, as its last heartbeat or a status call now says, and
-    /// returns the nodes still behind after two node leases (empty: none),
-    /// or when the coordinator stops. A node whose lease ended is no longer
-    /// waited for: cut off from every coordinator, it serves with the map
-    /// it has until a heartbeat succeeds again (a known gap,
-    /// `docs/design/epochs-cluster.md`). A live node still behind after
-    /// the wait is heartbeating, yet neither its watch nor its own fetch
-    /// brought it the map. The store failing every round fails the wait.
-    pub(crate) async fn map_taken(&self, version: u64) -> Result<Vec<u64>, CoordinatorError> {
+    /// returns the nodes not confirmed after two node leases, or when the
+    /// coordinator stops (empty: every live node holds it): those last seen
+    /// behind, or — the store never read — every node of the map. A node
+    /// whose lease ended is no longer waited for: cut off from every
+    /// coordinator, it serves with the map it has until a heartbeat
+    /// succeeds again (a known gap, `docs/design/epochs-cluster.md`). A
+    /// live node still behind after the wait is heartbeating, yet neither
+    /// its watch nor its own fetch brought it the map. Never fails: the
+    /// change it follows is made, and a failure would be taken for the
+    /// change's (a retried revocation answered "no such token").
+    pub(crate) async fn map_taken(&self, version: u64) -> Vec<u64> {
         let deadline = tokio::time::Instant::now() + self.config.node_lease() * 2;
         let mut stopping = self.stopping();
         let mut behind: Option<std::collections::BTreeSet<u64>> = None;
@@ -442,22 +445,19 @@ impl Shared {
                         now.retain(|id| polled.get(id).is_none_or(|s| s.map_version < version));
                     }
                     if now.is_empty() {
-                        return Ok(Vec::new());
+                        return Vec::new();
                     }
                     behind = Some(now);
                 }
                 Err(error) => {
                     tracing::warn!(%error, "the store failed while waiting for nodes to take a map");
-                    if tokio::time::Instant::now() >= deadline {
-                        return match behind {
-                            Some(behind) => Ok(behind.into_iter().collect()),
-                            None => Err(error),
-                        };
-                    }
                 }
             }
             if tokio::time::Instant::now() >= deadline || *stopping.borrow() {
-                return Ok(behind.unwrap_or_default().into_iter().collect());
+                return match behind {
+                    Some(behind) => behind.into_iter().collect(),
+                    None => map.nodes.iter().map(|n| n.node_id).collect(),
+                };
             }
             tokio::select! {
                 () = tokio::time::sleep(MAP_POLL_PAUSE) => {}

@@ -116,7 +116,7 @@ impl Shared {
         // Answered once every live node's map lacks it (a repeat after a
         // lost answer waits too): before, nodes took its calls until the
         // map watch brought them the change.
-        let behind = self.map_taken(self.map().version).await?;
+        let behind = self.map_taken(self.map().version).await;
         if !behind.is_empty() {
             tracing::warn!(
                 token = %name,
