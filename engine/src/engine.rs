@@ -128,6 +128,16 @@ pub(crate) fn space_index(inner: &Inner, space: KeySpace) -> Result<&SpaceTable>
 }
 
 impl Engine {
+    /// The most items one record (one [`WriteBatch`](crate::WriteBatch))
+    /// may hold.
+    pub const MAX_RECORD_ITEMS: usize = u16::MAX as usize;
+
+    /// The most bytes one record may take in the WAL (its items' keys and
+    /// values, with their framing): a segment less its header.
+    pub fn max_record_bytes(&self) -> u64 {
+        self.inner.values.max_record_bytes()
+    }
+
     /// Opens (or creates) the engine in `config.dir` on real files.
     pub fn open(config: Config) -> Result<Engine> {
         Self::open_with_storage(config, Arc::new(FileStorage::new()))
@@ -647,7 +657,7 @@ impl Inner {
     /// Writes `items` as one applied record and waits for `durability`.
     pub fn write(&self, items: &[ItemSpec<'_>], durability: Durability) -> Result<WalPosition> {
         self.health.check()?;
-        if items.len() > usize::from(u16::MAX) {
+        if items.len() > Engine::MAX_RECORD_ITEMS {
             return Err(Error::TooLarge {
                 what: "batch (items)",
                 got: items.len() as u64,

@@ -387,13 +387,35 @@ impl<'a> NameBatch<'a> {
         self.set(state_key(), Some(vec![STATE_INCOMPLETE]));
     }
 
-    /// Writes the batch as one record.
+    /// Writes the batch in the order of `ordered`: one
+    /// record, or several in a row when it holds more than one record
+    /// takes (the engine's item and byte bounds). An entry of 256 puts of
+    /// long names sharing long prefixes bursts a level per shared byte:
+    /// over 65,535 index writes, refused as one record — and the replica,
+    /// failing at every apply of the committed entry, never came back, on
+    /// every node of the shard. Records are no more atomic to a listing
+    /// than their items are (the order is what keeps it whole); a crash
+    /// between them leaves part of the batch, as one between the entry's
+    /// data and its index always could: applying the entry again after
+    /// the restart makes the rest.
     pub fn commit(self, durability: Durability) -> Result<()> {
         if self.overlay.is_empty() {
             return Ok(());
         }
+        let max_bytes = (self.engine.max_record_bytes() / 2).max(1);
         let mut batch = WriteBatch::new();
+        let mut bytes = 0u64;
         for (key, value) in self.ordered() {
+            let size =
+                RECORD_ITEM_OVERHEAD + (key.len() + value.as_ref().map_or(0, Vec::len)) as u64;
+            if !batch.is_empty()
+                && (batch.len() >= Engine::MAX_RECORD_ITEMS || bytes + size > max_bytes)
+            {
+                self.engine.write_batch(&batch, durability)?;
+                batch = WriteBatch::new();
+                bytes = 0;
+            }
+            bytes += size;
             match value {
                 Some(value) => batch.put_tagged(self.space, key, value, NAMES_TAG),
                 None => batch.delete(self.space, key),
@@ -403,6 +425,10 @@ impl<'a> NameBatch<'a> {
         Ok(())
     }
 }
+
+/// What an item takes in a record besides its key and value (its header
+/// and padding), at most.
+const RECORD_ITEM_OVERHEAD: u64 = 40;
 
 /// Whether the walk goes on after a leaf.
 pub enum Step {

@@ -618,3 +618,73 @@ fn a_page_through_long_chains_of_nodes_is_bounded_by_the_nodes_it_enters() {
     assert_eq!(listed, want);
     assert!(pages >= 8, "{pages} pages");
 }
+
+/// One batch whose index writes outnumber what one engine record holds
+/// (65,535 items): 70 names of 1,000-byte shared runs, each put beside an
+/// existing one, burst a level per shared byte — about 70,000 writes. The
+/// batch is written as several records, in order, and every name is
+/// listed, after a reopen too; removing them all (as many writes again)
+/// leaves nothing. Before, the commit failed `TooLarge`: applied from a
+/// committed Raft entry, on every replica, at every restart.
+#[test]
+fn a_batch_past_one_records_items_is_written_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || {
+        let mut config = config(dir.path());
+        // The node's sizes, not the tests' tiny ones (a cell of 70,000
+        // index nodes flushed every 16 writes took minutes).
+        config.index_segment_bytes = 8 << 20;
+        config.flush_dirty_entries = 4_096;
+        config.snapshot_interval_ms = 5_000;
+        config.key_spaces[1].layout = CellLayout::Uniform { cells: 1_024 };
+        config
+    };
+    let mut engine = Engine::open(config()).unwrap();
+    let space = engine.key_space(NAMES_KEY_SPACE).unwrap();
+    let run = vec![b'x'; 1_000];
+    let name = |i: usize, last: u8| {
+        let mut name = format!("{i:03}").into_bytes();
+        name.extend_from_slice(&run);
+        name.push(last);
+        name
+    };
+    let mut expected = BTreeMap::new();
+    let mut batch = NameBatch::new(&engine, space);
+    for i in 0..70 {
+        batch.insert(1, &name(i, b'a'), &meta(1)).unwrap();
+        expected.insert(name(i, b'a'), 1);
+    }
+    batch.commit(Durability::Buffered).unwrap();
+    let mut batch = NameBatch::new(&engine, space);
+    for i in 0..70 {
+        batch.insert(1, &name(i, b'b'), &meta(2)).unwrap();
+        expected.insert(name(i, b'b'), 2);
+    }
+    assert!(
+        batch.overlay.len() > Engine::MAX_RECORD_ITEMS,
+        "{} writes",
+        batch.overlay.len()
+    );
+    batch.commit(Durability::Buffered).unwrap();
+    let expected: Vec<(Vec<u8>, u64)> = expected.into_iter().collect();
+    assert_eq!(all(&engine, space, 1), expected);
+    engine.close().unwrap();
+    drop(engine);
+    engine = Engine::open(config()).unwrap();
+    assert_eq!(all(&engine, space, 1), expected);
+    let mut batch = NameBatch::new(&engine, space);
+    for (name, _) in &expected {
+        assert!(batch.remove(1, name).unwrap());
+    }
+    batch.commit(Durability::Buffered).unwrap();
+    let left = engine
+        .scan(
+            space,
+            Bound::Unbounded,
+            Bound::Unbounded,
+            tidepool_engine::Direction::Forward,
+        )
+        .unwrap()
+        .count();
+    assert_eq!(left, 0, "nodes left after removing every name");
+}
