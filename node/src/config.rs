@@ -563,6 +563,11 @@ impl NodeConfig {
         if self.raft.max_value_bytes == 0 || self.raft.max_value_bytes > 64 << 20 {
             return bad("raft.max_value_bytes must be between 1 and 64 MiB".into());
         }
+        // One entry's ops are one engine record when appended (at most
+        // 65,535 items): more could never be stored.
+        if self.raft.max_batch_ops == 0 || self.raft.max_batch_ops > 65_000 {
+            return bad("raft.max_batch_ops must be between 1 and 65000".into());
+        }
         // Limits a request could never get through (it would be refused
         // as OVERLOADED or TIMEOUT, retryable, forever).
         if self.limits.put_idle_timeout_ms == 0 || self.limits.max_streams_per_connection == 0 {
@@ -1130,6 +1135,7 @@ mod tests {
                 .to_string()
         };
         assert!(err("node_id = 0").contains("node_id"));
+        assert!(err("node_id = 1\n[raft]\nmax_batch_ops = 70000").contains("max_batch_ops"));
         assert!(err("node_id = 1\n[raft]\ndurability = \"maybe\"").contains("durability"));
         assert!(err("node_id = 1\nbogus = 3").contains("bogus"));
         assert!(

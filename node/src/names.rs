@@ -170,6 +170,10 @@ pub struct NameBatch<'a> {
     /// Links made interior by this batch, in the order made (a burst makes
     /// them top-down): written last, deepest first (see `ordered`).
     interiors: Vec<NameKey>,
+    /// Entries removed by this batch, in the order removed (a removal
+    /// takes its leaf, then the links of the nodes it empties, bottom-up):
+    /// written first, in that order (see `ordered`).
+    removals: Vec<NameKey>,
 }
 
 impl<'a> NameBatch<'a> {
@@ -180,6 +184,7 @@ impl<'a> NameBatch<'a> {
             space,
             overlay: BTreeMap::new(),
             interiors: Vec::new(),
+            removals: Vec::new(),
         }
     }
 
@@ -193,6 +198,9 @@ impl<'a> NameBatch<'a> {
     fn set(&mut self, key: NameKey, value: Option<Vec<u8>>) {
         if value.as_deref() == Some(&[INTERIOR][..]) {
             self.interiors.push(key);
+        }
+        if value.is_none() {
+            self.removals.push(key);
         }
         self.overlay.insert(key, value);
     }
@@ -302,10 +310,10 @@ impl<'a> NameBatch<'a> {
                 Some(&byte) => key(&scope, child_label(byte)),
             };
             let Some(value) = self.get(&at)? else {
-                return Ok(false);
+                break None;
             };
             match decode(&value)? {
-                Node::Leaf(_, other) if other == name => break at,
+                Node::Leaf(_, other) if other == name => break Some(at),
                 Node::Leaf(..) => return Ok(false),
                 Node::Interior if depth < name.len() => {
                     path.push((scope, at));
@@ -319,7 +327,13 @@ impl<'a> NameBatch<'a> {
                 }
             }
         };
-        self.set(found, None);
+        if let Some(found) = found {
+            self.set(found, None);
+        }
+        // Absent, the name may still have left empty nodes on its path: a
+        // crash kept the removal of its leaf, not of the links above it,
+        // and the entry applied again finds no leaf (in an index written
+        // whole, no link leads to an empty node and nothing is pruned).
         while let Some((parent, link)) = path.pop() {
             if !self.node_is_empty(&scope)? {
                 break;
@@ -327,7 +341,7 @@ impl<'a> NameBatch<'a> {
             self.set(link, None);
             scope = parent;
         }
-        Ok(true)
+        Ok(found.is_some())
     }
 
     /// Removes the leaf of `name` a walk found where `located` says (the
@@ -352,22 +366,38 @@ impl<'a> NameBatch<'a> {
 
     /// The batch's writes in the order the engine makes them visible (one
     /// at a time: a record is atomic across a crash, not to readers, and a
-    /// listing walks the index without a lock): every leaf and removal
-    /// first, then the links made interior, deepest first. A link that
+    /// listing walks the index without a lock): the removals first, each
+    /// leaf before the links of the nodes its removal emptied; then every
+    /// leaf; then the links made interior, deepest first. A link that
     /// turned interior before the leaves moved below it were there made a
     /// concurrent walk descend into an empty node and skip a name that
     /// existed all along (a restic prune through the gateway takes a
     /// listing as whole). Until its link turns, a node's new leaves are
     /// unreachable and the old leaf still answers; a removal only takes
-    /// away what is gone.
+    /// away what is gone (leaves never move up, so no name that stays is
+    /// under an entry removed). Removals first and bottom-up keep a batch
+    /// written as several records whole across a crash between them: a
+    /// link removed (or a leaf written over an emptied node) while the
+    /// entries below it stayed left them unreachable, and applying the
+    /// entry again did not find them to remove — a dead name that a later
+    /// burst of that link brought back.
     fn ordered(&self) -> Vec<(&NameKey, &Option<Vec<u8>>)> {
         let interior = |value: &Option<Vec<u8>>| value.as_deref() == Some(&[INTERIOR][..]);
-        let mut out: Vec<(&NameKey, &Option<Vec<u8>>)> = self
-            .overlay
-            .iter()
-            .filter(|(_, value)| !interior(value))
-            .collect();
         let mut seen = std::collections::HashSet::new();
+        let mut out: Vec<(&NameKey, &Option<Vec<u8>>)> = Vec::with_capacity(self.overlay.len());
+        for key in &self.removals {
+            if let Some((key, value)) = self.overlay.get_key_value(key)
+                && value.is_none()
+                && seen.insert(*key)
+            {
+                out.push((key, value));
+            }
+        }
+        out.extend(
+            self.overlay
+                .iter()
+                .filter(|(_, value)| value.is_some() && !interior(value)),
+        );
         for key in self.interiors.iter().rev() {
             if let Some((key, value)) = self.overlay.get_key_value(key)
                 && interior(value)
