@@ -27,7 +27,8 @@
 //! Updates happen where blobs are applied, in log order: every applied put
 //! of a named blob inserts (or refreshes) its leaf with the blob's kind, size
 //! and SHA-256, every applied delete removes it and removes nodes left empty;
-//! one Raft entry's changes are one engine record (atomic). Blobs expired by
+//! one Raft entry's changes are one engine record (atomic), or several in a
+//! row when they outnumber one ([`NameBatch::commit`]). Blobs expired by
 //! an epoch drop leave their leaves behind, and after a split both groups
 //! hold the parent's names: listing checks each leaf's blob and range and
 //! skips the others, and each replica sweeps them out in the background
@@ -161,8 +162,9 @@ fn decode(value: &[u8]) -> Result<Node<'_>> {
     }
 }
 
-/// The name index changes of one Raft entry, written as one engine record.
-/// Reads see the batch's own earlier changes.
+/// The name index changes of one Raft entry, written as one engine record
+/// (several when they outnumber one: [`NameBatch::commit`]). Reads see the
+/// batch's own earlier changes.
 pub struct NameBatch<'a> {
     engine: &'a Engine,
     space: KeySpace,
