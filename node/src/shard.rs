@@ -503,9 +503,12 @@ impl ShardHandle {
 
     /// Whether a linearizable read arriving now may read the engine at
     /// once: the leader's lease gate is open (`replica/read.rs`, "Reads
-    /// without the owner"). Otherwise ask [`ShardHandle::read`].
+    /// without the owner"). Otherwise ask [`ShardHandle::read`]: also
+    /// when the engine is poisoned since the owner's last round, so that
+    /// the owner fails the replica now and the read is answered as by a
+    /// replica that is down.
     pub fn read_now(&self) -> bool {
-        let open = self.lease_gate.is_open();
+        let open = self.lease_gate.is_open() && self.engine.load().health().is_ok();
         if open {
             self.stats.lease_reads_direct.inc();
         }

@@ -1461,3 +1461,61 @@ async fn a_delete_of_a_chunked_blob_answers_with_the_chunks_it_removed() {
     assert_eq!(plain.replaced, None);
     cluster.shutdown().await;
 }
+
+/// Poisons the engine of node `id`'s replica of shard 1 as a deleted
+/// replica directory does: the next control snapshot cannot be written
+/// (the replica's own maintenance may get there first).
+async fn poison_replica(cluster: &TestCluster, id: u64) {
+    let shard = cluster.running[&id].node.shard(1).unwrap();
+    let engine = shard.engine().clone();
+    std::fs::remove_dir_all(shard.store().dir()).unwrap();
+    // Something new since the last snapshot, so that it is written.
+    put(cluster, "default", b"after the deletion", b"x")
+        .await
+        .unwrap();
+    grpc_support::wait_caught_up(cluster, id, 1).await;
+    let _ = engine.write_control_snapshot();
+    assert!(engine.health().is_err(), "the engine is poisoned");
+}
+
+/// A replica whose engine was poisoned in the background (its directory
+/// deleted under it; the maintenance task's snapshot found out) answers the
+/// reads that reach it before its owner notices as a replica that is down:
+/// `NO_QUORUM`, which clients retry on the other replicas. They were
+/// `INTERNAL`, which no client retries: a linearizable read passed the
+/// leader's lease gate, an any-replica read went to the engine at once,
+/// and the engine refused it (the e2e soak saw three).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_poisoned_in_the_background_answers_reads_as_down() {
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    put(&cluster, "default", b"k", b"value").await.unwrap();
+    let leader = grpc_support::wait_leader(&cluster, 1).await;
+    let follower = leader % 3 + 1;
+
+    for (id, consistency) in [
+        (follower, ReadConsistency::AnyReplica),
+        (leader, ReadConsistency::Linearizable),
+    ] {
+        if id == leader {
+            // The lease gate is open: reads skip the owner.
+            get_on(&cluster, id, "default", b"k", consistency)
+                .await
+                .unwrap();
+        }
+        poison_replica(&cluster, id).await;
+        let status = get_on(&cluster, id, "default", b"k", consistency)
+            .await
+            .expect_err("a poisoned replica serves nothing");
+        assert_eq!(
+            code(&status),
+            ErrorCode::NoQuorum,
+            "node {id} ({consistency:?}): {status:?}"
+        );
+        assert!(
+            status.message().contains("poisoned"),
+            "says why: {status:?}"
+        );
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+    }
+    cluster.shutdown().await;
+}

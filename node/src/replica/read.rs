@@ -225,6 +225,13 @@ impl Replica {
             return;
         }
         self.wake();
+        // An engine poisoned since the last tick fails the replica now:
+        // a lease read would be sent to it, and fail there.
+        if self.failed.is_none()
+            && let Err(error) = self.engine().health()
+        {
+            self.fail(error.to_string());
+        }
         if let Some(reason) = &self.failed {
             let outcome = ReadOutcome::Failed(reason.clone());
             batch.into_iter().for_each(|done| done(outcome.clone()));

@@ -98,18 +98,36 @@ impl Node {
     }
 
     /// The error for an engine or node failure while serving.
+    ///
+    /// A replica that is down — its engine poisoned by a failed write or
+    /// sync, closed under the request, the replica failed, its files gone —
+    /// answers `NO_QUORUM`, as its owner answers the requests it fails: the
+    /// other replicas hold the shard, so the client tries them. (It was
+    /// `INTERNAL`, which no client retries: a replica directory deleted
+    /// under a leader failed the reads that were between their lease check
+    /// and the engine, found by the e2e soak.)
     pub(crate) fn internal_error(&self, shard_id: u32, error: NodeError) -> ErrorInfo {
+        use tidepool_engine::Error as EngineError;
         let code = match &error {
-            NodeError::Engine(tidepool_engine::Error::DiskFull(_)) => ErrorCode::DiskFull,
-            NodeError::Engine(tidepool_engine::Error::Corrupt { .. }) => ErrorCode::Corrupt,
-            NodeError::Engine(tidepool_engine::Error::Closed) => ErrorCode::NoQuorum,
+            NodeError::Engine(EngineError::DiskFull(_)) => ErrorCode::DiskFull,
+            NodeError::Engine(EngineError::Corrupt { .. }) => ErrorCode::Corrupt,
+            NodeError::Engine(EngineError::Closed | EngineError::Poisoned(_))
+            | NodeError::Failed(_)
+            | NodeError::FilesMissing(_) => ErrorCode::NoQuorum,
             NodeError::Malformed(_) => ErrorCode::Corrupt,
             _ => ErrorCode::Internal,
         };
         if code == ErrorCode::Internal {
             tracing::error!(shard_id, %error, "request failed");
         }
-        let mut info = self.error(code, format!("shard {shard_id}: {error}"));
+        let message = match code {
+            ErrorCode::NoQuorum => format!(
+                "shard {shard_id} is unavailable on node {}: {error}",
+                self.config.node_id
+            ),
+            _ => format!("shard {shard_id}: {error}"),
+        };
+        let mut info = self.error(code, message);
         info.detail.shard_id = Some(shard_id);
         info
     }
