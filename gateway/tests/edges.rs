@@ -82,21 +82,33 @@ async fn http_deletes_heads_the_empty_blob_and_sizes() {
 }
 
 /// Sends a PUT whose Content-Length says `declared` and whose body is
-/// `body` (possibly shorter), ends the connection's sending side, and
-/// returns what the gateway answered (empty if it only closed). The
-/// gateway may answer and close before the body is all sent: write errors
-/// are the gateway's refusal, not the test's failure.
+/// `body` (possibly shorter: then the connection's sending side ends),
+/// asking the gateway to close after its answer, and returns what it
+/// answered (empty if it only closed). The gateway may answer and close
+/// before the body is all sent: write errors are the gateway's refusal,
+/// not the test's failure. A whole body is not followed by a half-close:
+/// hyper takes the end of a client's sending side for the client leaving
+/// and drops a request still waiting (one waiting for upload room was
+/// then answered nothing, a flaky test), and the clients the gateway
+/// serves do not half-close.
 async fn raw_put(at: std::net::SocketAddr, path: &str, body: &[u8], declared: usize) -> String {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let stream = tokio::net::TcpStream::connect(at).await.unwrap();
     let (mut reader, mut writer) = stream.into_split();
-    let head =
-        format!("PUT {path} HTTP/1.1\r\nhost: gateway\r\ncontent-length: {declared}\r\n\r\n");
+    let head = format!(
+        "PUT {path} HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\ncontent-length: {declared}\r\n\r\n"
+    );
     let body = body.to_vec();
     let sending = tokio::spawn(async move {
+        let short = body.len() < declared;
         if writer.write_all(head.as_bytes()).await.is_ok() && writer.write_all(&body).await.is_ok()
         {
-            let _ = writer.shutdown().await;
+            if short {
+                let _ = writer.shutdown().await;
+            } else {
+                // Open until the answer is read (the task is aborted).
+                std::future::pending::<()>().await;
+            }
         }
     });
     let mut answer = Vec::new();
