@@ -2,7 +2,7 @@
 //! every cell's on-disk index is and where recovery must start replaying.
 //!
 //! ```text
-//! magic "TPCONTRL", version u32 (3; versions 1 and 2 are read too)
+//! magic "TPCONTRL", version u32 (4; versions 1 to 3 are read too)
 //! log id [16], wal segment bytes u64, index segment bytes u64
 //! epoch u32, replay_from u64, synced u64
 //! app state: len u32 + bytes
@@ -10,8 +10,10 @@
 //!   name: len u16 + bytes, key bytes u32, layout kind u8 (1 uniform,
 //!   2 prefixed), layout parameter u32,
 //!   cells: count u32 + per cell:
-//!     id (uniform: u32; prefixed: the prefix bytes), blob count u8
-//!     (version 1: has_disk u8, 0 or 1), per blob (the base, then its
+//!     id (uniform: u32; prefixed: the prefix bytes), blob count u16
+//!     (u8 before version 4; version 1: has_disk u8, 0 or 1), base blobs
+//!     u16 (version 4: the first this many blobs are the base's parts;
+//!     before, the first blob alone), per blob (the base, then its
 //!     deltas, oldest first) [position u64, count u32, bloom_len u32,
 //!     entry format flags u8 (version 3; 0 before), the shared epoch u32
 //!     if flagged `SHARED_EPOCH`, the shared tag u32 if `SHARED_TAG`],
@@ -27,7 +29,7 @@ use crate::table::CellId;
 use crate::types::{Epoch, Tag, WalPosition};
 
 const MAGIC: &[u8; 8] = b"TPCONTRL";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 /// The oldest version this build reads: version 1 had at most one blob per
 /// cell (a base, no deltas), with the same bytes as a count of 0 or 1.
 const OLDEST_VERSION: u32 = 1;
@@ -39,9 +41,12 @@ pub const CONTROL_FILE: &str = "control";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CellControl {
     pub id: CellId,
-    /// The cell's on-disk index: its base blob, then the deltas over it,
-    /// oldest first (empty: nothing on disk).
+    /// The cell's on-disk index: its base blob (or the base's parts),
+    /// then the deltas over it, oldest first (empty: nothing on disk).
     pub layers: Vec<DiskRef>,
+    /// How many of `layers` are the base's (at least one unless `layers`
+    /// is empty: a cell's deltas lie over a base).
+    pub base_blobs: u16,
     /// Replay must apply this cell's items at or after this position.
     pub replay_from: u64,
 }
@@ -144,11 +149,23 @@ impl ControlData {
             .collect()
     }
 
-    /// Encodes the control region.
+    /// Encodes the control region: as version 3 unless a cell's base is
+    /// in parts or a cell has more than 255 blobs, so that a build before
+    /// version 4 still opens what needs nothing newer.
     pub fn encode(&self) -> Vec<u8> {
+        let version = if self
+            .spaces
+            .iter()
+            .flat_map(|s| &s.cells)
+            .all(|c| c.base_blobs <= 1 && c.layers.len() <= usize::from(u8::MAX))
+        {
+            3
+        } else {
+            VERSION
+        };
         let mut w = Writer(Vec::new());
         w.bytes(MAGIC);
-        w.u32(VERSION);
+        w.u32(version);
         w.bytes(&self.log_id);
         w.u64(self.wal_segment_bytes);
         w.u64(self.index_segment_bytes);
@@ -159,7 +176,7 @@ impl ControlData {
         w.bytes(&self.app_state);
         w.u32(self.spaces.len() as u32);
         for space in &self.spaces {
-            encode_space(&mut w, space);
+            encode_space(&mut w, space, version);
         }
         let crc = crc32fast::hash(&w.0);
         w.u32(crc);
@@ -213,7 +230,7 @@ impl ControlData {
     }
 }
 
-fn encode_space(w: &mut Writer, space: &SpaceControl) {
+fn encode_space(w: &mut Writer, space: &SpaceControl, version: u32) {
     let config = &space.config;
     w.u16(config.name.len() as u16);
     w.bytes(config.name.as_bytes());
@@ -236,7 +253,12 @@ fn encode_space(w: &mut Writer, space: &SpaceControl) {
             CellId::Uniform(i) => w.u32(*i),
             CellId::Prefixed(prefix) => w.bytes(&prefix[..prefix_bytes]),
         }
-        w.u8(u8::try_from(cell.layers.len()).expect("at most 255 blobs per cell"));
+        if version >= 4 {
+            w.u16(u16::try_from(cell.layers.len()).expect("at most 65,535 blobs per cell"));
+            w.u16(cell.base_blobs);
+        } else {
+            w.u8(cell.layers.len() as u8);
+        }
         for disk in &cell.layers {
             w.u64(disk.position.0);
             w.u32(disk.count);
@@ -284,9 +306,19 @@ fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String
                 CellId::Prefixed(key_array(r.take(prefix_bytes as usize)?))
             }
         };
-        let blobs = r.u8()?;
+        let (blobs, base_blobs) = if version >= 4 {
+            (r.u16()?, r.u16()?)
+        } else {
+            let blobs = u16::from(r.u8()?);
+            (blobs, blobs.min(1))
+        };
         if version == 1 && blobs > 1 {
             return Err(format!("bad cell flag {blobs}"));
+        }
+        if base_blobs > blobs || (blobs > 0 && base_blobs == 0) {
+            return Err(format!(
+                "a cell of {blobs} index blobs whose base is {base_blobs} of them"
+            ));
         }
         let mut layers = Vec::with_capacity(usize::from(blobs));
         for _ in 0..blobs {
@@ -309,6 +341,7 @@ fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String
         cells.push(CellControl {
             id,
             layers,
+            base_blobs,
             replay_from,
         });
     }
@@ -368,6 +401,7 @@ mod tests {
                     cells: vec![CellControl {
                         id: CellId::Uniform(3),
                         layers: vec![disk],
+                        base_blobs: 1,
                         replay_from: 1000,
                     }],
                 },
@@ -380,6 +414,7 @@ mod tests {
                     cells: vec![CellControl {
                         id: CellId::Prefixed(key_array(b"abcd")),
                         layers: vec![],
+                        base_blobs: 0,
                         replay_from: 999,
                     }],
                 },
@@ -418,7 +453,59 @@ mod tests {
             bloom_len: 12,
             format: EntryFormat::from_parts(EntryFormat::LEN_16, Epoch(0), Tag(0)),
         });
+        data.spaces[1].cells[0].base_blobs = 1;
         assert_eq!(ControlData::decode(&data.encode()), Ok(data));
+    }
+
+    fn version_of(bytes: &[u8]) -> u32 {
+        u32::from_le_bytes(bytes[8..12].try_into().unwrap())
+    }
+
+    fn disk_at(position: u64) -> DiskRef {
+        DiskRef {
+            position: WalPosition(position),
+            count: 3,
+            bloom_len: 12,
+            format: EntryFormat::default(),
+        }
+    }
+
+    #[test]
+    fn a_base_in_parts_or_many_blobs_take_version_4_and_nothing_else_does() {
+        let mut data = sample();
+        data.spaces[0].cells[0].layers.push(disk_at(9000));
+        let bytes = data.encode();
+        assert_eq!(version_of(&bytes), 3, "a base and a delta: version 3");
+        assert_eq!(ControlData::decode(&bytes), Ok(data.clone()));
+
+        data.spaces[0].cells[0].base_blobs = 2;
+        let bytes = data.encode();
+        assert_eq!(version_of(&bytes), 4, "a base of two parts");
+        assert_eq!(ControlData::decode(&bytes), Ok(data.clone()));
+
+        let cell = &mut data.spaces[0].cells[0];
+        cell.layers = (0..300).map(|i| disk_at(10_000 + i * 100)).collect();
+        cell.base_blobs = 1;
+        let bytes = data.encode();
+        assert_eq!(version_of(&bytes), 4, "300 blobs");
+        assert_eq!(ControlData::decode(&bytes), Ok(data));
+    }
+
+    #[test]
+    fn a_cell_whose_base_is_not_among_its_blobs_is_refused() {
+        for (blobs, base_blobs) in [(2, 0), (2, 3)] {
+            let mut data = sample();
+            let cell = &mut data.spaces[0].cells[0];
+            cell.layers = (0..blobs).map(|i| disk_at(9000 + i * 100)).collect();
+            cell.base_blobs = base_blobs;
+            // 256 blobs in another cell: written as version 4.
+            data.spaces[1].cells[0].layers = (0..256).map(|i| disk_at(i * 100)).collect();
+            data.spaces[1].cells[0].base_blobs = 1;
+            let bytes = data.encode();
+            assert_eq!(version_of(&bytes), 4);
+            let error = ControlData::decode(&bytes).unwrap_err();
+            assert!(error.contains("whose base is"), "{error}");
+        }
     }
 
     #[test]

@@ -114,21 +114,29 @@ fn write_flush(
 ) -> Result<(Layers, Option<BaseEntries>, usize)> {
     let changes: Vec<(Key, Entry)> = job.flushable.iter().map(|(k, c)| (*k, c.entry)).collect();
     let key_len = space.key_len();
-    let record_len = |written: &Option<(crate::index::blob::DiskRef, _)>| {
-        written
-            .as_ref()
-            .map_or(0, |(disk, _)| disk.record_len(key_len))
+    // One blob, or parts when it outgrows a record of the index log.
+    let write = |entries: &[(Key, Entry)], kind: BlobKind| -> Result<(Vec<Layer>, usize)> {
+        let written = inner.index.write_parts(key_len, entries, kind)?;
+        let bytes = written
+            .iter()
+            .map(|(disk, _)| disk.record_len(key_len))
+            .sum();
+        let layers = written
+            .into_iter()
+            .map(|(disk, bloom)| Layer {
+                disk,
+                bloom: Some(bloom),
+                kind,
+            })
+            .collect();
+        Ok((layers, bytes))
     };
     match kind {
         FlushKind::Delta => {
-            let written = inner.index.write(key_len, &changes, BlobKind::Delta)?;
-            let bytes = record_len(&written);
-            let (disk, bloom) = written.expect("a delta of at least one change");
+            let (delta, bytes) = write(&changes, BlobKind::Delta)?;
+            debug_assert!(!delta.is_empty(), "a delta of at least one change");
             let mut layers = job.layers.to_vec();
-            layers.push(Layer {
-                disk,
-                bloom: Some(bloom),
-            });
+            layers.extend(delta);
             let merged = job
                 .base
                 .as_ref()
@@ -141,14 +149,7 @@ fn write_flush(
                 None => Arc::new(inner.index.load_layers(key_len, &job.layers)?.0),
             };
             let merged = merge(&current, &changes);
-            let written = inner.index.write(key_len, &merged, BlobKind::Base)?;
-            let bytes = record_len(&written);
-            let layers = written.map_or_else(Vec::new, |(disk, bloom)| {
-                vec![Layer {
-                    disk,
-                    bloom: Some(bloom),
-                }]
-            });
+            let (layers, bytes) = write(&merged, BlobKind::Base)?;
             Ok((layers.into(), Some(Arc::new(merged)), bytes))
         }
     }

@@ -152,6 +152,7 @@ fn control() -> ControlData {
                 cells: vec![CellControl {
                     id: CellId::Uniform(3),
                     layers: vec![disk_ref(10, 28)],
+                    base_blobs: 1,
                     replay_from: 1000,
                 }],
             },
@@ -164,6 +165,7 @@ fn control() -> ControlData {
                 cells: vec![CellControl {
                     id: CellId::Prefixed(key_array(b"abcd")),
                     layers: vec![disk_ref(2, 12), disk_ref(1, 12)],
+                    base_blobs: 1,
                     replay_from: 7,
                 }],
             },

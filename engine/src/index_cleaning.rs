@@ -192,6 +192,7 @@ fn move_blobs(
             Ok(Layer {
                 disk,
                 bloom: layer.bloom.clone(),
+                kind: layer.kind,
             })
         })
         .collect();

@@ -232,7 +232,9 @@ fn restore_cells(table: &LargeTable, control: &ControlData) -> HashMap<(usize, C
     for (space_index, space) in control.spaces.iter().enumerate() {
         let table_space = &table.spaces[space_index];
         for cell in &space.cells {
-            table_space.with_cell_or_create(&cell.id, |c| *c = Cell::restored(&cell.layers));
+            table_space.with_cell_or_create(&cell.id, |c| {
+                *c = Cell::restored(&cell.layers, usize::from(cell.base_blobs))
+            });
             positions.insert((space_index, cell.id), cell.replay_from);
         }
     }

@@ -35,7 +35,7 @@ use std::collections::BTreeSet;
 use crate::control::{CONTROL_FILE, CellControl, ControlData, SpaceControl};
 use crate::engine::Inner;
 use crate::error::{Error, Result};
-use crate::index::layers::layer_refs;
+use crate::index::layers::{base_blobs, layer_refs};
 use crate::metrics::Metrics;
 use crate::storage::write_file_atomically;
 use crate::types::{SegmentId, WalPosition};
@@ -151,6 +151,8 @@ fn capture_cells(inner: &Inner, p0: u64) -> Captured {
                     cells.push(CellControl {
                         id,
                         layers: layer_refs(&cell.layers),
+                        base_blobs: u16::try_from(base_blobs(&cell.layers))
+                            .expect("at most 65,535 blobs per cell"),
                         replay_from: cell_replay,
                     });
                 }

@@ -322,3 +322,130 @@ fn fresh_puts_are_indexed_in_the_smallest_entry_format() {
     check(&engine, ks, &model, "compact blobs, reopened");
     engine.close().unwrap();
 }
+
+/// Key `i` of cell 0 (the first 8 bytes 0): every key of this test in one
+/// cell.
+fn crowded_key(i: u64) -> [u8; 32] {
+    let mut k = [0u8; 32];
+    k[8..16].copy_from_slice(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes());
+    k
+}
+
+fn check_crowded(engine: &Engine, ks: KeySpace, model: &BTreeMap<[u8; 32], Vec<u8>>, what: &str) {
+    for i in 0..CROWDED + 2_000 {
+        let k = crowded_key(i);
+        let got = engine.get(ks, &k).unwrap();
+        assert_eq!(
+            got.as_deref(),
+            model.get(&k).map(|v| &v[..]),
+            "{what}: key {i}"
+        );
+    }
+    let scanned: Vec<Vec<u8>> = engine
+        .scan(ks, Bound::Unbounded, Bound::Unbounded, Direction::Forward)
+        .unwrap()
+        .map(|r| r.unwrap().0)
+        .collect();
+    let expected: Vec<Vec<u8>> = model.keys().map(|k| k.to_vec()).collect();
+    assert_eq!(scanned, expected, "{what}: scan");
+    for i in (0..CROWDED + 2_000).step_by(13) {
+        let probe = crowded_key(i);
+        let got = engine.last_before(ks, &probe).unwrap().map(|(k, _)| k);
+        let want = model.range(..probe).next_back().map(|(k, _)| k.to_vec());
+        assert_eq!(got, want, "{what}: last_before key {i}");
+    }
+}
+
+const CROWDED: u64 = 6_000;
+
+/// One cell whose index outgrows an index segment (64 KiB: about 1,100
+/// entries; here 6,000 keys, a hostile writer's choice of names or a
+/// shard's share of a large namespace at production sizes). Its base was
+/// one record, refused as larger than a segment at every flush: the engine
+/// was poisoned, and again after every reopen (the flush came back with
+/// the replay), so a shard whose replicas all hold the same keys stayed
+/// down. Now the base — and a delta of that many changes — is written in
+/// parts, and lookups, scans, merges, a reopen and a crash see one index.
+#[test]
+fn a_cell_larger_than_an_index_segment_is_written_in_parts() {
+    let (storage, mut config) = config();
+    config.index_segment_bytes = 64 << 10;
+    // No flush under memory pressure: each flush below is the test's.
+    config.index_memory_bytes = 64 << 20;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..CROWDED {
+        let v = value(i, 1, 24);
+        engine
+            .put(ks, &crowded_key(i), &v, Durability::Buffered)
+            .unwrap();
+        model.insert(crowded_key(i), v);
+    }
+    let before = engine.metrics().counters;
+    engine.flush().unwrap();
+    let after = engine.metrics().counters;
+    let written = after.index_bytes_written - before.index_bytes_written;
+    assert!(
+        written > 2 * config.index_segment_bytes,
+        "one cell's base of {written} bytes, past a segment"
+    );
+    engine.health().unwrap();
+    check_crowded(&engine, ks, &model, "the base in parts, loaded");
+    engine.release_memory();
+    check_crowded(&engine, ks, &model, "the base in parts, on disk");
+
+    // A delta of more changes than a record holds: deletes of every other
+    // key, overwrites, new keys.
+    for i in (0..CROWDED).step_by(2) {
+        engine
+            .delete(ks, &crowded_key(i), Durability::Buffered)
+            .unwrap();
+        model.remove(&crowded_key(i));
+    }
+    for i in CROWDED..CROWDED + 1_500 {
+        let v = value(i, 2, 24);
+        engine
+            .put(ks, &crowded_key(i), &v, Durability::Buffered)
+            .unwrap();
+        model.insert(crowded_key(i), v);
+    }
+    let before = engine.metrics().counters;
+    let (flushes, deltas) = flush_counting(&engine);
+    assert_eq!((flushes, deltas), (1, 1), "a delta over the base's parts");
+    let written = engine.metrics().counters.index_bytes_written - before.index_bytes_written;
+    assert!(
+        written > config.index_segment_bytes,
+        "one delta of {written} bytes, past a segment"
+    );
+    check_crowded(&engine, ks, &model, "a delta in parts, loaded");
+    engine.release_memory();
+    check_crowded(&engine, ks, &model, "a delta in parts, on disk");
+
+    // Reopened cleanly: the control file names the base's parts.
+    engine.close().unwrap();
+    drop(engine);
+    let engine = open(&storage, &config).unwrap();
+    check_crowded(&engine, ks, &model, "reopened");
+
+    // Merges until the deltas are folded in, then a crash.
+    for round in 0..6u64 {
+        for i in (1..CROWDED + 1_500).step_by(7 + round as usize) {
+            let v = value(i, 10 + round, 24);
+            engine
+                .put(ks, &crowded_key(i), &v, Durability::Buffered)
+                .unwrap();
+            model.insert(crowded_key(i), v);
+        }
+        engine.flush().unwrap();
+        check_crowded(&engine, ks, &model, &format!("round {round}"));
+    }
+    let counters = engine.metrics().counters;
+    assert!(counters.flushes > counters.delta_flushes, "it merged");
+    let placeholder = open(&FaultStorage::default(), &config).unwrap();
+    drop(std::mem::replace(&mut { engine }, placeholder));
+    let storage = storage.restart_process();
+    let engine = open(&storage, &config).unwrap();
+    check_crowded(&engine, ks, &model, "after a crash");
+    engine.close().unwrap();
+}

@@ -109,6 +109,32 @@ fn body_len(bloom_len: usize, count: usize, layout: &EntryLayout) -> usize {
     header_bytes(&layout.format) + align8(bloom_len) + count * layout.size()
 }
 
+/// The most entries (keys of `key_len` bytes) one blob may hold in a
+/// record of at most `max_record` bytes, whatever format they take: counted
+/// as full entries (the largest) under the longer header.
+pub(crate) fn max_entries(key_len: usize, bits_per_key: u32, max_record: u64) -> usize {
+    let size = EntryLayout {
+        key_len,
+        format: EntryFormat::default(),
+    }
+    .size();
+    let fits = |n: usize| {
+        let bloom = Bloom::encoded_len_for(n, bits_per_key);
+        record_len(FORMAT_HEADER_BYTES + align8(bloom) + n * size) as u64 <= max_record
+    };
+    // The largest `n` that fits: `fits` is monotone.
+    let (mut low, mut high) = (0usize, (max_record as usize / size) + 1);
+    while low < high {
+        let mid = low + (high - low).div_ceil(2);
+        if fits(mid) {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    low
+}
+
 /// A blob body ready to append, with what its [`DiskRef`] records.
 pub(crate) struct Encoded {
     pub body: Vec<u8>,
@@ -289,6 +315,38 @@ pub(crate) fn decode(
 mod tests {
     use super::*;
     use crate::index::entry::key_array;
+
+    /// `n` entries that take the full format (no field shared or short).
+    fn full_entries(n: usize) -> Vec<(Key, Entry)> {
+        (0..n as u64)
+            .map(|i| {
+                let mut key = [0u8; 32];
+                key[..8].copy_from_slice(&i.to_be_bytes());
+                let entry = Entry {
+                    version: i + 7,
+                    location: (1 << 50) + i,
+                    len: 100_000 + i as u32,
+                    epoch: Epoch(i as u32),
+                    tag: Tag(i as u32),
+                };
+                (key_array(&key), entry)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn max_entries_is_the_most_a_record_holds() {
+        for max_record in [4_000u64, 65_472, 1 << 20] {
+            let n = max_entries(32, 10, max_record);
+            let len = |n: usize| {
+                let entries = full_entries(n);
+                assert_eq!(EntryFormat::of(&entries), EntryFormat::default());
+                record_len(encode(32, &entries, 10, BlobKind::Base).body.len()) as u64
+            };
+            assert!(len(n) <= max_record, "{n} entries fit in {max_record}");
+            assert!(len(n + 1) > max_record, "{} do not", n + 1);
+        }
+    }
 
     fn sample_entries(epoch_of: impl Fn(u64) -> u32) -> Vec<(Key, Entry)> {
         (0..100u64)

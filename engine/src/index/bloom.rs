@@ -79,10 +79,9 @@ impl Modulus {
 impl Bloom {
     /// An empty filter sized for `keys` keys at `bits_per_key`.
     pub fn new(keys: usize, bits_per_key: u32) -> Self {
-        let bits = (keys.max(1) as u64 * u64::from(bits_per_key.max(1))).div_ceil(64) as usize;
         let hashes =
             ((f64::from(bits_per_key) * std::f64::consts::LN_2).round() as u32).clamp(1, 16);
-        let words = bits.max(1);
+        let words = Self::words_for(keys, bits_per_key);
         Self {
             bits: vec![0; words].into(),
             hashes,
@@ -125,6 +124,15 @@ impl Bloom {
     /// Bytes of the encoded filter.
     pub fn encoded_len(&self) -> usize {
         4 + self.bits.len() * 8
+    }
+
+    /// [`Bloom::encoded_len`] of a filter made for `keys` keys.
+    pub fn encoded_len_for(keys: usize, bits_per_key: u32) -> usize {
+        4 + Self::words_for(keys, bits_per_key) * 8
+    }
+
+    fn words_for(keys: usize, bits_per_key: u32) -> usize {
+        ((keys.max(1) as u64 * u64::from(bits_per_key.max(1))).div_ceil(64) as usize).max(1)
     }
 
     /// Bytes of memory held.

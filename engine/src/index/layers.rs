@@ -1,7 +1,12 @@
-//! A cell's on-disk index as layers: a base blob (a whole index) and the
-//! delta blobs flushed over it (the changes of one flush each, tombstones
+//! A cell's on-disk index as layers: a base (a whole index) and the delta
+//! blobs flushed over it (the changes of one flush each, tombstones
 //! included), oldest first — how they are merged, when a flush writes a
 //! delta or merges, and how lookups and loads read them.
+//!
+//! A base, or one flush's delta, larger than a record of the index log is
+//! written as several blobs of its kind ("parts", `IndexStore::write_parts`):
+//! disjoint runs of keys, so a key is in at most one part of a base or of a
+//! delta, and the parts can be read in any order.
 //!
 //! A key's entry is in the newest layer that has one: every layer was
 //! written from changes that were never older than the layers below
@@ -21,12 +26,14 @@ use crate::index::store::IndexStore;
 pub(crate) struct Layer {
     pub disk: DiskRef,
     pub bloom: Option<Bloom>,
+    /// A part of the base, or a delta (what the blob's header says).
+    pub kind: BlobKind,
 }
 
-/// A cell's on-disk index, oldest first: `[0]` is the base (a whole
-/// index: no tombstones), the rest are deltas (the changes of one flush
-/// each, tombstones included). Empty when nothing is on disk. Shared
-/// read-only; a flush installs a new one.
+/// A cell's on-disk index, oldest first: the base's parts (a whole index:
+/// no tombstones; one blob unless it outgrew a record), then the deltas
+/// (the changes of one flush each, tombstones included). Empty when
+/// nothing is on disk. Shared read-only; a flush installs a new one.
 pub(crate) type Layers = Arc<[Layer]>;
 
 /// Whether two layer lists name the same blobs (bloom filters aside).
@@ -39,13 +46,29 @@ pub(crate) fn layer_refs(layers: &[Layer]) -> Vec<DiskRef> {
     layers.iter().map(|l| l.disk).collect()
 }
 
-/// The kind of the blob at `index` among a cell's layers.
-pub(crate) fn kind_at(index: usize) -> BlobKind {
-    if index == 0 {
-        BlobKind::Base
-    } else {
-        BlobKind::Delta
-    }
+/// The blobs of the base among `layers`: how many lead them.
+pub(crate) fn base_blobs(layers: &[Layer]) -> usize {
+    layers
+        .iter()
+        .take_while(|l| l.kind == BlobKind::Base)
+        .count()
+}
+
+/// Layers over blobs read from a snapshot, the first `base_blobs` of them
+/// the base's parts, filters not read.
+pub(crate) fn restored_layers(disk: &[DiskRef], base_blobs: usize) -> Layers {
+    disk.iter()
+        .enumerate()
+        .map(|(i, &disk)| Layer {
+            disk,
+            bloom: None,
+            kind: if i < base_blobs {
+                BlobKind::Base
+            } else {
+                BlobKind::Delta
+            },
+        })
+        .collect()
 }
 
 /// Merges `changes` into the sorted `base`: per key the change wins unless
@@ -126,16 +149,14 @@ pub(crate) fn flush_kind(
     max_deltas: u32,
     ratio: u32,
 ) -> FlushKind {
-    let Some((base, deltas)) = layers.split_first() else {
+    let (base, deltas) = layers.split_at(base_blobs(layers));
+    if base.is_empty() {
         return FlushKind::Merge;
-    };
+    }
+    let count = |blobs: &[Layer]| blobs.iter().map(|b| b.disk.count as usize).sum::<usize>();
     let ratio = ratio as usize;
-    let in_deltas: usize = deltas.iter().map(|d| d.disk.count as usize).sum::<usize>()
-        + changes
-        + deletes.saturating_mul(ratio.saturating_sub(1));
-    if deltas.len() >= max_deltas as usize
-        || in_deltas >= (base.disk.count as usize).saturating_mul(ratio)
-    {
+    let in_deltas = count(deltas) + changes + deletes.saturating_mul(ratio.saturating_sub(1));
+    if deltas.len() >= max_deltas as usize || in_deltas >= count(base).saturating_mul(ratio) {
         FlushKind::Merge
     } else {
         FlushKind::Delta
@@ -203,7 +224,9 @@ impl IndexStore {
         let mut merged: Vec<(Key, Entry)> = Vec::new();
         let mut loaded = Vec::with_capacity(layers.len());
         for (i, layer) in layers.iter().enumerate() {
-            let (entries, bloom) = self.load(key_len, &layer.disk, kind_at(i))?;
+            let (entries, bloom) = self.load(key_len, &layer.disk, layer.kind)?;
+            // The base's parts are disjoint: laid over one another, they
+            // are their union.
             merged = if i == 0 {
                 entries
             } else {
@@ -212,6 +235,7 @@ impl IndexStore {
             loaded.push(Layer {
                 disk: layer.disk,
                 bloom: Some(layer.bloom.clone().unwrap_or(bloom)),
+                kind: layer.kind,
             });
         }
         merged.retain(|(_, e)| !e.tombstone());
@@ -246,11 +270,10 @@ pub(crate) mod test_support {
         }
     }
 
-    /// Layers over `refs`, filters not read.
+    /// Layers over `refs` (a base of one blob, then deltas), filters not
+    /// read.
     pub fn layers(refs: &[DiskRef]) -> Layers {
-        refs.iter()
-            .map(|&disk| Layer { disk, bloom: None })
-            .collect()
+        restored_layers(refs, 1)
     }
 }
 
@@ -290,6 +313,22 @@ mod tests {
         );
         assert_eq!(flush_kind(&three, 80, 80, 8, 3), FlushKind::Merge);
         assert_eq!(flush_kind(&three, 80, 79, 8, 3), FlushKind::Delta);
+    }
+
+    #[test]
+    fn a_base_in_parts_counts_as_one_base() {
+        let parts = restored_layers(&[disk_at(0, 60), disk_at(1, 40), disk_at(2, 30)], 2);
+        assert_eq!(base_blobs(&parts), 2);
+        // The deltas grow to the whole base (100 entries), not its first part.
+        assert_eq!(flush_kind(&parts, 69, 0, 8, 1), FlushKind::Delta);
+        assert_eq!(flush_kind(&parts, 70, 0, 8, 1), FlushKind::Merge);
+        // The limit counts deltas, not the base's parts.
+        assert_eq!(flush_kind(&parts, 1, 0, 2, 1), FlushKind::Delta);
+        let two_deltas = restored_layers(
+            &[disk_at(0, 60), disk_at(1, 40), disk_at(2, 5), disk_at(3, 5)],
+            2,
+        );
+        assert_eq!(flush_kind(&two_deltas, 1, 0, 2, 1), FlushKind::Merge);
     }
 
     #[test]

@@ -61,6 +61,34 @@ impl IndexStore {
         Ok(Some((disk, bloom)))
     }
 
+    /// Appends the sorted `entries` as blobs of `kind` ([`Self::write`]):
+    /// one, or as many as it takes for each to fit in a record of the index
+    /// log — a cell's index may outgrow an index segment (a base merged
+    /// from many flushes, or a flush of many changes), and a record larger
+    /// than a segment was refused at every flush, which poisoned the
+    /// engine again after every reopen. The parts hold disjoint runs of
+    /// keys, in order, of about equal length; empty for no entries.
+    pub fn write_parts(
+        &self,
+        key_len: usize,
+        entries: &[(Key, Entry)],
+        kind: BlobKind,
+    ) -> Result<Vec<(DiskRef, Bloom)>> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let most = blob::max_entries(key_len, self.bits_per_key, self.log.max_record_bytes());
+        let parts = entries.len().div_ceil(most.max(1));
+        let per_part = entries.len().div_ceil(parts);
+        entries
+            .chunks(per_part)
+            .map(|part| {
+                self.write(key_len, part, kind)
+                    .map(|written| written.expect("a part holds entries"))
+            })
+            .collect()
+    }
+
     /// Reads and verifies a whole blob of `kind`.
     pub fn load(
         &self,

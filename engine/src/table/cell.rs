@@ -30,7 +30,7 @@ use std::sync::Arc;
 use crate::index::blob::DiskRef;
 use crate::index::bloom::{Bloom, KeyHash};
 use crate::index::entry::{Entry, Key};
-use crate::index::layers::{Layer, Layers, same_layers};
+use crate::index::layers::{Layer, Layers, restored_layers, same_layers};
 
 /// The five cell states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -131,13 +131,11 @@ pub(crate) enum Probe {
 }
 
 impl Cell {
-    /// A cell restored from a snapshot: its on-disk blobs, oldest first.
-    pub fn restored(disk: &[DiskRef]) -> Self {
+    /// A cell restored from a snapshot: its on-disk blobs, oldest first,
+    /// the first `base_blobs` of them the base's.
+    pub fn restored(disk: &[DiskRef], base_blobs: usize) -> Self {
         Self {
-            layers: disk
-                .iter()
-                .map(|&disk| Layer { disk, bloom: None })
-                .collect(),
+            layers: restored_layers(disk, base_blobs),
             dirty_since: u64::MAX,
             ..Self::default()
         }
@@ -385,18 +383,19 @@ mod tests {
 
     #[test]
     fn states_follow_the_layers() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         assert_eq!(cell.state(), CellState::Empty);
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyLoaded);
-        let mut cell = Cell::restored(&[disk()]);
+        let mut cell = Cell::restored(&[disk()], 1);
         assert_eq!(cell.state(), CellState::Unloaded);
         cell.apply(key_array(b"a"), entry(1, false), 1);
         assert_eq!(cell.state(), CellState::DirtyUnloaded);
-        let mut cell = Cell::restored(&[disk()]);
+        let mut cell = Cell::restored(&[disk()], 1);
         let seen = vec![Layer {
             disk: disk(),
             bloom: Some(Bloom::new(1, 10)),
+            kind: crate::index::blob::BlobKind::Base,
         }];
         cell.install_base(&seen, Arc::new(vec![]));
         assert_eq!(cell.state(), CellState::Loaded);
@@ -414,12 +413,12 @@ mod tests {
     /// touch's own record is in the WAL.
     #[test]
     fn a_touch_is_flushable_only_once_its_record_is_processed() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         // Value at 5, touched by a record at 50.
         cell.apply(key_array(b"t"), entry(5, false), 50);
         assert!(cell.flushable(10).is_empty(), "record at 50 not processed");
         assert_eq!(cell.flushable(51).len(), 1);
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         // A drop marker: no record carries it.
         let mut dropped = entry(7, true);
         dropped.location = Entry::DROPPED;
@@ -432,7 +431,7 @@ mod tests {
     /// durable index still pointed into it (the move never reached disk).
     #[test]
     fn a_change_over_an_unflushed_move_counts_as_one() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         assert!(!cell.holds_unflushed_move());
         cell.apply(key_array(b"k"), entry(5, false), 20);
         assert!(!cell.holds_unflushed_move(), "a write alone");
@@ -452,7 +451,7 @@ mod tests {
 
     #[test]
     fn a_base_read_from_replaced_layers_is_not_installed() {
-        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)]);
+        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)], 1);
         let stale = layers(&[disk()]);
         assert_eq!(cell.install_base(&stale, Arc::new(vec![])), 0);
         assert_eq!(cell.state(), CellState::Unloaded);
@@ -467,7 +466,7 @@ mod tests {
         let other = key_array(&[1u8; 32]);
         let mut bloom = Bloom::new(1, 10);
         bloom.insert(&other);
-        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)]);
+        let mut cell = Cell::restored(&[disk(), disk_at(100, 1)], 1);
         assert!(
             matches!(cell.probe(&key, 32), Probe::Disk(_)),
             "no filter known yet"
@@ -484,7 +483,7 @@ mod tests {
 
     #[test]
     fn newer_change_wins_regardless_of_arrival_order() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         let key = key_array(b"k");
         assert_eq!(cell.apply(key, entry(9, false), 9), Some(CHANGE_BYTES));
         assert_eq!(cell.apply(key, entry(5, true), 5), None);
@@ -498,7 +497,7 @@ mod tests {
 
     #[test]
     fn flushes_and_ordered_reads_get_the_changes_sorted() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         let keys: Vec<Key> = (0..200u64)
             .map(|i| key_array(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes()))
             .collect();
@@ -529,7 +528,7 @@ mod tests {
 
     #[test]
     fn unmerge_keeps_changes_that_arrived_during_the_flush() {
-        let mut cell = Cell::restored(&[]);
+        let mut cell = Cell::restored(&[], 0);
         let (a, b) = (key_array(b"a"), key_array(b"b"));
         cell.apply(a, entry(1, false), 1);
         cell.apply(b, entry(2, false), 2);

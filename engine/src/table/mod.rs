@@ -102,7 +102,7 @@ impl SpaceTable {
                 Cells::Uniform {
                     count: cells,
                     rows: (0..rows)
-                        .map(|_| Mutex::new(std::array::from_fn(|_| Cell::restored(&[]))))
+                        .map(|_| Mutex::new(std::array::from_fn(|_| Cell::restored(&[], 0))))
                         .collect(),
                 }
             }
@@ -222,7 +222,7 @@ impl SpaceTable {
         {
             map.write()
                 .entry(*prefix)
-                .or_insert_with(|| Arc::new(Mutex::new(Cell::restored(&[]))));
+                .or_insert_with(|| Arc::new(Mutex::new(Cell::restored(&[], 0))));
         }
         self.with_cell(id, f).expect("the cell exists")
     }
