@@ -13,7 +13,7 @@
 use std::path::Path;
 
 use prost::Message as _;
-use tidepool_engine::storage::write_file_atomically;
+use tidepool_engine::storage::{read_whole_file, write_file_atomically};
 use tidepool_engine::{Decision, EntryInfo, KeySpace, RelocationFilter};
 use tidepool_proto::v1::{ReplicaInfo, ReplicaRole, ShardInfo};
 
@@ -70,6 +70,46 @@ impl RelocationFilter for OutsideRange {
 
 fn io_error(path: &Path, error: std::io::Error) -> NodeError {
     NodeError::Engine(tidepool_engine::Error::io(path, error))
+}
+
+/// Whether the existing directory `dir` of the child's name is the child
+/// `child` starting at `start`: its `SHARD` file (none yet: the node is
+/// opening the child empty, to receive a snapshot) names them — a group's
+/// start never moves, splits cut its upper part off. Otherwise the
+/// directory holds another group of that id (one the coordinator's store
+/// lost in the middle of its split, and whose id it gave again): taken for
+/// the child, the parent gave its upper half away with no group to hold
+/// it, and shed it from its segments. The replica fails instead (and
+/// again at each reopen) with its range whole, until an operator looks.
+fn existing_child(
+    storage: &dyn tidepool_engine::storage::Storage,
+    dir: &Path,
+    child: u32,
+    start: u64,
+) -> Result<()> {
+    let path = dir.join(SHARD_FILE);
+    let Some(bytes) = read_whole_file(storage, &path).map_err(|e| io_error(&path, e))? else {
+        return Ok(());
+    };
+    let info = ShardInfo::decode(&bytes[..])
+        .map_err(|e| NodeError::Malformed(format!("{}: {e}", path.display())))?;
+    if info.shard_id == child && info.hash_start == start {
+        return Ok(());
+    }
+    tracing::error!(
+        dir = %dir.display(),
+        child,
+        start,
+        holds = info.shard_id,
+        holds_start = info.hash_start,
+        "a split's child directory holds another group; the split is not carried out"
+    );
+    Err(NodeError::Failed(format!(
+        "{} holds shard {} from {:#018x}, not the split's child {child} from {start:#018x}",
+        dir.display(),
+        info.shard_id,
+        info.hash_start
+    )))
 }
 
 /// Removes `dir` and everything in it, if it exists.
@@ -154,7 +194,9 @@ impl Replica {
 
     /// Makes the child's directory next to this replica's, unless it exists
     /// (made before a crash, or opened empty by the node to receive a
-    /// snapshot: either way the child group exists on this node).
+    /// snapshot: either way the child group exists on this node — if its
+    /// `SHARD` file, once written, names the child and its start; see
+    /// [`existing_child`]).
     fn make_child(&mut self, child: u32, range: (u64, u64), voters: &[u64]) -> Result<()> {
         let parent_dir = self.store.dir().to_path_buf();
         let shards_dir = parent_dir
@@ -165,7 +207,7 @@ impl Replica {
         let temp = shards_dir.join(format!("{SPLIT_TEMP_PREFIX}{child}"));
         let storage = self.store.storage().clone();
         if storage.exists(&final_dir) {
-            return Ok(());
+            return existing_child(&*storage, &final_dir, child, range.0);
         }
         remove_tree(&temp)?;
         let child_store = self.store.sibling(&temp);
@@ -201,6 +243,7 @@ impl Replica {
         let making = making_dirs();
         if storage.exists(&final_dir) {
             drop(making);
+            existing_child(&*storage, &final_dir, child, range.0)?;
             return remove_tree(&temp);
         }
         storage

@@ -402,6 +402,66 @@ fn restart_a_follower(cluster: &mut SimCluster) -> u64 {
     follower
 }
 
+/// A directory of the child's name that holds another group — its shard
+/// id given again after the coordinator's store lost a split in flight —
+/// is not taken for the child: every replica fails at the split, its
+/// range whole, instead of giving the upper half away with no group to
+/// hold it (and shedding it from its segments).
+#[test]
+fn a_split_does_not_take_another_groups_directory_for_its_child() {
+    use prost::Message as _;
+    let seed = tidepool_testkit::seed_from_env("SIM_SEED");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = splittable_group(seed, dir.path());
+    let slot = cluster.put(key(1), b"before the split".to_vec());
+    applied(&mut cluster, &slot, "a write");
+    let other = dir.path().join(CHILD.to_string());
+    std::fs::create_dir(&other).unwrap();
+    let info = tidepool_proto::v1::ShardInfo {
+        shard_id: CHILD,
+        hash_start: 5,
+        hash_end: 6,
+        ..Default::default()
+    };
+    std::fs::write(other.join(crate::store::SHARD_FILE), info.encode_to_vec()).unwrap();
+    let leader = cluster.leader().unwrap();
+    let slot = cluster.propose(
+        leader,
+        &crate::command::Command::Split {
+            child: CHILD,
+            at: SPLIT_AT,
+        },
+    );
+    cluster.run(50).unwrap();
+    assert!(
+        !matches!(*slot.lock().unwrap(), Some(Outcome::Applied { .. })),
+        "seed {seed}: the split was carried out"
+    );
+    for id in 1..=3 {
+        if let Some(replica) = cluster.replica(id) {
+            assert!(
+                replica.log().children().is_empty(),
+                "seed {seed}: node {id}"
+            );
+            assert_eq!(replica.log().range(), Some((0, u64::MAX)), "node {id}");
+        }
+    }
+    // The voters stopped at the entry.
+    for id in 1..=3 {
+        assert!(
+            cluster.replica(id).is_none(),
+            "seed {seed}: node {id} went on"
+        );
+    }
+    // Reopened, a replica applies the entry again and does not split.
+    let _ = cluster.restart(1);
+    cluster.run(20).unwrap();
+    if let Some(replica) = cluster.replica(1) {
+        assert!(replica.log().children().is_empty(), "seed {seed}: reopened");
+        assert_eq!(replica.log().range(), Some((0, u64::MAX)), "reopened");
+    }
+}
+
 /// A split entry applied while a learner joins is refused by every
 /// replica (the group's membership is changing). After the learner is
 /// promoted and a replica is killed and restarted, the entry applied again
