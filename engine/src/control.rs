@@ -254,7 +254,9 @@ fn encode_space(w: &mut Writer, space: &SpaceControl, version: u32) {
             CellId::Prefixed(prefix) => w.bytes(&prefix[..prefix_bytes]),
         }
         if version >= 4 {
-            w.u16(u16::try_from(cell.layers.len()).expect("at most 65,535 blobs per cell"));
+            w.u16(
+                u16::try_from(cell.layers.len()).expect("a flush installs at most MAX_CELL_BLOBS"),
+            );
             w.u16(cell.base_blobs);
         } else {
             w.u8(cell.layers.len() as u8);
@@ -314,6 +316,11 @@ fn decode_space(r: &mut Reader<'_>, version: u32) -> Result<SpaceControl, String
         };
         if version == 1 && blobs > 1 {
             return Err(format!("bad cell flag {blobs}"));
+        }
+        // Each blob takes at least 17 bytes: a damaged count cannot
+        // allocate wildly.
+        if usize::from(blobs) * 17 > r.bytes.len() - r.at {
+            return Err(format!("control file blob count {blobs} exceeds its size"));
         }
         if base_blobs > blobs || (blobs > 0 && base_blobs == 0) {
             return Err(format!(
@@ -506,6 +513,25 @@ mod tests {
             let error = ControlData::decode(&bytes).unwrap_err();
             assert!(error.contains("whose base is"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_blob_count_past_the_files_size_is_refused() {
+        let mut data = sample();
+        data.spaces[0].cells[0].base_blobs = 2;
+        data.spaces[0].cells[0].layers.push(disk_at(9000));
+        let mut bytes = data.encode();
+        assert_eq!(version_of(&bytes), 4);
+        // The first cell's blob count: after the space's name, key bytes,
+        // layout, cell count and cell id.
+        let at = 8 + 4 + 16 + 8 + 8 + 4 + 8 + 8 + 4 + 15 + 4 + (2 + 1) + 4 + 1 + 4 + 4 + 4;
+        assert_eq!(&bytes[at..at + 4], &[2, 0, 2, 0], "blob and base counts");
+        bytes[at..at + 4].copy_from_slice(&[0xff, 0xff, 1, 0]);
+        let body = bytes.len() - 4;
+        let crc = crc32fast::hash(&bytes[..body]);
+        bytes[body..].copy_from_slice(&crc.to_le_bytes());
+        let error = ControlData::decode(&bytes).unwrap_err();
+        assert!(error.contains("exceeds its size"), "{error}");
     }
 
     #[test]

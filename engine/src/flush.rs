@@ -24,7 +24,7 @@ use crate::engine::Inner;
 use crate::error::{Error, Result};
 use crate::index::blob::BlobKind;
 use crate::index::entry::{Entry, Key};
-use crate::index::layers::{FlushKind, Layer, Layers, flush_kind, merge};
+use crate::index::layers::{FlushKind, Layer, Layers, MAX_CELL_BLOBS, flush_kind, merge};
 use crate::metrics::Metrics;
 use crossbeam_channel::{Receiver, Sender};
 
@@ -79,7 +79,17 @@ pub(crate) fn flush_cell(inner: &Inner, space_index: u8, id: &CellId) -> Result<
         inner.config.index_max_deltas,
         inner.config.index_merge_ratio,
     );
-    let (layers, merged, written) = match write_flush(inner, space, &job, kind) {
+    let written = write_flush(inner, space, &job, kind).and_then(|written| {
+        if written.0.len() > MAX_CELL_BLOBS {
+            return Err(Error::TooLarge {
+                what: "index blobs of one cell",
+                got: written.0.len() as u64,
+                max: MAX_CELL_BLOBS as u64,
+            });
+        }
+        Ok(written)
+    });
+    let (layers, merged, written) = match written {
         Ok(result) => result,
         Err(error) => {
             space.with_cell(id, |cell| cell.flushing = false);

@@ -33,7 +33,7 @@ pub fn targets() -> Vec<Target> {
         ),
         (
             "control file",
-            vec![control().encode()],
+            vec![control().encode(), control_of_version_4().encode()],
             Box::new(decode_control),
         ),
         (
@@ -171,6 +171,13 @@ fn control() -> ControlData {
             },
         ],
     }
+}
+
+/// [`control`] with a base in two parts: encoded as version 4.
+fn control_of_version_4() -> ControlData {
+    let mut data = control();
+    data.spaces[1].cells[0].base_blobs = 2;
+    data
 }
 
 fn decode_control(bytes: &[u8]) -> bool {

@@ -152,7 +152,7 @@ fn capture_cells(inner: &Inner, p0: u64) -> Captured {
                         id,
                         layers: layer_refs(&cell.layers),
                         base_blobs: u16::try_from(base_blobs(&cell.layers))
-                            .expect("at most 65,535 blobs per cell"),
+                            .expect("a flush installs at most MAX_CELL_BLOBS"),
                         replay_from: cell_replay,
                     });
                 }

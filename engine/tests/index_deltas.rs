@@ -372,6 +372,10 @@ fn a_cell_larger_than_an_index_segment_is_written_in_parts() {
     config.index_segment_bytes = 64 << 10;
     // No flush under memory pressure: each flush below is the test's.
     config.index_memory_bytes = 64 << 20;
+    let on_disk = Config {
+        index_memory_bytes: 1,
+        ..config.clone()
+    };
     let engine = open(&storage, &config).unwrap();
     let ks = engine.key_space("default").unwrap();
     let mut model = BTreeMap::new();
@@ -392,8 +396,6 @@ fn a_cell_larger_than_an_index_segment_is_written_in_parts() {
     );
     engine.health().unwrap();
     check_crowded(&engine, ks, &model, "the base in parts, loaded");
-    engine.release_memory();
-    check_crowded(&engine, ks, &model, "the base in parts, on disk");
 
     // A delta of more changes than a record holds: deletes of every other
     // key, overwrites, new keys.
@@ -419,10 +421,17 @@ fn a_cell_larger_than_an_index_segment_is_written_in_parts() {
         "one delta of {written} bytes, past a segment"
     );
     check_crowded(&engine, ks, &model, "a delta in parts, loaded");
-    engine.release_memory();
-    check_crowded(&engine, ks, &model, "a delta in parts, on disk");
 
-    // Reopened cleanly: the control file names the base's parts.
+    // Reopened cleanly (the control file names the base's parts), with no
+    // memory for cells: every lookup, scan and last_before reads the
+    // blobs — the base's parts and the delta's — on disk.
+    engine.close().unwrap();
+    drop(engine);
+    let engine = open(&storage, &on_disk).unwrap();
+    check_crowded(&engine, ks, &model, "reopened, on disk");
+    let counters = engine.metrics().counters;
+    assert_eq!(counters.cell_loads, 0, "no cell was loaded");
+    assert!(counters.disk_lookups > CROWDED, "lookups read the blobs");
     engine.close().unwrap();
     drop(engine);
     let engine = open(&storage, &config).unwrap();
@@ -445,7 +454,7 @@ fn a_cell_larger_than_an_index_segment_is_written_in_parts() {
     let placeholder = open(&FaultStorage::default(), &config).unwrap();
     drop(std::mem::replace(&mut { engine }, placeholder));
     let storage = storage.restart_process();
-    let engine = open(&storage, &config).unwrap();
-    check_crowded(&engine, ks, &model, "after a crash");
+    let engine = open(&storage, &on_disk).unwrap();
+    check_crowded(&engine, ks, &model, "after a crash, on disk");
     engine.close().unwrap();
 }

@@ -46,6 +46,10 @@ pub(crate) fn layer_refs(layers: &[Layer]) -> Vec<DiskRef> {
     layers.iter().map(|l| l.disk).collect()
 }
 
+/// The most blobs a cell's index may have (the control file counts them
+/// in 16 bits): a flush that would install more fails instead.
+pub(crate) const MAX_CELL_BLOBS: usize = u16::MAX as usize;
+
 /// The blobs of the base among `layers`: how many lead them.
 pub(crate) fn base_blobs(layers: &[Layer]) -> usize {
     layers
