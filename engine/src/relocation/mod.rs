@@ -222,16 +222,25 @@ impl Inner {
         }
     }
 
-    /// Sealed segments (not active, not retained for the application),
-    /// oldest first.
+    /// Sealed segments (not active, not retained for the application, and
+    /// every write into them finished), oldest first.
+    ///
+    /// Finished matters: the log rolls to its next segment without waiting
+    /// for writes that claimed room in the last one, and a put points the
+    /// index at its value only once its bytes are copied. A drop or a
+    /// relocation pass that walked the index meanwhile did not see that
+    /// put, found its segment emptied, and deleted it under the value just
+    /// acknowledged (the engine's own API; a node applies puts and drops
+    /// on one thread). Below the processed watermark every write is
+    /// complete and indexed.
     pub(crate) fn sealed_segments(&self) -> Vec<Arc<crate::wal::segment::SegmentFile>> {
         let active = self.values.active_segment();
         let size = self.config.wal_segment_bytes;
-        let retention = self.relocation.retention();
+        let finished = self.relocation.retention().min(self.values.processed().0);
         self.values
             .segments()
             .into_iter()
-            .filter(|s| s.id < active && (s.id.0 + 1) * size <= retention)
+            .filter(|s| s.id < active && (s.id.0 + 1) * size <= finished)
             .collect()
     }
 
@@ -611,6 +620,96 @@ mod tests {
         }
         engine.advance_epoch(Epoch(2)).unwrap();
         engine
+    }
+
+    /// Drops every entry; at its first decision it lets the held write
+    /// finish (`release`) and waits until it has (`done`).
+    struct DropAll {
+        release: parking_lot::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+        done: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl super::RelocationFilter for DropAll {
+        fn decide(&self, _entry: &super::EntryInfo<'_>) -> super::Decision {
+            if let Some(release) = self.release.lock().take() {
+                release.send(()).unwrap();
+                self.done.lock().recv().unwrap();
+            }
+            super::Decision::Drop
+        }
+    }
+
+    /// A segment the log rolled past while a write into it was still being
+    /// made is not sealed to drops and relocation until that write is
+    /// done. A put's index entry appears only once its bytes are copied:
+    /// a drop that chose its segments then, and walked the index before
+    /// the put's entry appeared, found the segment emptied and deleted it
+    /// under the value acknowledged meanwhile. Here the write finishes
+    /// during the drop's walk; the drop must leave its segment alone.
+    #[test]
+    fn a_segment_with_a_write_in_progress_is_not_dropped() {
+        use crate::wal::format::{Kind, record_len, write_plain};
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::for_tests(dir.path());
+        config.relocation_enabled = false;
+        let engine = Engine::open(config).unwrap();
+        let inner = &*engine.inner;
+        let size = inner.config.wal_segment_bytes;
+        let (claimed_tx, claimed_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let present =
+            |engine: &Engine, id: u64| engine.inner.values.segments().iter().any(|s| s.id.0 == id);
+        // An entry of epoch 1 for the drop to decide on.
+        engine
+            .put(
+                KeySpace::default(),
+                &[1; 32],
+                &[7; 100],
+                Durability::Buffered,
+            )
+            .unwrap();
+        let held = std::thread::scope(|s| {
+            s.spawn(move || {
+                inner
+                    .values
+                    .append(record_len(8), |buf, position| {
+                        claimed_tx.send(position).unwrap();
+                        release_rx.recv().unwrap();
+                        write_plain(buf, position, Kind::SyncMark, &0u64.to_le_bytes());
+                    })
+                    .unwrap();
+                done_tx.send(()).unwrap();
+            });
+            let held = claimed_rx.recv().unwrap().0 / size;
+            // The log rolls on past the held write's segment.
+            engine.advance_epoch(Epoch(2)).unwrap();
+            assert!(inner.values.active_segment().0 > held);
+            let sealed: Vec<u64> = inner.sealed_segments().iter().map(|s| s.id.0).collect();
+            assert!(!sealed.contains(&held), "sealed with a write in it");
+            let filter = DropAll {
+                release: parking_lot::Mutex::new(Some(release_tx)),
+                done: parking_lot::Mutex::new(done_rx),
+            };
+            engine.drop_epochs_below(Epoch(2), &filter).unwrap();
+            assert!(
+                filter.release.lock().is_none(),
+                "the write was let finish during the walk"
+            );
+            assert!(
+                present(&engine, held),
+                "the segment was deleted though a write into it ended after the walk began"
+            );
+            held
+        });
+        // Done now: the next drop takes it.
+        assert!(inner.sealed_segments().iter().any(|s| s.id.0 == held));
+        let filter = DropAll {
+            release: parking_lot::Mutex::new(None),
+            done: parking_lot::Mutex::new(std::sync::mpsc::channel().1),
+        };
+        engine.drop_epochs_below(Epoch(2), &filter).unwrap();
+        assert!(!present(&engine, held), "dropped then");
     }
 
     /// A checkpoint or an epoch drop (a node takes both on a shard's Raft
