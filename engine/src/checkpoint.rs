@@ -247,6 +247,32 @@ pub fn engine_exists(storage: &dyn crate::storage::Storage, dir: &Path) -> bool 
     storage.exists(&dir.join(CONTROL_FILE))
 }
 
+/// Whether `relative` (a path inside an engine directory) names a file of
+/// the engine: its control file, or a segment of its value or index log —
+/// what a checkpoint holds, and all [`remove_engine_files`] removes. A
+/// replication layer accepts no other name from a peer: a file it could
+/// not remove again stayed for good (and, named again, blocked every later
+/// copy).
+pub fn is_engine_file(relative: &Path) -> bool {
+    use crate::wal::segment::{LogKind, parse_segment_name};
+    let parts: Option<Vec<&str>> = relative
+        .components()
+        .map(|c| match c {
+            std::path::Component::Normal(name) => name.to_str(),
+            _ => None,
+        })
+        .collect();
+    match parts.as_deref() {
+        Some([file]) => *file == CONTROL_FILE,
+        Some([dir, file]) => match (*dir, *file) {
+            ("wal", file) => parse_segment_name(file, LogKind::Values).is_some(),
+            ("index", file) => parse_segment_name(file, LogKind::Index).is_some(),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 /// Deletes every file of the engine that lived in `dir` (it must be
 /// closed), leaving the directories: how a replication layer empties a
 /// directory before copying a checkpoint into it. Files that are not the

@@ -95,7 +95,9 @@ mod types;
 mod wal;
 
 pub use batch::WriteBatch;
-pub use checkpoint::{Checkpoint, CheckpointFile, engine_exists, remove_engine_files};
+pub use checkpoint::{
+    Checkpoint, CheckpointFile, engine_exists, is_engine_file, remove_engine_files,
+};
 pub use config::{
     CellLayout, Config, DEFAULT_APPEND_PWRITE_MIN_BYTES, KeySpaceConfig, RecoveryMode,
 };

@@ -868,6 +868,15 @@ impl Owner {
                     .step(*message)
                     .and_then(|()| replica.handle_ready())
                     .map(|out| messages = out);
+                // Not installed (raft-rs ignores a snapshot of an older
+                // term, as after a change of leader during the transfer):
+                // its files would fill the spare slot until the next one.
+                if result.is_ok()
+                    && let Ok(Some(_)) = replica.store().spare_snapshot()
+                    && let Err(error) = replica.store().clear_spare()
+                {
+                    tracing::warn!(%error, "cannot empty the spare slot");
+                }
                 self.handle.engine.store(replica.engine().clone());
                 self.handle.abort_snapshot();
                 if result.is_ok() {

@@ -900,6 +900,95 @@ async fn a_snapshot_stream_gone_silent_is_resumed_on_a_new_connection() {
     cluster.shutdown().await;
 }
 
+/// Engine files (segments, control) under a replica's spare slot.
+fn engine_files(spare: &std::path::Path) -> usize {
+    let mut found = 0;
+    for sub in ["", "wal", "index"] {
+        if let Ok(entries) = std::fs::read_dir(spare.join(sub)) {
+            found += entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                .filter(|e| e.file_name() != "SNAPSHOT")
+                .count();
+        }
+    }
+    found
+}
+
+/// A snapshot transfer that fails — its source cut off mid-stream — leaves
+/// the learner's spare slot empty while no transfer runs. Its partial
+/// files (up to a whole shard, sized in full when the transfer starts)
+/// stayed until the next transfer, install or reopen: several shards'
+/// failed transfers could fill a volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_snapshot_transfer_leaves_the_spare_slot_empty() {
+    use tidepool_testkit::proxy::Proxy;
+    let ports: Vec<u16> = (0..4).map(|_| grpc_support::free_port()).collect();
+    let mut proxies = Vec::new();
+    for port in &ports {
+        proxies.push(Proxy::start(format!("127.0.0.1:{port}").parse().unwrap()).await);
+    }
+    let advertised: Vec<String> = proxies
+        .iter()
+        .map(|p| format!("http://{}", p.address))
+        .collect();
+    let cluster = TestCluster::start(4, 1, |c| {
+        let i = c.node_id as usize - 1;
+        c.listen = format!("127.0.0.1:{}", ports[i]).parse().unwrap();
+        c.advertise = Some(advertised[i].clone());
+        c.raft.compact_log_entries = 16;
+        if let Some(static_cluster) = c.cluster.as_mut() {
+            static_cluster.replicas = vec![1, 2, 3];
+            for peer in &mut static_cluster.peers {
+                peer.address = format!("http://127.0.0.1:{}", ports[peer.id as usize - 1]);
+            }
+        }
+    })
+    .await;
+    let written = write_keys(&cluster, "big", 24, 0, 1 << 20).await;
+    let leader = wait_leader(&cluster, 1).await;
+    let source = &proxies[leader as usize - 1];
+    // Slowly enough to be cut mid-stream.
+    source.black_hole_after(4 << 20);
+    add_learner(&cluster, leader, 4).await;
+    let node = &cluster.running[&4].node;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while source.black_holed() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transfer never began"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    source.block();
+    let spare = node.shard(1).unwrap().store().spare_dir().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let receiving = |_: ()| async {
+            replica_status(&cluster, 4, 1)
+                .await
+                .is_some_and(|r| r.receiving_snapshot)
+        };
+        if !receiving(()).await {
+            let files = engine_files(&spare);
+            if files == 0 && !receiving(()).await {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the spare slot kept {} files with no transfer running",
+            engine_files(&spare)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Healed: the next transfer catches the learner up.
+    source.unblock();
+    wait_caught_up(&cluster, 4, 1).await;
+    assert_replica_holds(&cluster, 4, &written).await;
+    cluster.shutdown().await;
+}
+
 /// A linearizable get on a leader within its lease reads the engine on the
 /// request's own thread (the lease gate, `replica/read.rs`, "Reads without
 /// the owner"), and sees the write acknowledged just before it.

@@ -289,6 +289,13 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
             }
             Err(error) => {
                 tracing::warn!(shard_id = shard.shard_id, %error, "snapshot transfer failed");
+                // Its partial files (up to a whole shard) are of no use to
+                // the next transfer, which starts afresh: gone now, while
+                // the transfer's claim still keeps a reopen off the slot,
+                // not at the next transfer, install or reopen.
+                if let Err(error) = shard.store().clear_spare() {
+                    tracing::warn!(shard_id = shard.shard_id, %error, "cannot empty the spare slot");
+                }
                 shard.abort_snapshot();
             }
         }

@@ -135,8 +135,18 @@ impl Receiver {
     /// first.
     pub fn start(manifest: SnapshotManifest, store: &ReplicaStore) -> Result<Receiver> {
         let copied = check_shape(&manifest)?;
+        let mut named = std::collections::BTreeSet::new();
         for file in &manifest.files {
-            checked_path(&file.path)?;
+            let path = checked_path(&file.path)?;
+            // Only the engine's own files, each once: a slot is emptied
+            // of those alone, so any other name stayed for good (and,
+            // named again, failed every later transfer as existing).
+            if !tidepool_engine::is_engine_file(&path) || !named.insert(path) {
+                return Err(malformed(format!(
+                    "snapshot file {:?} is not an engine file, or is named twice",
+                    file.path
+                )));
+            }
             if file.file_size < file.size || file.sha256.len() != 32 {
                 return Err(malformed(format!(
                     "snapshot file {}: size {} > file size {}, or a digest of {} bytes",

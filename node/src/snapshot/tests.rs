@@ -381,3 +381,41 @@ fn a_snapshot_without_its_control_file_is_not_opened() {
     let error = store.open_spare().map(|_| ()).unwrap_err().to_string();
     assert!(error.contains("holds no engine"), "{error}");
 }
+
+/// A manifest may name only the engine's own files, each once: the slot is
+/// emptied of those alone, so a peer's other names stayed for good (and a
+/// name repeated, or left from an earlier transfer, failed every later
+/// transfer as existing). Traversal out of the slot was refused before.
+#[test]
+fn a_manifest_naming_anything_but_engine_files_or_a_file_twice_is_refused() {
+    let prepared = prepared();
+    let good = manifest(&prepared);
+    let store = receiving_store(&FaultStorage::default());
+    assert!(Receiver::start(good.clone(), &store).is_ok());
+    let wal = good
+        .files
+        .iter()
+        .find(|f| f.path.starts_with("wal/"))
+        .expect("a checkpoint has WAL segments")
+        .clone();
+    for path in [
+        "junk",
+        "wal/junk",
+        "index/0000000000000001.wal",
+        "control.tmp",
+        "wal/x/0000000000000001.wal",
+        "../control",
+    ] {
+        let mut bad = good.clone();
+        bad.files[0].path = path.into();
+        let error = Receiver::start(bad, &store).map(|_| ()).unwrap_err();
+        assert!(
+            error.to_string().contains("snapshot file"),
+            "{path}: {error}"
+        );
+    }
+    let mut twice = good.clone();
+    twice.files.push(wal);
+    let error = Receiver::start(twice, &store).map(|_| ()).unwrap_err();
+    assert!(error.to_string().contains("named twice"), "{error}");
+}
