@@ -1469,11 +1469,20 @@ async fn poison_replica(cluster: &TestCluster, id: u64) {
     let shard = cluster.running[&id].node.shard(1).unwrap();
     let engine = shard.engine().clone();
     std::fs::remove_dir_all(shard.store().dir()).unwrap();
-    // Something new since the last snapshot, so that it is written.
-    put(cluster, "default", b"after the deletion", b"x")
-        .await
+    // Something new since the last snapshot, so that it is written now
+    // (not by the maintenance task a moment earlier, which the owner's
+    // next tick would have found: the read right after must meet an
+    // engine poisoned since the owner's last round). Written into this
+    // replica's engine alone: it is poisoned at once.
+    let space = engine.key_space("blobs").unwrap();
+    engine
+        .put(
+            space,
+            &[0xee; 32],
+            b"x",
+            tidepool_engine::Durability::Buffered,
+        )
         .unwrap();
-    grpc_support::wait_caught_up(cluster, id, 1).await;
     let _ = engine.write_control_snapshot();
     assert!(engine.health().is_err(), "the engine is poisoned");
 }
@@ -1503,6 +1512,8 @@ async fn a_replica_poisoned_in_the_background_answers_reads_as_down() {
                 .unwrap();
         }
         poison_replica(&cluster, id).await;
+        let shard = cluster.running[&id].node.shard(1).unwrap();
+        let direct = shard.stats().lease_reads_direct.get();
         let status = get_on(&cluster, id, "default", b"k", consistency)
             .await
             .expect_err("a poisoned replica serves nothing");
@@ -1516,6 +1527,15 @@ async fn a_replica_poisoned_in_the_background_answers_reads_as_down() {
             "says why: {status:?}"
         );
         assert_eq!(status.code(), tonic::Code::Unavailable);
+        if id == leader {
+            // The lease gate sent the read to the owner, which failed the
+            // replica before serving it.
+            assert_eq!(shard.stats().lease_reads_direct.get(), direct);
+            assert!(
+                status.message().contains("cannot serve the read"),
+                "{status:?}"
+            );
+        }
     }
     cluster.shutdown().await;
 }

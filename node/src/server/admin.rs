@@ -647,7 +647,7 @@ impl NodeAdmin for AdminApi {
             }
             let shard_id = info.shard_id;
             tokio::task::block_in_place(|| self.node.open_replica(info, &voters))
-                .map_err(|e| self.node.internal_error(shard_id, e))
+                .map_err(|e| self.node.admin_error(shard_id, e))
         })();
         respond(result.map(|already_open| OpenReplicaResponse { already_open }))
     }
@@ -706,7 +706,7 @@ impl NodeAdmin for AdminApi {
                 .into());
         }
         let result = tokio::task::block_in_place(|| self.node.close_replica(shard_id, true))
-            .map_err(|e| self.node.internal_error(shard_id, e))
+            .map_err(|e| self.node.admin_error(shard_id, e))
             .and_then(|was_open| {
                 if was_open {
                     Ok(CloseReplicaResponse {})

@@ -97,6 +97,23 @@ impl Node {
         }
     }
 
+    /// The error for a failure of an admin call on this node's replica of
+    /// `shard_id`: a replica that failed or whose files are missing needs
+    /// an operator (or the coordinator's rebuild), not a retry elsewhere,
+    /// so it is `INTERNAL` there; otherwise as [`Node::internal_error`].
+    pub(crate) fn admin_error(&self, shard_id: u32, error: NodeError) -> ErrorInfo {
+        match error {
+            NodeError::Failed(_) | NodeError::FilesMissing(_) => {
+                tracing::error!(shard_id, %error, "admin call failed");
+                let mut info =
+                    self.error(ErrorCode::Internal, format!("shard {shard_id}: {error}"));
+                info.detail.shard_id = Some(shard_id);
+                info
+            }
+            error => self.internal_error(shard_id, error),
+        }
+    }
+
     /// The error for an engine or node failure while serving.
     ///
     /// A replica that is down — its engine poisoned by a failed write or

@@ -276,14 +276,15 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
             fetched = fetch_snapshot(&node, &shard, &message) => fetched,
             () = transfer.stopped() => Err(NodeError::Failed("the replica stopped".into())),
         };
-        drop(transfer);
         match fetched {
             Ok(()) => {
+                drop(transfer);
                 if shard.snapshot_received(message).is_err() {
                     shard.abort_snapshot();
                 }
             }
             Err(error) if shard.is_stopping() => {
+                drop(transfer);
                 tracing::info!(shard_id = shard.shard_id, %error, "snapshot transfer ended: the replica stopped");
                 shard.abort_snapshot();
             }
@@ -291,11 +292,13 @@ fn deliver(node: &Arc<Node>, shard: &Arc<ShardHandle>, message: Message) -> bool
                 tracing::warn!(shard_id = shard.shard_id, %error, "snapshot transfer failed");
                 // Its partial files (up to a whole shard) are of no use to
                 // the next transfer, which starts afresh: gone now, while
-                // the transfer's claim still keeps a reopen off the slot,
-                // not at the next transfer, install or reopen.
+                // the transfer's claim still keeps a reopen (and a stop,
+                // which waits for the claim) off the slot — not at the next
+                // transfer, install or reopen.
                 if let Err(error) = shard.store().clear_spare() {
                     tracing::warn!(shard_id = shard.shard_id, %error, "cannot empty the spare slot");
                 }
+                drop(transfer);
                 shard.abort_snapshot();
             }
         }
