@@ -144,10 +144,15 @@ pub fn shard_views(map: &ClusterMap, reports: &BTreeMap<u64, NodeStatus>) -> Vec
 /// replica elsewhere — instead of holding one of the few move slots for
 /// ever (a snapshot that keeps failing on a nearly full disk, a source it
 /// cannot reach). Progress is a higher applied index, or more bytes of a
-/// snapshot received than any transfer to it reached before: a snapshot
-/// that fails and starts again from nothing, over and over, is no
-/// progress. A learner within the catch-up slack waits for something else
-/// (a majority to promote it with) and is not timed.
+/// snapshot received than at the last observation. A transfer that starts
+/// again from nothing (its source restarted, leadership moved) makes
+/// progress as soon as its bytes grow: measured against the most bytes any
+/// earlier transfer reached, a restarted transfer of a large shard had to
+/// pass that mark within the stall bound and was given up on. A snapshot
+/// that fails and starts again over and over is bounded apart: more than
+/// [`RESTARTS`] restarts with no applied progress give the learner up too.
+/// A learner within the catch-up slack waits for something else (a
+/// majority to promote it with) and is not timed.
 #[derive(Debug, Default)]
 pub struct LearnerWatch {
     watched: BTreeMap<(u32, u64), Watched>,
@@ -162,11 +167,20 @@ pub struct LearnerWatch {
 /// pair is barred like a stalled learner.
 pub const FAILED_ADDS: u32 = 3;
 
+/// Snapshot transfers to a learner that may start again from nothing (its
+/// received bytes fall) while its applied index stays put, before it is
+/// given up on as stalled.
+pub const RESTARTS: u32 = 5;
+
 #[derive(Debug)]
 struct Watched {
     applied: u64,
+    /// Snapshot bytes received at the last observation.
     received: u64,
+    /// When progress was last seen.
     since: Instant,
+    /// Transfers started again since the applied index last grew.
+    restarts: u32,
 }
 
 impl LearnerWatch {
@@ -208,12 +222,19 @@ impl LearnerWatch {
                     applied,
                     received,
                     since: now,
+                    restarts: 0,
                 });
-                if applied > watched.applied || received > watched.received {
-                    watched.applied = watched.applied.max(applied);
-                    watched.received = watched.received.max(received);
+                if applied > watched.applied {
+                    watched.restarts = 0;
                     watched.since = now;
-                } else if now.duration_since(watched.since) >= stall {
+                } else if received > watched.received {
+                    watched.since = now;
+                } else if received < watched.received {
+                    watched.restarts += 1;
+                }
+                watched.applied = watched.applied.max(applied);
+                watched.received = received;
+                if watched.restarts > RESTARTS || now.duration_since(watched.since) >= stall {
                     stalled.push(pair);
                 }
             }
@@ -379,7 +400,22 @@ pub fn next_step(
         .copied()
         .filter(|v| *v != victim)
         .collect();
-    if remaining.intersection(live).count() < majority(remaining.len()) {
+    // A live victim is a whole copy: it goes only while every live voter
+    // that remains is one too. A voter still pulling a snapshot, or holding
+    // its votes until it catches up (a replaced disk), answers but holds
+    // less than what was committed; counting it let a healthy voter be
+    // removed with fewer whole copies left than voters (with two such
+    // voters of three, one copy and no quorum). Waiting costs only time. A
+    // dead victim holds nothing reachable: removing it only lowers the
+    // quorum.
+    let partial = |v: &u64| {
+        view.replicas
+            .get(v)
+            .is_some_and(|r| r.receiving_snapshot || r.votes_held)
+    };
+    if remaining.intersection(live).count() < majority(remaining.len())
+        || (live.contains(&victim) && remaining.iter().any(|v| live.contains(v) && partial(v)))
+    {
         return Some(Step::Wait(Wait::Unsafe));
     }
     if victim == leader {
@@ -489,6 +525,33 @@ mod tests {
             next_step(&v, &set(&[1, 2, 4]), &live, 10),
             Some(Step::Remove(3))
         );
+    }
+
+    #[test]
+    fn a_live_voter_stays_while_a_remaining_voter_pulls_a_snapshot() {
+        let live = set(&[1, 2, 3, 4]);
+        let desired = set(&[1, 2, 4]);
+        for mark in [
+            |r: &mut ReplicaStatus| r.receiving_snapshot = true,
+            |r: &mut ReplicaStatus| r.votes_held = true,
+        ] {
+            // 4 was promoted and then fell behind; 1 and 2 are whole, and
+            // removing 3 would leave two whole copies of three voters.
+            let mut v = view(&[1, 2, 3, 4], &[], 1);
+            mark(v.replicas.get_mut(&4).unwrap());
+            assert_eq!(
+                next_step(&v, &desired, &live, 10),
+                Some(Step::Wait(Wait::Unsafe))
+            );
+            // A dead 3 goes anyway: it holds nothing reachable.
+            assert_eq!(
+                next_step(&v, &desired, &set(&[1, 2, 4]), 10),
+                Some(Step::Remove(3))
+            );
+            // Once 4 has caught up, 3 goes.
+            let v = view(&[1, 2, 3, 4], &[], 1);
+            assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Remove(3)));
+        }
     }
 
     #[test]
@@ -628,21 +691,53 @@ mod tests {
             learner(&mut v, 0, s * 1_000);
             assert!(observe(&v, s * 8).is_empty());
         }
-        // The transfer starts again from nothing and gets less far: no
-        // progress since second 40.
+        // The transfer starts again from nothing: no progress at the
+        // restart, but its bytes growing from there are (measured against
+        // the 5,000 bytes the first one reached, it was given up on at
+        // second 50).
         learner(&mut v, 0, 2_000);
         assert!(observe(&v, 45).is_empty());
+        learner(&mut v, 0, 4_000);
+        assert!(observe(&v, 49).is_empty());
         // Leaderless meanwhile: the clock neither stops nor restarts.
         let mut leaderless = v.clone();
         leaderless.leader = None;
-        assert!(observe(&leaderless, 48).is_empty());
-        assert_eq!(observe(&v, 50), vec![(1, 4)]);
+        assert!(observe(&leaderless, 52).is_empty());
+        assert!(observe(&v, 58).is_empty());
+        assert_eq!(observe(&v, 59), vec![(1, 4)]);
         assert_eq!(watch.barred(), BTreeSet::from([(1, 4)]));
         // The bar ends.
-        watch.observe(at(149), std::slice::from_ref(&v), 10, stall, bar);
+        watch.observe(at(158), std::slice::from_ref(&v), 10, stall, bar);
         assert_eq!(watch.barred(), BTreeSet::from([(1, 4)]));
-        watch.observe(at(151), &[], 10, stall, bar);
+        watch.observe(at(160), &[], 10, stall, bar);
         assert!(watch.barred().is_empty());
+
+        // Transfers that keep starting again, each getting somewhere: given
+        // up on after RESTARTS of them with nothing applied; an applied
+        // snapshot starts the count again.
+        let mut watch = LearnerWatch::default();
+        let mut observe =
+            |v: &ShardView, s: u64| watch.observe(at(s), std::slice::from_ref(v), 10, stall, bar);
+        learner(&mut v, 0, 0);
+        assert!(observe(&v, 200).is_empty());
+        let mut s = 200;
+        let mut restart = |v: &mut ShardView, applied: u64| {
+            let mut stalled = Vec::new();
+            for bytes in [3_000, 6_000, 1_000] {
+                s += 1;
+                learner(v, applied, bytes);
+                stalled = observe(v, s);
+            }
+            stalled
+        };
+        for _ in 0..RESTARTS {
+            assert!(restart(&mut v, 0).is_empty());
+        }
+        // A snapshot applied: the count starts again.
+        for _ in 0..RESTARTS {
+            assert!(restart(&mut v, 5).is_empty());
+        }
+        assert_eq!(restart(&mut v, 5), vec![(1, 4)]);
 
         // Applied entries count as progress; a caught-up learner (waiting
         // to be promoted) is not timed.
