@@ -65,6 +65,10 @@ impl Engine {
         let mut holding_live: BTreeSet<u64> = BTreeSet::new();
         let mut mover = Mover::new(inner, None);
         let mut stopped = false;
+        // Entries dropped from segments of later epochs (an old entry that
+        // relocation copied forward, or one in the active segment): their
+        // garbage is not reclaimed here.
+        let mut garbage_elsewhere = false;
         for (space_index, space) in inner.table.spaces.iter().enumerate() {
             let space_index = space_index as u8;
             for id in space.cell_ids() {
@@ -76,7 +80,10 @@ impl Engine {
                         filter.decide(&info)
                     };
                     match decision {
-                        Decision::Drop => mover.drop_entry(space_index, &key, entry)?,
+                        Decision::Drop => {
+                            garbage_elsewhere |= !in_doomed(&entry);
+                            mover.drop_entry(space_index, &key, entry)?
+                        }
                         Decision::Keep | Decision::Stop => {
                             stopped |= decision == Decision::Stop;
                             if in_doomed(&entry) {
@@ -96,9 +103,10 @@ impl Engine {
             .map(|id| crate::types::SegmentId(*id))
             .collect();
         inner.reclaim(&emptied, &mut report)?;
-        if !holding_live.is_empty() {
-            // Their garbage is new: the next background pass takes a
-            // census and relocates them by their garbage ratio.
+        if !holding_live.is_empty() || garbage_elsewhere {
+            // Their garbage is new, and came with no write (background
+            // passes otherwise take a census only after writes): the next
+            // pass takes one and relocates them by their garbage ratio.
             inner.relocation.request_census();
         }
         Ok(report)

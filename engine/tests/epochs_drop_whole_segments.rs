@@ -242,6 +242,101 @@ fn background_relocation_reclaims_the_segments_a_drop_leaves() {
     assert_matches(&engine, &expected_after_drop(&model, 3), "after relocation");
 }
 
+/// Drops everything.
+struct DropAll;
+
+impl RelocationFilter for DropAll {
+    fn decide(&self, _: &EntryInfo<'_>) -> Decision {
+        Decision::Drop
+    }
+}
+
+/// A drop whose expired entries all live in segments of later epochs
+/// (relocation copied them forward, keeping their epoch) deletes no
+/// segment itself: it still asks for a census, so background relocation
+/// reclaims the garbage it made with no write after it. Before, it asked
+/// only when it kept segments of the dropped epochs, and an idle engine
+/// kept that garbage until something was written.
+#[test]
+fn a_drop_of_entries_copied_forward_gets_them_reclaimed_without_a_write() {
+    let (storage, _) = fault_storage();
+    let mut config = config(64 << 10);
+    config.relocation_enabled = true;
+    config.relocation_interval_ms = 20;
+    config.relocation_garbage_ratio = 0.9;
+    config.relocation_pressure_free_bytes = 0;
+    let engine = open(&storage, &config).unwrap();
+    let ks = engine.key_space("default").unwrap();
+    let put = |k: u64, len: usize| {
+        engine
+            .put(ks, &key(k), &value(k, 1, len), Durability::Buffered)
+            .unwrap();
+    };
+    // Epochs 1 and 2: about two segments of values.
+    for epoch in 1..=2u32 {
+        if epoch > 1 {
+            engine.advance_epoch(Epoch(epoch)).unwrap();
+        }
+        for i in 0..80u64 {
+            put(u64::from(epoch) * 1_000 + i, 700);
+        }
+    }
+    // Epoch 3: everything so far copied forward into epoch-3 segments
+    // (their old segments deleted), then enough new writes that those are
+    // sealed.
+    engine.advance_epoch(Epoch(3)).unwrap();
+    let at = engine
+        .put(ks, &key(3_000), &value(3_000, 1, 100), Durability::Buffered)
+        .unwrap();
+    let report = engine.relocate(Strategy::Index { below: at }).unwrap();
+    assert!(report.entries_relocated >= 160, "{report:?}");
+    for i in 1..200u64 {
+        put(3_000 + i, 700);
+    }
+    let forward = |engine: &Engine| {
+        engine
+            .segment_usage()
+            .unwrap()
+            .iter()
+            .filter(|s| s.epoch.0 == 3 && s.sealed)
+            .map(|s| s.segment)
+            .collect::<Vec<_>>()
+    };
+    let before = forward(&engine);
+    assert!(!before.is_empty());
+    assert!(
+        engine
+            .segment_usage()
+            .unwrap()
+            .iter()
+            .all(|s| s.epoch.0 >= 3),
+        "relocation emptied the epoch-1/2 segments"
+    );
+    // Let background passes take their census of everything written.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let report = engine.drop_epochs_below(Epoch(3), &DropAll).unwrap();
+    assert_eq!(report.entries_dropped, 160, "{report:?}");
+    assert_eq!(report.segments_deleted, 0, "{report:?}");
+    // The segments that held the copies are garbage now: gone without a
+    // write. (`segment_usage` counts, but sets no census due.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let now = forward(&engine);
+        if before.iter().any(|s| !now.contains(s)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "segments {now:?} all still there 20 s after the drop"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for i in 0..200u64 {
+        assert!(engine.get(ks, &key(3_000 + i)).unwrap().is_some());
+    }
+    assert!(engine.get(ks, &key(1_000)).unwrap().is_none());
+}
+
 #[test]
 fn the_current_epoch_cannot_be_dropped() {
     let (storage, config) = fault_storage();
