@@ -169,11 +169,20 @@ pub(crate) fn session_len(session: Option<&SessionTag>) -> usize {
 
 /// Appends an optional session.
 pub(crate) fn encode_session(session: Option<&SessionTag>, out: &mut Vec<u8>) {
+    encode_session_at(session, None, out);
+}
+
+/// Appends an optional session, its time `time_ms` if given.
+fn encode_session_at(session: Option<&SessionTag>, time_ms: Option<u64>, out: &mut Vec<u8>) {
     match session {
         None => out.push(0),
         Some(tag) => {
             out.push(1);
-            tag.encode(out);
+            SessionTag {
+                time_ms: time_ms.unwrap_or(tag.time_ms),
+                ..*tag
+            }
+            .encode(out);
         }
     }
 }
@@ -194,6 +203,21 @@ impl Command {
 
     /// Encodes the command.
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_stamped(None)
+    }
+
+    /// Whether any op carries a write session.
+    pub fn has_sessions(&self) -> bool {
+        match self {
+            Command::Write(ops) => ops.iter().any(|op| op.session.is_some()),
+            Command::Touch { session, .. } => session.is_some(),
+            _ => false,
+        }
+    }
+
+    /// Encodes the command, every session tag's time `time_ms` if given
+    /// (the proposing leader's stamp, `session::SessionClock`).
+    pub fn encode_stamped(&self, time_ms: Option<u64>) -> Vec<u8> {
         let mut out = vec![VERSION, self.kind() as u8];
         match self {
             Command::Write(ops) => {
@@ -206,7 +230,7 @@ impl Command {
                     out.extend_from_slice(&op.key);
                     out.extend_from_slice(&(op.name.len() as u16).to_le_bytes());
                     out.extend_from_slice(&op.name);
-                    encode_session(op.session.as_ref(), &mut out);
+                    encode_session_at(op.session.as_ref(), time_ms, &mut out);
                     let value = op.value.as_deref().unwrap_or(&[]);
                     out.extend_from_slice(&(value.len() as u32).to_le_bytes());
                     out.extend_from_slice(value);
@@ -221,7 +245,7 @@ impl Command {
                 out.extend_from_slice(&namespace.to_le_bytes());
                 out.extend_from_slice(&epoch.to_le_bytes());
                 out.extend_from_slice(key);
-                encode_session(session.as_ref(), &mut out);
+                encode_session_at(session.as_ref(), time_ms, &mut out);
             }
             Command::AdvanceEpoch(epoch) => out.extend_from_slice(&epoch.to_le_bytes()),
             Command::DropEpochs { namespace, below } => {

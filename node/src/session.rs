@@ -75,22 +75,30 @@ pub struct SessionTag {
 /// Where a leader stamps the sessioned writes it proposes on one shard: a
 /// clock that runs at the node's monotonic rate from an anchor — the
 /// shard's clock as the node's replica last applied it (0 on a shard that
-/// applied no stamp yet), anchored again whenever that is ahead of the
-/// running clock (another leader stamped further). No wall clock is read:
-/// a clock's origin does not matter, only how fast it runs.
+/// applied no stamp yet), taken afresh at the first stamp of each term the
+/// node leads in, and again whenever the applied clock is ahead of the
+/// running one (another leader stamped further). No wall clock is read: a
+/// clock's origin does not matter, only how fast it runs.
 ///
 /// So the shard's clock (the largest stamp applied) never runs faster than
-/// real time on the nodes stamping it: every anchor is at most the shard's
-/// clock when it is taken. A session is never forgotten sooner than
-/// [`SESSION_TTL_MS`] of real time after its last write (a client may
+/// real time: in each term one leader stamps, from an anchor at most the
+/// shard's clock when it is taken. A session is never forgotten sooner
+/// than [`SESSION_TTL_MS`] of real time after its last write (a client may
 /// retry a write that opens its session only within its re-open window,
 /// far shorter). It may run slower (the time between a stamp and its apply
-/// is lost at each anchoring; a leader that has not applied its
-/// predecessors' stamps yet stamps behind them, and the shard's clock
-/// waits): sessions are then kept longer, which is safe. (An earlier
-/// version anchored a replica that had applied no stamp at its wall
-/// clock: a new leader not yet caught up with the shard's first stamps
-/// could jump its clock by hours.)
+/// is lost at each anchoring; the shard's clock stands still while nothing
+/// is stamped, and a leader that has not applied its predecessors' stamps
+/// yet stamps behind them): sessions are then kept longer, which is safe.
+///
+/// The anchor is per term: a node that anchored while it led before, then
+/// stood by while the shard was idle and another leader anchored at the
+/// clock the idle time left standing, ran ahead of the shard by that idle
+/// time when it led again — its first stamp jumped the shard's clock past
+/// the TTL of sessions the other leader had just stamped, and a retry of
+/// such a write opened its session again and applied twice. (An earlier
+/// version anchored a replica that had applied no stamp at its wall clock:
+/// a new leader not yet caught up with the shard's first stamps could jump
+/// its clock by hours.)
 #[derive(Debug, Default)]
 pub struct SessionClock {
     state: parking_lot::Mutex<ClockState>,
@@ -100,8 +108,16 @@ pub struct SessionClock {
 struct ClockState {
     /// The shard's clock as the replica last applied it.
     applied_ms: u64,
-    /// The running clock's value at an instant.
-    anchor: Option<(u64, std::time::Instant)>,
+    /// The running clock: its value at an instant, in the term it was
+    /// anchored in.
+    anchor: Option<Anchor>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Anchor {
+    ms: u64,
+    at: std::time::Instant,
+    term: u64,
 }
 
 impl SessionClock {
@@ -111,23 +127,23 @@ impl SessionClock {
         self.state.lock().applied_ms = clock_ms;
     }
 
-    /// A stamp for a write proposed now.
-    pub fn stamp(&self) -> u64 {
-        self.stamp_at(std::time::Instant::now())
+    /// A stamp for a write the node proposes now as leader in `term`.
+    pub fn stamp(&self, term: u64) -> u64 {
+        self.stamp_at(term, std::time::Instant::now())
     }
 
     /// A stamp at `now`.
-    fn stamp_at(&self, now: std::time::Instant) -> u64 {
+    fn stamp_at(&self, term: u64, now: std::time::Instant) -> u64 {
         let mut state = self.state.lock();
-        let running = state.anchor.map(|(ms, at)| {
-            ms.saturating_add(now.saturating_duration_since(at).as_millis() as u64)
+        let running = state.anchor.filter(|a| a.term == term).map(|a| {
+            a.ms.saturating_add(now.saturating_duration_since(a.at).as_millis() as u64)
         });
         match running {
             Some(ms) if ms >= state.applied_ms => ms,
             _ => {
-                let base = state.applied_ms;
-                state.anchor = Some((base, now));
-                base
+                let ms = state.applied_ms;
+                state.anchor = Some(Anchor { ms, at: now, term });
+                ms
             }
         }
     }
@@ -550,34 +566,34 @@ mod tests {
 
         // A new shard: its clock starts at 0.
         let clock = SessionClock::default();
-        assert_eq!(clock.stamp_at(at(0)), 0);
-        assert_eq!(clock.stamp_at(at(250)), 250);
+        assert_eq!(clock.stamp_at(1, at(0)), 0);
+        assert_eq!(clock.stamp_at(1, at(250)), 250);
         // A replica that opened empty and stamped meanwhile: once it has
         // the shard's clock (a snapshot installed), it stamps from that.
         let clock = SessionClock::default();
-        assert_eq!(clock.stamp_at(at(0)), 0);
+        assert_eq!(clock.stamp_at(1, at(0)), 0);
         clock.applied(2_000_000);
-        assert_eq!(clock.stamp_at(at(1_000)), 2_000_000);
-        assert_eq!(clock.stamp_at(at(3_000)), 2_002_000);
+        assert_eq!(clock.stamp_at(1, at(1_000)), 2_000_000);
+        assert_eq!(clock.stamp_at(1, at(3_000)), 2_002_000);
 
         // A shard with a clock: stamps start from it and advance at the
         // monotonic rate.
         let clock = SessionClock::default();
         clock.applied(1_000_000);
-        assert_eq!(clock.stamp_at(at(0)), 1_000_000);
-        assert_eq!(clock.stamp_at(at(60_000)), 1_060_000);
+        assert_eq!(clock.stamp_at(1, at(0)), 1_000_000);
+        assert_eq!(clock.stamp_at(1, at(60_000)), 1_060_000);
         // Its own stamps applied: nothing changes.
         clock.applied(1_060_000);
-        assert_eq!(clock.stamp_at(at(61_000)), 1_061_000);
+        assert_eq!(clock.stamp_at(1, at(61_000)), 1_061_000);
         // Another node stamped further (its anchor was later): the running
         // clock catches up with the applied one and runs on from there.
         clock.applied(1_100_000);
-        assert_eq!(clock.stamp_at(at(62_000)), 1_100_000);
-        assert_eq!(clock.stamp_at(at(63_000)), 1_101_000);
+        assert_eq!(clock.stamp_at(1, at(62_000)), 1_100_000);
+        assert_eq!(clock.stamp_at(1, at(63_000)), 1_101_000);
         // An applied clock that goes back (a snapshot from a replica that
         // applied less) never moves stamps back.
         clock.applied(5);
-        assert_eq!(clock.stamp_at(at(64_000)), 1_102_000);
+        assert_eq!(clock.stamp_at(1, at(64_000)), 1_102_000);
 
         // A shard's sessions, stamped so, are swept no sooner than their
         // TTL of real time: a write every minute, and the first session is
@@ -585,10 +601,14 @@ mod tests {
         let mut sessions = Sessions::default();
         let clock = SessionClock::default();
         clock.applied(1_000);
-        apply(&mut sessions, tag(1, 1, true, clock.stamp_at(at(0))), false);
+        apply(
+            &mut sessions,
+            tag(1, 1, true, clock.stamp_at(1, at(0))),
+            false,
+        );
         clock.applied(sessions.clock_ms());
         for minute in 1..30 {
-            let stamp = clock.stamp_at(at(minute * 60_000));
+            let stamp = clock.stamp_at(1, at(minute * 60_000));
             apply(
                 &mut sessions,
                 tag(u128::from(minute) + 1, 1, true, stamp),
@@ -599,11 +619,55 @@ mod tests {
         assert_eq!(
             apply(
                 &mut sessions,
-                tag(1, 1, false, clock.stamp_at(at(29 * 60_000 + 1))),
+                tag(1, 1, false, clock.stamp_at(1, at(29 * 60_000 + 1))),
                 false
             ),
             Admission::Duplicate(OpResult::DONE),
             "session 1 is remembered 29 minutes on"
         );
+    }
+
+    /// A node that led before an idle spell and leads again after another
+    /// leader stamped does not run ahead of the shard: its running clock
+    /// from the earlier term (40 minutes on) would have swept the session
+    /// the other leader just stamped, and the retry of that write, opening
+    /// its session again, would have applied twice.
+    #[test]
+    fn a_leader_anchors_afresh_in_each_term() {
+        let start = std::time::Instant::now();
+        let at = |ms: u64| start + std::time::Duration::from_millis(ms);
+        let (first, second) = (SessionClock::default(), SessionClock::default());
+        let mut sessions = Sessions::default();
+        let applied = |sessions: &Sessions| {
+            first.applied(sessions.clock_ms());
+            second.applied(sessions.clock_ms());
+        };
+        // Term 5: the first node leads and stamps; then nothing is written
+        // for 40 minutes (the shard's clock stands still).
+        let stamp = first.stamp_at(5, at(0));
+        assert_eq!(
+            apply(&mut sessions, tag(9, 1, true, stamp), false),
+            Admission::Apply
+        );
+        applied(&sessions);
+        // Term 6: the second node leads, anchors at the standing clock,
+        // and a write of session 7 applies.
+        let stamp = second.stamp_at(6, at(40 * 60_000));
+        assert_eq!(stamp, sessions.clock_ms());
+        assert_eq!(
+            apply(&mut sessions, tag(7, 1, true, stamp), true),
+            Admission::Apply
+        );
+        applied(&sessions);
+        // Term 7, a minute later: the first node leads again, and the
+        // write's retry reaches it.
+        let stamp = first.stamp_at(7, at(41 * 60_000));
+        assert!(stamp < sessions.clock_ms() + 60_000, "stamp {stamp}");
+        assert_eq!(
+            apply(&mut sessions, tag(7, 1, true, stamp), false),
+            Admission::Duplicate(OpResult::Done { existed: true })
+        );
+        // Within a term the clock runs on as before.
+        assert_eq!(first.stamp_at(7, at(42 * 60_000)), stamp + 60_000);
     }
 }

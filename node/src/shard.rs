@@ -310,9 +310,6 @@ pub struct ShardHandle {
     /// not recorded), shown by the replica itself (`ReplicaConfig::
     /// range_cell`).
     range: crate::replica::RangeCell,
-    /// The clock sessioned writes proposed here are stamped with, shown by
-    /// the replica (`ReplicaConfig::session_clock`).
-    session_clock: Arc<crate::session::SessionClock>,
     /// Requests the node routed here (`crate::load`).
     load: crate::load::Load,
     /// While the replica follows a known leader: that leader (else 0).
@@ -366,12 +363,11 @@ impl ShardHandle {
         outgoing: Arc<dyn Outgoing>,
     ) -> Result<Arc<ShardHandle>> {
         let range = crate::replica::RangeCell::default();
-        let session_clock = Arc::new(crate::session::SessionClock::default());
         let lease_gate = crate::replica::LeaseGate::new(config.lease_clock.clone());
         let opener = Opener {
             config: ReplicaConfig {
                 range_cell: Some(range.clone()),
-                session_clock: Some(session_clock.clone()),
+                session_clock: Some(Arc::new(crate::session::SessionClock::default())),
                 lease_gate: Some(lease_gate.clone()),
                 ..config
             },
@@ -395,7 +391,6 @@ impl ShardHandle {
             task: Mutex::new(None),
             stats: ShardStats::default(),
             range,
-            session_clock,
             load: crate::load::Load::default(),
             following: AtomicU64::new(0),
             lease_gate,
@@ -548,12 +543,6 @@ impl ShardHandle {
     /// (`None`: not recorded).
     pub fn range(&self) -> Option<(u64, u64)> {
         *self.range.read()
-    }
-
-    /// A stamp for a sessioned write proposed now on this shard
-    /// ([`crate::session::SessionClock`]).
-    pub fn session_stamp(&self) -> u64 {
-        self.session_clock.stamp()
     }
 
     /// Counts the requests routed to this replica.

@@ -608,7 +608,15 @@ impl Replica {
             Ok(done) => done,
             Err(refused) => return refused,
         };
-        let data = command.encode();
+        // Stamped here, on the leader's thread in the term it proposes in
+        // (`session::SessionClock`): a stamp taken by the request before
+        // this replica lost and regained leadership would run from its
+        // earlier term's anchor.
+        let stamp = match &self.config.session_clock {
+            Some(clock) if command.has_sessions() => Some(clock.stamp(self.raw.raft.term)),
+            _ => None,
+        };
+        let data = command.encode_stamped(stamp);
         if data.len() > self.config.max_command_bytes {
             done(Outcome::TooLarge {
                 max: self.config.max_command_bytes,

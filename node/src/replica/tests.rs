@@ -1,8 +1,11 @@
 //! In-process clusters on the simulated network.
 
+use std::sync::Arc;
+
 use tidepool_engine::Durability;
 
-use crate::replica::Outcome;
+use crate::command::Command;
+use crate::replica::{Outcome, ReplicaConfig};
 use crate::sim::SimCluster;
 
 fn key(i: u64) -> [u8; 32] {
@@ -890,5 +893,32 @@ fn a_drop_the_recorded_retention_does_not_allow_is_refused_by_every_replica() {
             Some(&5),
             "node {id}, seed {seed}"
         );
+    }
+}
+
+/// The leader's replica stamps a sessioned write's time as it proposes it,
+/// from its session clock in the term it leads: whatever time the request
+/// carried (a stamp taken before a change of leadership would run from an
+/// earlier term's anchor) is not what the shard's sessions see.
+#[test]
+fn the_leader_stamps_session_times_as_it_proposes() {
+    let mut template = ReplicaConfig::new(0, 0);
+    template.session_clock = Some(Arc::new(crate::session::SessionClock::default()));
+    let mut cluster = SimCluster::with_config(7, 3, template);
+    assert!(cluster.run_until(200, |c| c.leader().is_some()).unwrap());
+    let leader = cluster.leader().unwrap();
+    let mut op = crate::sim::put_op(key(1), vec![1; 100]);
+    op.session = Some(crate::session::SessionTag {
+        id: 42,
+        seq: 1,
+        opens: true,
+        time_ms: 40 * 60 * 1000,
+    });
+    let pending = cluster.propose(leader, &Command::Write(vec![op]));
+    applied(&mut cluster, &pending, "the sessioned put");
+    cluster.run(20).unwrap();
+    for id in cluster.ids() {
+        let clock = cluster.replica(id).unwrap().log().sessions().clock_ms();
+        assert!(clock < 60_000, "node {id}: shard clock {clock}");
     }
 }

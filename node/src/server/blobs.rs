@@ -329,13 +329,9 @@ impl BlobApi {
         info
     }
 
-    /// A request's session: checked, and stamped with the shard's session
-    /// clock on this node.
-    fn session(
-        &self,
-        target: &Target,
-        session: Option<&WriteSession>,
-    ) -> ApiResult<Option<SessionTag>> {
+    /// A request's session, checked (its time is stamped as the write is
+    /// proposed).
+    fn session(&self, session: Option<&WriteSession>) -> ApiResult<Option<SessionTag>> {
         let Some(session) = session else {
             return Ok(None);
         };
@@ -352,7 +348,9 @@ impl BlobApi {
             id: u128::from_le_bytes(id),
             seq: session.sequence,
             opens: session.opens,
-            time_ms: target.shard.session_stamp(),
+            // Stamped by the leader's replica as it proposes the write
+            // (`Replica::propose_traced`).
+            time_ms: 0,
         }))
     }
 
@@ -552,8 +550,7 @@ impl BlobApi {
         }
         let sync = self.entry_sync(header.durability)?;
         self.require_leader(&target)?;
-        // Stamped by the leader only (`SessionClock`).
-        let mut session = self.session(&target, header.session.as_ref())?;
+        let mut session = self.session(header.session.as_ref())?;
         // Held until the put is answered: its bytes are in memory till then.
         let _budget = self.node.reserve(header.size, &caller)?;
         // The engine value: header room, then the content as received.
@@ -1094,7 +1091,7 @@ impl BlobApi {
     ) -> ApiResult<DeleteResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
-        let session = self.session(&target, request.session.as_ref())?;
+        let session = self.session(request.session.as_ref())?;
         let sync = self.entry_sync(request.durability)?;
         self.charge_open(&target, session.as_ref(), caller)?;
         // Always proposed; whether the key existed is decided when the
@@ -1283,7 +1280,7 @@ impl BlobApi {
     ) -> ApiResult<TouchResponse> {
         let target = self.target(request.blob.as_ref())?;
         self.require_leader(&target)?;
-        let session = self.session(&target, request.session.as_ref())?;
+        let session = self.session(request.session.as_ref())?;
         // As for delete: no NOT_FOUND for a blob whose put this leader has
         // not applied yet.
         self.read_point(&target, ReadConsistency::Linearizable as i32)
