@@ -795,8 +795,8 @@ impl Upload {
     /// Stores what the upload buffers as a chunk of its own now, if it is
     /// at least 256 KiB (what a server does for an upload its
     /// client paused, so the upload holds no room meanwhile under the
-    /// client's budget). The blob is then stored as a manifest whatever
-    /// its size.
+    /// client's budget). A blob of at most one chunk is still stored
+    /// whole: `finish` reads those bytes back.
     pub async fn store_buffered(&mut self) -> Result<()> {
         if self.failed {
             return Err(Error::new(
@@ -1003,6 +1003,54 @@ impl Upload {
         })
     }
 
+    /// Stores as a plain blob an upload of at most one chunk whose first
+    /// bytes were stored early as chunks (its client paused it, or the
+    /// upload budget was full): read back, joined, and put whole; outside
+    /// content-addressed namespaces the early chunks are deleted after
+    /// (in one they are content-addressed and may be shared: retention
+    /// takes them). A blob of at most one chunk is always stored whole:
+    /// a build cache's presence check touches only its key, and a small
+    /// manifest there outlived its chunks — found present, read
+    /// `NOT_FOUND`, and never healed by a re-upload (the node answers a
+    /// content-addressed put of a present key "already present").
+    async fn finish_whole(&mut self, digest: [u8; 32]) -> Result<PutOutcome> {
+        while !self.storing.is_empty() {
+            self.stored_oldest().await?;
+        }
+        let (client, namespace, key) = (
+            self.client.clone(),
+            self.namespace.clone(),
+            self.key.clone(),
+        );
+        let mut content = Vec::with_capacity(self.written as usize);
+        for chunk in &self.manifest.chunks {
+            let (_, bytes) = client
+                .get_verified(&namespace, &chunk.key, self.cas, Some(chunk.size))
+                .await?;
+            if sha256(&bytes)[..] != chunk.sha256[..] {
+                return Err(Error::new(
+                    ErrorCode::Corrupt,
+                    "a chunk stored early by this upload read back different: upload the blob again",
+                ));
+            }
+            content.extend_from_slice(&bytes);
+        }
+        content.extend_from_slice(&self.pending);
+        if content.len() as u64 != self.written || sha256(&content) != digest {
+            return Err(Error::new(
+                ErrorCode::Corrupt,
+                "the chunks stored early by this upload do not join into what was written: upload the blob again",
+            ));
+        }
+        let outcome = client
+            .put_hashed(&namespace, &key, &content, BlobKind::Data, digest)
+            .await?;
+        if let Some(cleanup) = self.take_cleanup() {
+            cleanup.await;
+        }
+        Ok(outcome)
+    }
+
     async fn finish_inner(&mut self) -> Result<PutOutcome> {
         if self.failed {
             return Err(Error::new(
@@ -1034,6 +1082,9 @@ impl Upload {
             return client
                 .put_hashed(&namespace, &key, &self.pending, BlobKind::Data, digest)
                 .await;
+        }
+        if self.written <= client.chunk_size() as u64 {
+            return self.finish_whole(digest).await;
         }
         let last = std::mem::take(&mut self.pending);
         if !last.is_empty() {

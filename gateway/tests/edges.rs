@@ -1292,3 +1292,25 @@ async fn reads_past_the_memory_budget_are_refused() {
     }
     s.stop().await;
 }
+
+/// Under an upload budget smaller than a chunk, the SDK stores an upload's
+/// bytes a budget at a time as chunks of their own; a blob of at most one
+/// chunk is still stored whole at the end (read back and joined), as the
+/// presence check of `FindMissingBlobs` takes it to be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_blob_is_stored_whole_under_a_small_upload_budget() {
+    let s = setup_with(true, |config| {
+        config.upload_memory_bytes = 256 << 10;
+    })
+    .await;
+    let content = blob(91, 600 << 10);
+    let key = Sha256::digest(&content);
+    let path = format!("/ci/cas/{}", hex(&key));
+    let (status, body) = http(s.gateway.http_address, "PUT", &path, None, content.clone()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let meta = s.client.head("ci", &key).await.expect("head");
+    assert!(!meta.chunked, "{meta:?}");
+    let (status, body) = http(s.gateway.http_address, "GET", &path, None, vec![]).await;
+    assert!(status == 200 && body == content, "{status}");
+    s.stop().await;
+}

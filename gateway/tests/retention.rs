@@ -259,3 +259,72 @@ async fn a_miss_does_not_keep_its_action_entry_alive() {
     }
     s.stop().await;
 }
+
+/// A blob of at most one chunk is stored whole however its upload went:
+/// here a ByteStream write paused after 300 KiB (the gateway stores what
+/// it buffered as a chunk) and resumed. Stored as a manifest, a hit
+/// touched only that (`FindMissingBlobs` checks chunks of larger blobs
+/// only), its chunk expired under it — found present, read `NOT_FOUND` —
+/// and a re-upload changed nothing (the node answers a present key
+/// "already present").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_blob_whose_upload_paused_is_stored_whole_and_kept_alive_by_hits() {
+    let s = setup(true).await;
+    let instance = s
+        .gateway
+        .create_instance("small", 2)
+        .await
+        .expect("instance");
+    let content = blob(9, 600 << 10);
+    assert!(content.len() <= CHUNK);
+    let name = format!("small/uploads/p1/{}", blob_name(&content));
+    let paused = 300 << 10;
+    let first = write_requests(&name, &content[..paused], 0, 64 << 10, false);
+    s.bytestream()
+        .write(tokio_stream::iter(first))
+        .await
+        .expect_err("a write that ends without finish_write is paused");
+    let rest = write_requests(&name, &content, paused, 64 << 10, true);
+    s.bytestream()
+        .write(tokio_stream::iter(rest))
+        .await
+        .expect("the resumed write");
+    let key = tidepool_client::sha256(&content);
+    let meta = s.client.head(&instance.cas, &key).await.expect("head");
+    assert!(!meta.chunked, "{meta:?}");
+
+    // A hit in the next epoch keeps it (and all it needs) past the drop.
+    advance(&s.client).await;
+    let missing = s
+        .cas()
+        .find_missing_blobs(re::FindMissingBlobsRequest {
+            instance_name: "small".into(),
+            blob_digests: vec![digest(&content)],
+            digest_function: 0,
+        })
+        .await
+        .expect("find missing")
+        .into_inner();
+    assert!(missing.missing_blob_digests.is_empty(), "{missing:?}");
+    advance(&s.client).await;
+    // The drop reaches every shard: the chunk the pause stored (in the
+    // first epoch, touched by nothing) goes.
+    let early = tidepool_client::sha256(&content[..paused]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s
+        .client
+        .exists(&instance.cas, &early)
+        .await
+        .expect("exists")
+    {
+        assert!(Instant::now() < deadline, "the early chunk was not dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = bytestream_read(&s, &format!("small/{}", blob_name(&content)), 0, 0).await;
+    assert!(
+        got.as_ref().is_ok_and(|got| *got == content),
+        "found present a drop ago, then read: {:?}",
+        got.map(|g| g.len())
+    );
+    s.stop().await;
+}
