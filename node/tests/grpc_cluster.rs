@@ -1194,3 +1194,138 @@ async fn changes_leaving_a_group_no_voter_are_refused() {
     assert_eq!(get(&cluster, "default", b"after").await.unwrap(), b"w");
     cluster.shutdown().await;
 }
+
+/// A put and a touch whose answers were lost, retried (same session and
+/// sequence) after the cluster's epoch advanced, are answered in the new
+/// epoch — and the blobs are stored there: the retry is a duplicate,
+/// which applies nothing, so before they stayed in the epochs their first
+/// copies applied in, and the drop that followed (a namespace keeping one
+/// epoch) took both a retention early (a chunked upload's manifest, retried
+/// so, went before its chunks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_retried_after_an_epoch_advance_is_stored_in_the_epoch_it_is_answered_in() {
+    use tidepool_proto::v1::{
+        AdvanceEpochOp, BlobKind, HeadRequest, ProposeAdminRequest, PutHeader, PutRequest,
+        TouchRequest, WriteSession, propose_admin_request::Op, put_request,
+    };
+    let cluster = TestCluster::start(3, 1, |_| {}).await;
+    let advance = |epoch: u64| {
+        let cluster = &cluster;
+        async move {
+            for id in 1..=3 {
+                let node = &cluster.running[&id].node;
+                let mut advanced = (*node.map()).clone();
+                advanced.version += 1;
+                advanced.epoch = epoch;
+                node.set_map(advanced);
+            }
+            let leader = wait_leader(cluster, 1).await;
+            cluster
+                .admin(leader)
+                .await
+                .propose_admin(ProposeAdminRequest {
+                    shard_id: 1,
+                    op: Some(Op::AdvanceEpoch(AdvanceEpochOp { epoch })),
+                })
+                .await
+                .unwrap();
+        }
+    };
+    let session = |id: u8| WriteSession {
+        id: vec![id; 16],
+        sequence: 1,
+        opens: true,
+    };
+    let session_put = |key: &'static [u8]| {
+        let cluster = &cluster;
+        async move {
+            let leader = wait_leader(cluster, 1).await;
+            let content = b"kept one epoch".to_vec();
+            let messages = vec![
+                PutRequest {
+                    msg: Some(put_request::Msg::Header(PutHeader {
+                        blob: grpc_support::blob("ci", key),
+                        size: content.len() as u64,
+                        kind: BlobKind::Data as i32,
+                        session: Some(session(1)),
+                        ..PutHeader::default()
+                    })),
+                },
+                PutRequest {
+                    msg: Some(put_request::Msg::Data(content.into())),
+                },
+            ];
+            cluster
+                .client(leader)
+                .await
+                .put(tokio_stream::iter(messages))
+                .await
+                .unwrap()
+                .into_inner()
+                .info
+                .unwrap()
+                .epoch
+        }
+    };
+    let session_touch = |key: &'static [u8]| {
+        let cluster = &cluster;
+        async move {
+            let leader = wait_leader(cluster, 1).await;
+            let touched = cluster
+                .client(leader)
+                .await
+                .touch(TouchRequest {
+                    blob: grpc_support::blob("ci", key),
+                    session: Some(session(2)),
+                    ..TouchRequest::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            (touched.epoch, touched.recorded)
+        }
+    };
+    let stored_epoch = |key: &'static [u8]| {
+        let cluster = &cluster;
+        async move {
+            let leader = wait_leader(cluster, 1).await;
+            cluster
+                .client(leader)
+                .await
+                .head(HeadRequest {
+                    blob: grpc_support::blob("ci", key),
+                    ..HeadRequest::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .info
+                .unwrap()
+                .epoch
+        }
+    };
+
+    put(&cluster, "ci", b"touched", b"written in epoch 1")
+        .await
+        .unwrap();
+    assert_eq!(session_put(b"put").await, 1);
+    advance(2).await;
+    assert_eq!(session_touch(b"touched").await, (2, true));
+    advance(3).await;
+    // The retries: duplicates, answered in epoch 3.
+    assert_eq!(session_put(b"put").await, 3);
+    assert_eq!(session_touch(b"touched").await, (3, true));
+    assert_eq!(stored_epoch(b"put").await, 3);
+    assert_eq!(stored_epoch(b"touched").await, 3);
+    // The drop below 3 ("ci" keeps one epoch) keeps both, on every replica.
+    let leader = wait_leader(&cluster, 1).await;
+    drop_epochs(&cluster, leader, 3, 3).await;
+    for id in 1..=3 {
+        wait_caught_up(&cluster, id, 1).await;
+        for key in [&b"put"[..], b"touched"] {
+            get_on(&cluster, id, "ci", key, ReadConsistency::AnyReplica)
+                .await
+                .unwrap_or_else(|e| panic!("node {id}, {key:?}: {e:?}"));
+        }
+    }
+}

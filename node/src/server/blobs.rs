@@ -662,6 +662,7 @@ impl BlobApi {
             cleared = true;
         }
         self.charge_open(&target, session.as_ref(), &caller)?;
+        let sessioned = session.is_some();
         let size = header.size;
         let op = WriteOp {
             value: Some(blob::seal(kind, &digest, value)),
@@ -687,6 +688,13 @@ impl BlobApi {
                 }
                 info
             })?;
+        // A duplicate of an earlier copy is answered in this epoch: the
+        // blob is brought there (if it was not replaced since; one deleted
+        // or dropped since was written before that, and the answer stands).
+        if sessioned {
+            self.settle_epoch(&target, epoch, Some(digest), sync)
+                .await?;
+        }
         // Said to a caller that may delete them (the SDK does) and may so
         // learn what the key held; content-addressed chunks are shared.
         let replaced = replaced.filter(|_| {
@@ -1273,6 +1281,48 @@ impl BlobApi {
         Ok(true)
     }
 
+    /// After a sessioned put or touch committed: moves the blob to
+    /// `epoch`, the epoch the answer names, if it still holds `digest`
+    /// (any blob for a touch) in an earlier one. The copy that committed
+    /// may be a duplicate — an earlier copy applied, maybe before an epoch
+    /// advance, and its answer was lost — and a duplicate applies nothing:
+    /// acknowledged in `epoch`, the blob stayed in the earlier one and a
+    /// drop took it an epoch before its acknowledged retention ended (a
+    /// chunked upload's manifest before its chunks). The move is a touch
+    /// without a session (harmless twice). Returns whether the key still
+    /// holds the blob; a key now holding another blob (replaced since) is
+    /// left as it is.
+    async fn settle_epoch(
+        &self,
+        target: &Target,
+        epoch: u32,
+        digest: Option<[u8; 32]>,
+        sync: EntrySync,
+    ) -> ApiResult<bool> {
+        let key = target.key;
+        let stored = self
+            .engine_read_now(
+                target,
+                move |engine, space| engine.get_head_now(space, &key, blob::HEADER_BYTES),
+                move |engine, space| engine.get_head(space, &key, blob::HEADER_BYTES),
+            )
+            .await?;
+        let Some(stored) = stored else {
+            return Ok(false);
+        };
+        if stored.epoch.0 >= epoch {
+            return Ok(true);
+        }
+        if let Some(digest) = digest {
+            let header = blob::decode_head(&stored.prefix, stored.len)
+                .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
+            if header.sha256 != digest {
+                return Ok(true);
+            }
+        }
+        self.keep_present(target, stored.epoch.0, epoch, sync).await
+    }
+
     async fn touch_inner(
         &self,
         request: TouchRequest,
@@ -1307,7 +1357,11 @@ impl BlobApi {
                 session,
             };
             let touch = Proposal::Command(touch, EntrySync::AsConfigured);
-            if self.commit(&target, touch).await? == (OpResult::Done { existed: false }) {
+            if self.commit(&target, touch).await? == (OpResult::Done { existed: false })
+                || !self
+                    .settle_epoch(&target, epoch, None, EntrySync::AsConfigured)
+                    .await?
+            {
                 return Err(self.node.error(
                     ErrorCode::NotFound,
                     "no such blob: deleted or expired before the touch applied",
