@@ -1474,7 +1474,8 @@ async fn uploads_wait_for_their_clients_upload_memory() {
 
     // 300 KiB held by one upload, 150 KiB by another: 100 KiB more for the
     // first do not fit, and it stores its 300 KiB at once as a chunk
-    // instead of waiting — the blob (400 KiB, under a chunk) is chunked.
+    // instead of waiting. The blob (400 KiB, under a chunk) is still
+    // stored whole at the end, and that chunk deleted.
     let mut early = client.upload("default", b"early").await.unwrap();
     early.write(&kib(300)).await.unwrap();
     let mut small = client.upload("default", b"small").await.unwrap();
@@ -1483,11 +1484,15 @@ async fn uploads_wait_for_their_clients_upload_memory() {
         .await
         .expect("the write waited instead of storing what it buffered")
         .unwrap();
-    assert_eq!(early.started_chunk_keys().len(), 1);
+    let stored_early = early.started_chunk_keys();
+    assert_eq!(stored_early.len(), 1);
+    assert!(client.exists("default", &stored_early[0]).await.unwrap());
     early.finish().await.unwrap();
     let mut whole = kib(300);
     whole.extend_from_slice(&kib(100));
     assert!(client.get("default", b"early").await.unwrap() == whole);
+    assert!(!client.head("default", b"early").await.unwrap().chunked);
+    assert!(!client.exists("default", &stored_early[0]).await.unwrap());
 
     // Buffering under 256 KiB, an upload waits for room; at the timeout
     // it is refused, for good.
