@@ -121,10 +121,20 @@ pub(crate) fn current_placement(views: &[ShardView]) -> Placement {
 /// holds, so when the world changes before it starts (a node back within
 /// moments of being replaced), placement sees the replicas where they are
 /// and plans no move to put them back.
+///
+/// A moving shard with no target of this term (a coordinator that just
+/// took over, whose targets and down clocks start empty) starts from its
+/// members less those not answering (`live`) or down, while as many as it
+/// keeps remain: else placement kept the lowest ids, and a replacement
+/// under way — a learner copying for a dead voter — was removed and its
+/// copy deleted, the dead voter kept for another grace period (and at
+/// every new term: coordinators changing faster than a copy never
+/// replaced a dead node).
 pub(crate) fn placement_start(
     views: &[ShardView],
     targets: &Placement,
     replication: usize,
+    live: &BTreeSet<u64>,
 ) -> Placement {
     views
         .iter()
@@ -139,6 +149,19 @@ pub(crate) fn placement_start(
             let start = match targets.get(&view.shard_id) {
                 Some(target) if view.leader.is_some() && moving && target.is_subset(&members) => {
                     target.clone()
+                }
+                None if view.leader.is_some() && moving => {
+                    let down = view.down();
+                    let working: BTreeSet<u64> = members
+                        .iter()
+                        .copied()
+                        .filter(|n| live.contains(n) && !down.contains(n))
+                        .collect();
+                    if working.len() >= replication {
+                        working
+                    } else {
+                        members
+                    }
                 }
                 _ => members,
             };
@@ -501,7 +524,12 @@ impl Reconciler {
         shared.progress.lock().moves_abandoned += stalled.len() as u64;
         let mut barred = self.learners.barred();
         barred.extend(self.failed_for_long(now, &views, grace));
-        let current = placement_start(&views, &self.targets, map.replication_factor as usize);
+        let current = placement_start(
+            &views,
+            &self.targets,
+            map.replication_factor as usize,
+            &live,
+        );
         let desired = desired_placement(&map, &current, &node_views, &views, &barred);
         self.targets = desired.clone();
         self.found(&map, &views, &desired, &live).await?;
@@ -1684,23 +1712,53 @@ mod tests {
         let views: Vec<ShardView> = held.iter().map(|(s, r)| view(*s, r, &[])).collect();
         // Node 3 down past its grace: every replica it holds is to be
         // replaced. No move starts before it is back.
-        let start = placement_start(&views, &Placement::new(), 3);
+        let start = placement_start(&views, &Placement::new(), 3, &everyone());
         assert_eq!(start, held);
         let replaced = place(&nodes(&[3]), &start, &shards, 3);
         assert!(replaced.values().all(|r| !r.contains(&3)));
         assert!(moves(&held, &replaced) > 0);
         // Back: placement starts from where the replicas are, not from the
         // replacements planned, and plans no move.
-        let start = placement_start(&views, &replaced, 3);
+        let start = placement_start(&views, &replaced, 3, &everyone());
         assert_eq!(start, held);
         let desired = place(&nodes(&[]), &start, &shards, 3);
         assert_eq!(moves(&held, &desired), 0, "{held:?} -> {desired:?}");
     }
 
+    /// Every node of these tests answering.
+    fn everyone() -> BTreeSet<u64> {
+        (1..=16).collect()
+    }
+
+    /// A coordinator that takes over (no targets, down clocks afresh) in
+    /// the middle of a replacement — voter 3 dead, learner 4 copying for
+    /// it — goes on with it: from the lowest ids it kept 1, 2, 3, removed
+    /// the learner and deleted its copy.
+    #[test]
+    fn a_new_term_goes_on_with_a_replacement_under_way() {
+        let none = Placement::new();
+        let replacing = view(1, &set(&[1, 2, 3]), &[4]);
+        let start = placement_start(std::slice::from_ref(&replacing), &none, 3, &set(&[1, 2, 4]));
+        assert_eq!(start[&1], set(&[1, 2, 4]));
+        let desired = place(&nodes(&[]), &start, &[1], 3);
+        assert_eq!(desired[&1], set(&[1, 2, 4]));
+        // Promoted already: the same.
+        let promoted = view(1, &set(&[1, 2, 3, 4]), &[]);
+        let start = placement_start(std::slice::from_ref(&promoted), &none, 3, &set(&[1, 2, 4]));
+        assert_eq!(start[&1], set(&[1, 2, 4]));
+        // Everyone answering (a move for balance or a drain): what the
+        // shard holds, as before.
+        let start = placement_start(std::slice::from_ref(&replacing), &none, 3, &everyone());
+        assert_eq!(start[&1], set(&[1, 2, 3, 4]));
+        // Too few answering to keep three: what the shard holds.
+        let start = placement_start(std::slice::from_ref(&replacing), &none, 3, &set(&[1, 4]));
+        assert_eq!(start[&1], set(&[1, 2, 3, 4]));
+    }
+
     #[test]
     fn a_shard_in_the_middle_of_a_move_starts_from_its_target() {
         let target: Placement = [(1, set(&[1, 2, 4]))].into_iter().collect();
-        let start = |v: ShardView| placement_start(&[v], &target, 3)[&1].clone();
+        let start = |v: ShardView| placement_start(&[v], &target, 3, &everyone())[&1].clone();
         // A learner added for the target, then promoted: the target.
         assert_eq!(start(view(1, &set(&[1, 2, 3]), &[4])), set(&[1, 2, 4]));
         assert_eq!(start(view(1, &set(&[1, 2, 3, 4]), &[])), set(&[1, 2, 4]));
@@ -1732,7 +1790,7 @@ mod tests {
             lost.replicas.insert(n, status);
         }
         let views = vec![lost.clone()];
-        let start = placement_start(&views, &Placement::new(), 3);
+        let start = placement_start(&views, &Placement::new(), 3, &everyone());
         assert_eq!(start[&1], set(&[1, 2]), "not kept");
         let map = ClusterMap {
             replication_factor: 3,
@@ -1756,7 +1814,12 @@ mod tests {
         // Removed and closed: node 3 reports nothing, and gets the shard
         // back (a new replica, added as a learner).
         let rebuilt = view(1, &set(&[1, 2]), &[]);
-        let start = placement_start(std::slice::from_ref(&rebuilt), &Placement::new(), 3);
+        let start = placement_start(
+            std::slice::from_ref(&rebuilt),
+            &Placement::new(),
+            3,
+            &everyone(),
+        );
         let desired = desired_placement(
             &map,
             &start,

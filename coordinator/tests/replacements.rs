@@ -477,3 +477,57 @@ async fn a_node_that_heartbeats_but_answers_no_poll_is_replaced() {
     assert!(took >= GRACE, "not before the grace period: {took:?}");
     coordinator.stop().await.unwrap();
 }
+
+/// A new coordinator term in the middle of a replacement goes on with it.
+/// Node 3 stops answering; after the grace its replica gets a learner on
+/// node 4, which copies (slowly). The leader key is then deleted: the
+/// coordinator wins again, a new term whose targets and down clocks start
+/// empty. Before, its first round kept the lowest ids (1, 2, 3), removed
+/// the learner and closed it — its copy deleted, the dead node kept for
+/// another grace period, and at every new term again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_coordinator_term_goes_on_with_a_replacement_under_way() {
+    const GRACE: Duration = Duration::from_millis(2_000);
+    let config = CoordinatorConfig {
+        down_grace_ms: GRACE.as_millis() as u64,
+        ..CoordinatorConfig::default()
+    };
+    let group = Group {
+        receiving: true,
+        ..Group::default()
+    };
+    let (coordinator, _url, group, fourth) = founded(config, group).await;
+    group.lock().unwrap().unreachable.insert(3);
+    wait_for(&group, Duration::from_secs(20), "a learner added", |g| {
+        g.learners.contains(&fourth)
+    })
+    .await;
+    let before = coordinator.shared.leadership().expect("leads").generation;
+    coordinator
+        .shared
+        .store
+        .delete(&coordinator.shared.keys.leader())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while coordinator
+        .shared
+        .leadership()
+        .is_none_or(|l| l.generation == before)
+    {
+        assert!(Instant::now() < deadline, "no new term");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Several rounds of the new term.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let g = group.lock().unwrap();
+    let undone = [format!("remove {fourth}"), format!("close {fourth}")];
+    assert!(
+        !g.calls.iter().any(|c| undone.contains(c)),
+        "the replacement was undone: {:?}",
+        g.calls
+    );
+    assert!(g.learners.contains(&fourth), "calls {:?}", g.calls);
+    drop(g);
+    coordinator.stop().await.unwrap();
+}
