@@ -520,14 +520,15 @@ async fn a_new_coordinator_term_goes_on_with_a_replacement_under_way() {
     }
     // Several rounds of the new term.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let g = group.lock().unwrap();
-    let undone = [format!("remove {fourth}"), format!("close {fourth}")];
-    assert!(
-        !g.calls.iter().any(|c| undone.contains(c)),
-        "the replacement was undone: {:?}",
-        g.calls
-    );
-    assert!(g.learners.contains(&fourth), "calls {:?}", g.calls);
-    drop(g);
+    {
+        let g = group.lock().unwrap();
+        let undone = [format!("remove {fourth}"), format!("close {fourth}")];
+        assert!(
+            !g.calls.iter().any(|c| undone.contains(c)),
+            "the replacement was undone: {:?}",
+            g.calls
+        );
+        assert!(g.learners.contains(&fourth), "calls {:?}", g.calls);
+    }
     coordinator.stop().await.unwrap();
 }
