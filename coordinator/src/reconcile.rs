@@ -836,7 +836,10 @@ impl Reconciler {
         Ok(())
     }
 
-    async fn close(&self, map: &ClusterMap, node: u64, shard_id: u32) {
+    /// Closes `node`'s replica of `view`'s shard, decided at the shard's
+    /// configuration as this round sees it.
+    async fn close(&self, map: &ClusterMap, node: u64, view: &ShardView) {
+        let shard_id = view.shard_id;
         let Some(address) = Self::address(map, node) else {
             return;
         };
@@ -861,6 +864,10 @@ impl Reconciler {
                 shard_id,
                 map_version: map.version,
                 node_id: node,
+                // And the configuration it decided at: a node whose
+                // replica holds a newer one listing it refuses (added
+                // again since; its map may not list it yet).
+                conf_version: view.conf_version,
             }),
         )
         .await;
@@ -994,7 +1001,7 @@ impl Reconciler {
                 self.change(map, view, MembershipChange::AddLearner, node)
                     .await?;
             }
-            Step::ClearStale(node) => self.close(map, node, view.shard_id).await,
+            Step::ClearStale(node) => self.close(map, node, view).await,
             Step::Promote(node) => {
                 self.change(map, view, MembershipChange::Promote, node)
                     .await?;
@@ -1006,7 +1013,7 @@ impl Reconciler {
                 if was_voter {
                     self.shared.progress.lock().moves_done += 1;
                 }
-                self.close(map, node, view.shard_id).await;
+                self.close(map, node, view).await;
             }
             Step::TransferLeader(to) => self.transfer(map, view, to).await?,
         }
@@ -1050,7 +1057,7 @@ impl Reconciler {
                     .get(&view.shard_id)
                     .is_some_and(|d| d.contains(&node));
                 if !members.contains(&node) && !wanted {
-                    self.close(map, node, view.shard_id).await;
+                    self.close(map, node, view).await;
                 }
             }
         }

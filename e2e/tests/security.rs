@@ -132,6 +132,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                         shard_id: shard.shard_id,
                         map_version: 0,
                         node_id: 0,
+                        conf_version: 0,
                     })
                     .await,
                     ErrorCode::PermissionDenied,
@@ -173,6 +174,7 @@ async fn hostile_clients_are_refused_and_nothing_is_lost() {
                     shard_id: map.shards[0].shard_id,
                     map_version: 0,
                     node_id: 0,
+                    conf_version: 0,
                 })
                 .await,
             ErrorCode::PermissionDenied,

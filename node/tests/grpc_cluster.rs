@@ -399,6 +399,7 @@ async fn replica_moved_to_a_new_node_through_admin_calls() {
             shard_id: 1,
             map_version: 0,
             node_id: 0,
+            conf_version: 0,
         })
         .await
         .unwrap();
@@ -1101,8 +1102,11 @@ async fn raft_messages_from_a_node_outside_the_group_are_dropped() {
 /// lists the replica, is refused (STALE_MAP) and deletes nothing: a
 /// coordinator deposed or stalled since it decided must not delete a
 /// replica the coordinator leading now added again. Meant for another node
-/// id, it is refused too (NODE_NOT_FOUND). Decided on the node's map (or a
-/// newer one), for this node, it closes.
+/// id, it is refused too (NODE_NOT_FOUND); decided at an older
+/// configuration than the replica's, which lists it, too (STALE_MAP: the
+/// node's map lists a member added again only after the coordinator's next
+/// round). Decided on the node's map (or a newer one) and configuration,
+/// for this node, it closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
     let cluster = TestCluster::start(3, 1, |_| {}).await;
@@ -1119,6 +1123,7 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
             shard_id: 1,
             map_version: decided,
             node_id: 0,
+            conf_version: 0,
         })
         .await
         .unwrap_err();
@@ -1138,12 +1143,60 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
             shard_id: 1,
             map_version: decided + 1,
             node_id: 7,
+            conf_version: 0,
         })
         .await
         .unwrap_err();
     assert_eq!(
         tidepool_proto::error_detail(&refused).map(|d| d.code),
         Some(ErrorCode::NodeNotFound as i32),
+        "{refused:?}"
+    );
+    assert!(replica_status(&cluster, 1, 1).await.is_some());
+    // Decided at a configuration older than the replica's, which lists it
+    // (added again since; the node's map may not show it yet): refused.
+    // A change keeping node 1 a member moves the configuration on.
+    let decided_conf = replica_status(&cluster, 1, 1).await.unwrap().conf_version;
+    assert!(decided_conf > 0);
+    let leader = wait_leader(&cluster, 1).await;
+    let remove = if leader == 3 { 2 } else { 3 };
+    cluster
+        .admin(leader)
+        .await
+        .change_membership(ChangeMembershipRequest {
+            shard_id: 1,
+            change: MembershipChange::Remove as i32,
+            node_id: remove,
+            expected_conf_version: decided_conf,
+        })
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let conf_version = loop {
+        let now = replica_status(&cluster, 1, 1).await.unwrap().conf_version;
+        if now > decided_conf {
+            break now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the change applied on node 1"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let refused = cluster
+        .admin(1)
+        .await
+        .close_replica(CloseReplicaRequest {
+            shard_id: 1,
+            map_version: decided + 1,
+            node_id: 1,
+            conf_version: decided_conf,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        tidepool_proto::error_detail(&refused).map(|d| d.code),
+        Some(ErrorCode::StaleMap as i32),
         "{refused:?}"
     );
     assert!(replica_status(&cluster, 1, 1).await.is_some());
@@ -1154,6 +1207,7 @@ async fn a_close_decided_on_an_older_map_than_the_node_holds_deletes_nothing() {
             shard_id: 1,
             map_version: decided + 1,
             node_id: 1,
+            conf_version,
         })
         .await
         .unwrap();

@@ -338,6 +338,7 @@ async fn the_sides_of_a_split_share_their_files_and_shed_once_apart() {
             shard_id: CHILD,
             map_version: 0,
             node_id: 0,
+            conf_version: 0,
         })
         .await
         .unwrap();

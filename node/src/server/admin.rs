@@ -705,6 +705,24 @@ impl NodeAdmin for AdminApi {
                 )
                 .into());
         }
+        if request.conf_version != 0
+            && let Some(status) = self.node.shard(shard_id).and_then(|s| s.state().status)
+            && status.conf_index > request.conf_version
+            && (status.voters.contains(&me) || status.learners.contains(&me))
+        {
+            // A configuration newer than the caller's decision lists this
+            // replica: added again since, a member now.
+            return Err(self
+                .node
+                .error(
+                    ErrorCode::StaleMap,
+                    format!(
+                        "closing shard {shard_id}'s replica was decided at conf_version {}; the replica is a member at conf_version {}",
+                        request.conf_version, status.conf_index
+                    ),
+                )
+                .into());
+        }
         let result = tokio::task::block_in_place(|| self.node.close_replica(shard_id, true))
             .map_err(|e| self.node.admin_error(shard_id, e))
             .and_then(|was_open| {
