@@ -500,8 +500,9 @@ impl Client {
                         continue;
                     };
                     if let Ok((info, bytes)) = self.get_any_replica(&address, namespace, key).await
-                        && sha256(&bytes)[..] == expected[..]
-                        && kind.is_none_or(|k| k == info.kind)
+                        && (sha256(&bytes)[..] == expected[..]
+                            && kind.is_none_or(|k| k == info.kind)
+                            || cas && describes(&info, &bytes, key))
                     {
                         return Ok((info, bytes));
                     }
@@ -1532,6 +1533,19 @@ impl BlobReader {
         }
         Ok(())
     }
+}
+
+/// Whether a replica's copy of a content-addressed key is a manifest
+/// intact by its own header (its bytes hash to the digest the header names)
+/// describing the blob of digest `key`. A chunked blob's manifest is stored
+/// under the blob's digest, which its own bytes never hash to: checked
+/// against the key alone, a leader's damaged manifest was never replaced by
+/// a healthy replica's. Its chunks are then checked against the manifest,
+/// and the whole content against the key, as they are read.
+fn describes(info: &BlobInfo, bytes: &[u8], key: &[u8]) -> bool {
+    info.kind == BlobKind::Manifest as i32
+        && sha256(bytes)[..] == info.sha256[..]
+        && ChunkManifest::decode(bytes).is_ok_and(|m| m.sha256[..] == key[..])
 }
 
 /// The keys of `manifest`'s chunks that belong to the blob under `key`:

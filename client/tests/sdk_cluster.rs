@@ -898,6 +898,71 @@ async fn corrupted_replica_bytes_are_never_returned() {
     cluster.stop().await;
 }
 
+/// A content-addressed blob stored in chunks whose manifest is damaged on
+/// the leader is read from a healthy replica's manifest: one intact by its
+/// own header and describing the key's digest (a manifest's bytes never
+/// hash to the blob's digest, its key, so checked against the key alone
+/// no replica's copy was taken and the read failed `CORRUPT` while two
+/// good copies existed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_content_addressed_manifest_is_read_from_another_replica() {
+    let cluster = LocalCluster::start(3, 1, 3).await;
+    let client = Client::connect(&[cluster.url.as_str()]).await.unwrap();
+    client
+        .create_namespace("cas", true, RetentionPolicy::Durable)
+        .await
+        .unwrap();
+    let limit = client.map().max_value_bytes as usize;
+    let content: Vec<u8> = (0..limit * 2 + 100)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1])
+        .collect();
+    let digest = client.put_content("cas", &content).await.unwrap();
+    let leader = cluster.map().shards[0].leader_hint;
+    let nodes: std::collections::BTreeMap<u64, String> = client
+        .map()
+        .nodes
+        .iter()
+        .map(|n| (n.node_id, n.address.clone()))
+        .collect();
+    // Its bytes, from a follower (a read on the leader would cache them
+    // there, out of reach of the damage).
+    let follower = nodes.keys().copied().find(|n| *n != leader).unwrap();
+    let manifest = tidepool_testkit::grpc::get_at(
+        &nodes[&follower],
+        "cas",
+        &digest,
+        tidepool_client::proto::v1::ReadConsistency::AnyReplica,
+    )
+    .await
+    .unwrap();
+    assert!(manifest.len() < content.len() / 100, "a manifest");
+    let index = cluster
+        .nodes
+        .iter()
+        .position(|n| n.as_ref().unwrap().node.config.node_id == leader)
+        .unwrap();
+    // Every copy in the leader's files (the log may hold it twice).
+    let mut copies = 0;
+    while corrupt_first(&cluster.node_dir(index), &manifest) {
+        copies += 1;
+    }
+    assert!(copies > 0);
+    let direct = tidepool_testkit::grpc::get_at(
+        &nodes[&leader],
+        "cas",
+        &digest,
+        tidepool_client::proto::v1::ReadConsistency::Linearizable,
+    )
+    .await;
+    assert!(
+        direct.as_ref().map_or(true, |d| *d != manifest),
+        "the leader's manifest is intact"
+    );
+    let got = client.get("cas", &digest).await.unwrap();
+    assert!(got == content, "wrong content returned");
+    cluster.stop().await;
+}
+
 /// A manifest is data a node hands back: one forged to list another blob
 /// as its chunk (written over the raw API by anyone who may put) must not
 /// make `delete` remove that blob. Only chunks whose key derives from the

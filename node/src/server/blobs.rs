@@ -1300,27 +1300,39 @@ impl BlobApi {
         sync: EntrySync,
     ) -> ApiResult<bool> {
         let key = target.key;
-        let stored = self
+        // The index alone first: every sessioned put comes here, and a
+        // value read (a small one is read whole, checked, and cached) would
+        // cost each put a read and fill the value cache with what was just
+        // written.
+        let stored_epoch = self
             .engine_read_now(
                 target,
-                move |engine, space| engine.get_head_now(space, &key, blob::HEADER_BYTES),
-                move |engine, space| engine.get_head(space, &key, blob::HEADER_BYTES),
+                move |engine, space| engine.epoch_of_now(space, &key),
+                move |engine, space| engine.epoch_of(space, &key),
             )
             .await?;
-        let Some(stored) = stored else {
+        let Some(stored_epoch) = stored_epoch else {
             return Ok(false);
         };
-        if stored.epoch.0 >= epoch {
+        if stored_epoch.0 >= epoch {
             return Ok(true);
         }
         if let Some(digest) = digest {
+            let stored = self
+                .engine_read(target, move |engine, space| {
+                    engine.get_head(space, &key, blob::HEADER_BYTES)
+                })
+                .await?;
+            let Some(stored) = stored else {
+                return Ok(false);
+            };
             let header = blob::decode_head(&stored.prefix, stored.len)
                 .map_err(|e| self.node.internal_error(target.info.shard_id, e))?;
             if header.sha256 != digest {
                 return Ok(true);
             }
         }
-        self.keep_present(target, stored.epoch.0, epoch, sync).await
+        self.keep_present(target, stored_epoch.0, epoch, sync).await
     }
 
     async fn touch_inner(
