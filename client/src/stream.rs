@@ -1023,6 +1023,20 @@ impl Upload {
             self.namespace.clone(),
             self.key.clone(),
         );
+        // The whole blob is held until it is stored: under the budget, as
+        // what the upload buffers is (its own room given back first, so it
+        // does not wait for itself; at most the whole budget).
+        let _room = match self.memory.clone() {
+            Some(memory) => {
+                self.reserved = None;
+                Some(
+                    memory
+                        .hold(self.written as usize, client.timeout, "upload")
+                        .await?,
+                )
+            }
+            None => None,
+        };
         let mut content = Vec::with_capacity(self.written as usize);
         for chunk in &self.manifest.chunks {
             let (_, bytes) = client

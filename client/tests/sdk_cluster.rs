@@ -1552,7 +1552,15 @@ async fn uploads_wait_for_their_clients_upload_memory() {
     let stored_early = early.started_chunk_keys();
     assert_eq!(stored_early.len(), 1);
     assert!(client.exists("default", &stored_early[0]).await.unwrap());
-    early.finish().await.unwrap();
+    // Joined whole, the blob takes room under the budget: it waits while
+    // the other upload holds what it needs.
+    let finishing = tokio::spawn(async move { early.finish().await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!finishing.is_finished(), "the join took no room");
+    drop(small);
+    finishing.await.unwrap().unwrap();
+    let mut small = client.upload("default", b"small").await.unwrap();
+    small.write(&kib(150)).await.unwrap();
     let mut whole = kib(300);
     whole.extend_from_slice(&kib(100));
     assert!(client.get("default", b"early").await.unwrap() == whole);

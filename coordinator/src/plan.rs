@@ -214,10 +214,20 @@ impl LearnerWatch {
                     continue;
                 }
                 let pair = (view.shard_id, node);
-                let replica = view.replicas.get(&node);
-                let applied = replica.map_or(0, |r| r.applied_index);
-                let received = replica.map_or(0, |r| r.snapshot_bytes_received);
                 timed.insert(pair);
+                // Not reported this round (its node missed the poll): no
+                // observation; its clock runs on. Taken as 0 bytes, a
+                // missed poll counted as a transfer started again.
+                let Some(replica) = view.replicas.get(&node) else {
+                    if let Some(watched) = self.watched.get(&pair)
+                        && now.duration_since(watched.since) >= stall
+                    {
+                        stalled.push(pair);
+                    }
+                    continue;
+                };
+                let applied = replica.applied_index;
+                let received = replica.snapshot_bytes_received;
                 let watched = self.watched.entry(pair).or_insert(Watched {
                     applied,
                     received,
@@ -229,7 +239,10 @@ impl LearnerWatch {
                     watched.since = now;
                 } else if received > watched.received {
                     watched.since = now;
-                } else if received < watched.received {
+                } else if received < watched.received && replica.receiving_snapshot {
+                    // Fewer bytes of a transfer under way: one started
+                    // again (a transfer that ended reports none, and is
+                    // not receiving).
                     watched.restarts += 1;
                 }
                 watched.applied = watched.applied.max(applied);
@@ -392,7 +405,16 @@ pub fn next_step(
         .copied()
         .filter(|v| !desired.contains(v))
         .collect();
-    extra.sort_by_key(|v| (live.contains(v), *v));
+    // A voter still pulling a snapshot, or holding its votes until it
+    // catches up (a replaced disk), answers but holds less than what was
+    // committed: not a whole copy.
+    let partial = |v: &u64| {
+        view.replicas
+            .get(v)
+            .is_some_and(|r| r.receiving_snapshot || r.votes_held)
+    };
+    let whole = |v: &u64| live.contains(v) && !partial(v);
+    extra.sort_by_key(|v| (whole(v), *v));
     let &victim = extra.first()?;
     let remaining: BTreeSet<u64> = view
         .voters
@@ -400,21 +422,14 @@ pub fn next_step(
         .copied()
         .filter(|v| *v != victim)
         .collect();
-    // A live victim is a whole copy: it goes only while every live voter
-    // that remains is one too. A voter still pulling a snapshot, or holding
-    // its votes until it catches up (a replaced disk), answers but holds
-    // less than what was committed; counting it let a healthy voter be
-    // removed with fewer whole copies left than voters (with two such
-    // voters of three, one copy and no quorum). Waiting costs only time. A
-    // dead victim holds nothing reachable: removing it only lowers the
+    // A whole victim goes only while every live voter that remains is
+    // whole too: counting a partial one let a healthy voter be removed with
+    // fewer whole copies left than voters (with two such voters of three,
+    // one copy and no quorum). Waiting costs only time. A dead or partial
+    // victim (chosen first) is no whole copy: removing it only lowers the
     // quorum.
-    let partial = |v: &u64| {
-        view.replicas
-            .get(v)
-            .is_some_and(|r| r.receiving_snapshot || r.votes_held)
-    };
     if remaining.intersection(live).count() < majority(remaining.len())
-        || (live.contains(&victim) && remaining.iter().any(|v| live.contains(v) && partial(v)))
+        || (whole(&victim) && remaining.iter().any(|v| live.contains(v) && partial(v)))
     {
         return Some(Step::Wait(Wait::Unsafe));
     }
@@ -551,6 +566,14 @@ mod tests {
             // Once 4 has caught up, 3 goes.
             let v = view(&[1, 2, 3, 4], &[], 1);
             assert_eq!(next_step(&v, &desired, &live, 10), Some(Step::Remove(3)));
+            // Two extra, one of them partial: the partial one goes first
+            // (no whole copy), not the whole one waiting on it for ever.
+            let mut v = view(&[1, 2, 3, 4, 5], &[], 1);
+            mark(v.replicas.get_mut(&5).unwrap());
+            assert_eq!(
+                next_step(&v, &set(&[1, 2, 3]), &set(&[1, 2, 3, 4, 5]), 10),
+                Some(Step::Remove(5))
+            );
         }
     }
 
@@ -681,6 +704,7 @@ mod tests {
             let r = v.replicas.get_mut(&4).unwrap();
             r.applied_index = applied;
             r.snapshot_bytes_received = received;
+            r.receiving_snapshot = received > 0;
         };
         learner(&mut v, 0, 0);
         let mut observe =
@@ -738,6 +762,72 @@ mod tests {
             assert!(restart(&mut v, 5).is_empty());
         }
         assert_eq!(restart(&mut v, 5), vec![(1, 4)]);
+
+        // A round its node missed (not reported) is no restart, and the
+        // bytes it shows next are no progress from nothing: five missed
+        // polls in a long transfer gave a healthy learner up.
+        let mut watch = LearnerWatch::default();
+        learner(&mut v, 0, 1_000);
+        let mut s = 300;
+        for _ in 0..=RESTARTS {
+            let mut missed = v.clone();
+            missed.replicas.remove(&4);
+            s += 1;
+            assert!(
+                watch
+                    .observe(at(s), std::slice::from_ref(&missed), 10, stall, bar)
+                    .is_empty()
+            );
+            let received = v.replicas[&4].snapshot_bytes_received + 1_000;
+            learner(&mut v, 0, received);
+            s += 1;
+            assert!(
+                watch
+                    .observe(at(s), std::slice::from_ref(&v), 10, stall, bar)
+                    .is_empty()
+            );
+        }
+        // Stalled at the same bytes, every other poll missed: no progress
+        // (taken as 0 bytes, each report after a miss looked like some).
+        let start = s;
+        let mut stalled = Vec::new();
+        for round in 1..=12 {
+            let mut seen = v.clone();
+            if round % 2 == 1 {
+                seen.replicas.remove(&4);
+            }
+            stalled = watch.observe(
+                at(start + round),
+                std::slice::from_ref(&seen),
+                10,
+                stall,
+                bar,
+            );
+            if !stalled.is_empty() {
+                assert_eq!(round, 10, "given up at the stall bound");
+                break;
+            }
+        }
+        assert_eq!(stalled, vec![(1, 4)]);
+        let mut watch = LearnerWatch::default();
+        let s = start + 20;
+        assert!(
+            watch
+                .observe(at(s), std::slice::from_ref(&v), 10, stall, bar)
+                .is_empty()
+        );
+        // Missed for the whole stall bound: given up on all the same.
+        let mut missed = v.clone();
+        missed.replicas.remove(&4);
+        assert!(
+            watch
+                .observe(at(s + 9), std::slice::from_ref(&missed), 10, stall, bar)
+                .is_empty()
+        );
+        assert_eq!(
+            watch.observe(at(s + 10), std::slice::from_ref(&missed), 10, stall, bar),
+            vec![(1, 4)]
+        );
 
         // Applied entries count as progress; a caught-up learner (waiting
         // to be promoted) is not timed.

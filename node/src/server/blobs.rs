@@ -689,8 +689,11 @@ impl BlobApi {
                 info
             })?;
         // A duplicate of an earlier copy is answered in this epoch: the
-        // blob is brought there (if it was not replaced since; one deleted
-        // or dropped since was written before that, and the answer stands).
+        // blob is brought there (if it was not replaced since). One gone
+        // since is not written again (a delete after the first copy must
+        // not be undone): a drop that took it before this retry leaves the
+        // answer naming an epoch the blob never reached (known limit,
+        // `replication.md`).
         if sessioned {
             self.settle_epoch(&target, epoch, Some(digest), sync)
                 .await?;
