@@ -145,7 +145,7 @@ impl MetaStore for EtcdStore {
     }
 
     async fn grant_lease(&self, ttl: Duration) -> MetaResult<LeaseId> {
-        let seconds = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let seconds = lease_seconds(ttl);
         let response = self
             .client
             .lease_client()
@@ -233,5 +233,28 @@ impl MetaStore for EtcdStore {
             }
         });
         Ok(rx)
+    }
+}
+
+/// The whole seconds of an etcd lease for `ttl`, rounded up: etcd grants
+/// whole seconds, and the leader steps down up to 5/6 of `ttl` after its
+/// last renewal, assuming the store holds the lease that long. Rounded
+/// down (2.5 s granted as 2), the lease could expire while the leader still
+/// acted, and a second coordinator win meanwhile. Longer is the safe side:
+/// another waits a little more to win.
+fn lease_seconds(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_is_granted_in_whole_seconds_rounded_up() {
+        assert_eq!(super::lease_seconds(Duration::from_millis(2_500)), 3);
+        assert_eq!(super::lease_seconds(Duration::from_millis(6_000)), 6);
+        assert_eq!(super::lease_seconds(Duration::from_millis(6_001)), 7);
+        assert_eq!(super::lease_seconds(Duration::from_millis(10)), 1);
     }
 }
